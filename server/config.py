@@ -1,0 +1,57 @@
+"""Engine configuration: how many workers, which engine, and the time limits that bound
+cleanup. Plain data.
+
+Example::
+
+    config = EngineConfig(engine="sim", workers=2, engine_options={"itl_ms": 4.0})
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of the request manager and its engine workers.
+
+    ``engine_options`` go to the engine's constructor in each worker process (for the sim
+    engine: ``itl_ms``, ``ttft_ms``, ``prefill_us_per_token``, ``max_batch``,
+    ``max_model_len``, ``faults``; see :class:`server.workers.sim.SimEngine`).
+    """
+
+    engine: str = "sim"
+    #: The served model name; defaults to the engine's own (``sim``, or the model directory).
+    model: str | None = None
+    workers: int = 1
+    engine_options: dict = field(default_factory=dict)
+    #: After an abort, how long output may still drain before the stream is cut off and
+    #: its state freed (a worker that ignores aborts is cut off here).
+    drain_timeout: float = 1.0
+    #: How long a worker may take to load its engine and say HELLO.
+    startup_timeout: float = 120.0
+    #: Ping period, and how long a worker may leave pings unanswered before it is killed.
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    #: Restart backoff after a worker dies (doubling from ``restart_backoff`` up to
+    #: ``restart_backoff_max``), and the most restarts in ``restart_window`` seconds before
+    #: the worker is left down.
+    restart_backoff: float = 0.1
+    restart_backoff_max: float = 5.0
+    max_restarts: int = 5
+    restart_window: float = 60.0
+    #: Worker shutdown: close its pipe and wait this long, then SIGTERM and wait again, then
+    #: SIGKILL.
+    shutdown_grace: float = 2.0
+    #: The Python interpreter that runs the workers.
+    python: str = sys.executable
+
+    def worker_argument(self) -> dict:
+        """The JSON-able config a worker process is started with."""
+        options = dict(self.engine_options)
+        if self.model is not None and self.engine == "sim":
+            options.setdefault("model", self.model)
+        return {"engine": self.engine, "options": options}

@@ -1,0 +1,127 @@
+"""The exception hierarchy: every error says who is at fault and which HTTP status it maps to.
+
+    ServerError                 base; status 500
+    ├── ClientError             the request is wrong; status 400 unless a subclass says otherwise
+    │   ├── NotFound            404 (unknown model or route)
+    │   ├── MethodNotAllowed    405
+    │   ├── PayloadTooLarge     413
+    │   └── Unauthorized        401
+    ├── EngineError             the engine failed the request; status 500
+    │   └── WorkerDied          the worker process holding the request went away
+    └── ServiceUnavailable      no capacity right now (starting, draining, overloaded); 503
+
+The HTTP layer turns any of these into an OpenAI-style body with :func:`error_body`; anything
+else is an internal error and is answered with a generic message (never a traceback).
+
+Only the *kind* travels over the worker pipe (see :data:`WIRE_KINDS`), never a pickled
+exception, so a worker can blame the client ("prompt too long") or itself.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ServerError",
+    "ClientError",
+    "NotFound",
+    "MethodNotAllowed",
+    "PayloadTooLarge",
+    "Unauthorized",
+    "EngineError",
+    "WorkerDied",
+    "ServiceUnavailable",
+    "error_from_wire",
+    "error_body",
+]
+
+
+class ServerError(Exception):
+    """Base class. ``status`` is the HTTP status, ``type``/``code``/``param`` fill OpenAI's body."""
+
+    status = 500
+    type = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class ClientError(ServerError):
+    """The client sent something we will not serve. Never retried; never the engine's fault."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class NotFound(ClientError):
+    status = 404
+    code = "not_found"
+
+
+class MethodNotAllowed(ClientError):
+    status = 405
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(ClientError):
+    status = 413
+    code = "payload_too_large"
+
+
+class Unauthorized(ClientError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class EngineError(ServerError):
+    """The engine failed while serving an accepted request."""
+
+    status = 500
+    type = "engine_error"
+
+
+class WorkerDied(EngineError):
+    """The worker process that held the request exited, hung or broke its pipe."""
+
+    code = "worker_died"
+
+
+class ServiceUnavailable(ServerError):
+    """We cannot take work now; ``retry_after`` (seconds) goes into the Retry-After header."""
+
+    status = 503
+    type = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after: int = 1, code: str | None = None):
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+
+
+# Error kinds as they travel on the worker pipe: [kind, message].
+WIRE_KINDS: dict[str, type[ServerError]] = {
+    "invalid_request": ClientError,
+    "engine_error": EngineError,
+    "worker_died": WorkerDied,
+    "unavailable": ServiceUnavailable,
+}
+
+
+def error_from_wire(kind: str, message: str) -> ServerError:
+    """Build the exception for a wire error kind; unknown kinds are engine errors."""
+    return WIRE_KINDS.get(kind, EngineError)(message)
+
+
+def error_body(exc: ServerError) -> dict:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {
+        "error": {
+            "message": exc.message,
+            "type": exc.type,
+            "param": exc.param,
+            "code": exc.code,
+        }
+    }

@@ -1,0 +1,212 @@
+"""The request manager: dispatch requests to workers by load, and own the workers' lifetimes.
+
+This is the embeddable API. A Trio program opens an engine and generates::
+
+    async with open_engine(EngineConfig(workers=2)) as engine:
+        async with engine.generate("Once upon a time", SamplingParams(max_tokens=16)) as s:
+            async for out in s:
+                print(out.text, end="")
+
+Cancellation is ordinary Trio cancellation: cancel the scope around the ``async for`` and the
+engine request is aborted (see :mod:`server.manager.stream`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
+
+import trio
+
+from ..config import EngineConfig
+from ..errors import ServiceUnavailable
+from ..params import SamplingParams
+from .stream import Choice, RequestStream, _Waker
+from .worker import WorkerClient
+
+__all__ = ["Engine", "EngineStatistics", "WorkerStatistics", "open_engine", "run_engine"]
+
+
+@dataclass(frozen=True)
+class WorkerStatistics:
+    index: int
+    alive: bool
+    healthy: bool
+    pid: int | None
+    outstanding: int
+    restarts: int
+    gave_up: bool
+
+
+@dataclass(frozen=True)
+class EngineStatistics:
+    """A snapshot: streams open in the manager, and each worker's state."""
+
+    open_streams: int
+    outstanding: int
+    workers_alive: int
+    accepting: bool
+    workers: tuple[WorkerStatistics, ...]
+
+
+class Engine:
+    """Dispatches requests over worker processes. Build it with :func:`open_engine`."""
+
+    def __init__(self, config: EngineConfig, *, spawn=None) -> None:
+        self.config = config
+        self.workers = [WorkerClient(i, config, spawn) for i in range(config.workers)]
+        self._rids = itertools.count(1)
+        self._open_streams = 0
+        self._accepting = True
+        self._idle = trio.Event()
+        self._idle.set()
+
+    # -- generating --------------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        """The served model name: the configured one, else what the workers report."""
+        if self.config.model:
+            return self.config.model
+        for w in self.workers:
+            if w.info.get("model"):
+                return w.info["model"]
+        return self.config.engine
+
+    @property
+    def info(self) -> dict:
+        """The engine's HELLO info (model, max_model_len, chat_template, ...)."""
+        for w in self.workers:
+            if w.info:
+                return w.info
+        return {}
+
+    def generate(self, prompt: object, params: SamplingParams | None = None) -> RequestStream:
+        """Start generating for one prompt (``params.n`` choices); never blocks.
+
+        ``prompt`` is a string, a list of token ids, or ``{"messages": [...]}`` for chat.
+        Raises :class:`~server.errors.ServiceUnavailable` when no worker can take it.
+        """
+        return self.generate_many([prompt], params)
+
+    def generate_many(
+        self, prompts: Sequence[object], params: SamplingParams | None = None
+    ) -> RequestStream:
+        """Start all prompts at once (``n`` choices each, index ``p * n + i``); never blocks.
+
+        Every sub-request is registered before this returns, so none can finish unseen.
+        """
+        params = params or SamplingParams()
+        worker = self._pick_worker()
+        waker = _Waker()
+        choices = []
+        n = params.n
+        wire_params = [params.to_wire(i) for i in range(n)]
+        for p, prompt in enumerate(prompts):
+            for i in range(n):
+                choice = Choice(next(self._rids), p * n + i, worker, waker)
+                worker.submit_nowait(choice, prompt, wire_params[i])
+                choices.append(choice)
+        self._open_streams += 1
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        return RequestStream(choices, waker, self.config.drain_timeout, self._stream_released)
+
+    def _pick_worker(self) -> WorkerClient:
+        if not self._accepting:
+            raise ServiceUnavailable("the server is shutting down", code="shutting_down")
+        best = None
+        for w in self.workers:
+            if w.alive and (best is None or w.outstanding < best.outstanding):
+                best = w
+        if best is None:
+            raise ServiceUnavailable("no engine worker is available", code="no_worker")
+        return best
+
+    def _stream_released(self, stream: RequestStream) -> None:
+        self._open_streams -= 1
+        if self._open_streams == 0:
+            self._idle.set()
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def stop_accepting(self) -> None:
+        """New requests get ServiceUnavailable from now on (the start of a drain)."""
+        self._accepting = False
+
+    def healthy(self) -> bool:
+        """True while accepting and at least one worker answered a ping recently."""
+        return self._accepting and any(w.healthy() for w in self.workers)
+
+    async def wait_idle(self) -> None:
+        """Wait until no stream is open in the manager."""
+        await self._idle.wait()
+
+    async def ping_all(self) -> list[tuple[int, int]]:
+        """Each live worker's (running, waiting) counts, from a fresh ping round trip."""
+        return [await w.ping() for w in self.workers if w.alive]
+
+    def statistics(self) -> EngineStatistics:
+        workers = tuple(
+            WorkerStatistics(
+                w.index, w.alive, w.healthy(), w.pid, w.outstanding, w.restarts, w.gave_up
+            )
+            for w in self.workers
+        )
+        return EngineStatistics(
+            open_streams=self._open_streams,
+            outstanding=sum(w.outstanding for w in workers),
+            workers_alive=sum(w.alive for w in workers),
+            accepting=self._accepting,
+            workers=workers,
+        )
+
+
+@asynccontextmanager
+async def open_engine(
+    config: EngineConfig | None = None, *, wait_ready: bool = True, spawn=None
+) -> AsyncIterator[Engine]:
+    """Start the engine's workers; stop them (shielded, bounded) when the block exits.
+
+    With ``wait_ready`` (the default) the block starts once every worker has loaded its
+    engine, and a worker that cannot start raises
+    :class:`~server.manager.worker.WorkerStartupError`. Without it the block starts at once
+    and the workers come up behind it (the HTTP server does this, answering 503 meanwhile).
+    ``spawn`` replaces how a worker process is started (see
+    :func:`~server.manager.worker.spawn_process`); tests pass in-memory fakes.
+    """
+    engine = Engine(config or EngineConfig(), spawn=spawn)
+    async with trio.open_nursery() as nursery:
+        if wait_ready:
+            async with trio.open_nursery() as starter:
+                for w in engine.workers:
+                    starter.start_soon(nursery.start, w.run)
+        else:
+            for w in engine.workers:
+                nursery.start_soon(w.run)
+        try:
+            yield engine
+        finally:
+            engine.stop_accepting()
+            nursery.cancel_scope.cancel()
+
+
+async def run_engine(
+    config: EngineConfig,
+    *,
+    shutdown: trio.Event,
+    spawn=None,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The engine as a service: ``started(engine)`` at once (workers still loading), runs
+    until ``shutdown`` is set, then stops the workers."""
+    async with open_engine(config, wait_ready=False, spawn=spawn) as engine:
+        task_status.started(engine)
+        await shutdown.wait()
+

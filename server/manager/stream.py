@@ -1,0 +1,334 @@
+"""Per-request state and the consumer's stream: the hot path of the frontend.
+
+Theory of operation
+-------------------
+A request has one :class:`Choice` per sub-request on the engine (``n`` samples of each
+prompt), all sharing one :class:`_Waker`. A choice is registered in its worker's table *when
+the request is dispatched*, before the consumer first looks, so a sub-request that finishes
+at once still delivers everything: its state lives as long as the stream that holds it,
+whether or not the worker's table still names it.
+
+The worker's router task (one per worker, not per request) calls :meth:`Choice.push` for
+each output of an engine step. ``push`` merges the new text into the choice's pending slot
+(so a slow consumer costs one growing string per choice, never a queue), marks the choice
+ready if it was not, and wakes the consumer if it is parked. That is at most one wakeup per
+request per engine step, with no task, lock or cancel scope per chunk.
+
+The consumer (:class:`RequestStream`, used with ``async for``) takes one merged
+:class:`~server.outputs.RequestOutput` per ready choice. When nothing is ready it parks with
+``wait_task_rescheduled``; cancellation of the consumer's scope is delivered right into that
+wait. Cancellation is the monitor: no task watches for it.
+
+Cleanup (:meth:`RequestStream.aclose`, also run when the ``async for`` is cancelled or the
+``async with`` exits) sends exactly one abort per unfinished choice, then waits, shielded and
+bounded by the drain deadline, for the worker to confirm. A worker that does not confirm in
+time is cut off: its table forgets the choice, and its late output is dropped.
+
+End of stream is a value: a choice's last output has ``finish_reason`` set, and the stream
+ends (``StopAsyncIteration``) when every choice has delivered its last output. Nothing here
+stores an exception, and nothing refers back to the stream, so a finished request is freed by
+reference counting alone.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+import trio
+
+from ..errors import ServerError
+from ..outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from .worker import WorkerClient
+
+__all__ = ["Choice", "RequestStream"]
+
+_Abort = trio.lowlevel.Abort
+_current_task = trio.lowlevel.current_task
+_reschedule = trio.lowlevel.reschedule
+_wait_task_rescheduled = trio.lowlevel.wait_task_rescheduled
+_checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
+
+
+class _Waker:
+    """The consumer side shared by a request's choices: who is parked, and who has news."""
+
+    __slots__ = ("task", "ready")
+
+    def __init__(self) -> None:
+        self.task = None
+        self.ready: deque[Choice] = deque()
+
+    def wake(self) -> None:
+        task = self.task
+        if task is not None:
+            self.task = None
+            _reschedule(task)
+
+    def _on_cancel(self, raise_cancel) -> _Abort:
+        self.task = None
+        return _Abort.SUCCEEDED
+
+    async def park(self) -> None:
+        """Sleep until the router has news (or the caller's scope is cancelled)."""
+        self.task = _current_task()
+        await _wait_task_rescheduled(self._on_cancel)
+
+
+class Choice:
+    """One sub-request on one worker: pending output, counters and its terminal state.
+
+    Written by the worker's router (plain ``def`` methods that never block), read by the
+    stream. ``rid`` is the id on the wire; ``index`` the OpenAI choice index.
+    """
+
+    __slots__ = (
+        "rid",
+        "index",
+        "worker",
+        "waker",
+        "text",
+        "ntok",
+        "prompt_tokens",
+        "completion_tokens",
+        "accepted",
+        "done",
+        "queued",
+        "abort_sent",
+        "finish_reason",
+        "error_kind",
+        "error",
+    )
+
+    def __init__(self, rid: int, index: int, worker: WorkerClient, waker: _Waker) -> None:
+        self.rid = rid
+        self.index = index
+        self.worker = worker
+        self.waker = waker
+        self.text = ""
+        self.ntok = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.accepted = False
+        self.done = False  # the worker (or the cut-off) ended it
+        self.queued = False  # in waker.ready
+        self.abort_sent = False
+        self.finish_reason: str | None = None
+        self.error_kind: str | None = None
+        self.error: str | None = None
+
+    # -- router side -------------------------------------------------------------------------
+
+    def accept(self, prompt_tokens: int) -> None:
+        self.accepted = True
+        self.prompt_tokens = prompt_tokens
+        self.waker.wake()
+
+    def push(self, text: str, ntok: int, finish: str | None, err: list | None) -> None:
+        """Merge one engine step's output into the pending slot and wake the consumer."""
+        if self.done:
+            return
+        if text:
+            self.text += text
+        if ntok:
+            self.ntok += ntok
+            self.completion_tokens += ntok
+        if finish is not None:
+            self.done = True
+            self.finish_reason = finish
+            if err is not None:
+                self.error_kind, self.error = err
+        waker = self.waker
+        if not self.queued:
+            self.queued = True
+            waker.ready.append(self)
+        waker.wake()
+
+    def end(self, finish: str, kind: str | None = None, message: str | None = None) -> None:
+        """End the choice from the frontend side (worker died, or cut off after an abort)."""
+        self.push("", 0, finish, None if kind is None else [kind, message])
+
+    # -- consumer side -----------------------------------------------------------------------
+
+    def take(self) -> RequestOutput:
+        out = RequestOutput(
+            self.index,
+            self.text,
+            self.ntok,
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.finish_reason,
+            self.error_kind,
+            self.error,
+        )
+        self.text = ""
+        self.ntok = 0
+        self.queued = False
+        return out
+
+
+class RequestStream:
+    """The outputs of one request, in the order they arrive, one merged output per choice.
+
+    Iterate it with ``async for``; leave it with ``async with`` (or call :meth:`aclose`) when
+    the loop body may be cancelled while it is not waiting on the stream::
+
+        async with engine.generate("Hello", SamplingParams(max_tokens=8)) as stream:
+            async for out in stream:
+                print(out.index, out.text, out.finish_reason)
+
+    Cancelling the consumer's scope aborts every unfinished choice on the engine, once.
+    :meth:`abort` is the server's own abort (a timeout, a shutdown): the stream keeps going
+    until the engine confirms or the drain deadline passes, and every open choice ends with
+    ``finish_reason == "abort"``.
+    """
+
+    __slots__ = (
+        "_choices",
+        "_waker",
+        "_open",
+        "_released",
+        "_drain_timeout",
+        "_drain_deadline",
+        "_on_release",
+        "__weakref__",
+    )
+
+    def __init__(self, choices: list[Choice], waker: _Waker, drain_timeout: float, on_release):
+        self._choices = choices
+        self._waker = waker
+        self._open = len(choices)  # choices whose last output the consumer has not taken
+        self._released = False
+        self._drain_timeout = drain_timeout
+        self._drain_deadline: float | None = None
+        self._on_release = on_release
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        waker = self._waker
+        ready = waker.ready
+        try:
+            while not ready:
+                if self._open == 0:
+                    self._release()
+                    raise StopAsyncIteration
+                if self._drain_deadline is None:
+                    await waker.park()
+                else:
+                    await self._park_draining()
+            await _checkpoint_if_cancelled()
+        except BaseException as exc:
+            if not isinstance(exc, StopAsyncIteration):
+                await self.aclose()
+            raise
+        out = ready.popleft().take()
+        if out.finish_reason is not None:
+            self._open -= 1
+        return out
+
+    async def wait_accepted(self) -> list[int]:
+        """Wait until the engine has accepted every choice; return their prompt token counts.
+
+        Raises the request's error instead (after closing the stream) when any choice ended
+        with an error before producing a token: a client fault such as a prompt over the
+        context limit (:class:`~server.errors.ClientError`), or a failed engine. The HTTP
+        layer calls this before it sends the first byte, to answer such errors with a status.
+        """
+        try:
+            while True:
+                for c in self._choices:
+                    if c.done and c.error_kind is not None and c.completion_tokens == 0:
+                        exc = RequestOutput(0, "", 0, 0, 0, "error", c.error_kind, c.error)
+                        await self.aclose()
+                        raise exc.exception()
+                if all(c.accepted or c.done for c in self._choices):
+                    return [c.prompt_tokens for c in self._choices]
+                await self._waker.park()
+        except ServerError:
+            raise
+        except BaseException:
+            await self.aclose()
+            raise
+
+    # -- ending ------------------------------------------------------------------------------
+
+    def abort(self) -> None:
+        """Abort every unfinished choice on the engine and start the drain deadline.
+
+        Never blocks. The consumer keeps iterating: output already produced drains, and when
+        the engine confirms (or at the deadline) each open choice ends with ``abort``.
+        """
+        if self._released or self._drain_deadline is not None:
+            return
+        for c in self._choices:
+            c.worker.abort_nowait(c)
+        self._drain_deadline = trio.current_time() + self._drain_timeout
+
+    async def _park_draining(self) -> None:
+        with trio.move_on_at(self._drain_deadline):
+            await self._waker.park()
+            return
+        self._cut_off()
+
+    def _cut_off(self) -> None:
+        """The drain deadline passed: end every choice the worker has not ended."""
+        for c in self._choices:
+            if not c.done:
+                c.worker.forget(c)
+                c.end("abort")
+
+    async def aclose(self) -> None:
+        """Abort what is unfinished and free the request; shielded, bounded by the drain
+        deadline. Safe to call more than once, and from a cancelled scope."""
+        if self._released:
+            return
+        choices = self._choices
+        if any(not c.done for c in choices):
+            for c in choices:
+                c.worker.abort_nowait(c)
+            with trio.CancelScope(shield=True) as scope:
+                scope.deadline = trio.current_time() + self._drain_timeout
+                if self._drain_deadline is not None:
+                    scope.deadline = min(scope.deadline, self._drain_deadline)
+                while any(not c.done for c in choices):
+                    await self._waker.park()
+            self._cut_off()
+        self._release()
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._waker.ready.clear()
+            self._on_release(self)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        # Safety net for a stream dropped without aclose (an ``async for`` whose body was
+        # cancelled outside the stream): queue the aborts; the worker confirms later.
+        if not self._released:
+            self._released = True
+            for c in self._choices:
+                c.worker.abort_nowait(c)
+            self._on_release(self)
+
+    # -- introspection -----------------------------------------------------------------------
+
+    @property
+    def choices(self) -> int:
+        return len(self._choices)
+
+    @property
+    def finished(self) -> bool:
+        """True once every choice has ended on the engine side."""
+        return all(c.done for c in self._choices)

@@ -1,0 +1,321 @@
+"""One engine worker process as the frontend sees it: spawn, route, supervise, stop.
+
+Theory of operation
+-------------------
+:meth:`WorkerClient.run` is a long-running service (start protocol: it reports ``started``
+with itself once the first process said HELLO). It loops over *sessions*; a session is one
+process, with three tasks in one nursery:
+
+* the **router** reads frames from the worker's stdout and hands each output to the
+  :class:`~server.manager.stream.Choice` its rid names (late output for a rid the table no
+  longer holds is dropped: that is how the abort-versus-finish race ends harmlessly);
+* the **writer** sends what :meth:`submit_nowait` and :meth:`abort_nowait` queued, all of it
+  in one write;
+* the **heartbeat** pings, and ends the session when the worker has been silent too long.
+
+A session ends when the process exits (end of its stdout), breaks the protocol, or hangs.
+Then every choice the worker held ends with an ``error`` output at once, the process is
+stopped (close the pipe, SIGTERM, SIGKILL, each after a grace period, shielded), and a new
+process is started after a backoff, unless too many restarts happened recently.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import math
+import subprocess
+
+import trio
+
+from ..config import EngineConfig
+from ..errors import EngineError
+from ..protocol import wire
+from .stream import Choice
+
+__all__ = ["WorkerClient", "WorkerStartupError", "spawn_process"]
+
+log = logging.getLogger("server.worker")
+
+
+class WorkerStartupError(EngineError):
+    """The worker process could not load its engine (it said why on stderr)."""
+
+
+async def spawn_process(config: EngineConfig) -> trio.Process:
+    """Start a worker process with its protocol on stdin/stdout (stderr is inherited).
+
+    This is the default ``spawn`` of :class:`WorkerClient`. A replacement (tests use one
+    over in-memory streams) returns an object with the same parts of :class:`trio.Process`:
+    ``stdin`` (a SendStream), ``stdout`` (a ReceiveStream), ``pid``, ``wait()``,
+    ``terminate()`` and ``kill()``.
+    """
+    cmd = [config.python, "-m", "server.workers", json.dumps(config.worker_argument())]
+    return await trio.lowlevel.open_process(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+
+class _SessionEnded(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class WorkerClient:
+    """The frontend's handle on one worker process (and its successors after restarts)."""
+
+    def __init__(self, index: int, config: EngineConfig, spawn=None) -> None:
+        self.index = index
+        self.config = config
+        self._spawn = spawn or spawn_process
+        #: rid -> Choice for every choice the worker holds (registered at dispatch).
+        self.states: dict[int, Choice] = {}
+        self.info: dict = {}
+        self.alive = False
+        self.pid: int | None = None
+        self.restarts = 0
+        self.gave_up = False
+        self.last_heard = -math.inf
+        self._outbox: list[bytes] = []
+        self._outbox_ready = trio.Event()
+        self._ping_seq = 0
+        self._pings: dict[int, list] = {}
+        self._ready = trio.Event()
+
+    # -- used by the request manager (plain def: never blocks) -------------------------------
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.states)
+
+    def submit_nowait(self, choice: Choice, prompt: object, params: dict) -> None:
+        self.states[choice.rid] = choice
+        self._queue(wire.encode([wire.SUBMIT, choice.rid, prompt, params]))
+
+    def abort_nowait(self, choice: Choice) -> None:
+        """Send one abort for ``choice``, unless it ended or was already aborted."""
+        if choice.done or choice.abort_sent:
+            return
+        choice.abort_sent = True
+        if self.alive:
+            self._queue(wire.encode([wire.ABORT, choice.rid]))
+
+    def forget(self, choice: Choice) -> None:
+        """Stop routing output to ``choice``; what the worker still sends for it is dropped."""
+        if self.states.get(choice.rid) is choice:
+            del self.states[choice.rid]
+
+    def _queue(self, frame: bytes) -> None:
+        self._outbox.append(frame)
+        self._outbox_ready.set()
+
+    async def ping(self) -> tuple[int, int]:
+        """Round-trip a ping; returns the worker's (running, waiting) request counts."""
+        if not self.alive:
+            raise EngineError(f"worker {self.index} is not running")
+        self._ping_seq += 1
+        seq = self._ping_seq
+        slot = [trio.Event(), None]
+        self._pings[seq] = slot
+        try:
+            self._queue(wire.encode([wire.PING, seq]))
+            await slot[0].wait()
+        finally:
+            self._pings.pop(seq, None)
+        if slot[1] is None:
+            raise EngineError(f"worker {self.index} went away before answering")
+        return slot[1]
+
+    async def wait_ready(self) -> None:
+        """Wait until a process of this worker has said HELLO (once ever)."""
+        await self._ready.wait()
+
+    # -- the service -------------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Keep a worker process running until cancelled; ``started(self)`` after the first
+        HELLO. Raises :class:`WorkerStartupError` if the very first process fails to start."""
+        config = self.config
+        recent = collections.deque()
+        backoff = config.restart_backoff
+        first = True
+        while True:
+            started_at = trio.current_time()
+            reason = await self._session(task_status if first else None, first)
+            first = False
+            if self.gave_up:
+                break
+            now = trio.current_time()
+            if now - started_at > config.restart_window:
+                backoff = config.restart_backoff
+            recent.append(now)
+            while recent and now - recent[0] > config.restart_window:
+                recent.popleft()
+            if len(recent) > config.max_restarts:
+                log.error(
+                    "worker %d: %d restarts in %.0f s, leaving it down (%s)",
+                    self.index, len(recent), config.restart_window, reason,
+                )
+                self.gave_up = True
+                break
+            log.warning("worker %d: %s; restarting in %.2f s", self.index, reason, backoff)
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, config.restart_backoff_max)
+            self.restarts += 1
+        await trio.sleep_forever()
+
+    async def _session(self, task_status, first: bool) -> str:
+        config = self.config
+        proc = await self._spawn(config)
+        self.pid = proc.pid
+        self._outbox.clear()
+        decoder = wire.FrameDecoder()
+        reason = "stopped"
+        try:
+            try:
+                with trio.fail_after(config.startup_timeout):
+                    await self._wait_hello(proc, decoder)
+            except (_SessionEnded, trio.TooSlowError) as exc:
+                reason = getattr(exc, "reason", "no HELLO in time")
+                if first:
+                    raise WorkerStartupError(
+                        f"engine worker {self.index} failed to start ({reason}); "
+                        "see its message above"
+                    ) from None
+                return reason
+            self.alive = True
+            self.last_heard = trio.current_time()
+            self._ready.set()
+            if task_status is not None:
+                task_status.started(self)
+            log.info("worker %d (pid %d) is up: %s", self.index, proc.pid, self.info)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._router, proc, decoder)
+                    nursery.start_soon(self._writer, proc)
+                    nursery.start_soon(self._heartbeat)
+            except _SessionEnded as exc:
+                reason = exc.reason
+            except BaseExceptionGroup as group:
+                ended, rest = group.split(_SessionEnded)
+                if rest is not None:
+                    raise rest from None
+                reason = ended.exceptions[0].reason
+            return reason
+        finally:
+            self.alive = False
+            self._fail_all(reason)
+            with trio.CancelScope(shield=True):
+                code = await self._stop_process(proc)
+            if reason != "stopped":
+                log.warning("worker %d (pid %d) exited with %s", self.index, proc.pid, code)
+
+    async def _wait_hello(self, proc, decoder: wire.FrameDecoder) -> None:
+        while True:
+            data = await proc.stdout.receive_some(1 << 16)
+            if not data:
+                raise _SessionEnded("exited during startup")
+            for msg in decoder.feed(data):
+                if msg[0] == wire.HELLO and isinstance(msg[1], dict):
+                    self.info = msg[1]
+                    return
+                raise _SessionEnded(f"sent {msg[0]!r} before HELLO")
+
+    async def _router(self, proc, decoder: wire.FrameDecoder) -> None:
+        states = self.states
+        receive_some = proc.stdout.receive_some
+        while True:
+            data = await receive_some(1 << 20)
+            if not data:
+                raise _SessionEnded("the worker process exited")
+            self.last_heard = trio.current_time()
+            try:
+                messages = decoder.feed(data)
+                for msg in messages:
+                    kind = msg[0]
+                    if kind == wire.STEP:
+                        for rid, prompt_tokens in msg[1]:
+                            choice = states.get(rid)
+                            if choice is not None:
+                                choice.accept(prompt_tokens)
+                        for rid, text, ntok, finish, err in msg[2]:
+                            choice = states.get(rid)
+                            if choice is None:
+                                continue  # finished, aborted, or cut off: drop
+                            if finish is not None:
+                                del states[rid]
+                            choice.push(text, ntok, finish, err)
+                    elif kind == wire.PONG:
+                        slot = self._pings.get(msg[1])
+                        if slot is not None:
+                            slot[1] = (msg[2], msg[3])
+                            slot[0].set()
+                    else:
+                        raise wire.ProtocolError(f"unexpected message type {kind!r}")
+            except (wire.ProtocolError, ValueError, TypeError) as exc:
+                raise _SessionEnded(f"protocol violation: {exc}") from None
+
+    async def _writer(self, proc) -> None:
+        send_all = proc.stdin.send_all
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready = trio.Event()
+            data = b"".join(self._outbox)
+            self._outbox.clear()
+            try:
+                await send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                raise _SessionEnded("the worker's pipe broke") from None
+
+    async def _heartbeat(self) -> None:
+        config = self.config
+        while True:
+            await trio.sleep(config.heartbeat_interval)
+            if trio.current_time() - self.last_heard > config.heartbeat_timeout:
+                raise _SessionEnded(
+                    f"no answer for {config.heartbeat_timeout:.1f} s (hung)"
+                )
+            self._ping_seq += 1
+            self._queue(wire.encode([wire.PING, self._ping_seq]))
+
+    def _fail_all(self, reason: str) -> None:
+        """End every choice this worker held with an error output (the worker is gone)."""
+        states, self.states = self.states, {}
+        kind = "unavailable" if reason == "stopped" else "worker_died"
+        message = (
+            "the engine is shutting down"
+            if reason == "stopped"
+            else f"engine worker {self.index} failed: {reason}"
+        )
+        for choice in states.values():
+            choice.end("error", kind, message)
+        for slot in self._pings.values():
+            slot[0].set()
+        self._pings.clear()
+
+    async def _stop_process(self, proc) -> int:
+        """Close the pipe, then SIGTERM, then SIGKILL, each after the grace period."""
+        grace = self.config.shutdown_grace
+        try:
+            await proc.stdin.aclose()
+        except trio.BrokenResourceError:
+            pass
+        try:
+            with trio.move_on_after(grace):
+                return await proc.wait()
+            proc.terminate()
+            with trio.move_on_after(grace):
+                return await proc.wait()
+            proc.kill()
+            return await proc.wait()
+        finally:
+            await proc.stdout.aclose()
+            self.pid = None
+
+    # -- introspection -----------------------------------------------------------------------
+
+    def healthy(self) -> bool:
+        """Alive and heard from within three heartbeat periods."""
+        return self.alive and (
+            trio.current_time() - self.last_heard < 3 * self.config.heartbeat_interval + 0.5
+        )

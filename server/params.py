@@ -1,0 +1,55 @@
+"""Sampling parameters: what a client asks of one generation. Plain data, no I/O.
+
+Example::
+
+    params = SamplingParams(max_tokens=32, temperature=0.7, stop=["\\n\\n"], seed=1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["SamplingParams"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request generation settings, passed to the engine worker unchanged.
+
+    ``n`` is handled by the request manager (it submits ``n`` sub-requests, sample ``i`` with
+    ``seed + i`` when a seed is given). ``extra`` carries engine-specific fields, such as the
+    sim engine's ``fault`` (fault injection, honoured only when the worker enables it).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    ignore_eos: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.n < 1:
+            raise ValueError("n must be at least 1")
+
+    def to_wire(self, sample_index: int = 0) -> dict:
+        """The dict sent to the worker for sample ``sample_index`` of this request."""
+        wire = {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": None if self.seed is None else self.seed + sample_index,
+            "stop": list(self.stop),
+            "ignore_eos": self.ignore_eos,
+        }
+        if self.extra:
+            wire.update(self.extra)
+        return wire

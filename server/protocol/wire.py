@@ -1,0 +1,122 @@
+"""The worker wire protocol, sans-IO: frames in, messages out, and back. No trio here.
+
+Theory of operation
+-------------------
+Each direction of the pipe carries *frames*: a 4-byte big-endian length, then that many bytes
+of msgpack. Every frame holds one message, a list whose first item is the message type. The
+frontend may write several frames in one ``write``; the worker writes at most one STEP frame
+per loop iteration, however many requests advanced in it. See ``docs/protocol.md``.
+
+Frontend -> worker::
+
+    [SUBMIT, rid, prompt, params]   prompt: str, list[int], or {"messages": [...]} for chat
+    [ABORT, rid]                    unknown or finished rid: a no-op
+    [PING, seq]
+    [SHUTDOWN]
+
+Worker -> frontend::
+
+    [HELLO, info]                   once, when the engine is loaded (info: dict)
+    [STEP, accepts, outputs]        accepts: [[rid, prompt_tokens], ...]
+                                    outputs: [[rid, text, ntok, finish, err], ...]
+    [PONG, seq, running, waiting]
+
+In an output, ``finish`` is None or one of stop/length/abort/error and ``err`` is None or
+``[kind, message]`` (kinds in :data:`server.errors.WIRE_KINDS`). A request that is rejected
+(client fault, such as a prompt over the context limit) gets a terminal output with
+``finish="error"`` and no accept. An abort of a request the worker holds is answered by a
+terminal ``abort`` output in the worker's next frame; of any other rid, by nothing.
+
+A peer that sends a frame over :data:`MAX_FRAME`, or bytes that are not msgpack, is broken:
+:class:`ProtocolError` is raised and the connection must be dropped.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+
+__all__ = [
+    "HELLO",
+    "SUBMIT",
+    "ABORT",
+    "PING",
+    "PONG",
+    "SHUTDOWN",
+    "STEP",
+    "MAX_FRAME",
+    "ProtocolError",
+    "FrameDecoder",
+    "encode",
+]
+
+HELLO = 0
+SUBMIT = 1
+ABORT = 2
+PING = 3
+PONG = 4
+SHUTDOWN = 5
+STEP = 6
+
+#: Largest frame either side accepts (64 MiB): a bigger length prefix means garbage.
+MAX_FRAME = 64 * 1024 * 1024
+
+_HEADER = struct.Struct(">I")
+_packb = msgpack.Packer(use_bin_type=True).pack
+
+
+class ProtocolError(Exception):
+    """The peer sent bytes that are not a valid frame; the connection cannot be trusted."""
+
+
+def encode(message: list) -> bytes:
+    """One message as one frame.
+
+    >>> FrameDecoder().feed(encode([PING, 7]))
+    [[3, 7]]
+    """
+    body = _packb(message)
+    return _HEADER.pack(len(body)) + body
+
+
+class FrameDecoder:
+    """Turns the bytes of a pipe, in pieces of any size, into messages.
+
+    ``feed`` returns the messages completed by the new bytes (often none, sometimes many).
+    """
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[list]:
+        buf = self._buf
+        buf += data
+        messages = []
+        pos = 0
+        end = len(buf)
+        while end - pos >= 4:
+            (length,) = _HEADER.unpack_from(buf, pos)
+            if length > MAX_FRAME:
+                raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME} limit")
+            if end - pos - 4 < length:
+                break
+            start = pos + 4
+            try:
+                message = msgpack.unpackb(buf[start : start + length], use_list=True, raw=False)
+            except Exception as exc:
+                raise ProtocolError(f"undecodable frame: {exc}") from None
+            if not isinstance(message, list) or not message or not isinstance(message[0], int):
+                raise ProtocolError(f"malformed message: {message!r:.80}")
+            messages.append(message)
+            pos = start + length
+        if pos:
+            del buf[:pos]
+        return messages
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet part of a complete frame."""
+        return len(self._buf)

@@ -1,0 +1,1 @@
+"""Engine worker processes: the loop (``main``), the engine interface (``base``), engines."""

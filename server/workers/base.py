@@ -1,0 +1,62 @@
+"""What a worker process needs from an engine: a synchronous, sans-IO step machine.
+
+The worker loop (:mod:`server.workers.main`) owns the pipe and the clock; an engine only
+answers calls. An engine is a class with::
+
+    info: dict                              sent to the frontend in HELLO
+    add(rid, prompt, params) -> int         prompt_tokens; raise Rejected for client faults
+    abort(rid) -> bool                      True when it held rid (it then forgets it)
+    next_deadline() -> float | None         monotonic time to call step() next; None when idle
+    step(now) -> list[list]                 outputs [rid, text, ntok, finish, err]
+    running() -> int, waiting() -> int
+
+``prompt`` is a string, a list of token ids, or ``{"messages": [...]}`` for chat. ``step`` may
+take as long as the engine's real work takes: the loop reads the pipe between steps.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+__all__ = ["Engine", "Rejected", "WorkerCrash", "WorkerHang", "check_context"]
+
+
+class Rejected(Exception):
+    """The request cannot be served; ``kind`` is a wire error kind (see server.errors)."""
+
+    def __init__(self, message: str, kind: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+class WorkerCrash(BaseException):
+    """Fault injection: the worker process must die at once, as if it had segfaulted."""
+
+
+class WorkerHang(BaseException):
+    """Fault injection: the worker process must stop answering, but stay alive."""
+
+
+class Engine(Protocol):
+    info: dict
+
+    def add(self, rid: int, prompt: object, params: dict) -> int: ...
+    def abort(self, rid: int) -> bool: ...
+    def next_deadline(self) -> float | None: ...
+    def step(self, now: float) -> list[list]: ...
+    def running(self) -> int: ...
+    def waiting(self) -> int: ...
+
+
+def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """Reject a request that cannot fit the model's context, with OpenAI's wording."""
+    if prompt_tokens < 1:
+        raise Rejected("The prompt must contain at least one token.")
+    if prompt_tokens + max_tokens > max_model_len:
+        raise Rejected(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion). Please reduce the length of the prompt or "
+            "max_tokens."
+        )

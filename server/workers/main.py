@@ -1,0 +1,132 @@
+"""The engine worker process: a plain blocking loop around one engine. No trio here.
+
+Started by the frontend as ``python -m server.workers '<json config>'``. The protocol runs on
+the pipes the process was given as stdin and stdout; at startup they are moved to private
+file descriptors and fds 0/1 are pointed at /dev/null and stderr, so a stray ``print`` in an
+engine library cannot corrupt a frame.
+
+Theory of operation
+-------------------
+One thread, one loop::
+
+    wait for pipe input, at most until engine.next_deadline()
+    handle every complete message (submit, abort, ping, shutdown)
+    if the deadline has passed: outputs += engine.step(now)
+    write one STEP frame with every accept and output gathered in this iteration
+
+End of input (the frontend closed the pipe or died) ends the worker: a worker never outlives
+its frontend. SIGINT is ignored (a Ctrl-C in the terminal reaches the whole process group;
+the frontend decides how its workers stop); SIGTERM ends it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import sys
+import time
+
+from ..protocol import wire
+from .base import Rejected, WorkerCrash, WorkerHang
+
+__all__ = ["build_engine", "serve", "main"]
+
+
+def build_engine(config: dict):
+    """The engine named by ``config["engine"]``, built with ``config["options"]``."""
+    kind = config.get("engine", "sim")
+    options = dict(config.get("options") or {})
+    if kind == "sim":
+        from .sim import SimEngine
+
+        return SimEngine(**options)
+    if kind == "transformers":
+        from .hf import TransformersEngine
+
+        return TransformersEngine(**options)
+    raise SystemExit(f"unknown engine {kind!r}")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def serve(engine, fd_in: int, fd_out: int) -> None:
+    """Run the loop until the input ends or a SHUTDOWN arrives."""
+    clock = time.monotonic
+    decoder = wire.FrameDecoder()
+    selector = selectors.DefaultSelector()
+    selector.register(fd_in, selectors.EVENT_READ)
+    _write_all(fd_out, wire.encode([wire.HELLO, engine.info]))
+    accepts: list = []
+    outputs: list = []
+    while True:
+        deadline = engine.next_deadline()
+        if deadline is None:
+            timeout = None
+        else:
+            timeout = deadline - clock()
+            if timeout < 0:
+                timeout = 0
+        if selector.select(timeout):
+            data = os.read(fd_in, 1 << 20)
+            if not data:
+                return
+            replies = []
+            for msg in decoder.feed(data):
+                kind = msg[0]
+                if kind == wire.SUBMIT:
+                    rid = msg[1]
+                    try:
+                        accepts.append([rid, engine.add(rid, msg[2], msg[3])])
+                    except Rejected as exc:
+                        outputs.append([rid, "", 0, "error", [exc.kind, exc.message]])
+                elif kind == wire.ABORT:
+                    if engine.abort(msg[1]):
+                        outputs.append([msg[1], "", 0, "abort", None])
+                elif kind == wire.PING:
+                    replies.append(
+                        wire.encode([wire.PONG, msg[1], engine.running(), engine.waiting()])
+                    )
+                elif kind == wire.SHUTDOWN:
+                    return
+            if replies:
+                _write_all(fd_out, b"".join(replies))
+        deadline = engine.next_deadline()
+        if deadline is not None and clock() >= deadline:
+            outputs.extend(engine.step(clock()))
+        if accepts or outputs:
+            _write_all(fd_out, wire.encode([wire.STEP, accepts, outputs]))
+            accepts = []
+            outputs = []
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    fd_in = os.dup(0)
+    fd_out = os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)
+    os.close(devnull)
+    config = json.loads(argv[0]) if argv else {}
+    try:
+        engine = build_engine(config)
+    except Exception as exc:  # a clear line for the operator, not a traceback
+        print(f"trio-llm-server worker: cannot start engine: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
+        serve(engine, fd_in, fd_out)
+    except WorkerCrash:
+        os._exit(17)
+    except WorkerHang:
+        while True:
+            time.sleep(3600)
+    except (BrokenPipeError, wire.ProtocolError):
+        raise SystemExit(1) from None

@@ -1,0 +1,280 @@
+"""The sim engine: a GPU-free stand-in for a continuous-batching engine. Sans-IO.
+
+It behaves like a real engine from the frontend's point of view:
+
+* **Timing.** A request admitted at time t produces its first token at exactly
+  ``t + ttft_ms + prefill_us_per_token * prompt_tokens`` (so a benchmark can subtract the
+  configured TTFT), then one token on each engine tick, every ``itl_ms`` while there is work.
+* **Batching.** At most ``max_batch`` requests run; the rest wait in FIFO order and are
+  admitted as soon as a slot frees. One tick is one loop over the running requests and
+  one STEP frame for all of them: no per-request syscalls.
+* **Deterministic output.** Tokens are words drawn from a small vocabulary (with accented,
+  CJK and emoji words, to exercise UTF-8) by a generator seeded from the prompt and the seed.
+  ``temperature == 0`` ignores the seed; no seed and ``temperature > 0`` is random.
+* **Token counts.** The sim tokenizer counts whitespace-separated words of the prompt (or the
+  length of a token-id list). Chat messages are rendered with :data:`CHAT_TEMPLATE` first.
+* **Finishing.** ``length`` at ``max_tokens``; ``stop`` when a stop string appears in the
+  text (text that could be the start of a stop string is held back until it is decided, and
+  the stop string itself is never sent).
+* **Fault injection** (only when built with ``faults=True``): a request may carry
+  ``{"fault": {"kind": K, "after": k}}`` where K is ``error`` (fail with an engine error
+  after k tokens), ``crash`` (the worker process dies after k tokens), ``hang`` (the whole
+  worker stops answering after k tokens), ``stall`` (this request stops producing output
+  after k tokens) or ``ignore_abort`` (aborts of this request are ignored).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import zlib
+
+from .base import Rejected, WorkerCrash, WorkerHang, check_context
+
+__all__ = ["SimEngine", "CHAT_TEMPLATE", "render_chat", "count_tokens"]
+
+_VOCAB = (
+    "the", "a", "model", "token", "stream", "trio", "nursery", "cancel", "scope", "worker",
+    "pipe", "frame", "engine", "batch", "step", "request", "server", "client", "event",
+    "data", "is", "of", "and", "to", "in", "runs", "sends", "waits", "reads", "writes",
+    "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "café", "naïve", "日本",
+    "語", "数据", "🙂", "🚀", "résumé", "über", "ok", "yes", "no", "then", "when",
+    "while", "done", "fast", "slow", "light", "heavy", "north", "south", "east", "west",
+    "one", "two", "three",
+)
+_VOCAB_SPACED = tuple(" " + w for w in _VOCAB)
+_V = len(_VOCAB_SPACED)
+
+#: The sim engine's chat template: each message as ``<|role|>`` then its content on one
+#: line, then ``<|assistant|>`` to prompt the answer.
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|> {{ m.content }}\n{% endfor %}<|assistant|>"
+
+FAULT_KINDS = ("error", "crash", "hang", "stall", "ignore_abort")
+
+
+def render_chat(messages: list) -> str:
+    """Render chat messages with :data:`CHAT_TEMPLATE` (without a template engine)."""
+    parts = []
+    for m in messages:
+        parts.append(f"<|{m['role']}|> {m['content']}\n")
+    parts.append("<|assistant|>")
+    return "".join(parts)
+
+
+def count_tokens(text: str) -> int:
+    """The sim tokenizer: one token per whitespace-separated word."""
+    return len(text.split())
+
+
+class _Req:
+    __slots__ = (
+        "rid", "rng", "max_tokens", "stop", "stop_max", "held", "produced", "ready_at",
+        "fault", "fault_after", "prompt_tokens",
+    )
+
+
+class SimEngine:
+    """See the module docstring. ``clock`` gives the admission time of requests (tests may
+    pass a fake one); the worker loop passes ``now`` to :meth:`step`."""
+
+    def __init__(
+        self,
+        *,
+        model: str = "sim",
+        itl_ms: float = 8.0,
+        ttft_ms: float = 20.0,
+        prefill_us_per_token: float = 20.0,
+        max_batch: int = 256,
+        max_model_len: int = 8192,
+        faults: bool = False,
+        clock=time.monotonic,
+    ) -> None:
+        self._clock = clock
+        self.itl = itl_ms / 1000.0
+        self.ttft = ttft_ms / 1000.0
+        self.prefill = prefill_us_per_token / 1e6
+        self.max_batch = max_batch
+        self.max_model_len = max_model_len
+        self.faults = faults
+        self.info = {
+            "engine": "sim",
+            "model": model,
+            "max_model_len": max_model_len,
+            "chat_template": CHAT_TEMPLATE,
+        }
+        self._running: dict[int, _Req] = {}
+        self._waiting: dict[int, _Req] = {}  # insertion order is FIFO order
+        self._starting: dict[int, _Req] = {}  # running, first token not yet produced
+        self._next_tick: float | None = None
+
+    # -- the Engine interface ---------------------------------------------------------------
+
+    def add(self, rid: int, prompt: object, params: dict) -> int:
+        if isinstance(prompt, dict):
+            messages = prompt.get("messages")
+            if not isinstance(messages, list):
+                raise Rejected("messages must be a list")
+            try:
+                text = render_chat(messages)
+            except (KeyError, TypeError):
+                raise Rejected("each message needs a role and a content") from None
+            seed_bytes = text.encode()
+            prompt_tokens = count_tokens(text)
+        elif isinstance(prompt, str):
+            seed_bytes = prompt.encode()
+            prompt_tokens = count_tokens(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            seed_bytes = repr(prompt).encode()
+            prompt_tokens = len(prompt)
+        else:
+            raise Rejected("prompt must be a string or a list of token ids")
+        try:
+            max_tokens = int(params.get("max_tokens", 16))
+            temperature = float(params.get("temperature", 1.0))
+            seed = params.get("seed")
+            stop = [s for s in params.get("stop") or () if s]
+        except (TypeError, ValueError):
+            raise Rejected("malformed sampling parameters") from None
+        if max_tokens < 1:
+            raise Rejected("max_tokens must be at least 1")
+        check_context(prompt_tokens, max_tokens, self.max_model_len)
+
+        req = _Req()
+        req.rid = rid
+        if temperature == 0:
+            req.rng = zlib.crc32(seed_bytes)
+        elif seed is None:
+            req.rng = random.getrandbits(32)
+        else:
+            req.rng = zlib.crc32(seed_bytes, int(seed) & 0xFFFFFFFF)
+        req.max_tokens = max_tokens
+        req.stop = tuple(stop)
+        req.stop_max = max((len(s) for s in stop), default=0)
+        req.held = ""
+        req.produced = 0
+        req.prompt_tokens = prompt_tokens
+        req.ready_at = 0.0
+        req.fault = None
+        req.fault_after = 0
+        fault = params.get("fault")
+        if self.faults and isinstance(fault, dict):
+            if fault.get("kind") not in FAULT_KINDS:
+                raise Rejected(f"fault.kind must be one of {', '.join(FAULT_KINDS)}")
+            req.fault = fault["kind"]
+            req.fault_after = int(fault.get("after", 0))
+        self._waiting[rid] = req
+        self._admit(self._clock())
+        return prompt_tokens
+
+    def abort(self, rid: int) -> bool:
+        req = self._running.get(rid) or self._waiting.get(rid)
+        if req is None or req.fault == "ignore_abort":
+            return False
+        self._running.pop(rid, None)
+        self._waiting.pop(rid, None)
+        self._starting.pop(rid, None)
+        return True
+
+    def next_deadline(self) -> float | None:
+        tick = self._next_tick
+        if self._starting:
+            first = min(r.ready_at for r in self._starting.values())
+            return first if tick is None else min(first, tick)
+        return tick
+
+    def running(self) -> int:
+        return len(self._running)
+
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def step(self, now: float) -> list[list]:
+        running = self._running
+        tick = self._next_tick
+        is_tick = tick is not None and now >= tick
+        outputs = []
+        finished = []
+        if is_tick:
+            candidates = running.values()
+        else:
+            candidates = list(self._starting.values())
+        for req in candidates:
+            if req.produced == 0:
+                if req.ready_at > now:
+                    continue
+                del self._starting[req.rid]
+            out = self._advance(req)
+            if out is not None:
+                outputs.append(out)
+                if out[3] is not None:
+                    finished.append(req.rid)
+        for rid in finished:
+            del running[rid]
+            self._starting.pop(rid, None)
+        if self._waiting and len(running) < self.max_batch:
+            self._admit(now)
+        if is_tick:
+            tick += self.itl
+            if tick < now:  # the loop fell behind: keep the cadence from now on
+                tick = now + self.itl
+        if len(running) == len(self._starting):
+            tick = None  # nothing is past its first token: no ticks until one is
+        elif tick is None:
+            tick = now + self.itl
+        self._next_tick = tick
+        return outputs
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _admit(self, now: float) -> None:
+        room = self.max_batch - len(self._running)
+        if room <= 0:
+            return
+        waiting = self._waiting
+        for rid in list(waiting)[:room]:
+            req = waiting.pop(rid)
+            req.ready_at = now + self.ttft + self.prefill * req.prompt_tokens
+            self._running[rid] = req
+            self._starting[rid] = req
+
+    def _advance(self, req: _Req) -> list | None:
+        fault = req.fault
+        if fault is not None and req.produced >= req.fault_after:
+            if fault == "error":
+                return [req.rid, "", 0, "error", ["engine_error", "injected engine failure"]]
+            if fault == "crash":
+                raise WorkerCrash()
+            if fault == "hang":
+                raise WorkerHang()
+            if fault == "stall":
+                return None
+        x = (req.rng * 1103515245 + 12345) & 0xFFFFFFFF
+        req.rng = x
+        word = _VOCAB_SPACED[(x >> 16) % _V]
+        req.produced += 1
+        done = req.produced >= req.max_tokens
+        if not req.stop:
+            return [req.rid, word, 1, "length" if done else None, None]
+        return self._apply_stop(req, word, done)
+
+    def _apply_stop(self, req: _Req, word: str, done: bool) -> list:
+        text = req.held + word
+        cut = -1
+        for s in req.stop:
+            i = text.find(s)
+            if i != -1 and (cut == -1 or i < cut):
+                cut = i
+        if cut != -1:
+            req.held = ""
+            return [req.rid, text[:cut], 1, "stop", None]
+        if done:
+            req.held = ""
+            return [req.rid, text, 1, "length", None]
+        keep = 0  # the longest tail of text that could begin a stop string
+        for k in range(min(len(text), req.stop_max - 1), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in req.stop):
+                keep = k
+                break
+        req.held = text[len(text) - keep :] if keep else ""
+        return [req.rid, text[: len(text) - keep], 1, None, None]
