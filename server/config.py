@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-__all__ = ["EngineConfig"]
+__all__ = ["EngineConfig", "Limits", "ServerConfig"]
 
 
 @dataclass(frozen=True)
@@ -55,3 +55,38 @@ class EngineConfig:
         if self.model is not None and self.engine == "sim":
             options.setdefault("model", self.model)
         return {"engine": self.engine, "options": options}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps on what one HTTP request may ask for; over a cap is a 400."""
+
+    max_n: int = 16
+    max_tokens: int = 32768
+    max_prompts: int = 64
+    max_stop: int = 16
+    #: Whether a request's ``fault`` field (sim engine fault injection) reaches the engine.
+    allow_faults: bool = False
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of the HTTP server (the CLI builds one from its options)."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    limits: Limits = field(default_factory=Limits)
+    #: Largest request body accepted; larger is a 413.
+    max_body_bytes: int = 4 * 1024 * 1024
+    #: Seconds a request may run before the server aborts it (None: no limit).
+    request_timeout: float | None = None
+    #: Requests in flight beyond which new ones get a 503 (None: no limit).
+    max_concurrent_requests: int | None = None
+    #: On SIGTERM/SIGINT, how long in-flight requests may keep streaming before they are
+    #: aborted (0: abort at once).
+    shutdown_timeout: float = 30.0
+    #: Idle keep-alive connections are closed after this many seconds; a client must send
+    #: its request within ``read_timeout`` seconds.
+    keep_alive_timeout: float = 30.0
+    read_timeout: float = 30.0

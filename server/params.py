@@ -21,7 +21,8 @@ class SamplingParams:
     sim engine's ``fault`` (fault injection, honoured only when the worker enables it).
     """
 
-    max_tokens: int = 16
+    #: None means "as many as fit in the model's context" (the chat default, as in vLLM).
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
@@ -35,7 +36,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(self.stop))
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         if self.n < 1:
             raise ValueError("n must be at least 1")

@@ -14,6 +14,7 @@ engine request is aborted (see :mod:`server.manager.stream`).
 from __future__ import annotations
 
 import itertools
+import weakref
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
@@ -59,6 +60,7 @@ class Engine:
         self.workers = [WorkerClient(i, config, spawn) for i in range(config.workers)]
         self._rids = itertools.count(1)
         self._open_streams = 0
+        self._streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()
         self._accepting = True
         self._idle = trio.Event()
         self._idle.set()
@@ -112,7 +114,9 @@ class Engine:
         self._open_streams += 1
         if self._idle.is_set():
             self._idle = trio.Event()
-        return RequestStream(choices, waker, self.config.drain_timeout, self._stream_released)
+        stream = RequestStream(choices, waker, self.config.drain_timeout, self._stream_released)
+        self._streams.add(stream)
+        return stream
 
     def _pick_worker(self) -> WorkerClient:
         if not self._accepting:
@@ -126,6 +130,7 @@ class Engine:
         return best
 
     def _stream_released(self, stream: RequestStream) -> None:
+        self._streams.discard(stream)
         self._open_streams -= 1
         if self._open_streams == 0:
             self._idle.set()
@@ -139,6 +144,16 @@ class Engine:
     def stop_accepting(self) -> None:
         """New requests get ServiceUnavailable from now on (the start of a drain)."""
         self._accepting = False
+
+    def abort_all(self) -> int:
+        """Server-side abort of every open stream (each drains, then ends with ``abort``).
+
+        Returns how many streams were open. Used at the end of a graceful shutdown.
+        """
+        streams = list(self._streams)
+        for stream in streams:
+            stream.abort()
+        return len(streams)
 
     def healthy(self) -> bool:
         """True while accepting and at least one worker answered a ping recently."""

@@ -232,6 +232,23 @@ class RequestStream:
             self._open -= 1
         return out
 
+    def take_ready_nowait(self) -> list[RequestOutput]:
+        """Every output that is ready now, without waiting (possibly none).
+
+        The HTTP writer calls this after each ``__anext__`` to send all choices that have
+        news in one event batch.
+        """
+        ready = self._waker.ready
+        if not ready:
+            return []
+        outs = []
+        while ready:
+            out = ready.popleft().take()
+            if out.finish_reason is not None:
+                self._open -= 1
+            outs.append(out)
+        return outs
+
     async def wait_accepted(self) -> list[int]:
         """Wait until the engine has accepted every choice; return their prompt token counts.
 

@@ -49,10 +49,20 @@ class Engine(Protocol):
     def waiting(self) -> int: ...
 
 
-def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-    """Reject a request that cannot fit the model's context, with OpenAI's wording."""
+def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """Reject a request that cannot fit the model's context, with OpenAI's wording.
+
+    Returns the effective max_tokens: ``None`` (no limit asked) means what fits.
+    """
     if prompt_tokens < 1:
         raise Rejected("The prompt must contain at least one token.")
+    if max_tokens is None:
+        if prompt_tokens >= max_model_len:
+            raise Rejected(
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"your prompt has {prompt_tokens} tokens. Please reduce the length of the prompt."
+            )
+        return max_model_len - prompt_tokens
     if prompt_tokens + max_tokens > max_model_len:
         raise Rejected(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -60,3 +70,4 @@ def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> No
             f"{max_tokens} for the completion). Please reduce the length of the prompt or "
             "max_tokens."
         )
+    return max_tokens

@@ -129,15 +129,16 @@ class SimEngine:
         else:
             raise Rejected("prompt must be a string or a list of token ids")
         try:
-            max_tokens = int(params.get("max_tokens", 16))
+            max_tokens = params.get("max_tokens", 16)
+            max_tokens = None if max_tokens is None else int(max_tokens)
             temperature = float(params.get("temperature", 1.0))
             seed = params.get("seed")
             stop = [s for s in params.get("stop") or () if s]
         except (TypeError, ValueError):
             raise Rejected("malformed sampling parameters") from None
-        if max_tokens < 1:
+        if max_tokens is not None and max_tokens < 1:
             raise Rejected("max_tokens must be at least 1")
-        check_context(prompt_tokens, max_tokens, self.max_model_len)
+        max_tokens = check_context(prompt_tokens, max_tokens, self.max_model_len)
 
         req = _Req()
         req.rid = rid

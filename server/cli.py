@@ -1,0 +1,154 @@
+"""The command line: ``trio-llm-server`` and ``python -m server``.
+
+Every option is documented here (``--help``) and in docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import sys
+
+import trio
+
+from .config import EngineConfig, Limits, ServerConfig
+
+__all__ = ["main", "build_parser", "config_from_args"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="trio-llm-server",
+        description="An OpenAI-compatible LLM server on Trio: SSE streaming, engine workers "
+        "over pipes. Serves /v1/completions, /v1/chat/completions, /v1/models and /health.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("serving")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    g.add_argument("--keep-alive-timeout", type=float, default=30.0,
+                   help="seconds an idle keep-alive connection stays open")
+    g.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a client may take to send its request")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    g = p.add_argument_group("engine")
+    g.add_argument("--engine", default="sim", choices=["sim", "transformers"],
+                   help="the engine run by each worker: the built-in sim engine, or a "
+                   "Hugging Face transformers model (needs the [transformers] extra)")
+    g.add_argument("--model", default=None,
+                   help="served model name (default: 'sim', or the model directory's name)")
+    g.add_argument("--model-path", default=None, help="transformers: the local model directory")
+    g.add_argument("--device", default="cpu", help="transformers: torch device (cpu, cuda)")
+    g.add_argument("--dtype", default="auto", help="transformers: torch dtype (auto, float32, bfloat16)")
+    g.add_argument("--engine-workers", type=int, default=1,
+                   help="number of engine worker processes (requests go to the least loaded)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length limit (default: the engine's)")
+    g.add_argument("--max-batch", type=int, default=None,
+                   help="most requests running at once in each worker; the rest wait")
+
+    g = p.add_argument_group("sim engine")
+    g.add_argument("--sim-itl-ms", type=float, default=8.0, help="inter-token latency per request")
+    g.add_argument("--sim-ttft-ms", type=float, default=20.0, help="base time to first token")
+    g.add_argument("--sim-prefill-us-per-token", type=float, default=20.0,
+                   help="extra time to first token per prompt token, in microseconds")
+    g.add_argument("--sim-max-batch", type=int, default=256,
+                   help="most requests running at once in each sim worker")
+    g.add_argument("--sim-faults", action="store_true",
+                   help="enable fault injection: a request's 'fault' field, e.g. "
+                   '{"kind": "crash", "after": 3}, is honoured (for tests; never in production)')
+
+    g = p.add_argument_group("limits and timeouts")
+    g.add_argument("--max-concurrent-requests", type=int, default=None,
+                   help="requests in flight beyond which new ones get 503 with Retry-After")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may run before the server aborts it")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds in-flight requests may keep streaming "
+                   "before they are aborted (0: abort at once)")
+    g.add_argument("--drain-timeout", type=float, default=1.0,
+                   help="after an abort, seconds a worker has to confirm before the stream "
+                   "is cut off")
+    g.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request body; larger is a 413")
+    g.add_argument("--max-n", type=int, default=16, help="largest 'n' accepted")
+    g.add_argument("--max-tokens-cap", type=int, default=32768, help="largest 'max_tokens' accepted")
+    g.add_argument("--max-prompts", type=int, default=64, help="most prompts in one completions request")
+    g.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                   help="seconds a worker may leave pings unanswered before it is restarted")
+    g.add_argument("--max-restarts", type=int, default=5,
+                   help="most worker restarts within 60 s before the worker is left down")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    if args.engine == "sim":
+        options = {
+            "itl_ms": args.sim_itl_ms,
+            "ttft_ms": args.sim_ttft_ms,
+            "prefill_us_per_token": args.sim_prefill_us_per_token,
+            "max_batch": args.max_batch or args.sim_max_batch,
+            "faults": args.sim_faults,
+        }
+    else:
+        if not args.model_path:
+            raise SystemExit("trio-llm-server: --engine transformers needs --model-path DIR")
+        options = {"model_path": args.model_path, "device": args.device, "dtype": args.dtype}
+        if args.max_batch:
+            options["max_batch"] = args.max_batch
+        if args.model:
+            options["model"] = args.model
+    if args.max_model_len:
+        options["max_model_len"] = args.max_model_len
+    engine = EngineConfig(
+        engine=args.engine,
+        model=args.model,
+        workers=args.engine_workers,
+        engine_options=options,
+        drain_timeout=args.drain_timeout,
+        heartbeat_timeout=args.heartbeat_timeout,
+        max_restarts=args.max_restarts,
+    )
+    limits = Limits(
+        max_n=args.max_n,
+        max_tokens=args.max_tokens_cap,
+        max_prompts=args.max_prompts,
+        allow_faults=args.sim_faults,
+    )
+    return ServerConfig(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        limits=limits,
+        max_body_bytes=args.max_body_bytes,
+        request_timeout=args.request_timeout,
+        max_concurrent_requests=args.max_concurrent_requests,
+        shutdown_timeout=args.shutdown_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        read_timeout=args.read_timeout,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from .http.app import create_app
+    from .http.serve import serve
+
+    app = create_app(config)
+    trio.run(functools.partial(serve, config, app=app))
+    if app.fatal_error is not None:
+        print(f"trio-llm-server: {app.fatal_error}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

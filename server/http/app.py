@@ -1,0 +1,182 @@
+"""The ASGI application: a Quart-Trio app whose generation routes run on raw ASGI.
+
+``create_app(config)`` builds it. Quart serves the small routes (``/health``,
+``/v1/models``) and the lifespan, in whose nursery the engine runs as a service; the two
+generation routes, the hot path, go to :mod:`server.http.generate` before Quart sees them.
+Every error, Quart's own 404 and 405 included, is answered with an OpenAI-style JSON body.
+
+Embedding in a Trio program that already has an engine::
+
+    app = create_app(ServerConfig(), engine=engine)   # the app will not start or stop it
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import trio
+from quart import Response
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from ..config import ServerConfig
+from ..errors import (
+    MethodNotAllowed,
+    NotFound,
+    ServerError,
+    ServiceUnavailable,
+    error_body,
+)
+from ..manager.engine import Engine, run_engine
+from ..manager.worker import WorkerStartupError
+from .asgi import send_error
+from .encode import dumps
+from .generate import handle_generate
+
+__all__ = ["LLMServerApp", "create_app"]
+
+log = logging.getLogger("server.http")
+
+_GENERATE_ROUTES = {
+    "/v1/completions": False,
+    "/v1/chat/completions": True,
+}
+
+
+def _json_error(exc: ServerError) -> Response:
+    response = Response(dumps(error_body(exc)), status=exc.status, content_type="application/json")
+    if isinstance(exc, ServiceUnavailable):
+        response.headers["Retry-After"] = str(exc.retry_after)
+    return response
+
+
+class LLMServerApp(QuartTrio):
+    """The server's ASGI app. ``engine`` is None until the lifespan has started it."""
+
+    def __init__(self, config: ServerConfig, *, engine: Engine | None = None) -> None:
+        super().__init__("trio_llm_server")
+        self.server_config = config
+        self.engine = engine
+        self.started_at = time.time()
+        self._owns_engine = engine is None
+        self._engine_shutdown = trio.Event()
+        self._engine_stopped = trio.Event()
+        #: Set (with ``fatal_error``) when the engine cannot run at all; serve() then exits.
+        self.fatal = trio.Event()
+        self.fatal_error: BaseException | None = None
+        self._routes()
+
+    def require_engine(self) -> Engine:
+        """The engine, or ServiceUnavailable while it is not running."""
+        engine = self.engine
+        if engine is None:
+            raise ServiceUnavailable("The engine is not running (starting or stopping).", code="no_engine")
+        return engine
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            chat = _GENERATE_ROUTES.get(scope["path"])
+            if chat is not None:
+                if scope["method"] == "POST":
+                    await handle_generate(self, scope, receive, send, chat=chat)
+                else:
+                    exc = MethodNotAllowed(f"Method {scope['method']} is not allowed; use POST.")
+                    await send_error(send, exc, [(b"allow", b"POST")])
+                return
+        await super().__call__(scope, receive, send)
+
+    # -- lifespan ----------------------------------------------------------------------------
+
+    async def _start_engine(self) -> None:
+        if not self._owns_engine:
+            return
+        self.engine = await self.nursery.start(
+            functools.partial(self._run_engine)
+        )
+
+    async def _run_engine(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await run_engine(
+                self.server_config.engine, shutdown=self._engine_shutdown, task_status=task_status
+            )
+        except WorkerStartupError as exc:
+            log.error("%s", exc)
+            self.fatal_error = exc
+            self.fatal.set()
+        finally:
+            self.engine = None
+            self._engine_stopped.set()
+
+    async def _stop_engine(self) -> None:
+        if not self._owns_engine or self.engine is None:
+            return
+        self._engine_shutdown.set()
+        with trio.CancelScope(shield=True):
+            await self._engine_stopped.wait()
+
+    # -- the small routes --------------------------------------------------------------------
+
+    def _routes(self) -> None:
+        self.before_serving(self._start_engine)
+        self.after_serving(self._stop_engine)
+
+        @self.get("/health")
+        async def health():
+            engine = self.engine
+            if engine is None or not engine.healthy():
+                body = {"status": "unavailable"}
+                return Response(dumps(body), status=503, content_type="application/json", headers={"Retry-After": "1"})
+            return Response(dumps({"status": "ok"}), status=200, content_type="application/json")
+
+        @self.get("/v1/models")
+        async def models():
+            return Response(dumps({"object": "list", "data": [self._model_card()]}), content_type="application/json")
+
+        @self.get("/v1/models/<path:model_id>")
+        async def model(model_id: str):
+            if model_id != self._served_model():
+                raise NotFound(f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
+            return Response(dumps(self._model_card()), content_type="application/json")
+
+        @self.errorhandler(ServerError)
+        async def server_error(exc: ServerError):
+            return _json_error(exc)
+
+        @self.errorhandler(HTTPException)
+        async def http_error(exc: HTTPException):
+            if exc.code == 404:
+                return _json_error(NotFound("Not found."))
+            if exc.code == 405:
+                return _json_error(MethodNotAllowed("Method not allowed."))
+            error = ServerError(exc.description or exc.name)
+            error.status = exc.code or 500
+            error.type = "invalid_request_error" if (exc.code or 500) < 500 else "internal_error"
+            return _json_error(error)
+
+        @self.errorhandler(Exception)
+        async def internal_error(exc: Exception):
+            log.error("internal error", exc_info=exc)
+            return _json_error(ServerError("Internal server error."))
+
+    def _served_model(self) -> str:
+        if self.engine is not None:
+            return self.engine.model_name
+        return self.server_config.engine.model or self.server_config.engine.engine
+
+    def _model_card(self) -> dict:
+        card = {
+            "id": self._served_model(),
+            "object": "model",
+            "created": int(self.started_at),
+            "owned_by": "trio-llm-server",
+        }
+        if self.engine is not None and self.engine.info.get("max_model_len"):
+            card["max_model_len"] = self.engine.info["max_model_len"]
+        return card
+
+
+def create_app(config: ServerConfig | None = None, *, engine: Engine | None = None) -> LLMServerApp:
+    """Build the ASGI app. Without ``engine`` the app starts its own in its lifespan."""
+    return LLMServerApp(config or ServerConfig(), engine=engine)

@@ -1,0 +1,132 @@
+"""OpenAI response bodies and SSE events, as bytes. Sans-IO.
+
+Streaming chunks are the hot path (one per event sent), so :class:`ChunkEncoder` pre-encodes
+everything that is the same for every chunk of a response (id, object, created, model) once,
+and a chunk costs one ``json.dumps`` of the text delta plus a few byte concatenations.
+
+Shapes, field for field as OpenAI sends them::
+
+    data: {"id":"cmpl-..","object":"text_completion","created":1700000000,"model":"sim",
+           "choices":[{"index":0,"text":" the","logprobs":null,"finish_reason":null}]}
+
+    data: {"id":"chatcmpl-..","object":"chat.completion.chunk",...,
+           "choices":[{"index":0,"delta":{"content":" the"},"logprobs":null,"finish_reason":null}]}
+
+    data: [DONE]
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..errors import ServerError, error_body
+
+__all__ = ["ChunkEncoder", "DONE", "completion_body", "dumps", "error_event"]
+
+#: The last event of every stream.
+DONE = b"data: [DONE]\n\n"
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def dumps(obj) -> bytes:
+    """Compact JSON as UTF-8 bytes."""
+    return _dumps(obj).encode()
+
+
+def error_event(exc: ServerError) -> bytes:
+    """``data: {"error": {...}}``: makes the OpenAI SDK raise instead of ending quietly."""
+    return b"data: " + dumps(error_body(exc)) + b"\n\n"
+
+
+def _finish(reason: str | None) -> bytes:
+    return b"null" if reason is None else b'"' + reason.encode() + b'"'
+
+
+class ChunkEncoder:
+    """The SSE events of one streaming response."""
+
+    __slots__ = ("_head", "_mid", "_tail", "_chat", "_usage_head")
+
+    def __init__(self, *, chat: bool, response_id: str, created: int, model: str) -> None:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = dumps({"id": response_id, "object": obj, "created": created, "model": model})
+        self._chat = chat
+        self._head = b"data: " + head[:-1] + b',"choices":[{"index":'
+        self._usage_head = b"data: " + head[:-1] + b',"choices":[],"usage":'
+        if chat:
+            self._mid = b',"delta":{"content":'
+            self._tail = b'},"logprobs":null,"finish_reason":'
+        else:
+            self._mid = b',"text":'
+            self._tail = b',"logprobs":null,"finish_reason":'
+
+    def delta(self, index: int, text: str, finish_reason: str | None = None) -> bytes:
+        """A chunk with new text for one choice (and its finish reason, if it ended)."""
+        if self._chat and not text and finish_reason is not None:
+            return (
+                self._head + str(index).encode() + b',"delta":{},"logprobs":null,"finish_reason":'
+                + _finish(finish_reason) + b"}]}\n\n"
+            )
+        return (
+            self._head + str(index).encode() + self._mid + _dumps(text).encode()
+            + self._tail + _finish(finish_reason) + b"}]}\n\n"
+        )
+
+    def role(self, index: int) -> bytes:
+        """A chat choice's opening chunk: ``delta: {"role": "assistant", "content": ""}``."""
+        return (
+            self._head + str(index).encode()
+            + b',"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """The last chunk with ``include_usage``: no choices, just the usage."""
+        return self._usage_head + dumps(usage(prompt_tokens, completion_tokens)) + b"}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_body(
+    *,
+    chat: bool,
+    response_id: str,
+    created: int,
+    model: str,
+    texts: list[str],
+    finish_reasons: list[str | None],
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> bytes:
+    """The body of a non-streaming completions or chat response."""
+    if chat:
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+            for i, (text, reason) in enumerate(zip(texts, finish_reasons))
+        ]
+    else:
+        choices = [
+            {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+            for i, (text, reason) in enumerate(zip(texts, finish_reasons))
+        ]
+    return dumps(
+        {
+            "id": response_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens),
+        }
+    )

@@ -1,0 +1,251 @@
+"""Parsing and validating OpenAI request bodies. Sans-IO: bytes in, a request or a ClientError out.
+
+Everything a client can get wrong is decided here, before a response starts, so that it is
+answered with a 400 (or 404 for an unknown model) and never surfaces as a broken stream.
+Unknown fields are accepted and ignored, as OpenAI clients send extras; known fields that we
+cannot honour (``logprobs``) are refused rather than silently ignored.
+
+Example::
+
+    req = parse_completion(b'{"model": "sim", "prompt": "hi", "max_tokens": 4}', limits)
+    req.prompts, req.params.max_tokens   # (["hi"], 4)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from ..config import Limits
+from ..errors import ClientError, NotFound
+from ..params import SamplingParams
+
+__all__ = ["GenerateRequest", "parse_completion", "parse_chat", "decode_json"]
+
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+_MAX_TOKEN_ID = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A validated completions or chat request."""
+
+    chat: bool
+    model: str | None
+    prompts: list  # each: str, list[int], or {"messages": [...]}
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: bool
+    user: str | None
+
+
+def decode_json(body: bytes) -> dict:
+    """The body as a JSON object, or a ClientError that says what is wrong with it."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ClientError("The request body is not valid UTF-8.") from None
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise ClientError("The request body is nested too deeply.") from None
+    except ValueError as exc:
+        raise ClientError(f"The request body is not valid JSON: {exc}.") from None
+    if not isinstance(data, dict):
+        raise ClientError("The request body must be a JSON object.")
+    return data
+
+
+def _int(data: dict, name: str, default, lo: int, hi: int):
+    value = data.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer() and lo <= value <= hi:
+            return int(value)
+        raise ClientError(f"'{name}' must be an integer.", param=name)
+    if not lo <= value <= hi:
+        raise ClientError(f"'{name}' must be between {lo} and {hi}, got {value}.", param=name)
+    return value
+
+
+def _number(data: dict, name: str, default: float, lo: float, hi: float, lo_open=False) -> float:
+    value = data.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ClientError(f"'{name}' must be a number.", param=name)
+    value = float(value)
+    if not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo):
+        bound = f"greater than {lo}" if lo_open else f"at least {lo}"
+        raise ClientError(f"'{name}' must be {bound} and at most {hi}.", param=name)
+    return value
+
+
+def _bool(data: dict, name: str, default: bool) -> bool:
+    value = data.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ClientError(f"'{name}' must be a boolean.", param=name)
+    return value
+
+
+def _stop(data: dict, limits: Limits) -> tuple[str, ...]:
+    stop = data.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ClientError("'stop' must be a string or a list of strings.", param="stop")
+    if len(stop) > limits.max_stop:
+        raise ClientError(f"'stop' may hold at most {limits.max_stop} strings.", param="stop")
+    return tuple(s for s in stop if s)
+
+
+def _token_ids(value: list) -> bool:
+    return all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _MAX_TOKEN_ID for t in value
+    )
+
+
+def _prompts(data: dict, limits: Limits) -> list:
+    if "prompt" not in data:
+        raise ClientError("'prompt' is required.", param="prompt")
+    prompt = data["prompt"]
+    error = ClientError(
+        "'prompt' must be a string, a list of strings, a list of token ids or a list of "
+        "lists of token ids.",
+        param="prompt",
+    )
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            prompts = list(prompt)
+        elif _token_ids(prompt):
+            prompts = [prompt]
+        elif all(isinstance(p, list) and p and _token_ids(p) for p in prompt):
+            prompts = list(prompt)
+        else:
+            raise error
+    else:
+        raise error
+    if len(prompts) > limits.max_prompts:
+        raise ClientError(
+            f"At most {limits.max_prompts} prompts per request.", param="prompt"
+        )
+    if any(p == "" for p in prompts):
+        raise ClientError("'prompt' must not be empty.", param="prompt")
+    return prompts
+
+
+def _content(content, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ClientError(
+                    "Only text content parts are supported.", param=f"messages[{index}].content"
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ClientError(
+                    "A text content part needs a string 'text'.",
+                    param=f"messages[{index}].content",
+                )
+            parts.append(text)
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise ClientError("'content' must be a string or a list of parts.", param=f"messages[{index}].content")
+
+
+def _messages(data: dict) -> list:
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ClientError("'messages' must be a non-empty list.", param="messages")
+    rendered = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ClientError("Each message must be an object.", param=f"messages[{i}]")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise ClientError(
+                f"'role' must be one of {', '.join(_ROLES)}.", param=f"messages[{i}].role"
+            )
+        rendered.append({"role": role, "content": _content(m.get("content"), i)})
+    return rendered
+
+
+def _common(data: dict, limits: Limits, served_model: str, *, chat: bool) -> dict:
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ClientError("'model' must be a string.", param="model")
+    if model is not None and model != served_model:
+        raise NotFound(f"The model '{model}' does not exist.", param="model", code="model_not_found")
+    stream = _bool(data, "stream", False)
+    options = data.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise ClientError(
+                "'stream_options' is only allowed when 'stream' is true.", param="stream_options"
+            )
+        if not isinstance(options, dict):
+            raise ClientError("'stream_options' must be an object.", param="stream_options")
+        include_usage = _bool(options, "include_usage", False)
+    logprobs = data.get("logprobs")
+    if logprobs not in (None, False, 0):
+        raise ClientError("'logprobs' is not supported by this server.", param="logprobs")
+    user = data.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ClientError("'user' must be a string.", param="user")
+    if chat:
+        max_tokens = _int(data, "max_completion_tokens", None, 1, limits.max_tokens)
+        if max_tokens is None:
+            max_tokens = _int(data, "max_tokens", None, 1, limits.max_tokens)
+    else:
+        max_tokens = _int(data, "max_tokens", 16, 1, limits.max_tokens)
+    extra = {}
+    if limits.allow_faults and isinstance(data.get("fault"), dict):
+        extra["fault"] = data["fault"]
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_number(data, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(data, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        seed=_int(data, "seed", None, -(2**63), 2**64 - 1),
+        stop=_stop(data, limits),
+        n=_int(data, "n", 1, 1, limits.max_n),
+        ignore_eos=_bool(data, "ignore_eos", False),
+        extra=extra,
+    )
+    return {"model": model, "params": params, "stream": stream, "include_usage": include_usage, "user": user}
+
+
+def parse_completion(body: bytes, limits: Limits, served_model: str) -> GenerateRequest:
+    """Validate a ``/v1/completions`` body."""
+    data = decode_json(body)
+    common = _common(data, limits, served_model, chat=False)
+    prompts = _prompts(data, limits)
+    echo = _bool(data, "echo", False)
+    if echo and not all(isinstance(p, str) for p in prompts):
+        raise ClientError("'echo' is only supported with text prompts.", param="echo")
+    if len(prompts) * common["params"].n > limits.max_n * limits.max_prompts:
+        raise ClientError("Too many choices in one request.", param="n")
+    return GenerateRequest(chat=False, prompts=prompts, echo=echo, **common)
+
+
+def parse_chat(body: bytes, limits: Limits, served_model: str) -> GenerateRequest:
+    """Validate a ``/v1/chat/completions`` body."""
+    data = decode_json(body)
+    common = _common(data, limits, served_model, chat=True)
+    messages = _messages(data)
+    return GenerateRequest(
+        chat=True, prompts=[{"messages": messages}], echo=False, **common
+    )

@@ -1,0 +1,121 @@
+"""Serving the app with hypercorn's Trio worker, with a graceful drain on SIGTERM/SIGINT.
+
+Shutdown, in order (see docs/operations.md):
+
+1. The first SIGTERM or SIGINT: the engine stops accepting (``/health`` and new requests get
+   503), requests in flight keep streaming for up to ``shutdown_timeout`` seconds.
+2. Then every stream still open is aborted: each open choice ends with
+   ``finish_reason: "abort"`` and ``data: [DONE]`` (bounded by the engine's drain timeout).
+3. Hypercorn stops listening and closes connections; the lifespan stops the workers (pipe
+   closed, SIGTERM, SIGKILL, each after a grace period). The process exits 0.
+
+A second signal skips what is left of step 1 and 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from ..config import ServerConfig
+from .app import LLMServerApp, create_app
+
+__all__ = ["serve", "hypercorn_config"]
+
+log = logging.getLogger("server")
+
+
+def hypercorn_config(config: ServerConfig) -> HypercornConfig:
+    """Hypercorn settings for ``config``: bind address, timeouts, no access log."""
+    hc = HypercornConfig()
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    hc.bind = [f"{host}:{config.port}"]
+    hc.keep_alive_timeout = config.keep_alive_timeout
+    hc.read_timeout = int(config.read_timeout) if config.read_timeout else None
+    hc.graceful_timeout = 5.0
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    return hc
+
+
+async def drain(app: LLMServerApp, timeout: float, *, hurry: trio.Event | None = None) -> None:
+    """Stop accepting, let in-flight requests finish for ``timeout`` s, then abort the rest."""
+    engine = app.engine
+    if engine is None:
+        return
+    engine.stop_accepting()
+    open_now = engine.statistics().open_streams
+    log.info("draining: %d request(s) in flight, up to %.1f s", open_now, timeout)
+    with trio.move_on_after(timeout):
+        async with trio.open_nursery() as nursery:
+            async def _hurry():
+                if hurry is not None:
+                    await hurry.wait()
+                    nursery.cancel_scope.cancel()
+            nursery.start_soon(_hurry)
+            await engine.wait_idle()
+            nursery.cancel_scope.cancel()
+    aborted = engine.abort_all()
+    if aborted:
+        log.info("draining: aborting %d request(s)", aborted)
+        with trio.move_on_after(engine.config.drain_timeout + 1.0):
+            await engine.wait_idle()
+
+
+async def serve(
+    config: ServerConfig,
+    *,
+    app: LLMServerApp | None = None,
+    handle_signals: bool = True,
+    shutdown_trigger: trio.Event | None = None,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``config`` until a signal (or ``shutdown_trigger``) ends it, drained gracefully.
+
+    ``started(urls)`` reports the bound addresses, e.g. ``["http://127.0.0.1:8000"]``.
+    """
+    app = app or create_app(config)
+    hc = hypercorn_config(config)
+    stop_listening = trio.Event()
+    begin = trio.Event() if shutdown_trigger is None else shutdown_trigger
+    hurry = trio.Event()
+
+    async def watch_signals():
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if not begin.is_set():
+                    log.info("%s: shutting down gracefully", signal.Signals(signum).name)
+                    begin.set()
+                else:
+                    log.warning("second signal: stopping now")
+                    hurry.set()
+                    stop_listening.set()
+
+    async def stop_on_fatal():
+        await app.fatal.wait()
+        hurry.set()
+        begin.set()
+
+    async def shutdown_when_asked():
+        await begin.wait()
+        await drain(app, config.shutdown_timeout, hurry=hurry)
+        stop_listening.set()
+
+    async with trio.open_nursery() as nursery:
+
+        async def run_hypercorn(*, task_status):
+            await hypercorn_serve(app, hc, shutdown_trigger=stop_listening.wait, task_status=task_status)
+            nursery.cancel_scope.cancel()  # the other tasks only existed to end it
+
+        if handle_signals:
+            nursery.start_soon(watch_signals)
+        nursery.start_soon(shutdown_when_asked)
+        nursery.start_soon(stop_on_fatal)
+        binds = await nursery.start(run_hypercorn)
+        for url in binds:
+            log.info("serving on %s (engine %s)", url, config.engine.engine)
+        task_status.started(binds)

@@ -1,0 +1,123 @@
+"""Shared fixtures: a real server on a loopback port, and the invariants checked after tests.
+
+``running_server(config, **server_options)`` serves the real app with hypercorn on
+127.0.0.1 port 0, real worker processes behind it, and yields its base URL (a ``str`` with
+an ``app`` attribute for tests that look inside). When the block exits it checks the
+invariants: no stream left in the manager, no request left in any worker, and, once the
+server is down, no worker process left.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+import trio
+
+from server.config import EngineConfig, Limits, ServerConfig
+from server.http.app import create_app
+from server.http.serve import serve
+
+FAST_SIM = {"itl_ms": 2.0, "ttft_ms": 5.0, "prefill_us_per_token": 0.0}
+
+
+class ServerURL(str):
+    """The base URL, e.g. ``http://127.0.0.1:41234``; ``.app`` is the running app."""
+
+    app = None
+
+    @property
+    def engine(self):
+        return self.app.engine
+
+
+def child_pids() -> set[int]:
+    """Live (non-zombie) child processes of this test process, from /proc."""
+    me = os.getpid()
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == me and fields[0] != "Z":
+            found.add(int(entry))
+    return found
+
+
+async def wait_http_ok(url: str, timeout: float = 30.0) -> None:
+    async with httpx.AsyncClient() as client:
+        with trio.fail_after(timeout):
+            while True:
+                try:
+                    r = await client.get(url)
+                    if r.status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                await trio.sleep(0.02)
+
+
+async def assert_engine_idle(engine, timeout: float = 5.0) -> None:
+    """Nothing in the manager, nothing running or waiting in any worker (waits up to
+    ``timeout`` for in-flight aborts and requests that ignore aborts to finish)."""
+    with trio.fail_after(timeout):
+        while True:
+            stats = engine.statistics()
+            counts = await engine.ping_all()
+            if (
+                stats.open_streams == 0
+                and stats.outstanding == 0
+                and all(c == (0, 0) for c in counts)
+            ):
+                return
+            await trio.sleep(0.02)
+
+
+@asynccontextmanager
+async def running_server(config: EngineConfig | None = None, **server_options):
+    engine_config = config or EngineConfig(engine_options=dict(FAST_SIM))
+    server_options.setdefault("shutdown_timeout", 0)
+    if "limits" not in server_options:
+        faults = bool(engine_config.engine_options.get("faults"))
+        server_options["limits"] = Limits(allow_faults=faults)
+    cfg = ServerConfig(engine=engine_config, host="127.0.0.1", port=0, **server_options)
+    app = create_app(cfg)
+    before = child_pids()
+    async with trio.open_nursery() as nursery:
+        shutdown = trio.Event()
+        binds = await nursery.start(
+            functools.partial(serve, cfg, app=app, handle_signals=False, shutdown_trigger=shutdown)
+        )
+        url = ServerURL(binds[0])
+        url.app = app
+        try:
+            await wait_http_ok(url + "/health")
+            yield url
+            if app.engine is not None:
+                await assert_engine_idle(app.engine)
+        finally:
+            shutdown.set()
+    with trio.fail_after(10):
+        while child_pids() - before:
+            await trio.sleep(0.05)
+
+
+@pytest.fixture
+async def server_url():
+    async with running_server() as url:
+        yield url
+
+
+@pytest.fixture
+async def fault_server_url():
+    config = EngineConfig(engine_options={**FAST_SIM, "faults": True}, drain_timeout=0.5)
+    async with running_server(config) as url:
+        yield url
