@@ -90,3 +90,5 @@ class ServerConfig:
     #: its request within ``read_timeout`` seconds.
     keep_alive_timeout: float = 30.0
     read_timeout: float = 30.0
+    #: After the drain, seconds open connections (idle keep-alives) get before they are cut.
+    close_timeout: float = 2.0

@@ -85,6 +85,7 @@ async def assert_engine_idle(engine, timeout: float = 5.0) -> None:
 async def running_server(config: EngineConfig | None = None, **server_options):
     engine_config = config or EngineConfig(engine_options=dict(FAST_SIM))
     server_options.setdefault("shutdown_timeout", 0)
+    server_options.setdefault("close_timeout", 0.2)
     if "limits" not in server_options:
         faults = bool(engine_config.engine_options.get("faults"))
         server_options["limits"] = Limits(allow_faults=faults)

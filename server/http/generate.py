@@ -10,7 +10,7 @@ One request, one nursery::
     ├── nursery
     │   ├── watch_disconnect            the cancellation monitor: cancels the nursery when
     │   │                               the client goes away
-    │   └── (this task) write           wait_accepted (-> 4xx/5xx with a status), then the
+    │   └── (this task) write           wait_started (-> 4xx/5xx with a status), then the
     │                                   stream: one send per batch of ready outputs
     └── the stream's aclose             shielded and bounded: aborts what is unfinished
 
@@ -75,10 +75,10 @@ async def handle_generate(app, scope: dict, receive, send, *, chat: bool) -> Non
             nursery.cancel_scope.cancel()
 
 
-async def _accepted(send, stream) -> list[int] | None:
-    """Prompt token counts once the engine accepted everything; else answer with a status."""
+async def _started(send, stream) -> list[int] | None:
+    """Prompt token counts once the engine has started; else answer with a status."""
     try:
-        return await stream.wait_accepted()
+        return await stream.wait_started()
     except ServerError as exc:
         await send_error(send, exc)
         return None
@@ -90,7 +90,7 @@ def _prompt_tokens(per_choice: list[int], n: int) -> int:
 
 
 async def _write_stream(send, stream, req, response_id: str, model: str) -> None:
-    per_choice = await _accepted(send, stream)
+    per_choice = await _started(send, stream)
     if per_choice is None:
         return
     await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
@@ -134,7 +134,7 @@ async def _write_stream(send, stream, req, response_id: str, model: str) -> None
 
 
 async def _write_full(send, stream, req, response_id: str, model: str) -> None:
-    per_choice = await _accepted(send, stream)
+    per_choice = await _started(send, stream)
     if per_choice is None:
         return
     k = len(per_choice)

@@ -59,7 +59,7 @@ def decode_json(body: bytes) -> dict:
 
 
 def _int(data: dict, name: str, default, lo: int, hi: int):
-    value = data.get(name, default)
+    value = data.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
@@ -211,7 +211,7 @@ def _common(data: dict, limits: Limits, served_model: str, *, chat: bool) -> dic
         if max_tokens is None:
             max_tokens = _int(data, "max_tokens", None, 1, limits.max_tokens)
     else:
-        max_tokens = _int(data, "max_tokens", 16, 1, limits.max_tokens)
+        max_tokens = _int(data, "max_tokens", min(16, limits.max_tokens), 1, limits.max_tokens)
     extra = {}
     if limits.allow_faults and isinstance(data.get("fault"), dict):
         extra["fault"] = data["fault"]

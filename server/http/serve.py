@@ -36,7 +36,7 @@ def hypercorn_config(config: ServerConfig) -> HypercornConfig:
     hc.bind = [f"{host}:{config.port}"]
     hc.keep_alive_timeout = config.keep_alive_timeout
     hc.read_timeout = int(config.read_timeout) if config.read_timeout else None
-    hc.graceful_timeout = 5.0
+    hc.graceful_timeout = config.close_timeout
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
     return hc

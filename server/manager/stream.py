@@ -249,23 +249,26 @@ class RequestStream:
             outs.append(out)
         return outs
 
-    async def wait_accepted(self) -> list[int]:
-        """Wait until the engine has accepted every choice; return their prompt token counts.
+    async def wait_started(self) -> list[int]:
+        """Wait until the engine accepted every choice and produced the first output; return
+        the prompt token count of each choice.
 
-        Raises the request's error instead (after closing the stream) when any choice ended
+        Raises the request's error instead (after closing the stream) when a choice ended
         with an error before producing a token: a client fault such as a prompt over the
-        context limit (:class:`~server.errors.ClientError`), or a failed engine. The HTTP
-        layer calls this before it sends the first byte, to answer such errors with a status.
+        context limit (:class:`~server.errors.ClientError`), or an engine failure
+        (:class:`~server.errors.EngineError`). The HTTP layer calls this before it sends the
+        first byte, so that such errors are answered with a status instead of a stream.
         """
+        choices = self._choices
         try:
             while True:
-                for c in self._choices:
+                for c in choices:
                     if c.done and c.error_kind is not None and c.completion_tokens == 0:
                         exc = RequestOutput(0, "", 0, 0, 0, "error", c.error_kind, c.error)
                         await self.aclose()
                         raise exc.exception()
-                if all(c.accepted or c.done for c in self._choices):
-                    return [c.prompt_tokens for c in self._choices]
+                if self._waker.ready and all(c.accepted or c.done for c in choices):
+                    return [c.prompt_tokens for c in choices]
                 await self._waker.park()
         except ServerError:
             raise

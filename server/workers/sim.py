@@ -69,7 +69,7 @@ def count_tokens(text: str) -> int:
 class _Req:
     __slots__ = (
         "rid", "rng", "max_tokens", "stop", "stop_max", "held", "produced", "ready_at",
-        "fault", "fault_after", "prompt_tokens",
+        "fault", "fault_after", "prompt_tokens", "started",
     )
 
 
@@ -87,8 +87,11 @@ class SimEngine:
         max_batch: int = 256,
         max_model_len: int = 8192,
         faults: bool = False,
+        startup_delay_ms: float = 0.0,
         clock=time.monotonic,
     ) -> None:
+        if startup_delay_ms:  # pretend to load weights (lets tests see a starting server)
+            time.sleep(startup_delay_ms / 1000.0)
         self._clock = clock
         self.itl = itl_ms / 1000.0
         self.ttft = ttft_ms / 1000.0
@@ -153,6 +156,7 @@ class SimEngine:
         req.stop_max = max((len(s) for s in stop), default=0)
         req.held = ""
         req.produced = 0
+        req.started = False
         req.prompt_tokens = prompt_tokens
         req.ready_at = 0.0
         req.fault = None
@@ -200,9 +204,10 @@ class SimEngine:
         else:
             candidates = list(self._starting.values())
         for req in candidates:
-            if req.produced == 0:
+            if not req.started:
                 if req.ready_at > now:
                     continue
+                req.started = True
                 del self._starting[req.rid]
             out = self._advance(req)
             if out is not None:

@@ -1,0 +1,343 @@
+"""The transformers engine: a local Hugging Face causal LM, served with continuous batching.
+
+Example (what a worker process does with ``--engine transformers --model-path DIR``)::
+
+    engine = TransformersEngine(model_path="/models/qwen2.5-0.5b", device="cpu")
+    engine.add(1, "Once upon a time", {"max_tokens": 16, "temperature": 0})
+    while engine.next_deadline() is not None:
+        for rid, text, ntok, finish, err in engine.step(time.monotonic()):
+            print(text, end="")
+
+Theory of operation
+-------------------
+Sans-IO and synchronous, like every engine (:mod:`server.workers.base`): the worker loop
+reads its pipe between calls. :meth:`add` tokenizes and validates (a client fault raises
+:class:`~server.workers.base.Rejected`) and queues the request. Each :meth:`step` is one
+round of continuous batching:
+
+1. **decode**: one forward pass gives one token to every running request
+   (:class:`~server.workers.hf_batch.KVBatch`: a left-padded KV cache, one row per request);
+2. requests that finished (EOS, a stop string, ``max_tokens``) leave the batch, and their
+   cache rows are freed;
+3. **admit**: waiting requests, in FIFO order, up to ``max_batch`` running and at most
+   ``prefill_tokens`` prompt tokens per step (always at least one request), are prefilled
+   in one padded forward pass that also gives them their first token, and join the batch.
+
+So a request joins and leaves between steps, and nothing waits for a whole batch to end.
+An abort removes the request's row at once (:meth:`abort` frees its cache before it returns).
+:meth:`next_deadline` is 0 while any request is running or waiting (the loop steps as fast
+as the model allows) and None when idle.
+
+Text is made here, in the worker (:mod:`server.workers.hf_text`): the frontend receives
+finished UTF-8 text and never loads a tokenizer. See ``docs/transformers.md`` for why.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+try:
+    import tokenizers  # noqa: F401
+    import torch
+    import transformers
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        f"the transformers engine needs torch, transformers and tokenizers ({exc}); "
+        "install them with: pip install -e '.[transformers]'"
+    ) from None
+
+from .base import Rejected, check_context
+from .hf_batch import KVBatch, UnsupportedModel
+from .hf_sample import sample
+from .hf_text import RequestText
+
+__all__ = ["TransformersEngine", "load_model"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def load_model(model_path: str, *, device: str = "cpu", dtype: str | None = None, attn=None):
+    """(model, tokenizer) from a local directory, offline; exceptions carry one clear line."""
+    path = Path(model_path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise NotADirectoryError(f"model path {path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+    if dtype is None:
+        dtype = "float32" if device == "cpu" else "auto"
+    if dtype != "auto" and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(_DTYPES)}, not {dtype!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!r} requested, but torch {torch.__version__} sees no GPU")
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise RuntimeError(f"cannot load the tokenizer in {path}: {_one_line(exc)}") from None
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise RuntimeError(f"{path} has no fast tokenizer (tokenizer.json), which is required")
+    kwargs = {"dtype": "auto" if dtype == "auto" else _DTYPES[dtype], "local_files_only": True}
+    if attn:
+        kwargs["attn_implementation"] = attn
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = model.to(device).eval()
+    except Exception as exc:
+        raise RuntimeError(f"cannot load the model in {path}: {_one_line(exc)}") from None
+    return model, tokenizer
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def _context_length(config, tokenizer) -> int:
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    if isinstance(value, int) and 0 < value < 1_000_000_000:
+        return value
+    return 2048
+
+
+class _Req:
+    __slots__ = (
+        "rid", "prompt", "max_tokens", "temperature", "top_p", "rng", "ignore_eos", "text",
+        "produced", "last",
+    )
+
+
+class TransformersEngine:
+    """See the module docstring. Options come from ``EngineConfig.engine_options``."""
+
+    def __init__(
+        self,
+        *,
+        model_path: str | None = None,
+        device: str = "cpu",
+        dtype: str | None = None,
+        max_batch: int = 32,
+        max_model_len: int | None = None,
+        prefill_tokens: int = 2048,
+        model: str | None = None,
+        num_threads: int | None = None,
+        attn_implementation: str | None = None,
+    ) -> None:
+        if not model_path:
+            raise ValueError("the transformers engine needs model_path (--model-path DIR)")
+        if max_batch < 1 or prefill_tokens < 1:
+            raise ValueError("max_batch and prefill_tokens must be at least 1")
+        if num_threads:
+            torch.set_num_threads(int(num_threads))
+        self.model, self.tokenizer = load_model(
+            model_path, device=device, dtype=dtype, attn=attn_implementation
+        )
+        self._tok = self.tokenizer.backend_tokenizer
+        limit = _context_length(self.model.config, self.tokenizer)
+        if max_model_len is None:
+            max_model_len = limit
+        elif not 0 < max_model_len <= limit:
+            raise ValueError(f"max_model_len must be between 1 and the model's {limit}")
+        self.max_model_len = max_model_len
+        self.max_batch = max_batch
+        self.prefill_tokens = prefill_tokens
+        self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
+        self.eos_ids = self._eos_ids()
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.chat_template = template if isinstance(template, str) and template else None
+        self.info = {
+            "engine": "transformers",
+            "model": model or Path(model_path).expanduser().resolve().name,
+            "max_model_len": max_model_len,
+            "chat_template": self.chat_template,
+            "device": str(self.model.device),
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "max_batch": max_batch,
+        }
+        self._batch = KVBatch(self.model)
+        self._rows: list[_Req] = []  # the batch's rows, in row order
+        self._waiting: dict[int, _Req] = {}  # insertion order is FIFO order
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (self.model.generation_config, self.model.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(v for v in value if isinstance(v, int))
+        return frozenset(ids)
+
+    # -- the Engine interface ---------------------------------------------------------------
+
+    def add(self, rid: int, prompt: object, params: dict) -> int:
+        ids = self.encode(prompt)
+        try:
+            max_tokens = int(params.get("max_tokens", 16))
+            temperature = float(params.get("temperature", 1.0))
+            top_p = float(params.get("top_p", 1.0))
+            seed = params.get("seed")
+            seed = None if seed is None else int(seed)
+            stop = tuple(s for s in params.get("stop") or () if s)
+            ignore_eos = bool(params.get("ignore_eos", False))
+        except (TypeError, ValueError):
+            raise Rejected("malformed sampling parameters") from None
+        if max_tokens < 1:
+            raise Rejected("max_tokens must be at least 1")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise Rejected("temperature must be >= 0 and top_p in (0, 1]")
+        check_context(len(ids), max_tokens, self.max_model_len)
+        req = _Req()
+        req.rid = rid
+        req.prompt = ids
+        req.max_tokens = max_tokens
+        req.temperature = temperature
+        req.top_p = top_p
+        req.rng = None
+        if temperature > 0:
+            req.rng = torch.Generator()
+            req.rng.manual_seed(random.getrandbits(63) if seed is None else seed % (1 << 63))
+        req.ignore_eos = ignore_eos
+        req.text = RequestText(self._tok, ids, stop)
+        req.produced = 0
+        req.last = -1
+        self._waiting[rid] = req
+        return len(ids)
+
+    def encode(self, prompt: object) -> list[int]:
+        """Token ids of a prompt (a string, token ids, or ``{"messages": [...]}``)."""
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt).input_ids
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            if any(not 0 <= t < self.vocab_size for t in prompt):
+                raise Rejected(f"token ids must be between 0 and {self.vocab_size - 1}")
+            return list(prompt)
+        if isinstance(prompt, dict):
+            messages = prompt.get("messages")
+            if not isinstance(messages, list):
+                raise Rejected("messages must be a list")
+            if self.chat_template is None:
+                raise Rejected(
+                    f"model {self.info['model']!r} has no chat template, so it cannot serve "
+                    "chat completions; use /v1/completions with a prompt"
+                )
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True
+                )
+            except Exception as exc:
+                raise Rejected(f"cannot render the chat template: {_one_line(exc)}") from None
+            return self.tokenizer(text, add_special_tokens=False).input_ids
+        raise Rejected("prompt must be a string or a list of token ids")
+
+    def abort(self, rid: int) -> bool:
+        if self._waiting.pop(rid, None) is not None:
+            return True
+        for row, req in enumerate(self._rows):
+            if req.rid == rid:
+                del self._rows[row]
+                self._batch.remove([row])
+                return True
+        return False
+
+    def next_deadline(self) -> float | None:
+        return 0.0 if self._rows or self._waiting else None
+
+    def running(self) -> int:
+        return len(self._rows)
+
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def cached_tokens(self) -> int:
+        """KV-cache slots held by the running batch (padding included); 0 when idle."""
+        return self._batch.cached_tokens()
+
+    def step(self, now: float) -> list[list]:
+        outputs: list[list] = []
+        try:
+            with torch.inference_mode():
+                if self._rows:
+                    logits = self._batch.decode([r.last for r in self._rows])
+                    self._advance(self._rows, logits, outputs)
+                if self._waiting and len(self._rows) < self.max_batch:
+                    group = self._admit()
+                    self._rows.extend(group)
+                    logits = self._batch.prefill([r.prompt for r in group])
+                    self._advance(group, logits, outputs)
+        except UnsupportedModel as exc:
+            self._fail_all(outputs, str(exc))
+        except Exception as exc:  # the model failed (out of memory, ...): fail, keep serving
+            print(f"transformers engine: step failed: {exc!r}", file=sys.stderr)
+            self._fail_all(outputs, f"the model failed: {_one_line(exc)}")
+        return outputs
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _admit(self) -> list[_Req]:
+        room = self.max_batch - len(self._rows)
+        group: list[_Req] = []
+        budget = self.prefill_tokens
+        for rid, req in self._waiting.items():
+            if len(group) >= room or (group and len(req.prompt) > budget):
+                break
+            group.append(req)
+            budget -= len(req.prompt)
+        for req in group:
+            del self._waiting[req.rid]
+        return group
+
+    def _advance(self, reqs: list[_Req], logits, outputs: list[list]) -> None:
+        """Sample one token for each of ``reqs`` (the rows ``logits`` belong to), emit their
+        outputs, and drop the ones that finished from the batch."""
+        tokens = sample(logits, [(r.temperature, r.top_p, r.rng) for r in reqs])
+        finished = []
+        for req, tok in zip(reqs, tokens):
+            req.produced += 1
+            req.last = tok
+            if tok in self.eos_ids and not req.ignore_eos:
+                text, _ = req.text.finish()
+                finish = "stop"
+            else:
+                text, stopped = req.text.feed(tok)
+                finish = "stop" if stopped else None
+                if finish is None and req.produced >= req.max_tokens:
+                    more, stopped = req.text.finish()
+                    text += more
+                    finish = "stop" if stopped else "length"
+            outputs.append([req.rid, text, 1, finish, None])
+            if finish is not None:
+                finished.append(req)
+        if finished:
+            gone = {id(r) for r in finished}
+            rows = [i for i, r in enumerate(self._rows) if id(r) in gone]
+            self._rows = [r for r in self._rows if id(r) not in gone]
+            self._batch.remove(rows)
+
+    def _fail_all(self, outputs: list[list], message: str) -> None:
+        done = {o[0] for o in outputs if o[3] is not None}
+        for req in self._rows:
+            if req.rid not in done:
+                outputs.append([req.rid, "", 0, "error", ["engine_error", message]])
+        self._rows = []
+        self._batch.clear()

@@ -1,0 +1,174 @@
+"""The running batch of the transformers engine: one padded KV cache, rows that come and go.
+
+Example::
+
+    batch = KVBatch(model)
+    logits = batch.prefill([[5, 6, 7], [8, 9]])   # new rows join; logits of their last tokens
+    logits = batch.decode([11, 12, 13])           # one token for every row, in row order
+    batch.remove([1])                             # row 1 leaves; its cache is freed now
+
+Theory of operation
+-------------------
+Every running request is one row of a single :class:`~transformers.DynamicCache` whose
+tensors are ``[rows, heads, length, head_dim]``. Rows are *left*-padded so that their last
+tokens line up: the next decode step appends one column for every row. A 2-D attention mask
+(1 = real token) tells the model which columns are padding, and each row's ``position_ids``
+count only its real tokens, so a padded row computes what it would compute alone (up to
+floating-point rounding, which differs between batch shapes).
+
+* **Join** (:meth:`prefill`): the new prompts run as one left-padded forward pass with a
+  cache of their own, which is then merged in: whichever side is shorter is padded on the
+  left to the longer one, and the rows are concatenated.
+* **Decode** (:meth:`decode`): one forward pass of one token per row.
+* **Leave** (:meth:`remove`): the remaining rows are copied out (``index_select``), and the
+  leading columns that are padding in every remaining row are cut off, so a finished or
+  aborted request's cache is freed at once and the batch is never longer than its longest
+  remaining row.
+
+The cost of padding is attention over padding columns; the model weights are read once per
+step for the whole batch, which is what makes a batch faster than its rows one by one.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+__all__ = ["KVBatch", "UnsupportedModel"]
+
+
+class UnsupportedModel(Exception):
+    """The model's cache is not a plain per-layer key/value cache this batch can merge."""
+
+
+class KVBatch:
+    """See the module docstring. Rows are numbered 0..size-1 in join order."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.device = model.device
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None  # [rows, length] int64, 1 = real token
+        self.positions: torch.Tensor | None = None  # [rows] position of each row's next token
+
+    @property
+    def size(self) -> int:
+        return 0 if self.mask is None else self.mask.shape[0]
+
+    @property
+    def length(self) -> int:
+        return 0 if self.mask is None else self.mask.shape[1]
+
+    def cached_tokens(self) -> int:
+        """Key/value slots held, padding included (rows * length)."""
+        return self.size * self.length
+
+    def _forward(self, input_ids, mask, positions, cache):
+        kwargs = {self._cache_kw: cache}
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **kwargs,
+        )
+        return out.logits[:, -1, :]
+
+    # -- rows join ---------------------------------------------------------------------------
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Run the prompts as new rows (appended in order); returns their next-token logits."""
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        ids = ids.to(self.device)
+        mask = mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, positions, cache)
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
+        self._merge(cache, mask, lengths)
+        return logits
+
+    def _layers(self, cache: DynamicCache) -> list:
+        layers = getattr(cache, "layers", None)
+        if not layers or any(
+            type(layer) is not DynamicLayer or getattr(layer, "keys", None) is None
+            for layer in layers
+        ):
+            raise UnsupportedModel(
+                "this model's cache is not a plain key/value cache per layer (sliding-window or "
+                "linear-attention layers are not supported by the transformers engine)"
+            )
+        return layers
+
+    def _merge(self, cache: DynamicCache, mask: torch.Tensor, lengths: torch.Tensor) -> None:
+        layers = self._layers(cache)
+        if self.cache is None:
+            self.cache, self.mask, self.positions = cache, mask, lengths
+            return
+        old_len, new_len = self.length, mask.shape[1]
+        width = max(old_len, new_len)
+        for dst, src in zip(self.cache.layers, layers):
+            dst.keys = torch.cat(
+                [_pad_left(dst.keys, width - old_len), _pad_left(src.keys, width - new_len)]
+            )
+            dst.values = torch.cat(
+                [_pad_left(dst.values, width - old_len), _pad_left(src.values, width - new_len)]
+            )
+        self.mask = torch.cat(
+            [F.pad(self.mask, (width - old_len, 0)), F.pad(mask, (width - new_len, 0))]
+        )
+        self.positions = torch.cat([self.positions, lengths])
+
+    # -- a step ------------------------------------------------------------------------------
+
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        """One token per row (row order); returns the next-token logits, ``[rows, vocab]``."""
+        ids = torch.tensor(tokens, dtype=torch.long).to(self.device)[:, None]
+        self.mask = F.pad(self.mask, (0, 1), value=1)
+        logits = self._forward(ids, self.mask, self.positions[:, None], self.cache)
+        self.positions = self.positions + 1
+        return logits
+
+    # -- rows leave --------------------------------------------------------------------------
+
+    def remove(self, rows: list[int]) -> None:
+        """Drop these rows (their cache is freed now); the others keep their order."""
+        if not rows:
+            return
+        gone = set(rows)
+        keep = [i for i in range(self.size) if i not in gone]
+        if not keep:
+            self.clear()
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        mask = self.mask.index_select(0, index)
+        used = mask.any(0).nonzero()
+        start = int(used[0]) if used.numel() else mask.shape[1]
+        self.mask = mask[:, start:].contiguous()
+        self.positions = self.positions.index_select(0, index)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, start:].contiguous()
+            layer.values = layer.values.index_select(0, index)[:, :, start:].contiguous()
+
+    def clear(self) -> None:
+        """Drop every row and free the whole cache."""
+        self.cache = None
+        self.mask = None
+        self.positions = None
+
+
+def _pad_left(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Pad the sequence axis (-2) of a ``[rows, heads, length, dim]`` tensor on the left."""
+    return F.pad(t, (0, 0, n, 0)) if n else t

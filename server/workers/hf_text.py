@@ -1,0 +1,106 @@
+"""Token ids to client text for one request: incremental detokenization, then stop strings.
+
+Example::
+
+    text = RequestText(backend_tokenizer, prompt_ids, stop=("\\n\\n",))
+    delta, stopped = text.feed(token_id)        # text safe to send now, and whether to stop
+    delta, stopped = text.finish()              # at EOS or max_tokens: what was held back
+
+Detokenization uses :class:`tokenizers.decoders.DecodeStream`, which decodes a window of the
+latest ids and only returns text once it is valid UTF-8: a character that spans tokens (a
+CJK character or an emoji split into byte tokens) comes out whole, with the token that
+completes it. It is seeded with the tail of the prompt, so tokenizers whose decoders treat
+the first token specially (SentencePiece's leading space) produce the text as it reads after
+the prompt. Each token costs one decode of a few ids: never the whole sequence.
+
+Stop strings are matched on the detokenized text, so they are found across token
+boundaries. Text that could be the start of a stop string is held back until it is decided;
+the stop string and anything after it are never sent. At the end (``finish``), whatever the
+stream still holds (bytes that never became a valid character, which decode as U+FFFD) and
+the held-back text are sent, so the concatenated deltas equal a full decode of the ids.
+
+Pure Python over a ``tokenizers.Tokenizer``; no torch here.
+"""
+
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+
+__all__ = ["RequestText", "PROMPT_CONTEXT"]
+
+#: How many prompt ids seed the decode stream (enough for any decoder's lookbehind).
+PROMPT_CONTEXT = 4
+
+
+class RequestText:
+    """The text side of one request: see the module docstring."""
+
+    __slots__ = ("_tok", "_stream", "_context", "_ids", "_decoded", "stop", "_stop_max", "_held")
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()) -> None:
+        self._tok = tokenizer
+        self._context = list(prompt_ids[-PROMPT_CONTEXT:])
+        self._stream = DecodeStream(ids=self._context, skip_special_tokens=True)
+        self._ids: list[int] = []
+        self._decoded = 0  # characters the decode stream has produced so far
+        self.stop = stop
+        self._stop_max = max((len(s) for s in stop), default=0)
+        self._held = ""
+
+    def feed(self, token_id: int) -> tuple[str, bool]:
+        """Add a generated token; returns (text to send, stop string found)."""
+        self._ids.append(token_id)
+        piece = self._stream.step(self._tok, token_id)
+        if piece is None:
+            return "", False
+        self._decoded += len(piece)
+        if not self.stop:
+            return piece, False
+        return self._apply_stop(piece)
+
+    def finish(self) -> tuple[str, bool]:
+        """The request ends (EOS or max_tokens): returns (everything not yet sent, stop string
+        found in what the decode stream still held)."""
+        tail = self._flush_stream()
+        if self.stop and tail:
+            text, stopped = self._apply_stop(tail)
+            if stopped:
+                return text, True
+        else:
+            text = tail
+        rest = self._held
+        self._held = ""
+        return text + rest, False
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _flush_stream(self) -> str:
+        """Text of ids the decode stream still holds (incomplete UTF-8 decodes as U+FFFD)."""
+        if not self._ids:
+            return ""
+        tok = self._tok
+        base = tok.decode(self._context, skip_special_tokens=True) if self._context else ""
+        full = tok.decode(self._context + self._ids, skip_special_tokens=True)
+        if not full.startswith(base):
+            return ""
+        full = full[len(base) :]
+        return full[self._decoded :] if len(full) > self._decoded else ""
+
+    def _apply_stop(self, piece: str) -> tuple[str, bool]:
+        text = self._held + piece
+        cut = -1
+        for s in self.stop:
+            i = text.find(s)
+            if i != -1 and (cut == -1 or i < cut):
+                cut = i
+        if cut != -1:
+            self._held = ""
+            return text[:cut], True
+        keep = 0  # the longest tail of text that could begin a stop string
+        for k in range(min(len(text), self._stop_max - 1), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                keep = k
+                break
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep], False

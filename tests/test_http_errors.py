@@ -1,0 +1,165 @@
+"""Bad input: the right status, an OpenAI-style body, no traceback, and the server goes on."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import trio
+
+from server.config import EngineConfig, Limits
+from tests.conftest import FAST_SIM, running_server
+
+BAD_COMPLETIONS = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (b'"a string"', 400, None),
+    (b"\xff\xfe\x00", 400, None),
+    (b"[" * 100000 + b"]" * 100000, 400, None),
+    (b'{"max_tokens": 4}', 400, "prompt"),
+    (b'{"prompt": 5}', 400, "prompt"),
+    (b'{"prompt": []}', 400, "prompt"),
+    (b'{"prompt": ""}', 400, "prompt"),
+    (b'{"prompt": [1, "a"]}', 400, "prompt"),
+    (b'{"prompt": [-1]}', 400, "prompt"),
+    (b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+    (b'{"prompt": "hi", "max_tokens": "5"}', 400, "max_tokens"),
+    (b'{"prompt": "hi", "max_tokens": true}', 400, "max_tokens"),
+    (b'{"prompt": "hi", "max_tokens": 1e400}', 400, "max_tokens"),
+    (b'{"prompt": "hi", "max_tokens": 99999999999999999999999999}', 400, "max_tokens"),
+    (b'{"prompt": "hi", "n": 0}', 400, "n"),
+    (b'{"prompt": "hi", "n": 1000}', 400, "n"),
+    (b'{"prompt": "hi", "temperature": -1}', 400, "temperature"),
+    (b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    (b'{"prompt": "hi", "top_p": 0}', 400, "top_p"),
+    (b'{"prompt": "hi", "stop": 3}', 400, "stop"),
+    (b'{"prompt": "hi", "stream": "yes"}', 400, "stream"),
+    (b'{"prompt": "hi", "stream_options": {"include_usage": true}}', 400, "stream_options"),
+    (b'{"prompt": "hi", "logprobs": 2}', 400, "logprobs"),
+    (b'{"prompt": [1, 2], "echo": true}', 400, "echo"),
+    (b'{"prompt": "hi", "model": 7}', 400, "model"),
+    (b'{"prompt": "hi", "model": "gpt-4"}', 404, "model"),
+]
+
+BAD_CHAT = [
+    (b'{"messages": []}', 400, "messages"),
+    (b'{"messages": "hi"}', 400, "messages"),
+    (b'{"messages": [{"role": "wizard", "content": "x"}]}', 400, "messages[0].role"),
+    (b'{"messages": [{"role": "user", "content": 5}]}', 400, "messages[0].content"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
+     "messages[0].content"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}', 400,
+     "max_completion_tokens"),
+]
+
+
+def check_error_body(r: httpx.Response, status: int, param: str | None) -> None:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    assert "Traceback" not in r.text
+    if param is not None:
+        assert body["error"]["param"] == param
+
+
+async def test_bad_requests_get_4xx_and_the_server_goes_on(server_url):
+    async with httpx.AsyncClient(base_url=server_url, timeout=10) as http:
+        for body, status, param in BAD_COMPLETIONS:
+            r = await http.post("/v1/completions", content=body)
+            check_error_body(r, status, param)
+        for body, status, param in BAD_CHAT:
+            r = await http.post("/v1/chat/completions", content=body)
+            check_error_body(r, status, param)
+        ok = await http.post("/v1/completions", json={"prompt": "still here", "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+async def test_routes_methods_and_sizes():
+    async with running_server(max_body_bytes=1000) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            check_error_body(await http.get("/v1/nothing"), 404, None)
+            check_error_body(await http.post("/v1/nothing", json={}), 404, None)
+            r = await http.get("/v1/completions")
+            check_error_body(r, 405, None)
+            assert r.headers["allow"] == "POST"
+            check_error_body(await http.put("/v1/chat/completions", json={}), 405, None)
+            check_error_body(await http.post("/health"), 405, None)
+            big = {"prompt": "x " * 1000}
+            check_error_body(await http.post("/v1/completions", json=big), 413, None)
+
+            async def chunks():  # no Content-Length: the limit applies while reading
+                for _ in range(10):
+                    yield b"x" * 200
+
+            r = await http.post("/v1/completions", content=chunks())
+            check_error_body(r, 413, None)
+            ok = await http.post("/v1/completions", json={"prompt": "fine", "max_tokens": 1})
+            assert ok.status_code == 200
+
+
+async def test_prompt_over_the_context_is_a_400_before_the_stream():
+    config = EngineConfig(engine_options={**FAST_SIM, "max_model_len": 20})
+    async with running_server(config) as url:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
+            with pytest.raises(openai.BadRequestError) as info:
+                await c.completions.create(model="sim", prompt="w " * 15, max_tokens=10)
+            assert "maximum context length is 20" in info.value.message
+            with pytest.raises(openai.BadRequestError):
+                await c.completions.create(
+                    model="sim", prompt="w " * 15, max_tokens=10, stream=True
+                )
+            # One bad prompt in a batch fails the whole request, before anything is sent.
+            with pytest.raises(openai.BadRequestError):
+                await c.completions.create(
+                    model="sim", prompt=["fine", "w " * 25], max_tokens=2, stream=True
+                )
+            r = await c.completions.create(model="sim", prompt="w " * 15, max_tokens=5)
+            assert r.usage.total_tokens == 20
+
+
+async def test_caps_are_configurable():
+    async with running_server(limits=Limits(max_n=2, max_tokens=10, max_prompts=2)) as url:
+        async with httpx.AsyncClient(base_url=url) as http:
+            check_error_body(
+                await http.post("/v1/completions", json={"prompt": "a", "n": 3}), 400, "n"
+            )
+            check_error_body(
+                await http.post("/v1/completions", json={"prompt": "a", "max_tokens": 11}),
+                400,
+                "max_tokens",
+            )
+            check_error_body(
+                await http.post("/v1/completions", json={"prompt": ["a", "b", "c"]}), 400, "prompt"
+            )
+
+
+async def test_503_with_retry_after_when_no_worker_is_up():
+    # A worker that takes long to start: the server listens at once and answers 503.
+    config = EngineConfig(engine_options={**FAST_SIM, "startup_delay_ms": 1500})
+    async with trio.open_nursery() as nursery:
+        seen = {}
+
+        async def probe(url):
+            async with httpx.AsyncClient(base_url=url) as http:
+                seen["health"] = await http.get("/health")
+                seen["gen"] = await http.post("/v1/completions", json={"prompt": "a"})
+
+        from server.config import ServerConfig
+        from server.http.app import create_app
+        from server.http.serve import serve
+        import functools
+
+        cfg = ServerConfig(engine=config, port=0, shutdown_timeout=0, close_timeout=0.2)
+        app = create_app(cfg)
+        stop = trio.Event()
+        binds = await nursery.start(
+            functools.partial(serve, cfg, app=app, handle_signals=False, shutdown_trigger=stop)
+        )
+        await probe(binds[0])
+        stop.set()
+    assert seen["health"].status_code == 503
+    check_error_body(seen["gen"], 503, None)
+    assert seen["gen"].headers["retry-after"] == "1"

@@ -1,0 +1,196 @@
+"""End to end through hypercorn with the official openai SDK: shapes, streaming, n, batches."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+import trio
+
+from server.config import EngineConfig
+from tests.conftest import FAST_SIM, running_server
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+async def test_completion_non_streaming_shape(server_url):
+    r = await client(server_url).completions.create(
+        model="sim", prompt="one two three", max_tokens=7, temperature=0
+    )
+    assert r.object == "text_completion"
+    assert r.model == "sim"
+    assert r.id.startswith("cmpl-")
+    assert len(r.choices) == 1
+    choice = r.choices[0]
+    assert choice.index == 0 and choice.finish_reason == "length" and choice.logprobs is None
+    assert len(choice.text.split()) == 7  # the sim engine emits one word per token
+    assert r.usage.prompt_tokens == 3
+    assert r.usage.completion_tokens == 7
+    assert r.usage.total_tokens == 10
+
+
+async def test_streaming_equals_non_streaming(server_url):
+    c = client(server_url)
+    full = await c.completions.create(model="sim", prompt="a b c d", max_tokens=12, seed=5)
+    stream = await c.completions.create(
+        model="sim",
+        prompt="a b c d",
+        max_tokens=12,
+        seed=5,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts, finishes, usage = [], [], None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            assert chunk.choices == []
+            usage = chunk.usage
+            continue
+        for ch in chunk.choices:
+            texts.append(ch.text)
+            finishes.append(ch.finish_reason)
+    assert "".join(texts) == full.choices[0].text
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert usage.prompt_tokens == 4 and usage.completion_tokens == 12
+
+
+async def test_sync_client_in_a_thread(server_url):
+    def call():
+        c = openai.OpenAI(base_url=server_url + "/v1", api_key="unused", max_retries=0)
+        streamed = "".join(
+            chunk.choices[0].delta.content or ""
+            for chunk in c.chat.completions.create(
+                model="sim",
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=6,
+                seed=1,
+                stream=True,
+            )
+            if chunk.choices
+        )
+        whole = c.chat.completions.create(
+            model="sim", messages=[{"role": "user", "content": "hello"}], max_tokens=6, seed=1
+        )
+        return streamed, whole
+
+    streamed, whole = await trio.to_thread.run_sync(call)
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == streamed
+    assert whole.usage.completion_tokens == 6
+
+
+async def test_chat_stream_roles_n_and_usage(server_url):
+    stream = await client(server_url).chat.completions.create(
+        model="sim",
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        max_tokens=5,
+        n=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    first_delta = {}
+    text = {0: "", 1: "", 2: ""}
+    finished = {}
+    usage = None
+    async for chunk in stream:
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            first_delta.setdefault(ch.index, ch.delta)
+            text[ch.index] += ch.delta.content or ""
+            if ch.finish_reason is not None:
+                assert ch.index not in finished, "one finishing chunk per choice"
+                finished[ch.index] = ch.finish_reason
+    assert set(first_delta) == {0, 1, 2}
+    assert all(d.role == "assistant" and d.content == "" for d in first_delta.values())
+    assert finished == {0: "length", 1: "length", 2: "length"}
+    assert all(len(t.split()) == 5 for t in text.values())
+    # The prompt is counted once, not once per sample: the sim template renders
+    # "<|system|> be brief\n<|user|> hi\n<|assistant|>" = 6 words.
+    assert usage.prompt_tokens == 6
+    assert usage.completion_tokens == 15
+
+
+async def test_batch_prompts_with_n_are_indexed(server_url):
+    r = await client(server_url).completions.create(
+        model="sim", prompt=["p zero", "p one two", "p two three four"], n=2, max_tokens=3, seed=9
+    )
+    assert sorted(c.index for c in r.choices) == list(range(6))
+    assert r.usage.prompt_tokens == 2 + 3 + 4
+    assert r.usage.completion_tokens == 18
+    # Sample i of a prompt uses seed + i, so choices of one prompt differ from each other
+    # and choice p*n + i matches a single request for prompt p with seed + i.
+    single = await client(server_url).completions.create(
+        model="sim", prompt="p one two", max_tokens=3, seed=10
+    )
+    by_index = {c.index: c.text for c in r.choices}
+    assert by_index[3] == single.choices[0].text
+
+
+async def test_token_id_prompts_and_echo(server_url):
+    c = client(server_url)
+    r = await c.completions.create(model="sim", prompt=[[1, 2, 3], [4, 5]], max_tokens=2)
+    assert r.usage.prompt_tokens == 5
+    echoed = await c.completions.create(model="sim", prompt="say it", max_tokens=2, echo=True)
+    assert echoed.choices[0].text.startswith("say it ")
+
+
+async def test_stop_string_is_honoured_and_excluded(server_url):
+    c = client(server_url)
+    base = await c.completions.create(model="sim", prompt="x y", max_tokens=30, seed=3)
+    words = base.choices[0].text.split()
+    stop = " " + words[4]
+    r = await c.completions.create(model="sim", prompt="x y", max_tokens=30, seed=3, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert stop not in r.choices[0].text
+    assert base.choices[0].text.startswith(r.choices[0].text)
+    streamed = ""
+    async for chunk in await c.completions.create(
+        model="sim", prompt="x y", max_tokens=30, seed=3, stop=stop, stream=True
+    ):
+        streamed += chunk.choices[0].text
+    assert streamed == r.choices[0].text
+
+
+async def test_models_and_health(server_url):
+    models = await client(server_url).models.list()
+    assert [m.id for m in models.data] == ["sim"]
+    model = await client(server_url).models.retrieve("sim")
+    assert model.id == "sim"
+    with pytest.raises(openai.NotFoundError):
+        await client(server_url).models.retrieve("nope")
+    async with httpx.AsyncClient() as http:
+        r = await http.get(server_url + "/health")
+    assert r.status_code == 200
+
+
+async def test_served_model_name_and_unknown_model():
+    async with running_server(EngineConfig(model="my-model", engine_options=dict(FAST_SIM))) as url:
+        c = client(url)
+        r = await c.completions.create(model="my-model", prompt="hi", max_tokens=1)
+        assert r.model == "my-model"
+        with pytest.raises(openai.NotFoundError) as info:
+            await c.completions.create(model="sim", prompt="hi", max_tokens=1)
+        assert info.value.body["code"] == "model_not_found"
+
+
+async def test_sse_wire_format(server_url):
+    """The bytes on the wire: headers, one `data:` line per event, blank-line separated."""
+    body = {"prompt": "a", "max_tokens": 3, "stream": True}
+    async with httpx.AsyncClient() as http:
+        async with http.stream("POST", server_url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            assert r.headers["cache-control"] == "no-cache"
+            raw = b"".join([part async for part in r.aiter_raw()])
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    for event in events[:-2]:
+        assert event.startswith(b"data: ")
+        json.loads(event[6:])
