@@ -19,6 +19,7 @@ from .errors import (
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
+    RequestTimeout,
     ServerError,
     ServiceUnavailable,
     Unauthorized,
@@ -50,6 +51,7 @@ __all__ = [
     "WorkerDied",
     "WorkerStartupError",
     "ServiceUnavailable",
+    "RequestTimeout",
 ]
 
 __version__ = "0.1.0"

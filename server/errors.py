@@ -8,6 +8,7 @@
     │   └── Unauthorized        401
     ├── EngineError             the engine failed the request; status 500
     │   └── WorkerDied          the worker process holding the request went away
+    ├── RequestTimeout          the request ran past the server's request timeout; 504
     └── ServiceUnavailable      no capacity right now (starting, draining, overloaded); 503
 
 The HTTP layer turns any of these into an OpenAI-style body with :func:`error_body`; anything
@@ -29,6 +30,7 @@ __all__ = [
     "EngineError",
     "WorkerDied",
     "ServiceUnavailable",
+    "RequestTimeout",
     "error_from_wire",
     "error_body",
 ]
@@ -88,6 +90,14 @@ class WorkerDied(EngineError):
     """The worker process that held the request exited, hung or broke its pipe."""
 
     code = "worker_died"
+
+
+class RequestTimeout(ServerError):
+    """The server gave up on the request after its request timeout."""
+
+    status = 504
+    type = "timeout"
+    code = "request_timeout"
 
 
 class ServiceUnavailable(ServerError):

@@ -189,3 +189,46 @@ async def test_stalled_stream_and_a_client_timeout(fault_server_url):
             async for _ in stream:
                 pass
     await wait_worker_empty(fault_server_url.engine, timeout=2.0)
+
+
+async def test_request_timeout_aborts_on_the_engine():
+    from tests.conftest import running_server
+
+    async with running_server(request_timeout=0.3) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            body = {"prompt": "p", "max_tokens": 5000, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                raw = b"".join([part async for part in r.aiter_raw()])
+            events = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e and e != b"data: [DONE]"]
+            assert raw.endswith(b"data: [DONE]\n\n")
+            assert events[-1]["choices"][0]["finish_reason"] == "abort"
+            assert sum(len(e["choices"][0]["text"].split()) for e in events) < 5000
+            r = await http.post("/v1/completions", json={"prompt": "p", "max_tokens": 5000})
+            assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
+            r = await http.post("/v1/completions", json={"prompt": "p", "max_tokens": 3})
+            assert r.status_code == 200
+        await assert_engine_idle(url.engine, timeout=1.0)
+
+
+async def test_max_concurrent_requests_answers_503_before_queueing():
+    from tests.conftest import running_server
+
+    async with running_server(max_concurrent_requests=2) as url:
+        socks = [
+            await open_request(url, "/v1/completions", {"prompt": "p", "max_tokens": 5000, "stream": True})
+            for _ in range(2)
+        ]
+        for s in socks:
+            await read_until(s, b"data: ", 1)
+        async with httpx.AsyncClient(base_url=url) as http:
+            r = await http.post("/v1/completions", json={"prompt": "p", "max_tokens": 2})
+            assert r.status_code == 503
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "server_overloaded"
+            (running, waiting), = await url.engine.ping_all()
+            assert running + waiting == 2
+            for s in socks:
+                await s.aclose()
+            await assert_engine_idle(url.engine, timeout=1.0)
+            r = await http.post("/v1/completions", json={"prompt": "p", "max_tokens": 2})
+            assert r.status_code == 200

@@ -28,7 +28,7 @@ import uuid
 
 import trio
 
-from ..errors import EngineError, ServerError
+from ..errors import EngineError, RequestTimeout, ServerError, ServiceUnavailable
 from . import schema
 from .asgi import read_body, send_error, send_json, watch_disconnect
 from .encode import DONE, ChunkEncoder, completion_body, error_event
@@ -54,7 +54,13 @@ async def handle_generate(app, scope: dict, receive, send, *, chat: bool) -> Non
         engine = app.require_engine()
         parse = schema.parse_chat if chat else schema.parse_completion
         req = parse(body, config.limits, engine.model_name)
-        stream = engine.generate_many(req.prompts, req.params)
+        limit = config.max_concurrent_requests
+        if limit is not None and engine.open_streams >= limit:
+            raise ServiceUnavailable(
+                f"The server is at its limit of {limit} concurrent requests; retry later.",
+                code="server_overloaded",
+            )
+        stream = engine.generate_many(req.prompts, req.params, timeout=config.request_timeout)
     except ServerError as exc:
         await send_error(send, exc)
         return
@@ -82,6 +88,13 @@ async def _started(send, stream) -> list[int] | None:
     except ServerError as exc:
         await send_error(send, exc)
         return None
+
+
+def _abort_error(cause: str) -> ServerError:
+    """What a non-streaming request aborted by the server is answered with."""
+    if cause == "timeout":
+        return RequestTimeout("The request took longer than the server's request timeout.")
+    return ServiceUnavailable("The server is shutting down.", code="shutting_down")
 
 
 def _prompt_tokens(per_choice: list[int], n: int) -> int:
@@ -115,6 +128,8 @@ async def _write_stream(send, stream, req, response_id: str, model: str) -> None
             parts = []
             for o in outs:
                 if o.finish_reason == "error":
+                    if o.text:  # text merged in before the failure still goes out
+                        parts.append(enc.delta(o.index, o.text))
                     parts.append(error_event(o.exception()))
                     parts.append(DONE)
                     await send({"type": "http.response.body", "body": b"".join(parts), "more_body": False})
@@ -148,6 +163,9 @@ async def _write_full(send, stream, req, response_id: str, model: str) -> None:
     async for out in stream:
         if out.finish_reason == "error":
             await send_error(send, out.exception())
+            return
+        if out.finish_reason == "abort" and stream.abort_cause is not None:
+            await send_error(send, _abort_error(stream.abort_cause))
             return
         texts[out.index].append(out.text)
         if out.finish_reason is not None:

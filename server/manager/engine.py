@@ -24,6 +24,7 @@ import trio
 from ..config import EngineConfig
 from ..errors import ServiceUnavailable
 from ..params import SamplingParams
+from .deadlines import DeadlineQueue
 from .stream import Choice, RequestStream, _Waker
 from .worker import WorkerClient
 
@@ -61,6 +62,7 @@ class Engine:
         self._rids = itertools.count(1)
         self._open_streams = 0
         self._streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()
+        self.deadlines = DeadlineQueue()
         self._accepting = True
         self._idle = trio.Event()
         self._idle.set()
@@ -85,20 +87,28 @@ class Engine:
                 return w.info
         return {}
 
-    def generate(self, prompt: object, params: SamplingParams | None = None) -> RequestStream:
+    def generate(
+        self, prompt: object, params: SamplingParams | None = None, *, timeout: float | None = None
+    ) -> RequestStream:
         """Start generating for one prompt (``params.n`` choices); never blocks.
 
         ``prompt`` is a string, a list of token ids, or ``{"messages": [...]}`` for chat.
         Raises :class:`~server.errors.ServiceUnavailable` when no worker can take it.
         """
-        return self.generate_many([prompt], params)
+        return self.generate_many([prompt], params, timeout=timeout)
 
     def generate_many(
-        self, prompts: Sequence[object], params: SamplingParams | None = None
+        self,
+        prompts: Sequence[object],
+        params: SamplingParams | None = None,
+        *,
+        timeout: float | None = None,
     ) -> RequestStream:
         """Start all prompts at once (``n`` choices each, index ``p * n + i``); never blocks.
 
         Every sub-request is registered before this returns, so none can finish unseen.
+        With ``timeout`` (seconds), the server aborts the request when it runs longer: the
+        stream then ends each open choice with ``abort`` and ``abort_cause == "timeout"``.
         """
         params = params or SamplingParams()
         worker = self._pick_worker()
@@ -116,6 +126,8 @@ class Engine:
             self._idle = trio.Event()
         stream = RequestStream(choices, waker, self.config.drain_timeout, self._stream_released)
         self._streams.add(stream)
+        if timeout is not None:
+            self.deadlines.add(trio.current_time() + timeout, stream)
         return stream
 
     def _pick_worker(self) -> WorkerClient:
@@ -145,14 +157,19 @@ class Engine:
         """New requests get ServiceUnavailable from now on (the start of a drain)."""
         self._accepting = False
 
-    def abort_all(self) -> int:
+    @property
+    def open_streams(self) -> int:
+        """Streams dispatched and not yet released (requests in flight)."""
+        return self._open_streams
+
+    def abort_all(self, cause: str = "shutdown") -> int:
         """Server-side abort of every open stream (each drains, then ends with ``abort``).
 
         Returns how many streams were open. Used at the end of a graceful shutdown.
         """
         streams = list(self._streams)
         for stream in streams:
-            stream.abort()
+            stream.abort(cause)
         return len(streams)
 
     def healthy(self) -> bool:
@@ -198,6 +215,7 @@ async def open_engine(
     """
     engine = Engine(config or EngineConfig(), spawn=spawn)
     async with trio.open_nursery() as nursery:
+        await nursery.start(engine.deadlines.run)
         if wait_ready:
             async with trio.open_nursery() as starter:
                 for w in engine.workers:

@@ -193,6 +193,7 @@ class RequestStream:
         "_drain_timeout",
         "_drain_deadline",
         "_on_release",
+        "abort_cause",
         "__weakref__",
     )
 
@@ -204,6 +205,8 @@ class RequestStream:
         self._drain_timeout = drain_timeout
         self._drain_deadline: float | None = None
         self._on_release = on_release
+        #: Why the server aborted this stream ("timeout", "shutdown", ...), or None.
+        self.abort_cause: str | None = None
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -278,14 +281,16 @@ class RequestStream:
 
     # -- ending ------------------------------------------------------------------------------
 
-    def abort(self) -> None:
+    def abort(self, cause: str = "abort") -> None:
         """Abort every unfinished choice on the engine and start the drain deadline.
 
         Never blocks. The consumer keeps iterating: output already produced drains, and when
         the engine confirms (or at the deadline) each open choice ends with ``abort``.
+        ``cause`` is kept in :attr:`abort_cause` (the HTTP layer maps "timeout" to 504).
         """
-        if self._released or self._drain_deadline is not None:
+        if self._released or self._drain_deadline is not None or self.finished:
             return
+        self.abort_cause = cause
         for c in self._choices:
             c.worker.abort_nowait(c)
         self._drain_deadline = trio.current_time() + self._drain_timeout

@@ -178,6 +178,8 @@ class SimEngine:
         self._running.pop(rid, None)
         self._waiting.pop(rid, None)
         self._starting.pop(rid, None)
+        if self._waiting:
+            self._admit(self._clock())  # the freed slot goes to the next in line
         return True
 
     def next_deadline(self) -> float | None:
