@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-__all__ = ["Engine", "Rejected", "WorkerCrash", "WorkerHang", "check_context"]
+__all__ = ["Engine", "Rejected", "WorkerCrash", "WorkerGarbage", "WorkerHang", "check_context"]
 
 
 class Rejected(Exception):
@@ -36,6 +36,10 @@ class WorkerCrash(BaseException):
 
 class WorkerHang(BaseException):
     """Fault injection: the worker process must stop answering, but stay alive."""
+
+
+class WorkerGarbage(BaseException):
+    """Fault injection: the worker process writes bytes that are not a frame, then idles."""
 
 
 class Engine(Protocol):

@@ -29,7 +29,7 @@ import sys
 import time
 
 from ..protocol import wire
-from .base import Rejected, WorkerCrash, WorkerHang
+from .base import Rejected, WorkerCrash, WorkerGarbage, WorkerHang
 
 __all__ = ["build_engine", "serve", "main"]
 
@@ -126,6 +126,10 @@ def main(argv: list[str] | None = None) -> None:
     except WorkerCrash:
         os._exit(17)
     except WorkerHang:
+        while True:
+            time.sleep(3600)
+    except WorkerGarbage:
+        _write_all(fd_out, b"\xff\xff\xff\xffthis is not a frame")
         while True:
             time.sleep(3600)
     except (BrokenPipeError, wire.ProtocolError):

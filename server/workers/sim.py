@@ -19,7 +19,8 @@ It behaves like a real engine from the frontend's point of view:
 * **Fault injection** (only when built with ``faults=True``): a request may carry
   ``{"fault": {"kind": K, "after": k}}`` where K is ``error`` (fail with an engine error
   after k tokens), ``crash`` (the worker process dies after k tokens), ``hang`` (the whole
-  worker stops answering after k tokens), ``stall`` (this request stops producing output
+  worker stops answering after k tokens), ``garbage`` (the worker writes bytes that are not
+  a frame on its pipe after k tokens), ``stall`` (this request stops producing output
   after k tokens) or ``ignore_abort`` (aborts of this request are ignored).
 """
 
@@ -29,7 +30,7 @@ import random
 import time
 import zlib
 
-from .base import Rejected, WorkerCrash, WorkerHang, check_context
+from .base import Rejected, WorkerCrash, WorkerGarbage, WorkerHang, check_context
 
 __all__ = ["SimEngine", "CHAT_TEMPLATE", "render_chat", "count_tokens"]
 
@@ -49,7 +50,7 @@ _V = len(_VOCAB_SPACED)
 #: line, then ``<|assistant|>`` to prompt the answer.
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|> {{ m.content }}\n{% endfor %}<|assistant|>"
 
-FAULT_KINDS = ("error", "crash", "hang", "stall", "ignore_abort")
+FAULT_KINDS = ("error", "crash", "hang", "garbage", "stall", "ignore_abort")
 
 
 def render_chat(messages: list) -> str:
@@ -254,6 +255,8 @@ class SimEngine:
                 raise WorkerCrash()
             if fault == "hang":
                 raise WorkerHang()
+            if fault == "garbage":
+                raise WorkerGarbage()
             if fault == "stall":
                 return None
         x = (req.rng * 1103515245 + 12345) & 0xFFFFFFFF
