@@ -1,28 +1,26 @@
-"""Tests of bench/loadgen.py: the sans-IO parsers on byte strings split at every position, and
-the whole load generator against an in-process stand-in server (trio, raw HTTP/1.1)."""
+"""Tests of the load generator (bench/loadgen.py, code in bench/loadgen_lib/): the sans-IO
+parsers on byte strings split at every position, and the whole load generator against an
+in-process stand-in server (trio, raw HTTP/1.1)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from functools import partial
-from pathlib import Path
 
 import pytest
 import trio
 
-_PATH = Path(__file__).resolve().parent.parent / "bench" / "loadgen.py"
-_spec = importlib.util.spec_from_file_location("loadgen", _PATH)
-loadgen = importlib.util.module_from_spec(_spec)
-sys.modules["loadgen"] = loadgen
-_spec.loader.exec_module(loadgen)
-
-HTTPResponseParser = loadgen.HTTPResponseParser
-SSEParser = loadgen.SSEParser
-StreamTracker = loadgen.StreamTracker
-ProtocolError = loadgen.ProtocolError
+from bench.loadgen_lib.cli import main, parse_args
+from bench.loadgen_lib.client import Context
+from bench.loadgen_lib.http11 import HTTPResponseParser, ProtocolError
+from bench.loadgen_lib.openai_api import StreamTracker, error_message
+from bench.loadgen_lib.procstat import pids_listening_on, server_pid_from_port
+from bench.loadgen_lib.report import format_table
+from bench.loadgen_lib.runner import run_benchmark
+from bench.loadgen_lib.sse import SSEParser
+from bench.loadgen_lib.stats import percentile
+from bench.loadgen_lib.target import Target, api_path, check_loopback_url
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,8 +291,8 @@ def test_non_200_json_body_split_everywhere():
         p = HTTPResponseParser(method="POST")
         got = feed_all(p, pieces)
         assert p.done and p.head.status == 400
-        assert loadgen._error_message(got) == "max_tokens is too large"
-    assert loadgen._error_message(b"<html>oops</html>") == "<html>oops</html>"
+        assert error_message(got) == "max_tokens is too large"
+    assert error_message(b"<html>oops</html>") == "<html>oops</html>"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,7 +300,7 @@ def test_non_200_json_body_split_everywhere():
 
 
 def test_percentile_nearest_rank():
-    pct = loadgen.percentile
+    pct = percentile
     assert pct([], 50) is None
     assert pct([7], 99) == 7
     values = list(range(1, 101))  # 1..100
@@ -312,25 +310,25 @@ def test_percentile_nearest_rank():
 
 
 def test_loopback_only():
-    assert loadgen.check_loopback_url("http://127.0.0.1:8000") == (
+    assert check_loopback_url("http://127.0.0.1:8000") == (
         "127.0.0.1", 8000, "", "127.0.0.1:8000")
-    assert loadgen.check_loopback_url("http://localhost:9/v1/")[:3] == ("localhost", 9, "/v1")
-    assert loadgen.check_loopback_url("http://[::1]:5")[3] == "[::1]:5"
+    assert check_loopback_url("http://localhost:9/v1/")[:3] == ("localhost", 9, "/v1")
+    assert check_loopback_url("http://[::1]:5")[3] == "[::1]:5"
     for url in ("http://example.com:8000", "http://10.0.0.1", "https://127.0.0.1",
                 "http://0.0.0.0:80", "http://127.0.0.1.example.com"):
         with pytest.raises(ValueError):
-            loadgen.check_loopback_url(url)
+            check_loopback_url(url)
     with pytest.raises(SystemExit):
-        loadgen.parse_args(["--url", "http://192.168.1.1:8000"])
-    assert loadgen.api_path("", "completions") == "/v1/completions"
-    assert loadgen.api_path("/v1", "models") == "/v1/models"
+        parse_args(["--url", "http://192.168.1.1:8000"])
+    assert api_path("", "completions") == "/v1/completions"
+    assert api_path("/v1", "models") == "/v1/models"
 
 
 def test_request_bytes_and_prompt():
-    args = loadgen.parse_args(["--prompt-tokens", "7", "--max-tokens", "3", "--no-include-usage",
+    args = parse_args(["--prompt-tokens", "7", "--max-tokens", "3", "--no-include-usage",
                                "--endpoint", "chat", "--api-key", "k"])
-    target = loadgen.Target("http://127.0.0.1:8123")
-    ctx = loadgen.Context(args, target, "mymodel")
+    target = Target("http://127.0.0.1:8123")
+    ctx = Context(args, target, "mymodel")
     req = ctx.request_bytes(42)
     head, _, body = req.partition(b"\r\n\r\n")
     assert head.startswith(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8123\r\n")
@@ -447,14 +445,14 @@ async def start_standin(nursery, standin: StandIn) -> StandIn:
 
 
 def bench_args(port: int, *extra: str):
-    return loadgen.parse_args(["--url", f"http://127.0.0.1:{port}", "--quiet", *extra])
+    return parse_args(["--url", f"http://127.0.0.1:{port}", "--quiet", *extra])
 
 
 async def test_end_to_end_consistent_summary(nursery):
     srv = await start_standin(nursery, StandIn())
     args = bench_args(srv.port, "--concurrency", "4", "--requests", "12", "--max-tokens", "5",
                       "--prompt-tokens", "16", "--itl-ms", "2", "--pid", str(os.getpid()))
-    s = await loadgen.run_benchmark(args)
+    s = await run_benchmark(args)
     assert s["model"] == "standin-model"
     assert srv.requests == 12
     assert s["requests"] == 12 and s["errors"] == 0 and s["incomplete_streams"] == 0
@@ -477,14 +475,14 @@ async def test_end_to_end_consistent_summary(nursery):
     assert s["frontend_cpu_s"] >= 0 and s["frontend_cpu_us_per_token"] >= 0
     assert s["workers"] == []
     json.dumps(s)  # JSON-able
-    assert "requests" in loadgen.format_table(s)
+    assert "requests" in format_table(s)
 
 
 async def test_end_to_end_errors_and_incomplete_streams(nursery):
     srv = await start_standin(nursery, StandIn(mode="mixed"))
     args = bench_args(srv.port, "-c", "3", "-n", "18", "--max-tokens", "4",
                       "--model", "given")
-    s = await loadgen.run_benchmark(args)
+    s = await run_benchmark(args)
     # requests 3,6,...,18 are faulty: kind (k//3)%3 -> 400, no [DONE], error event
     # k=3:1(no DONE) 6:2(error) 9:0(400) 12:1 15:2 18:0
     assert s["model"] == "given"
@@ -504,7 +502,7 @@ async def test_end_to_end_chat_multi_token_events_without_usage(nursery):
     srv = await start_standin(nursery, StandIn(tokens_per_event=2))
     args = bench_args(srv.port, "--endpoint", "chat", "-c", "2", "-n", "4", "--max-tokens", "6",
                       "--no-include-usage")
-    s = await loadgen.run_benchmark(args)
+    s = await run_benchmark(args)
     assert s["errors"] == 0 and s["incomplete_streams"] == 0
     assert s["content_events"] == 12
     # without a usage chunk tokens are counted per event (3 per request here)
@@ -514,7 +512,7 @@ async def test_end_to_end_chat_multi_token_events_without_usage(nursery):
 async def test_end_to_end_with_usage_counts_multi_token_events(nursery):
     srv = await start_standin(nursery, StandIn(tokens_per_event=3))
     args = bench_args(srv.port, "-c", "2", "-n", "4", "--max-tokens", "6")
-    s = await loadgen.run_benchmark(args)
+    s = await run_benchmark(args)
     assert s["delivered_tokens"] == 24 and s["content_events"] == 8
     assert s["tokens_per_event"] == 3.0
 
@@ -523,7 +521,7 @@ async def test_end_to_end_with_usage_counts_multi_token_events(nursery):
 async def test_end_to_end_connection_not_reused(nursery, mode):
     srv = await start_standin(nursery, StandIn(mode=mode))
     args = bench_args(srv.port, "-c", "2", "-n", "6", "--max-tokens", "3", "--model", "m")
-    s = await loadgen.run_benchmark(args)
+    s = await run_benchmark(args)
     assert s["errors"] == 0 and s["incomplete_streams"] == 0 and s["delivered_tokens"] == 18
     assert srv.requests == 6 and s["connections_opened"] >= 6
 
@@ -532,7 +530,7 @@ async def test_duration_mode_and_warmup(nursery):
     srv = await start_standin(nursery, StandIn())
     args = bench_args(srv.port, "-c", "2", "--duration", "0.2", "--warmup", "0.1",
                       "--max-tokens", "3", "--model", "m")
-    s = await loadgen.run_benchmark(args)
+    s = await run_benchmark(args)
     assert s["errors"] == 0 and s["requests"] >= 2
     assert srv.requests > s["requests"]  # the warmup requests are not counted
     assert 0.2 <= s["duration_s"] < 1.0
@@ -543,13 +541,13 @@ async def test_connection_refused_is_fatal():
         await sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # bound but not listening: connections are refused
         with pytest.raises(ConnectionError):
-            await loadgen.run_benchmark(bench_args(port, "-n", "1", "--model", "m"))
+            await run_benchmark(bench_args(port, "-n", "1", "--model", "m"))
 
 
 async def test_server_found_by_port(nursery):
     srv = await start_standin(nursery, StandIn())
-    assert os.getpid() in loadgen.pids_listening_on(srv.port)
-    assert loadgen.server_pid_from_port(srv.port) == os.getpid()
+    assert os.getpid() in pids_listening_on(srv.port)
+    assert server_pid_from_port(srv.port) == os.getpid()
 
 
 class StallingStandIn(StandIn):
@@ -569,7 +567,7 @@ class StallingStandIn(StandIn):
 async def test_request_timeout(nursery):
     srv = await start_standin(nursery, StallingStandIn())
     args = bench_args(srv.port, "-c", "2", "-n", "3", "--model", "m", "--request-timeout", "0.1")
-    s = await loadgen.run_benchmark(args)
+    s = await run_benchmark(args)
     assert s["requests"] == 3 and s["errors"] == 3 and s["incomplete_streams"] == 3
     assert s["error_kinds"] == {"timeout": 3}
     assert s["content_events"] == 3 and s["ttft_p50_ms"] is not None
@@ -580,7 +578,7 @@ async def test_time_limit_aborts(nursery):
     srv = await start_standin(nursery, StallingStandIn())
     args = bench_args(srv.port, "-c", "2", "-n", "3", "--model", "m", "--time-limit", "0.2")
     with trio.fail_after(3):
-        s = await loadgen.run_benchmark(args)
+        s = await run_benchmark(args)
     assert "time limit" in s["aborted"]
     assert s["requests"] == 0 and 0.2 <= s["duration_s"] < 1.0
 
@@ -625,7 +623,7 @@ def test_cli_spawn_server(tmp_path, monkeypatch, capsys):
     (tmp_path / "stdlib_standin.py").write_text(STDLIB_SERVER)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     out_json = tmp_path / "out.json"
-    code = loadgen.main(["--spawn-server", "--tokens 3", "--server-module", "stdlib_standin",
+    code = main(["--spawn-server", "--tokens 3", "--server-module", "stdlib_standin",
                          "-c", "2", "-n", "4", "--max-tokens", "5", "--quiet",
                          "--json-out", str(out_json), "--health-timeout", "10"])
     out, err = capsys.readouterr()
@@ -641,6 +639,6 @@ def test_cli_spawn_server(tmp_path, monkeypatch, capsys):
 
 def test_cli_refuses_remote_hosts(capsys):
     with pytest.raises(SystemExit) as exc:
-        loadgen.main(["--url", "http://203.0.113.7:8000"])
+        main(["--url", "http://203.0.113.7:8000"])
     assert exc.value.code == 2
     assert "only loopback" in capsys.readouterr().err
