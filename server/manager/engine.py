@@ -26,7 +26,7 @@ from ..errors import ServiceUnavailable
 from ..params import SamplingParams
 from .deadlines import DeadlineQueue
 from .stream import Choice, RequestStream, _Waker
-from .worker import WorkerClient
+from .worker import WorkerClient, WorkerStartupError
 
 __all__ = ["Engine", "EngineStatistics", "WorkerStatistics", "open_engine", "run_engine"]
 
@@ -40,6 +40,9 @@ class WorkerStatistics:
     outstanding: int
     restarts: int
     gave_up: bool
+    #: Requests running and waiting in the worker, from its latest heartbeat answer.
+    running: int = 0
+    waiting: int = 0
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,8 @@ class Engine:
     def statistics(self) -> EngineStatistics:
         workers = tuple(
             WorkerStatistics(
-                w.index, w.alive, w.healthy(), w.pid, w.outstanding, w.restarts, w.gave_up
+                w.index, w.alive, w.healthy(), w.pid, w.outstanding, w.restarts, w.gave_up,
+                w.running, w.waiting,
             )
             for w in self.workers
         )
@@ -214,20 +218,32 @@ async def open_engine(
     :func:`~server.manager.worker.spawn_process`); tests pass in-memory fakes.
     """
     engine = Engine(config or EngineConfig(), spawn=spawn)
+    failed: list[WorkerStartupError] = []
+
+    async def start(nursery: trio.Nursery, worker: WorkerClient) -> None:
+        try:
+            await nursery.start(worker.run)
+        except WorkerStartupError as exc:
+            failed.append(exc)
+            nursery.cancel_scope.cancel()  # stop the others; raised below, unwrapped
+
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.deadlines.run)
         if wait_ready:
             async with trio.open_nursery() as starter:
                 for w in engine.workers:
-                    starter.start_soon(nursery.start, w.run)
+                    starter.start_soon(start, nursery, w)
         else:
             for w in engine.workers:
                 nursery.start_soon(w.run)
-        try:
-            yield engine
-        finally:
-            engine.stop_accepting()
-            nursery.cancel_scope.cancel()
+        if not failed:
+            try:
+                yield engine
+            finally:
+                engine.stop_accepting()
+                nursery.cancel_scope.cancel()
+    if failed:
+        raise failed[0]
 
 
 async def run_engine(

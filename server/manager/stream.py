@@ -32,6 +32,7 @@ reference counting alone.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -50,16 +51,18 @@ _current_task = trio.lowlevel.current_task
 _reschedule = trio.lowlevel.reschedule
 _wait_task_rescheduled = trio.lowlevel.wait_task_rescheduled
 _checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
+_perf_counter = time.perf_counter
 
 
 class _Waker:
     """The consumer side shared by a request's choices: who is parked, and who has news."""
 
-    __slots__ = ("task", "ready")
+    __slots__ = ("task", "ready", "closed")
 
     def __init__(self) -> None:
         self.task = None
         self.ready: deque[Choice] = deque()
+        self.closed = False  # the stream was released: late output is not queued
 
     def wake(self) -> None:
         task = self.task
@@ -94,6 +97,7 @@ class Choice:
         "prompt_tokens",
         "completion_tokens",
         "accepted",
+        "accepted_at",
         "done",
         "queued",
         "abort_sent",
@@ -112,6 +116,8 @@ class Choice:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.accepted = False
+        #: When the router saw the engine accept it (``time.perf_counter()``), for metrics.
+        self.accepted_at: float | None = None
         self.done = False  # the worker (or the cut-off) ended it
         self.queued = False  # in waker.ready
         self.abort_sent = False
@@ -123,6 +129,7 @@ class Choice:
 
     def accept(self, prompt_tokens: int) -> None:
         self.accepted = True
+        self.accepted_at = _perf_counter()
         self.prompt_tokens = prompt_tokens
         self.waker.wake()
 
@@ -141,7 +148,7 @@ class Choice:
             if err is not None:
                 self.error_kind, self.error = err
         waker = self.waker
-        if not self.queued:
+        if not self.queued and not waker.closed:
             self.queued = True
             waker.ready.append(self)
         waker.wake()
@@ -218,13 +225,10 @@ class RequestStream:
         ready = waker.ready
         try:
             while not ready:
-                if self._open == 0:
+                if self._open == 0 or self._released:
                     self._release()
                     raise StopAsyncIteration
-                if self._drain_deadline is None:
-                    await waker.park()
-                else:
-                    await self._park_draining()
+                await self._park()
             await _checkpoint_if_cancelled()
         except BaseException as exc:
             if not isinstance(exc, StopAsyncIteration):
@@ -272,7 +276,7 @@ class RequestStream:
                         raise exc.exception()
                 if self._waker.ready and all(c.accepted or c.done for c in choices):
                     return [c.prompt_tokens for c in choices]
-                await self._waker.park()
+                await self._park()
         except ServerError:
             raise
         except BaseException:
@@ -294,6 +298,14 @@ class RequestStream:
         for c in self._choices:
             c.worker.abort_nowait(c)
         self._drain_deadline = trio.current_time() + self._drain_timeout
+        self._waker.wake()  # a consumer parked without a deadline re-parks with this one
+
+    async def _park(self) -> None:
+        """Wait for news; once aborted, only until the drain deadline (then cut off)."""
+        if self._drain_deadline is None:
+            await self._waker.park()
+        else:
+            await self._park_draining()
 
     async def _park_draining(self) -> None:
         with trio.move_on_at(self._drain_deadline):
@@ -330,6 +342,7 @@ class RequestStream:
         if not self._released:
             self._released = True
             self._waker.ready.clear()
+            self._waker.closed = True
             self._on_release(self)
 
     async def __aenter__(self) -> RequestStream:
@@ -343,6 +356,8 @@ class RequestStream:
         # cancelled outside the stream): queue the aborts; the worker confirms later.
         if not self._released:
             self._released = True
+            self._waker.ready.clear()
+            self._waker.closed = True
             for c in self._choices:
                 c.worker.abort_nowait(c)
             self._on_release(self)
@@ -352,6 +367,12 @@ class RequestStream:
     @property
     def choices(self) -> int:
         return len(self._choices)
+
+    def choice_states(self) -> list[Choice]:
+        """The request's choices, in index order, to read (never to change) how each ended:
+        ``finish_reason``, ``error_kind``, token counts, ``accepted_at``. The HTTP layer
+        reads them once, after the stream is closed, for metrics and the request's log line."""
+        return list(self._choices)
 
     @property
     def finished(self) -> bool:

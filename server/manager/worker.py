@@ -76,6 +76,9 @@ class WorkerClient:
         self.restarts = 0
         self.gave_up = False
         self.last_heard = -math.inf
+        #: The worker's (running, waiting) request counts in its latest PONG (for metrics).
+        self.running = 0
+        self.waiting = 0
         self._outbox: list[bytes] = []
         self._outbox_ready = trio.Event()
         self._ping_seq = 0
@@ -166,7 +169,14 @@ class WorkerClient:
 
     async def _session(self, task_status, first: bool) -> str:
         config = self.config
-        proc = await self._spawn(config)
+        try:
+            proc = await self._spawn(config)
+        except OSError as exc:  # e.g. EAGAIN from fork: a failed start, not a crashed engine
+            if first:
+                raise WorkerStartupError(
+                    f"engine worker {self.index} could not be started: {exc}"
+                ) from exc
+            return f"could not be started ({exc})"
         self.pid = proc.pid
         self._outbox.clear()
         decoder = wire.FrameDecoder()
@@ -204,6 +214,7 @@ class WorkerClient:
             return reason
         finally:
             self.alive = False
+            self.running = self.waiting = 0
             self._fail_all(reason)
             with trio.CancelScope(shield=True):
                 code = await self._stop_process(proc)
@@ -222,7 +233,6 @@ class WorkerClient:
                 raise _SessionEnded(f"sent {msg[0]!r} before HELLO")
 
     async def _router(self, proc, decoder: wire.FrameDecoder) -> None:
-        states = self.states
         receive_some = proc.stdout.receive_some
         while True:
             data = await receive_some(1 << 20)
@@ -230,30 +240,36 @@ class WorkerClient:
                 raise _SessionEnded("the worker process exited")
             self.last_heard = trio.current_time()
             try:
-                messages = decoder.feed(data)
-                for msg in messages:
-                    kind = msg[0]
-                    if kind == wire.STEP:
-                        for rid, prompt_tokens in msg[1]:
-                            choice = states.get(rid)
-                            if choice is not None:
-                                choice.accept(prompt_tokens)
-                        for rid, text, ntok, finish, err in msg[2]:
-                            choice = states.get(rid)
-                            if choice is None:
-                                continue  # finished, aborted, or cut off: drop
-                            if finish is not None:
-                                del states[rid]
-                            choice.push(text, ntok, finish, err)
-                    elif kind == wire.PONG:
-                        slot = self._pings.get(msg[1])
-                        if slot is not None:
-                            slot[1] = (msg[2], msg[3])
-                            slot[0].set()
-                    else:
-                        raise wire.ProtocolError(f"unexpected message type {kind!r}")
+                self._route(decoder.feed(data))
             except (wire.ProtocolError, ValueError, TypeError) as exc:
                 raise _SessionEnded(f"protocol violation: {exc}") from None
+
+    def _route(self, messages: list) -> None:
+        """Hand each output to its choice. A plain function, so that nothing it touched
+        (the last choice, its waker) stays referenced by the router between frames."""
+        states = self.states
+        for msg in messages:
+            kind = msg[0]
+            if kind == wire.STEP:
+                for rid, prompt_tokens in msg[1]:
+                    choice = states.get(rid)
+                    if choice is not None:
+                        choice.accept(prompt_tokens)
+                for rid, text, ntok, finish, err in msg[2]:
+                    choice = states.get(rid)
+                    if choice is None:
+                        continue  # finished, aborted, or cut off: drop
+                    if finish is not None:
+                        del states[rid]
+                    choice.push(text, ntok, finish, err)
+            elif kind == wire.PONG:
+                self.running, self.waiting = msg[2], msg[3]
+                slot = self._pings.get(msg[1])
+                if slot is not None:
+                    slot[1] = (msg[2], msg[3])
+                    slot[0].set()
+            else:
+                raise wire.ProtocolError(f"unexpected message type {kind!r}")
 
     async def _writer(self, proc) -> None:
         send_all = proc.stdin.send_all

@@ -1,0 +1,406 @@
+"""The properties of tests/test_stream_fake.py again, with real worker processes
+(``python -m server.workers``), the real clock and ``trio.fail_after``.
+
+Every frame crossing a worker's pipes is recorded (tests/fakes.py ``RecordingSpawner``), so
+abort counts are counted on the wire. Timing bounds are loose on purpose (the machine is
+shared): lower bounds come from what the engine cannot do faster (``itl_ms`` is a minimum),
+upper bounds are generous. Each test ends with the invariants checked by
+``open_real_engine``: nothing in the manager, nothing in the workers, and no worker process
+left once the engine has exited.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import signal
+
+import pytest
+import trio
+
+import server
+from server import SamplingParams
+from server.protocol import wire
+from tests import fakes as scenarios
+from tests.fakes import (
+    assert_engine_idle,
+    fault,
+    open_real_engine,
+    sim_config,
+    sim_reference,
+    track_request_objects,
+    wait_for,
+)
+
+FAST = dict(itl_ms=2.0, ttft_ms=2.0, prefill_us_per_token=0.0, drain_timeout=0.5,
+            shutdown_grace=1.0)
+LONG = SamplingParams(max_tokens=2000)  # at least 4 s at 2 ms a token: never finishes here
+LIMIT = 20  # seconds for any one test
+
+
+def config(**kw) -> server.EngineConfig:
+    return sim_config(**{**FAST, **kw})
+
+
+def abort_confirmed(spawn, rid) -> bool:
+    """The worker answered an abort of rid (rather than the stream being cut off)."""
+    return any(out[3] == "abort" for _, out in spawn.outputs_for(rid))
+
+
+# -- 1. cancelling the consumer ----------------------------------------------------------------
+
+
+async def test_cancelling_the_consumer_sends_exactly_one_abort():
+    with trio.fail_after(LIMIT):
+        async with open_real_engine(config(drain_timeout=5.0)) as (engine, spawn):
+            stream = engine.generate("hello", LONG)
+            with trio.CancelScope() as scope:
+                n = 0
+                async for _ in stream:
+                    n += 1
+                    if n == 3:
+                        scope.cancel()
+                        cancelled_at = trio.current_time()
+            elapsed = trio.current_time() - cancelled_at
+            [rid] = spawn.rids()
+            assert spawn.aborts(rid) == 1
+            # ended by the worker's confirmation, well before the 5 s drain deadline
+            assert abort_confirmed(spawn, rid)
+            assert elapsed < 2.5
+            assert stream.finished
+            await trio.sleep(0.2)
+            assert spawn.aborts() == 1
+
+
+async def test_cleanup_is_shielded_and_bounded_even_when_cancelled_again():
+    params = SamplingParams(max_tokens=250, extra=fault("ignore_abort"))
+    with trio.fail_after(LIMIT):
+        async with open_real_engine(config(drain_timeout=0.2), settle=8) as (engine, spawn):
+            stream = engine.generate("hello", params)
+            cancelled_at = None
+
+            async def cancel_later(scope):
+                await trio.sleep(0.1)
+                scope.cancel()
+
+            async with trio.open_nursery() as nursery:
+                with trio.CancelScope() as outer:
+                    with trio.CancelScope() as inner:
+                        async for out in stream:
+                            if cancelled_at is None and out.completion_tokens >= 2:
+                                cancelled_at = trio.current_time()
+                                inner.cancel()
+                                nursery.start_soon(cancel_later, outer)
+                elapsed = trio.current_time() - cancelled_at
+            assert outer.cancelled_caught
+            # the worker cannot finish 248 more tokens in under 0.49 s, so only the drain
+            # deadline (0.2 s) can have ended the shielded cleanup, and not the outer cancel
+            # (0.1 s)
+            assert 0.2 - 0.01 <= elapsed < 0.2 + 2.0
+            rid = spawn.rids()[0]
+            assert spawn.aborts(rid) == 1
+            assert not abort_confirmed(spawn, rid)
+            stats = engine.statistics()
+            assert (stats.open_streams, stats.outstanding) == (0, 0)
+            assert stream.finished
+
+
+# -- 2. server-side abort ----------------------------------------------------------------------
+
+
+async def test_server_abort_drains_then_ends_with_abort():
+    with trio.fail_after(LIMIT):
+        async with open_real_engine(config()) as (engine, spawn):
+            async with engine.generate("hi", LONG) as stream:
+                got = []
+                async for out in stream:
+                    got.append(out)
+                    if len(got) == 3:
+                        stream.abort()
+            rid = spawn.rids()[0]
+            assert got[-1].finish_reason == "abort" and got[-1].error is None
+            assert all(o.finish_reason is None for o in got[:-1])
+            assert spawn.aborts(rid) == 1 and abort_confirmed(spawn, rid)
+            sent = spawn.outputs_for(rid)
+            assert "".join(o.text for o in got) == "".join(o[1] for _, o in sent)
+
+
+async def test_server_abort_cuts_off_a_worker_that_ignores_it():
+    params = SamplingParams(max_tokens=250, extra=fault("ignore_abort"))
+    with trio.fail_after(LIMIT):
+        async with open_real_engine(config(drain_timeout=0.2), settle=8) as (engine, spawn):
+            async with engine.generate("hi", params) as stream:
+                got = []
+                async for out in stream:
+                    got.append(out)
+                    if len(got) == 3:
+                        stream.abort()
+                        aborted_at = trio.current_time()
+                ended_at = trio.current_time()
+            assert got[-1].finish_reason == "abort"
+            assert 0.2 - 0.01 <= ended_at - aborted_at < 0.2 + 2.0
+            assert sum(o.num_tokens for o in got[3:]) >= 2  # output kept draining meanwhile
+            stats = engine.statistics()
+            assert (stats.open_streams, stats.outstanding) == (0, 0)
+            rid = spawn.rids()[0]
+            assert spawn.aborts(rid) == 1
+            # the worker runs on; the router reads and drops its late output
+            await assert_engine_idle(engine, settle=8)
+            sent = spawn.outputs_for(rid)
+            assert any(t > ended_at for t, _ in sent)
+            assert sent[-1][1][3] == "length"
+            assert "".join(o[1] for _, o in sent).startswith("".join(o.text for o in got))
+
+
+# -- 3. no second abort ------------------------------------------------------------------------
+
+
+async def test_no_abort_for_finished_requests_and_one_for_aborted_ones():
+    with trio.fail_after(LIMIT):
+        async with open_real_engine(config(max_model_len=4096)) as (engine, spawn):
+            # finished normally, then aborted (harmlessly), closed and cancelled
+            async with engine.generate("hi", SamplingParams(max_tokens=4)) as stream:
+                async for out in stream:
+                    if out.finish_reason:
+                        assert out.finish_reason == "length"
+                        stream.abort()  # finished, not yet released
+            stream.abort()
+            await stream.aclose()
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await stream.aclose()
+            # finished in the worker but never read, then cancelled
+            unread = engine.generate("hi", SamplingParams(max_tokens=2))
+            await wait_for(lambda: unread.finished)
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                async for _ in unread:
+                    pass
+            assert spawn.aborts() == 0
+            async with engine.generate("b", SamplingParams(max_tokens=2)) as stream:
+                assert [o async for o in stream][-1].finish_reason == "length"
+            # a batch cancelled after one of its choices finished: only the other is aborted
+            # (no max_tokens: each prompt gets what fits in 4096 tokens)
+            prompts = ["a", "x " * 4000]
+            with trio.CancelScope() as scope:
+                async with engine.generate_many(prompts, SamplingParams(max_tokens=None)) as s:
+                    async for _ in s:
+                        short, long = spawn.rids()[-2:]  # sent by now
+                        if any(o[3] for _, o in spawn.outputs_for(long)):
+                            scope.cancel()
+            assert spawn.outputs_for(long)[-1][1][3] == "length"
+            assert (spawn.aborts(short), spawn.aborts(long)) == (1, 0)
+            # aborted twice by the server, then cancelled while draining
+            before = spawn.aborts()
+            with trio.move_on_after(0.2):
+                async with engine.generate("hi", LONG) as stream:
+                    await stream.__anext__()
+                    stream.abort()
+                    stream.abort()
+                    async for _ in stream:
+                        pass
+            assert spawn.aborts() - before == 1
+
+
+# -- 4. batches and n > 1 ----------------------------------------------------------------------
+
+
+async def test_batch_with_n_delivers_everything_by_index():
+    prompts = ["one", "two words", "three more words"]
+    params = SamplingParams(n=2, max_tokens=5, seed=3)
+    with trio.fail_after(LIMIT):
+        async with open_real_engine(config()) as (engine, spawn):
+            async with engine.generate_many(prompts, params) as stream:
+                await wait_for(lambda: stream.finished)  # all done before the first look
+                outs = [out async for out in stream]
+            assert sorted(o.index for o in outs) == list(range(6))
+            for o in outs:
+                p, i = divmod(o.index, 2)
+                text, ntok, finish = sim_reference(prompts[p], params, i)
+                assert (o.text, o.completion_tokens, o.finish_reason) == (text, ntok, finish)
+            # and streamed while they run
+            async with engine.generate_many(prompts, params) as stream:
+                texts: dict[int, str] = {}
+                async for out in stream:
+                    texts[out.index] = texts.get(out.index, "") + out.text
+            assert texts == {
+                p * 2 + i: sim_reference(prompts[p], params, i)[0]
+                for p in range(3) for i in range(2)
+            }
+
+
+# -- 5. freed by reference counting ------------------------------------------------------------
+
+
+async def test_request_objects_are_freed_by_refcounting(monkeypatch):
+    tracker = track_request_objects(monkeypatch)
+    cut_off = functools.partial(scenarios.cut_off, max_tokens=250)  # 0.5 s > 0.2 s drain
+    cut_off.__name__ = "cut_off"
+    with trio.fail_after(LIMIT):
+        async with open_real_engine(config(drain_timeout=0.2), settle=8) as (engine, spawn):
+            for scenario in (scenarios.finished, scenarios.cancelled, scenarios.failed,
+                             scenarios.rejected, cut_off):
+                gc.disable()
+                try:
+                    mark = len(tracker.created)
+                    ref = await scenario(engine)
+                    end = len(tracker.created)
+                    await assert_engine_idle(engine, settle=8)
+                    assert ref() is None, scenario.__name__
+                    await scenarios.one_more_request(engine)  # see test_stream_fake.py
+                    alive = [r() for r in tracker.created[mark:end]]
+                    assert [o for o in alive if o is not None] == [], scenario.__name__
+                finally:
+                    gc.enable()
+
+
+# -- 6. errors ---------------------------------------------------------------------------------
+
+
+async def test_errors_are_outputs_mid_stream_and_exceptions_before_it():
+    with trio.fail_after(LIMIT):
+        async with open_real_engine(config(max_model_len=16)) as (engine, spawn):
+            # mid-stream: a terminal output, never an exception
+            params = SamplingParams(max_tokens=10, extra=fault("error", 3))
+            async with engine.generate("a b c", params) as stream:
+                assert await stream.wait_started() == [3]
+                outs = [out async for out in stream]
+            assert sum(o.num_tokens for o in outs) == 3
+            assert (outs[-1].finish_reason, outs[-1].error_kind, outs[-1].error) == (
+                "error", "engine_error", "injected engine failure",
+            )
+            # before the first output: the client's fault...
+            stream = engine.generate("one two three four five", SamplingParams(max_tokens=12))
+            with pytest.raises(server.ClientError, match="maximum context length"):
+                await stream.wait_started()
+            # ...or the engine's
+            stream = engine.generate("a", SamplingParams(max_tokens=5, extra=fault("error", 0)))
+            with pytest.raises(server.EngineError) as info:
+                await stream.wait_started()
+            assert not isinstance(info.value, server.ClientError)
+            assert engine.statistics().open_streams == 0
+            assert spawn.aborts() == 0
+
+
+# -- 7. worker death ---------------------------------------------------------------------------
+
+
+async def _three_requests(engine, first: SamplingParams, during=None):
+    results = {}
+
+    async def consume(name, params):
+        async with engine.generate(name, params) as stream:
+            results[name] = [out async for out in stream]
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(consume, "a", first)
+        nursery.start_soon(consume, "b", LONG)
+        nursery.start_soon(consume, "c", LONG)
+        if during is not None:
+            await during()
+    return results
+
+
+async def _check_died_and_restarted(engine, spawn, results, words: str):
+    for name, outs in results.items():
+        last = outs[-1]
+        assert (last.finish_reason, last.error_kind) == ("error", "worker_died"), name
+        assert words in last.error, last.error
+    first_pid = spawn.processes[0].pid
+    await wait_for(lambda: engine.statistics().workers[0].restarts == 1
+                   and engine.statistics().workers_alive == 1, timeout=10)
+    assert engine.statistics().workers[0].pid != first_pid
+    async with engine.generate("again", SamplingParams(max_tokens=3)) as stream:
+        assert [o async for o in stream][-1].finish_reason == "length"
+    assert spawn.processes[0].returncode is not None
+
+
+async def test_worker_crash_ends_every_request_and_the_worker_restarts():
+    with trio.fail_after(LIMIT):
+        async with open_real_engine(config()) as (engine, spawn):
+            started = trio.current_time()
+            crash = SamplingParams(max_tokens=100, extra=fault("crash", 3))
+            results = await _three_requests(engine, crash)
+            assert trio.current_time() - started < 3.0  # not LONG's 4 s: ended by the crash
+            await _check_died_and_restarted(engine, spawn, results, "exited")
+            assert spawn.processes[0].returncode == 17
+
+
+async def test_sigkilled_worker_ends_every_request_and_the_worker_restarts():
+    with trio.fail_after(LIMIT):
+        async with open_real_engine(config()) as (engine, spawn):
+            async def kill():
+                await wait_for(lambda: len(spawn.outputs_for(1)) >= 3)
+                os.kill(engine.statistics().workers[0].pid, signal.SIGKILL)
+
+            started = trio.current_time()
+            results = await _three_requests(engine, LONG, kill)
+            assert trio.current_time() - started < 3.0
+            await _check_died_and_restarted(engine, spawn, results, "exited")
+            assert spawn.processes[0].returncode == -signal.SIGKILL
+
+
+async def test_hung_worker_is_detected_stopped_and_replaced():
+    cfg = config(heartbeat_interval=0.1, heartbeat_timeout=0.5, shutdown_grace=0.3)
+    with trio.fail_after(LIMIT):
+        async with open_real_engine(cfg) as (engine, spawn):
+            hang = SamplingParams(max_tokens=100, extra=fault("hang", 3))
+            results = await _three_requests(engine, hang)
+            await _check_died_and_restarted(engine, spawn, results, "hung")
+            # it did not read its closed pipe: SIGTERM ended it
+            assert spawn.processes[0].returncode == -signal.SIGTERM
+
+
+# -- dispatch ----------------------------------------------------------------------------------
+
+
+async def test_dispatch_by_fewest_outstanding_over_two_workers():
+    with trio.fail_after(LIMIT):
+        async with open_real_engine(config(workers=2)) as (engine, spawn):
+            a = engine.generate("a", LONG)
+            b = engine.generate("b", LONG)
+            c = engine.generate_many(["c1", "c2"], LONG)
+            d = engine.generate("d", LONG)
+            e = engine.generate("e", LONG)
+            assert tuple(w.outstanding for w in engine.statistics().workers) == (3, 3)
+            await a.aclose()
+            f = engine.generate("f", LONG)
+            await wait_for(lambda: len(spawn.submits()) == 7)
+            pids = [w.pid for w in engine.statistics().workers]
+            where = {fr.msg[2]: pids.index(fr.pid) for fr in spawn.submits()}
+            assert where == {"a": 0, "b": 1, "c1": 0, "c2": 0, "d": 1, "e": 1, "f": 0}
+            for stream in (b, c, d, e, f):
+                await stream.aclose()
+            assert spawn.aborts() == 7
+            assert len(spawn.messages(wire.ABORT)) == 7
+
+
+# -- no child outlives the engine --------------------------------------------------------------
+
+
+async def test_cancelling_the_engine_owner_leaves_no_worker_process():
+    """The engine's owner is cancelled with requests in flight, one worker hung: every worker
+    process is stopped (a pipe close, then SIGTERM for the hung one) before the block ends."""
+    spawn = scenarios.RecordingSpawner()
+
+    async def consume(engine, params):
+        async with engine.generate("a", params) as stream:
+            async for _ in stream:
+                pass
+
+    cfg = config(workers=2, shutdown_grace=0.3)
+    with trio.fail_after(LIMIT):
+        with trio.move_on_after(2.0) as scope:  # the owner is cancelled
+            async with server.open_engine(cfg, spawn=spawn) as engine:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(consume, engine, LONG)  # worker 0
+                    nursery.start_soon(consume, engine,  # worker 1, which hangs
+                                       SamplingParams(max_tokens=100, extra=fault("hang", 2)))
+                    await wait_for(lambda: len(spawn.outputs_for(2)) >= 2)
+                    await trio.sleep(0.1)
+                    scope.cancel()
+        assert scope.cancelled_caught
+    assert len(spawn.processes) == 2
+    spawn.assert_all_exited()
+    assert sorted(p.returncode for p in spawn.processes) == [-signal.SIGTERM, 0]

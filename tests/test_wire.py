@@ -1,0 +1,155 @@
+"""The worker wire codec (sans-IO): frames in any pieces, and what counts as garbage."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from server.protocol import wire
+
+MESSAGES = [
+    [wire.HELLO, {"engine": "sim", "model": "m", "max_model_len": 8192, "chat_template": "x"}],
+    [wire.SUBMIT, 1, "Once upon a time", {"max_tokens": 16, "stop": ["\n"], "seed": None}],
+    [wire.SUBMIT, 2, [1, 2, 3, 50_000], {"temperature": 0.5}],
+    [wire.SUBMIT, 3, {"messages": [{"role": "user", "content": "héllo 日本 🙂"}]}, {}],
+    [wire.ABORT, 2**40],
+    [wire.PING, 7],
+    [wire.PONG, 7, 3, 1],
+    [wire.SHUTDOWN],
+    [wire.STEP, [[1, 4], [2, 4]], [[1, " café", 1, None, None], [2, "", 0, "error",
+                                                                   ["engine_error", "boom"]]]],
+]
+
+
+def test_round_trip_each_message():
+    for message in MESSAGES:
+        assert wire.FrameDecoder().feed(wire.encode(message)) == [message]
+
+
+def test_many_frames_in_one_feed():
+    decoder = wire.FrameDecoder()
+    assert decoder.feed(b"".join(wire.encode(m) for m in MESSAGES)) == MESSAGES
+    assert decoder.buffered == 0
+
+
+def test_frame_layout_is_length_prefix_then_msgpack():
+    frame = wire.encode([wire.PING, 7])
+    (length,) = struct.unpack(">I", frame[:4])
+    assert length == len(frame) - 4
+    assert msgpack.unpackb(frame[4:]) == [wire.PING, 7]
+
+
+def test_byte_by_byte():
+    data = b"".join(wire.encode(m) for m in MESSAGES)
+    ends = set()
+    pos = 0
+    for m in MESSAGES:
+        pos += len(wire.encode(m))
+        ends.add(pos)
+    decoder = wire.FrameDecoder()
+    got = []
+    last_end = 0
+    for i in range(len(data)):
+        out = decoder.feed(data[i : i + 1])
+        # a message comes out exactly when its last byte arrives, not before
+        assert len(out) == (1 if i + 1 in ends else 0), i
+        if out:
+            last_end = i + 1
+        assert decoder.buffered == i + 1 - last_end
+        got.extend(out)
+    assert got == MESSAGES
+    assert decoder.buffered == 0
+
+
+def test_partial_header_and_body_are_buffered():
+    frame = wire.encode([wire.PING, 1])
+    decoder = wire.FrameDecoder()
+    assert decoder.feed(frame[:2]) == []
+    assert decoder.buffered == 2
+    assert decoder.feed(frame[2:-1]) == []
+    assert decoder.buffered == len(frame) - 1
+    assert decoder.feed(frame[-1:] + frame[:3]) == [[wire.PING, 1]]
+    assert decoder.buffered == 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    messages=st.lists(
+        st.lists(
+            st.one_of(
+                st.integers(-(2**63), 2**64 - 1),
+                st.text(max_size=20),
+                st.none(),
+                st.booleans(),
+                st.lists(st.integers(0, 10**6), max_size=5),
+            ),
+            max_size=5,
+        ).map(lambda rest: [wire.STEP, *rest]),
+        max_size=8,
+    ),
+    cuts=st.lists(st.integers(0, 10_000), max_size=20),
+)
+def test_round_trip_any_split(messages, cuts):
+    data = b"".join(wire.encode(m) for m in messages)
+    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    decoder = wire.FrameDecoder()
+    got = []
+    for a, b in zip(points, points[1:]):
+        got.extend(decoder.feed(data[a:b]))
+    assert got == messages
+    assert decoder.buffered == 0
+
+
+def _frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xc1",  # a byte msgpack never uses
+        b"\x92\x03",  # an array of 2 with 1 item: truncated inside the frame
+        msgpack.packb([3, 1]) + b"\x00",  # trailing bytes after the message
+        msgpack.packb(7),  # not a list
+        msgpack.packb([]),  # empty list
+        msgpack.packb(["PING", 1]),  # type is not an int
+        msgpack.packb({"a": 1}),
+        b"",  # empty frame
+    ],
+    ids=["bad-byte", "truncated", "trailing", "not-list", "empty-list", "str-type", "map",
+         "empty"],
+)
+def test_garbage_is_a_protocol_error(body):
+    with pytest.raises(wire.ProtocolError):
+        wire.FrameDecoder().feed(_frame(body))
+
+
+def test_garbage_after_good_frames_is_still_an_error():
+    decoder = wire.FrameDecoder()
+    assert decoder.feed(wire.encode([wire.PING, 1])) == [[wire.PING, 1]]
+    with pytest.raises(wire.ProtocolError):
+        decoder.feed(_frame(b"\xc1"))
+
+
+def test_oversize_length_is_an_error_as_soon_as_the_header_arrives():
+    decoder = wire.FrameDecoder()
+    header = struct.pack(">I", wire.MAX_FRAME + 1)
+    assert decoder.feed(header[:3]) == []
+    with pytest.raises(wire.ProtocolError, match="exceeds"):
+        decoder.feed(header[3:])  # no body needed: the length alone is garbage
+
+
+def test_largest_allowed_length_is_not_an_error_by_itself():
+    decoder = wire.FrameDecoder()
+    assert decoder.feed(struct.pack(">I", wire.MAX_FRAME) + b"\x00" * 10) == []
+    assert decoder.buffered == 14
+
+
+def test_text_garbage_such_as_a_stray_print_is_an_error():
+    # "hello\n" read as a length prefix is 0x68656c6c: over MAX_FRAME
+    with pytest.raises(wire.ProtocolError):
+        wire.FrameDecoder().feed(b"hello world\n")
