@@ -14,8 +14,20 @@ import sys
 import trio
 
 from .config import EngineConfig, Limits, ServerConfig
+from .observability.logs import configure_logging
 
-__all__ = ["main", "build_parser", "config_from_args"]
+__all__ = ["main", "build_parser", "config_from_args", "API_KEY_ENV"]
+
+#: The environment variable read for API keys when ``--api-key`` is not given.
+API_KEY_ENV = "TRIO_LLM_API_KEY"
+
+
+def _split_commas(values: list[str] | None) -> tuple[str, ...]:
+    """``["a,b", "c"]`` -> ``("a", "b", "c")``: repeated options, each possibly a list."""
+    out = []
+    for value in values or ():
+        out.extend(part.strip() for part in value.split(",") if part.strip())
+    return tuple(out)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +44,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an idle keep-alive connection stays open")
     g.add_argument("--read-timeout", type=float, default=30.0,
                    help="seconds a client may take to send its request")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="least severe log lines written (info: one line per finished request)")
+    g.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="log lines as text, or as one JSON object per line (for Loki, "
+                   "Logstash); see docs/observability.md")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="no INFO line per finished request (a failed one is still logged, "
+                   "at WARNING)")
+
+    g = p.add_argument_group("access control")
+    g.add_argument("--api-key", action="append", metavar="KEY", default=None,
+                   help="require 'Authorization: Bearer KEY' on the /v1/* routes (repeatable, "
+                   "or comma-separated; /health and /metrics stay open). None: the keys in "
+                   f"${API_KEY_ENV} (comma-separated) if it is set, else no key is needed. "
+                   "Prefer the variable: a command line is visible to other users")
+    g.add_argument("--allowed-origins", action="append", metavar="ORIGINS", default=None,
+                   help="enable CORS for these browser origins (repeatable or comma-separated, "
+                   "e.g. https://app.example.com; '*' for any). None: CORS off")
 
     g = p.add_argument_group("engine")
     g.add_argument("--engine", default="sim", choices=["sim", "transformers"],
@@ -118,6 +147,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_prompts=args.max_prompts,
         allow_faults=args.sim_faults,
     )
+    api_keys = _split_commas(args.api_key)
+    if not api_keys:
+        api_keys = _split_commas([os.environ.get(API_KEY_ENV, "")])
     return ServerConfig(
         engine=engine,
         host=args.host,
@@ -129,17 +161,22 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         shutdown_timeout=args.shutdown_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
         read_timeout=args.read_timeout,
+        api_keys=api_keys,
+        allowed_origins=_split_commas(args.allowed_origins),
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level, args.log_format, sys.stderr)
+    if args.disable_log_requests:
+        logging.getLogger("server.request").setLevel(logging.WARNING)
+    if config.api_keys:
+        logging.getLogger("server").info(
+            "API keys required on /v1/* (%d key(s)); /health and /metrics are open",
+            len(config.api_keys),
+        )
     from .http.app import create_app
     from .http.serve import serve
 

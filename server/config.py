@@ -92,3 +92,9 @@ class ServerConfig:
     read_timeout: float = 30.0
     #: After the drain, seconds open connections (idle keep-alives) get before they are cut.
     close_timeout: float = 2.0
+    #: Keys accepted on the ``/v1/*`` routes (``Authorization: Bearer KEY``); empty: no key
+    #: is needed. ``/health`` and ``/metrics`` are always open.
+    api_keys: tuple[str, ...] = ()
+    #: Origins a browser may call the API from (CORS), or ``("*",)`` for any; empty: CORS is
+    #: off (no CORS headers, preflights are not answered).
+    allowed_origins: tuple[str, ...] = ()

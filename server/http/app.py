@@ -1,9 +1,18 @@
 """The ASGI application: a Quart-Trio app whose generation routes run on raw ASGI.
 
-``create_app(config)`` builds it. Quart serves the small routes (``/health``,
+``create_app(config)`` builds it. Quart serves the small routes (``/health``, ``/metrics``,
 ``/v1/models``) and the lifespan, in whose nursery the engine runs as a service; the two
 generation routes, the hot path, go to :mod:`server.http.generate` before Quart sees them.
 Every error, Quart's own 404 and 405 included, is answered with an OpenAI-style JSON body.
+
+Before any route, :meth:`LLMServerApp.__call__` does what every HTTP request needs, in order:
+
+1. the request id (``X-Request-Id``, or a new one) goes into the logging context, and onto
+   the response's headers;
+2. CORS, when enabled: a preflight is answered here; other responses get the CORS headers;
+3. API keys, when configured: ``/v1/*`` needs ``Authorization: Bearer KEY`` (401 otherwise);
+4. a generation request gets a :class:`~server.observability.RequestRecord`, recorded in the
+   metrics and logged in one line when it ends, whatever the outcome.
 
 Embedding in a Trio program that already has an engine::
 
@@ -17,21 +26,27 @@ import logging
 import time
 
 import trio
-from quart import Response
+from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from ..config import ServerConfig
 from ..errors import (
+    ClientError,
     MethodNotAllowed,
     NotFound,
     ServerError,
     ServiceUnavailable,
+    Unauthorized,
     error_body,
 )
 from ..manager.engine import Engine, run_engine
 from ..manager.worker import WorkerStartupError
-from .asgi import send_error
+from ..observability import Metrics, RequestRecord, log_request, request_id_from_header
+from ..observability.logs import request_id_var
+from .asgi import HeaderSend, header, send_empty, send_error
+from .auth import APIKeys, is_protected
+from .cors import CORSPolicy
 from .encode import dumps
 from .generate import handle_generate
 
@@ -43,6 +58,17 @@ _GENERATE_ROUTES = {
     "/v1/completions": False,
     "/v1/chat/completions": True,
 }
+
+
+_now = time.perf_counter
+_WWW_AUTHENTICATE = [(b"www-authenticate", b"Bearer")]
+
+
+class OriginNotAllowed(ClientError):
+    """A CORS preflight from an origin that is not in ``--allowed-origins``."""
+
+    status = 403
+    code = "origin_not_allowed"
 
 
 def _json_error(exc: ServerError) -> Response:
@@ -66,6 +92,10 @@ class LLMServerApp(QuartTrio):
         #: Set (with ``fatal_error``) when the engine cannot run at all; serve() then exits.
         self.fatal = trio.Event()
         self.fatal_error: BaseException | None = None
+        self.api_keys = APIKeys(config.api_keys) if config.api_keys else None
+        self.cors = CORSPolicy(config.allowed_origins) if config.allowed_origins else None
+        #: The ``/metrics`` families, in a registry of this app's own.
+        self.metrics = Metrics(lambda: self.engine, self._served_model)
         self._routes()
 
     def require_engine(self) -> Engine:
@@ -76,14 +106,52 @@ class LLMServerApp(QuartTrio):
         return engine
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            chat = _GENERATE_ROUTES.get(scope["path"])
-            if chat is not None:
-                if scope["method"] == "POST":
-                    await handle_generate(self, scope, receive, send, chat=chat)
+        """Every HTTP request: request id, CORS, API key, then the route (module docstring)."""
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        request_id, _ = request_id_from_header(header(scope, b"x-request-id"))
+        token = request_id_var.set(request_id)
+        try:
+            await self._serve_http(scope, receive, send, request_id)
+        finally:
+            request_id_var.reset(token)
+
+    async def _serve_http(self, scope, receive, send, request_id: str) -> None:
+        extra = [(b"x-request-id", request_id.encode("ascii"))]
+        cors = self.cors
+        if cors is not None:
+            origin = header(scope, b"origin")
+            if cors.is_preflight(scope, origin, header(scope, b"access-control-request-method")):
+                allowed = cors.preflight_headers(
+                    origin, header(scope, b"access-control-request-headers")
+                )
+                if allowed is None:
+                    exc = OriginNotAllowed("This origin may not call the API (CORS).")
+                    await send_error(send, exc, extra)
                 else:
-                    exc = MethodNotAllowed(f"Method {scope['method']} is not allowed; use POST.")
-                    await send_error(send, exc, [(b"allow", b"POST")])
+                    await send_empty(send, 204, allowed + extra)
+                return
+            extra.extend(cors.response_headers(origin))
+        path = scope["path"]
+        chat = _GENERATE_ROUTES.get(path)
+        if chat is not None:  # the hot path: its body messages go to hypercorn's send directly
+            record = RequestRecord(request_id, path)
+            try:
+                await handle_generate(
+                    self, scope, receive, send, chat=chat, record=record, headers=extra
+                )
+            finally:
+                record.finish = _now()
+                self.metrics.observe(record)
+                log_request(record)
+            return
+        send = HeaderSend(send, extra)
+        if self.api_keys is not None and is_protected(path):
+            try:
+                self.api_keys.check(header(scope, b"authorization"))
+            except Unauthorized as exc:
+                await send_error(send, exc, _WWW_AUTHENTICATE)
                 return
         await super().__call__(scope, receive, send)
 
@@ -129,6 +197,11 @@ class LLMServerApp(QuartTrio):
                 body = {"status": "unavailable"}
                 return Response(dumps(body), status=503, content_type="application/json", headers={"Retry-After": "1"})
             return Response(dumps({"status": "ok"}), status=200, content_type="application/json")
+
+        @self.get("/metrics")
+        async def metrics():
+            body, content_type = self.metrics.exposition(request.headers.get("accept"))
+            return Response(body, status=200, content_type=content_type)
 
         @self.get("/v1/models")
         async def models():

@@ -1,4 +1,5 @@
-"""Small raw-ASGI helpers: read a bounded body, send a JSON answer, watch for a disconnect.
+"""Small raw-ASGI helpers: read a bounded body, send a JSON answer, watch for a disconnect,
+add headers to every response.
 
 The generation endpoints are served on raw ASGI (see :mod:`server.http.generate`) because
 each SSE event through Quart's response machinery costs about twice the CPU of a raw send.
@@ -11,7 +12,15 @@ import trio
 from ..errors import PayloadTooLarge, ServerError, ServiceUnavailable, error_body
 from .encode import dumps
 
-__all__ = ["read_body", "send_json", "send_error", "watch_disconnect", "header"]
+__all__ = [
+    "HeaderSend",
+    "header",
+    "read_body",
+    "send_empty",
+    "send_error",
+    "send_json",
+    "watch_disconnect",
+]
 
 
 def header(scope: dict, name: bytes) -> bytes | None:
@@ -57,6 +66,12 @@ async def send_json(send, status: int, body: bytes, headers: list | None = None)
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+async def send_empty(send, status: int, headers: list) -> None:
+    """A response without a body (a 204)."""
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 async def send_error(send, exc: ServerError, headers: list | None = None) -> None:
     """An OpenAI-style error body with the exception's status (and Retry-After for 503)."""
     extra = list(headers or ())
@@ -77,3 +92,24 @@ async def watch_disconnect(receive, scope: trio.CancelScope) -> None:
         if message["type"] == "http.disconnect":
             scope.cancel()
             return
+
+
+class HeaderSend:
+    """An ASGI ``send`` that adds ``headers`` to the response start.
+
+    The app wraps ``send`` in one for the routes Quart serves (and the answers it writes
+    itself), so that ``X-Request-Id`` and the CORS headers are on every response. The
+    generation routes add the headers themselves and keep hypercorn's ``send``: no extra
+    call per streamed event.
+    """
+
+    __slots__ = ("_send", "_headers")
+
+    def __init__(self, send, headers: list) -> None:
+        self._send = send
+        self._headers = headers
+
+    async def __call__(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), *self._headers]}
+        await self._send(message)

@@ -5,6 +5,7 @@ Theory of operation
 One request, one nursery::
 
     handle_generate (the writer)
+    ├── API key and method              -> 401, 405
     ├── read and validate the body      -> 4xx before anything is sent
     ├── dispatch to the engine          -> 503 if no worker can take it
     ├── nursery
@@ -18,24 +19,40 @@ Errors after the first byte never reach hypercorn: an engine failure ends the st
 ``error`` event and ``data: [DONE]``; a server-side abort ends each open choice with
 ``finish_reason: "abort"`` and ``data: [DONE]``; a bug is logged and ends the stream the
 same way as an engine failure.
+
+Observability: the request's :class:`~server.observability.RequestRecord` (made by the app,
+which records and logs it when this returns) gets the dispatch time, the status and errors
+answered, a client disconnect, the time of the first output, and at the end how each choice
+ended. Every response start carries the app's extra headers (``X-Request-Id``, CORS). The
+only work per streamed write is a clock read and one lock-free histogram observation
+(inter-token latency); body messages go straight to the ASGI server's ``send``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import uuid
 
 import trio
 
-from ..errors import EngineError, RequestTimeout, ServerError, ServiceUnavailable
+from ..errors import (
+    EngineError,
+    MethodNotAllowed,
+    RequestTimeout,
+    ServerError,
+    ServiceUnavailable,
+    Unauthorized,
+)
+from ..observability.record import RequestRecord
 from . import schema
-from .asgi import read_body, send_error, send_json, watch_disconnect
+from .asgi import header, read_body, send_error, send_json, watch_disconnect
 from .encode import DONE, ChunkEncoder, completion_body, error_event
 
 __all__ = ["handle_generate"]
 
 log = logging.getLogger("server.http")
+
+_now = time.perf_counter
 
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -44,12 +61,58 @@ _SSE_HEADERS = [
 ]
 
 
-async def handle_generate(app, scope: dict, receive, send, *, chat: bool) -> None:
-    """Serve one generation request; never raises into the ASGI server (but Cancelled)."""
+class _Answer:
+    """The parts of answering that are not per event: each sets the record's status, adds the
+    extra headers, and marks the response complete before its last byte (the ASGI server
+    reports the end of the connection after it, which must not count as a disconnect)."""
+
+    __slots__ = ("send", "headers", "record")
+
+    def __init__(self, send, headers: list, record: RequestRecord) -> None:
+        self.send = send
+        self.headers = headers
+        self.record = record
+
+    async def error(self, exc: ServerError, headers: list | None = None) -> None:
+        record = self.record
+        record.failed(exc)
+        record.status = exc.status
+        record.response_complete = True
+        await send_error(self.send, exc, self.headers + headers if headers else self.headers)
+
+    async def json(self, body: bytes) -> None:
+        self.record.status = 200
+        self.record.response_complete = True
+        await send_json(self.send, 200, body, self.headers)
+
+    async def start_stream(self) -> None:
+        self.record.status = 200
+        headers = _SSE_HEADERS + self.headers
+        await self.send({"type": "http.response.start", "status": 200, "headers": headers})
+
+    async def last(self, body: bytes) -> None:
+        self.record.response_complete = True
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def handle_generate(
+    app, scope: dict, receive, send, *, chat: bool, record: RequestRecord, headers: list
+) -> None:
+    """Serve one generation request; never raises into the ASGI server (but Cancelled).
+
+    ``record`` is filled in as the request goes (the caller records it when this returns);
+    ``headers`` go on the response, whatever it is.
+    """
     config = app.server_config
+    answer = _Answer(send, headers, record)
     try:
+        if app.api_keys is not None:
+            app.api_keys.check(header(scope, b"authorization"))
+        if scope["method"] != "POST":
+            raise MethodNotAllowed(f"Method {scope['method']} is not allowed; use POST.")
         body = await read_body(scope, receive, config.max_body_bytes)
         if body is None:
+            record.client_disconnected = True
             return
         engine = app.require_engine()
         parse = schema.parse_chat if chat else schema.parse_completion
@@ -61,32 +124,51 @@ async def handle_generate(app, scope: dict, receive, send, *, chat: bool) -> Non
                 code="server_overloaded",
             )
         stream = engine.generate_many(req.prompts, req.params, timeout=config.request_timeout)
+        record.dispatched(req.stream, stream.choices)
+    except Unauthorized as exc:
+        await answer.error(exc, [(b"www-authenticate", b"Bearer")])
+        return
+    except MethodNotAllowed as exc:
+        await answer.error(exc, [(b"allow", b"POST")])
+        return
     except ServerError as exc:
-        await send_error(send, exc)
+        await answer.error(exc)
         return
     except Exception:
         log.exception("internal error before the response started")
-        await send_error(send, ServerError("Internal server error."))
+        await answer.error(ServerError("Internal server error."))
         return
-    response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch_disconnect, receive, nursery.cancel_scope)
-        try:
-            async with stream:
-                if req.stream:
-                    await _write_stream(send, stream, req, response_id, engine.model_name)
-                else:
-                    await _write_full(send, stream, req, response_id, engine.model_name)
-        finally:
-            nursery.cancel_scope.cancel()
+    response_id = ("chatcmpl-" if chat else "cmpl-") + record.request_id
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, record)
+            try:
+                async with stream:
+                    if req.stream:
+                        observe_itl = app.metrics.itl.observe
+                        await _write_stream(
+                            answer, stream, req, response_id, engine.model_name, observe_itl
+                        )
+                    else:
+                        await _write_full(answer, stream, req, response_id, engine.model_name)
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        record.ended(stream, req.params.n)
 
 
-async def _started(send, stream) -> list[int] | None:
+async def _watch_disconnect(receive, scope: trio.CancelScope, record: RequestRecord) -> None:
+    await watch_disconnect(receive, scope)
+    if not record.response_complete:  # else: the usual end of the connection after the answer
+        record.client_disconnected = True
+
+
+async def _started(answer: _Answer, stream) -> list[int] | None:
     """Prompt token counts once the engine has started; else answer with a status."""
     try:
         return await stream.wait_started()
     except ServerError as exc:
-        await send_error(send, exc)
+        await answer.error(exc)
         return None
 
 
@@ -102,11 +184,15 @@ def _prompt_tokens(per_choice: list[int], n: int) -> int:
     return sum(per_choice[::n])
 
 
-async def _write_stream(send, stream, req, response_id: str, model: str) -> None:
-    per_choice = await _started(send, stream)
+async def _write_stream(
+    answer: _Answer, stream, req, response_id: str, model: str, observe_itl
+) -> None:
+    per_choice = await _started(answer, stream)
     if per_choice is None:
         return
-    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+    await answer.start_stream()
+    send = answer.send
+    record = answer.record
     enc = ChunkEncoder(chat=req.chat, response_id=response_id, created=int(time.time()), model=model)
     n = req.params.n
     first = []
@@ -116,10 +202,18 @@ async def _write_stream(send, stream, req, response_id: str, model: str) -> None
         elif req.echo:
             first.append(enc.delta(index, req.prompts[index // n]))
     completion_tokens = 0
+    last = 0.0  # when the previous write with new tokens happened
     try:
         if first:
             await send({"type": "http.response.body", "body": b"".join(first), "more_body": True})
         async for out in stream:
+            if out.num_tokens:
+                now = _now()
+                if last:
+                    observe_itl(now - last)
+                else:
+                    record.first_token = now
+                last = now
             outs = stream.take_ready_nowait()
             if outs:
                 outs.insert(0, out)
@@ -130,9 +224,11 @@ async def _write_stream(send, stream, req, response_id: str, model: str) -> None
                 if o.finish_reason == "error":
                     if o.text:  # text merged in before the failure still goes out
                         parts.append(enc.delta(o.index, o.text))
-                    parts.append(error_event(o.exception()))
+                    exc = o.exception()
+                    record.failed(exc)
+                    parts.append(error_event(exc))
                     parts.append(DONE)
-                    await send({"type": "http.response.body", "body": b"".join(parts), "more_body": False})
+                    await answer.last(b"".join(parts))
                     return
                 if o.finish_reason is not None:
                     completion_tokens += o.completion_tokens
@@ -141,17 +237,19 @@ async def _write_stream(send, stream, req, response_id: str, model: str) -> None
         tail = DONE
         if req.include_usage:
             tail = enc.usage(_prompt_tokens(per_choice, n), completion_tokens) + DONE
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        await answer.last(tail)
     except Exception:
         log.exception("internal error while streaming %s", response_id)
-        end = error_event(EngineError("Internal server error while streaming.")) + DONE
-        await send({"type": "http.response.body", "body": end, "more_body": False})
+        exc = EngineError("Internal server error while streaming.")
+        record.failed(exc)
+        await answer.last(error_event(exc) + DONE)
 
 
-async def _write_full(send, stream, req, response_id: str, model: str) -> None:
-    per_choice = await _started(send, stream)
+async def _write_full(answer: _Answer, stream, req, response_id: str, model: str) -> None:
+    per_choice = await _started(answer, stream)
     if per_choice is None:
         return
+    record = answer.record
     k = len(per_choice)
     n = req.params.n
     texts: list[list[str]] = [[] for _ in range(k)]
@@ -161,11 +259,14 @@ async def _write_full(send, stream, req, response_id: str, model: str) -> None:
     reasons: list[str | None] = [None] * k
     completion_tokens = 0
     async for out in stream:
+        if record.first_token is None and out.num_tokens:
+            # No inter-token latency here: nothing is written until the end.
+            record.first_token = _now()
         if out.finish_reason == "error":
-            await send_error(send, out.exception())
+            await answer.error(out.exception())
             return
         if out.finish_reason == "abort" and stream.abort_cause is not None:
-            await send_error(send, _abort_error(stream.abort_cause))
+            await answer.error(_abort_error(stream.abort_cause))
             return
         texts[out.index].append(out.text)
         if out.finish_reason is not None:
@@ -181,4 +282,4 @@ async def _write_full(send, stream, req, response_id: str, model: str) -> None:
         prompt_tokens=_prompt_tokens(per_choice, n),
         completion_tokens=completion_tokens,
     )
-    await send_json(send, 200, body)
+    await answer.json(body)

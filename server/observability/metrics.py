@@ -1,0 +1,272 @@
+"""The ``trio_llm:*`` Prometheus metrics: recorded without locks, exposed at scrape time.
+
+Usage (the app does this; ``GET /metrics`` serves :meth:`Metrics.exposition`)::
+
+    metrics = Metrics(lambda: app.engine, lambda: "sim")
+    metrics.observe(record)              # once per request, at its end
+    observe_itl = metrics.itl.observe    # per write of new tokens, from the request's writer
+    body, content_type = metrics.exposition(accept_header)
+
+Theory of operation
+-------------------
+Everything here runs on the Trio thread, so the values are plain ints, floats and lists: an
+observation is a ``bisect`` and two additions, with no lock (prometheus-client's own metric
+objects take a lock per ``inc``/``observe``, made for threaded servers). Nothing is recorded
+per token: a request is recorded once at its end (:meth:`Metrics.observe`), and inter-token
+latency once per write of the request's writer (one write carries every token that arrived
+since the previous one).
+
+:class:`Metrics` is a prometheus-client *collector* registered in its own
+:class:`~prometheus_client.CollectorRegistry` (one per app, so several apps in one process
+do not collide). At scrape time :meth:`Metrics.collect` turns the values into metric
+families, and reads the gauges that describe the engine (requests running and waiting per
+worker, workers alive, restarts) from ``engine.statistics()``: nothing is kept up to date
+for them between scrapes.
+
+Names follow vLLM's (``vllm:`` -> ``trio_llm:``); see docs/metrics.md for each metric.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.utils import floatToGoString
+
+from .record import ABORT_CAUSES, FINISHED_REASONS, RequestRecord
+
+__all__ = ["Metrics", "Histogram", "PREFIX"]
+
+PREFIX = "trio_llm:"
+
+#: Bucket upper bounds, in seconds (vLLM's, with finer steps below 10 ms for fast engines).
+TTFT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+E2E_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)
+QUEUE_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)
+#: Tokens per request: 1, 2, 5, 10, 20, 50, ... 1,000,000.
+TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
+
+
+class Histogram:
+    """A histogram for one thread: :meth:`observe` is a bisect and two additions, no lock.
+
+    ``counts[i]`` counts the values in ``(bounds[i-1], bounds[i]]``; the last slot counts
+    those above every bound (the ``+Inf`` bucket).
+    """
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(sorted(float(b) for b in bounds))
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative ``(le, count)`` pairs, as the exposition format wants them."""
+        out = []
+        total = 0
+        for bound, n in zip(self.bounds, self.counts):
+            total += n
+            out.append((floatToGoString(bound), total))
+        out.append(("+Inf", total + self.counts[-1]))
+        return out
+
+
+_HISTOGRAMS = (
+    # attribute, name, help
+    ("ttft", "time_to_first_token_seconds",
+     "Time from the request's arrival to its first output token, in seconds."),
+    ("itl", "inter_token_latency_seconds",
+     "Time between consecutive writes of new tokens to a request's response, in seconds."),
+    ("e2e", "e2e_request_latency_seconds",
+     "Time from the request's arrival to the end of its response, in seconds."),
+    ("queue", "request_queue_time_seconds",
+     "Time from the request's arrival to the first engine step that reported it (accepted "
+     "into the engine's scheduler), in seconds."),
+    ("prompt_tokens", "request_prompt_tokens", "Prompt tokens per request."),
+    ("generation_tokens", "request_generation_tokens", "Generated tokens per request."),
+)
+
+
+class Metrics:
+    """The server's metrics; see the module docstring. Touch it only from the Trio thread.
+
+    ``engine`` returns the running engine or None (starting, stopped); ``model_name`` the
+    served model name, the ``model_name`` label of every metric (as in vLLM).
+    """
+
+    def __init__(
+        self,
+        engine: Callable[[], object | None],
+        model_name: Callable[[], str],
+        *,
+        registry: CollectorRegistry | None = None,
+        process_metrics: bool = True,
+    ) -> None:
+        self._engine = engine
+        self._model_name = model_name
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+        self.queue = Histogram(QUEUE_BUCKETS)
+        self.prompt_tokens = Histogram(TOKEN_BUCKETS)
+        self.generation_tokens = Histogram(TOKEN_BUCKETS)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.finished = dict.fromkeys(FINISHED_REASONS, 0)
+        self.aborts = dict.fromkeys(ABORT_CAUSES, 0)
+        self.rejections: dict[int, int] = {}
+        self.client_disconnects = 0
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.registry.register(self)
+        if process_metrics:
+            ProcessCollector(registry=self.registry)
+
+    # -- recording ---------------------------------------------------------------------------
+
+    def observe(self, r: RequestRecord) -> None:
+        """Record one generation request at its end (whatever the outcome)."""
+        if r.client_disconnected:
+            self.client_disconnects += 1
+        reason = r.finish_reason
+        if reason is None or r.rejected:
+            # Never ran on the engine (or the engine refused it as the client's fault).
+            status = r.status
+            if status is not None and status >= 400:
+                self.rejections[status] = self.rejections.get(status, 0) + 1
+            return
+        self.finished[reason] += 1
+        if r.abort_cause is not None:
+            self.aborts[r.abort_cause] += 1
+        self.prompt_tokens_total += r.prompt_tokens
+        self.generation_tokens_total += r.completion_tokens
+        self.prompt_tokens.observe(r.prompt_tokens)
+        self.generation_tokens.observe(r.completion_tokens)
+        arrival = r.arrival
+        self.e2e.observe(r.finish - arrival)
+        if r.accepted is not None:
+            self.queue.observe(max(r.accepted - arrival, 0.0))
+        if r.first_token is not None:
+            self.ttft.observe(r.first_token - arrival)
+
+    # -- exposition --------------------------------------------------------------------------
+
+    def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The body and content type of a scrape (text format, or OpenMetrics if asked)."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
+
+    def collect(self) -> Iterator[Metric]:
+        """Called by the registry at scrape time."""
+        model = self._model_name()
+        labels = ["model_name"]
+        for attr, name, doc in _HISTOGRAMS:
+            hist: Histogram = getattr(self, attr)
+            family = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
+            family.add_metric([model], hist.buckets(), hist.sum)
+            yield family
+        yield _counter("prompt_tokens", "Prompt tokens of requests that ran on the engine.",
+                       labels, [([model], self.prompt_tokens_total)])
+        yield _counter("generation_tokens", "Tokens generated for requests (sent or not).",
+                       labels, [([model], self.generation_tokens_total)])
+        yield _counter(
+            "request_success",
+            "Requests that ran on the engine, by how they ended (the worst of their choices).",
+            ["model_name", "finished_reason"],
+            [([model, k], v) for k, v in self.finished.items()],
+        )
+        yield _counter(
+            "request_aborts",
+            "Requests whose work was given up, by cause.",
+            ["model_name", "cause"],
+            [([model, k], v) for k, v in self.aborts.items()],
+        )
+        yield _counter(
+            "request_rejections",
+            "Generation requests answered with an error status without running on the "
+            "engine (invalid, unauthorized, overloaded, ...), by status.",
+            ["model_name", "status"],
+            [([model, str(k)], v) for k, v in sorted(self.rejections.items())],
+        )
+        yield _counter(
+            "client_disconnects",
+            "Generation requests whose client went away before the response ended.",
+            labels, [([model], self.client_disconnects)],
+        )
+        yield from self._engine_families(model)
+
+    def _engine_families(self, model: str) -> Iterator[Metric]:
+        engine = self._engine()
+        stats = engine.statistics() if engine is not None else None
+        workers = stats.workers if stats is not None else ()
+        labels = ["model_name"]
+        per_worker = ["model_name", "worker"]
+        running = GaugeMetricFamily(
+            PREFIX + "num_requests_running",
+            "Requests running in each engine worker (its latest heartbeat answer).",
+            labels=per_worker,
+        )
+        waiting = GaugeMetricFamily(
+            PREFIX + "num_requests_waiting",
+            "Requests waiting in each engine worker's queue (its latest heartbeat answer).",
+            labels=per_worker,
+        )
+        for w in workers:
+            running.add_metric([model, str(w.index)], w.running if w.alive else 0)
+            waiting.add_metric([model, str(w.index)], w.waiting if w.alive else 0)
+        yield running
+        yield waiting
+        yield _counter(
+            "worker_restarts",
+            "Engine worker processes restarted after a failure, per worker.",
+            per_worker,
+            [([model, str(w.index)], w.restarts) for w in workers],
+        )
+        alive = GaugeMetricFamily(
+            PREFIX + "workers_alive", "Engine worker processes up and serving.", labels=labels
+        )
+        alive.add_metric([model], stats.workers_alive if stats is not None else 0)
+        yield alive
+        in_flight = GaugeMetricFamily(
+            PREFIX + "num_requests_in_flight",
+            "Generation requests dispatched to the engine whose streams are still open.",
+            labels=labels,
+        )
+        in_flight.add_metric([model], stats.open_streams if stats is not None else 0)
+        yield in_flight
+
+
+def _counter(name: str, doc: str, labels: list[str], samples) -> CounterMetricFamily:
+    family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+    for values, value in samples:
+        family.add_metric(values, value)
+    return family
