@@ -71,7 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="served model name (default: 'sim', or the model directory's name)")
     g.add_argument("--model-path", default=None, help="transformers: the local model directory")
     g.add_argument("--device", default="cpu", help="transformers: torch device (cpu, cuda)")
-    g.add_argument("--dtype", default="auto", help="transformers: torch dtype (auto, float32, bfloat16)")
+    g.add_argument("--dtype", default=None, help="transformers: torch dtype (auto, float32, "
+                   "bfloat16, float16; default: float32 on cpu, auto on cuda)")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="transformers: torch CPU threads per worker (default: all cores; "
+                   "use cores / workers)")
     g.add_argument("--engine-workers", type=int, default=1,
                    help="number of engine worker processes (requests go to the least loaded)")
     g.add_argument("--max-model-len", type=int, default=None,
@@ -125,7 +129,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     else:
         if not args.model_path:
             raise SystemExit("trio-llm-server: --engine transformers needs --model-path DIR")
-        options = {"model_path": args.model_path, "device": args.device, "dtype": args.dtype}
+        options = {"model_path": args.model_path, "device": args.device}
+        if args.dtype:
+            options["dtype"] = args.dtype
+        if args.num_threads:
+            options["num_threads"] = args.num_threads
         if args.max_batch:
             options["max_batch"] = args.max_batch
         if args.model:

@@ -55,7 +55,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     ) from None
 
 from .base import Rejected, check_context
-from .hf_batch import KVBatch, UnsupportedModel
+from .hf_batch import KVBatch, UnsupportedModel, sliding_window
 from .hf_sample import sample
 from .hf_text import RequestText
 
@@ -82,7 +82,9 @@ def load_model(model_path: str, *, device: str = "cpu", dtype: str | None = None
     if dtype != "auto" and dtype not in _DTYPES:
         raise ValueError(f"dtype must be auto or one of {', '.join(_DTYPES)}, not {dtype!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"device {device!r} requested, but torch {torch.__version__} sees no GPU")
+        raise RuntimeError(
+            f"device {device!r} requested, but torch {torch.__version__} sees no GPU"
+        )
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     try:
@@ -154,6 +156,9 @@ class TransformersEngine:
         )
         self._tok = self.tokenizer.backend_tokenizer
         limit = _context_length(self.model.config, self.tokenizer)
+        window = sliding_window(self.model)  # may raise UnsupportedModel: a clear message
+        if window is not None:
+            limit = min(limit, window)
         if max_model_len is None:
             max_model_len = limit
         elif not 0 < max_model_len <= limit:

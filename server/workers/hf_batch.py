@@ -36,13 +36,34 @@ import inspect
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-__all__ = ["KVBatch", "UnsupportedModel"]
+__all__ = ["KVBatch", "UnsupportedModel", "sliding_window"]
+
+_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 class UnsupportedModel(Exception):
     """The model's cache is not a plain per-layer key/value cache this batch can merge."""
+
+
+def sliding_window(model) -> int | None:
+    """The smallest sliding window of the model's cache layers (None: none slide).
+
+    A sliding layer is served as a full one, which is exact while no sequence is longer than
+    the window: the engine caps its context there. Other layer kinds (linear attention,
+    quantized caches) raise :class:`UnsupportedModel`.
+    """
+    windows = []
+    for layer in DynamicCache(config=model.config).layers:
+        if type(layer) is DynamicSlidingWindowLayer:
+            windows.append(layer.sliding_window)
+        elif type(layer) is not DynamicLayer:
+            raise UnsupportedModel(
+                f"the transformers engine cannot batch this model's {type(layer).__name__} "
+                "cache layers (only full and sliding-window attention are supported)"
+            )
+    return min(windows) if windows else None
 
 
 class KVBatch:
@@ -53,6 +74,7 @@ class KVBatch:
         self.device = model.device
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # [rows, length] int64, 1 = real token
         self.positions: torch.Tensor | None = None  # [rows] position of each row's next token
@@ -70,13 +92,12 @@ class KVBatch:
         return self.size * self.length
 
     def _forward(self, input_ids, mask, positions, cache):
-        kwargs = {self._cache_kw: cache}
+        kwargs = {self._cache_kw: cache, **self._extra}
         out = self.model(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
-            logits_to_keep=1,
             **kwargs,
         )
         return out.logits[:, -1, :]
@@ -103,14 +124,16 @@ class KVBatch:
     def _layers(self, cache: DynamicCache) -> list:
         layers = getattr(cache, "layers", None)
         if not layers or any(
-            type(layer) is not DynamicLayer or getattr(layer, "keys", None) is None
-            for layer in layers
+            type(layer) not in _LAYERS or getattr(layer, "keys", None) is None for layer in layers
         ):
-            raise UnsupportedModel(
-                "this model's cache is not a plain key/value cache per layer (sliding-window or "
-                "linear-attention layers are not supported by the transformers engine)"
-            )
+            raise UnsupportedModel("the model made a cache the transformers engine cannot batch")
         return layers
+
+    def _lengths_changed(self) -> None:
+        """Tell sliding layers their new length (they compute their masks from it)."""
+        for layer in self.cache.layers:
+            if type(layer) is DynamicSlidingWindowLayer:
+                layer.cumulative_length = layer.keys.shape[-2]
 
     def _merge(self, cache: DynamicCache, mask: torch.Tensor, lengths: torch.Tensor) -> None:
         layers = self._layers(cache)
@@ -130,6 +153,7 @@ class KVBatch:
             [F.pad(self.mask, (width - old_len, 0)), F.pad(mask, (width - new_len, 0))]
         )
         self.positions = torch.cat([self.positions, lengths])
+        self._lengths_changed()
 
     # -- a step ------------------------------------------------------------------------------
 
@@ -161,6 +185,7 @@ class KVBatch:
         for layer in self.cache.layers:
             layer.keys = layer.keys.index_select(0, index)[:, :, start:].contiguous()
             layer.values = layer.values.index_select(0, index)[:, :, start:].contiguous()
+        self._lengths_changed()
 
     def clear(self) -> None:
         """Drop every row and free the whole cache."""

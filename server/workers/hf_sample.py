@@ -21,7 +21,10 @@ import torch
 __all__ = ["sample"]
 
 
-def sample(logits: torch.Tensor, specs: list[tuple[float, float, torch.Generator | None]]) -> list[int]:
+Spec = tuple[float, float, "torch.Generator | None"]
+
+
+def sample(logits: torch.Tensor, specs: list[Spec]) -> list[int]:
     """Next token of each row of ``logits`` (``[rows, vocab]``), by ``specs[row]`` =
     ``(temperature, top_p, generator)``; the generator is a CPU one (unused when greedy)."""
     tokens = logits.argmax(-1).tolist()

@@ -40,7 +40,7 @@ class RequestText:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()) -> None:
         self._tok = tokenizer
         self._context = list(prompt_ids[-PROMPT_CONTEXT:])
-        self._stream = DecodeStream(ids=self._context, skip_special_tokens=True)
+        self._stream = _decode_stream(tokenizer, self._context)
         self._ids: list[int] = []
         self._decoded = 0  # characters the decode stream has produced so far
         self.stop = stop
@@ -104,3 +104,14 @@ class RequestText:
                 break
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], False
+
+
+def _decode_stream(tokenizer, context: list[int]) -> DecodeStream:
+    """A DecodeStream that has seen ``context`` (older tokenizers releases take no ``ids=``)."""
+    try:
+        return DecodeStream(ids=context, skip_special_tokens=True)
+    except TypeError:
+        stream = DecodeStream(skip_special_tokens=True)
+        for token_id in context:
+            stream.step(tokenizer, token_id)
+        return stream

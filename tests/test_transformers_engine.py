@@ -1,0 +1,488 @@
+"""The transformers engine on a tiny random model built here (tests/tiny_model.py).
+
+Three layers, cheapest first:
+
+1. the sans-IO engine in this process (no worker process): greedy output equals
+   ``model.generate`` for requests that join at different steps, stop strings, max_tokens,
+   seeded sampling, multi-byte text, aborts, rejections;
+2. real worker processes behind :func:`server.open_engine`;
+3. the real HTTP server (tests/conftest.py ``running_server``) with the openai SDK.
+
+The model is built once per session; the engine of layer 1 is loaded once per module.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+import openai  # noqa: E402
+import torch  # noqa: E402
+import trio  # noqa: E402
+
+import server  # noqa: E402
+from server import SamplingParams  # noqa: E402
+from server.workers.base import Rejected  # noqa: E402
+from server.workers.hf import TransformersEngine, load_model  # noqa: E402
+from server.workers.hf_sample import sample  # noqa: E402
+from server.workers.hf_text import RequestText  # noqa: E402
+from tests.tiny_model import WORDS, build_tiny_model  # noqa: E402
+
+# One thread each, here and in the workers: this machine's two cores are shared, and torch's
+# threads spin-waiting for a busy core make a step ten times slower.
+torch.set_num_threads(1)
+
+MODEL = "tiny-llama"  # the served name: the model directory's name
+LIMIT = 40  # seconds for any test that starts processes (each imports torch: ~5 s)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("hf") / MODEL)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return TransformersEngine(model_path=str(model_dir), max_batch=8)
+
+
+def prompts(n: int, seed: int = 1) -> list[str]:
+    """Prompts of different lengths, in all the scripts of the corpus."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30))) for _ in range(n)]
+
+
+def reference(engine: TransformersEngine, prompt, max_tokens: int) -> tuple[str, int]:
+    """(text, tokens) of ``model.generate`` with greedy decoding, alone."""
+    tok = engine.tokenizer
+    ids = engine.encode(prompt)
+    with torch.inference_mode():
+        out = engine.model.generate(
+            torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False
+        )
+    new = out[0, len(ids) :].tolist()
+    return tok.decode(new, skip_special_tokens=True), len(new)
+
+
+def greedy(max_tokens: int, **kw) -> dict:
+    return {"max_tokens": max_tokens, "temperature": 0, **kw}
+
+
+def run(engine, outputs: dict | None = None, steps: int | None = None) -> dict:
+    """Step the engine until idle (or ``steps`` times); outputs by rid."""
+    outputs = {} if outputs is None else outputs
+    n = 0
+    while engine.next_deadline() is not None and (steps is None or n < steps):
+        for out in engine.step(0.0):
+            outputs.setdefault(out[0], []).append(out)
+        n += 1
+    return outputs
+
+
+def result(outs: list) -> tuple[str, int, str]:
+    """(text, tokens, finish_reason) of one request's outputs."""
+    assert all(o[3] is None for o in outs[:-1])
+    return "".join(o[1] for o in outs), sum(o[2] for o in outs), outs[-1][3]
+
+
+# -- 1. the sans-IO engine -----------------------------------------------------------------------
+
+
+def test_greedy_matches_generate_as_requests_join_at_different_steps(engine):
+    ps = prompts(6)
+    lengths = [24, 9, 30, 17, 5, 21]
+    refs = [reference(engine, p, n) for p, n in zip(ps, lengths)]
+    outputs: dict = {}
+    schedule = [(0, [0]), (3, [1, 2]), (2, [3]), (0, [4, 5])]  # steps to run, then who joins
+    for steps, joining in schedule:
+        run(engine, outputs, steps)
+        for i in joining:
+            assert engine.add(i, ps[i], greedy(lengths[i])) == len(engine.encode(ps[i]))
+    run(engine, outputs)
+    for i, (text, ntok) in enumerate(refs):
+        got_text, got_ntok, finish = result(outputs[i])
+        assert (got_text, got_ntok) == (text, ntok), f"prompt {i}: {ps[i]!r}"
+        assert finish == ("length" if ntok == lengths[i] else "stop")
+    assert engine.running() == engine.waiting() == engine.cached_tokens() == 0
+    assert engine.next_deadline() is None
+    assert any(ord(c) > 0x7F for text, _ in refs for c in text)  # multi-byte text was made
+
+
+def test_token_id_and_chat_prompts(engine):
+    ids = engine.encode("the quick brown fox")
+    chat = {"messages": [{"role": "user", "content": "hello 世界 🙂"}]}
+    rendered = engine.tokenizer.apply_chat_template(
+        chat["messages"], tokenize=False, add_generation_prompt=True
+    )
+    assert rendered.endswith("<|assistant|>")
+    assert engine.encode(chat) == engine.tokenizer(rendered, add_special_tokens=False).input_ids
+    engine.add(1, ids, greedy(8))
+    engine.add(2, chat, greedy(8))
+    out = run(engine)
+    assert result(out[1])[:2] == reference(engine, ids, 8)
+    assert result(out[2])[:2] == reference(engine, chat, 8)
+
+
+def test_stop_string_across_token_boundaries(engine):
+    prompt = prompts(1, seed=7)[0]
+    engine.add(1, prompt, greedy(30))
+    deltas = [o[1] for o in run(engine)[1]]
+    full = "".join(deltas)
+    # a stop string made of the end of one delta and the start of the next
+    k = next(i for i in range(3, len(deltas) - 1) if len(deltas[i]) >= 2 and deltas[i + 1])
+    stop = deltas[k][-2:] + deltas[k + 1][:1]
+    engine.add(2, prompt, greedy(30, stop=[stop, "never \x00 seen"]))
+    text, ntok, finish = result(run(engine)[2])
+    assert finish == "stop"
+    assert text == full[: full.index(stop)]
+    assert stop not in text
+    assert ntok <= k + 2
+
+
+def test_max_tokens_and_ignore_eos(engine):
+    engine.add(1, "hello world", greedy(5))
+    engine.add(2, "hello world", greedy(1, ignore_eos=True))
+    out = run(engine)
+    assert result(out[1])[1:] == (5, "length")
+    assert result(out[2])[1:] == (1, "length")
+    assert [o[2] for o in out[1]] == [1] * 5  # one output per token, each one step
+
+
+def test_eos_ends_with_stop(engine, monkeypatch):
+    prompt = "hello 世界"
+    ids = engine.encode(prompt)
+    with torch.inference_mode():
+        new = engine.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+    new = new[0, len(ids) :].tolist()
+    k = next(i for i in range(3, 12) if new[i] not in new[:i])
+    monkeypatch.setattr(engine, "eos_ids", frozenset({new[k]}))  # make it the EOS token
+    engine.add(1, prompt, greedy(12))
+    engine.add(2, prompt, greedy(12, ignore_eos=True))
+    out = run(engine)
+    text = engine.tokenizer.decode(new[:k], skip_special_tokens=True)
+    assert result(out[1]) == (text, k + 1, "stop")  # the EOS token counts, its text is not sent
+    assert result(out[2])[1:] == (12, "length")
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    params = {"max_tokens": 20, "temperature": 0.9, "top_p": 0.95, "seed": 1234}
+    engine.add(1, "the model", params)
+    alone = result(run(engine)[1])
+    engine.add(2, "the model", params)  # now next to other requests
+    engine.add(3, "日本語 数据 模型", {**params, "seed": 99})
+    engine.add(4, "a much longer prompt " * 4, greedy(20))
+    out = run(engine)
+    assert result(out[2]) == alone
+    engine.add(5, "the model", {**params, "seed": 1235})
+    assert result(run(engine)[5]) != alone
+
+
+def test_top_p_keeps_the_most_likely_token():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 2)
+    rngs = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    for _ in range(20):
+        assert sample(logits, [(1.0, 1e-6, rngs[0]), (0.0, 1.0, None)]) == [1, 1]
+    picks = {sample(logits, [(5.0, 1.0, rngs[1])])[0] for _ in range(200)}
+    assert picks == {0, 1, 2, 3}
+
+
+def test_streamed_multibyte_text_equals_the_full_decode(engine):
+    # characters the tokenizer never saw whole: they are split into byte tokens
+    text = "漢字かな 🦀🧪 Ωμέγα — ñandú 👩🏽‍🚀"
+    tok = engine.tokenizer.backend_tokenizer
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert len(ids) > len(text) // 2
+    stream = RequestText(tok, [0], ())
+    deltas = [stream.feed(i)[0] for i in ids]
+    assert "".join(deltas) + stream.finish()[0] == text
+    assert all("\ufffd" not in d for d in deltas)
+    # an incomplete character at the end still comes out, as a full decode shows it
+    stream = RequestText(tok, [0], ())
+    cut = next(i for i in range(len(ids)) if tok.decode(ids[: i + 1]).endswith("\ufffd"))
+    partial = ids[: cut + 1]
+    got = "".join(stream.feed(i)[0] for i in partial) + stream.finish()[0]
+    assert got == tok.decode(partial)
+    # and the engine's deltas concatenate to the full decode, for random output
+    for i, p in enumerate(prompts(4, seed=3)):
+        engine.add(i, p, greedy(25))
+    out = run(engine)
+    for i, p in enumerate(prompts(4, seed=3)):
+        assert result(out[i])[0] == reference(engine, p, 25)[0]
+
+
+def test_stop_string_split_inside_a_multibyte_run():
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(json.dumps(_byte_tokenizer()))
+    text = "ab🦀cd🦀ef"
+    ids = tok.encode(text).ids
+    stream = RequestText(tok, [ids[0]], ("d🦀e",))
+    pieces = []
+    for i in ids[1:]:
+        piece, stopped = stream.feed(i)
+        pieces.append(piece)
+        if stopped:
+            break
+    assert stopped and "".join(pieces) == "b🦀c"
+
+
+def _byte_tokenizer() -> dict:
+    """A byte-level BPE with no merges: every byte is a token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return json.loads(tok.to_str())
+
+
+def test_abort_frees_the_request_at_once(engine):
+    engine.add(1, "hello world", greedy(100))
+    engine.add(2, "the quick brown fox jumps", greedy(100))
+    run(engine, steps=3)
+    assert engine.running() == 2
+    held = engine.cached_tokens()
+    assert engine.abort(2) is True
+    assert engine.running() == 1 and 0 < engine.cached_tokens() < held
+    assert engine.abort(2) is False  # idempotent: it is gone
+    engine.add(3, "waiting", greedy(4))
+    assert engine.abort(3) is True  # aborted while waiting
+    assert engine.abort(1) is True
+    assert engine.running() == engine.waiting() == engine.cached_tokens() == 0
+    assert engine.next_deadline() is None and engine.step(0.0) == []
+
+
+def test_rejections(engine, model_dir, tmp_path):
+    limit = engine.max_model_len  # 256 for the tiny model
+    long_prompt = list(range(10, 10 + limit + 5))
+    with pytest.raises(Rejected, match="maximum context length is 256 tokens"):
+        engine.add(1, long_prompt, greedy(4))
+    with pytest.raises(Rejected, match=r"requested 300 tokens \(200 in the prompt"):
+        engine.add(1, long_prompt[:200], greedy(100))
+    with pytest.raises(Rejected, match="between 0 and"):
+        engine.add(1, [1, 2, engine.vocab_size], greedy(4))
+    with pytest.raises(Rejected, match="at least one token"):
+        engine.add(1, "", greedy(4))
+    with pytest.raises(Rejected, match="max_tokens"):
+        engine.add(1, "hi", greedy(0))
+    assert engine.waiting() == 0
+    bare = TransformersEngine(
+        model_path=str(build_tiny_model(tmp_path / "bare", chat_template=False))
+    )
+    assert bare.info["chat_template"] is None
+    with pytest.raises(Rejected, match="has no chat template"):
+        bare.add(1, {"messages": [{"role": "user", "content": "hi"}]}, greedy(4))
+    assert engine.info["chat_template"] and engine.info["model"] == MODEL
+
+
+def test_sliding_window_model_is_capped_at_its_window(tmp_path):
+    sliding = TransformersEngine(
+        model_path=str(build_tiny_model(tmp_path / "mistral", sliding_window=40))
+    )
+    assert sliding.max_model_len == 40
+    with pytest.raises(Rejected, match="maximum context length is 40"):
+        sliding.add(1, "hello", greedy(40))
+    ps = [p for p in prompts(12, seed=5) if len(sliding.encode(p)) <= 14][:4]
+    refs = [reference(sliding, p, 40 - len(sliding.encode(p))) for p in ps]
+    out: dict = {}
+    for i, p in enumerate(ps):  # each joins two steps after the one before
+        sliding.add(i, p, greedy(40 - len(sliding.encode(p))))
+        run(sliding, out, 2)
+    run(sliding, out)
+    assert [result(out[i])[:2] for i in range(len(ps))] == refs
+    assert sliding.cached_tokens() == 0
+
+
+def test_a_failing_step_fails_the_running_requests_and_serving_goes_on(engine, monkeypatch):
+    engine.add(1, "hello", greedy(10))
+    engine.add(2, "world", greedy(10))
+    run(engine, steps=2)
+
+    def boom(tokens):
+        raise RuntimeError("CUDA out of memory (simulated)\nmore details")
+
+    monkeypatch.setattr(engine._batch, "decode", boom)
+    outs = engine.step(0.0)
+    assert sorted(o[0] for o in outs) == [1, 2]
+    assert all(o[3] == "error" and o[4][0] == "engine_error" for o in outs)
+    assert "CUDA out of memory (simulated)" in outs[0][4][1] and "\n" not in outs[0][4][1]
+    assert engine.running() == engine.cached_tokens() == 0
+    monkeypatch.undo()
+    engine.add(3, "hello", greedy(10))
+    assert result(run(engine)[3])[:2] == reference(engine, "hello", 10)
+
+
+def test_broken_model_directories_give_one_clear_line(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model directory .* does not exist"):
+        load_model(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(str(tmp_path / "empty"))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(RuntimeError, match="cannot load") as info:
+        load_model(str(broken))
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="model_path"):
+        TransformersEngine()
+
+
+# -- 2. real worker processes -------------------------------------------------------------------
+
+
+def hf_config(model_dir, **options) -> server.EngineConfig:
+    return server.EngineConfig(
+        engine="transformers",
+        engine_options={"model_path": str(model_dir), "num_threads": 1, **options},
+        drain_timeout=5.0,
+    )
+
+
+async def collect(engine, prompt, params) -> tuple[str, int, str]:
+    texts, ntok, finish = [], 0, None
+    async with engine.generate(prompt, params) as stream:
+        async for out in stream:
+            texts.append(out.text)
+            ntok += out.num_tokens
+            finish = out.finish_reason or finish
+    return "".join(texts), ntok, finish
+
+
+async def test_workers_greedy_concurrent_and_cancel(model_dir, engine):
+    ps = prompts(5, seed=11)
+    lengths = [20, 6, 28, 13, 9]
+    refs = [reference(engine, p, n) for p, n in zip(ps, lengths)]
+    results = [None] * len(ps)
+    with trio.fail_after(LIMIT):
+        async with server.open_engine(hf_config(model_dir)) as hf:
+            assert hf.model_name == MODEL and hf.info["max_model_len"] == 256
+
+            async def one(i):
+                await trio.sleep(0.01 * i)  # they join the running batch at different steps
+                params = SamplingParams(max_tokens=lengths[i], temperature=0)
+                results[i] = await collect(hf, ps[i], params)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(ps)):
+                    nursery.start_soon(one, i)
+            for i, (text, ntok) in enumerate(refs):
+                assert results[i][:2] == (text, ntok), f"prompt {i}"
+
+            # cancelling the consumer aborts the request in the worker
+            with trio.CancelScope() as scope:
+                async with hf.generate("hello", SamplingParams(max_tokens=200)) as stream:
+                    n = 0
+                    async for _ in stream:
+                        n += 1
+                        if n == 3:
+                            scope.cancel()
+            assert await hf.ping_all() == [(0, 0)]
+
+            # a client fault comes back as an error output, before any text
+            async with hf.generate(list(range(10, 300)), SamplingParams(max_tokens=4)) as s:
+                outs = [o async for o in s]
+            assert outs[-1].finish_reason == "error" and outs[-1].error_kind == "invalid_request"
+
+
+async def test_worker_with_a_missing_model_dir_fails_to_start(tmp_path, capfd):
+    with trio.fail_after(LIMIT):
+        with pytest.raises(BaseException) as info:
+            async with server.open_engine(hf_config(tmp_path / "missing")):
+                pass  # pragma: no cover
+    exc = info.value
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]  # open_engine's nurseries may wrap it
+    assert isinstance(exc, server.WorkerStartupError)
+    err = capfd.readouterr().err.strip().splitlines()
+    lines = [line for line in err if "cannot start engine" in line]
+    assert lines == [
+        f"trio-llm-server worker: cannot start engine: model directory {tmp_path / 'missing'} "
+        "does not exist"
+    ]
+    assert not any(line.startswith("Traceback") for line in err)
+
+
+# -- 3. the HTTP server, with the openai SDK ----------------------------------------------------
+
+
+async def test_http_end_to_end(model_dir, engine):
+    from tests.conftest import assert_engine_idle, running_server
+
+    ps = prompts(3, seed=21)
+    lengths = [16, 7, 24]
+    refs = [reference(engine, p, n) for p, n in zip(ps, lengths)]
+    chat = [{"role": "user", "content": "hello 世界 🙂"}]
+    chat_ref = reference(engine, {"messages": chat}, 12)
+    with trio.fail_after(LIMIT):
+        async with running_server(hf_config(model_dir)) as url:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            models = await client.models.list()
+            assert [m.id for m in models.data] == [MODEL]
+
+            full, streamed = [None] * 3, [None] * 3
+
+            async def plain(i):
+                r = await client.completions.create(
+                    model=MODEL, prompt=ps[i], max_tokens=lengths[i], temperature=0
+                )
+                full[i] = (r.choices[0].text, r.usage.completion_tokens)
+
+            async def stream(i):
+                s = await client.completions.create(
+                    model=MODEL, prompt=ps[i], max_tokens=lengths[i], temperature=0, stream=True
+                )
+                streamed[i] = "".join([c.choices[0].text async for c in s if c.choices])
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(plain, i)
+                    nursery.start_soon(stream, i)
+            assert full == refs
+            assert streamed == [text for text, _ in refs]
+            assert any(ord(c) > 0x7F for text, _ in refs for c in text)
+
+            r = await client.chat.completions.create(
+                model=MODEL, messages=chat, max_tokens=12, temperature=0
+            )
+            assert (r.choices[0].message.content, r.usage.completion_tokens) == chat_ref
+            prompt_tokens = len(engine.encode({"messages": chat}))
+            assert r.usage.prompt_tokens == prompt_tokens
+
+            # a stop string: the text up to it, finish_reason stop
+            text = refs[2][0]
+            stop = text[6:9]
+            r = await client.completions.create(
+                model=MODEL, prompt=ps[2], max_tokens=lengths[2], temperature=0, stop=[stop]
+            )
+            assert r.choices[0].text == text[: text.index(stop)]
+            assert r.choices[0].finish_reason == "stop"
+
+            # a client that goes away mid-stream: the worker drops the request
+            s = await client.completions.create(
+                model=MODEL, prompt="hello", max_tokens=200, stream=True
+            )
+            n = 0
+            async for _ in s:
+                n += 1
+                if n == 3:
+                    break
+            await s.close()
+            await assert_engine_idle(url.engine)
+
+            with pytest.raises(openai.BadRequestError, match="maximum context length"):
+                await client.completions.create(
+                    model=MODEL, prompt="the quick brown fox " * 100, max_tokens=4
+                )
+            with pytest.raises(openai.BadRequestError, match="maximum context length"):
+                await client.completions.create(
+                    model=MODEL, prompt="hello", max_tokens=1000, stream=True
+                )

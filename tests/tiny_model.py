@@ -1,0 +1,136 @@
+"""Build a tiny random causal LM and its tokenizer into a directory, offline, in seconds.
+
+Example::
+
+    from tests.tiny_model import build_tiny_model
+    path = build_tiny_model(tmp_path / "tiny")        # a Llama-like model, ~200k parameters
+    model = AutoModelForCausalLM.from_pretrained(path)   # loads like any local checkpoint
+
+The tokenizer is a byte-level BPE trained here (with the ``tokenizers`` library) on a
+generated corpus of English, accented, CJK and emoji words, so multi-byte characters span
+several tokens in the ways a real tokenizer splits them. It has a simple chat template
+(``<|role|>content`` lines, then ``<|assistant|>``) unless ``chat_template=False``, and
+``<|endoftext|>`` as its EOS token.
+
+The weights are random (seeded), drawn with a larger spread than usual so that the logits
+are far apart: greedy decoding is then a stable function of the prompt, and a batched
+forward pass (whose float rounding differs from an unbatched one) picks the same tokens as
+``model.generate``. The output is gibberish in all the scripts of the corpus.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+__all__ = ["build_tiny_model", "CHAT_TEMPLATE", "EOS", "SPECIAL_TOKENS", "WORDS"]
+
+EOS = "<|endoftext|>"
+SPECIAL_TOKENS = [EOS, "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+#: The corpus vocabulary: ASCII, accented Latin, CJK, emoji (some with ZWJ sequences).
+WORDS = (
+    "the", "a", "model", "token", "stream", "trio", "worker", "pipe", "batch", "step",
+    "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world", "server",
+    "café", "naïve", "résumé", "über", "façade", "jalapeño", "Ærø", "smörgåsbord",
+    "日本", "日本語", "数据", "模型", "你好", "世界", "東京", "한국어", "안녕",
+    "Привет", "🙂", "🚀", "🎉", "👍🏽", "👨‍👩‍👧", "🇯🇵", "✨", "🔥", "€", "∑", "→",
+)
+
+
+def _corpus(seed: int, lines: int = 400) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        n = rng.randint(3, 14)
+        words = [rng.choice(WORDS) for _ in range(n)]
+        sep = rng.choice((" ", " ", " ", "", ", "))
+        out.append(sep.join(words) + rng.choice((".", "!", "?", "", "\n")))
+    return out
+
+
+def _train_tokenizer(vocab_size: int, seed: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    return tok
+
+
+def build_tiny_model(
+    path: str | Path,
+    *,
+    vocab_size: int = 640,
+    hidden_size: int = 64,
+    layers: int = 4,
+    heads: int = 4,
+    max_position_embeddings: int = 256,
+    chat_template: bool = True,
+    init_scale: float = 0.25,
+    sliding_window: int | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny Llama-like model and its tokenizer to ``path``; returns ``path``.
+
+    With ``sliding_window`` it is a Mistral (the same architecture, with sliding-window
+    attention over that many tokens)."""
+    import torch
+    import transformers
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        PreTrainedTokenizerFast,
+    )
+
+    transformers.utils.logging.disable_progress_bar()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    backend = _train_tokenizer(vocab_size, seed)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, pad_token=EOS)
+    if chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+
+    eos_id = backend.token_to_id(EOS)
+    config_class, model_class, extra = LlamaConfig, LlamaForCausalLM, {}
+    if sliding_window is not None:
+        config_class, model_class = MistralConfig, MistralForCausalLM
+        extra = {"sliding_window": sliding_window}
+    config = config_class(
+        vocab_size=backend.get_vocab_size(),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        initializer_range=init_scale,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        # A quieter EOS: generations run to max_tokens unless a test arranges otherwise.
+        model.get_input_embeddings().weight[eos_id].mul_(0.1)
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = eos_id
+    model.save_pretrained(path)
+    return path
