@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds in-flight requests may keep streaming "
                    "before they are aborted (0: abort at once)")
+    g.add_argument("--stream-interval-ms", type=float, default=20.0,
+                   help="least time between two SSE events of one stream; tokens produced "
+                   "meanwhile go out merged in one event (0: one event per engine step). The "
+                   "first and last events are never delayed")
     g.add_argument("--drain-timeout", type=float, default=1.0,
                    help="after an abort, seconds a worker has to confirm before the stream "
                    "is cut off")
@@ -146,6 +150,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         workers=args.engine_workers,
         engine_options=options,
         drain_timeout=args.drain_timeout,
+        stream_interval=args.stream_interval_ms / 1000.0,
         heartbeat_timeout=args.heartbeat_timeout,
         max_restarts=args.max_restarts,
     )

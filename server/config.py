@@ -31,6 +31,10 @@ class EngineConfig:
     #: After an abort, how long output may still drain before the stream is cut off and
     #: its state freed (a worker that ignores aborts is cut off here).
     drain_timeout: float = 1.0
+    #: Pacing: the least time between two wakeups of a stream's consumer for new text (0:
+    #: every engine step). Text produced meanwhile is merged; first and last outputs are
+    #: never delayed. The HTTP server's default is 20 ms (``--stream-interval-ms``).
+    stream_interval: float = 0.0
     #: How long a worker may take to load its engine and say HELLO.
     startup_timeout: float = 120.0
     #: Ping period, and how long a worker may leave pings unanswered before it is killed.

@@ -558,8 +558,8 @@ def track_request_objects(monkeypatch) -> ObjectTracker:
     class TrackedWaker(stream_module._Waker):
         __slots__ = ("__weakref__",)
 
-        def __init__(self) -> None:
-            super().__init__()
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
             tracker.add(tracker.wakers, self)
 
     class TrackedOutput(stream_module.RequestOutput):

@@ -115,7 +115,7 @@ class Engine:
         """
         params = params or SamplingParams()
         worker = self._pick_worker()
-        waker = _Waker()
+        waker = _Waker(self.config.stream_interval)
         choices = []
         n = params.n
         wire_params = [params.to_wire(i) for i in range(n)]

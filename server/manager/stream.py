@@ -51,24 +51,52 @@ _current_task = trio.lowlevel.current_task
 _reschedule = trio.lowlevel.reschedule
 _wait_task_rescheduled = trio.lowlevel.wait_task_rescheduled
 _checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
+_current_time = trio.current_time
 _perf_counter = time.perf_counter
 
 
 class _Waker:
-    """The consumer side shared by a request's choices: who is parked, and who has news."""
+    """The consumer side shared by a request's choices: who is parked, and who has news.
 
-    __slots__ = ("task", "ready", "closed")
+    Pacing: with a ``stream_interval``, news that is not terminal wakes the consumer at most
+    once per interval. Until then the waker waits in its worker's deferred list (checked by
+    the router after each frame, and by time), and the news keeps merging in the meantime:
+    fewer, fuller events, which is what makes the HTTP send path affordable.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("task", "ready", "closed", "interval", "not_before", "deferred")
+
+    def __init__(self, interval: float = 0.0) -> None:
         self.task = None
         self.ready: deque[Choice] = deque()
         self.closed = False  # the stream was released: late output is not queued
+        self.interval = interval
+        self.not_before = 0.0  # trio time before which news is deferred (when pacing)
+        self.deferred = False  # in a worker's deferred list
 
     def wake(self) -> None:
         task = self.task
         if task is not None:
             self.task = None
             _reschedule(task)
+
+    def notify(self, worker: WorkerClient) -> None:
+        """Wake the consumer for news, unless pacing says to wait (then defer it)."""
+        task = self.task
+        if task is None:
+            return
+        if self.interval and _current_time() < self.not_before:
+            if not self.deferred:
+                self.deferred = True
+                worker.defer(self)
+            return
+        self.task = None
+        _reschedule(task)
+
+    def taken(self) -> None:
+        """The consumer took its news: pace the next wake from now."""
+        if self.interval:
+            self.not_before = _current_time() + self.interval
 
     def _on_cancel(self, raise_cancel) -> _Abort:
         self.task = None
@@ -151,7 +179,10 @@ class Choice:
         if not self.queued and not waker.closed:
             self.queued = True
             waker.ready.append(self)
-        waker.wake()
+        if finish is None:
+            waker.notify(self.worker)
+        else:
+            waker.wake()
 
     def end(self, finish: str, kind: str | None = None, message: str | None = None) -> None:
         """End the choice from the frontend side (worker died, or cut off after an abort)."""
@@ -224,8 +255,16 @@ class RequestStream:
         waker = self._waker
         ready = waker.ready
         try:
-            while not ready:
-                if self._open == 0 or self._released:
+            while True:
+                if ready:
+                    if not waker.interval or self._paced_due():
+                        break
+                    # Paced, and news came while we were busy: wait for its time (or for a
+                    # last output), merging whatever arrives meanwhile.
+                    if not waker.deferred:
+                        waker.deferred = True
+                        self._choices[0].worker.defer(waker)
+                elif self._open == 0 or self._released:
                     self._release()
                     raise StopAsyncIteration
                 await self._park()
@@ -234,10 +273,19 @@ class RequestStream:
             if not isinstance(exc, StopAsyncIteration):
                 await self.aclose()
             raise
+        waker.taken()
         out = ready.popleft().take()
         if out.finish_reason is not None:
             self._open -= 1
         return out
+
+    def _paced_due(self) -> bool:
+        """With pacing on and news ready: may it go out now? (Always, once aborted, when a
+        choice has ended, or when the interval has passed.)"""
+        waker = self._waker
+        if self._drain_deadline is not None or _current_time() >= waker.not_before:
+            return True
+        return any(c.done for c in waker.ready)
 
     def take_ready_nowait(self) -> list[RequestOutput]:
         """Every output that is ready now, without waiting (possibly none).

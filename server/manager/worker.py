@@ -83,6 +83,8 @@ class WorkerClient:
         self._outbox_ready = trio.Event()
         self._ping_seq = 0
         self._pings: dict[int, list] = {}
+        self._deferred: list = []  # paced wakers (see defer)
+        self._deferred_due = math.inf
         self._ready = trio.Event()
 
     # -- used by the request manager (plain def: never blocks) -------------------------------
@@ -102,6 +104,30 @@ class WorkerClient:
         choice.abort_sent = True
         if self.alive:
             self._queue(wire.encode([wire.ABORT, choice.rid]))
+
+    def defer(self, waker) -> None:
+        """Hold a paced consumer's wakeup until its ``not_before`` (see stream._Waker)."""
+        deferred = self._deferred
+        deferred.append(waker)
+        if len(deferred) == 1 or waker.not_before < self._deferred_due:
+            self._deferred_due = waker.not_before
+
+    def _wake_deferred(self) -> None:
+        """Wake the deferred consumers whose time has come; keep the others."""
+        now = trio.current_time()
+        keep = []
+        due = math.inf
+        for waker in self._deferred:
+            if waker.task is None:
+                waker.deferred = False  # woken by other news, or cancelled: nothing to do
+            elif waker.not_before <= now:
+                waker.deferred = False
+                waker.wake()
+            else:
+                keep.append(waker)
+                due = min(due, waker.not_before)
+        self._deferred = keep
+        self._deferred_due = due
 
     def forget(self, choice: Choice) -> None:
         """Stop routing output to ``choice``; what the worker still sends for it is dropped."""
@@ -235,14 +261,24 @@ class WorkerClient:
     async def _router(self, proc, decoder: wire.FrameDecoder) -> None:
         receive_some = proc.stdout.receive_some
         while True:
-            data = await receive_some(1 << 20)
+            if self._deferred:  # paced consumers wait: read only until the first is due
+                data = None
+                with trio.move_on_at(self._deferred_due):
+                    data = await receive_some(1 << 20)
+                if data is None:
+                    self._wake_deferred()
+                    continue
+            else:
+                data = await receive_some(1 << 20)
             if not data:
                 raise _SessionEnded("the worker process exited")
-            self.last_heard = trio.current_time()
+            now = self.last_heard = trio.current_time()
             try:
                 self._route(decoder.feed(data))
             except (wire.ProtocolError, ValueError, TypeError) as exc:
                 raise _SessionEnded(f"protocol violation: {exc}") from None
+            if self._deferred_due <= now:
+                self._wake_deferred()
 
     def _route(self, messages: list) -> None:
         """Hand each output to its choice. A plain function, so that nothing it touched
@@ -308,6 +344,10 @@ class WorkerClient:
         for slot in self._pings.values():
             slot[0].set()
         self._pings.clear()
+        for waker in self._deferred:
+            waker.deferred = False
+        self._deferred = []
+        self._deferred_due = math.inf
 
     async def _stop_process(self, proc) -> int:
         """Close the pipe, then SIGTERM, then SIGKILL, each after the grace period."""

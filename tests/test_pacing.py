@@ -1,0 +1,85 @@
+"""Pacing (``EngineConfig.stream_interval``): fewer, fuller outputs per stream; the first and
+the last are never delayed. In memory, under autojump_clock, with the real sim engine."""
+
+from __future__ import annotations
+
+import trio
+
+import server
+from tests.fakes import open_fake_engine, sim_config
+
+
+def config(interval: float, **options) -> server.EngineConfig:
+    base = sim_config(itl_ms=8.0, ttft_ms=20.0, prefill_us_per_token=0.0, **options)
+    return server.EngineConfig(
+        engine_options=base.engine_options, stream_interval=interval, drain_timeout=0.5
+    )
+
+
+async def collect(engine, max_tokens: int, slow_consumer: float = 0.0):
+    got = []
+    async with engine.generate("a b", server.SamplingParams(max_tokens=max_tokens)) as stream:
+        async for out in stream:
+            got.append((trio.current_time(), out))
+            if slow_consumer:
+                await trio.sleep(slow_consumer)
+    return got
+
+
+async def test_without_pacing_every_engine_step_is_one_output(autojump_clock):
+    async with open_fake_engine(config(0.0)) as (engine, _):
+        got = await collect(engine, 30)
+    assert [out.num_tokens for _, out in got] == [1] * 30
+
+
+async def test_pacing_merges_steps_between_wakeups(autojump_clock):
+    async with open_fake_engine(config(0.030)) as (engine, _):
+        start = trio.current_time()
+        got = await collect(engine, 40)
+    times = [t for t, _ in got]
+    counts = [out.num_tokens for _, out in got]
+    assert sum(counts) == 40 and got[-1][1].finish_reason == "length"
+    # The first token is not delayed: exactly the sim's time to first token.
+    assert counts[0] == 1 and abs(times[0] - start - 0.020) < 1e-9
+    # In between, wakeups are at least the interval apart and carry the steps in between
+    # (30 ms at 8 ms a step: 3 or 4 tokens each, never 1).
+    for a, b in zip(times[1:-1], times[2:-1]):
+        assert b - a >= 0.030 - 1e-9
+    assert set(counts[1:-1]) <= {3, 4}, counts
+    # The last output is not held back for the interval.
+    assert abs(times[-1] - start - (0.020 + 39 * 0.008)) < 1e-9
+
+
+async def test_a_busy_consumer_is_paced_too(autojump_clock):
+    # The consumer spends 5 ms per output: news keeps arriving while it is busy, and must
+    # still wait for its interval instead of going out at once.
+    async with open_fake_engine(config(0.030)) as (engine, _):
+        got = await collect(engine, 40, slow_consumer=0.005)
+    times = [t for t, _ in got]
+    for a, b in zip(times[1:-1], times[2:-1]):
+        assert b - a >= 0.030 - 1e-9
+    assert sum(out.num_tokens for _, out in got) == 40
+
+
+async def test_a_paced_stream_still_ends_promptly_on_abort_and_errors(autojump_clock):
+    cfg = config(0.5, faults=True)
+    async with open_fake_engine(cfg) as (engine, _):
+        params = server.SamplingParams(max_tokens=100, extra={"fault": {"kind": "error", "after": 3}})
+        start = trio.current_time()
+        outs = []
+        async with engine.generate("x", params) as stream:
+            async for out in stream:
+                outs.append((trio.current_time() - start, out))
+        # The error comes 2 steps after the first token, well inside the 0.5 s interval,
+        # and is delivered at once, with the text merged before it.
+        when, last = outs[-1]
+        assert last.finish_reason == "error" and when < 0.1
+        assert sum(o.num_tokens for _, o in outs) == 3
+
+        async with engine.generate("y", server.SamplingParams(max_tokens=1000)) as stream:
+            async for out in stream:
+                if out.completion_tokens == 1:
+                    aborted_at = trio.current_time()
+                    stream.abort()
+            assert out.finish_reason == "abort"
+            assert trio.current_time() - aborted_at < 0.1
