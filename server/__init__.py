@@ -44,6 +44,7 @@ _EXPORTS = {
     "NotFound": ".errors",
     "MethodNotAllowed": ".errors",
     "PayloadTooLarge": ".errors",
+    "BodyTimeout": ".errors",
     "Unauthorized": ".errors",
     "EngineError": ".errors",
     "WorkerDied": ".errors",
@@ -70,6 +71,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .config import EngineConfig, Limits, ServerConfig
     from .errors import (
+        BodyTimeout,
         ClientError,
         EngineError,
         MethodNotAllowed,

@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     from .http.serve import serve
 
     app = create_app(config)
-    trio.run(functools.partial(serve, config, app=app))
+    trio.run(functools.partial(serve, config, app=app, exit_when_stuck=True))
     if app.fatal_error is not None:
         print(f"trio-llm-server: {app.fatal_error}", file=sys.stderr)
         raise SystemExit(1)

@@ -5,6 +5,7 @@
     │   ├── NotFound            404 (unknown model or route)
     │   ├── MethodNotAllowed    405
     │   ├── PayloadTooLarge     413
+    │   ├── BodyTimeout         408 (the body did not arrive within the read timeout)
     │   └── Unauthorized        401
     ├── EngineError             the engine failed the request; status 500
     │   └── WorkerDied          the worker process holding the request went away
@@ -26,6 +27,7 @@ __all__ = [
     "NotFound",
     "MethodNotAllowed",
     "PayloadTooLarge",
+    "BodyTimeout",
     "Unauthorized",
     "EngineError",
     "WorkerDied",
@@ -71,6 +73,13 @@ class MethodNotAllowed(ClientError):
 class PayloadTooLarge(ClientError):
     status = 413
     code = "payload_too_large"
+
+
+class BodyTimeout(ClientError):
+    """The client did not send its whole request body in time."""
+
+    status = 408
+    code = "request_body_timeout"
 
 
 class Unauthorized(ClientError):

@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 __all__ = ["SamplingParams"]
 
 
+def _wrap64(seed: int) -> int:
+    """A seed folded into the signed 64-bit range (what the wire can carry)."""
+    return (seed + 2**63) % 2**64 - 2**63
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request generation settings, passed to the engine worker unchanged.
@@ -47,7 +52,7 @@ class SamplingParams:
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
-            "seed": None if self.seed is None else self.seed + sample_index,
+            "seed": None if self.seed is None else _wrap64(self.seed + sample_index),
             "stop": list(self.stop),
             "ignore_eos": self.ignore_eos,
         }

@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 import trio
 
-from bench.loadgen_lib.cli import main, parse_args
+from bench.loadgen_lib.cli import build_parser, main, parse_args
 from bench.loadgen_lib.client import Context
 from bench.loadgen_lib.http11 import HTTPResponseParser, ProtocolError
 from bench.loadgen_lib.openai_api import StreamTracker, error_message
@@ -356,6 +356,9 @@ class StandIn:
         self.requests = 0
         self.connections = 0
         self.port = 0
+        # per request, by ticket (the prompt's first word, "r<ticket>"): trio clock times
+        self.arrivals: dict[int, float] = {}
+        self.ends: dict[int, float] = {}
 
     async def handle(self, stream) -> None:
         self.connections += 1
@@ -394,6 +397,9 @@ class StandIn:
         k = self.requests
         req = json.loads(body)
         chat = path.endswith(b"/chat/completions")
+        prompt = req["messages"][0]["content"] if chat else req["prompt"]
+        ticket = int(prompt.split()[0][1:])
+        self.arrivals[ticket] = trio.current_time()
         fault = self.mode == "mixed" and k % 3 == 0
         kind = (k // 3) % 3 if fault else None
         if kind == 0:
@@ -432,6 +438,7 @@ class StandIn:
             tail += b"data: [DONE]\n\n"
         if tail:
             await stream.send_all(wrap(tail))
+        self.ends[ticket] = trio.current_time()
         if http10:
             return False
         await stream.send_all(b"0\r\n\r\n")
@@ -536,6 +543,91 @@ async def test_duration_mode_and_warmup(nursery):
     assert 0.2 <= s["duration_s"] < 1.0
 
 
+def test_ramp_up_and_warmup_options():
+    a = parse_args(["--max-tokens", "256"])  # auto: one request's nominal length, 256 * 8 ms
+    assert a.ramp_up == pytest.approx(2.048) and a.warmup == 0.0 and a.requests == 256
+    a = parse_args(["--max-tokens", "100", "--itl-ms", "2", "--duration", "10"])
+    assert a.ramp_up == pytest.approx(0.2) and a.warmup == pytest.approx(0.2)  # = the ramp-up
+    a = parse_args(["--ramp-up", "0", "--duration", "10"])
+    assert a.ramp_up == 0.0 and a.warmup == 0.0
+    a = parse_args(["--ramp-up", "1.5", "--warmup", "3", "-d", "10"])
+    assert a.ramp_up == 1.5 and a.warmup == 3.0
+    for bad in (["--ramp-up", "-1"], ["--ramp-up", "soon"], ["--ramp-up", "nan"],
+                ["--warmup", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    assert "--ramp-up" in build_parser().format_help()
+
+
+def first_arrival_per_connection(srv: StandIn, n: int) -> list[float]:
+    return sorted(srv.arrivals.values())[:n]
+
+
+async def test_ramp_up_spreads_the_first_requests(nursery):
+    # 4 clients over 0.2 s: first requests at +0, +0.05, +0.1, +0.15 s; each request lasts
+    # longer than the ramp-up (>= 250 x 1 ms), so every client sends exactly one
+    srv = await start_standin(nursery, StandIn())
+    args = bench_args(srv.port, "-c", "4", "-n", "4", "--max-tokens", "250", "--model", "m",
+                      "--ramp-up", "0.2")
+    s = await run_benchmark(args)
+    assert s["requests"] == 4 and s["errors"] == 0 and s["ramp_up_s"] == 0.2
+    t = [srv.arrivals[k] for k in sorted(srv.arrivals)]
+    assert t == sorted(t)  # client i sends ticket i + 1
+    steps = [b - a for a, b in zip(t, t[1:])]
+    assert all(0.04 <= d < 0.1 for d in steps), steps
+    assert s["connections_opened"] == 4
+
+
+async def test_ramp_up_zero_starts_all_clients_at_once(nursery):
+    srv = await start_standin(nursery, StandIn())
+    args = bench_args(srv.port, "-c", "4", "-n", "4", "--max-tokens", "30", "--model", "m",
+                      "--ramp-up", "0")
+    s = await run_benchmark(args)
+    assert s["requests"] == 4 and s["ramp_up_s"] == 0.0
+    t = sorted(srv.arrivals.values())
+    assert t[-1] - t[0] < 0.02
+
+
+async def test_seamless_warmup_counts_only_requests_started_after_it(nursery):
+    # 3 clients spread over 30 ms, requests of ~25-40 ms: 0.15 s of warmup, then 0.2 s
+    # measured, no pause between them
+    warmup, duration = 0.15, 0.2
+    srv = await start_standin(nursery, StandIn())
+    args = bench_args(srv.port, "-c", "3", "--warmup", str(warmup), "--duration",
+                      str(duration), "--max-tokens", "20", "--ramp-up", "0.03", "--model", "m")
+    s = await run_benchmark(args)
+    w, n = s["warmup_requests"], s["requests"]
+    assert s["errors"] == 0 and s["warmup_s"] == warmup and w >= 3 and n >= 6
+    # every request was counted once, as warmup or measured, and none was left unfinished
+    assert srv.requests == w + n == len(srv.ends)
+    assert sorted(srv.arrivals) == list(range(1, w + n + 1))
+    # tickets are handed out in order: 1..w are the warmup, w+1..w+n the measured requests
+    t0 = min(srv.arrivals.values())  # ~ the start of the run (client 0's first request)
+    warm_t = [srv.arrivals[k] for k in range(1, w + 1)]
+    meas_t = [srv.arrivals[k] for k in range(w + 1, w + n + 1)]
+    assert max(warm_t) < t0 + warmup + 0.02
+    assert min(meas_t) >= t0 + warmup - 0.005
+    assert max(meas_t) < t0 + warmup + duration + 0.02
+    # seamless: the clients did not wait for the warmup requests to finish
+    assert max(srv.ends[k] for k in range(1, w + 1)) > min(meas_t)
+    # the window runs from the end of the warmup to the end of the last measured request
+    last_end = max(srv.ends.values())
+    assert duration <= s["duration_s"] <= last_end - (t0 + warmup) + 0.02
+    assert s["delivered_tokens"] == 20 * n
+
+
+async def test_seamless_warmup_with_a_request_count(nursery):
+    srv = await start_standin(nursery, StandIn())
+    args = bench_args(srv.port, "-c", "3", "--warmup", "0.1", "-n", "7", "--max-tokens", "20",
+                      "--ramp-up", "0.03", "--model", "m")
+    s = await run_benchmark(args)
+    w = s["warmup_requests"]
+    assert s["requests"] == 7 and w >= 3
+    # the clients stopped once the 7 measured requests were issued
+    assert srv.requests == w + 7 == len(srv.ends)
+    assert s["delivered_tokens"] == 7 * 20
+
+
 async def test_connection_refused_is_fatal():
     with trio.socket.socket() as sock:
         await sock.bind(("127.0.0.1", 0))
@@ -566,7 +658,8 @@ class StallingStandIn(StandIn):
 
 async def test_request_timeout(nursery):
     srv = await start_standin(nursery, StallingStandIn())
-    args = bench_args(srv.port, "-c", "2", "-n", "3", "--model", "m", "--request-timeout", "0.1")
+    args = bench_args(srv.port, "-c", "2", "-n", "3", "--model", "m", "--request-timeout", "0.1",
+                      "--ramp-up", "0")
     s = await run_benchmark(args)
     assert s["requests"] == 3 and s["errors"] == 3 and s["incomplete_streams"] == 3
     assert s["error_kinds"] == {"timeout": 3}

@@ -672,7 +672,9 @@ async def test_startup_failure_is_not_wrapped(autojump_clock):
                 pass  # pragma: no cover
 
 
-async def test_shutdown_ends_open_streams_with_an_unavailable_error(autojump_clock):
+async def test_leaving_the_engine_aborts_open_streams(autojump_clock):
+    # As a graceful HTTP shutdown does: the workers confirm the aborts at once, and each
+    # open choice ends with finish_reason "abort" (not an error).
     async with open_fake_spawner() as spawn:
         got = []
 
@@ -684,7 +686,7 @@ async def test_shutdown_ends_open_streams_with_an_unavailable_error(autojump_clo
             async with server.open_engine(sim_config(), spawn=spawn) as engine:
                 nursery.start_soon(consume, engine.generate("a", LONG))
                 await trio.sleep(0.5)
-        assert got[-1][1].error_kind == "unavailable"
+        assert got[-1][1].finish_reason == "abort" and got[-1][1].error_kind is None
         assert got[-1][0] == approx(0.5)
         assert engine.statistics().open_streams == 0
         spawn.assert_all_exited()

@@ -7,9 +7,11 @@ each SSE event through Quart's response machinery costs about twice the CPU of a
 
 from __future__ import annotations
 
+import math
+
 import trio
 
-from ..errors import PayloadTooLarge, ServerError, ServiceUnavailable, error_body
+from ..errors import BodyTimeout, PayloadTooLarge, ServerError, ServiceUnavailable, error_body
 from .encode import dumps
 
 __all__ = [
@@ -31,15 +33,22 @@ def header(scope: dict, name: bytes) -> bytes | None:
     return None
 
 
-async def read_body(scope: dict, receive, limit: int) -> bytes | None:
+async def read_body(scope: dict, receive, limit: int, timeout: float | None = None) -> bytes | None:
     """The whole request body, or None if the client went away first.
 
     Raises :class:`PayloadTooLarge` as soon as the declared or received size passes
-    ``limit``, without reading the rest.
+    ``limit``, without reading the rest, and :class:`RequestTimeout` (408) when the body has
+    not arrived within ``timeout`` seconds (a client trickling its body).
     """
     declared = header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
+    with trio.move_on_after(timeout if timeout else math.inf):
+        return await _read_body(receive, limit)
+    raise BodyTimeout(f"The request body did not arrive within {timeout:g} s.")
+
+
+async def _read_body(receive, limit: int) -> bytes | None:
     chunks = []
     size = 0
     while True:
@@ -80,7 +89,7 @@ async def send_error(send, exc: ServerError, headers: list | None = None) -> Non
     await send_json(send, exc.status, dumps(error_body(exc)), extra)
 
 
-async def watch_disconnect(receive, scope: trio.CancelScope) -> None:
+async def watch_disconnect(receive, scope: trio.CancelScope, complete=lambda: False) -> None:
     """The request's cancellation monitor: cancel ``scope`` when the client goes away.
 
     Runs beside the writer in the request's nursery; after the body was read, ``receive``
@@ -90,7 +99,10 @@ async def watch_disconnect(receive, scope: trio.CancelScope) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            scope.cancel()
+            # After the last byte was handed over, the disconnect is hypercorn closing the
+            # connection (Connection: close, HTTP/1.0) from inside that send: let it finish.
+            if not complete():
+                scope.cancel()
             return
 
 

@@ -30,8 +30,9 @@ _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def dumps(obj) -> bytes:
-    """Compact JSON as UTF-8 bytes."""
-    return _dumps(obj).encode()
+    """Compact JSON as UTF-8 bytes (a lone surrogate, which only a client can send us inside
+    a JSON escape, is replaced rather than failing the answer)."""
+    return _dumps(obj).encode("utf-8", "replace")
 
 
 def error_event(exc: ServerError) -> bytes:

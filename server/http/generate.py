@@ -110,7 +110,7 @@ async def handle_generate(
             app.api_keys.check(header(scope, b"authorization"))
         if scope["method"] != "POST":
             raise MethodNotAllowed(f"Method {scope['method']} is not allowed; use POST.")
-        body = await read_body(scope, receive, config.max_body_bytes)
+        body = await read_body(scope, receive, config.max_body_bytes, config.read_timeout)
         if body is None:
             record.client_disconnected = True
             return
@@ -158,7 +158,7 @@ async def handle_generate(
 
 
 async def _watch_disconnect(receive, scope: trio.CancelScope, record: RequestRecord) -> None:
-    await watch_disconnect(receive, scope)
+    await watch_disconnect(receive, scope, lambda: record.response_complete)
     if not record.response_complete:  # else: the usual end of the connection after the answer
         record.client_disconnected = True
 

@@ -58,6 +58,16 @@ def decode_json(body: bytes) -> dict:
     return data
 
 
+def _utf8(text: str, param: str) -> str:
+    """``text``, unless it holds a lone surrogate (a JSON ``\\ud800`` escape): such a string
+    is not Unicode text and cannot reach the engine."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ClientError("Strings must be valid Unicode (no lone surrogates).", param=param) from None
+    return text
+
+
 def _int(data: dict, name: str, default, lo: int, hi: int):
     value = data.get(name)
     if value is None:
@@ -103,7 +113,7 @@ def _stop(data: dict, limits: Limits) -> tuple[str, ...]:
         raise ClientError("'stop' must be a string or a list of strings.", param="stop")
     if len(stop) > limits.max_stop:
         raise ClientError(f"'stop' may hold at most {limits.max_stop} strings.", param="stop")
-    return tuple(s for s in stop if s)
+    return tuple(_utf8(s, "stop") for s in stop if s)
 
 
 def _token_ids(value: list) -> bool:
@@ -138,8 +148,11 @@ def _prompts(data: dict, limits: Limits) -> list:
         raise ClientError(
             f"At most {limits.max_prompts} prompts per request.", param="prompt"
         )
-    if any(p == "" for p in prompts):
-        raise ClientError("'prompt' must not be empty.", param="prompt")
+    for p in prompts:
+        if isinstance(p, str):
+            if not p:
+                raise ClientError("'prompt' must not be empty.", param="prompt")
+            _utf8(p, "prompt")
     return prompts
 
 
@@ -179,7 +192,8 @@ def _messages(data: dict) -> list:
             raise ClientError(
                 f"'role' must be one of {', '.join(_ROLES)}.", param=f"messages[{i}].role"
             )
-        rendered.append({"role": role, "content": _content(m.get("content"), i)})
+        content = _utf8(_content(m.get("content"), i), f"messages[{i}].content")
+        rendered.append({"role": role, "content": content})
     return rendered
 
 
@@ -187,6 +201,8 @@ def _common(data: dict, limits: Limits, served_model: str, *, chat: bool) -> dic
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise ClientError("'model' must be a string.", param="model")
+    if model is not None:
+        _utf8(model, "model")
     if model is not None and model != served_model:
         raise NotFound(f"The model '{model}' does not exist.", param="model", code="model_not_found")
     stream = _bool(data, "stream", False)
@@ -219,7 +235,7 @@ def _common(data: dict, limits: Limits, served_model: str, *, chat: bool) -> dic
         max_tokens=max_tokens,
         temperature=_number(data, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(data, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        seed=_int(data, "seed", None, -(2**63), 2**64 - 1),
+        seed=_int(data, "seed", None, -(2**63), 2**63 - 1),
         stop=_stop(data, limits),
         n=_int(data, "n", 1, 1, limits.max_n),
         ignore_eos=_bool(data, "ignore_eos", False),

@@ -9,12 +9,15 @@ Shutdown, in order (see docs/operations.md):
 3. Hypercorn stops listening and closes connections; the lifespan stops the workers (pipe
    closed, SIGTERM, SIGKILL, each after a grace period). The process exits 0.
 
-A second signal skips what is left of step 1 and 2.
+A second signal skips what is left of step 1 and 2. If connections still do not close (a
+client that stopped reading blocks hypercorn's shielded socket write forever), the workers
+are stopped anyway and the CLI process exits.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 import trio
@@ -35,7 +38,10 @@ def hypercorn_config(config: ServerConfig) -> HypercornConfig:
     host = f"[{config.host}]" if ":" in config.host else config.host
     hc.bind = [f"{host}:{config.port}"]
     hc.keep_alive_timeout = config.keep_alive_timeout
-    hc.read_timeout = int(config.read_timeout) if config.read_timeout else None
+    # Not hypercorn's read_timeout: it bounds every read, also while a response streams and
+    # the client rightly sends nothing. Idle connections (none sent yet, or between
+    # requests) are closed by keep_alive_timeout; a slow body is bounded in read_body.
+    hc.read_timeout = None
     hc.graceful_timeout = config.close_timeout
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
@@ -72,11 +78,15 @@ async def serve(
     app: LLMServerApp | None = None,
     handle_signals: bool = True,
     shutdown_trigger: trio.Event | None = None,
+    exit_when_stuck: bool = False,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``config`` until a signal (or ``shutdown_trigger``) ends it, drained gracefully.
 
     ``started(urls)`` reports the bound addresses, e.g. ``["http://127.0.0.1:8000"]``.
+    With ``exit_when_stuck`` (the CLI), a shutdown that connections of clients that stopped
+    reading would hold up forever ends the process (``os._exit(0)``) once the engine's
+    workers are stopped.
     """
     app = app or create_app(config)
     hc = hypercorn_config(config)
@@ -104,6 +114,17 @@ async def serve(
         await begin.wait()
         await drain(app, config.shutdown_timeout, hurry=hurry)
         stop_listening.set()
+        # Hypercorn now closes the connections (close_timeout) and runs the lifespan
+        # shutdown, and this task is cancelled when it is done. But hypercorn shields its
+        # socket writes: a client that stopped reading holds its connection forever. Past
+        # a grace period (or at a second signal), stop the engine ourselves.
+        with trio.move_on_after(config.close_timeout + 5.0):
+            await hurry.wait()
+        log.error("connections still open (clients not reading): stopping the engine anyway")
+        await app._stop_engine()
+        if exit_when_stuck:
+            logging.shutdown()
+            os._exit(0)
 
     async with trio.open_nursery() as nursery:
 

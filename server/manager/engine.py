@@ -24,6 +24,7 @@ import trio
 from ..config import EngineConfig
 from ..errors import ServiceUnavailable
 from ..params import SamplingParams
+from ..protocol import wire
 from .deadlines import DeadlineQueue
 from .stream import Choice, RequestStream, _Waker
 from .worker import WorkerClient, WorkerStartupError
@@ -119,11 +120,13 @@ class Engine:
         choices = []
         n = params.n
         wire_params = [params.to_wire(i) for i in range(n)]
+        frames = []
         for p, prompt in enumerate(prompts):
             for i in range(n):
                 choice = Choice(next(self._rids), p * n + i, worker, waker)
-                worker.submit_nowait(choice, prompt, wire_params[i])
+                frames.append(wire.encode([wire.SUBMIT, choice.rid, prompt, wire_params[i]]))
                 choices.append(choice)
+        worker.submit_nowait(choices, frames)  # only once everything could be encoded
         self._open_streams += 1
         if self._idle.is_set():
             self._idle = trio.Event()
@@ -174,6 +177,20 @@ class Engine:
         for stream in streams:
             stream.abort(cause)
         return len(streams)
+
+    async def _abort_open_streams(self) -> None:
+        """At exit: abort every open stream, give the workers ``drain_timeout`` to confirm,
+        then end what is left with ``abort`` too (as a graceful HTTP shutdown does)."""
+        streams = list(self._streams)
+        if not streams:
+            return
+        for stream in streams:
+            stream.abort("shutdown")
+        with trio.move_on_after(self.config.drain_timeout):
+            while any(w.states for w in self.workers if w.alive):
+                await trio.sleep(0.01)  # shutdown only: a bounded poll beats a new event
+        for stream in streams:
+            stream._cut_off()
 
     def healthy(self) -> bool:
         """True while accepting and at least one worker answered a ping recently."""
@@ -241,6 +258,8 @@ async def open_engine(
                 yield engine
             finally:
                 engine.stop_accepting()
+                with trio.CancelScope(shield=True):
+                    await engine._abort_open_streams()
                 nursery.cancel_scope.cancel()
     if failed:
         raise failed[0]

@@ -93,9 +93,14 @@ class WorkerClient:
     def outstanding(self) -> int:
         return len(self.states)
 
-    def submit_nowait(self, choice: Choice, prompt: object, params: dict) -> None:
-        self.states[choice.rid] = choice
-        self._queue(wire.encode([wire.SUBMIT, choice.rid, prompt, params]))
+    def submit_nowait(self, choices: list[Choice], frames: list[bytes]) -> None:
+        """Register ``choices`` and queue their SUBMIT ``frames`` (encoded by the caller, so
+        that a request that cannot be encoded registers nothing)."""
+        states = self.states
+        for choice in choices:
+            states[choice.rid] = choice
+        self._outbox.extend(frames)
+        self._outbox_ready.set()
 
     def abort_nowait(self, choice: Choice) -> None:
         """Send one abort for ``choice``, unless it ended or was already aborted."""

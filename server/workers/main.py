@@ -86,6 +86,9 @@ def serve(engine, fd_in: int, fd_out: int) -> None:
                         accepts.append([rid, engine.add(rid, msg[2], msg[3])])
                     except Rejected as exc:
                         outputs.append([rid, "", 0, "error", [exc.kind, exc.message]])
+                    except Exception as exc:  # a request the engine chokes on fails alone
+                        message = f"the engine could not take this request: {exc!r:.200}"
+                        outputs.append([rid, "", 0, "error", ["engine_error", message]])
                 elif kind == wire.ABORT:
                     if engine.abort(msg[1]):
                         outputs.append([msg[1], "", 0, "abort", None])

@@ -1,0 +1,463 @@
+"""Worker faults through the real server: killed, hung and garbage-writing workers, restart
+backoff and the restart limit, and ``/health`` as a proof of progress.
+
+Real worker processes behind real HTTP (``running_server``), so these run on the real clock;
+bounds are generous except where the issue states one (a killed worker's streams end within
+1 s). The restart backoff schedule is checked exactly, on trio's virtual clock, with a
+minimal stand-in process (see ``test_restart_backoff_doubles_resets_and_gives_up``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import httpx
+import pytest
+import trio
+
+from server.config import EngineConfig
+from server.manager.worker import WorkerClient
+from server.protocol import wire
+from tests.conftest import FAST_SIM, assert_engine_idle, running_server
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+class SSE:
+    """What one streaming request received: events (the bytes between blank lines) and the
+    trio time each arrived, and when the response ended."""
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+        self.body = b""
+        self.events: list[bytes] = []
+        self.times: list[float] = []
+        self.ended: float | None = None
+        self.started = trio.Event()
+        self.finished = trio.Event()
+
+    def chunks(self) -> list[dict]:
+        return [json.loads(e[6:]) for e in self.events if e.startswith(b"data: {")]
+
+    def text(self) -> str:
+        return "".join(
+            ch.get("text", "") for c in self.chunks() if "choices" in c for ch in c["choices"]
+        )
+
+    def tokens(self) -> int:
+        return len(self.text().split())  # the sim engine sends one word per token
+
+    def finish_reasons(self) -> list[str]:
+        return [
+            ch["finish_reason"]
+            for c in self.chunks()
+            if "choices" in c
+            for ch in c["choices"]
+            if ch["finish_reason"] is not None
+        ]
+
+    def error(self) -> dict | None:
+        errors = [c["error"] for c in self.chunks() if "error" in c]
+        return errors[-1] if errors else None
+
+    @property
+    def done(self) -> bool:
+        return bool(self.events) and self.events[-1] == b"data: [DONE]"
+
+
+async def stream_into(http: httpx.AsyncClient, body: dict, rec: SSE, started_after: int = 2):
+    """POST a streaming completion and record it; ``rec.started`` is set after
+    ``started_after`` events."""
+    try:
+        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            rec.status = r.status_code
+            buf = b""
+            async for chunk in r.aiter_raw():
+                now = trio.current_time()
+                rec.body += chunk
+                buf += chunk
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    rec.events.append(event)
+                    rec.times.append(now)
+                    if len(rec.events) >= started_after:
+                        rec.started.set()
+    finally:
+        rec.ended = trio.current_time()
+        rec.started.set()
+        rec.finished.set()
+
+
+def pid_exists(pid: int) -> bool:
+    """True while ``pid`` is a live (non-zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def wait_until(predicate, timeout: float, interval: float = 0.02):
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(interval)
+
+
+def fault_config(**overrides) -> EngineConfig:
+    options = {**FAST_SIM, "faults": True}
+    overrides.setdefault("shutdown_grace", 0.3)
+    return EngineConfig(engine_options=options, **overrides)
+
+
+async def all_workers_up(engine, timeout: float = 20) -> None:
+    """/health is 200 once ANY worker is up; multi-worker tests need every one."""
+    await wait_until(lambda: engine.statistics().workers_alive == len(engine.workers), timeout)
+
+
+def worker_of(engine, before: list[int]) -> int:
+    """The index of the one worker whose outstanding count went up since ``before``."""
+    now = [w.outstanding for w in engine.statistics().workers]
+    grew = [i for i, (a, b) in enumerate(zip(before, now)) if b > a]
+    assert len(grew) == 1, (before, now)
+    return grew[0]
+
+
+# -- a worker killed with SIGKILL ------------------------------------------------------------
+
+
+async def test_sigkill_ends_that_workers_streams_within_1s_and_spares_the_other():
+    config = fault_config(workers=2)
+    async with running_server(config) as url:
+        engine = url.engine
+        await all_workers_up(engine)
+        recs: list[tuple[int, SSE]] = []
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            async with trio.open_nursery() as nursery:
+                for _ in range(4):  # dispatch by load: they alternate between the workers
+                    before = [w.outstanding for w in engine.statistics().workers]
+                    rec = SSE()
+                    nursery.start_soon(stream_into, http, {"prompt": "p", "max_tokens": 1000}, rec)
+                    with trio.fail_after(10):
+                        await rec.started.wait()
+                    recs.append((worker_of(engine, before), rec))
+                assert sorted(i for i, _ in recs) == [0, 0, 1, 1]
+                victim = engine.statistics().workers[0].pid
+                os.kill(victim, signal.SIGKILL)
+                killed_at = trio.current_time()
+                for i, rec in recs:
+                    if i == 0:
+                        with trio.fail_after(1.0):
+                            await rec.finished.wait()
+                survivors_then = [rec.tokens() for i, rec in recs if i == 1]
+            # (the nursery waited for the survivors to finish by themselves)
+        for i, rec in recs:
+            assert rec.status == 200 and rec.done, rec.body[-300:]
+            if i == 0:
+                assert rec.ended - killed_at < 1.0
+                error = rec.error()
+                assert error["code"] == "worker_died" and error["type"] == "engine_error"
+                assert rec.finish_reasons() == []
+                assert 0 < rec.tokens() < 1000
+            else:
+                assert rec.error() is None
+                assert rec.finish_reasons() == ["length"]
+                assert rec.tokens() == 1000  # nothing lost across the other worker's death
+                assert rec.times[-1] > killed_at
+        assert all(n < 1000 for n in survivors_then)  # they were still streaming then
+        assert b"Traceback" not in b"".join(rec.body for _, rec in recs)
+        # the victim was reaped and replaced; the other worker was left alone
+        assert not pid_exists(victim)
+        await wait_until(lambda: engine.statistics().workers[0].alive, timeout=15)
+        w0, w1 = engine.statistics().workers
+        assert w0.restarts == 1 and w0.pid != victim
+        assert w1.restarts == 0
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            rs = [await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}) for _ in range(2)]
+        assert [r.status_code for r in rs] == [200, 200]
+
+
+# -- a hung worker ---------------------------------------------------------------------------
+
+
+async def test_hung_worker_is_treated_as_dead_killed_and_restarted():
+    config = fault_config(workers=2, heartbeat_interval=0.2, heartbeat_timeout=1.0)
+    async with running_server(config) as url:
+        engine = url.engine
+        await all_workers_up(engine)
+        hung, other = SSE(), SSE()
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            async with trio.open_nursery() as nursery:
+                before = [w.outstanding for w in engine.statistics().workers]
+                body = {"prompt": "p", "max_tokens": 500, "fault": {"kind": "hang", "after": 5}}
+                nursery.start_soon(stream_into, http, body, hung, 1)
+                with trio.fail_after(10):
+                    await hung.started.wait()
+                assert worker_of(engine, before) == 0
+                victim = engine.statistics().workers[0].pid
+                before = [w.outstanding for w in engine.statistics().workers]
+                nursery.start_soon(stream_into, http, {"prompt": "q", "max_tokens": 1500}, other)
+                with trio.fail_after(10):
+                    await other.started.wait()
+                assert worker_of(engine, before) == 1
+                # A non-streaming request held by the hung worker fails the same way.
+                before = [w.outstanding for w in engine.statistics().workers]
+                plain = {}
+
+                async def non_streaming():
+                    plain["r"] = await http.post(
+                        "/v1/completions", json={"prompt": "n", "max_tokens": 50}
+                    )
+
+                nursery.start_soon(non_streaming)
+                await wait_until(lambda: sum(w.outstanding for w in engine.workers) == 3, 5)
+                assert worker_of(engine, before) == 0
+                # Meanwhile /health stays 200: worker 1 keeps answering its pings.
+                health = set()
+                with trio.fail_after(1.0 + 3.0):  # heartbeat timeout, plus a generous margin
+                    while not hung.finished.is_set():
+                        health.add((await http.get("/health")).status_code)
+                        await trio.sleep(0.05)
+                hung_for = hung.ended - hung.times[0]
+                assert health == {200}
+        assert hung.done and hung.tokens() == 5
+        error = hung.error()
+        assert error["code"] == "worker_died" and "hung" in error["message"]
+        assert hung_for >= 0.9  # not before the heartbeat timeout (1 s)
+        r = plain["r"]
+        assert r.status_code == 500 and r.json()["error"]["code"] == "worker_died"
+        # the other worker's stream was untouched
+        assert other.done and other.error() is None
+        assert other.finish_reasons() == ["length"] and other.tokens() == 1500
+        assert other.times[-1] > hung.ended
+        # the hung process was killed (pipe closed, then SIGTERM) and replaced
+        await wait_until(lambda: not pid_exists(victim), timeout=5)
+        await wait_until(lambda: engine.statistics().workers[0].alive, timeout=15)
+        w0 = engine.statistics().workers[0]
+        assert w0.restarts == 1 and w0.pid != victim
+        assert engine.statistics().workers[1].restarts == 0
+
+
+async def test_garbage_on_the_pipe_is_treated_as_death():
+    config = fault_config()
+    async with running_server(config) as url:
+        engine = url.engine
+        victim = engine.statistics().workers[0].pid
+        rec, bystander = SSE(), SSE()
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            async with trio.open_nursery() as nursery:
+                # a stream on the same worker that did nothing wrong
+                nursery.start_soon(stream_into, http, {"prompt": "b", "max_tokens": 5000}, bystander)
+                with trio.fail_after(10):
+                    await bystander.started.wait()
+                body = {"prompt": "p", "max_tokens": 50, "fault": {"kind": "garbage", "after": 3}}
+                nursery.start_soon(stream_into, http, body, rec)
+                with trio.fail_after(5):
+                    await rec.finished.wait()
+                    await bystander.finished.wait()
+            # non-streaming: a 500 with the worker_died code
+            await wait_until(lambda: engine.statistics().workers[0].alive, timeout=15)
+            r = await http.post(
+                "/v1/completions",
+                json={"prompt": "p", "max_tokens": 50, "fault": {"kind": "garbage", "after": 2}},
+            )
+        for one in (rec, bystander):
+            assert one.done
+            assert one.error()["code"] == "worker_died"
+            assert "protocol violation" in one.error()["message"]
+        assert rec.tokens() == 3
+        assert r.status_code == 500 and r.json()["error"]["code"] == "worker_died"
+        assert "Traceback" not in r.text
+        await wait_until(lambda: engine.statistics().workers[0].alive, timeout=15)
+        assert not pid_exists(victim)
+        assert engine.statistics().workers[0].restarts == 2
+
+
+# -- restarts: backoff and the limit ---------------------------------------------------------
+
+
+async def test_restart_limit_leaves_the_worker_down_and_health_503():
+    config = fault_config(max_restarts=2, restart_backoff=0.05, restart_window=60.0)
+    crash = {"prompt": "p", "max_tokens": 20, "fault": {"kind": "crash", "after": 0}}
+    async with running_server(config) as url:
+        engine = url.engine
+        pids = set()
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            for death in range(3):
+                await wait_until(lambda: engine.statistics().workers[0].alive, timeout=15)
+                assert (await http.get("/health")).status_code == 200
+                pids.add(engine.statistics().workers[0].pid)
+                r = await http.post("/v1/completions", json=crash)
+                assert r.status_code == 500 and r.json()["error"]["code"] == "worker_died"
+            await wait_until(lambda: engine.statistics().workers[0].gave_up, timeout=10)
+            stats = engine.statistics().workers[0]
+            assert stats.restarts == 2 and not stats.alive and stats.pid is None
+            assert len(pids) == 3 and not any(pid_exists(p) for p in pids)
+            health = await http.get("/health")
+            assert health.status_code == 503 and health.headers["retry-after"] == "1"
+            r = await http.post("/v1/completions", json={"prompt": "p", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker"
+            assert r.headers["retry-after"] == "1"
+            await trio.sleep(0.5)  # it stays down: no further restart
+            assert engine.statistics().workers[0].restarts == 2
+            assert (await http.get("/health")).status_code == 503
+
+
+class _ShortLivedProcess:
+    """Enough of trio.Process for WorkerClient: says HELLO, then exits after ``lifetime``."""
+
+    def __init__(self, pid: int, lifetime: float) -> None:
+        self.pid = pid
+        self.lifetime = lifetime
+        self.stdin = self
+        self.stdout = self
+        self._said_hello = False
+        self.returncode = None
+
+    async def send_all(self, data) -> None:
+        pass
+
+    async def receive_some(self, max_bytes=None) -> bytes:
+        if not self._said_hello:
+            self._said_hello = True
+            return wire.encode([wire.HELLO, {"engine": "fake"}])
+        await trio.sleep(self.lifetime)
+        return b""
+
+    async def aclose(self) -> None:
+        pass
+
+    async def wait(self) -> int:
+        self.returncode = 0
+        return 0
+
+    def terminate(self) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
+async def test_restart_backoff_doubles_resets_and_gives_up(autojump_clock):
+    # Virtual time: every process lives ``lifetimes[k]`` seconds after its HELLO.
+    lifetimes = iter([0, 0, 0, 0, 0, 100, 0, 0, 0, 0, 0, 0, 0, 0])
+    spawned = []
+
+    async def spawn(config):
+        spawned.append(trio.current_time())
+        return _ShortLivedProcess(len(spawned), next(lifetimes))
+
+    config = EngineConfig(
+        restart_backoff=0.1,
+        restart_backoff_max=0.5,
+        max_restarts=5,
+        restart_window=60.0,
+        heartbeat_interval=1000.0,
+        heartbeat_timeout=1000.0,
+    )
+    worker = WorkerClient(0, config, spawn)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        await wait_until(lambda: worker.gave_up, timeout=1000)
+        nursery.cancel_scope.cancel()
+    gaps = [round(b - a, 6) for a, b in zip(spawned, spawned[1:])]
+    # 0.1, 0.2, 0.4, then capped at 0.5; the 6th process lived 100 s (past the restart
+    # window), so the backoff starts over at 0.1 and the window forgets the earlier deaths.
+    assert gaps == [0.1, 0.2, 0.4, 0.5, 0.5, 100.1, 0.2, 0.4, 0.5, 0.5]
+    # Then deaths at 101.7, 101.8, 102.0, 102.4, 102.9 and 103.4: the 6th within 60 s is one
+    # too many (max_restarts=5), so the worker is left down.
+    assert worker.gave_up and worker.restarts == 10 and not worker.alive
+
+
+# -- /health proves progress -----------------------------------------------------------------
+
+
+async def test_health_turns_503_when_the_only_worker_stops_answering():
+    # A long heartbeat timeout: the worker is hung but not yet declared dead, so health is
+    # about answers to pings, not about a process existing.
+    config = fault_config(heartbeat_interval=0.2, heartbeat_timeout=2.5)
+    async with running_server(config) as url:
+        engine = url.engine
+        pid = engine.statistics().workers[0].pid
+        rec = SSE()
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            assert (await http.get("/health")).status_code == 200
+            async with trio.open_nursery() as nursery:
+                body = {"prompt": "p", "max_tokens": 100, "fault": {"kind": "hang", "after": 3}}
+                nursery.start_soon(stream_into, http, body, rec)
+                # (tokens may arrive merged into fewer events: count the words)
+                await wait_until(lambda: rec.tokens() == 3, timeout=10, interval=0.005)
+                hung_at = trio.current_time()
+                with trio.fail_after(2.4):  # 3 heartbeat periods + 0.5 s, plus a margin
+                    while (health := await http.get("/health")).status_code == 200:
+                        await trio.sleep(0.05)
+                unhealthy_at = trio.current_time()
+                assert health.status_code == 503
+                assert health.json() == {"status": "unavailable"}
+                # the process is still there and not yet declared dead
+                stats = engine.statistics().workers[0]
+                assert stats.alive, unhealthy_at - hung_at
+                assert stats.pid == pid
+                assert pid_exists(pid)
+                assert not stats.healthy
+                assert unhealthy_at - hung_at < 2.5
+            assert rec.done and rec.error()["code"] == "worker_died"
+            await wait_until(lambda: engine.statistics().workers[0].alive, timeout=15)
+            with trio.fail_after(5):
+                while (await http.get("/health")).status_code != 200:
+                    await trio.sleep(0.05)
+        assert engine.statistics().workers[0].pid != pid
+
+
+# -- overload: queued requests of clients that left ------------------------------------------
+
+
+async def test_queued_requests_of_departed_clients_never_run():
+    # One slot per worker: the first request runs, the others wait in the worker's queue.
+    config = EngineConfig(engine_options={**FAST_SIM, "max_batch": 1})
+    async with running_server(config) as url:
+        engine = url.engine
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            async with trio.open_nursery() as nursery:
+                first = SSE()
+                nursery.start_soon(stream_into, http, {"prompt": "a", "max_tokens": 5000}, first)
+                with trio.fail_after(10):
+                    await first.started.wait()
+                queued = []
+                async with trio.open_nursery() as waiting:
+                    for _ in range(5):
+                        rec = SSE()
+                        queued.append(rec)
+                        waiting.start_soon(stream_into, http, {"prompt": "b", "max_tokens": 3}, rec)
+                    with trio.fail_after(5):
+                        while (await engine.ping_all())[0] != (1, 5):
+                            await trio.sleep(0.02)
+                    waiting.cancel_scope.cancel()  # the clients go away
+                with trio.fail_after(2):
+                    while (await engine.ping_all())[0] != (1, 0):
+                        await trio.sleep(0.02)
+                assert engine.statistics().open_streams == 1
+                assert all(rec.tokens() == 0 for rec in queued)
+                nursery.cancel_scope.cancel()
+        await assert_engine_idle(engine, timeout=2)
+
+
+# -- a poison request ------------------------------------------------------------------------
+
+
+async def test_a_request_the_engine_chokes_on_fails_alone():
+    import server
+
+    async with server.open_engine(EngineConfig(engine_options=dict(FAST_SIM))) as engine:
+        pid = engine.statistics().workers[0].pid
+        async with engine.generate("fine", server.SamplingParams(max_tokens=300)) as bystander:
+            await bystander.__anext__()
+            async with engine.generate("x", server.SamplingParams(max_tokens=5, stop=(1,))) as bad:
+                outs = [out async for out in bad]
+            assert outs[-1].finish_reason == "error"
+            rest = [out async for out in bystander]
+        assert rest[-1].finish_reason == "length" and rest[-1].completion_tokens == 300
+        w = engine.statistics().workers[0]
+        assert w.pid == pid and w.restarts == 0
+        await assert_engine_idle(engine)

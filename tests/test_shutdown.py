@@ -1,0 +1,370 @@
+"""Graceful shutdown through the real command line (``python -m server``), and through the
+embedding API.
+
+Each CLI test starts the server as a child process on a free port, opens streams, signals it
+and watches from the outside: ``/health`` and new requests get 503, in-flight streams keep
+streaming until ``--shutdown-timeout``, then every open choice ends with
+``finish_reason: "abort"`` and ``data: [DONE]``; the process exits 0 and its worker
+processes (found in /proc) are gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+import server
+from server.config import EngineConfig
+from tests.conftest import FAST_SIM, child_pids
+
+REPO = Path(__file__).resolve().parents[1]
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+class SSE:
+    def __init__(self) -> None:
+        self.status: int | None = None
+        self.events: list[bytes] = []
+        self.times: list[float] = []
+        self.ended: float | None = None
+        self.started = trio.Event()
+        self.finished = trio.Event()
+
+    def chunks(self) -> list[dict]:
+        return [json.loads(e[6:]) for e in self.events if e.startswith(b"data: {")]
+
+    def tokens(self) -> int:
+        return sum(
+            len(ch.get("text", "").split())
+            for c in self.chunks()
+            if "choices" in c
+            for ch in c["choices"]
+        )
+
+    def finish_reasons(self) -> list[str]:
+        return [
+            ch["finish_reason"]
+            for c in self.chunks()
+            if "choices" in c
+            for ch in c["choices"]
+            if ch["finish_reason"] is not None
+        ]
+
+    def has_error(self) -> bool:
+        return any("error" in c for c in self.chunks())
+
+    @property
+    def done(self) -> bool:
+        return bool(self.events) and self.events[-1] == b"data: [DONE]"
+
+
+async def stream_into(http: httpx.AsyncClient, body: dict, rec: SSE) -> None:
+    try:
+        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            rec.status = r.status_code
+            buf = b""
+            async for chunk in r.aiter_raw():
+                buf += chunk
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    rec.events.append(event)
+                    rec.times.append(trio.current_time())
+                    if len(rec.events) >= 2:
+                        rec.started.set()
+    finally:
+        rec.ended = trio.current_time()
+        rec.started.set()
+        rec.finished.set()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children_of(pid: int) -> set[int]:
+    """Live (non-zombie) child processes of ``pid``, from /proc."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.add(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class CLIServer:
+    def __init__(self, proc: trio.Process, url: str, log) -> None:
+        self.proc = proc
+        self.url = url
+        self.log = log
+        self.workers: set[int] = set()
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    async def wait_exit(self, timeout: float) -> int:
+        with trio.fail_after(timeout):
+            return await self.proc.wait()
+
+
+@asynccontextmanager
+async def cli_server(*args: str, workers: int = 1):
+    """``python -m server`` on a free port, up (every worker process started and /health
+    200); killed if the test did not make it exit."""
+    port = free_port()
+    log = tempfile.TemporaryFile()
+    cmd = [
+        sys.executable, "-m", "server", "--port", str(port), "--sim-itl-ms", "2",
+        "--sim-ttft-ms", "5", "--engine-workers", str(workers), "--log-level", "info", *args,
+    ]
+    proc = await trio.lowlevel.open_process(cmd, stdout=log, stderr=log, cwd=REPO)
+    srv = CLIServer(proc, f"http://127.0.0.1:{port}", log)
+    try:
+        async with httpx.AsyncClient(base_url=srv.url) as http:
+            with trio.fail_after(30):
+                while True:
+                    assert proc.poll() is None, srv.output()
+                    try:
+                        if (await http.get("/health")).status_code == 200:
+                            srv.workers = children_of(proc.pid)
+                            if len(srv.workers) == workers:
+                                break
+                    except httpx.TransportError:
+                        pass
+                    await trio.sleep(0.05)
+        await trio.sleep(0.5)  # let the other workers say HELLO too
+        yield srv
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        for pid in srv.workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        log.close()
+
+
+async def assert_gone(srv: CLIServer, timeout: float = 10.0) -> None:
+    """The server exited 0, and every worker process it had is gone."""
+    code = await srv.wait_exit(timeout)
+    assert code == 0, srv.output()
+    assert srv.workers
+    with trio.fail_after(2):
+        while any(alive(pid) for pid in srv.workers):
+            await trio.sleep(0.05)
+    assert "Traceback" not in srv.output()
+
+
+# -- through the CLI -------------------------------------------------------------------------
+
+
+async def test_sigterm_drains_for_the_shutdown_timeout_then_aborts():
+    T = 2.0
+    async with cli_server("--shutdown-timeout", str(T), workers=2) as srv:
+        long1, long2, short = SSE(), SSE(), SSE()
+        plain = {}
+        async with httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stream_into, http, {"prompt": "a", "max_tokens": 8000}, long1)
+                nursery.start_soon(stream_into, http, {"prompt": "b", "max_tokens": 8000}, long2)
+
+                async def non_streaming():
+                    plain["r"] = await http.post(
+                        "/v1/completions", json={"prompt": "c", "max_tokens": 8000}
+                    )
+
+                nursery.start_soon(non_streaming)
+                with trio.fail_after(10):
+                    await long1.started.wait()
+                    await long2.started.wait()
+                # finishes by itself well within the shutdown timeout (~1 s at 2 ms a token)
+                nursery.start_soon(stream_into, http, {"prompt": "d", "max_tokens": 500}, short)
+                with trio.fail_after(10):
+                    await short.started.wait()
+                srv.proc.send_signal(signal.SIGTERM)
+                signalled = trio.current_time()
+                tokens_at_signal = long1.tokens()
+                async with httpx.AsyncClient(base_url=srv.url, timeout=5) as probe:
+                    with trio.fail_after(2):
+                        while (await probe.get("/health")).status_code == 200:
+                            await trio.sleep(0.02)
+                    health = await probe.get("/health")
+                    assert health.status_code == 503
+                    r = await probe.post("/v1/completions", json={"prompt": "new", "max_tokens": 2})
+                    assert r.status_code == 503, r.text
+                    assert r.json()["error"]["code"] == "shutting_down"
+                    assert r.headers["retry-after"]
+                    r = await probe.post(
+                        "/v1/chat/completions",
+                        json={"messages": [{"role": "user", "content": "hi"}], "stream": True},
+                    )
+                    assert r.status_code == 503
+                await trio.sleep_until(signalled + T - 0.7)
+                assert not long1.finished.is_set() and not long2.finished.is_set()
+                assert long1.tokens() > tokens_at_signal + 100  # still streaming
+                with trio.fail_after(T + 5):
+                    await long1.finished.wait()
+                    await long2.finished.wait()
+        # the short one finished normally during the drain
+        assert short.done and not short.has_error()
+        assert short.finish_reasons() == ["length"] and short.tokens() == 500
+        assert short.ended < signalled + T
+        # the long ones streamed until the timeout, then ended with abort and [DONE]
+        for rec in (long1, long2):
+            assert rec.status == 200 and rec.done and not rec.has_error()
+            assert rec.finish_reasons() == ["abort"]
+            assert rec.ended - signalled >= T - 0.5
+            assert rec.ended - signalled < T + 3.0
+        # a non-streaming request aborted by the shutdown is a 503
+        r = plain["r"]
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        await assert_gone(srv)
+        assert "draining: 4 request(s) in flight" in srv.output()  # long1, long2, plain, short
+
+
+async def test_shutdown_timeout_zero_aborts_at_once_on_sigint():
+    async with cli_server("--shutdown-timeout", "0") as srv:
+        rec = SSE()
+        async with httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stream_into, http, {"prompt": "a", "max_tokens": 8000}, rec)
+                with trio.fail_after(10):
+                    await rec.started.wait()
+                srv.proc.send_signal(signal.SIGINT)
+                signalled = trio.current_time()
+                with trio.fail_after(3):
+                    await rec.finished.wait()
+        assert rec.done and rec.finish_reasons() == ["abort"] and not rec.has_error()
+        assert rec.ended - signalled < 2.0
+        await assert_gone(srv)
+
+
+async def test_second_signal_stops_at_once():
+    async with cli_server("--shutdown-timeout", "60") as srv:
+        rec = SSE()
+        async with httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stream_into, http, {"prompt": "a", "max_tokens": 8000}, rec)
+                with trio.fail_after(10):
+                    await rec.started.wait()
+                srv.proc.send_signal(signal.SIGTERM)
+                await trio.sleep(0.5)
+                tokens = rec.tokens()
+                await trio.sleep(0.3)
+                assert not rec.finished.is_set() and rec.tokens() > tokens  # draining
+                srv.proc.send_signal(signal.SIGTERM)
+                second = trio.current_time()
+                with trio.fail_after(3):
+                    await rec.finished.wait()
+        assert rec.done and rec.finish_reasons() == ["abort"] and not rec.has_error()
+        assert rec.ended - second < 2.5
+        await assert_gone(srv, timeout=8)
+        assert "second signal" in srv.output()
+
+
+async def test_a_client_that_never_reads_does_not_hold_up_the_shutdown():
+    async with cli_server("--shutdown-timeout", "0.5") as srv:
+        host, port = srv.url.rsplit("/", 1)[1].split(":")
+        sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills up fast
+        await sock.connect((host, int(port)))
+        stream = trio.SocketStream(sock)
+        body = json.dumps({"prompt": "p", "max_tokens": 8000, "stream": True}).encode()
+        await stream.send_all(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body)
+        )
+        await trio.sleep(1.5)  # the server's writes are blocked on the full socket by now
+        srv.proc.send_signal(signal.SIGTERM)
+        try:
+            await assert_gone(srv, timeout=15)
+        finally:
+            await stream.aclose()
+
+
+# -- through the embedding API ---------------------------------------------------------------
+
+
+async def test_embedding_drain_with_the_engine_api_then_leaving_the_block():
+    """The HTTP drain's steps, by hand: stop accepting, wait (bounded) for in-flight
+    requests, abort the rest; then leaving ``open_engine`` stops the worker processes."""
+    before = child_pids()
+    ends = {}
+
+    async def consume(name, stream):
+        async with stream:
+            async for out in stream:
+                if out.finish_reason is not None:
+                    ends[name] = (out.finish_reason, out.completion_tokens, stream.abort_cause)
+
+    config = EngineConfig(engine_options=dict(FAST_SIM), workers=2)
+    async with server.open_engine(config) as engine:
+        pids = [w.pid for w in engine.statistics().workers]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consume, "short", engine.generate("a", server.SamplingParams(max_tokens=300)))
+            nursery.start_soon(consume, "long", engine.generate("b", server.SamplingParams(max_tokens=8000)))
+            await trio.sleep(0.1)
+            engine.stop_accepting()
+            with pytest.raises(server.ServiceUnavailable):
+                engine.generate("c")
+            with trio.move_on_after(1.5):
+                await engine.wait_idle()
+            assert engine.abort_all() == 1
+            with trio.fail_after(config.drain_timeout + 1):
+                await engine.wait_idle()
+    assert ends["short"] == ("length", 300, None)
+    assert ends["long"][0] == "abort" and ends["long"][2] == "shutdown"
+    assert 0 < ends["long"][1] < 8000
+    assert all(pid is not None for pid in pids)
+    assert not any(alive(pid) for pid in pids)
+    assert child_pids() - before == set()
+
+
+async def test_leaving_open_engine_aborts_open_streams_like_the_http_shutdown():
+    before = child_pids()
+    ends = []
+
+    async def consume(stream):
+        async with stream:
+            async for out in stream:
+                if out.finish_reason is not None:
+                    ends.append((out.finish_reason, out.error_kind, stream.abort_cause))
+
+    config = EngineConfig(engine_options=dict(FAST_SIM))
+    async with trio.open_nursery() as outer:
+        async with server.open_engine(config) as engine:
+            pid = engine.statistics().workers[0].pid
+            for prompt in ("a", "b"):
+                outer.start_soon(consume, engine.generate(prompt, server.SamplingParams(max_tokens=8000)))
+            await trio.sleep(0.2)
+        left = trio.current_time()
+    assert trio.current_time() - left < 1.0  # the streams ended at once
+    assert not alive(pid) and child_pids() - before == set()
+    assert ends == [("abort", None, "shutdown")] * 2
