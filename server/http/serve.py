@@ -25,6 +25,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from ..config import ServerConfig
+from ..observability.gcstats import freeze_after_startup
 from .app import LLMServerApp, create_app
 
 __all__ = ["serve", "hypercorn_config"]
@@ -139,4 +140,5 @@ async def serve(
         binds = await nursery.start(run_hypercorn)
         for url in binds:
             log.info("serving on %s (engine %s)", url, config.engine.engine)
+        freeze_after_startup()
         task_status.started(binds)

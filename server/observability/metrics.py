@@ -41,6 +41,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.utils import floatToGoString
 
+from .gcstats import gc_stats
 from .record import ABORT_CAUSES, FINISHED_REASONS, RequestRecord
 
 __all__ = ["Metrics", "Histogram", "PREFIX"]
@@ -148,6 +149,7 @@ class Metrics:
         self.client_disconnects = 0
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(self)
+        self.registry.register(gc_stats())
         if process_metrics:
             ProcessCollector(registry=self.registry)
 
