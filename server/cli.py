@@ -41,9 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     g.add_argument("--keep-alive-timeout", type=float, default=30.0,
-                   help="seconds an idle keep-alive connection stays open")
+                   help="seconds an idle connection (nothing sent yet, or between requests) "
+                   "stays open")
     g.add_argument("--read-timeout", type=float, default=30.0,
-                   help="seconds a client may take to send its request")
+                   help="seconds a client may take to send its request body (then 408); "
+                   "connections that send nothing are closed by --keep-alive-timeout")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="least severe log lines written (info: one line per finished request)")
     g.add_argument("--log-format", default="text", choices=["text", "json"],

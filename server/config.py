@@ -90,8 +90,9 @@ class ServerConfig:
     #: On SIGTERM/SIGINT, how long in-flight requests may keep streaming before they are
     #: aborted (0: abort at once).
     shutdown_timeout: float = 30.0
-    #: Idle keep-alive connections are closed after this many seconds; a client must send
-    #: its request within ``read_timeout`` seconds.
+    #: Idle connections (nothing sent yet, or between requests) are closed after
+    #: ``keep_alive_timeout`` seconds; a request body must arrive within ``read_timeout``
+    #: seconds (else 408). A response that streams is bounded by neither.
     keep_alive_timeout: float = 30.0
     read_timeout: float = 30.0
     #: After the drain, seconds open connections (idle keep-alives) get before they are cut.
