@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
+from .stops import StopMatcher
+
 __all__ = ["RequestText", "PROMPT_CONTEXT"]
 
 #: How many prompt ids seed the decode stream (enough for any decoder's lookbehind).
@@ -35,7 +37,7 @@ PROMPT_CONTEXT = 4
 class RequestText:
     """The text side of one request: see the module docstring."""
 
-    __slots__ = ("_tok", "_stream", "_context", "_ids", "_decoded", "stop", "_stop_max", "_held")
+    __slots__ = ("_tok", "_stream", "_context", "_ids", "_decoded", "stop", "_stops")
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()) -> None:
         self._tok = tokenizer
@@ -44,8 +46,7 @@ class RequestText:
         self._ids: list[int] = []
         self._decoded = 0  # characters the decode stream has produced so far
         self.stop = stop
-        self._stop_max = max((len(s) for s in stop), default=0)
-        self._held = ""
+        self._stops = StopMatcher(stop)
 
     def feed(self, token_id: int) -> tuple[str, bool]:
         """Add a generated token; returns (text to send, stop string found)."""
@@ -56,21 +57,19 @@ class RequestText:
         self._decoded += len(piece)
         if not self.stop:
             return piece, False
-        return self._apply_stop(piece)
+        return self._stops.feed(piece)
 
     def finish(self) -> tuple[str, bool]:
         """The request ends (EOS or max_tokens): returns (everything not yet sent, stop string
         found in what the decode stream still held)."""
         tail = self._flush_stream()
         if self.stop and tail:
-            text, stopped = self._apply_stop(tail)
+            text, stopped = self._stops.feed(tail)
             if stopped:
                 return text, True
         else:
             text = tail
-        rest = self._held
-        self._held = ""
-        return text + rest, False
+        return text + self._stops.flush(), False
 
     # -- internals --------------------------------------------------------------------------
 
@@ -85,25 +84,6 @@ class RequestText:
             return ""
         full = full[len(base) :]
         return full[self._decoded :] if len(full) > self._decoded else ""
-
-    def _apply_stop(self, piece: str) -> tuple[str, bool]:
-        text = self._held + piece
-        cut = -1
-        for s in self.stop:
-            i = text.find(s)
-            if i != -1 and (cut == -1 or i < cut):
-                cut = i
-        if cut != -1:
-            self._held = ""
-            return text[:cut], True
-        keep = 0  # the longest tail of text that could begin a stop string
-        for k in range(min(len(text), self._stop_max - 1), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in self.stop):
-                keep = k
-                break
-        self._held = text[len(text) - keep :] if keep else ""
-        return text[: len(text) - keep], False
 
 
 def _decode_stream(tokenizer, context: list[int]) -> DecodeStream:

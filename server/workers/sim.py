@@ -31,6 +31,7 @@ import time
 import zlib
 
 from .base import Rejected, WorkerCrash, WorkerGarbage, WorkerHang, check_context
+from .stops import StopMatcher
 
 __all__ = ["SimEngine", "CHAT_TEMPLATE", "render_chat", "count_tokens"]
 
@@ -69,7 +70,7 @@ def count_tokens(text: str) -> int:
 
 class _Req:
     __slots__ = (
-        "rid", "rng", "max_tokens", "stop", "stop_max", "held", "produced", "ready_at",
+        "rid", "rng", "max_tokens", "stop", "produced", "ready_at",
         "fault", "fault_after", "prompt_tokens", "started",
     )
 
@@ -153,9 +154,7 @@ class SimEngine:
         else:
             req.rng = zlib.crc32(seed_bytes, int(seed) & 0xFFFFFFFF)
         req.max_tokens = max_tokens
-        req.stop = tuple(stop)
-        req.stop_max = max((len(s) for s in stop), default=0)
-        req.held = ""
+        req.stop = StopMatcher(tuple(stop)) if stop else None
         req.produced = 0
         req.started = False
         req.prompt_tokens = prompt_tokens
@@ -264,28 +263,11 @@ class SimEngine:
         word = _VOCAB_SPACED[(x >> 16) % _V]
         req.produced += 1
         done = req.produced >= req.max_tokens
-        if not req.stop:
+        if req.stop is None:
             return [req.rid, word, 1, "length" if done else None, None]
-        return self._apply_stop(req, word, done)
-
-    def _apply_stop(self, req: _Req, word: str, done: bool) -> list:
-        text = req.held + word
-        cut = -1
-        for s in req.stop:
-            i = text.find(s)
-            if i != -1 and (cut == -1 or i < cut):
-                cut = i
-        if cut != -1:
-            req.held = ""
-            return [req.rid, text[:cut], 1, "stop", None]
+        text, stopped = req.stop.feed(word)
+        if stopped:
+            return [req.rid, text, 1, "stop", None]
         if done:
-            req.held = ""
-            return [req.rid, text, 1, "length", None]
-        keep = 0  # the longest tail of text that could begin a stop string
-        for k in range(min(len(text), req.stop_max - 1), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in req.stop):
-                keep = k
-                break
-        req.held = text[len(text) - keep :] if keep else ""
-        return [req.rid, text[: len(text) - keep], 1, None, None]
+            return [req.rid, text + req.stop.flush(), 1, "length", None]
+        return [req.rid, text, 1, None, None]
