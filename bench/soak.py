@@ -343,7 +343,7 @@ async def soak(args: argparse.Namespace) -> int:
         sys.executable, "-m", "server", "--port", str(port), "--engine-workers", "2",
         "--sim-faults", "--sim-itl-ms", str(args.itl_ms), "--sim-ttft-ms", "10",
         "--max-restarts", "100000", "--shutdown-timeout", "10", "--drain-timeout", "1",
-        "--log-level", "warning",
+        "--log-level", "warning", *args.server_args,
     ]
     print(f"soak: starting {' '.join(cmd[1:])} (log: {log.name})", file=sys.stderr)
     proc = await trio.lowlevel.open_process(cmd, stdout=log, stderr=log, cwd=REPO)
@@ -495,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--itl-ms", type=float, default=5.0, help="the sim engine's inter-token latency")
     p.add_argument("--port", type=int, default=0, help="port for the server (0: a free one)")
     p.add_argument("--seed", type=int, default=1, help="seed of the random mix")
+    p.add_argument("--server-arg", dest="server_args", action="append", default=[],
+                   metavar="ARG", help="one more argument for the server (repeatable), "
+                   "e.g. --server-arg=--keep-alive-timeout --server-arg=5")
     args = p.parse_args(argv)
     return trio.run(soak, args)
 

@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--read-timeout", type=float, default=30.0,
                    help="seconds a client may take to send its request body (then 408); "
                    "connections that send nothing are closed by --keep-alive-timeout")
+    g.add_argument("--send-timeout", type=float, default=30.0,
+                   help="seconds a client may accept no bytes of its response (it stopped "
+                   "reading) before its connection is closed and its request aborted "
+                   "(0: never)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="least severe log lines written (info: one line per finished request)")
     g.add_argument("--log-format", default="text", choices=["text", "json"],
@@ -176,6 +180,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         shutdown_timeout=args.shutdown_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
         read_timeout=args.read_timeout,
+        send_timeout=args.send_timeout or None,
         api_keys=api_keys,
         allowed_origins=_split_commas(args.allowed_origins),
     )

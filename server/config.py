@@ -95,6 +95,10 @@ class ServerConfig:
     #: seconds (else 408). A response that streams is bounded by neither.
     keep_alive_timeout: float = 30.0
     read_timeout: float = 30.0
+    #: A connection whose client accepts no bytes of the response for this many seconds
+    #: (it stopped reading: its TCP window is full) is closed, and its request aborted
+    #: (None: never). Also bounds how long such a client can hold a shutdown.
+    send_timeout: float | None = 30.0
     #: After the drain, seconds open connections (idle keep-alives) get before they are cut.
     close_timeout: float = 2.0
     #: Keys accepted on the ``/v1/*`` routes (``Authorization: Bearer KEY``); empty: no key

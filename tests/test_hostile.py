@@ -686,13 +686,6 @@ async def read_to_eof(url: str, data: bytes) -> bytes:
         await sock.aclose()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG http: with 'Connection: close' or HTTP/1.0 the "
-                   "connection is not closed after the response: hypercorn closes it from "
-                   "inside the app's last send(), and the app (quart-trio, and "
-                   "handle_generate's disconnect watcher) cancels itself on the "
-                   "http.disconnect that hypercorn delivers just before, which cancels the "
-                   "close. An HTTP/1.0 stream (delimited by the close) then never ends until "
-                   "the read timeout")
 async def test_connection_close_and_http_1_0_end_with_the_response():
     stream = json.dumps({"prompt": "x", "max_tokens": 3, "stream": True}).encode()
     async with running_server(read_timeout=30.0) as url:
@@ -792,10 +785,9 @@ async def test_a_storm_of_clients_that_disconnect_at_random_points():
             assert r.status_code == 200
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN LIMITATION: after a response from a Quart route "
-                   "(/health, /v1/models, 404s), hypercorn's keep-alive idle timer does not "
-                   "close the connection; the generation routes (raw ASGI) are not affected")
 async def test_idle_keep_alive_after_a_quart_route_is_closed():
+    # quart-trio cancelled itself on the disconnect hypercorn delivers inside the last send,
+    # which cancelled hypercorn restarting its idle timer (see HeaderSend.receive).
     async with running_server(keep_alive_timeout=1.0) as url:
         host, port = addr(url)
         sock = await trio.open_tcp_stream(host, port)
@@ -804,3 +796,46 @@ async def test_idle_keep_alive_after_a_quart_route_is_closed():
             while await sock.receive_some(65536):
                 pass
         await sock.aclose()
+
+
+async def test_clients_that_stop_reading_do_not_keep_their_slots():
+    from server.config import ServerConfig
+
+    extra = {}
+    if "send_timeout" in ServerConfig.__dataclass_fields__:  # a bound on stalled writes
+        extra["send_timeout"] = 2.0
+    async with running_server(max_concurrent_requests=2, request_timeout=1.0, **extra) as url:
+        socks = []
+        try:
+            body = json.dumps({"prompt": "p", "max_tokens": 3000, "stream": True}).encode()
+            for _ in range(2):
+                sock = await small_window_socket(url)
+                await sock.send_all(request_bytes(url, "/v1/completions", body))
+                socks.append(sock)
+            async with httpx.AsyncClient(base_url=url) as http:
+                with trio.fail_after(8):  # request timeout + drain + a stalled-write bound
+                    while True:
+                        r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                        if r.status_code == 200:
+                            break
+                        assert r.json()["error"]["code"] == "server_overloaded"
+                        await trio.sleep(0.5)
+        finally:
+            for sock in socks:
+                await sock.aclose()
+
+
+async def test_connections_closed_by_their_clients_are_released_at_once():
+    import os
+
+    async with running_server(keep_alive_timeout=30.0) as url:
+        await trio.sleep(0.3)
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(30):  # each on its own connection, closed by the client
+            async with httpx.AsyncClient(base_url=url) as http:
+                body = {"prompt": "x", "max_tokens": 2, "stream": True}
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    async for _ in r.aiter_raw():
+                        pass
+        await trio.sleep(1.0)
+        assert len(os.listdir("/proc/self/fd")) <= before + 5

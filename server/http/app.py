@@ -147,6 +147,7 @@ class LLMServerApp(QuartTrio):
                 log_request(record)
             return
         send = HeaderSend(send, extra)
+        receive = send.receive(receive)
         if self.api_keys is not None and is_protected(path):
             try:
                 self.api_keys.check(header(scope, b"authorization"))

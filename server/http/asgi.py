@@ -115,13 +115,32 @@ class HeaderSend:
     call per streamed event.
     """
 
-    __slots__ = ("_send", "_headers")
+    __slots__ = ("_send", "_headers", "complete")
 
     def __init__(self, send, headers: list) -> None:
         self._send = send
         self._headers = headers
+        #: True once the last body message of the response is being sent.
+        self.complete = False
 
     async def __call__(self, message: dict) -> None:
         if message["type"] == "http.response.start":
             message = {**message, "headers": [*message.get("headers", ()), *self._headers]}
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.complete = True
         await self._send(message)
+
+    def receive(self, receive):
+        """``receive``, except that the ``http.disconnect`` that hypercorn delivers from
+        inside the response's last ``send`` is kept back. quart-trio cancels the request on
+        it, and that would cancel what hypercorn does next in that same ``send``: close the
+        connection (``Connection: close``, HTTP/1.0) or restart its keep-alive idle timer.
+        quart-trio ends this wait itself once the response is sent."""
+
+        async def receive_until_complete():
+            message = await receive()
+            if message["type"] == "http.disconnect" and self.complete:
+                await trio.sleep_forever()
+            return message
+
+        return receive_until_complete
