@@ -7,12 +7,22 @@ A closed-loop benchmark: ``--concurrency`` clients each send streaming requests 
 client sees: time to first token, the gaps between content events, delivered tokens per second,
 errors and streams that ended without ``data: [DONE]``. Given the server's process ids it also
 reads the CPU time (utime + stime, ``/proc/PID/stat``) of the frontend and of each worker
-before and after the run and reports CPU microseconds per delivered token.
+at the start and the end of the measured window and reports CPU microseconds per delivered
+token.
+
+The clients start one after the other over ``--ramp-up`` seconds (default: the nominal length
+of one request, ``max_tokens * itl_ms / 1000``): requests of equal length started together
+would stay in lockstep forever, arriving in bursts of ``concurrency``. The run is continuous:
+requests started in the first ``--warmup`` seconds (default: the ramp-up with ``--duration``,
+0 with ``--requests``) are not counted, the ones started after them are, with no pause
+between the two; the measured window runs from the end of the warmup until the last measured
+request ended.
 
 Examples::
 
-    # against a running server
-    python bench/loadgen.py --url http://127.0.0.1:8000 --concurrency 64 --requests 512 \\
+    # against a running server: 30 s measured in the steady state (the default warmup is
+    # the ramp-up, itself one request's nominal length: 256 * 8 ms)
+    python bench/loadgen.py --url http://127.0.0.1:8000 --concurrency 64 --duration 30 \\
         --prompt-tokens 128 --max-tokens 256 --server-pids-from-port
 
     # one command: start the server on a free port, load it, stop it

@@ -573,8 +573,8 @@ async def test_ramp_up_spreads_the_first_requests(nursery):
     assert s["requests"] == 4 and s["errors"] == 0 and s["ramp_up_s"] == 0.2
     t = [srv.arrivals[k] for k in sorted(srv.arrivals)]
     assert t == sorted(t)  # client i sends ticket i + 1
-    steps = [b - a for a, b in zip(t, t[1:])]
-    assert all(0.04 <= d < 0.1 for d in steps), steps
+    offsets = [x - t[0] for x in t]
+    assert all(0.05 * i - 0.02 <= off < 0.05 * i + 0.1 for i, off in enumerate(offsets)), offsets
     assert s["connections_opened"] == 4
 
 
@@ -585,7 +585,7 @@ async def test_ramp_up_zero_starts_all_clients_at_once(nursery):
     s = await run_benchmark(args)
     assert s["requests"] == 4 and s["ramp_up_s"] == 0.0
     t = sorted(srv.arrivals.values())
-    assert t[-1] - t[0] < 0.02
+    assert t[-1] - t[0] < 0.04
 
 
 async def test_seamless_warmup_counts_only_requests_started_after_it(nursery):

@@ -29,6 +29,22 @@ def _positive_float(s: str) -> float:
     return v
 
 
+def _non_negative_float(s: str) -> float:
+    v = float(s)
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError("must be a non-negative number")
+    return v
+
+
+def _seconds_or_auto(s: str):
+    if s.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _non_negative_float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be 'auto' or a number of seconds") from None
+
+
 def _json_object(s: str) -> dict:
     try:
         v = json.loads(s)
@@ -85,11 +101,25 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--requests", "-n", type=_positive_int, default=None,
                    help="total measured requests (default 256 unless --duration is given)")
     m.add_argument("--duration", "-d", type=_positive_float, default=None,
-                   help="seconds during which new requests are started; in-flight ones are "
-                        "then allowed to finish")
-    g.add_argument("--warmup", type=float, default=0.0,
-                   help="seconds of load before the measured run; they are discarded and "
-                        "in-flight warmup requests finish before measuring starts")
+                   help="seconds (after the warmup) during which new measured requests are "
+                        "started; in-flight ones are then allowed to finish and no new one "
+                        "starts")
+    g.add_argument("--ramp-up", type=_seconds_or_auto, default="auto", metavar="S|auto",
+                   help="spread the clients' first requests: client i (0-based) sends its "
+                        "first one i * S / concurrency seconds after the start. With requests "
+                        "of equal length a closed loop keeps the phase it starts with, so "
+                        "clients started together stay in lockstep (bursts of 'concurrency' "
+                        "arrivals every request time, and a TTFT made of that queue). 'auto' "
+                        "(default): the nominal duration of one request, max_tokens * itl_ms "
+                        "/ 1000 s, which spreads the arrivals evenly; 0: all at once. The "
+                        "ramp-up is part of the warmup when there is one: use --warmup >= the "
+                        "ramp-up for steady-state figures")
+    g.add_argument("--warmup", type=_non_negative_float, default=None,
+                   help="seconds of load before the measured window, without a pause between "
+                        "them: requests started in the warmup are not counted (not even when "
+                        "they end in the window), the ones started after it are. Default: "
+                        "the ramp-up with --duration (so that the window starts in the "
+                        "steady state), 0 with --requests (the ramp-up is then measured)")
     g.add_argument("--prompt-tokens", type=_positive_int, default=128,
                    help="prompt length in whitespace-separated words (the sim engine counts "
                         "one token per word; the first word is unique per request)")
@@ -102,17 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON object merged into every request body, e.g. "
                         "'{\"temperature\": 0}'")
     g.add_argument("--itl-ms", type=_positive_float, default=8.0,
-                   help="the engine's inter-token latency, only to compute "
-                        "offered_tokens_per_s = concurrency * 1000 / itl_ms")
+                   help="the engine's inter-token latency (set it to the server's, e.g. "
+                        "its --sim-itl-ms), only to compute offered_tokens_per_s = "
+                        "concurrency * 1000 / itl_ms and the 'auto' ramp-up")
 
     g = p.add_argument_group("limits")
     g.add_argument("--request-timeout", type=_positive_float, default=120.0,
                    help="seconds a request may take in all before it counts as an error")
     g.add_argument("--time-limit", type=_positive_float, default=900.0,
-                   help="hard limit on the measured run in seconds; in-flight requests are "
-                        "cancelled and the result is marked aborted")
+                   help="hard limit on the measured run in seconds (counted from the end of "
+                        "the warmup); in-flight requests are cancelled and the result is "
+                        "marked aborted")
     g.add_argument("--max-requests", type=_positive_int, default=1_000_000,
-                   help="upper bound on requests started by a --duration run or the warmup")
+                   help="upper bound on the requests started by a --duration run, and on "
+                        "those of the warmup (which ends early when it is reached)")
     g.add_argument("--max-errors", type=_positive_int, default=1000,
                    help="stop starting requests after this many errors")
 
@@ -139,8 +172,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.requests is None and args.duration is None:
         args.requests = 256
-    if args.warmup < 0:
-        parser.error("--warmup must not be negative")
+    if args.ramp_up == "auto":
+        args.ramp_up = args.max_tokens * args.itl_ms / 1000.0
+    if args.warmup is None:
+        args.warmup = args.ramp_up if args.duration is not None else 0.0
+    elif args.duration is not None and args.warmup < args.ramp_up:
+        log(f"note: the ramp-up ({args.ramp_up:g} s) is longer than the warmup "
+            f"({args.warmup:g} s): the clients are still starting when the measured window "
+            "begins")
     if args.spawn_server is None:
         try:
             check_loopback_url(args.url)

@@ -67,31 +67,138 @@ class Context:
         return self.head_pre + b"Content-Length: %d\r\n" % len(body) + self.head_post + body
 
 
-class Phase:
-    """Hands out request tickets until the phase's count or deadline is reached."""
+class Schedule:
+    """Hands out the request tickets of one continuous run, and says which are measured.
 
-    def __init__(self, ctx: Context, *, max_requests: int | None, duration: float | None,
-                 stats: Stats) -> None:
+    The run has no pause: a ticket taken before the end of the warmup is a warmup ticket
+    (its request is not in the statistics), one taken after it is measured, until
+    ``requests`` measured tickets were handed out or ``duration`` seconds passed since the
+    end of the warmup; then no new request starts (each client stops at its next request
+    boundary). The measured window runs from the end of the warmup (``on_start``, called
+    once, at once when there is no warmup) until the last measured request ended
+    (``on_end``, called once).
+
+    The warmup ends ``warmup`` seconds after :meth:`begin`, or earlier once ``warmup_cap``
+    warmup tickets were handed out. ``stats`` collects the measured requests, ``warm_stats``
+    the warmup ones.
+    """
+
+    def __init__(self, ctx: Context, *, warmup: float, duration: float | None,
+                 requests: int, warmup_cap: int, stats: Stats, warm_stats: Stats,
+                 on_start=None, on_end=None) -> None:
         self.ctx = ctx
-        self.max_requests = max_requests
-        self.deadline = None if duration is None else trio.current_time() + duration
+        self.warmup = warmup
+        self.duration = duration
+        self.max_measured = requests
+        self.warmup_cap = warmup_cap
         self.stats = stats
-        self.issued = 0
+        self.warm_stats = warm_stats
+        self._on_start = on_start
+        self._on_end = on_end
+        self.t0 = 0.0  # trio clock, set by begin()
+        self.warmup_end = 0.0  # trio clock: nominal end of the warmup, then the actual one
+        self.deadline: float | None = None  # trio clock: no measured request starts after
+        self.warm_issued = 0
+        self.issued = 0  # measured tickets handed out
+        self.inflight = 0  # measured requests not yet done
+        self.measuring = False
+        self.closed = False  # no more measured tickets
+        self.finished = False  # on_end was called
+        self.last_end = 0.0  # perf_counter: end of the last measured request
         self.stopped: str | None = None
 
-    def take(self) -> int | None:
-        if self.stopped:
+    def begin(self) -> None:
+        """Start the clock of the run (and the measured window, if there is no warmup)."""
+        self.t0 = trio.current_time()
+        self.warmup_end = self.t0 + self.warmup
+        if self.warmup <= 0:
+            self.start_measuring()
+
+    async def warmup_timer(self) -> None:
+        """Ends the warmup on time even when no client takes a ticket at that moment (so
+        that the window, and the CPU snapshot, start at the end of the warmup)."""
+        await trio.sleep_until(self.warmup_end)
+        self.start_measuring()
+
+    def start_measuring(self) -> None:
+        if self.measuring:
+            return
+        self.measuring = True
+        now = trio.current_time()
+        self.warmup_end = min(now, self.warmup_end) if self.warmup > 0 else now
+        if self.duration is not None:
+            self.deadline = self.warmup_end + self.duration
+        self.stats.t_start = self.warm_stats.t_end = _perf()
+        if self._on_start is not None:
+            self._on_start(self)
+
+    def finish(self, *, now: bool = False) -> None:
+        """End the measured window (idempotent): at the end of the last measured request
+        (``now``: at once, e.g. when the run is cut short), or now if none ended yet."""
+        if self.finished:
+            return
+        self.start_measuring()
+        self.finished = self.closed = True
+        t_end = _perf()
+        if self.stats.requests and not now:
+            t_end = max(self.stats.t_start, min(self.last_end, t_end))
+        self.stats.t_end = t_end
+        if self._on_end is not None:
+            self._on_end(self)
+
+    def _close(self) -> None:
+        self.closed = True
+        if self.inflight == 0:
+            self.finish()
+
+    def take(self) -> tuple[int, bool] | None:
+        """The next ticket and whether its request is measured, or None: stop."""
+        if self.closed or self.stopped:
             return None
-        if self.max_requests is not None and self.issued >= self.max_requests:
-            return None
-        if self.deadline is not None and trio.current_time() >= self.deadline:
-            return None
-        if self.stats.errors >= self.ctx.max_errors:
+        ctx = self.ctx
+        if not self.measuring:
+            if self.warm_stats.errors >= ctx.max_errors:
+                self.stopped = (f"stopped after {self.warm_stats.errors} errors during the "
+                                "warmup (--max-errors)")
+                self._close()
+                return None
+            if trio.current_time() < self.warmup_end and self.warm_issued < self.warmup_cap:
+                self.warm_issued += 1
+                ctx.ticket += 1
+                return ctx.ticket, False
+            self.start_measuring()
+        if self.stats.errors >= ctx.max_errors:
             self.stopped = f"stopped after {self.stats.errors} errors (--max-errors)"
+            self._close()
+            return None
+        if self.issued >= self.max_measured or (
+                self.deadline is not None and trio.current_time() >= self.deadline):
+            self._close()
             return None
         self.issued += 1
-        self.ctx.ticket += 1
-        return self.ctx.ticket
+        self.inflight += 1
+        ctx.ticket += 1
+        return ctx.ticket, True
+
+    def done(self, res: Result, measured: bool) -> None:
+        """Record the result of a request of ticket ``take`` handed out."""
+        ctx = self.ctx
+        if not measured:
+            self.warm_stats.record(res)
+            if not self.measuring:  # the live counters show the current phase
+                ctx.live_done += 1
+                ctx.live_errors += res.error is not None
+            return
+        self.stats.record(res)
+        ctx.live_done += 1
+        ctx.live_errors += res.error is not None
+        if res.end > self.last_end:
+            self.last_end = res.end
+        self.inflight -= 1
+        if self.inflight == 0 and (
+                self.closed or self.issued >= self.max_measured
+                or (self.deadline is not None and trio.current_time() >= self.deadline)):
+            self._close()
 
 
 class _CloseConnection(Exception):
@@ -181,28 +288,43 @@ async def one_request(ctx: Context, client: Client, ticket: int) -> Result:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-async def client_loop(ctx: Context, client: Client, phase: Phase) -> None:
-    stats = phase.stats
+async def client_loop(ctx: Context, client: Client, schedule: Schedule,
+                      delay: float = 0.0) -> None:
+    """Send requests back to back, the first ``delay`` seconds after the start of the run."""
+    if delay > 0:
+        await trio.sleep_until(schedule.t0 + delay)
     while True:
-        ticket = phase.take()
-        if ticket is None:
+        got = schedule.take()
+        if got is None:
             return
+        ticket, measured = got
         ctx.inflight += 1
         try:
             res = await one_request(ctx, client, ticket)
         finally:
             ctx.inflight -= 1
-        stats.record(res)
-        ctx.live_done += 1
-        if res.error is not None:
-            ctx.live_errors += 1
-            if res.status == 0:
-                await trio.sleep(0.05)  # connection trouble: do not spin
+        schedule.done(res, measured)
+        if res.error is not None and res.status == 0:
+            await trio.sleep(0.05)  # connection trouble: do not spin
 
 
-async def run_phase(ctx: Context, phase: Phase) -> None:
-    phase.stats.t_start = _perf()
-    async with trio.open_nursery() as nursery:
-        for client in ctx.clients:
-            nursery.start_soon(client_loop, ctx, client, phase)
-    phase.stats.t_end = _perf()
+def start_offsets(concurrency: int, ramp_up: float) -> list[float]:
+    """When each client sends its first request, in seconds after the start of the run:
+    client ``i`` at ``i * ramp_up / concurrency``, so that arrivals are spread evenly over
+    ``ramp_up``."""
+    return [i * ramp_up / concurrency for i in range(concurrency)]
+
+
+async def run_clients(ctx: Context, schedule: Schedule, ramp_up: float) -> None:
+    """One continuous run: start the clients over ``ramp_up`` seconds, wait until all of them
+    stopped, and end the schedule's measured window if the clients did not. When cancelled
+    (``--time-limit``), the window is left open: the caller ends it."""
+    schedule.begin()
+    async with trio.open_nursery() as timers:
+        if not schedule.measuring:
+            timers.start_soon(schedule.warmup_timer)
+        async with trio.open_nursery() as nursery:
+            for client, delay in zip(ctx.clients, start_offsets(len(ctx.clients), ramp_up)):
+                nursery.start_soon(client_loop, ctx, client, schedule, delay)
+        timers.cancel_scope.cancel()
+    schedule.finish()

@@ -14,6 +14,12 @@ Definitions:
 * incomplete streams: 200 responses that ended (cleanly or not) without ``data: [DONE]``.
   A stream cut off by the server counts as an error and as incomplete.
 * percentiles: nearest rank over all requests (TTFT) or all gaps.
+* measured requests: those started after the warmup (the first ``--requests`` of them, or
+  those started in the ``--duration`` seconds after it); a request started in the warmup is
+  not counted, even when it ends later.
+* measured window (``duration_s``): from the end of the warmup until the last measured
+  request ended. Every rate (tokens/s, requests/s, events/s) and CPU figure is over this
+  window; the server's CPU time is read at both ends of it.
 """
 
 from __future__ import annotations
@@ -87,6 +93,8 @@ def summarize(args, stats: Stats, *, cpu: dict | None, loadgen_cpu_s: float | No
         "concurrency": args.concurrency,
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
+        "ramp_up_s": _r(args.ramp_up),
+        "warmup_s": _r(args.warmup),
         "requests": stats.requests,
         "errors": stats.errors,
         "incomplete_streams": stats.incomplete,
@@ -147,6 +155,9 @@ def format_table(s: dict) -> str:
         ("endpoint / model", f"{s['endpoint']} / {s['model']}"),
         ("concurrency", f"{s['concurrency']}  (prompt {s['prompt_tokens']} tokens, "
                         f"max_tokens {s['max_tokens']})"),
+        ("ramp-up / warmup", f"{f(s.get('ramp_up_s'), '{:.3f}')} s / {f(s.get('warmup_s'), '{:.3f}')} s"
+                             + (f"  ({s['warmup_requests']} warmup requests not counted)"
+                                if s.get("warmup_requests") else "")),
         ("requests", f"{s['requests']}  (errors {s['errors']}, incomplete streams "
                      f"{s['incomplete_streams']})"),
         ("duration", f"{f(s['duration_s'], '{:.2f}')} s  "
@@ -221,7 +232,7 @@ def make_plot(path: str, stats: Stats, summary: dict) -> str | None:
     axes[2].set_ylim(bottom=0)
     axes[0].set_ylim(bottom=0)
     axes[1].set_ylim(bottom=0)
-    axes[2].set_xlabel("time since start of run (s); points at request start")
+    axes[2].set_xlabel("time since the end of the warmup (s); points at request start")
     axes[2].legend()
     fig.suptitle(f"{summary['endpoint']} c={summary['concurrency']} "
                  f"prompt={summary['prompt_tokens']} max_tokens={summary['max_tokens']}: "

@@ -1,15 +1,15 @@
-"""One whole benchmark run: find the model, set up the CPU measurement, run the warmup and
-the measured phase with the reactor and the progress line, and summarize."""
+"""One whole benchmark run: find the model, set up the CPU measurement, run the clients (the
+warmup, then the measured window, without a pause between them) with the reactor and the
+progress line, and summarize."""
 
 from __future__ import annotations
 
 import json
 import resource
-import time
 
 import trio
 
-from .client import Context, Phase, run_phase
+from .client import Context, Schedule, run_clients
 from .procstat import CpuMeter, read_stat, server_pid_from_port
 from .report import log, make_plot, progress_task, summarize
 from .stats import Stats
@@ -48,9 +48,57 @@ def _cpu_meter(args, target: Target) -> CpuMeter | None:
     return CpuMeter(frontend, explicit, auto_workers=explicit is None)
 
 
+class _Window:
+    """What is measured over the measured window: the server's CPU time, this process's CPU
+    time and the reactor's counters, read when the window starts and when it ends."""
+
+    def __init__(self, ctx: Context, meter: CpuMeter | None, state: dict, args) -> None:
+        self.ctx = ctx
+        self.meter = meter
+        self.state = state
+        self.args = args
+        self.cpu: dict | None = None
+        # --time-limit bounds the measured run: its deadline is set when the window starts
+        self.time_limit = trio.CancelScope()
+        self.loadgen_cpu_s = 0.0
+        self.wakeups = self.reads = 0
+
+    def start(self, schedule: Schedule) -> None:
+        ctx = self.ctx
+        self.time_limit.deadline = trio.current_time() + self.args.time_limit
+        if self.meter is not None:
+            self.meter.start()
+        self._ru0 = resource.getrusage(resource.RUSAGE_SELF)
+        self._wakeups0, self._reads0 = ctx.reactor.wakeups, ctx.reactor.reads
+        if schedule.warmup > 0:
+            warm = schedule.warm_stats
+            log(f"warmup: {schedule.warm_issued} requests started, {warm.requests} done, "
+                f"{warm.errors} errors")
+        ctx.live_done = ctx.live_errors = 0
+        self.state.update(phase="run",
+                          total=self.args.requests if self.args.duration is None else None)
+
+    def end(self, schedule: Schedule) -> None:
+        ctx = self.ctx
+        if self.meter is not None:
+            self.cpu = self.meter.stop()
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        ru0 = self._ru0
+        self.loadgen_cpu_s = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+        self.wakeups = ctx.reactor.wakeups - self._wakeups0
+        self.reads = ctx.reactor.reads - self._reads0
+        self.state.update(phase="finishing")
+
+
 async def run_benchmark(args, *, progress: bool | None = None) -> dict:
     """Run the whole benchmark described by ``args`` (from :func:`parse_args`); returns the
-    summary dict (see :func:`summarize`)."""
+    summary dict (see :func:`summarize`).
+
+    One continuous run: the clients start over ``args.ramp_up`` seconds and send requests
+    back to back; those started in the first ``args.warmup`` seconds are the warmup, then
+    ``args.requests`` requests (or those started in ``args.duration`` seconds) are measured,
+    and the clients stop. See :class:`Schedule`.
+    """
     target = Target(args.url)
     await target.resolve()
     model = args.model
@@ -62,50 +110,37 @@ async def run_benchmark(args, *, progress: bool | None = None) -> dict:
     meter = _cpu_meter(args, target)
     if progress is None:
         progress = not args.quiet
-    state: dict = {}
+    state: dict = {"phase": "warmup" if args.warmup > 0 else "run", "total": None}
+    window = _Window(ctx, meter, state, args)
+    stats = Stats(record_timeline=bool(args.plot))
+    schedule = Schedule(
+        ctx, warmup=args.warmup, duration=args.duration,
+        requests=args.requests if args.duration is None else args.max_requests,
+        warmup_cap=args.max_requests, stats=stats, warm_stats=Stats(False),
+        on_start=window.start, on_end=window.end)
     aborted = None
     try:
         async with trio.open_nursery() as outer:
             outer.start_soon(ctx.reactor.run)
             if progress:
                 outer.start_soon(progress_task, ctx, state)
-            if args.warmup > 0:
-                state.update(phase="warmup", total=None)
-                warm = Phase(ctx, max_requests=args.max_requests, duration=args.warmup,
-                             stats=Stats(False))
-                await run_phase(ctx, warm)
-                ctx.live_done = ctx.live_errors = 0
-                log(f"warmup: {warm.stats.requests} requests, {warm.stats.errors} errors")
-            stats = Stats(record_timeline=bool(args.plot))
-            if args.duration is not None:
-                phase = Phase(ctx, max_requests=args.max_requests, duration=args.duration,
-                              stats=stats)
-                state.update(phase="run", total=None)
-            else:
-                phase = Phase(ctx, max_requests=args.requests, duration=None, stats=stats)
-                state.update(phase="run", total=args.requests)
-            ru0 = resource.getrusage(resource.RUSAGE_SELF)
-            wakeups0, reads0 = ctx.reactor.wakeups, ctx.reactor.reads
-            if meter is not None:
-                meter.start()
-            with trio.move_on_after(args.time_limit) as cs:
-                await run_phase(ctx, phase)
-            if cs.cancelled_caught:
-                stats.t_end = time.perf_counter()
+            with window.time_limit as cs:
+                await run_clients(ctx, schedule, args.ramp_up)
+            if cs.cancelled_caught and not schedule.finished:
+                schedule.finish(now=True)
                 aborted = f"time limit of {args.time_limit} s reached (--time-limit)"
-            cpu = meter.stop() if meter is not None else None
-            ru1 = resource.getrusage(resource.RUSAGE_SELF)
             outer.cancel_scope.cancel()
     finally:
         for client in ctx.clients:
             client.close()
-    loadgen_cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
-    summary = summarize(args, stats, cpu=cpu, loadgen_cpu_s=loadgen_cpu, model=model)
+    summary = summarize(args, stats, cpu=window.cpu, loadgen_cpu_s=window.loadgen_cpu_s,
+                        model=model)
+    summary["warmup_requests"] = schedule.warm_issued
     summary["connections_opened"] = ctx.connections_opened
-    summary["loadgen_wakeups"] = ctx.reactor.wakeups - wakeups0
-    summary["loadgen_reads"] = ctx.reactor.reads - reads0
-    if phase.stopped or aborted:
-        summary["aborted"] = aborted or phase.stopped
+    summary["loadgen_wakeups"] = window.wakeups
+    summary["loadgen_reads"] = window.reads
+    if schedule.stopped or aborted:
+        summary["aborted"] = aborted or schedule.stopped
     if args.plot:
         summary["plot"] = make_plot(args.plot, stats, summary)
     return summary
