@@ -36,7 +36,12 @@ class ServerURL(str):
 
 def child_pids() -> set[int]:
     """Live (non-zombie) child processes of this test process, from /proc."""
-    me = os.getpid()
+    return children_of(os.getpid())
+
+
+def children_of(pid: int) -> set[int]:
+    """Live (non-zombie) child processes of ``pid``, from /proc."""
+    me = pid
     found = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

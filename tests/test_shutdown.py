@@ -25,7 +25,7 @@ import trio
 
 import server
 from server.config import EngineConfig
-from tests.conftest import FAST_SIM, child_pids
+from tests.conftest import FAST_SIM, child_pids, children_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,22 +92,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def children_of(pid: int) -> set[int]:
-    """Live (non-zombie) child processes of ``pid``, from /proc."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.add(int(entry))
-    return found
 
 
 def alive(pid: int) -> bool:
