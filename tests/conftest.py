@@ -57,6 +57,15 @@ def children_of(pid: int) -> set[int]:
     return found
 
 
+def pid_exists(pid: int) -> bool:
+    """True while ``pid`` is a live (non-zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 async def wait_http_ok(url: str, timeout: float = 30.0) -> None:
     async with httpx.AsyncClient() as client:
         with trio.fail_after(timeout):

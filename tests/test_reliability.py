@@ -9,94 +9,19 @@ minimal stand-in process (see ``test_restart_backoff_doubles_resets_and_gives_up
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 
 import httpx
-import pytest
 import trio
 
 from server.config import EngineConfig
 from server.manager.worker import WorkerClient
 from server.protocol import wire
-from tests.conftest import FAST_SIM, assert_engine_idle, running_server
+from tests.conftest import FAST_SIM, assert_engine_idle, pid_exists, running_server
+from tests.sse_record import SSE, stream_into
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-class SSE:
-    """What one streaming request received: events (the bytes between blank lines) and the
-    trio time each arrived, and when the response ended."""
-
-    def __init__(self) -> None:
-        self.status: int | None = None
-        self.body = b""
-        self.events: list[bytes] = []
-        self.times: list[float] = []
-        self.ended: float | None = None
-        self.started = trio.Event()
-        self.finished = trio.Event()
-
-    def chunks(self) -> list[dict]:
-        return [json.loads(e[6:]) for e in self.events if e.startswith(b"data: {")]
-
-    def text(self) -> str:
-        return "".join(
-            ch.get("text", "") for c in self.chunks() if "choices" in c for ch in c["choices"]
-        )
-
-    def tokens(self) -> int:
-        return len(self.text().split())  # the sim engine sends one word per token
-
-    def finish_reasons(self) -> list[str]:
-        return [
-            ch["finish_reason"]
-            for c in self.chunks()
-            if "choices" in c
-            for ch in c["choices"]
-            if ch["finish_reason"] is not None
-        ]
-
-    def error(self) -> dict | None:
-        errors = [c["error"] for c in self.chunks() if "error" in c]
-        return errors[-1] if errors else None
-
-    @property
-    def done(self) -> bool:
-        return bool(self.events) and self.events[-1] == b"data: [DONE]"
-
-
-async def stream_into(http: httpx.AsyncClient, body: dict, rec: SSE, started_after: int = 2):
-    """POST a streaming completion and record it; ``rec.started`` is set after
-    ``started_after`` events."""
-    try:
-        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-            rec.status = r.status_code
-            buf = b""
-            async for chunk in r.aiter_raw():
-                now = trio.current_time()
-                rec.body += chunk
-                buf += chunk
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    rec.events.append(event)
-                    rec.times.append(now)
-                    if len(rec.events) >= started_after:
-                        rec.started.set()
-    finally:
-        rec.ended = trio.current_time()
-        rec.started.set()
-        rec.finished.set()
-
-
-def pid_exists(pid: int) -> bool:
-    """True while ``pid`` is a live (non-zombie) process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 async def wait_until(predicate, timeout: float, interval: float = 0.02):

@@ -25,81 +25,18 @@ import trio
 
 import server
 from server.config import EngineConfig
-from tests.conftest import FAST_SIM, child_pids, children_of
+from tests.conftest import FAST_SIM, child_pids, children_of, pid_exists
+from tests.sse_record import SSE, stream_into
 
 REPO = Path(__file__).resolve().parents[1]
 
 # -- helpers ---------------------------------------------------------------------------------
 
 
-class SSE:
-    def __init__(self) -> None:
-        self.status: int | None = None
-        self.events: list[bytes] = []
-        self.times: list[float] = []
-        self.ended: float | None = None
-        self.started = trio.Event()
-        self.finished = trio.Event()
-
-    def chunks(self) -> list[dict]:
-        return [json.loads(e[6:]) for e in self.events if e.startswith(b"data: {")]
-
-    def tokens(self) -> int:
-        return sum(
-            len(ch.get("text", "").split())
-            for c in self.chunks()
-            if "choices" in c
-            for ch in c["choices"]
-        )
-
-    def finish_reasons(self) -> list[str]:
-        return [
-            ch["finish_reason"]
-            for c in self.chunks()
-            if "choices" in c
-            for ch in c["choices"]
-            if ch["finish_reason"] is not None
-        ]
-
-    def has_error(self) -> bool:
-        return any("error" in c for c in self.chunks())
-
-    @property
-    def done(self) -> bool:
-        return bool(self.events) and self.events[-1] == b"data: [DONE]"
-
-
-async def stream_into(http: httpx.AsyncClient, body: dict, rec: SSE) -> None:
-    try:
-        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-            rec.status = r.status_code
-            buf = b""
-            async for chunk in r.aiter_raw():
-                buf += chunk
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    rec.events.append(event)
-                    rec.times.append(trio.current_time())
-                    if len(rec.events) >= 2:
-                        rec.started.set()
-    finally:
-        rec.ended = trio.current_time()
-        rec.started.set()
-        rec.finished.set()
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class CLIServer:
@@ -150,7 +87,7 @@ async def cli_server(*args: str, workers: int = 1):
             proc.kill()
             await proc.wait()
         for pid in srv.workers:
-            if alive(pid):
+            if pid_exists(pid):
                 os.kill(pid, signal.SIGKILL)
         log.close()
 
@@ -161,7 +98,7 @@ async def assert_gone(srv: CLIServer, timeout: float = 10.0) -> None:
     assert code == 0, srv.output()
     assert srv.workers
     with trio.fail_after(2):
-        while any(alive(pid) for pid in srv.workers):
+        while any(pid_exists(pid) for pid in srv.workers):
             await trio.sleep(0.05)
     assert "Traceback" not in srv.output()
 
@@ -327,7 +264,7 @@ async def test_embedding_drain_with_the_engine_api_then_leaving_the_block():
     assert ends["long"][0] == "abort" and ends["long"][2] == "shutdown"
     assert 0 < ends["long"][1] < 8000
     assert all(pid is not None for pid in pids)
-    assert not any(alive(pid) for pid in pids)
+    assert not any(pid_exists(pid) for pid in pids)
     assert child_pids() - before == set()
 
 
@@ -350,5 +287,5 @@ async def test_leaving_open_engine_aborts_open_streams_like_the_http_shutdown():
             await trio.sleep(0.2)
         left = trio.current_time()
     assert trio.current_time() - left < 1.0  # the streams ended at once
-    assert not alive(pid) and child_pids() - before == set()
+    assert not pid_exists(pid) and child_pids() - before == set()
     assert ends == [("abort", None, "shutdown")] * 2
