@@ -19,7 +19,7 @@ from bench.loadgen_lib.procstat import pids_listening_on, server_pid_from_port
 from bench.loadgen_lib.report import format_table
 from bench.loadgen_lib.runner import run_benchmark
 from bench.loadgen_lib.sse import SSEParser
-from bench.loadgen_lib.stats import percentile
+from bench.loadgen_lib.stats import percentile, tokens_between
 from bench.loadgen_lib.target import Target, api_path, check_loopback_url
 
 
@@ -309,6 +309,16 @@ def test_percentile_nearest_rank():
     assert pct([1, 2, 3, 4], 50) == 2 and pct([1, 2, 3, 4], 51) == 3
 
 
+def test_tokens_between_counts_events_inside_the_window():
+    # two streams: events at 1, 2, 3, 4 (2 tokens each) and at 2.5, 2.5, 5 (1 token each)
+    streams = [(1.0, [1.0, 1.0, 1.0], 2.0), (2.5, [0.0, 2.5], 1.0)]
+    assert tokens_between(streams, 0.0, 10.0) == 8 + 3
+    assert tokens_between(streams, 2.0, 4.0) == 2 * 2 + 2  # [2, 4): 2 and 3; 2.5 twice
+    assert tokens_between(streams, 4.0, 5.0) == 2  # 5 is past the end
+    assert tokens_between(streams, 5.0, 6.0) == 1
+    assert tokens_between([], 0.0, 1.0) == 0
+
+
 def test_loopback_only():
     assert check_loopback_url("http://127.0.0.1:8000") == (
         "127.0.0.1", 8000, "", "127.0.0.1:8000")
@@ -541,6 +551,24 @@ async def test_duration_mode_and_warmup(nursery):
     assert s["errors"] == 0 and s["requests"] >= 2
     assert srv.requests > s["requests"]  # the warmup requests are not counted
     assert 0.2 <= s["duration_s"] < 1.0
+
+
+async def test_steady_state_rate_is_not_biased_by_the_last_requests(nursery):
+    # Requests of ~40 events (1 ms apart, so ~45+ ms) over a 0.3 s window: tokens of the
+    # requests started in the window, divided by the window up to the last one's end, read
+    # low; the steady rate matches what the stand-in itself sent per second.
+    srv = await start_standin(nursery, StandIn())
+    args = bench_args(srv.port, "-c", "3", "--warmup", "0.1", "--duration", "0.3",
+                      "--max-tokens", "40", "--ramp-up", "0.03", "--model", "m")
+    s = await run_benchmark(args)
+    assert s["errors"] == 0
+    lengths = [srv.ends[k] - srv.arrivals[k] for k in srv.ends]
+    served = 3 * 40 / (sum(lengths) / len(lengths))  # tokens/s with all 3 clients busy
+    assert s["steady_tokens_per_s"] == pytest.approx(served, rel=0.25)
+    assert s["steady_tokens_per_s"] > s["delivered_tokens_per_s"]
+    assert s["steady_efficiency"] == pytest.approx(
+        s["steady_tokens_per_s"] / s["offered_tokens_per_s"], abs=1e-3)
+    assert "steady-state tokens/s" in format_table(s)
 
 
 def test_ramp_up_and_warmup_options():

@@ -50,6 +50,33 @@ async def test_pacing_merges_steps_between_wakeups(autojump_clock):
     assert abs(times[-1] - start - (0.020 + 39 * 0.008)) < 1e-9
 
 
+async def test_paced_wakeups_carry_whole_engine_steps(autojump_clock):
+    # 20 ms interval, 8 ms steps: a consumer due at 20 ms after its last wakeup is woken by
+    # the step at 24 ms, with 3 tokens, every time (not by a timer at 20 ms with 2).
+    async with open_fake_engine(config(0.020)) as (engine, _):
+        got = await collect(engine, 1 + 3 * 20)
+    counts = [out.num_tokens for _, out in got]
+    assert counts == [1] + [3] * 20, counts
+
+
+async def test_deferred_text_goes_out_when_the_engine_goes_quiet(autojump_clock):
+    # After the first token (20 ms), two more come at 28 and 36 ms, then the request
+    # stalls: no frame will come to wake the consumer, which is due at 20 + 30 = 50 ms. The
+    # text goes out by time, one interval after that (80 ms), not never.
+    params = server.SamplingParams(max_tokens=100, extra={"fault": {"kind": "stall", "after": 3}})
+    async with open_fake_engine(config(0.030, faults=True)) as (engine, _):
+        start = trio.current_time()
+        got = []
+        async with engine.generate("x", params) as stream:
+            async for out in stream:
+                got.append((trio.current_time() - start, out.num_tokens))
+                if sum(n for _, n in got) == 3:
+                    break
+    assert got[0] == (0.020, 1)
+    when, count = got[1]
+    assert count == 2 and 0.050 <= when <= 0.080 + 1e-9, got
+
+
 async def test_a_busy_consumer_is_paced_too(autojump_clock):
     # The consumer spends 5 ms per output: news keeps arriving while it is busy, and must
     # still wait for its interval instead of going out at once.

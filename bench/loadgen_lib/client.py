@@ -173,6 +173,8 @@ class Schedule:
             return None
         if self.issued >= self.max_measured or (
                 self.deadline is not None and trio.current_time() >= self.deadline):
+            if not self.stats.t_steady_end:
+                self.stats.t_steady_end = _perf()
             self._close()
             return None
         self.issued += 1

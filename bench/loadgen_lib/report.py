@@ -20,6 +20,11 @@ Definitions:
 * measured window (``duration_s``): from the end of the warmup until the last measured
   request ended. Every rate (tokens/s, requests/s, events/s) and CPU figure is over this
   window; the server's CPU time is read at both ends of it.
+* steady-state tokens/s: tokens delivered (by any request, warmup ones included) from the end
+  of the warmup until the run stopped starting requests, while every client was busy, over
+  that time; each content event carries its stream's tokens divided by its content events.
+  The delivered tokens/s above reads lower by about one request length over the window
+  (the last measured requests end after new ones stopped starting); this one does not.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from .stats import Stats, percentile
+from .stats import Stats, percentile, tokens_between
 
 if TYPE_CHECKING:
     from .client import Context
@@ -124,6 +129,13 @@ def summarize(args, stats: Stats, *, cpu: dict | None, loadgen_cpu_s: float | No
     }
     s["efficiency"] = _r(s["delivered_tokens_per_s"] / s["offered_tokens_per_s"]
                          if s["offered_tokens_per_s"] else None)
+    steady = None
+    if stats.streams is not None and stats.t_steady_end > stats.t_start:
+        span = stats.t_steady_end - stats.t_start
+        steady = tokens_between(stats.streams, stats.t_start, stats.t_steady_end) / span
+    s["steady_tokens_per_s"] = _r(steady, 1)
+    s["steady_efficiency"] = _r(steady / s["offered_tokens_per_s"]
+                                if steady is not None and s["offered_tokens_per_s"] else None)
     if cpu is not None:
         for who, key in (("frontend", "frontend_cpu_s"), ("worker", "workers_cpu_s")):
             cpu_s = cpu[key]
@@ -165,6 +177,9 @@ def format_table(s: dict) -> str:
         ("delivered tokens/s", f"{f(s['delivered_tokens_per_s'])}  (offered "
                                f"{f(s['offered_tokens_per_s'])}, efficiency "
                                f"{f(s['efficiency'], '{:.3f}')})"),
+        ("steady-state tokens/s", f"{f(s.get('steady_tokens_per_s'))}  (efficiency "
+                                  f"{f(s.get('steady_efficiency'), '{:.3f}')}, while all "
+                                  "clients were busy)"),
         ("content events/s", f"{f(s['events_per_s'])}  ({f(s['tokens_per_event'], '{:.3f}')} "
                              "tokens/event)"),
         ("TTFT ms  p50/p90/p99/max", " / ".join(f(s[k], "{:.1f}") for k in

@@ -112,11 +112,12 @@ async def run_benchmark(args, *, progress: bool | None = None) -> dict:
         progress = not args.quiet
     state: dict = {"phase": "warmup" if args.warmup > 0 else "run", "total": None}
     window = _Window(ctx, meter, state, args)
-    stats = Stats(record_timeline=bool(args.plot))
+    streams: list = []  # every stream's event times, for the steady-state rate
+    stats = Stats(record_timeline=bool(args.plot), streams=streams)
     schedule = Schedule(
         ctx, warmup=args.warmup, duration=args.duration,
         requests=args.requests if args.duration is None else args.max_requests,
-        warmup_cap=args.max_requests, stats=stats, warm_stats=Stats(False),
+        warmup_cap=args.max_requests, stats=stats, warm_stats=Stats(False, streams),
         on_start=window.start, on_end=window.end)
     aborted = None
     try:

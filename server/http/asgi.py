@@ -15,7 +15,9 @@ from ..errors import BodyTimeout, PayloadTooLarge, ServerError, ServiceUnavailab
 from .encode import dumps
 
 __all__ = [
+    "CLOSE",
     "HeaderSend",
+    "discard_body",
     "header",
     "read_body",
     "send_empty",
@@ -46,6 +48,26 @@ async def read_body(scope: dict, receive, limit: int, timeout: float | None = No
     with trio.move_on_after(timeout if timeout else math.inf):
         return await _read_body(receive, limit)
     raise BodyTimeout(f"The request body did not arrive within {timeout:g} s.")
+
+
+async def discard_body(scope: dict, receive, limit: int, timeout: float | None) -> bool:
+    """Read the request body and drop it, before an answer that does not need it (a 401).
+    Returns whether all of it was read.
+
+    An HTTP/1.1 connection can carry the next request only once this one's body was read:
+    answered first, hypercorn closes the connection after the answer, and a client that
+    reuses it at that moment sees it closed under its next request. Gives up quietly past
+    ``limit`` bytes or ``timeout`` seconds (answer with :data:`CLOSE` then).
+    """
+    try:
+        return await read_body(scope, receive, limit, timeout) is not None
+    except ServerError:
+        return False
+
+
+#: The header of an answer given before the request body was read to its end: the
+#: connection cannot carry another request, and the client must not try.
+CLOSE = (b"connection", b"close")
 
 
 async def _read_body(receive, limit: int) -> bytes | None:

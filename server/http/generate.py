@@ -5,7 +5,7 @@ Theory of operation
 One request, one nursery::
 
     handle_generate (the writer)
-    ├── API key and method              -> 401, 405
+    ├── API key and method              -> 401, 405 (after the body: see discard_body)
     ├── read and validate the body      -> 4xx before anything is sent
     ├── dispatch to the engine          -> 503 if no worker can take it
     ├── nursery
@@ -36,8 +36,10 @@ import time
 import trio
 
 from ..errors import (
+    BodyTimeout,
     EngineError,
     MethodNotAllowed,
+    PayloadTooLarge,
     RequestTimeout,
     ServerError,
     ServiceUnavailable,
@@ -45,7 +47,7 @@ from ..errors import (
 )
 from ..observability.record import RequestRecord
 from . import schema
-from .asgi import header, read_body, send_error, send_json, watch_disconnect
+from .asgi import CLOSE, discard_body, header, read_body, send_error, send_json, watch_disconnect
 from .encode import DONE, ChunkEncoder, completion_body, error_event
 
 __all__ = ["handle_generate"]
@@ -125,11 +127,16 @@ async def handle_generate(
             )
         stream = engine.generate_many(req.prompts, req.params, timeout=config.request_timeout)
         record.dispatched(req.stream, stream.choices)
-    except Unauthorized as exc:
-        await answer.error(exc, [(b"www-authenticate", b"Bearer")])
+    except (Unauthorized, MethodNotAllowed) as exc:
+        extra = [(b"www-authenticate", b"Bearer")] if isinstance(exc, Unauthorized) else [
+            (b"allow", b"POST")
+        ]
+        if not await discard_body(scope, receive, config.max_body_bytes, config.read_timeout):
+            extra.append(CLOSE)
+        await answer.error(exc, extra)
         return
-    except MethodNotAllowed as exc:
-        await answer.error(exc, [(b"allow", b"POST")])
+    except (PayloadTooLarge, BodyTimeout) as exc:  # the rest of the body is not read
+        await answer.error(exc, [CLOSE])
         return
     except ServerError as exc:
         await answer.error(exc)

@@ -20,75 +20,18 @@ import logging
 import os
 import signal
 
-import hypercorn.trio.run
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.events import Closed, RawData
 from hypercorn.trio import serve as hypercorn_serve
-from hypercorn.trio.tcp_server import TCPServer
 
 from ..config import ServerConfig
 from ..observability.gcstats import freeze_after_startup
+from .connection import cut_stalled_writes  # importing it installs the connection class
 from .app import LLMServerApp, create_app
 
 __all__ = ["serve", "hypercorn_config"]
 
 log = logging.getLogger("server")
-
-
-class _BoundedWriteTCPServer(TCPServer):
-    """Hypercorn's connection, with each socket write bounded by ``config.send_timeout``.
-
-    Hypercorn shields every write from cancellation, so a client that stops reading (its TCP
-    window full) would block its request's task for as long as the connection lives:
-    neither the request timeout, nor the drain's abort, nor hypercorn's graceful close can
-    end it, and the request keeps its --max-concurrent-requests slot. Here a write that
-    cannot finish within the send timeout closes the connection instead (the app then sees
-    a disconnect and lets the request go); when the server stops listening,
-    :func:`_cut_stalled_writes` shortens the writes still blocked.
-    """
-
-    async def _read_data(self) -> None:
-        await super()._read_data()
-        # The client closed the connection (or reading failed): hypercorn's connection task
-        # group would otherwise wait for the keep-alive idle timer (keep_alive_timeout, 30 s
-        # by default) before letting go of this connection's tasks and buffers.
-        await self.idle_task.stop()
-
-    async def protocol_send(self, event) -> None:
-        timeout = getattr(self.config, "send_timeout", None)
-        if not isinstance(event, RawData) or timeout is None:
-            await super().protocol_send(event)
-            return
-        writes = self.config.active_writes
-        async with self.send_lock:
-            try:
-                with trio.CancelScope(shield=True) as scope:
-                    scope.deadline = trio.current_time() + timeout
-                    writes.add(scope)
-                    try:
-                        await self.stream.send_all(event.data)
-                    finally:
-                        writes.discard(scope)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                await self.protocol.handle(Closed())
-                return
-        if scope.cancelled_caught:  # a half-written response: the connection is done for
-            log.info("closing a connection whose client stopped reading")
-            await self.stream.aclose()
-            await self.protocol.handle(Closed())
-
-
-# hypercorn.trio.run builds each connection with the TCPServer it imported: use ours.
-hypercorn.trio.run.TCPServer = _BoundedWriteTCPServer
-
-
-def _cut_stalled_writes(hc: HypercornConfig, grace: float) -> None:
-    """From now on no write may take longer than ``grace`` seconds, blocked ones included."""
-    hc.send_timeout = grace if hc.send_timeout is None else min(hc.send_timeout, grace)
-    deadline = trio.current_time() + grace
-    for scope in list(hc.active_writes):
-        scope.deadline = min(scope.deadline, deadline)
 
 
 def hypercorn_config(config: ServerConfig) -> HypercornConfig:
@@ -101,7 +44,7 @@ def hypercorn_config(config: ServerConfig) -> HypercornConfig:
     # the client rightly sends nothing. Idle connections (none sent yet, or between
     # requests) are closed by keep_alive_timeout; a slow body is bounded in read_body.
     hc.read_timeout = None
-    hc.send_timeout = config.send_timeout  # read by _BoundedWriteTCPServer
+    hc.send_timeout = config.send_timeout  # read by connection.BoundedWriteTCPServer
     hc.active_writes = set()
     hc.graceful_timeout = config.close_timeout
     hc.accesslog = None
@@ -173,7 +116,7 @@ async def serve(
 
     async def cut_stalled_writes_when_stopping():
         await stop_listening.wait()
-        _cut_stalled_writes(hc, config.close_timeout)  # no client may hold the exit
+        cut_stalled_writes(hc, config.close_timeout)  # no client may hold the exit
 
     async def shutdown_when_asked():
         await begin.wait()

@@ -59,9 +59,11 @@ class _Waker:
     """The consumer side shared by a request's choices: who is parked, and who has news.
 
     Pacing: with a ``stream_interval``, news that is not terminal wakes the consumer at most
-    once per interval. Until then the waker waits in its worker's deferred list (checked by
-    the router after each frame, and by time), and the news keeps merging in the meantime:
-    fewer, fuller events, which is what makes the HTTP send path affordable.
+    once per interval. Until then the waker waits in its worker's deferred list, and the
+    news keeps merging in the meantime: fewer, fuller events, which is what makes the HTTP
+    send path affordable. The router wakes due consumers when the next frame arrives (so
+    an event carries whole engine steps), or by time one interval after they were due if
+    no frame comes.
     """
 
     __slots__ = ("task", "ready", "closed", "interval", "not_before", "deferred")

@@ -266,9 +266,13 @@ class WorkerClient:
     async def _router(self, proc, decoder: wire.FrameDecoder) -> None:
         receive_some = proc.stdout.receive_some
         while True:
-            if self._deferred:  # paced consumers wait: read only until the first is due
+            if self._deferred:
+                # Paced consumers are woken when a frame arrives after they are due, so that
+                # each event carries whole engine steps (at 8 ms a step and a 20 ms interval:
+                # 3 tokens, not 2 or 3). If no frame comes (a stalled or slow engine), they
+                # are woken by time, at most one interval late.
                 data = None
-                with trio.move_on_at(self._deferred_due):
+                with trio.move_on_at(self._deferred_due + self.config.stream_interval):
                     data = await receive_some(1 << 20)
                 if data is None:
                     self._wake_deferred()

@@ -1,0 +1,172 @@
+"""Hypercorn's per-connection classes, with bounded writes and a short path for body chunks.
+
+Theory of operation
+-------------------
+Hypercorn's Trio worker serves each TCP connection with a ``TCPServer``: a reader task that
+feeds bytes to the HTTP protocol, and ``protocol_send`` that the protocol calls with the
+bytes to write. Upstream, every write takes a lock, opens a shielded cancel scope and goes
+through ``SocketStream.send_all``: two trips through Trio's scheduler and a handful of
+context managers per write. For a server whose responses are thousands of small SSE writes
+a second, that was a third of the frontend's CPU (``docs/benchmarks.md``).
+
+:class:`BoundedWriteTCPServer` changes two things, and :func:`install` makes hypercorn use it:
+
+* **Direct writes.** When no other write is in progress on the connection (the lock is
+  free), the bytes are handed to the kernel with one non-blocking ``write``. Nothing awaits
+  in between, so no other task can start a write on the connection meanwhile, and the order
+  of writes is kept. Only what the kernel does not take at once (a full socket buffer), or a
+  failed write, goes the slow way below, which reports a broken or closed connection as
+  before.
+* **Bounded writes.** Hypercorn shields every write from cancellation, so a client that
+  stops reading (its TCP window full) would block its request's task for as long as the
+  connection lives: neither the request timeout, nor the drain's abort, nor hypercorn's
+  graceful close could end it, and the request kept its --max-concurrent-requests slot. A
+  write that cannot finish within ``config.send_timeout`` closes the connection instead
+  (the app then sees a disconnect and lets the request go). The scopes of blocked writes
+  are kept in ``config.active_writes``, so that :func:`cut_stalled_writes` can shorten them
+  when the server stops.
+
+TLS connections (``trio.SSLStream``) always take the slow path: their bytes must go through
+the TLS layer.
+
+Above it, hypercorn's HTTP/1.1 protocol turns each ASGI body message into an h11 ``Data``
+event, and h11 checks it against its state machine and frames it. :class:`ServingH11Protocol`
+frames the chunks of a response that h11 has already decided to send chunked (its state is
+``SEND_BODY`` with the chunked writer) itself: ``<size in hex>\r\n<bytes>\r\n``, exactly
+what h11 writes. A ``Data`` event changes no h11 state, so h11 is still right about
+everything else (the response head, the last chunk, keep-alive); any other framing
+(``Content-Length``, an HTTP/1.0 client) goes through h11 as before.
+
+Writes that no longer yield to the scheduler expose one race in hypercorn: an answer given
+before the request body was read (a 401) can be complete before hypercorn's reader has
+handed h11 the end of that body, and hypercorn then closes the connection instead of
+keeping it alive (a client reusing it sees it closed under its next request). When that is
+the case, :class:`ServingH11Protocol` lets the reader run first (a couple of scheduler
+turns) before deciding.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import h11
+import hypercorn.protocol
+import hypercorn.trio.run
+import trio
+from h11._writers import ChunkedWriter
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.events import Closed, RawData
+from hypercorn.protocol.events import Body
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio.tcp_server import TCPServer
+
+__all__ = ["BoundedWriteTCPServer", "ServingH11Protocol", "cut_stalled_writes", "install"]
+
+log = logging.getLogger("server")
+
+
+class BoundedWriteTCPServer(TCPServer):
+    """Hypercorn's connection with direct and bounded writes (see the module docstring)."""
+
+    async def _read_data(self) -> None:
+        await super()._read_data()
+        # The client closed the connection (or reading failed): hypercorn's connection task
+        # group would otherwise wait for the keep-alive idle timer (keep_alive_timeout, 30 s
+        # by default) before letting go of this connection's tasks and buffers.
+        await self.idle_task.stop()
+
+    async def protocol_send(self, event) -> None:
+        if type(event) is not RawData:
+            await super().protocol_send(event)
+            return
+        data = event.data
+        stream = self.stream
+        if type(stream) is trio.SocketStream and not self.send_lock.locked():
+            try:
+                # fileno() is -1 once the socket is closed: the write then fails (EBADF).
+                sent = os.write(stream.socket.fileno(), data)
+            except OSError:  # a full buffer (EAGAIN), or a broken or closed connection
+                sent = 0
+            if sent == len(data):
+                return
+            if sent:
+                data = memoryview(data)[sent:]
+        await self._send_bounded(data)
+
+    async def _send_bounded(self, data) -> None:
+        # Shielded from the lock on: after a partial direct write, the rest must follow even
+        # if the caller is being cancelled (else the client would read a torn chunk).
+        timeout = getattr(self.config, "send_timeout", None)
+        writes = getattr(self.config, "active_writes", None)
+        broken = False
+        with trio.CancelScope(shield=True) as scope:
+            if timeout is not None:
+                scope.deadline = trio.current_time() + timeout
+            if writes is not None:
+                writes.add(scope)
+            try:
+                async with self.send_lock:
+                    await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                broken = True
+            finally:
+                if writes is not None:
+                    writes.discard(scope)
+        if broken:
+            await self.protocol.handle(Closed())
+        elif scope.cancelled_caught:  # a half-written response: the connection is done for
+            log.info("closing a connection whose client stopped reading")
+            await self.stream.aclose()
+            await self.protocol.handle(Closed())
+
+
+class ServingH11Protocol(H11Protocol):
+    """Hypercorn's HTTP/1.1 protocol, framing the chunks of a chunked response itself."""
+
+    async def stream_send(self, event) -> None:
+        if type(event) is Body:
+            connection = self.connection
+            if (
+                type(getattr(connection, "_writer", None)) is ChunkedWriter
+                and connection.our_state is h11.SEND_BODY
+            ):
+                data = event.data
+                if data:  # h11 writes nothing for an empty chunk (it would end the body)
+                    await self.send(RawData(data=b"%x\r\n%b\r\n" % (len(data), data)))
+                return
+        await super().stream_send(event)
+
+    async def _maybe_recycle(self) -> None:
+        # The response is complete; if the request's body is still being read, give the
+        # reader (already scheduled when the body is in) its turns to finish it, so that the
+        # connection can be kept alive. A body still on its way is not waited for.
+        for _ in range(3):
+            connection = self.connection
+            if connection.our_state is not h11.DONE or connection.their_state is not h11.SEND_BODY:
+                break
+            await trio.lowlevel.checkpoint()
+        await super()._maybe_recycle()
+
+
+def install() -> None:
+    """Make hypercorn's Trio worker use :class:`BoundedWriteTCPServer` for its connections and
+    :class:`ServingH11Protocol` for HTTP/1.1 on them.
+
+    Hypercorn's modules refer to the classes they imported; this replaces those names, for
+    every hypercorn server in the process (the behaviour is the same, only cheaper and
+    bounded). Called when :mod:`server.http.serve` is imported; harmless to call again.
+    """
+    hypercorn.trio.run.TCPServer = BoundedWriteTCPServer
+    hypercorn.protocol.H11Protocol = ServingH11Protocol
+
+
+def cut_stalled_writes(hc: HypercornConfig, grace: float) -> None:
+    """From now on no write may take longer than ``grace`` seconds, blocked ones included."""
+    hc.send_timeout = grace if hc.send_timeout is None else min(hc.send_timeout, grace)
+    deadline = trio.current_time() + grace
+    for scope in list(hc.active_writes):
+        scope.deadline = min(scope.deadline, deadline)
+
+
+install()

@@ -1,0 +1,201 @@
+"""The connection layer under hypercorn (server/http/connection.py): direct socket writes,
+chunks framed without h11, keep-alive after early answers, writes larger than the socket
+buffer. Real server on a loopback port; responses parsed by h11 as a strict client."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import h11
+import trio
+
+from tests.conftest import running_server
+from tests.test_hostile import addr
+
+
+def request(conn: h11.Connection | None, body: dict, headers=(), path="/v1/completions") -> bytes:
+    """The bytes of one POST; through ``conn`` (an h11 client), or as HTTP/1.0 without one."""
+    data = json.dumps(body).encode()
+    fields = [("Host", "t"), ("Content-Type", "application/json"),
+              ("Content-Length", str(len(data))), *headers]
+    if conn is None:
+        head = [f"POST {path} HTTP/1.0", *(f"{k}: {v}" for k, v in fields)]
+        return ("\r\n".join(head) + "\r\n\r\n").encode() + data
+    return b"".join((
+        conn.send(h11.Request(method="POST", target=path, headers=fields)),
+        conn.send(h11.Data(data=data)),
+        conn.send(h11.EndOfMessage()),
+    ))
+
+
+async def read_response(sock, conn: h11.Connection) -> tuple[h11.Response, bytes, list]:
+    """One response, parsed by h11 (which raises on any framing error); the body, and the
+    size of every chunk as it was framed on the wire."""
+    response, body, chunks = None, [], []
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await sock.receive_some(1 << 16))
+            continue
+        if isinstance(event, h11.Response):
+            response = event
+        elif isinstance(event, h11.Data):
+            body.append(event.data)
+            if event.chunk_start:
+                chunks.append(len(event.data))
+        elif isinstance(event, h11.EndOfMessage):
+            return response, b"".join(body), chunks
+        elif isinstance(event, h11.ConnectionClosed):
+            raise AssertionError("the connection closed before the end of the response")
+
+
+def sse_payloads(body: bytes) -> list:
+    events = body.decode().split("\n\n")
+    assert events[-1] == ""
+    return [e.removeprefix("data: ") for e in events[:-1]]
+
+
+def header(response: h11.Response, name: bytes) -> bytes | None:
+    return dict(response.headers).get(name)
+
+
+async def test_sse_chunks_are_framed_exactly_and_the_connection_is_reused():
+    body = {"prompt": "one two three", "max_tokens": 24, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": 0}
+    async with running_server() as url:
+        sock = await trio.open_tcp_stream(*addr(url))
+        conn = h11.Connection(h11.CLIENT)
+        texts = []
+        with trio.fail_after(20):
+            for _ in range(3):
+                await sock.send_all(request(conn, body))
+                response, raw, chunks = await read_response(sock, conn)
+                assert response.status_code == 200
+                assert header(response, b"transfer-encoding") == b"chunked"
+                assert header(response, b"connection") != b"close"
+                # every write is one chunk holding whole events
+                assert len(chunks) >= 3 and all(size > 0 for size in chunks)
+                payloads = sse_payloads(raw)
+                assert payloads[-1] == "[DONE]"
+                chunks_json = [json.loads(p) for p in payloads[:-1]]
+                usage = chunks_json[-1]["usage"]
+                assert usage["completion_tokens"] == 48
+                text = ["", ""]
+                for c in chunks_json[:-1]:
+                    for choice in c["choices"]:
+                        text[choice["index"]] += choice["text"]
+                texts.append(text)
+                conn.start_next_cycle()
+        await sock.aclose()
+        # greedy: the same text each time, and the same as the non-streaming answer
+        assert texts[0] == texts[1] == texts[2] and texts[0][0] == texts[0][1]
+        full = await raw_json(url, {**body, "stream": False, "stream_options": None})
+        assert [c["text"] for c in full["choices"]] == texts[0]
+
+
+async def raw_json(url: str, body: dict) -> dict:
+    body = {k: v for k, v in body.items() if v is not None}
+    sock = await trio.open_tcp_stream(*addr(url))
+    conn = h11.Connection(h11.CLIENT)
+    await sock.send_all(request(conn, body))
+    with trio.fail_after(20):
+        response, raw, _ = await read_response(sock, conn)
+    await sock.aclose()
+    assert response.status_code == 200 and header(response, b"content-length") is not None
+    return json.loads(raw)
+
+
+async def test_an_http10_client_gets_a_close_delimited_stream():
+    body = {"prompt": "a b", "max_tokens": 10, "stream": True}
+    async with running_server() as url:
+        sock = await trio.open_tcp_stream(*addr(url))
+        await sock.send_all(request(None, body))
+        raw = b""
+        with trio.fail_after(20):
+            while chunk := await sock.receive_some(1 << 16):
+                raw += chunk
+        await sock.aclose()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower()
+    # no chunk framing in the body: it is SSE events from the first byte to the last
+    assert payload.startswith(b"data: {") and payload.endswith(b"data: [DONE]\n\n")
+    events = [json.loads(p) for p in sse_payloads(payload)[:-1]]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_answers_before_the_body_is_read_keep_the_connection_alive():
+    # The 401 is decided before the body is needed; answered at once, it would be complete
+    # before hypercorn's reader has the end of the body, and hypercorn would then close the
+    # connection instead of keeping it alive. The connection must be kept alive every time.
+    body = {"prompt": "a", "max_tokens": 2}
+    async with running_server(api_keys=("k1",)) as url:
+        sock = await trio.open_tcp_stream(*addr(url))
+        conn = h11.Connection(h11.CLIENT)
+        with trio.fail_after(30):
+            for i in range(40):
+                data = request(conn, body)
+                head_end = data.index(b"\r\n\r\n") + 4
+                # like httpx: the head and the body in two writes, the body a moment later
+                # on every other request
+                await sock.send_all(data[:head_end])
+                if i % 2:
+                    await trio.sleep(0.01)
+                await sock.send_all(data[head_end:])
+                response, raw, _ = await read_response(sock, conn)
+                assert response.status_code == 401, i
+                assert header(response, b"connection") != b"close", i
+                assert json.loads(raw)["error"]["type"] == "authentication_error"
+                conn.start_next_cycle()
+            await sock.send_all(request(conn, body, headers=[("Authorization", "Bearer k1")]))
+            response, raw, _ = await read_response(sock, conn)
+        await sock.aclose()
+    assert response.status_code == 200 and json.loads(raw)["usage"]["completion_tokens"] == 2
+
+
+async def test_a_write_larger_than_the_socket_buffers_arrives_whole():
+    # The first event echoes 16 copies of a ~50 KB prompt (~800 KB in one write) to a client
+    # with a small receive buffer that does not read for a while: the kernel takes part of
+    # the write, the rest goes out as the client reads.
+    prompt = " ".join(f"word{i}" for i in range(6000))
+    body = {"prompt": prompt, "max_tokens": 3, "n": 16, "echo": True, "stream": True}
+    async with running_server() as url:
+        host, port = addr(url)
+        raw_sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        raw_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await raw_sock.connect((host, port))
+        sock = trio.SocketStream(raw_sock)
+        conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=1 << 24)
+        await sock.send_all(request(conn, body))
+        await trio.sleep(0.5)
+        with trio.fail_after(30):
+            response, raw, _ = await read_response(sock, conn)
+        await sock.aclose()
+    assert response.status_code == 200
+    payloads = sse_payloads(raw)
+    assert payloads[-1] == "[DONE]"
+    text = [""] * 16
+    for p in payloads[:-1]:
+        for choice in json.loads(p)["choices"]:
+            text[choice["index"]] += choice["text"]
+    assert all(t.startswith(prompt) and len(t.split()) == 6003 for t in text)
+
+
+async def test_an_answer_before_the_end_of_an_unread_body_says_connection_close():
+    # A body over the limit is not read to its end: the 413 must tell the client not to
+    # reuse the connection (hypercorn closes it), rather than leave it to find out.
+    async with running_server(max_body_bytes=1000) as url:
+        sock = await trio.open_tcp_stream(*addr(url))
+        conn = h11.Connection(h11.CLIENT)
+        head = conn.send(h11.Request(method="POST", target="/v1/completions", headers=[
+            ("Host", "t"), ("Content-Type", "application/json"),
+            ("Transfer-Encoding", "chunked")]))
+        await sock.send_all(head + conn.send(h11.Data(data=b"x" * 1500)))
+        with trio.fail_after(10):
+            response, raw, _ = await read_response(sock, conn)
+            assert response.status_code == 413
+            assert header(response, b"connection") == b"close"
+            assert json.loads(raw)["error"]["code"] == "payload_too_large"
+            while await sock.receive_some(1 << 16):  # then the server closes it
+                pass
+        await sock.aclose()
