@@ -404,3 +404,32 @@ async def test_cancelling_the_engine_owner_leaves_no_worker_process():
     assert len(spawn.processes) == 2
     spawn.assert_all_exited()
     assert sorted(p.returncode for p in spawn.processes) == [-signal.SIGTERM, 0]
+
+
+async def test_a_burst_larger_than_the_pipe_reaches_the_worker_whole_and_in_order():
+    # Submits are written to the worker's pipe directly when nothing is queued. The first
+    # prompts are larger than a pipe's buffer (64 KB), so their write is partial; then 300
+    # prompts of 8-10 KB each overflow it, and the rest goes through the writer task. Every
+    # request must come back with its own prompt's token count and the sim's exact text.
+    sizes = [8000, 7990, 7980] + [1000 + i for i in range(300)]
+    prompts = [" ".join(f"p{i}w{j}" for j in range(n)) for i, n in enumerate(sizes)]
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    results: dict[int, tuple] = {}
+    with trio.fail_after(LIMIT):
+        async with server.open_engine(config()) as engine:  # the real spawn: real pipe fds
+
+            async def one(i, stream):
+                text, ntok = "", 0
+                async with stream:
+                    async for out in stream:
+                        text += out.text
+                        ntok += out.num_tokens
+                results[i] = (text, ntok, out.prompt_tokens, out.finish_reason)
+
+            async with trio.open_nursery() as nursery:
+                for i, prompt in enumerate(prompts):  # all dispatched before any runs
+                    nursery.start_soon(one, i, engine.generate(prompt, params))
+            await assert_engine_idle(engine)
+    for i, prompt in enumerate(prompts):
+        text, ntok, finish = sim_reference(prompt, params)
+        assert results[i] == (text, ntok, sizes[i], finish), i

@@ -63,7 +63,9 @@ class _Waker:
     news keeps merging in the meantime: fewer, fuller events, which is what makes the HTTP
     send path affordable. The router wakes due consumers when the next frame arrives (so
     an event carries whole engine steps), or by time one interval after they were due if
-    no frame comes.
+    no frame comes. Paced wakeups go out one scheduler turn after the urgent ones (a
+    stream's first output, its end): a new stream's first token does not wait behind the
+    consumers of every other stream.
     """
 
     __slots__ = ("task", "ready", "closed", "interval", "not_before", "deferred")
@@ -87,10 +89,13 @@ class _Waker:
         task = self.task
         if task is None:
             return
-        if self.interval and _current_time() < self.not_before:
-            if not self.deferred:
-                self.deferred = True
-                worker.defer(self)
+        if self.interval and self.not_before:  # paced, and it already had news
+            if _current_time() < self.not_before:
+                if not self.deferred:
+                    self.deferred = True
+                    worker.defer(self)
+            else:
+                worker.wake_soon(self)
             return
         self.task = None
         _reschedule(task)

@@ -25,6 +25,7 @@ import collections
 import json
 import logging
 import math
+import os
 import subprocess
 
 import trio
@@ -85,6 +86,9 @@ class WorkerClient:
         self._pings: dict[int, list] = {}
         self._deferred: list = []  # paced wakers (see defer)
         self._deferred_due = math.inf
+        self._soon: list = []  # paced wakers due now (see wake_soon)
+        self._stdin_fd: int | None = None  # the pipe to the worker, while _writer runs
+        self._writing = False  # _writer is in a write
         self._ready = trio.Event()
 
     # -- used by the request manager (plain def: never blocks) -------------------------------
@@ -99,8 +103,7 @@ class WorkerClient:
         states = self.states
         for choice in choices:
             states[choice.rid] = choice
-        self._outbox.extend(frames)
-        self._outbox_ready.set()
+        self._send_nowait(frames)
 
     def abort_nowait(self, choice: Choice) -> None:
         """Send one abort for ``choice``, unless it ended or was already aborted."""
@@ -116,6 +119,10 @@ class WorkerClient:
         deferred.append(waker)
         if len(deferred) == 1 or waker.not_before < self._deferred_due:
             self._deferred_due = waker.not_before
+
+    def wake_soon(self, waker) -> None:
+        """Wake a paced consumer after the router's next scheduler turn (see _wake_paced)."""
+        self._soon.append(waker)
 
     def _wake_deferred(self) -> None:
         """Wake the deferred consumers whose time has come; keep the others."""
@@ -140,7 +147,25 @@ class WorkerClient:
             del self.states[choice.rid]
 
     def _queue(self, frame: bytes) -> None:
-        self._outbox.append(frame)
+        self._send_nowait([frame])
+
+    def _send_nowait(self, frames: list[bytes]) -> None:
+        """Send ``frames`` to the worker: written to its pipe at once when nothing else is
+        waiting to be written (no task wakeup, no scheduler turn before the worker sees a
+        new request), else, or for what the pipe does not take, queued for the writer."""
+        outbox = self._outbox
+        fd = self._stdin_fd
+        if fd is None or outbox or self._writing:
+            outbox.extend(frames)
+        else:
+            data = frames[0] if len(frames) == 1 else b"".join(frames)
+            try:
+                sent = os.write(fd, data)
+            except OSError:  # a full pipe (EAGAIN), or a broken one: the writer finds out
+                sent = 0
+            if sent == len(data):
+                return
+            outbox.append(data[sent:])
         self._outbox_ready.set()
 
     async def ping(self) -> tuple[int, int]:
@@ -281,12 +306,27 @@ class WorkerClient:
                 data = await receive_some(1 << 20)
             if not data:
                 raise _SessionEnded("the worker process exited")
-            now = self.last_heard = trio.current_time()
+            self.last_heard = trio.current_time()
             try:
                 self._route(decoder.feed(data))
             except (wire.ProtocolError, ValueError, TypeError) as exc:
                 raise _SessionEnded(f"protocol violation: {exc}") from None
-            if self._deferred_due <= now:
+            await self._wake_paced()
+
+    async def _wake_paced(self) -> None:
+        """Wake the paced consumers that are due, one scheduler turn after the router woke
+        the urgent ones (first outputs, ends, errors): those run in a batch of their own
+        instead of behind every stream's next event, which is what a new request's time to
+        first token waits for under load."""
+        if not self._soon and self._deferred_due > trio.current_time():
+            return
+        try:
+            await trio.lowlevel.checkpoint()
+        finally:
+            soon, self._soon = self._soon, []
+            for waker in soon:
+                waker.wake()
+            if self._deferred_due <= trio.current_time():
                 self._wake_deferred()
 
     def _route(self, messages: list) -> None:
@@ -318,15 +358,26 @@ class WorkerClient:
 
     async def _writer(self, proc) -> None:
         send_all = proc.stdin.send_all
-        while True:
-            await self._outbox_ready.wait()
-            self._outbox_ready = trio.Event()
-            data = b"".join(self._outbox)
-            self._outbox.clear()
-            try:
-                await send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                raise _SessionEnded("the worker's pipe broke") from None
+        fileno = getattr(proc.stdin, "fileno", None)  # None for in-memory test pipes
+        try:
+            # From here until the pipe is closed (after this task), _send_nowait may write
+            # to it directly, when this task is not writing and nothing is queued.
+            self._stdin_fd = fileno() if fileno is not None else None
+            while True:
+                if not self._outbox:
+                    await self._outbox_ready.wait()
+                self._outbox_ready = trio.Event()
+                data = b"".join(self._outbox)
+                self._outbox.clear()
+                self._writing = True
+                try:
+                    await send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    raise _SessionEnded("the worker's pipe broke") from None
+                finally:
+                    self._writing = False
+        finally:
+            self._stdin_fd = None
 
     async def _heartbeat(self) -> None:
         config = self.config
@@ -357,6 +408,7 @@ class WorkerClient:
             waker.deferred = False
         self._deferred = []
         self._deferred_due = math.inf
+        self._soon = []
 
     async def _stop_process(self, proc) -> int:
         """Close the pipe, then SIGTERM, then SIGKILL, each after the grace period."""
