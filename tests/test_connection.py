@@ -199,3 +199,20 @@ async def test_an_answer_before_the_end_of_an_unread_body_says_connection_close(
             while await sock.receive_some(1 << 16):  # then the server closes it
                 pass
         await sock.aclose()
+
+
+async def test_an_unknown_route_with_a_body_keeps_the_connection_alive():
+    # Quart answers the 404 without reading the body. When the body came with the head (as
+    # most clients send a small one), the protocol lets hypercorn's reader finish it before
+    # deciding, and the connection is kept alive.
+    async with running_server() as url:
+        sock = await trio.open_tcp_stream(*addr(url))
+        conn = h11.Connection(h11.CLIENT)
+        with trio.fail_after(30):
+            for i in range(40):
+                await sock.send_all(request(conn, {"x": i}, path="/v1/nothing"))
+                response, raw, _ = await read_response(sock, conn)
+                assert response.status_code == 404, i
+                assert header(response, b"connection") != b"close", i
+                conn.start_next_cycle()
+        await sock.aclose()

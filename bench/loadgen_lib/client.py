@@ -178,6 +178,8 @@ class Schedule:
             self._close()
             return None
         self.issued += 1
+        if self.issued >= self.max_measured and not self.stats.t_steady_end:
+            self.stats.t_steady_end = _perf()  # the last measured request starts now
         self.inflight += 1
         ctx.ticket += 1
         return ctx.ticket, True

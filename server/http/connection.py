@@ -37,12 +37,11 @@ what h11 writes. A ``Data`` event changes no h11 state, so h11 is still right ab
 everything else (the response head, the last chunk, keep-alive); any other framing
 (``Content-Length``, an HTTP/1.0 client) goes through h11 as before.
 
-Writes that no longer yield to the scheduler expose one race in hypercorn: an answer given
-before the request body was read (a 401) can be complete before hypercorn's reader has
-handed h11 the end of that body, and hypercorn then closes the connection instead of
-keeping it alive (a client reusing it sees it closed under its next request). When that is
-the case, :class:`ServingH11Protocol` lets the reader run first (a couple of scheduler
-turns) before deciding.
+Writes that no longer yield to the scheduler made one race of hypercorn's likely: an answer
+given before the request body was read (a 401) can be complete before hypercorn's reader
+has the end of the body, and hypercorn then closes the connection instead of keeping it
+alive. The generation routes therefore read the body before such answers, or say
+``Connection: close`` (see :func:`server.http.asgi.discard_body`).
 """
 
 from __future__ import annotations
@@ -54,12 +53,16 @@ import h11
 import hypercorn.protocol
 import hypercorn.trio.run
 import trio
-from h11._writers import ChunkedWriter
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, RawData
-from hypercorn.protocol.events import Body
+from hypercorn.protocol.events import Body, Response
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
+
+try:  # h11's chunked writer (private): without it, every chunk goes through h11 as usual
+    from h11._writers import ChunkedWriter
+except ImportError:  # pragma: no cover
+    ChunkedWriter = None
 
 __all__ = ["BoundedWriteTCPServer", "ServingH11Protocol", "cut_stalled_writes", "install"]
 
@@ -124,29 +127,23 @@ class BoundedWriteTCPServer(TCPServer):
 class ServingH11Protocol(H11Protocol):
     """Hypercorn's HTTP/1.1 protocol, framing the chunks of a chunked response itself."""
 
+    #: The response head went out and h11 chose chunked framing for its body.
+    _chunked = False
+
     async def stream_send(self, event) -> None:
-        if type(event) is Body:
+        if type(event) is Body and self._chunked:
+            data = event.data
+            if data:  # h11 writes nothing for an empty chunk (it would end the body)
+                await self.send(RawData(data=b"%x\r\n%b\r\n" % (len(data), data)))
+            return
+        self._chunked = False
+        await super().stream_send(event)
+        if type(event) is Response:
             connection = self.connection
-            if (
+            self._chunked = ChunkedWriter is not None and (
                 type(getattr(connection, "_writer", None)) is ChunkedWriter
                 and connection.our_state is h11.SEND_BODY
-            ):
-                data = event.data
-                if data:  # h11 writes nothing for an empty chunk (it would end the body)
-                    await self.send(RawData(data=b"%x\r\n%b\r\n" % (len(data), data)))
-                return
-        await super().stream_send(event)
-
-    async def _maybe_recycle(self) -> None:
-        # The response is complete; if the request's body is still being read, give the
-        # reader (already scheduled when the body is in) its turns to finish it, so that the
-        # connection can be kept alive. A body still on its way is not waited for.
-        for _ in range(3):
-            connection = self.connection
-            if connection.our_state is not h11.DONE or connection.their_state is not h11.SEND_BODY:
-                break
-            await trio.lowlevel.checkpoint()
-        await super()._maybe_recycle()
+            )
 
 
 def install() -> None:
