@@ -22,6 +22,7 @@ process is started after a backoff, unless too many restarts happened recently.
 from __future__ import annotations
 
 import collections
+import heapq
 import json
 import logging
 import math
@@ -84,8 +85,9 @@ class WorkerClient:
         self._outbox_ready = trio.Event()
         self._ping_seq = 0
         self._pings: dict[int, list] = {}
-        self._deferred: list = []  # paced wakers (see defer)
-        self._deferred_due = math.inf
+        self._deferred: list = []  # heap of (not_before, seq, waker): paced wakers (see defer)
+        self._deferred_due = math.inf  # the first not_before in _deferred
+        self._deferred_seq = 0
         self._soon: list = []  # paced wakers due now (see wake_soon)
         self._stdin_fd: int | None = None  # the pipe to the worker, while _writer runs
         self._writing = False  # _writer is in a write
@@ -115,10 +117,9 @@ class WorkerClient:
 
     def defer(self, waker) -> None:
         """Hold a paced consumer's wakeup until its ``not_before`` (see stream._Waker)."""
-        deferred = self._deferred
-        deferred.append(waker)
-        if len(deferred) == 1 or waker.not_before < self._deferred_due:
-            self._deferred_due = waker.not_before
+        self._deferred_seq += 1
+        heapq.heappush(self._deferred, (waker.not_before, self._deferred_seq, waker))
+        self._deferred_due = self._deferred[0][0]
 
     def wake_soon(self, waker) -> None:
         """Wake a paced consumer after the router's next scheduler turn (see _wake_paced)."""
@@ -127,19 +128,18 @@ class WorkerClient:
     def _wake_deferred(self) -> None:
         """Wake the deferred consumers whose time has come; keep the others."""
         now = trio.current_time()
-        keep = []
-        due = math.inf
-        for waker in self._deferred:
+        heap = self._deferred
+        while heap and heap[0][0] <= now:
+            waker = heapq.heappop(heap)[2]
             if waker.task is None:
                 waker.deferred = False  # woken by other news, or cancelled: nothing to do
-            elif waker.not_before <= now:
+            elif waker.not_before > now:  # took other news since: due later now
+                self._deferred_seq += 1
+                heapq.heappush(heap, (waker.not_before, self._deferred_seq, waker))
+            else:
                 waker.deferred = False
                 waker.wake()
-            else:
-                keep.append(waker)
-                due = min(due, waker.not_before)
-        self._deferred = keep
-        self._deferred_due = due
+        self._deferred_due = heap[0][0] if heap else math.inf
 
     def forget(self, choice: Choice) -> None:
         """Stop routing output to ``choice``; what the worker still sends for it is dropped."""
@@ -404,7 +404,7 @@ class WorkerClient:
         for slot in self._pings.values():
             slot[0].set()
         self._pings.clear()
-        for waker in self._deferred:
+        for _, _, waker in self._deferred:
             waker.deferred = False
         self._deferred = []
         self._deferred_due = math.inf
