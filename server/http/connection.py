@@ -55,8 +55,11 @@ import hypercorn.trio.run
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, RawData
+import hypercorn.protocol.h11
 from hypercorn.protocol.events import Body, Response
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
+from hypercorn.utils import suppress_body
 from hypercorn.trio.tcp_server import TCPServer
 
 try:  # h11's chunked writer (private): without it, every chunk goes through h11 as usual
@@ -64,7 +67,13 @@ try:  # h11's chunked writer (private): without it, every chunk goes through h11
 except ImportError:  # pragma: no cover
     ChunkedWriter = None
 
-__all__ = ["BoundedWriteTCPServer", "ServingH11Protocol", "cut_stalled_writes", "install"]
+__all__ = [
+    "BoundedWriteTCPServer",
+    "ServingH11Protocol",
+    "ServingHTTPStream",
+    "cut_stalled_writes",
+    "install",
+]
 
 log = logging.getLogger("server")
 
@@ -146,9 +155,31 @@ class ServingH11Protocol(H11Protocol):
             )
 
 
+class ServingHTTPStream(HTTPStream):
+    """Hypercorn's ASGI side of one HTTP request, passing body messages of a response in
+    progress (more to come, bytes, a response that has a body) straight to the protocol;
+    everything else is hypercorn's own ``app_send``."""
+
+    #: The response started and its body is sent (not a HEAD, a 204 or a 304).
+    _body_ok = False
+
+    async def app_send(self, message) -> None:
+        if message is not None and self._body_ok and message.get("more_body", False):
+            body = message.get("body", b"")
+            if message["type"] == "http.response.body" and type(body) is bytes:
+                if body:
+                    await self.send(Body(stream_id=self.stream_id, data=body))
+                return
+        await super().app_send(message)
+        self._body_ok = self.state == ASGIHTTPState.RESPONSE and not suppress_body(
+            self.scope["method"], int(self.response["status"])
+        )
+
+
 def install() -> None:
-    """Make hypercorn's Trio worker use :class:`BoundedWriteTCPServer` for its connections and
-    :class:`ServingH11Protocol` for HTTP/1.1 on them.
+    """Make hypercorn's Trio worker use :class:`BoundedWriteTCPServer` for its connections,
+    :class:`ServingH11Protocol` for HTTP/1.1 on them and :class:`ServingHTTPStream` for
+    each request.
 
     Hypercorn's modules refer to the classes they imported; this replaces those names, for
     every hypercorn server in the process (the behaviour is the same, only cheaper and
@@ -156,6 +187,7 @@ def install() -> None:
     """
     hypercorn.trio.run.TCPServer = BoundedWriteTCPServer
     hypercorn.protocol.H11Protocol = ServingH11Protocol
+    hypercorn.protocol.h11.HTTPStream = ServingHTTPStream
 
 
 def cut_stalled_writes(hc: HypercornConfig, grace: float) -> None:

@@ -90,7 +90,9 @@ class _Waker:
         if task is None:
             return
         if self.interval and self.not_before:  # paced, and it already had news
-            if _current_time() < self.not_before:
+            # last_heard: when the router read the frame being routed (one clock read per
+            # frame rather than one per output)
+            if worker.last_heard < self.not_before:
                 if not self.deferred:
                     self.deferred = True
                     worker.defer(self)
