@@ -216,3 +216,26 @@ async def test_an_unknown_route_with_a_body_keeps_the_connection_alive():
                 assert header(response, b"connection") != b"close", i
                 conn.start_next_cycle()
         await sock.aclose()
+
+
+async def test_a_connection_in_use_outlives_its_keep_alive_timeout():
+    # The keep-alive timer runs while the connection is idle between requests and is
+    # stopped by the next one: requests every 0.6 s (and a 1.5 s stream in the middle) on
+    # a connection with a 1 s keep-alive timeout keep it open; once idle, it is closed.
+    async with running_server(keep_alive_timeout=1.0) as url:
+        sock = await trio.open_tcp_stream(*addr(url))
+        conn = h11.Connection(h11.CLIENT)
+        bodies = [{"prompt": "a", "max_tokens": 2}] * 3 + [
+            {"prompt": "a", "max_tokens": 700, "stream": True}] + [{"prompt": "a", "max_tokens": 2}] * 3
+        with trio.fail_after(30):
+            for body in bodies:
+                await sock.send_all(request(conn, body))
+                response, _, _ = await read_response(sock, conn)
+                assert response.status_code == 200
+                conn.start_next_cycle()
+                await trio.sleep(0.6)
+            idle_from = trio.current_time()
+            while await sock.receive_some(1 << 16):
+                pass
+            assert 0.3 < trio.current_time() - idle_from < 3.0
+        await sock.aclose()

@@ -69,6 +69,7 @@ except ImportError:  # pragma: no cover
 
 __all__ = [
     "BoundedWriteTCPServer",
+    "KeepAliveTask",
     "ServingH11Protocol",
     "ServingHTTPStream",
     "cut_stalled_writes",
@@ -78,8 +79,44 @@ __all__ = [
 log = logging.getLogger("server")
 
 
+class KeepAliveTask:
+    """Hypercorn's keep-alive timer task (its ``TrioSingleTask``), without the lock.
+
+    Hypercorn restarts the timer when a connection becomes idle (after each response) and
+    stops it when a request arrives. Upstream both take a lock, and a restart waits for the
+    new task to start: a trip through the scheduler on every request, one of them between
+    the request's bytes arriving and the app being called. Here ``stop`` only cancels, and
+    ``restart`` cancels the previous timer and spawns the next one; neither waits.
+    """
+
+    __slots__ = ("_scope",)
+
+    def __init__(self) -> None:
+        self._scope: trio.CancelScope | None = None
+
+    async def restart(self, task_group, action) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+        scope = self._scope = trio.CancelScope()
+        task_group.spawn(_run_in_scope, scope, action)
+
+    async def stop(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+            self._scope = None
+
+
+async def _run_in_scope(scope: trio.CancelScope, action) -> None:
+    with scope:  # cancelled before it started: the action is cancelled at once
+        await action()
+
+
 class BoundedWriteTCPServer(TCPServer):
     """Hypercorn's connection with direct and bounded writes (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.idle_task = KeepAliveTask()
 
     async def _read_data(self) -> None:
         await super()._read_data()
