@@ -77,6 +77,28 @@ async def test_deferred_text_goes_out_when_the_engine_goes_quiet(autojump_clock)
     assert count == 2 and 0.050 <= when <= 0.080 + 1e-9, got
 
 
+async def test_deferred_text_of_a_busy_consumer_goes_out_when_the_engine_goes_quiet(
+    autojump_clock,
+):
+    # The consumer is busy (20 ms) after the first token (20 ms), while the last two tokens
+    # come (28 and 36 ms); then the request stalls. Back at 40 ms it finds text that is not
+    # due before 50 ms and defers itself while the router already waits for a frame that
+    # will not come: the text must still go out by 80 ms (not at the next heartbeat).
+    params = server.SamplingParams(max_tokens=100, extra={"fault": {"kind": "stall", "after": 3}})
+    async with open_fake_engine(config(0.030, faults=True)) as (engine, _):
+        start = trio.current_time()
+        got = []
+        async with engine.generate("x", params) as stream:
+            async for out in stream:
+                got.append((trio.current_time() - start, out.num_tokens))
+                if sum(n for _, n in got) == 3:
+                    break
+                await trio.sleep(0.020)
+    assert got[0] == (0.020, 1)
+    when, count = got[1]
+    assert count == 2 and 0.050 <= when <= 0.080 + 1e-9, got
+
+
 async def test_a_busy_consumer_is_paced_too(autojump_clock):
     # The consumer spends 5 ms per output: news keeps arriving while it is busy, and must
     # still wait for its interval instead of going out at once.

@@ -44,7 +44,7 @@ from ..manager.engine import Engine, run_engine
 from ..manager.worker import WorkerStartupError
 from ..observability import Metrics, RequestRecord, log_request, request_id_from_header
 from ..observability.logs import request_id_var
-from .asgi import HeaderSend, header, send_empty, send_error
+from .asgi import CLOSE, HeaderSend, header, send_empty, send_error
 from .auth import APIKeys, is_protected
 from .cors import CORSPolicy
 from .encode import dumps
@@ -76,6 +76,14 @@ def _json_error(exc: ServerError) -> Response:
     if isinstance(exc, ServiceUnavailable):
         response.headers["Retry-After"] = str(exc.retry_after)
     return response
+
+
+def _has_body(scope: dict) -> bool:
+    """Whether the request declares a body (a non-zero Content-Length, or chunked)."""
+    length = header(scope, b"content-length")
+    if length is not None:
+        return length.strip() not in (b"", b"0")
+    return header(scope, b"transfer-encoding") is not None
 
 
 class LLMServerApp(QuartTrio):
@@ -146,6 +154,10 @@ class LLMServerApp(QuartTrio):
                 self.metrics.observe(record)
                 log_request(record)
             return
+        if _has_body(scope):
+            # No route served from here reads a request body: the answer (404, 405, 401) may
+            # end before the body does, and then the connection cannot carry another request.
+            extra.append(CLOSE)
         send = HeaderSend(send, extra)
         receive = send.receive(receive)
         if self.api_keys is not None and is_protected(path):

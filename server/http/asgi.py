@@ -35,18 +35,21 @@ def header(scope: dict, name: bytes) -> bytes | None:
     return None
 
 
-async def read_body(scope: dict, receive, limit: int, timeout: float | None = None) -> bytes | None:
+async def read_body(
+    scope: dict, receive, limit: int, timeout: float | None = None, *, keep: bool = True
+) -> bytes | None:
     """The whole request body, or None if the client went away first.
 
     Raises :class:`PayloadTooLarge` as soon as the declared or received size passes
     ``limit``, without reading the rest, and :class:`RequestTimeout` (408) when the body has
-    not arrived within ``timeout`` seconds (a client trickling its body).
+    not arrived within ``timeout`` seconds (a client trickling its body). With ``keep``
+    false the bytes are counted and dropped (the result is then ``b""``).
     """
     declared = header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
     with trio.move_on_after(timeout if timeout else math.inf):
-        return await _read_body(receive, limit)
+        return await _read_body(receive, limit, keep)
     raise BodyTimeout(f"The request body did not arrive within {timeout:g} s.")
 
 
@@ -60,7 +63,7 @@ async def discard_body(scope: dict, receive, limit: int, timeout: float | None) 
     ``limit`` bytes or ``timeout`` seconds (answer with :data:`CLOSE` then).
     """
     try:
-        return await read_body(scope, receive, limit, timeout) is not None
+        return await read_body(scope, receive, limit, timeout, keep=False) is not None
     except ServerError:
         return False
 
@@ -70,7 +73,7 @@ async def discard_body(scope: dict, receive, limit: int, timeout: float | None) 
 CLOSE = (b"connection", b"close")
 
 
-async def _read_body(receive, limit: int) -> bytes | None:
+async def _read_body(receive, limit: int, keep: bool) -> bytes | None:
     # Hypercorn's receive is a Trio memory channel's: what is already queued (usually the
     # whole body, read with the request's head) is taken without a trip through the
     # scheduler per message, a trip that under load waits behind other streams' events.
@@ -93,7 +96,8 @@ async def _read_body(receive, limit: int) -> bytes | None:
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
-        chunks.append(chunk)
+        if keep:
+            chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 

@@ -139,35 +139,50 @@ class BoundedWriteTCPServer(TCPServer):
                 sent = 0
             if sent == len(data):
                 return
-            if sent:
-                data = memoryview(data)[sent:]
+            if sent:  # the rest must follow, even if the caller is being cancelled
+                await self._send_bounded(memoryview(data)[sent:], torn=True)
+                return
         await self._send_bounded(data)
 
-    async def _send_bounded(self, data) -> None:
-        # Shielded from the lock on: after a partial direct write, the rest must follow even
-        # if the caller is being cancelled (else the client would read a torn chunk).
-        timeout = getattr(self.config, "send_timeout", None)
-        writes = getattr(self.config, "active_writes", None)
+    async def _send_bounded(self, data, *, torn: bool = False) -> None:
+        """Write ``data`` under the lock, shielded and bounded by the send timeout. ``torn``:
+        the rest of a partial direct write; the lock is free (nothing yielded since that
+        write), and it is taken inside the shield so that a cancelled caller cannot leave a
+        chunk half-written. Otherwise waiting for the lock stays cancellable, as upstream."""
+        scope = trio.CancelScope(shield=True)
         broken = False
-        with trio.CancelScope(shield=True) as scope:
-            if timeout is not None:
-                scope.deadline = trio.current_time() + timeout
-            if writes is not None:
-                writes.add(scope)
-            try:
+        if torn:
+            with scope:
                 async with self.send_lock:
-                    await self.stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                broken = True
-            finally:
-                if writes is not None:
-                    writes.discard(scope)
+                    broken = await self._send_all(data, scope)
+        else:
+            async with self.send_lock:
+                with scope:
+                    broken = await self._send_all(data, scope)
         if broken:
             await self.protocol.handle(Closed())
         elif scope.cancelled_caught:  # a half-written response: the connection is done for
             log.info("closing a connection whose client stopped reading")
             await self.stream.aclose()
             await self.protocol.handle(Closed())
+
+    async def _send_all(self, data, scope: trio.CancelScope) -> bool:
+        """``send_all`` within ``config.send_timeout`` from now, its scope registered for
+        :func:`cut_stalled_writes`; returns whether the connection was broken or closed."""
+        timeout = getattr(self.config, "send_timeout", None)
+        if timeout is not None:
+            scope.deadline = trio.current_time() + timeout
+        writes = getattr(self.config, "active_writes", None)
+        if writes is not None:
+            writes.add(scope)
+        try:
+            await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return True
+        finally:
+            if writes is not None:
+                writes.discard(scope)
+        return False
 
 
 class ServingH11Protocol(H11Protocol):

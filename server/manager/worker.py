@@ -88,6 +88,7 @@ class WorkerClient:
         self._deferred: list = []  # heap of (not_before, seq, waker): paced wakers (see defer)
         self._deferred_due = math.inf  # the first not_before in _deferred
         self._deferred_seq = 0
+        self._router_scope: trio.CancelScope | None = None  # the router's wait for a frame
         self._soon: list = []  # paced wakers due now (see wake_soon)
         self._stdin_fd: int | None = None  # the pipe to the worker, while _writer runs
         self._writing = False  # _writer is in a write
@@ -119,7 +120,10 @@ class WorkerClient:
         """Hold a paced consumer's wakeup until its ``not_before`` (see stream._Waker)."""
         self._deferred_seq += 1
         heapq.heappush(self._deferred, (waker.not_before, self._deferred_seq, waker))
-        self._deferred_due = self._deferred[0][0]
+        self._deferred_due = due = self._deferred[0][0]
+        scope = self._router_scope  # set while the router waits for a frame
+        if scope is not None:
+            scope.deadline = min(scope.deadline, due + self.config.stream_interval)
 
     def wake_soon(self, waker) -> None:
         """Wake a paced consumer after the router's next scheduler turn (see _wake_paced)."""
@@ -291,19 +295,21 @@ class WorkerClient:
     async def _router(self, proc, decoder: wire.FrameDecoder) -> None:
         receive_some = proc.stdout.receive_some
         while True:
-            if self._deferred:
-                # Paced consumers are woken when a frame arrives after they are due, so that
-                # each event carries whole engine steps (at 8 ms a step and a 20 ms interval:
-                # 3 tokens, not 2 or 3). If no frame comes (a stalled or slow engine), they
-                # are woken by time, at most one interval late.
-                data = None
-                with trio.move_on_at(self._deferred_due + self.config.stream_interval):
+            # Paced consumers are woken when a frame arrives after they are due, so that
+            # each event carries whole engine steps (at 8 ms a step and a 20 ms interval: 3
+            # tokens, not 2 or 3). If no frame comes (a stalled or slow engine), they are
+            # woken by time, at most one interval late; defer() moves this deadline when a
+            # consumer defers itself while the router waits here.
+            data = None
+            with trio.CancelScope(deadline=self._deferred_due + self.config.stream_interval) as scope:
+                self._router_scope = scope
+                try:
                     data = await receive_some(1 << 20)
-                if data is None:
-                    self._wake_deferred()
-                    continue
-            else:
-                data = await receive_some(1 << 20)
+                finally:
+                    self._router_scope = None
+            if data is None:
+                self._wake_deferred()
+                continue
             if not data:
                 raise _SessionEnded("the worker process exited")
             self.last_heard = trio.current_time()
