@@ -3,6 +3,7 @@ the last are never delayed. In memory, under autojump_clock, with the real sim e
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 import server
@@ -59,10 +60,9 @@ async def test_paced_wakeups_carry_whole_engine_steps(autojump_clock):
     assert counts == [1] + [3] * 20, counts
 
 
-async def test_deferred_text_goes_out_when_the_engine_goes_quiet(autojump_clock):
-    # After the first token (20 ms), two more come at 28 and 36 ms, then the request
-    # stalls: no frame will come to wake the consumer, which is due at 20 + 30 = 50 ms. The
-    # text goes out by time, one interval after that (80 ms), not never.
+async def stalled_after_three(busy: float) -> list:
+    """(time, tokens) of the outputs of a request that stalls after 3 tokens (at 20, 28 and
+    36 ms), with a 30 ms interval and a consumer busy for ``busy`` s after each output."""
     params = server.SamplingParams(max_tokens=100, extra={"fault": {"kind": "stall", "after": 3}})
     async with open_fake_engine(config(0.030, faults=True)) as (engine, _):
         start = trio.current_time()
@@ -72,28 +72,18 @@ async def test_deferred_text_goes_out_when_the_engine_goes_quiet(autojump_clock)
                 got.append((trio.current_time() - start, out.num_tokens))
                 if sum(n for _, n in got) == 3:
                     break
-    assert got[0] == (0.020, 1)
-    when, count = got[1]
-    assert count == 2 and 0.050 <= when <= 0.080 + 1e-9, got
+                await trio.sleep(busy)
+    return got
 
 
-async def test_deferred_text_of_a_busy_consumer_goes_out_when_the_engine_goes_quiet(
-    autojump_clock,
-):
-    # The consumer is busy (20 ms) after the first token (20 ms), while the last two tokens
-    # come (28 and 36 ms); then the request stalls. Back at 40 ms it finds text that is not
-    # due before 50 ms and defers itself while the router already waits for a frame that
-    # will not come: the text must still go out by 80 ms (not at the next heartbeat).
-    params = server.SamplingParams(max_tokens=100, extra={"fault": {"kind": "stall", "after": 3}})
-    async with open_fake_engine(config(0.030, faults=True)) as (engine, _):
-        start = trio.current_time()
-        got = []
-        async with engine.generate("x", params) as stream:
-            async for out in stream:
-                got.append((trio.current_time() - start, out.num_tokens))
-                if sum(n for _, n in got) == 3:
-                    break
-                await trio.sleep(0.020)
+@pytest.mark.parametrize("busy", [0.0, 0.020])
+async def test_deferred_text_goes_out_when_the_engine_goes_quiet(autojump_clock, busy):
+    # After the first token (20 ms) the request stalls once two more have come: no frame
+    # will wake the consumer, due at 20 + 30 = 50 ms. The text goes out by time, one
+    # interval after that (80 ms). busy: the consumer comes back at 40 ms, finds text not
+    # due yet and defers itself while the router already waits for a frame that will not
+    # come; the text must still go out by 80 ms (not at the next heartbeat).
+    got = await stalled_after_three(busy)
     assert got[0] == (0.020, 1)
     when, count = got[1]
     assert count == 2 and 0.050 <= when <= 0.080 + 1e-9, got
