@@ -51,16 +51,16 @@ import os
 
 import h11
 import hypercorn.protocol
+import hypercorn.protocol.h11
 import hypercorn.trio.run
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, RawData
-import hypercorn.protocol.h11
 from hypercorn.protocol.events import Body, Response
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
-from hypercorn.utils import suppress_body
 from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.utils import suppress_body
 
 try:  # h11's chunked writer (private): without it, every chunk goes through h11 as usual
     from h11._writers import ChunkedWriter
