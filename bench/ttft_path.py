@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import trio  # noqa: E402
 
 import server  # noqa: E402
+from bench.loadgen_lib.spawn import SpawnedServer  # noqa: E402
 from server.protocol import wire  # noqa: E402
 
 SIM = {"itl_ms": 8.0, "ttft_ms": 20.0, "prefill_us_per_token": 20.0}
@@ -77,32 +78,11 @@ async def measure_manager(prompt: str, n: int) -> list[float]:
     return times
 
 
-def wait_healthy(port: int, timeout: float = 60.0) -> None:
-    """Until GET /health answers 200 (the workers are up)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
-                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                if sock.recv(64).startswith(b"HTTP/1.1 200"):
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError("the server did not become healthy")
-        time.sleep(0.1)
-
-
 def measure_http(prompt: str, n: int) -> list[float]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port),
-           "--disable-log-requests"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv = SpawnedServer("--disable-log-requests", "server", None)
     try:
-        wait_healthy(port)
-        sock = socket.create_connection(("127.0.0.1", port))
+        trio.run(srv.wait_healthy, 60.0)
+        sock = socket.create_connection(("127.0.0.1", srv.port))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         body = json.dumps({"prompt": prompt, "max_tokens": 1, "stream": True}).encode()
         request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
@@ -125,8 +105,7 @@ def measure_http(prompt: str, n: int) -> list[float]:
         sock.close()
         return times
     finally:
-        proc.send_signal(2)
-        proc.wait(15)
+        srv.stop()
 
 
 def main() -> None:
