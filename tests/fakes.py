@@ -40,7 +40,8 @@ from server.manager import engine as engine_module
 from server.manager import stream as stream_module
 from server.manager.worker import spawn_process
 from server.protocol import wire
-from server.workers.base import Rejected, WorkerCrash, WorkerGarbage, WorkerHang
+from server.workers.base import WorkerCrash, WorkerGarbage, WorkerHang
+from server.workers.main import handle_message
 from server.workers.sim import SimEngine
 
 __all__ = [
@@ -252,20 +253,11 @@ class FakeWorkerProcess:
                 replies = []
                 for msg in decoder.feed(data):
                     log.append(Frame(now, self.pid, msg))
-                    kind = msg[0]
-                    if kind == wire.SUBMIT:
-                        rid = msg[1]
-                        try:
-                            accepts.append([rid, engine.add(rid, msg[2], msg[3])])
-                        except Rejected as exc:
-                            outputs.append([rid, "", 0, "error", [exc.kind, exc.message]])
-                    elif kind == wire.ABORT:
-                        if engine.abort(msg[1]):
-                            outputs.append([msg[1], "", 0, "abort", None])
-                    elif kind == wire.PING:
-                        replies.append([wire.PONG, msg[1], engine.running(), engine.waiting()])
-                    elif kind == wire.SHUTDOWN:
+                    if msg[0] == wire.SHUTDOWN:
                         return 0
+                    reply = handle_message(engine, msg, accepts, outputs)
+                    if reply is not None:
+                        replies.append(reply)
                 for reply in replies:
                     await self._send(reply)
             deadline = engine.next_deadline()

@@ -56,6 +56,30 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
+def handle_message(engine, msg: list, accepts: list, outputs: list) -> list | None:
+    """Apply one message from the frontend (not SHUTDOWN: the loop ends on that) to
+    ``engine``. A SUBMIT adds its accept to ``accepts`` (or, refused, an error output to
+    ``outputs``); an ABORT of a request the engine still had adds its abort output. Returns
+    the reply to send at once (the PONG of a PING), else None. Plain and sans-IO: the test
+    suite's in-memory workers (tests/fakes.py) run it too."""
+    kind = msg[0]
+    if kind == wire.SUBMIT:
+        rid = msg[1]
+        try:
+            accepts.append([rid, engine.add(rid, msg[2], msg[3])])
+        except Rejected as exc:
+            outputs.append([rid, "", 0, "error", [exc.kind, exc.message]])
+        except Exception as exc:  # a request the engine chokes on fails alone
+            message = f"the engine could not take this request: {exc!r:.200}"
+            outputs.append([rid, "", 0, "error", ["engine_error", message]])
+    elif kind == wire.ABORT:
+        if engine.abort(msg[1]):
+            outputs.append([msg[1], "", 0, "abort", None])
+    elif kind == wire.PING:
+        return [wire.PONG, msg[1], engine.running(), engine.waiting()]
+    return None
+
+
 def serve(engine, fd_in: int, fd_out: int) -> None:
     """Run the loop until the input ends or a SHUTDOWN arrives."""
     clock = time.monotonic
@@ -81,25 +105,11 @@ def serve(engine, fd_in: int, fd_out: int) -> None:
                 return
             replies = []
             for msg in decoder.feed(data):
-                kind = msg[0]
-                if kind == wire.SUBMIT:
-                    rid = msg[1]
-                    try:
-                        accepts.append([rid, engine.add(rid, msg[2], msg[3])])
-                    except Rejected as exc:
-                        outputs.append([rid, "", 0, "error", [exc.kind, exc.message]])
-                    except Exception as exc:  # a request the engine chokes on fails alone
-                        message = f"the engine could not take this request: {exc!r:.200}"
-                        outputs.append([rid, "", 0, "error", ["engine_error", message]])
-                elif kind == wire.ABORT:
-                    if engine.abort(msg[1]):
-                        outputs.append([msg[1], "", 0, "abort", None])
-                elif kind == wire.PING:
-                    replies.append(
-                        wire.encode([wire.PONG, msg[1], engine.running(), engine.waiting()])
-                    )
-                elif kind == wire.SHUTDOWN:
+                if msg[0] == wire.SHUTDOWN:
                     return
+                reply = handle_message(engine, msg, accepts, outputs)
+                if reply is not None:
+                    replies.append(wire.encode(reply))
             if replies:
                 _write_all(fd_out, b"".join(replies))
         deadline = engine.next_deadline()
