@@ -763,3 +763,20 @@ def test_cli_refuses_remote_hosts(capsys):
         main(["--url", "http://203.0.113.7:8000"])
     assert exc.value.code == 2
     assert "only loopback" in capsys.readouterr().err
+
+
+def test_server_ttft_reads_first_token_times_of_successful_requests(tmp_path):
+    from bench.server_ttft import first_token_times
+
+    log = tmp_path / "server.log"
+    lines = [json.dumps({"status": 200, "first_token_ms": t}) for t in (24.0, 26.0, 25.0)]
+    lines += [
+        "2026-11-30 INFO server: serving on http://127.0.0.1:8000",  # not JSON
+        json.dumps({"status": 400, "first_token_ms": None}),
+        json.dumps({"status": 200, "first_token_ms": None}),  # no first token (aborted early)
+        json.dumps({"status": 503, "first_token_ms": 1.0}),
+    ]
+    log.write_text("\n".join(lines) + "\n")
+    times = sorted(first_token_times(str(log)))
+    assert times == [24.0, 25.0, 26.0]
+    assert percentile(times, 50) == 25.0 and percentile(times, 90) == 26.0
