@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a client may accept no bytes of its response (it stopped "
                    "reading) before its connection is closed and its request aborted "
                    "(0: never)")
+    g.add_argument("--backlog", type=int, default=2048,
+                   help="listen backlog: connections the kernel queues before they are "
+                   "accepted (capped by net.core.somaxconn)")
+    g.add_argument("--max-connections", type=int, default=None,
+                   help="open connections beyond which a new one first closes the oldest "
+                   "idle keep-alive connection, else is answered 503 and closed (default: "
+                   "the file-descriptor limit, ulimit -n, less 128)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="least severe log lines written (info: one line per finished request)")
     g.add_argument("--log-format", default="text", choices=["text", "json"],
@@ -61,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("access control")
     g.add_argument("--api-key", action="append", metavar="KEY", default=None,
-                   help="require 'Authorization: Bearer KEY' on the /v1/* routes (repeatable, "
-                   "or comma-separated; /health and /metrics stay open). None: the keys in "
+                   help="require 'Authorization: Bearer KEY' on every route (repeatable, "
+                   "or comma-separated; /health, /ready and /metrics stay open). None: the keys in "
                    f"${API_KEY_ENV} (comma-separated) if it is set, else no key is needed. "
                    "Prefer the variable: a command line is visible to other users")
     g.add_argument("--allowed-origins", action="append", metavar="ORIGINS", default=None,
@@ -103,6 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("limits and timeouts")
     g.add_argument("--max-concurrent-requests", type=int, default=None,
                    help="requests in flight beyond which new ones get 503 with Retry-After")
+    g.add_argument("--max-concurrent-sequences", type=int, default=None,
+                   help="sequences (prompts x n) in flight beyond which new requests get 503 "
+                   "with Retry-After; a request asking for more than this alone is a 400 "
+                   "(default: twice what the workers run at once, their max batch summed; "
+                   "0: no limit)")
+    g.add_argument("--queued-heartbeat-s", type=float, default=15.0,
+                   help="a streaming request still queued after this many seconds starts its "
+                   "response and sends an SSE comment this often until its first token, so "
+                   "that proxies with read timeouts keep it (0: wait silently)")
     g.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may run before the server aborts it")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -177,6 +193,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout,
         max_concurrent_requests=args.max_concurrent_requests,
+        max_concurrent_sequences=args.max_concurrent_sequences,
+        queued_heartbeat=args.queued_heartbeat_s or None,
+        backlog=args.backlog,
+        max_connections=args.max_connections,
         shutdown_timeout=args.shutdown_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
         read_timeout=args.read_timeout,
@@ -194,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("server.request").setLevel(logging.WARNING)
     if config.api_keys:
         logging.getLogger("server").info(
-            "API keys required on /v1/* (%d key(s)); /health and /metrics are open",
+            "API keys required (%d key(s)); /health, /ready and /metrics are open",
             len(config.api_keys),
         )
     from .http.app import create_app

@@ -87,6 +87,14 @@ class ServerConfig:
     request_timeout: float | None = None
     #: Requests in flight beyond which new ones get a 503 (None: no limit).
     max_concurrent_requests: int | None = None
+    #: Sequences (prompts x n) in flight beyond which a new request gets a 503; one that
+    #: asks for more than this alone is a 400. None: twice what the workers run at once
+    #: (their max batch, summed), so that at most one batch's worth waits; 0: no limit.
+    max_concurrent_sequences: int | None = None
+    #: A streaming request still queued after this many seconds starts its response and
+    #: sends an SSE comment this often until its first token, so that proxies with read
+    #: timeouts (nginx: 60 s) keep it (None: wait silently).
+    queued_heartbeat: float | None = 15.0
     #: On SIGTERM/SIGINT, how long in-flight requests may keep streaming before they are
     #: aborted (0: abort at once).
     shutdown_timeout: float = 30.0
@@ -99,6 +107,12 @@ class ServerConfig:
     #: (it stopped reading: its TCP window is full) is closed, and its request aborted
     #: (None: never). Also bounds how long such a client can hold a shutdown.
     send_timeout: float | None = 30.0
+    #: The listen backlog (the kernel caps it at net.core.somaxconn).
+    backlog: int = 2048
+    #: Open connections beyond which a new one first ends the oldest idle keep-alive
+    #: connection, else gets a 503 and is closed (None: the file-descriptor limit less a
+    #: reserve, see server.http.listen.default_max_connections).
+    max_connections: int | None = None
     #: After the drain, seconds open connections (idle keep-alives) get before they are cut.
     close_timeout: float = 2.0
     #: Keys accepted on the ``/v1/*`` routes (``Authorization: Bearer KEY``); empty: no key

@@ -5,6 +5,7 @@
     │   ├── NotFound            404 (unknown model or route)
     │   ├── MethodNotAllowed    405
     │   ├── PayloadTooLarge     413
+    │   ├── UnsupportedMediaType 415 (a generation body not declared application/json)
     │   ├── BodyTimeout         408 (the body did not arrive within the read timeout)
     │   └── Unauthorized        401
     ├── EngineError             the engine failed the request; status 500
@@ -27,15 +28,29 @@ __all__ = [
     "NotFound",
     "MethodNotAllowed",
     "PayloadTooLarge",
+    "UnsupportedMediaType",
     "BodyTimeout",
     "Unauthorized",
     "EngineError",
     "WorkerDied",
     "ServiceUnavailable",
     "RequestTimeout",
+    "clip",
     "error_from_wire",
     "error_body",
 ]
+
+
+#: The longest message an error carries (into a response body and a log line): values a
+#: client sent are quoted in messages, and must not make either larger than this.
+MAX_MESSAGE_CHARS = 1024
+
+
+def clip(value: str, limit: int = 256) -> str:
+    """``value`` for quoting in a message: at most ``limit`` characters, marked when cut."""
+    if len(value) <= limit:
+        return value
+    return f"{value[:limit]}... ({len(value)} characters)"
 
 
 class ServerError(Exception):
@@ -46,6 +61,7 @@ class ServerError(Exception):
     code: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        message = clip(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.message = message
         self.param = param
@@ -73,6 +89,13 @@ class MethodNotAllowed(ClientError):
 class PayloadTooLarge(ClientError):
     status = 413
     code = "payload_too_large"
+
+
+class UnsupportedMediaType(ClientError):
+    """A generation request whose body is not declared JSON (``Content-Type``)."""
+
+    status = 415
+    code = "unsupported_media_type"
 
 
 class BodyTimeout(ClientError):

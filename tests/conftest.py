@@ -23,6 +23,9 @@ from server.http.serve import serve
 
 FAST_SIM = {"itl_ms": 2.0, "ttft_ms": 5.0, "prefill_us_per_token": 0.0}
 
+#: The header a generation request's body needs (a body sent with ``content=``).
+JSON = {"Content-Type": "application/json"}
+
 
 class ServerURL(str):
     """The base URL, e.g. ``http://127.0.0.1:41234``; ``.app`` is the running app."""

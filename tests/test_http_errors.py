@@ -8,7 +8,7 @@ import pytest
 import trio
 
 from server.config import EngineConfig, Limits
-from tests.conftest import FAST_SIM, running_server
+from tests.conftest import FAST_SIM, JSON, running_server
 
 BAD_COMPLETIONS = [
     (b"{not json", 400, None),
@@ -68,10 +68,10 @@ def check_error_body(r: httpx.Response, status: int, param: str | None) -> None:
 async def test_bad_requests_get_4xx_and_the_server_goes_on(server_url):
     async with httpx.AsyncClient(base_url=server_url, timeout=10) as http:
         for body, status, param in BAD_COMPLETIONS:
-            r = await http.post("/v1/completions", content=body)
+            r = await http.post("/v1/completions", content=body, headers=JSON)
             check_error_body(r, status, param)
         for body, status, param in BAD_CHAT:
-            r = await http.post("/v1/chat/completions", content=body)
+            r = await http.post("/v1/chat/completions", content=body, headers=JSON)
             check_error_body(r, status, param)
         ok = await http.post("/v1/completions", json={"prompt": "still here", "max_tokens": 2})
         assert ok.status_code == 200
@@ -94,7 +94,7 @@ async def test_routes_methods_and_sizes():
                 for _ in range(10):
                     yield b"x" * 200
 
-            r = await http.post("/v1/completions", content=chunks())
+            r = await http.post("/v1/completions", content=chunks(), headers=JSON)
             check_error_body(r, 413, None)
             ok = await http.post("/v1/completions", json={"prompt": "fine", "max_tokens": 1})
             assert ok.status_code == 200

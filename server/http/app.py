@@ -49,6 +49,7 @@ from .auth import APIKeys, is_protected
 from .cors import CORSPolicy
 from .encode import dumps
 from .generate import handle_generate
+from .listen import connection_info
 
 __all__ = ["LLMServerApp", "create_app"]
 
@@ -120,6 +121,9 @@ class LLMServerApp(QuartTrio):
             return
         request_id, _ = request_id_from_header(header(scope, b"x-request-id"))
         token = request_id_var.set(request_id)
+        conn = connection_info.get()
+        if conn is not None:
+            conn.request_id = request_id
         try:
             await self._serve_http(scope, receive, send, request_id)
         finally:
@@ -168,6 +172,27 @@ class LLMServerApp(QuartTrio):
                 return
         await super().__call__(scope, receive, send)
 
+    def sequence_limit(self) -> int | None:
+        """Sequences admitted at once (``max_concurrent_sequences``, or twice the engine's
+        capacity by default), or None for no limit."""
+        configured = self.server_config.max_concurrent_sequences
+        if configured is not None:
+            return configured or None
+        engine = self.engine
+        capacity = engine.capacity if engine is not None else None
+        return None if capacity is None else 2 * capacity
+
+    def saturated(self) -> bool:
+        """Whether a one-sequence request would be refused for want of capacity now."""
+        engine = self.engine
+        if engine is None:
+            return False
+        limit = self.server_config.max_concurrent_requests
+        if limit is not None and engine.open_streams >= limit:
+            return True
+        limit = self.sequence_limit()
+        return limit is not None and engine.open_sequences >= limit
+
     # -- lifespan ----------------------------------------------------------------------------
 
     async def _start_engine(self) -> None:
@@ -210,6 +235,19 @@ class LLMServerApp(QuartTrio):
                 body = {"status": "unavailable"}
                 return Response(dumps(body), status=503, content_type="application/json", headers={"Retry-After": "1"})
             return Response(dumps({"status": "ok"}), status=200, content_type="application/json")
+
+        @self.get("/ready")
+        async def ready():
+            # Readiness, distinct from liveness (/health): 503 also while saturated, so that
+            # a load balancer sends new requests elsewhere while this server is full.
+            engine = self.engine
+            if engine is None or not engine.healthy():
+                status, body = 503, {"status": "unavailable"}
+            elif self.saturated():
+                status, body = 503, {"status": "saturated"}
+            else:
+                return Response(dumps({"status": "ready"}), status=200, content_type="application/json")
+            return Response(dumps(body), status=status, content_type="application/json", headers={"Retry-After": "1"})
 
         @self.get("/metrics")
         async def metrics():

@@ -19,6 +19,7 @@ __all__ = [
     "HeaderSend",
     "discard_body",
     "header",
+    "is_json",
     "read_body",
     "send_empty",
     "send_error",
@@ -33,6 +34,17 @@ def header(scope: dict, name: bytes) -> bytes | None:
         if key == name:
             return value
     return None
+
+
+def is_json(content_type: bytes | None) -> bool:
+    """Whether a ``Content-Type`` value declares JSON: ``application/json`` or a
+    ``+json`` type, any parameters (``; charset=utf-8``) allowed."""
+    if content_type is None:
+        return False
+    media = content_type.partition(b";")[0].strip().lower()
+    return media == b"application/json" or (
+        media.startswith(b"application/") and media.endswith(b"+json")
+    )
 
 
 async def read_body(

@@ -1,10 +1,16 @@
 """API keys: ``Authorization: Bearer <key>`` on the ``/v1/*`` routes. Sans-IO.
 
-With keys configured (``--api-key``, or ``TRIO_LLM_API_KEY``), every ``/v1/...`` request must
-carry one of them; otherwise it is answered 401 with an OpenAI-style body and
-``WWW-Authenticate: Bearer``. ``/health`` and ``/metrics`` stay open (probes and scrapers do
-not carry keys; keep them on a private network). A CORS preflight (``OPTIONS``) carries no
-key either and is answered before this check (see :mod:`server.http.cors`).
+With keys configured (``--api-key``, or ``TRIO_LLM_API_KEY``), every request must carry one
+of them; otherwise it is answered 401 with an OpenAI-style body and
+``WWW-Authenticate: Bearer``. Only the exact paths in :data:`OPEN_PATHS` (``/health``,
+``/ready``, ``/metrics``) stay open: probes and scrapers do not carry keys (keep them on a
+private network). A CORS preflight (``OPTIONS``) carries no key either and is answered
+before this check (see :mod:`server.http.cors`).
+
+Why everything but an exact list: the router merges slashes and takes absolute-form targets
+(``//v1/models``, ``http://host/v1/models``), so a check on the raw path's prefix can miss a
+route that will run. An allow-list of exact spellings cannot: any other spelling of an open
+route needs a key, which errs on the safe side.
 
 The comparison takes the same time whichever key matches and however much of a key is
 right: the SHA-256 digest of the presented key is compared with the digest of *every*
@@ -20,7 +26,10 @@ from typing import Iterable
 
 from ..errors import Unauthorized
 
-__all__ = ["APIKeys", "is_protected"]
+__all__ = ["APIKeys", "OPEN_PATHS", "is_protected"]
+
+#: The only paths served without a key when keys are configured (exact match).
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 _BEARER = b"bearer"
 
@@ -30,8 +39,8 @@ def _digest(key: bytes) -> bytes:
 
 
 def is_protected(path: str) -> bool:
-    """True for the paths that need a key: ``/v1`` and everything under it."""
-    return path == "/v1" or path.startswith("/v1/")
+    """True for every path that needs a key: all but the exact :data:`OPEN_PATHS`."""
+    return path not in OPEN_PATHS
 
 
 class APIKeys:

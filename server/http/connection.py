@@ -1,4 +1,5 @@
-"""Hypercorn's per-connection classes, with bounded writes and a short path for body chunks.
+"""One TCP connection of this server: hypercorn's ``TCPServer`` with direct, progress-bounded
+writes and a keep-alive timer that the listener can end early.
 
 Theory of operation
 -------------------
@@ -9,33 +10,28 @@ through ``SocketStream.send_all``: two trips through Trio's scheduler and a hand
 context managers per write. For a server whose responses are thousands of small SSE writes
 a second, that was a third of the frontend's CPU (``docs/benchmarks.md``).
 
-:class:`BoundedWriteTCPServer` changes two things, and :func:`install` makes hypercorn use it:
+:class:`ServingConnection` is used only by :mod:`server.http.listen` for this server's own
+listeners (no hypercorn module is changed), and differs from upstream in these ways:
 
+* **HTTP/1.1 only**, through :class:`~server.http.protocol.ServingProtocolWrapper`.
 * **Direct writes.** When no other write is in progress on the connection (the lock is
   free), the bytes are handed to the kernel with one non-blocking ``write``. Nothing awaits
   in between, so no other task can start a write on the connection meanwhile, and the order
   of writes is kept. Only what the kernel does not take at once (a full socket buffer), or a
   failed write, goes the slow way below, which reports a broken or closed connection as
   before.
-* **Bounded writes.** Hypercorn shields every write from cancellation, so a client that
-  stops reading (its TCP window full) would block its request's task for as long as the
-  connection lives: neither the request timeout, nor the drain's abort, nor hypercorn's
-  graceful close could end it, and the request kept its --max-concurrent-requests slot. A
-  write that cannot finish within ``config.send_timeout`` closes the connection instead
-  (the app then sees a disconnect and lets the request go). The scopes of blocked writes
-  are kept in ``config.active_writes``, so that :func:`cut_stalled_writes` can shorten them
-  when the server stops.
-
-TLS connections (``trio.SSLStream``) always take the slow path: their bytes must go through
-the TLS layer.
-
-Above it, hypercorn's HTTP/1.1 protocol turns each ASGI body message into an h11 ``Data``
-event, and h11 checks it against its state machine and frames it. :class:`ServingH11Protocol`
-frames the chunks of a response that h11 has already decided to send chunked (its state is
-``SEND_BODY`` with the chunked writer) itself: ``<size in hex>\r\n<bytes>\r\n``, exactly
-what h11 writes. A ``Data`` event changes no h11 state, so h11 is still right about
-everything else (the response head, the last chunk, keep-alive); any other framing
-(``Content-Length``, an HTTP/1.0 client) goes through h11 as before.
+* **Writes bounded by progress.** Hypercorn shields every write from cancellation, so a
+  client that stops reading (its TCP window full) would block its request's task for as
+  long as the connection lives. Here a blocked write goes on while the client takes bytes,
+  however slowly, and closes the connection once it has taken none for
+  ``config.send_timeout`` seconds (the app then sees a disconnect and lets the request go).
+  The scopes of blocked writes are kept in ``config.active_writes``, so that
+  :func:`cut_stalled_writes` can shorten them when the server stops.
+* **Keep-alive.** The idle timer (upstream's ``TrioSingleTask``) takes no lock and does not
+  wait for its task to start: a trip through the scheduler less on every request. While a
+  connection is idle it is registered with the listener's pool, which may end it early
+  (:meth:`ServingConnection.close_if_idle`) to make room for a new connection.
+* Closing is shielded: a connection cancelled at shutdown still releases its socket.
 
 Writes that no longer yield to the scheduler made one race of hypercorn's likely: an answer
 given before the request body was read (a 401) can be complete before hypercorn's reader
@@ -47,34 +43,20 @@ alive. The generation routes therefore read the body before such answers, or say
 from __future__ import annotations
 
 import logging
+import math
 import os
 
-import h11
-import hypercorn.protocol
-import hypercorn.protocol.h11
-import hypercorn.trio.run
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, RawData
-from hypercorn.protocol.events import Body, Response
-from hypercorn.protocol.h11 import H11Protocol
-from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
+from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import TCPServer
-from hypercorn.utils import suppress_body
+from hypercorn.typing import ConnectionState
+from hypercorn.utils import parse_socket_addr
 
-try:  # h11's chunked writer (private): without it, every chunk goes through h11 as usual
-    from h11._writers import ChunkedWriter
-except ImportError:  # pragma: no cover
-    ChunkedWriter = None
+from .protocol import ServingProtocolWrapper
 
-__all__ = [
-    "BoundedWriteTCPServer",
-    "KeepAliveTask",
-    "ServingH11Protocol",
-    "ServingHTTPStream",
-    "cut_stalled_writes",
-    "install",
-]
+__all__ = ["KeepAliveTask", "ServingConnection", "cut_stalled_writes"]
 
 log = logging.getLogger("server")
 
@@ -111,12 +93,47 @@ async def _run_in_scope(scope: trio.CancelScope, action) -> None:
         await action()
 
 
-class BoundedWriteTCPServer(TCPServer):
-    """Hypercorn's connection with direct and bounded writes (see the module docstring)."""
+class ServingConnection(TCPServer):
+    """One connection of this server (see the module docstring). ``idle`` is the pool's set
+    of idle connections (insertion-ordered: oldest first), or None."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, app, config, context, state, stream, *, idle: dict | None = None) -> None:
+        super().__init__(app, config, context, state, stream)
         self.idle_task = KeepAliveTask()
+        self._idle = idle
+        self._idle_scope: trio.CancelScope | None = None
+
+    async def run(self) -> None:
+        """Serve the connection until it closes; errors of the protocol propagate (the
+        listener's boundary stops them there)."""
+        socket = self.stream.socket
+        try:
+            client = parse_socket_addr(socket.family, socket.getpeername())
+            server = parse_socket_addr(socket.family, socket.getsockname())
+            async with TaskGroup() as task_group:
+                self._task_group = task_group
+                self.protocol = ServingProtocolWrapper(
+                    self.app,
+                    self.config,
+                    self.context,
+                    task_group,
+                    ConnectionState(self.state),
+                    False,
+                    client,
+                    server,
+                    self.protocol_send,
+                )
+                await self.protocol.initiate()
+                await self.idle_task.restart(self._task_group, self._idle_timeout)
+                await self._read_data()
+        except OSError:
+            pass
+        finally:
+            await self._close()
+
+    async def _close(self) -> None:
+        with trio.CancelScope(shield=True):  # nothing here blocks: shielded, and bounded
+            await super()._close()
 
     async def _read_data(self) -> None:
         await super()._read_data()
@@ -125,13 +142,40 @@ class BoundedWriteTCPServer(TCPServer):
         # by default) before letting go of this connection's tasks and buffers.
         await self.idle_task.stop()
 
+    # -- keep-alive ---------------------------------------------------------------------------
+
+    async def _idle_timeout(self) -> None:
+        scope = self._idle_scope = trio.move_on_after(self.config.keep_alive_timeout)
+        idle = self._idle
+        if idle is not None:
+            idle[self] = None
+        try:
+            with scope:
+                await self.context.terminated.wait()
+        finally:
+            if idle is not None:
+                idle.pop(self, None)
+            self._idle_scope = None
+        with trio.CancelScope(shield=True):
+            await self._initiate_server_close()
+
+    def close_if_idle(self) -> bool:
+        """End the connection now if it is between requests; returns whether it was."""
+        scope = self._idle_scope
+        if scope is None or scope.cancel_called:
+            return False
+        scope.cancel()
+        return True
+
+    # -- writes -------------------------------------------------------------------------------
+
     async def protocol_send(self, event) -> None:
         if type(event) is not RawData:
             await super().protocol_send(event)
             return
         data = event.data
         stream = self.stream
-        if type(stream) is trio.SocketStream and not self.send_lock.locked():
+        if not self.send_lock.locked():
             try:
                 # fileno() is -1 once the socket is closed: the write then fails (EBADF).
                 sent = os.write(stream.socket.fileno(), data)
@@ -145,10 +189,10 @@ class BoundedWriteTCPServer(TCPServer):
         await self._send_bounded(data)
 
     async def _send_bounded(self, data, *, torn: bool = False) -> None:
-        """Write ``data`` under the lock, shielded and bounded by the send timeout. ``torn``:
-        the rest of a partial direct write; the lock is free (nothing yielded since that
-        write), and it is taken inside the shield so that a cancelled caller cannot leave a
-        chunk half-written. Otherwise waiting for the lock stays cancellable, as upstream."""
+        """Write ``data`` under the lock, shielded and bounded by progress. ``torn``: the
+        rest of a partial direct write; the lock is free (nothing yielded since that write),
+        and it is taken inside the shield so that a cancelled caller cannot leave a chunk
+        half-written. Otherwise waiting for the lock stays cancellable, as upstream."""
         scope = trio.CancelScope(shield=True)
         broken = False
         if torn:
@@ -163,91 +207,36 @@ class BoundedWriteTCPServer(TCPServer):
             await self.protocol.handle(Closed())
         elif scope.cancelled_caught:  # a half-written response: the connection is done for
             log.info("closing a connection whose client stopped reading")
-            await self.stream.aclose()
+            with trio.CancelScope(shield=True):
+                await self.stream.aclose()
             await self.protocol.handle(Closed())
 
     async def _send_all(self, data, scope: trio.CancelScope) -> bool:
-        """``send_all`` within ``config.send_timeout`` from now, its scope registered for
-        :func:`cut_stalled_writes`; returns whether the connection was broken or closed."""
-        timeout = getattr(self.config, "send_timeout", None)
-        if timeout is not None:
-            scope.deadline = trio.current_time() + timeout
-        writes = getattr(self.config, "active_writes", None)
-        if writes is not None:
-            writes.add(scope)
+        """Send all of ``data``; the deadline moves ``config.send_timeout`` past each write
+        that made progress. ``scope`` is registered for :func:`cut_stalled_writes`. Returns
+        whether the connection was broken or closed."""
+        config = self.config
+        writes = config.active_writes
+        writes.add(scope)
+        sock = self.stream.socket
+        view = memoryview(data)
         try:
-            await self.stream.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            while view:
+                timeout = config.send_timeout
+                deadline = math.inf if timeout is None else trio.current_time() + timeout
+                scope.deadline = min(deadline, config.send_cutoff)
+                sent = await sock.send(view)
+                view = view[sent:]
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
             return True
         finally:
-            if writes is not None:
-                writes.discard(scope)
+            writes.discard(scope)
         return False
-
-
-class ServingH11Protocol(H11Protocol):
-    """Hypercorn's HTTP/1.1 protocol, framing the chunks of a chunked response itself."""
-
-    #: The response head went out and h11 chose chunked framing for its body.
-    _chunked = False
-
-    async def stream_send(self, event) -> None:
-        if type(event) is Body and self._chunked:
-            data = event.data
-            if data:  # h11 writes nothing for an empty chunk (it would end the body)
-                await self.send(RawData(data=b"%x\r\n%b\r\n" % (len(data), data)))
-            return
-        self._chunked = False
-        await super().stream_send(event)
-        if type(event) is Response:
-            connection = self.connection
-            self._chunked = ChunkedWriter is not None and (
-                type(getattr(connection, "_writer", None)) is ChunkedWriter
-                and connection.our_state is h11.SEND_BODY
-            )
-
-
-class ServingHTTPStream(HTTPStream):
-    """Hypercorn's ASGI side of one HTTP request, passing body messages of a response in
-    progress (more to come, bytes, a response that has a body) straight to the protocol;
-    everything else is hypercorn's own ``app_send``."""
-
-    #: The response started and its body is sent (not a HEAD, a 204 or a 304).
-    _body_ok = False
-
-    async def app_send(self, message) -> None:
-        if message is not None and self._body_ok and message.get("more_body", False):
-            body = message.get("body", b"")
-            if message["type"] == "http.response.body" and type(body) is bytes:
-                if body:
-                    await self.send(Body(stream_id=self.stream_id, data=body))
-                return
-        await super().app_send(message)
-        self._body_ok = self.state == ASGIHTTPState.RESPONSE and not suppress_body(
-            self.scope["method"], int(self.response["status"])
-        )
-
-
-def install() -> None:
-    """Make hypercorn's Trio worker use :class:`BoundedWriteTCPServer` for its connections,
-    :class:`ServingH11Protocol` for HTTP/1.1 on them and :class:`ServingHTTPStream` for
-    each request.
-
-    Hypercorn's modules refer to the classes they imported; this replaces those names, for
-    every hypercorn server in the process (the behaviour is the same, only cheaper and
-    bounded). Called when :mod:`server.http.serve` is imported; harmless to call again.
-    """
-    hypercorn.trio.run.TCPServer = BoundedWriteTCPServer
-    hypercorn.protocol.H11Protocol = ServingH11Protocol
-    hypercorn.protocol.h11.HTTPStream = ServingHTTPStream
 
 
 def cut_stalled_writes(hc: HypercornConfig, grace: float) -> None:
     """From now on no write may take longer than ``grace`` seconds, blocked ones included."""
-    hc.send_timeout = grace if hc.send_timeout is None else min(hc.send_timeout, grace)
     deadline = trio.current_time() + grace
+    hc.send_cutoff = min(hc.send_cutoff, deadline)
     for scope in list(hc.active_writes):
         scope.deadline = min(scope.deadline, deadline)
-
-
-install()

@@ -5,7 +5,7 @@ Theory of operation
 One request, one nursery::
 
     handle_generate (the writer)
-    ├── API key and method              -> 401, 405 (after the body: see discard_body)
+    ├── API key, method, content type   -> 401, 405, 415 (after the body: see discard_body)
     ├── read and validate the body      -> 4xx before anything is sent
     ├── dispatch to the engine          -> 503 if no worker can take it
     ├── nursery
@@ -31,12 +31,14 @@ only work per streamed write is a clock read and one lock-free histogram observa
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import trio
 
 from ..errors import (
     BodyTimeout,
+    ClientError,
     EngineError,
     MethodNotAllowed,
     PayloadTooLarge,
@@ -44,10 +46,20 @@ from ..errors import (
     ServerError,
     ServiceUnavailable,
     Unauthorized,
+    UnsupportedMediaType,
 )
 from ..observability.record import RequestRecord
 from . import schema
-from .asgi import CLOSE, discard_body, header, read_body, send_error, send_json, watch_disconnect
+from .asgi import (
+    CLOSE,
+    discard_body,
+    header,
+    is_json,
+    read_body,
+    send_error,
+    send_json,
+    watch_disconnect,
+)
 from .encode import DONE, ChunkEncoder, completion_body, error_event
 
 __all__ = ["handle_generate"]
@@ -112,6 +124,13 @@ async def handle_generate(
             app.api_keys.check(header(scope, b"authorization"))
         if scope["method"] != "POST":
             raise MethodNotAllowed(f"Method {scope['method']} is not allowed; use POST.")
+        if not is_json(header(scope, b"content-type")):
+            # A form or text/plain POST is a "simple" cross-site request a browser sends
+            # without a CORS preflight: any web page could otherwise start generations.
+            raise UnsupportedMediaType(
+                "The request body must be JSON, sent with 'Content-Type: application/json'.",
+                param="content-type",
+            )
         body = await read_body(scope, receive, config.max_body_bytes, config.read_timeout)
         if body is None:
             record.client_disconnected = True
@@ -119,15 +138,10 @@ async def handle_generate(
         engine = app.require_engine()
         parse = schema.parse_chat if chat else schema.parse_completion
         req = parse(body, config.limits, engine.model_name)
-        limit = config.max_concurrent_requests
-        if limit is not None and engine.open_streams >= limit:
-            raise ServiceUnavailable(
-                f"The server is at its limit of {limit} concurrent requests; retry later.",
-                code="server_overloaded",
-            )
+        _admit(app, engine, len(req.prompts) * req.params.n)
         stream = engine.generate_many(req.prompts, req.params, timeout=config.request_timeout)
         record.dispatched(req.stream, stream.choices)
-    except (Unauthorized, MethodNotAllowed) as exc:
+    except (Unauthorized, MethodNotAllowed, UnsupportedMediaType) as exc:
         extra = [(b"www-authenticate", b"Bearer")] if isinstance(exc, Unauthorized) else [
             (b"allow", b"POST")
         ]
@@ -154,7 +168,8 @@ async def handle_generate(
                     if req.stream:
                         observe_itl = app.metrics.itl.observe
                         await _write_stream(
-                            answer, stream, req, response_id, engine.model_name, observe_itl
+                            answer, stream, req, response_id, engine.model_name, observe_itl,
+                            config.queued_heartbeat,
                         )
                     else:
                         await _write_full(answer, stream, req, response_id, engine.model_name)
@@ -162,6 +177,32 @@ async def handle_generate(
                 nursery.cancel_scope.cancel()
     finally:
         record.ended(stream, req.params.n)
+
+
+def _admit(app, engine, sequences: int) -> None:
+    """Admission: refuse a request that would take the server past its limits (503 with
+    Retry-After, decided before anything is queued), or that could never fit (400)."""
+    config = app.server_config
+    limit = config.max_concurrent_requests
+    if limit is not None and engine.open_streams >= limit:
+        raise ServiceUnavailable(
+            f"The server is at its limit of {limit} concurrent requests; retry later.",
+            code="server_overloaded",
+        )
+    limit = app.sequence_limit()
+    if limit is None:
+        return
+    if sequences > limit:
+        raise ClientError(
+            f"This request asks for {sequences} sequences (prompts x n); the server runs at "
+            f"most {limit} at once.",
+            param="n",
+        )
+    if engine.open_sequences + sequences > limit:
+        raise ServiceUnavailable(
+            f"The server is at its limit of {limit} concurrent sequences; retry later.",
+            code="server_overloaded",
+        )
 
 
 async def _watch_disconnect(receive, scope: trio.CancelScope, record: RequestRecord) -> None:
@@ -179,6 +220,36 @@ async def _started(answer: _Answer, stream) -> list[int] | None:
         return None
 
 
+#: What a stream still queued sends every heartbeat: an SSE comment, which clients ignore.
+WAITING = b": waiting for the engine\n\n"
+
+
+async def _stream_started(answer: _Answer, stream, heartbeat: float | None) -> list[int] | None:
+    """Start a streaming response once the engine has started (prompt token counts), or
+    answer with a status. A request still queued after ``heartbeat`` seconds starts its
+    response anyway and sends :data:`WAITING` every ``heartbeat`` seconds, so that proxies
+    with read timeouts keep it; a failure after that is an error event (docs/api.md)."""
+    try:
+        per_choice = await stream.wait_started(heartbeat or math.inf)
+    except ServerError as exc:
+        await answer.error(exc)
+        return None
+    if per_choice is not None:
+        await answer.start_stream()
+        return per_choice
+    await answer.start_stream()
+    send = answer.send
+    while per_choice is None:
+        await send({"type": "http.response.body", "body": WAITING, "more_body": True})
+        try:
+            per_choice = await stream.wait_started(heartbeat)
+        except ServerError as exc:
+            answer.record.failed(exc)
+            await answer.last(error_event(exc) + DONE)
+            return None
+    return per_choice
+
+
 def _abort_error(cause: str) -> ServerError:
     """What a non-streaming request aborted by the server is answered with."""
     if cause == "timeout":
@@ -192,12 +263,11 @@ def _prompt_tokens(per_choice: list[int], n: int) -> int:
 
 
 async def _write_stream(
-    answer: _Answer, stream, req, response_id: str, model: str, observe_itl
+    answer: _Answer, stream, req, response_id: str, model: str, observe_itl, heartbeat
 ) -> None:
-    per_choice = await _started(answer, stream)
+    per_choice = await _stream_started(answer, stream, heartbeat)
     if per_choice is None:
         return
-    await answer.start_stream()
     send = answer.send
     record = answer.record
     enc = ChunkEncoder(chat=req.chat, response_id=response_id, created=int(time.time()), model=model)

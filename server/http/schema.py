@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 
 from ..config import Limits
-from ..errors import ClientError, NotFound
+from ..errors import ClientError, NotFound, clip
 from ..params import SamplingParams
 
 __all__ = ["GenerateRequest", "parse_completion", "parse_chat", "decode_json"]
@@ -48,14 +49,42 @@ def decode_json(body: bytes) -> dict:
     except UnicodeDecodeError:
         raise ClientError("The request body is not valid UTF-8.") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_int=_parse_int)
     except RecursionError:
         raise ClientError("The request body is nested too deeply.") from None
     except ValueError as exc:
         raise ClientError(f"The request body is not valid JSON: {exc}.") from None
     if not isinstance(data, dict):
         raise ClientError("The request body must be a JSON object.")
+    if _SURROGATE_ESCAPE.search(text) is not None:
+        _check_unicode(data, "")
     return data
+
+
+_MAX_INT_DIGITS = 40  # far past any field's range (seeds are 64-bit)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _parse_int(digits: str) -> int:
+    """Integers of the body; an absurdly long one is refused before Python converts it."""
+    if len(digits) > _MAX_INT_DIGITS:
+        raise ClientError(f"A number in the request body has more than {_MAX_INT_DIGITS} digits.")
+    return int(digits)
+
+
+def _check_unicode(value, where: str) -> None:
+    """Refuse a lone surrogate (a ``\\ud800`` escape without its pair) anywhere in the body,
+    keys and fields we do not read included: such a string is not Unicode text, and would
+    break whatever logs or forwards it. Only walked when the body has such an escape."""
+    if isinstance(value, str):
+        _utf8(value, where or None)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _utf8(key, where or None)
+            _check_unicode(item, f"{where}.{key}" if where else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_unicode(item, f"{where}[{i}]")
 
 
 def _utf8(text: str, param: str) -> str:
@@ -204,7 +233,9 @@ def _common(data: dict, limits: Limits, served_model: str, *, chat: bool) -> dic
     if model is not None:
         _utf8(model, "model")
     if model is not None and model != served_model:
-        raise NotFound(f"The model '{model}' does not exist.", param="model", code="model_not_found")
+        raise NotFound(
+            f"The model '{clip(model)}' does not exist.", param="model", code="model_not_found"
+        )
     stream = _bool(data, "stream", False)
     options = data.get("stream_options")
     include_usage = False

@@ -17,17 +17,18 @@ are stopped anyway and the CLI process exits.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 
 from ..config import ServerConfig
 from ..observability.gcstats import freeze_after_startup
-from .connection import cut_stalled_writes  # importing it installs the connection class
 from .app import LLMServerApp, create_app
+from .connection import cut_stalled_writes
+from .listen import serve_app
 
 __all__ = ["serve", "hypercorn_config"]
 
@@ -44,8 +45,12 @@ def hypercorn_config(config: ServerConfig) -> HypercornConfig:
     # the client rightly sends nothing. Idle connections (none sent yet, or between
     # requests) are closed by keep_alive_timeout; a slow body is bounded in read_body.
     hc.read_timeout = None
-    hc.send_timeout = config.send_timeout  # read by connection.BoundedWriteTCPServer
+    # Read by connection.ServingConnection: a write that makes no progress for send_timeout
+    # seconds closes the connection; none goes on past send_cutoff (set at shutdown).
+    hc.send_timeout = config.send_timeout
+    hc.send_cutoff = math.inf
     hc.active_writes = set()
+    hc.include_server_header = False  # no banner naming the implementation
     hc.graceful_timeout = config.close_timeout
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
@@ -137,7 +142,15 @@ async def serve(
     async with trio.open_nursery() as nursery:
 
         async def run_hypercorn(*, task_status):
-            await hypercorn_serve(app, hc, shutdown_trigger=stop_listening.wait, task_status=task_status)
+            await serve_app(
+                app,
+                hc,
+                backlog=config.backlog,
+                max_connections=config.max_connections,
+                shutdown_trigger=stop_listening.wait,
+                on_pool=app.metrics.watch_connections,
+                task_status=task_status,
+            )
             nursery.cancel_scope.cancel()  # the other tasks only existed to end it
 
         if handle_signals:

@@ -55,6 +55,8 @@ class EngineStatistics:
     workers_alive: int
     accepting: bool
     workers: tuple[WorkerStatistics, ...]
+    #: Sequences (prompts x n) of the open streams.
+    open_sequences: int = 0
 
 
 class Engine:
@@ -65,6 +67,7 @@ class Engine:
         self.workers = [WorkerClient(i, config, spawn) for i in range(config.workers)]
         self._rids = itertools.count(1)
         self._open_streams = 0
+        self._open_sequences = 0
         self._streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()
         self.deadlines = DeadlineQueue()
         self._accepting = True
@@ -128,6 +131,7 @@ class Engine:
                 choices.append(choice)
         worker.submit_nowait(choices, frames)  # only once everything could be encoded
         self._open_streams += 1
+        self._open_sequences += len(choices)
         if self._idle.is_set():
             self._idle = trio.Event()
         stream = RequestStream(choices, waker, self.config.drain_timeout, self._stream_released)
@@ -150,6 +154,7 @@ class Engine:
     def _stream_released(self, stream: RequestStream) -> None:
         self._streams.discard(stream)
         self._open_streams -= 1
+        self._open_sequences -= stream.choices
         if self._open_streams == 0:
             self._idle.set()
 
@@ -167,6 +172,23 @@ class Engine:
     def open_streams(self) -> int:
         """Streams dispatched and not yet released (requests in flight)."""
         return self._open_streams
+
+    @property
+    def open_sequences(self) -> int:
+        """Sequences (choices: prompts x n) of the streams in flight."""
+        return self._open_sequences
+
+    @property
+    def capacity(self) -> int | None:
+        """Sequences the workers run at once, all together (each worker's ``max_batch``,
+        as its HELLO reported it), or None when a worker did not say."""
+        total = 0
+        for w in self.workers:
+            batch = w.info.get("max_batch")
+            if not batch:
+                return None
+            total += batch
+        return total
 
     def abort_all(self, cause: str = "shutdown") -> int:
         """Server-side abort of every open stream (each drains, then ends with ``abort``).
@@ -214,6 +236,7 @@ class Engine:
         )
         return EngineStatistics(
             open_streams=self._open_streams,
+            open_sequences=self._open_sequences,
             outstanding=sum(w.outstanding for w in workers),
             workers_alive=sum(w.alive for w in workers),
             accepting=self._accepting,

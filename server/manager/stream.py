@@ -32,6 +32,7 @@ reference counting alone.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from typing import TYPE_CHECKING
@@ -313,9 +314,10 @@ class RequestStream:
             outs.append(out)
         return outs
 
-    async def wait_started(self) -> list[int]:
+    async def wait_started(self, timeout: float = math.inf) -> list[int] | None:
         """Wait until the engine accepted every choice and produced the first output; return
-        the prompt token count of each choice.
+        the prompt token count of each choice. Returns None when ``timeout`` seconds passed
+        first; the stream stays open (call again to go on waiting).
 
         Raises the request's error instead (after closing the stream) when a choice ended
         with an error before producing a token: a client fault such as a prompt over the
@@ -324,6 +326,7 @@ class RequestStream:
         first byte, so that such errors are answered with a status instead of a stream.
         """
         choices = self._choices
+        deadline = trio.current_time() + timeout
         try:
             while True:
                 for c in choices:
@@ -333,7 +336,13 @@ class RequestStream:
                         raise exc.exception()
                 if self._waker.ready and all(c.accepted or c.done for c in choices):
                     return [c.prompt_tokens for c in choices]
-                await self._park()
+                if deadline == math.inf:
+                    await self._park()
+                    continue
+                with trio.move_on_at(deadline):
+                    await self._park()
+                    continue
+                return None
         except ServerError:
             raise
         except BaseException:

@@ -147,11 +147,17 @@ class Metrics:
         self.aborts = dict.fromkeys(ABORT_CAUSES, 0)
         self.rejections: dict[int, int] = {}
         self.client_disconnects = 0
+        #: The HTTP server's connection pool (``statistics()``), once it is serving.
+        self._connections = None
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(self)
         self.registry.register(gc_stats())
         if process_metrics:
             ProcessCollector(registry=self.registry)
+
+    def watch_connections(self, pool) -> None:
+        """Report ``pool.statistics()`` (a :class:`server.http.listen.ConnectionPool`)."""
+        self._connections = pool
 
     # -- recording ---------------------------------------------------------------------------
 
@@ -225,6 +231,38 @@ class Metrics:
             labels, [([model], self.client_disconnects)],
         )
         yield from self._engine_families(model)
+        yield from self._connection_families(model)
+
+    def _connection_families(self, model: str) -> Iterator[Metric]:
+        pool = self._connections
+        if pool is None:
+            return
+        stats = pool.statistics()
+        labels, values = ["model_name"], [model]
+        for name, doc, value in (
+            ("connections_open", "Open client connections.", stats.open),
+            ("connections_idle", "Open client connections between requests (keep-alive).",
+             stats.idle),
+        ):
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            gauge.add_metric(values, value)
+            yield gauge
+        for name, doc, value in (
+            ("connections_accepted", "Client connections accepted.", stats.accepted),
+            ("connections_refused",
+             "Connections answered 503 and closed at once: the connection limit was reached "
+             "and no idle connection could make room.", stats.refused),
+            ("connections_reaped",
+             "Idle keep-alive connections closed early to make room for a new connection.",
+             stats.reaped_idle),
+            ("connection_errors",
+             "Connections ended by an unexpected error in the HTTP layer (each also logged); "
+             "the server goes on.", stats.errors),
+            ("descriptor_exhaustions",
+             "Episodes in which connections could not be accepted for want of file "
+             "descriptors.", stats.descriptor_exhaustions),
+        ):
+            yield _counter(name, doc, labels, [(values, value)])
 
     def _engine_families(self, model: str) -> Iterator[Metric]:
         engine = self._engine()

@@ -105,6 +105,7 @@ class SimEngine:
             "engine": "sim",
             "model": model,
             "max_model_len": max_model_len,
+            "max_batch": max_batch,
             "chat_template": CHAT_TEMPLATE,
         }
         self._running: dict[int, _Req] = {}

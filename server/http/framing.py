@@ -1,0 +1,85 @@
+"""What an HTTP/1.1 request head must satisfy before any app sees it. Sans-IO.
+
+h11 parses leniently where RFC 9112 lets a server refuse, and some of that leniency is
+what request smuggling through a proxy is made of. The server is often behind one
+(TLS termination, rate limits), so it refuses, with a status, the shapes that a proxy and
+this server could read differently:
+
+* ``Content-Length`` and ``Transfer-Encoding`` together (RFC 9112 6.3: "ought to be
+  handled as an error"; h11 reads the body as chunked and keeps the connection): 400.
+* Obsolete line folding, a header line that starts with a space or tab (RFC 9112 5.2: a
+  server must either refuse it or replace it; h11 unfolds it): 400. Checked on the raw
+  head, see :func:`find_obs_fold`.
+* A version other than HTTP/1.0 and HTTP/1.1 on the request line, the HTTP/2 connection
+  preface (``PRI * HTTP/2.0``) included: 505. This server speaks HTTP/1.1 only
+  (docs/operations.md, "Security").
+
+An ``Upgrade`` header (``h2c``, ``websocket``) is ignored, as RFC 9110 7.8 allows: the
+request is served as the HTTP/1.1 request it also is.
+
+Every refusal is answered with an OpenAI-style JSON body and ``Connection: close``: after a
+request whose framing is in doubt, nothing else on the connection can be trusted.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["Refusal", "check_request_head", "find_obs_fold", "head_end"]
+
+_VERSIONS = (b"1.0", b"1.1")
+_BLANK_LINE = re.compile(rb"\n\r?\n")
+_FOLDED_LINE = re.compile(rb"\n[ \t]")
+
+
+class Refusal(Exception):
+    """A request head that is refused before the app: ``status`` and a message for the
+    client. Raised inside hypercorn's protocol and answered there."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+def head_end(data: bytes | bytearray) -> int:
+    """The index just past the blank line that ends a request head in ``data``, or -1.
+    Line ends as h11 reads them (``\\r\\n``, or a bare ``\\n``)."""
+    match = _BLANK_LINE.search(data)
+    return -1 if match is None else match.end()
+
+
+def find_obs_fold(head: bytes | bytearray) -> bool:
+    """Whether a complete request head folds a header over two lines."""
+    return _FOLDED_LINE.search(head, 0, max(len(head) - 2, 0)) is not None
+
+
+def check_request_head(http_version: bytes, headers) -> Refusal | None:
+    """The refusal for a parsed request head (h11's version and lower-cased headers), or
+    None when it may be served."""
+    if http_version not in _VERSIONS:
+        version = http_version.decode("ascii", "replace")
+        return Refusal(
+            505,
+            f"HTTP/{version} is not supported: this server speaks HTTP/1.1 (and 1.0).",
+            "http_version_not_supported",
+        )
+    length = chunked = False
+    for name, _ in headers:
+        if name == b"content-length":
+            length = True
+        elif name == b"transfer-encoding":
+            chunked = True
+    if length and chunked:
+        return Refusal(
+            400,
+            "A request may not carry both Content-Length and Transfer-Encoding.",
+            "ambiguous_framing",
+        )
+    return None
+
+
+OBS_FOLD = Refusal(
+    400, "Header lines may not be folded (obs-fold, RFC 9112 section 5.2).", "obs_fold"
+)

@@ -1,0 +1,246 @@
+"""HTTP/1.1 on one connection: hypercorn's protocol classes, scoped to this server.
+
+Hypercorn picks HTTP/1.1 or HTTP/2 per connection (``ProtocolWrapper``), parses with h11
+(``H11Protocol``) and runs one ASGI request at a time (``HTTPStream``). This module's
+subclasses are used only by connections that :mod:`server.http.connection` serves for this
+server; nothing here changes hypercorn for other apps in the process.
+
+* :class:`ServingProtocolWrapper` speaks HTTP/1.1 only. Cleartext HTTP/2 (prior knowledge
+  or ``Upgrade: h2c``) is not served: hypercorn's HTTP/2 code ends the whole server on some
+  frame sequences, and HTTP/2 between a proxy and this server gains nothing for SSE. The
+  preface is answered 505, an ``Upgrade`` header is ignored (the request is served as
+  HTTP/1.1). See docs/operations.md, "Security".
+* :class:`ServingH11Protocol` refuses, before the app, the request heads of
+  :mod:`server.http.framing` (400/505 with an OpenAI-style body and ``Connection: close``),
+  and frames the chunks of a response h11 already sends chunked itself:
+  ``<size in hex>\\r\\n<bytes>\\r\\n``, exactly what h11 writes. A ``Data`` event changes no
+  h11 state, so h11 is still right about everything else (the head, the last chunk,
+  keep-alive); any other framing (``Content-Length``, an HTTP/1.0 client) goes through h11.
+* :class:`ServingHTTPStream` passes the body messages of a response in progress straight to
+  the protocol (one call instead of hypercorn's state checks per SSE event).
+
+The fast paths depend on private names of h11 (``_writers.ChunkedWriter``, the
+``_get_io_object`` hook): :data:`FAST_PATHS` says whether they are in use, and a test fails
+when they are not (hypercorn and h11 are pinned in pyproject.toml for the same reason).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from http import HTTPStatus
+
+import h11
+from hypercorn.events import Closed, RawData
+from hypercorn.protocol.events import Body, Request, Response
+from hypercorn.protocol.h11 import STREAM_ID, H11Protocol
+from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
+from hypercorn.utils import suppress_body
+
+from ..errors import ClientError, error_body
+from ..observability.logs import request_id_from_header
+from .encode import dumps
+from .framing import OBS_FOLD, Refusal, check_request_head, find_obs_fold, head_end
+
+try:  # h11's chunked writer (private): without it, every chunk goes through h11 as usual
+    from h11._writers import ChunkedWriter
+except ImportError:  # pragma: no cover
+    ChunkedWriter = None
+
+__all__ = [
+    "FAST_PATHS",
+    "ServingH11Protocol",
+    "ServingHTTPStream",
+    "ServingProtocolWrapper",
+    "refusal_events",
+]
+
+log = logging.getLogger("server.http")
+
+
+def refusal_events(refusal: Refusal, request_id: str, extra_headers=()) -> list:
+    """The h11 events of the whole answer to a refused request (sans-IO)."""
+    body = dumps(error_body(ClientError(refusal.message, code=refusal.code)))
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        (b"x-request-id", request_id.encode("ascii")),
+        (b"connection", b"close"),
+        *extra_headers,
+    ]
+    return [
+        h11.Response(status_code=refusal.status, headers=headers, reason=_reason(refusal.status)),
+        h11.Data(data=body),
+        h11.EndOfMessage(),
+    ]
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode("ascii")
+    except ValueError:
+        return b"Error"
+
+
+#: What h11 refused (before the app), by the status it suggests.
+_PARSE_ERRORS = {
+    400: ("The request is not valid HTTP/1.1.", "invalid_http"),
+    431: ("The request head is too large.", "request_header_fields_too_large"),
+    501: ("This server supports no Transfer-Encoding but chunked.", "not_implemented"),
+}
+
+
+def _read_head_strictly(reader, buf):
+    """h11's reader of a request head, refusing obs-fold (see :mod:`server.http.framing`).
+    ``bytes(buf)`` is what h11 itself exposes as trailing data."""
+    data = bytes(buf)
+    end = head_end(data)
+    if end != -1 and find_obs_fold(data[:end]):
+        raise OBS_FOLD
+    return reader(buf)
+
+
+class _StrictH11Connection(h11.Connection):
+    """An h11 server connection whose request-head reader refuses folded header lines."""
+
+    def _get_io_object(self, role, event, io_dict):
+        io = super()._get_io_object(role, event, io_dict)
+        if io is not None and role is h11.CLIENT and self._cstate.states[role] is h11.IDLE:
+            return functools.partial(_read_head_strictly, io)
+        return io
+
+
+#: Whether the private h11 names the fast paths need were found (a test asserts it).
+FAST_PATHS = ChunkedWriter is not None and hasattr(h11.Connection, "_get_io_object")
+
+
+class ServingH11Protocol(H11Protocol):
+    """Hypercorn's HTTP/1.1 protocol with strict request heads and our own chunk framing."""
+
+    #: The response head went out and h11 chose chunked framing for its body.
+    _chunked = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.connection = _StrictH11Connection(
+            h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
+        )
+
+    async def handle(self, event) -> None:
+        try:
+            await super().handle(event)
+        except Refusal as refusal:
+            await self._refuse(refusal)
+
+    async def _refuse(self, refusal: Refusal) -> None:
+        """Answer a refused head (unless a response already started) and close."""
+        await self._answer(refusal)
+        log.info("refused a request (%s) from %s: %s", refusal.code, _peer(self.client), refusal)
+        await self.send(Closed())
+
+    async def _send_error_response(self, status_code: int) -> None:
+        # A request h11 could not parse: hypercorn's bodiless answer, with an OpenAI body.
+        message, code = _PARSE_ERRORS.get(status_code, _PARSE_ERRORS[400])
+        await self._answer(Refusal(status_code, message, code))
+
+    async def _answer(self, refusal: Refusal) -> None:
+        if self.connection.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return  # a response is under way: closing is all that is left
+        request_id, _ = request_id_from_header(None)
+        extra = self.config.response_headers("h11")
+        for event in refusal_events(refusal, request_id, extra):
+            await self._send_h11_event(event)
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        refusal = check_request_head(event.http_version, event.headers)
+        if refusal is not None:
+            raise refusal
+
+    async def _create_stream(self, request: h11.Request) -> None:
+        # Hypercorn's, less the WebSocket upgrade (an Upgrade header is ignored), with our
+        # stream class.
+        self.stream = ServingHTTPStream(
+            self.app,
+            self.config,
+            self.context,
+            self.task_group,
+            self.ssl,
+            self.client,
+            self.server,
+            self.stream_send,
+            STREAM_ID,
+        )
+        headers = (
+            request.headers.raw_items() if self.config.h11_pass_raw_headers else list(request.headers)
+        )
+        await self.stream.handle(
+            Request(
+                stream_id=STREAM_ID,
+                headers=headers,
+                http_version=request.http_version.decode(),
+                method=request.method.decode("ascii").upper(),
+                raw_path=request.target,
+                state=self.connection_state,
+            )
+        )
+        self.keep_alive_requests += 1
+        await self.context.mark_request()
+
+    async def stream_send(self, event) -> None:
+        if type(event) is Body and self._chunked:
+            data = event.data
+            if data:  # h11 writes nothing for an empty chunk (it would end the body)
+                await self.send(RawData(data=b"%x\r\n%b\r\n" % (len(data), data)))
+            return
+        self._chunked = False
+        await super().stream_send(event)
+        if type(event) is Response:
+            connection = self.connection
+            self._chunked = ChunkedWriter is not None and (
+                type(getattr(connection, "_writer", None)) is ChunkedWriter
+                and connection.our_state is h11.SEND_BODY
+            )
+
+
+def _peer(client) -> str:
+    if not client:
+        return "?"
+    return f"{client[0]}:{client[1]}"
+
+
+class ServingHTTPStream(HTTPStream):
+    """Hypercorn's ASGI side of one HTTP request, passing body messages of a response in
+    progress (more to come, bytes, a response that has a body) straight to the protocol;
+    everything else is hypercorn's own ``app_send``."""
+
+    #: The response started and its body is sent (not a HEAD, a 204 or a 304).
+    _body_ok = False
+
+    async def app_send(self, message) -> None:
+        if message is not None and self._body_ok and message.get("more_body", False):
+            body = message.get("body", b"")
+            if message["type"] == "http.response.body" and type(body) is bytes:
+                if body:
+                    await self.send(Body(stream_id=self.stream_id, data=body))
+                return
+        await super().app_send(message)
+        self._body_ok = self.state == ASGIHTTPState.RESPONSE and not suppress_body(
+            self.scope["method"], int(self.response["status"])
+        )
+
+
+class ServingProtocolWrapper:
+    """Hypercorn's ``ProtocolWrapper`` for this server: HTTP/1.1 only (module docstring)."""
+
+    __slots__ = ("protocol",)
+
+    def __init__(self, app, config, context, task_group, state, ssl, client, server, send) -> None:
+        self.protocol = ServingH11Protocol(
+            app, config, context, task_group, state, ssl, client, server, send
+        )
+
+    async def initiate(self) -> None:
+        await self.protocol.initiate()
+
+    async def handle(self, event) -> None:
+        await self.protocol.handle(event)
