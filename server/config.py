@@ -115,8 +115,8 @@ class ServerConfig:
     max_connections: int | None = None
     #: After the drain, seconds open connections (idle keep-alives) get before they are cut.
     close_timeout: float = 2.0
-    #: Keys accepted on the ``/v1/*`` routes (``Authorization: Bearer KEY``); empty: no key
-    #: is needed. ``/health`` and ``/metrics`` are always open.
+    #: Keys accepted (``Authorization: Bearer KEY``); empty: no key is needed. Only
+    #: ``/health``, ``/ready`` and ``/metrics`` are open when keys are set.
     api_keys: tuple[str, ...] = ()
     #: Origins a browser may call the API from (CORS), or ``("*",)`` for any; empty: CORS is
     #: off (no CORS headers, preflights are not answered).

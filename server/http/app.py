@@ -10,7 +10,8 @@ Before any route, :meth:`LLMServerApp.__call__` does what every HTTP request nee
 1. the request id (``X-Request-Id``, or a new one) goes into the logging context, and onto
    the response's headers;
 2. CORS, when enabled: a preflight is answered here; other responses get the CORS headers;
-3. API keys, when configured: ``/v1/*`` needs ``Authorization: Bearer KEY`` (401 otherwise);
+3. API keys, when configured: every path but ``/health``, ``/ready`` and ``/metrics`` needs
+   ``Authorization: Bearer KEY`` (401 otherwise; see :mod:`server.http.auth`);
 4. a generation request gets a :class:`~server.observability.RequestRecord`, recorded in the
    metrics and logged in one line when it ends, whatever the outcome.
 
@@ -103,6 +104,8 @@ class LLMServerApp(QuartTrio):
         self.fatal_error: BaseException | None = None
         self.api_keys = APIKeys(config.api_keys) if config.api_keys else None
         self.cors = CORSPolicy(config.allowed_origins) if config.allowed_origins else None
+        #: The HTTP server's :class:`~server.http.listen.ConnectionPool` while it serves.
+        self.connections = None
         #: The ``/metrics`` families, in a registry of this app's own.
         self.metrics = Metrics(lambda: self.engine, self._served_model)
         self._routes()
@@ -171,6 +174,11 @@ class LLMServerApp(QuartTrio):
                 await send_error(send, exc, _WWW_AUTHENTICATE)
                 return
         await super().__call__(scope, receive, send)
+
+    def watch_connections(self, pool) -> None:
+        """Called by the HTTP server with its connection pool (statistics in ``/metrics``)."""
+        self.connections = pool
+        self.metrics.watch_connections(pool)
 
     def sequence_limit(self) -> int | None:
         """Sequences admitted at once (``max_concurrent_sequences``, or twice the engine's

@@ -12,7 +12,7 @@ protocols) and owns the loop itself, so that it can hold these by construction:
   whose ``except`` is the per-connection boundary: whatever the connection raised ends that
   connection (its requests' tasks are cancelled with it, which aborts their engine
   requests), is logged once with the peer and the last request id seen on it, and is
-  counted (``trio_llm_connection_errors_total``). Cancellation still passes.
+  counted (``trio_llm:connection_errors_total``). Cancellation still passes.
 * **A bounded number of connections** (``--max-connections``). A new connection beyond the
   limit first ends the oldest idle keep-alive connection, if there is one (as nginx reuses
   idle connections); otherwise it gets a fixed ``503`` written without any parsing, and is

@@ -148,7 +148,7 @@ async def serve(
                 backlog=config.backlog,
                 max_connections=config.max_connections,
                 shutdown_trigger=stop_listening.wait,
-                on_pool=app.metrics.watch_connections,
+                on_pool=app.watch_connections,
                 task_status=task_status,
             )
             nursery.cancel_scope.cancel()  # the other tasks only existed to end it
