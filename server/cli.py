@@ -220,12 +220,20 @@ def main(argv: list[str] | None = None) -> None:
         )
     from .http.app import create_app
     from .http.serve import serve
+    from .manager.worker import WorkerStartupError
 
     app = create_app(config)
-    trio.run(functools.partial(serve, config, app=app, exit_when_stuck=True))
-    if app.fatal_error is not None:
-        print(f"trio-llm-server: {app.fatal_error}", file=sys.stderr)
-        raise SystemExit(1)
+    # The CLI owns the process: it takes the signals, tunes the collector, and listens at
+    # once (answering 503 until the workers are up, for readiness probes).
+    run = functools.partial(
+        serve, config, app=app, handle_signals=True, tune_gc=True, wait_ready=False,
+        exit_when_stuck=True,
+    )
+    try:
+        trio.run(run)
+    except WorkerStartupError as exc:
+        print(f"trio-llm-server: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":  # pragma: no cover

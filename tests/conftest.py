@@ -112,7 +112,7 @@ async def running_server(config: EngineConfig | None = None, **server_options):
     async with trio.open_nursery() as nursery:
         shutdown = trio.Event()
         binds = await nursery.start(
-            functools.partial(serve, cfg, app=app, handle_signals=False, shutdown_trigger=shutdown)
+            functools.partial(serve, cfg, app=app, shutdown_trigger=shutdown)
         )
         url = ServerURL(binds[0])
         url.app = app

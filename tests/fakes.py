@@ -68,6 +68,20 @@ Frame = namedtuple("Frame", "time pid msg")
 _fake_pids = itertools.count(10_000_001)
 
 
+async def all_outputs(stream) -> list:
+    """Every output of ``stream``; a failed request's error, which the stream raises,
+    ends the list with the output that carried it (``exc.output``)."""
+    outs = []
+    try:
+        async for out in stream:
+            outs.append(out)
+    except server.ServerError as exc:
+        assert exc.output is not None and exc.output.finish_reason == "error"
+        outs.append(exc.output)
+    return outs
+
+
+
 def fault(kind: str, after: int = 0) -> dict:
     """``SamplingParams.extra`` that asks the sim engine for a fault."""
     return {"fault": {"kind": kind, "after": after}}
@@ -575,7 +589,7 @@ def track_request_objects(monkeypatch) -> ObjectTracker:
 
 async def finished(engine):
     async with engine.generate("a b", server.SamplingParams(max_tokens=5)) as stream:
-        outs = [out async for out in stream]
+        outs = await all_outputs(stream)
     assert outs[-1].finish_reason == "length"
     return weakref.ref(stream)
 
@@ -592,7 +606,7 @@ async def cancelled(engine):
 async def failed(engine):
     params = server.SamplingParams(max_tokens=50, extra=fault("error", 2))
     stream = engine.generate("a b", params)
-    outs = [out async for out in stream]
+    outs = await all_outputs(stream)
     assert outs[-1].finish_reason == "error"
     return weakref.ref(stream)
 
@@ -616,7 +630,7 @@ async def cut_off(engine, max_tokens: int = 600):
     async with stream:
         await stream.__anext__()
         stream.abort()
-        outs = [out async for out in stream]
+        outs = await all_outputs(stream)
     assert outs[-1].finish_reason == "abort"
     return weakref.ref(stream)
 

@@ -24,6 +24,7 @@ from server import SamplingParams
 from server.protocol import wire
 from tests import fakes as scenarios
 from tests.fakes import (
+    all_outputs,
     assert_engine_idle,
     fault,
     open_real_engine,
@@ -213,7 +214,7 @@ async def test_batch_with_n_delivers_everything_by_index():
         async with open_real_engine(config()) as (engine, spawn):
             async with engine.generate_many(prompts, params) as stream:
                 await wait_for(lambda: stream.finished)  # all done before the first look
-                outs = [out async for out in stream]
+                outs = await all_outputs(stream)
             assert sorted(o.index for o in outs) == list(range(6))
             for o in outs:
                 p, i = divmod(o.index, 2)
@@ -265,7 +266,7 @@ async def test_errors_are_outputs_mid_stream_and_exceptions_before_it():
             params = SamplingParams(max_tokens=10, extra=fault("error", 3))
             async with engine.generate("a b c", params) as stream:
                 assert await stream.wait_started() == [3]
-                outs = [out async for out in stream]
+                outs = await all_outputs(stream)
             assert sum(o.num_tokens for o in outs) == 3
             assert (outs[-1].finish_reason, outs[-1].error_kind, outs[-1].error) == (
                 "error", "engine_error", "injected engine failure",
@@ -291,7 +292,7 @@ async def _three_requests(engine, first: SamplingParams, during=None):
 
     async def consume(name, params):
         async with engine.generate(name, params) as stream:
-            results[name] = [out async for out in stream]
+            results[name] = await all_outputs(stream)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(consume, "a", first)

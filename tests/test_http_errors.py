@@ -156,10 +156,40 @@ async def test_503_with_retry_after_when_no_worker_is_up():
         app = create_app(cfg)
         stop = trio.Event()
         binds = await nursery.start(
-            functools.partial(serve, cfg, app=app, handle_signals=False, shutdown_trigger=stop)
+            functools.partial(serve, cfg, app=app, shutdown_trigger=stop, wait_ready=False)
         )
         await probe(binds[0])
         stop.set()
     assert seen["health"].status_code == 503
     check_error_body(seen["gen"], 503, None)
     assert seen["gen"].headers["retry-after"] == "1"
+
+
+async def test_a_bug_of_ours_mid_stream_ends_the_stream_with_an_error_event(monkeypatch):
+    # Seed (a): an exception raised by the server's own code into a started stream must not
+    # crash it or the server: the stream ends with an error event and data: [DONE], the
+    # request is aborted on the engine, and the next request is served.
+    from server.http.encode import ChunkEncoder
+    from tests.sse_record import SSE, stream_into
+
+    real = ChunkEncoder.delta
+    calls = 0
+
+    def faulty(self, index, text, finish_reason=None):
+        nonlocal calls
+        calls += 1
+        if calls == 5:  # a test-only fault, a few events into the stream
+            raise RuntimeError("a bug in the encoder")
+        return real(self, index, text, finish_reason)
+
+    monkeypatch.setattr(ChunkEncoder, "delta", faulty)
+    async with running_server() as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            rec = SSE()
+            await stream_into(http, {"prompt": "a", "max_tokens": 500}, rec)
+            assert rec.status == 200 and rec.done
+            assert rec.error()["type"] == "engine_error" and "Traceback" not in rec.body.decode()
+            assert 0 < rec.tokens() < 500
+            r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+            assert r.status_code == 200
+        # running_server checks that nothing is left in the manager or the worker

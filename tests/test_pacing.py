@@ -106,7 +106,7 @@ async def test_a_paced_stream_still_ends_promptly_on_abort_and_errors(autojump_c
         params = server.SamplingParams(max_tokens=100, extra={"fault": {"kind": "error", "after": 3}})
         start = trio.current_time()
         outs = []
-        async with engine.generate("x", params) as stream:
+        async with engine.generate("x", params, errors_as_outputs=True) as stream:
             async for out in stream:
                 outs.append((trio.current_time() - start, out))
         # The error comes 2 steps after the first token, well inside the 0.5 s interval,

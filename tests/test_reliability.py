@@ -18,6 +18,7 @@ import trio
 from server.config import EngineConfig
 from server.manager.worker import WorkerClient
 from server.protocol import wire
+from tests.fakes import all_outputs
 from tests.conftest import FAST_SIM, assert_engine_idle, pid_exists, running_server
 from tests.sse_record import SSE, stream_into
 
@@ -380,9 +381,9 @@ async def test_a_request_the_engine_chokes_on_fails_alone():
         async with engine.generate("fine", server.SamplingParams(max_tokens=300)) as bystander:
             await bystander.__anext__()
             async with engine.generate("x", server.SamplingParams(max_tokens=5, stop=(1,))) as bad:
-                outs = [out async for out in bad]
+                outs = await all_outputs(bad)
             assert outs[-1].finish_reason == "error"
-            rest = [out async for out in bystander]
+            rest = await all_outputs(bystander)
         assert rest[-1].finish_reason == "length" and rest[-1].completion_tokens == 300
         w = engine.statistics().workers[0]
         assert w.pid == pid and w.restarts == 0

@@ -20,6 +20,7 @@ from server.manager.worker import WorkerStartupError
 from server.protocol import wire
 from tests import fakes as scenarios
 from tests.fakes import (
+    all_outputs,
     assert_engine_idle,
     fault,
     open_fake_engine,
@@ -40,10 +41,13 @@ def approx(x):
 async def collect(stream, on_output=None) -> list[tuple[float, server.RequestOutput]]:
     """``(time, output)`` for every output of ``stream``; ``on_output(list)`` after each."""
     got = []
-    async for out in stream:
-        got.append((trio.current_time(), out))
-        if on_output is not None:
-            on_output(got)
+    try:
+        async for out in stream:
+            got.append((trio.current_time(), out))
+            if on_output is not None:
+                on_output(got)
+    except server.ServerError as exc:  # a failed request: its last output is exc.output
+        got.append((trio.current_time(), exc.output))
     return got
 
 
@@ -161,7 +165,7 @@ async def test_server_abort_drains_what_was_produced(autojump_clock):
             first = await stream.__anext__()
             await trio.sleep(0.095)  # tokens pile up in the pending slot meanwhile
             stream.abort()
-            rest = [out async for out in stream]
+            rest = await all_outputs(stream)
         rid = spawn.rids()[0]
         assert spawn.aborts(rid) == 1
         # the pending output drained (merged), then the stream ended with the confirmation
@@ -353,7 +357,7 @@ async def test_batch_with_n_delivers_everything_even_if_finished_before_the_firs
             assert stream.choices == 6
             await trio.sleep(1)  # every sub-request finishes before the consumer looks
             assert stream.finished
-            outs = [out async for out in stream]
+            outs = await all_outputs(stream)
         # one merged output per choice, each carrying its whole text
         assert sorted(o.index for o in outs) == list(range(6))
         for o in outs:
@@ -395,7 +399,7 @@ async def test_take_ready_nowait_returns_every_ready_choice(autojump_clock):
             outs = stream.take_ready_nowait()
             assert sorted(o.index for o in outs) == [0, 1, 2]
             assert all(o.finish_reason == "length" and o.num_tokens == 3 for o in outs)
-            assert [out async for out in stream] == []
+            assert await all_outputs(stream) == []
 
 
 # ------------------------------------------------------------------------------------------
@@ -451,23 +455,31 @@ async def test_request_objects_are_freed_at_once(autojump_clock, monkeypatch):
 # ------------------------------------------------------------------------------------------
 
 
-async def test_engine_error_mid_stream_is_a_terminal_output(autojump_clock):
+async def test_engine_error_mid_stream_raises_from_the_loop(autojump_clock):
     params = SamplingParams(max_tokens=50, extra=fault("error", 3))
     async with open_fake_engine() as (engine, spawn):
         async with engine.generate("a b c", params) as stream:
             assert await stream.wait_started() == [3]
-            outs = [out async for out in stream]  # no exception
-        assert [o.num_tokens for o in outs] == [1, 1, 1, 0]
-        last = outs[-1]
+            outs = []
+            with pytest.raises(server.EngineError, match="injected engine failure") as info:
+                async for out in stream:
+                    outs.append(out)
+        assert [o.num_tokens for o in outs] == [1, 1, 1]
+        last = info.value.output
         assert (last.finish_reason, last.error_kind, last.error) == (
             "error", "engine_error", "injected engine failure",
         )
-        assert last.completion_tokens == 3
-        assert isinstance(last.exception(), server.EngineError)
+        assert last.completion_tokens == 3 and last.num_tokens == 0
         assert spawn.aborts() == 0
+        # The HTTP layer's view: the error is a terminal output.
+        async with engine.generate("a b c", params, errors_as_outputs=True) as stream:
+            outs = [out async for out in stream]  # no exception
+        assert [o.num_tokens for o in outs] == [1, 1, 1, 0]
+        assert outs[-1].finish_reason == "error"
+        assert isinstance(outs[-1].exception(), server.EngineError)
 
 
-async def test_rejected_request_raises_client_error_before_the_first_output(autojump_clock):
+async def test_rejected_request_raises_client_error(autojump_clock):
     async with open_fake_engine(max_model_len=16) as (engine, spawn):
         stream = engine.generate("one two three four five", SamplingParams(max_tokens=12))
         with pytest.raises(server.ClientError, match="maximum context length is 16") as info:
@@ -476,13 +488,16 @@ async def test_rejected_request_raises_client_error_before_the_first_output(auto
         assert info.value.status == 400
         assert engine.statistics().open_streams == 0  # closed by wait_started
         assert spawn.aborts() == 0
-        # iterated instead, the rejection is a terminal output, not an exception
-        async with engine.generate("one two three four five",
-                                   SamplingParams(max_tokens=12)) as stream:
-            outs = [out async for out in stream]
-        assert len(outs) == 1
-        assert (outs[0].finish_reason, outs[0].error_kind) == ("error", "invalid_request")
-        assert isinstance(outs[0].exception(), server.ClientError)
+        # Iterated instead (a library user's loop), the rejection raises too: never an
+        # empty loop.
+        outs = []
+        with pytest.raises(server.ClientError, match="maximum context length") as info:
+            async with engine.generate("one two three four five",
+                                       SamplingParams(max_tokens=12)) as stream:
+                async for out in stream:
+                    outs.append(out)
+        assert outs == [] and info.value.output.error_kind == "invalid_request"
+        assert engine.statistics().open_streams == 0
 
 
 async def test_engine_failure_before_any_output_raises_engine_error(autojump_clock):
@@ -548,7 +563,7 @@ async def _assert_restarted(engine, spawn, count: int = 1):
     await wait_for(lambda: engine.statistics().workers[0].restarts == count
                    and engine.statistics().workers_alive == 1, timeout=30)
     async with engine.generate("again", SamplingParams(max_tokens=3)) as stream:
-        outs = [out async for out in stream]
+        outs = await all_outputs(stream)
     assert outs[-1].finish_reason == "length"
     assert len(spawn.processes) == count + 1
 
@@ -601,7 +616,7 @@ async def test_worker_that_ignores_sigterm_is_killed(autojump_clock):
                                                                                   spawn):
         async with engine.generate("a", SamplingParams(max_tokens=50,
                                                        extra=fault("hang", 1))) as stream:
-            outs = [out async for out in stream]
+            outs = await all_outputs(stream)
         assert outs[-1].error_kind == "worker_died"
         ended = trio.current_time()
         hung = spawn.processes[0]
@@ -620,7 +635,7 @@ async def test_protocol_violation_by_the_worker_ends_its_session(autojump_clock,
             await stream.__anext__()
             if how == "inject":
                 await spawn.processes[0].inject(b"\x00\x00\x00\x01\xc1")
-            outs = [out async for out in stream]
+            outs = await all_outputs(stream)
         assert outs[-1].error_kind == "worker_died" and "protocol violation" in outs[-1].error
         await _assert_restarted(engine, spawn)
         assert spawn.processes[0].exited  # stopped, though it never read its closed pipe

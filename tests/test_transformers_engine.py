@@ -387,10 +387,13 @@ async def test_workers_greedy_concurrent_and_cancel(model_dir, engine):
                             scope.cancel()
             assert await hf.ping_all() == [(0, 0)]
 
-            # a client fault comes back as an error output, before any text
-            async with hf.generate(list(range(10, 300)), SamplingParams(max_tokens=4)) as s:
-                outs = [o async for o in s]
-            assert outs[-1].finish_reason == "error" and outs[-1].error_kind == "invalid_request"
+            # a client fault is raised from the loop as a ClientError, before any text
+            outs = []
+            with pytest.raises(server.ClientError, match="maximum context length") as info:
+                async with hf.generate(list(range(10, 300)), SamplingParams(max_tokens=4)) as s:
+                    async for o in s:
+                        outs.append(o)
+            assert outs == [] and info.value.output.error_kind == "invalid_request"
 
 
 async def test_worker_with_a_missing_model_dir_fails_to_start(tmp_path, capfd):

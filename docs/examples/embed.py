@@ -24,7 +24,7 @@ async def main() -> None:
                     print(f"choice {out.index}: {texts[out.index]!r} ({out.finish_reason})")
 
         with trio.move_on_after(0.05):
-            async with engine.generate("a long one", server.SamplingParams(max_tokens=10_000)) as s:
+            async with engine.generate("a long one", server.SamplingParams(max_tokens=5_000)) as s:
                 async for out in s:
                     pass
         print("after cancelling:", await engine.ping_all(), "(running, waiting) per worker")

@@ -22,7 +22,6 @@ Embedding in a Trio program that already has an engine::
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 
@@ -98,6 +97,7 @@ class LLMServerApp(QuartTrio):
         self.started_at = time.time()
         self._owns_engine = engine is None
         self._engine_shutdown = trio.Event()
+        self._engine_started = trio.Event()
         self._engine_stopped = trio.Event()
         #: Set (with ``fatal_error``) when the engine cannot run at all; serve() then exits.
         self.fatal = trio.Event()
@@ -206,9 +206,8 @@ class LLMServerApp(QuartTrio):
     async def _start_engine(self) -> None:
         if not self._owns_engine:
             return
-        self.engine = await self.nursery.start(
-            functools.partial(self._run_engine)
-        )
+        self.engine = await self.nursery.start(self._run_engine)
+        self._engine_started.set()
 
     async def _run_engine(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -223,7 +222,17 @@ class LLMServerApp(QuartTrio):
             self.engine = None
             self._engine_stopped.set()
 
-    async def _stop_engine(self) -> None:
+    async def wait_engine_ready(self) -> None:
+        """Wait until the engine runs and every worker has loaded (returns at once for an
+        engine the caller passed in, which is ready by construction)."""
+        if self._owns_engine:
+            await self._engine_started.wait()
+        engine = self.engine
+        if engine is not None:
+            await engine.wait_ready()
+
+    async def stop_engine(self) -> None:
+        """Stop the engine this app started (shielded); nothing for a caller's engine."""
         if not self._owns_engine or self.engine is None:
             return
         self._engine_shutdown.set()
@@ -234,7 +243,7 @@ class LLMServerApp(QuartTrio):
 
     def _routes(self) -> None:
         self.before_serving(self._start_engine)
-        self.after_serving(self._stop_engine)
+        self.after_serving(self.stop_engine)
 
         @self.get("/health")
         async def health():

@@ -139,7 +139,9 @@ async def handle_generate(
         parse = schema.parse_chat if chat else schema.parse_completion
         req = parse(body, config.limits, engine.model_name)
         _admit(app, engine, len(req.prompts) * req.params.n)
-        stream = engine.generate_many(req.prompts, req.params, timeout=config.request_timeout)
+        stream = engine.generate_many(
+            req.prompts, req.params, timeout=config.request_timeout, errors_as_outputs=True
+        )
         record.dispatched(req.stream, stream.choices)
     except (Unauthorized, MethodNotAllowed, UnsupportedMediaType) as exc:
         extra = [(b"www-authenticate", b"Bearer")] if isinstance(exc, Unauthorized) else [

@@ -23,6 +23,7 @@ import signal
 
 import trio
 from hypercorn.config import Config as HypercornConfig
+from trio_util import wait_any
 
 from ..config import ServerConfig
 from ..observability.gcstats import freeze_after_startup
@@ -30,7 +31,7 @@ from .app import LLMServerApp, create_app
 from .connection import cut_stalled_writes
 from .listen import serve_app
 
-__all__ = ["serve", "hypercorn_config"]
+__all__ = ["ShutdownPhases", "serve", "hypercorn_config"]
 
 log = logging.getLogger("server")
 
@@ -81,85 +82,120 @@ async def drain(app: LLMServerApp, timeout: float, *, hurry: trio.Event | None =
             await engine.wait_idle()
 
 
+class ShutdownPhases:
+    """The phases of a shutdown, as events, in the order they are set.
+
+    ``begin``: stop accepting and drain (a first signal, the caller's trigger, or an engine
+    that cannot start). ``hurry``: skip what is left of the drain (a second signal, or the
+    drain's grace is over). ``stop_listening``: the HTTP server stops accepting and closes
+    its connections.
+    """
+
+    __slots__ = ("begin", "hurry", "stop_listening")
+
+    def __init__(self, begin: trio.Event | None = None) -> None:
+        self.begin = begin if begin is not None else trio.Event()
+        self.hurry = trio.Event()
+        self.stop_listening = trio.Event()
+
+    def signal(self, name: str) -> None:
+        """A shutdown signal: the first begins the graceful drain, the second stops now."""
+        if not self.begin.is_set():
+            log.info("%s: shutting down gracefully", name)
+            self.begin.set()
+        else:
+            log.warning("second signal: stopping now")
+            self.hurry.set()
+            self.stop_listening.set()
+
+
 async def serve(
     config: ServerConfig,
     *,
     app: LLMServerApp | None = None,
-    handle_signals: bool = True,
     shutdown_trigger: trio.Event | None = None,
+    handle_signals: bool = False,
+    tune_gc: bool = False,
+    wait_ready: bool = True,
     exit_when_stuck: bool = False,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``config`` until a signal (or ``shutdown_trigger``) ends it, drained gracefully.
+    """Serve ``config`` until ``shutdown_trigger`` is set (or the caller's scope is
+    cancelled), drained gracefully. Changes nothing process-wide unless asked.
 
-    ``started(urls)`` reports the bound addresses, e.g. ``["http://127.0.0.1:8000"]``.
-    With ``exit_when_stuck`` (the CLI), a shutdown that connections of clients that stopped
-    reading would hold up forever ends the process (``os._exit(0)``) once the engine's
-    workers are stopped.
+    ``started(urls)`` reports the bound addresses, e.g. ``["http://127.0.0.1:8000"]``: with
+    ``wait_ready`` (the default) once every engine worker has loaded its engine, so that
+    requests are served at once; without it as soon as the server listens (it answers 503
+    until the workers are up, which is what a process behind a readiness probe wants). An
+    engine that cannot start raises :class:`~server.manager.worker.WorkerStartupError`.
+
+    Options that reach beyond this server, for the CLI (or a program that wants them):
+    ``handle_signals`` takes SIGTERM/SIGINT for the graceful drain (a second signal stops at
+    once); ``tune_gc`` freezes what is alive after startup and raises the collector's
+    thresholds for the whole process (``server.observability.gcstats``); with
+    ``exit_when_stuck``, a shutdown that connections of clients that stopped reading would
+    hold up forever ends the process (``os._exit(0)``) once the engine's workers are stopped.
     """
     app = app or create_app(config)
     hc = hypercorn_config(config)
-    stop_listening = trio.Event()
-    begin = trio.Event() if shutdown_trigger is None else shutdown_trigger
-    hurry = trio.Event()
-
-    async def watch_signals():
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                if not begin.is_set():
-                    log.info("%s: shutting down gracefully", signal.Signals(signum).name)
-                    begin.set()
-                else:
-                    log.warning("second signal: stopping now")
-                    hurry.set()
-                    stop_listening.set()
-
-    async def stop_on_fatal():
-        await app.fatal.wait()
-        hurry.set()
-        begin.set()
-
-    async def cut_stalled_writes_when_stopping():
-        await stop_listening.wait()
-        cut_stalled_writes(hc, config.close_timeout)  # no client may hold the exit
-
-    async def shutdown_when_asked():
-        await begin.wait()
-        await drain(app, config.shutdown_timeout, hurry=hurry)
-        stop_listening.set()
-        # Hypercorn now closes the connections (close_timeout) and runs the lifespan
-        # shutdown, and this task is cancelled when it is done. But hypercorn shields its
-        # socket writes: a client that stopped reading holds its connection forever. Past
-        # a grace period (or at a second signal), stop the engine ourselves.
-        with trio.move_on_after(config.close_timeout + 5.0):
-            await hurry.wait()
-        log.error("connections still open (clients not reading): stopping the engine anyway")
-        await app._stop_engine()
-        if exit_when_stuck:
-            logging.shutdown()
-            os._exit(0)
+    phases = ShutdownPhases(shutdown_trigger)
 
     async with trio.open_nursery() as nursery:
 
-        async def run_hypercorn(*, task_status):
+        async def run_http(*, task_status):
             await serve_app(
                 app,
                 hc,
                 backlog=config.backlog,
                 max_connections=config.max_connections,
-                shutdown_trigger=stop_listening.wait,
+                shutdown_trigger=phases.stop_listening.wait,
                 on_pool=app.watch_connections,
                 task_status=task_status,
             )
             nursery.cancel_scope.cancel()  # the other tasks only existed to end it
 
         if handle_signals:
-            nursery.start_soon(watch_signals)
-        nursery.start_soon(shutdown_when_asked)
-        nursery.start_soon(cut_stalled_writes_when_stopping)
-        nursery.start_soon(stop_on_fatal)
-        binds = await nursery.start(run_hypercorn)
-        for url in binds:
-            log.info("serving on %s (engine %s)", url, config.engine.engine)
-        freeze_after_startup()
-        task_status.started(binds)
+            nursery.start_soon(_watch_signals, phases)
+        nursery.start_soon(_shut_down, app, config, hc, phases, exit_when_stuck)
+        nursery.start_soon(_stop_on_fatal, app, phases)
+        binds = await nursery.start(run_http)
+        if wait_ready:
+            await wait_any(app.wait_engine_ready, app.fatal.wait)
+        if not app.fatal.is_set():
+            for url in binds:
+                log.info("serving on %s (engine %s)", url, config.engine.engine)
+            if tune_gc:
+                freeze_after_startup()
+            task_status.started(binds)
+    if app.fatal_error is not None:
+        raise app.fatal_error
+
+
+async def _watch_signals(phases: ShutdownPhases) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            phases.signal(signal.Signals(signum).name)
+
+
+async def _stop_on_fatal(app: LLMServerApp, phases: ShutdownPhases) -> None:
+    await app.fatal.wait()
+    phases.hurry.set()
+    phases.begin.set()
+
+
+async def _shut_down(app, config: ServerConfig, hc, phases: ShutdownPhases, exit_when_stuck: bool):
+    """Once begun: drain, stop listening, and stop the engine even if connections hang."""
+    await phases.begin.wait()
+    await drain(app, config.shutdown_timeout, hurry=phases.hurry)
+    phases.stop_listening.set()
+    cut_stalled_writes(hc, config.close_timeout)  # no client may hold the exit
+    # The HTTP server now closes the connections (close_timeout) and runs the lifespan
+    # shutdown, and this task is cancelled when it is done. Past a grace period (or at a
+    # second signal), stop the engine ourselves.
+    with trio.move_on_after(config.close_timeout + 5.0):
+        await phases.hurry.wait()
+    log.error("connections still open (clients not reading): stopping the engine anyway")
+    await app.stop_engine()
+    if exit_when_stuck:
+        logging.shutdown()
+        os._exit(0)

@@ -95,14 +95,21 @@ class Engine:
         return {}
 
     def generate(
-        self, prompt: object, params: SamplingParams | None = None, *, timeout: float | None = None
+        self,
+        prompt: object,
+        params: SamplingParams | None = None,
+        *,
+        timeout: float | None = None,
+        errors_as_outputs: bool = False,
     ) -> RequestStream:
         """Start generating for one prompt (``params.n`` choices); never blocks.
 
         ``prompt`` is a string, a list of token ids, or ``{"messages": [...]}`` for chat.
         Raises :class:`~server.errors.ServiceUnavailable` when no worker can take it.
         """
-        return self.generate_many([prompt], params, timeout=timeout)
+        return self.generate_many(
+            [prompt], params, timeout=timeout, errors_as_outputs=errors_as_outputs
+        )
 
     def generate_many(
         self,
@@ -110,6 +117,7 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         timeout: float | None = None,
+        errors_as_outputs: bool = False,
     ) -> RequestStream:
         """Start all prompts at once (``n`` choices each, index ``p * n + i``); never blocks.
 
@@ -134,7 +142,9 @@ class Engine:
         self._open_sequences += len(choices)
         if self._idle.is_set():
             self._idle = trio.Event()
-        stream = RequestStream(choices, waker, self.config.drain_timeout, self._stream_released)
+        stream = RequestStream(
+            choices, waker, self.config.drain_timeout, self._stream_released, errors_as_outputs
+        )
         self._streams.add(stream)
         if timeout is not None:
             self.deadlines.add(trio.current_time() + timeout, stream)
@@ -217,6 +227,11 @@ class Engine:
     def healthy(self) -> bool:
         """True while accepting and at least one worker answered a ping recently."""
         return self._accepting and any(w.healthy() for w in self.workers)
+
+    async def wait_ready(self) -> None:
+        """Wait until every worker has loaded its engine and serves (at once if they do)."""
+        for w in self.workers:
+            await w.wait_alive()
 
     async def wait_idle(self) -> None:
         """Wait until no stream is open in the manager."""

@@ -227,6 +227,15 @@ class RequestStream:
             async for out in stream:
                 print(out.index, out.text, out.finish_reason)
 
+    A request that fails raises its error from the loop: a
+    :class:`~server.errors.ClientError` when the engine refused it as the client's fault
+    (a prompt over the context), an :class:`~server.errors.EngineError` when the engine
+    failed (:class:`~server.errors.WorkerDied` when its worker went away). The other choices
+    are aborted, and the output that carried the error (with any text merged into it before
+    the failure) is the exception's ``output``. With ``errors_as_outputs`` (the HTTP layer,
+    which writes errors as events), such an output is returned instead, with
+    ``finish_reason == "error"``.
+
     Cancelling the consumer's scope aborts every unfinished choice on the engine, once.
     :meth:`abort` is the server's own abort (a timeout, a shutdown): the stream keeps going
     until the engine confirms or the drain deadline passes, and every open choice ends with
@@ -242,10 +251,18 @@ class RequestStream:
         "_drain_deadline",
         "_on_release",
         "abort_cause",
+        "errors_as_outputs",
         "__weakref__",
     )
 
-    def __init__(self, choices: list[Choice], waker: _Waker, drain_timeout: float, on_release):
+    def __init__(
+        self,
+        choices: list[Choice],
+        waker: _Waker,
+        drain_timeout: float,
+        on_release,
+        errors_as_outputs: bool = False,
+    ):
         self._choices = choices
         self._waker = waker
         self._open = len(choices)  # choices whose last output the consumer has not taken
@@ -255,6 +272,8 @@ class RequestStream:
         self._on_release = on_release
         #: Why the server aborted this stream ("timeout", "shutdown", ...), or None.
         self.abort_cause: str | None = None
+        #: Return an output with ``finish_reason == "error"`` instead of raising its error.
+        self.errors_as_outputs = errors_as_outputs
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -287,7 +306,23 @@ class RequestStream:
         out = ready.popleft().take()
         if out.finish_reason is not None:
             self._open -= 1
+            if out.finish_reason == "error" and not self.errors_as_outputs:
+                await self._raise_error(out)
         return out
+
+    async def _raise_error(self, out: RequestOutput) -> None:
+        """End the stream with ``out``'s error (the library's view of a failed request).
+
+        The exception's traceback holds this frame: the local goes before it propagates,
+        or exception and frame would form a cycle that only the collector frees (and the
+        stream with them)."""
+        exc = out.exception()
+        exc.output = out
+        await self.aclose()
+        try:
+            raise exc
+        finally:
+            del exc
 
     def _paced_due(self) -> bool:
         """With pacing on and news ready: may it go out now? (Always, once aborted, when a

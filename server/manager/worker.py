@@ -30,6 +30,7 @@ import os
 import subprocess
 
 import trio
+from trio_util import AsyncBool
 
 from ..config import EngineConfig
 from ..errors import EngineError
@@ -73,7 +74,9 @@ class WorkerClient:
         #: rid -> Choice for every choice the worker holds (registered at dispatch).
         self.states: dict[int, Choice] = {}
         self.info: dict = {}
-        self.alive = False
+        #: Whether a worker process is up (said HELLO) and serving; observable, so that
+        #: :meth:`wait_alive` needs no polling.
+        self._alive = AsyncBool(False)
         self.pid: int | None = None
         self.restarts = 0
         self.gave_up = False
@@ -436,6 +439,18 @@ class WorkerClient:
             self.pid = None
 
     # -- introspection -----------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self._alive.value
+
+    @alive.setter
+    def alive(self, value: bool) -> None:
+        self._alive.value = value
+
+    async def wait_alive(self) -> None:
+        """Wait until a worker process is up and serving (at once if it is)."""
+        await self._alive.wait_value(True)
 
     def healthy(self) -> bool:
         """Alive and heard from within three heartbeat periods."""
