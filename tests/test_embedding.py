@@ -27,7 +27,7 @@ from server.http import protocol
 from server.http.connection import ServingConnection
 from server.http.app import create_app
 from server.http.serve import serve
-from tests.conftest import FAST_SIM, running_server
+from tests.conftest import FAST_SIM, child_pids, running_server
 from tests.test_hostile import addr
 
 
@@ -157,3 +157,23 @@ async def test_serve_changes_nothing_process_wide_and_starts_when_ready():
         assert gc.get_threshold() == thresholds and gc.get_freeze_count() == frozen
         assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
         stop.set()
+
+
+async def test_cancelling_the_callers_scope_stops_serve_and_its_workers():
+    before = child_pids()
+    cfg = ServerConfig(engine=EngineConfig(workers=2, engine_options=dict(FAST_SIM)), port=0)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(functools.partial(serve, cfg))
+            assert len(child_pids() - before) == 2
+            async with httpx.AsyncClient(base_url=binds[0]) as http:
+                async with http.stream(
+                    "POST", "/v1/completions",
+                    json={"prompt": "a", "max_tokens": 5000, "stream": True},
+                ) as r:
+                    async for _ in r.aiter_raw():
+                        nursery.cancel_scope.cancel()  # mid-stream: the caller leaves
+                        break
+    with trio.fail_after(10):
+        while child_pids() - before:
+            await trio.sleep(0.05)

@@ -18,3 +18,16 @@ async def test_embed_example_runs():
     out = result.stdout.decode()
     assert out.count("(length)") == 6
     assert "after cancelling: [(0, 0), (0, 0)]" in out
+
+
+async def test_serve_beside_your_app_example_runs():
+    with trio.fail_after(60):
+        result = await trio.run_process(
+            [sys.executable, str(ROOT / "docs" / "examples" / "serve_beside_your_app.py")],
+            capture_stdout=True,
+            cwd=ROOT,
+        )
+    out = result.stdout.decode()
+    assert "openai route: 200" in out and "own route: 200 {'summary'" in out
+    assert "servers stopped; workers alive: 2" in out
+    assert "engine stopped; workers alive: 0" in out
