@@ -1,6 +1,7 @@
 """Test doubles for the core, and the invariant checks every engine test ends with.
 
-In-memory workers (for ``autojump_clock`` tests)::
+The in-memory workers are the public testing kit's (:mod:`server.testing`), under the names
+the tests have always used::
 
     async with open_fake_spawner() as spawn:
         async with server.open_engine(config, spawn=spawn) as engine:
@@ -8,29 +9,18 @@ In-memory workers (for ``autojump_clock`` tests)::
             await assert_engine_idle(engine)
         spawn.assert_all_exited()
 
-``open_fake_engine(**config)`` does all of that around a test body, and
-``open_real_engine(**config)`` does the same with real worker processes (``python -m
-server.workers``), recording every frame that crosses their pipes.
-
-A :class:`FakeWorkerProcess` runs the real :class:`~server.workers.sim.SimEngine` in a trio task
-driven by trio's clock, behind the real wire protocol: it is the loop of
-:func:`server.workers.main.serve` written with trio instead of ``selectors``. Its task lives in
-the nursery of the :class:`FakeSpawner` that made it, which the test owns. Everything it reads
-and writes is recorded (:attr:`FakeSpawner.received`, :attr:`FakeSpawner.sent`). It can crash
-(sim fault ``crash``, or :meth:`FakeWorkerProcess.die`), hang (fault ``hang``, or
-:meth:`FakeWorkerProcess.hang`), be killed, and break the protocol (fault ``garbage``, or
-:meth:`~FakeWorkerProcess.inject`).
+``open_fake_engine(**config)`` does all of that around a test body and yields
+``(engine, spawner)``; ``open_real_engine(**config)`` does the same with real worker
+processes (``python -m server.workers``), recording every frame that crosses their pipes.
+Also here: the scenarios of the refcount tests, an object tracker, and ``sim_reference``
+(what the sim engine produces for a prompt, computed without a worker).
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 import os
 import weakref
-from collections import namedtuple
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 import trio
 import trio.testing
@@ -40,8 +30,17 @@ from server.manager import engine as engine_module
 from server.manager import stream as stream_module
 from server.manager.worker import spawn_process
 from server.protocol import wire
-from server.workers.base import WorkerCrash, WorkerGarbage, WorkerHang
-from server.workers.main import handle_message
+from server.testing import (
+    Frame,
+    InMemorySpawner as FakeSpawner,
+    InMemoryWorkerProcess as FakeWorkerProcess,
+    PipeLog as _Log,
+    assert_engine_idle,
+    fault,
+    open_in_memory_engine,
+    open_in_memory_spawner as open_fake_spawner,
+    sim_engine_config as sim_config,
+)
 from server.workers.sim import SimEngine
 
 __all__ = [
@@ -61,12 +60,6 @@ __all__ = [
     "track_request_objects",
 ]
 
-#: One message that crossed a worker's pipe: when (trio clock), which process, what.
-Frame = namedtuple("Frame", "time pid msg")
-
-# Fake pids lie above the largest pid_max Linux allows (2**22), so they name no real process.
-_fake_pids = itertools.count(10_000_001)
-
 
 async def all_outputs(stream) -> list:
     """Every output of ``stream``; a failed request's error, which the stream raises,
@@ -81,277 +74,16 @@ async def all_outputs(stream) -> list:
     return outs
 
 
-
-def fault(kind: str, after: int = 0) -> dict:
-    """``SamplingParams.extra`` that asks the sim engine for a fault."""
-    return {"fault": {"kind": kind, "after": after}}
-
-
-def sim_config(**kw) -> server.EngineConfig:
-    """An EngineConfig for the sim engine; engine options may be given inline.
-
-    >>> sim_config(itl_ms=2, drain_timeout=0.5).engine_options["itl_ms"]
-    2
-    """
-    option_names = {"itl_ms", "ttft_ms", "prefill_us_per_token", "max_batch", "max_model_len",
-                    "faults", "model", "startup_delay_ms"}
-    options = {"itl_ms": 10.0, "ttft_ms": 20.0, "faults": True}
-    options.update(kw.pop("engine_options", {}))
-    for name in list(kw):
-        if name in option_names:
-            options[name] = kw.pop(name)
-    return server.EngineConfig(engine_options=options, **kw)
-
-
-# ------------------------------------------------------------------------------------------
-# Recording, shared by the fake and the real spawner
-# ------------------------------------------------------------------------------------------
-
-
-class _Log:
-    """What crossed the pipes of every process a spawner started."""
-
-    def __init__(self) -> None:
-        self.processes: list = []
-        #: frames the workers received (frontend -> worker), in order
-        self.received: list[Frame] = []
-        #: frames the workers sent (worker -> frontend), in order
-        self.sent: list[Frame] = []
-
-    def messages(self, kind: int) -> list[Frame]:
-        return [f for f in self.received if f.msg[0] == kind]
-
-    def rids(self) -> list[int]:
-        """The rids submitted so far, in order."""
-        return [f.msg[1] for f in self.received if f.msg[0] == wire.SUBMIT]
-
-    def submits(self) -> list[Frame]:
-        return self.messages(wire.SUBMIT)
-
-    def aborts(self, rid: int | None = None) -> int:
-        """How many ABORT frames reached a worker (for ``rid``, or in all)."""
-        return sum(
-            1 for f in self.received
-            if f.msg[0] == wire.ABORT and (rid is None or f.msg[1] == rid)
-        )
-
-    def outputs_for(self, rid: int) -> list[tuple[float, list]]:
-        """``(time, [rid, text, ntok, finish, err])`` for each output a worker sent for rid."""
-        return [
-            (f.time, out)
-            for f in self.sent
-            if f.msg[0] == wire.STEP
-            for out in f.msg[2]
-            if out[0] == rid
-        ]
-
-
-# ------------------------------------------------------------------------------------------
-# The in-memory worker
-# ------------------------------------------------------------------------------------------
-
-
-class FakeWorkerProcess:
-    """A worker "process" over in-memory streams, with the parts of :class:`trio.Process`
-    that :class:`~server.manager.worker.WorkerClient` uses."""
-
-    def __init__(self, spawner: FakeSpawner, options: dict, *, start_fails: bool) -> None:
-        self.pid = next(_fake_pids)
-        self._spawner = spawner
-        # frontend -> worker
-        self.stdin, self._in = trio.testing.memory_stream_one_way_pair()
-        # worker -> frontend
-        self._out, self.stdout = trio.testing.memory_stream_one_way_pair()
-        self.engine = SimEngine(**options, clock=trio.current_time)
-        self.returncode: int | None = None
-        self.exit_time: float | None = None
-        self.hung = False
-        self.ignore_terminate = spawner.ignore_terminate
-        self._start_fails = start_fails
-        self._exited = trio.Event()
-        self._kill_scope = trio.CancelScope()  # the whole "process"
-        self._serve_scope = trio.CancelScope()  # its loop (cancelled by hang())
-        self.signals: list[str] = []
-
-    # -- the trio.Process surface ------------------------------------------------------------
-
-    async def wait(self) -> int:
-        await self._exited.wait()
-        return self.returncode
-
-    def terminate(self) -> None:
-        self.signals.append("SIGTERM")
-        if not self.ignore_terminate:
-            self.die(-15)
-
-    def kill(self) -> None:
-        self.signals.append("SIGKILL")
-        self.die(-9)
-
-    # -- what a test does to it --------------------------------------------------------------
-
-    @property
-    def exited(self) -> bool:
-        return self._exited.is_set()
-
-    def die(self, code: int = -9) -> None:
-        """The process exits now with ``code`` (its pipes close; output not yet written is
-        lost)."""
-        if self.returncode is None and not self._exited.is_set():
-            self.returncode = code
-        self._kill_scope.cancel()
-
-    def hang(self) -> None:
-        """Stop reading and writing, but stay alive (until terminated or killed)."""
-        self.hung = True
-        self._serve_scope.cancel()
-
-    async def inject(self, data: bytes) -> None:
-        """Write raw bytes on the worker's stdout (call it while the worker is idle)."""
-        await self._out.send_all(data)
-
-    # -- the loop (server.workers.main.serve, with trio) -------------------------------------
-
-    async def _main(self) -> None:
-        code = 0
-        try:
-            with self._kill_scope:
-                try:
-                    with self._serve_scope:
-                        code = await self._serve()
-                except WorkerCrash:
-                    code = 17
-                except WorkerHang:
-                    self.hung = True
-                except WorkerGarbage:  # as server.workers.main does: garbage, then idle
-                    self.hung = True
-                    await self._out.send_all(b"\xff\xff\xff\xffthis is not a frame")
-                except (trio.BrokenResourceError, trio.ClosedResourceError, wire.ProtocolError):
-                    code = 1
-                if self.hung:
-                    await trio.sleep_forever()
-        finally:
-            if self.returncode is None:
-                self.returncode = code
-            self.exit_time = trio.current_time()
-            for stream in (self._out, self._in):
-                try:
-                    stream.close()
-                except trio.BrokenResourceError:
-                    pass
-            self._exited.set()
-
-    async def _send(self, message: list) -> None:
-        self._spawner.sent.append(Frame(trio.current_time(), self.pid, message))
-        await self._out.send_all(wire.encode(message))
-
-    async def _serve(self) -> int:
-        engine = self.engine
-        log = self._spawner.received
-        if self._start_fails:
-            return 2  # "cannot start engine": exit before HELLO
-        decoder = wire.FrameDecoder()
-        await self._send([wire.HELLO, engine.info])
-        accepts: list = []
-        outputs: list = []
-        while True:
-            deadline = engine.next_deadline()
-            data = None
-            if deadline is None or deadline > trio.current_time():
-                with trio.move_on_at(math.inf if deadline is None else deadline):
-                    data = await self._in.receive_some(1 << 20)
-            if data is not None:
-                if not data:
-                    return 0
-                now = trio.current_time()
-                replies = []
-                for msg in decoder.feed(data):
-                    log.append(Frame(now, self.pid, msg))
-                    if msg[0] == wire.SHUTDOWN:
-                        return 0
-                    reply = handle_message(engine, msg, accepts, outputs)
-                    if reply is not None:
-                        replies.append(reply)
-                for reply in replies:
-                    await self._send(reply)
-            deadline = engine.next_deadline()
-            now = trio.current_time()
-            if deadline is not None and now >= deadline:
-                outputs.extend(engine.step(now))
-            if accepts or outputs:
-                await self._send([wire.STEP, accepts, outputs])
-                accepts = []
-                outputs = []
-
-
-class FakeSpawner(_Log):
-    """The ``spawn`` argument of :func:`server.open_engine`: makes :class:`FakeWorkerProcess`
-    objects whose tasks run in the nursery this spawner was opened around.
-
-    ``fail_next_starts``: that many of the next processes exit (code 2) before HELLO.
-    ``fail_next_spawns``: that many of the next calls raise ``OSError`` (as a failed fork).
-    ``ignore_terminate``: processes survive SIGTERM (only SIGKILL ends them).
-    """
-
-    def __init__(self, nursery: trio.Nursery, *, ignore_terminate: bool = False) -> None:
-        super().__init__()
-        self._nursery = nursery
-        self.ignore_terminate = ignore_terminate
-        self.fail_next_starts = 0
-        self.fail_next_spawns = 0
-
-    async def __call__(self, config: server.EngineConfig) -> FakeWorkerProcess:
-        await trio.lowlevel.checkpoint()
-        if self.fail_next_spawns > 0:
-            self.fail_next_spawns -= 1
-            raise BlockingIOError(11, "Resource temporarily unavailable")
-        argument = config.worker_argument()
-        assert argument["engine"] == "sim", "the fake worker runs the sim engine only"
-        fails = self.fail_next_starts > 0
-        if fails:
-            self.fail_next_starts -= 1
-        proc = FakeWorkerProcess(self, argument["options"], start_fails=fails)
-        self.processes.append(proc)
-        self._nursery.start_soon(proc._main)
-        return proc
-
-    def assert_all_exited(self) -> None:
-        """No fake process outlives the engine."""
-        alive = [p.pid for p in self.processes if not p.exited]
-        assert not alive, f"worker processes still running: {alive}"
-
-
-@asynccontextmanager
-async def open_fake_spawner(**kw) -> AsyncIterator[FakeSpawner]:
-    """A :class:`FakeSpawner` whose processes run in a nursery owned by this block. Processes
-    still running at the end are killed (a test checks :meth:`~FakeSpawner.assert_all_exited`
-    first when that matters)."""
-    async with trio.open_nursery() as nursery:
-        spawner = FakeSpawner(nursery, **kw)
-        try:
-            yield spawner
-        finally:
-            for proc in spawner.processes:
-                proc.ignore_terminate = False
-                proc.die(-9)
-
-
 @asynccontextmanager
 async def open_fake_engine(config: server.EngineConfig | None = None, *, spawner_kw=None,
                            timeout: float = 600.0, **config_kw):
-    """``(engine, spawner)`` over in-memory workers; on a clean exit, checks that nothing is
-    left in the manager or the workers, and that every process exited with the engine.
-
-    The block fails after ``timeout`` seconds of trio time: under ``autojump_clock`` a test
-    that would wait forever (heartbeats keep the clock jumping) fails at once instead.
-    """
-    config = config or sim_config(**config_kw)
-    with trio.fail_after(timeout):
-        async with open_fake_spawner(**(spawner_kw or {})) as spawner:
-            async with server.open_engine(config, spawn=spawner) as engine:
-                yield engine, spawner
-                await assert_engine_idle(engine)
-            spawner.assert_all_exited()
+    """``(engine, spawner)`` over the testing kit's in-memory workers (see
+    :func:`server.testing.open_in_memory_engine`, which checks the invariants at the end)."""
+    async with open_fake_spawner(**(spawner_kw or {})) as spawner:
+        async with open_in_memory_engine(
+            config, spawner=spawner, timeout=timeout, **config_kw
+        ) as engine:
+            yield engine, spawner
 
 
 # ------------------------------------------------------------------------------------------
@@ -469,25 +201,6 @@ async def open_real_engine(config: server.EngineConfig | None = None, *, settle:
 # ------------------------------------------------------------------------------------------
 # Invariants and helpers
 # ------------------------------------------------------------------------------------------
-
-
-async def assert_engine_idle(engine: server.Engine, *, settle: float = 0.0) -> None:
-    """Nothing left in the manager, nothing running or waiting in any live worker.
-
-    The manager must be empty at once; the workers get ``settle`` seconds (for requests that
-    ignored their abort and run on after the stream was cut off).
-    """
-    stats = engine.statistics()
-    assert stats.open_streams == 0, stats
-    assert stats.outstanding == 0, stats
-    deadline = trio.current_time() + settle
-    while True:
-        counts = await engine.ping_all()
-        if all(c == (0, 0) for c in counts):
-            return
-        if trio.current_time() >= deadline:
-            raise AssertionError(f"requests left in workers (running, waiting): {counts}")
-        await trio.sleep(0.01)
 
 
 async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.005) -> None:

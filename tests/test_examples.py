@@ -31,3 +31,18 @@ async def test_serve_beside_your_app_example_runs():
     assert "openai route: 200" in out and "own route: 200 {'summary'" in out
     assert "servers stopped; workers alive: 2" in out
     assert "engine stopped; workers alive: 0" in out
+
+
+async def test_the_testing_kit_example_tests_pass():
+    # docs/testing.md's example: a user's own code, tested in virtual time with the kit.
+    with trio.fail_after(120):
+        result = await trio.run_process(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+             str(ROOT / "docs" / "examples" / "test_my_policy.py")],
+            capture_stdout=True,
+            check=False,
+            cwd=ROOT,
+        )
+    out = result.stdout.decode()
+    assert result.returncode == 0, out
+    assert "3 passed" in out
