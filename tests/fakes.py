@@ -233,7 +233,7 @@ def sim_reference(prompt, params: server.SamplingParams, sample: int = 0, **opti
 
 
 class ObjectTracker:
-    """Weak sets of every Choice, _Waker and RequestOutput made while installed, and weak
+    """Weak sets of every Choice, Waker and RequestOutput made while installed, and weak
     references to all of them in the order they were made."""
 
     def __init__(self) -> None:
@@ -261,7 +261,7 @@ class ObjectTracker:
 def track_request_objects(monkeypatch) -> ObjectTracker:
     """Make the manager build weak-referenceable subclasses of its per-request objects.
 
-    ``Choice``, ``_Waker`` and ``RequestOutput`` use ``__slots__`` without ``__weakref__``;
+    ``Choice``, ``Waker`` and ``RequestOutput`` use ``__slots__`` without ``__weakref__``;
     the subclasses add only that slot (and registration), so their lifetime is the original
     one. Installed with ``monkeypatch`` on the names the manager looks up at run time.
     """
@@ -274,7 +274,7 @@ def track_request_objects(monkeypatch) -> ObjectTracker:
             super().__init__(*args)
             tracker.add(tracker.choices, self)
 
-    class TrackedWaker(stream_module._Waker):
+    class TrackedWaker(stream_module.Waker):
         __slots__ = ("__weakref__",)
 
         def __init__(self, *args) -> None:
@@ -289,7 +289,7 @@ def track_request_objects(monkeypatch) -> ObjectTracker:
             tracker.add(tracker.outputs, self)
 
     monkeypatch.setattr(engine_module, "Choice", TrackedChoice)
-    monkeypatch.setattr(engine_module, "_Waker", TrackedWaker)
+    monkeypatch.setattr(engine_module, "Waker", TrackedWaker)
     monkeypatch.setattr(stream_module, "RequestOutput", TrackedOutput)
     return tracker
 

@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 import trio
+from trio_util import AsyncValue
 
 from ..config import EngineConfig
 from ..errors import ServiceUnavailable
 from ..params import SamplingParams
 from ..protocol import wire
 from .deadlines import DeadlineQueue
-from .stream import Choice, RequestStream, _Waker
+from .stream import Choice, RequestStream, Waker
 from .worker import WorkerClient, WorkerStartupError
 
 __all__ = ["Engine", "EngineStatistics", "WorkerStatistics", "open_engine", "run_engine"]
@@ -66,13 +67,12 @@ class Engine:
         self.config = config
         self.workers = [WorkerClient(i, config, spawn) for i in range(config.workers)]
         self._rids = itertools.count(1)
-        self._open_streams = 0
+        #: Streams open (dispatched, not yet released): observable, for wait_idle.
+        self._open = AsyncValue(0)
         self._open_sequences = 0
         self._streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()
         self.deadlines = DeadlineQueue()
         self._accepting = True
-        self._idle = trio.Event()
-        self._idle.set()
 
     # -- generating --------------------------------------------------------------------------
 
@@ -127,7 +127,7 @@ class Engine:
         """
         params = params or SamplingParams()
         worker = self._pick_worker()
-        waker = _Waker(self.config.stream_interval)
+        waker = Waker(self.config.stream_interval)
         choices = []
         n = params.n
         wire_params = [params.to_wire(i) for i in range(n)]
@@ -138,10 +138,8 @@ class Engine:
                 frames.append(wire.encode([wire.SUBMIT, choice.rid, prompt, wire_params[i]]))
                 choices.append(choice)
         worker.submit_nowait(choices, frames)  # only once everything could be encoded
-        self._open_streams += 1
+        self._open.value += 1
         self._open_sequences += len(choices)
-        if self._idle.is_set():
-            self._idle = trio.Event()
         stream = RequestStream(
             choices, waker, self.config.drain_timeout, self._stream_released, errors_as_outputs
         )
@@ -163,10 +161,8 @@ class Engine:
 
     def _stream_released(self, stream: RequestStream) -> None:
         self._streams.discard(stream)
-        self._open_streams -= 1
+        self._open.value -= 1
         self._open_sequences -= stream.choices
-        if self._open_streams == 0:
-            self._idle.set()
 
     # -- state -------------------------------------------------------------------------------
 
@@ -181,7 +177,7 @@ class Engine:
     @property
     def open_streams(self) -> int:
         """Streams dispatched and not yet released (requests in flight)."""
-        return self._open_streams
+        return self._open.value
 
     @property
     def open_sequences(self) -> int:
@@ -222,7 +218,7 @@ class Engine:
             while any(w.states for w in self.workers if w.alive):
                 await trio.sleep(0.01)  # shutdown only: a bounded poll beats a new event
         for stream in streams:
-            stream._cut_off()
+            stream.cut_off()
 
     def healthy(self) -> bool:
         """True while accepting and at least one worker answered a ping recently."""
@@ -235,7 +231,7 @@ class Engine:
 
     async def wait_idle(self) -> None:
         """Wait until no stream is open in the manager."""
-        await self._idle.wait()
+        await self._open.wait_value(0)
 
     async def ping_all(self) -> list[tuple[int, int]]:
         """Each live worker's (running, waiting) counts, from a fresh ping round trip."""
@@ -250,7 +246,7 @@ class Engine:
             for w in self.workers
         )
         return EngineStatistics(
-            open_streams=self._open_streams,
+            open_streams=self._open.value,
             open_sequences=self._open_sequences,
             outstanding=sum(w.outstanding for w in workers),
             workers_alive=sum(w.alive for w in workers),

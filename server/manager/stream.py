@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 A request has one :class:`Choice` per sub-request on the engine (``n`` samples of each
-prompt), all sharing one :class:`_Waker`. A choice is registered in its worker's table *when
+prompt), all sharing one :class:`Waker`. A choice is registered in its worker's table *when
 the request is dispatched*, before the consumer first looks, so a sub-request that finishes
 at once still delivers everything: its state lives as long as the stream that holds it,
 whether or not the worker's table still names it.
@@ -45,7 +45,7 @@ from ..outputs import RequestOutput
 if TYPE_CHECKING:
     from .worker import WorkerClient
 
-__all__ = ["Choice", "RequestStream"]
+__all__ = ["Choice", "RequestStream", "Waker"]
 
 _Abort = trio.lowlevel.Abort
 _current_task = trio.lowlevel.current_task
@@ -56,7 +56,7 @@ _current_time = trio.current_time
 _perf_counter = time.perf_counter
 
 
-class _Waker:
+class Waker:
     """The consumer side shared by a request's choices: who is parked, and who has news.
 
     Pacing: with a ``stream_interval``, news that is not terminal wakes the consumer at most
@@ -144,7 +144,7 @@ class Choice:
         "error",
     )
 
-    def __init__(self, rid: int, index: int, worker: WorkerClient, waker: _Waker) -> None:
+    def __init__(self, rid: int, index: int, worker: WorkerClient, waker: Waker) -> None:
         self.rid = rid
         self.index = index
         self.worker = worker
@@ -258,7 +258,7 @@ class RequestStream:
     def __init__(
         self,
         choices: list[Choice],
-        waker: _Waker,
+        waker: Waker,
         drain_timeout: float,
         on_release,
         errors_as_outputs: bool = False,
@@ -412,10 +412,11 @@ class RequestStream:
         with trio.move_on_at(self._drain_deadline):
             await self._waker.park()
             return
-        self._cut_off()
+        self.cut_off()
 
-    def _cut_off(self) -> None:
-        """The drain deadline passed: end every choice the worker has not ended."""
+    def cut_off(self) -> None:
+        """End every choice the worker has not ended, as ``abort``, and forget them there
+        (the drain deadline passed; or the engine stops and cannot wait for the workers)."""
         for c in self._choices:
             if not c.done:
                 c.worker.forget(c)
@@ -436,7 +437,7 @@ class RequestStream:
                     scope.deadline = min(scope.deadline, self._drain_deadline)
                 while any(not c.done for c in choices):
                     await self._waker.park()
-            self._cut_off()
+            self.cut_off()
         self._release()
 
     def _release(self) -> None:

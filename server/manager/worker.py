@@ -30,7 +30,7 @@ import os
 import subprocess
 
 import trio
-from trio_util import AsyncBool
+from trio_util import AsyncBool, AsyncValue
 
 from ..config import EngineConfig
 from ..errors import EngineError
@@ -56,6 +56,14 @@ async def spawn_process(config: EngineConfig) -> trio.Process:
     """
     cmd = [config.python, "-m", "server.workers", json.dumps(config.worker_argument())]
     return await trio.lowlevel.open_process(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+
+#: The answer of a ping whose worker went away first.
+_GONE = object()
+
+
+def _answered(value) -> bool:
+    return value is not None
 
 
 class _SessionEnded(Exception):
@@ -87,7 +95,8 @@ class WorkerClient:
         self._outbox: list[bytes] = []
         self._outbox_ready = trio.Event()
         self._ping_seq = 0
-        self._pings: dict[int, list] = {}
+        #: Pings in flight: seq -> the answer, (running, waiting) or _GONE.
+        self._pings: dict[int, AsyncValue] = {}
         self._deferred: list = []  # heap of (not_before, seq, waker): paced wakers (see defer)
         self._deferred_due = math.inf  # the first not_before in _deferred
         self._deferred_seq = 0
@@ -120,7 +129,7 @@ class WorkerClient:
             self._queue(wire.encode([wire.ABORT, choice.rid]))
 
     def defer(self, waker) -> None:
-        """Hold a paced consumer's wakeup until its ``not_before`` (see stream._Waker)."""
+        """Hold a paced consumer's wakeup until its ``not_before`` (see stream.Waker)."""
         self._deferred_seq += 1
         heapq.heappush(self._deferred, (waker.not_before, self._deferred_seq, waker))
         self._deferred_due = due = self._deferred[0][0]
@@ -181,16 +190,15 @@ class WorkerClient:
             raise EngineError(f"worker {self.index} is not running")
         self._ping_seq += 1
         seq = self._ping_seq
-        slot = [trio.Event(), None]
-        self._pings[seq] = slot
+        answer = self._pings[seq] = AsyncValue(None)
         try:
             self._queue(wire.encode([wire.PING, seq]))
-            await slot[0].wait()
+            counts = await answer.wait_value(_answered)
         finally:
             self._pings.pop(seq, None)
-        if slot[1] is None:
+        if counts is _GONE:
             raise EngineError(f"worker {self.index} went away before answering")
-        return slot[1]
+        return counts
 
     async def wait_ready(self) -> None:
         """Wait until a process of this worker has said HELLO (once ever)."""
@@ -267,9 +275,7 @@ class WorkerClient:
                     nursery.start_soon(self._router, proc, decoder)
                     nursery.start_soon(self._writer, proc)
                     nursery.start_soon(self._heartbeat)
-            except _SessionEnded as exc:
-                reason = exc.reason
-            except BaseExceptionGroup as group:
+            except BaseExceptionGroup as group:  # a nursery's errors always come grouped
                 ended, rest = group.split(_SessionEnded)
                 if rest is not None:
                     raise rest from None
@@ -358,10 +364,9 @@ class WorkerClient:
                     choice.push(text, ntok, finish, err)
             elif kind == wire.PONG:
                 self.running, self.waiting = msg[2], msg[3]
-                slot = self._pings.get(msg[1])
-                if slot is not None:
-                    slot[1] = (msg[2], msg[3])
-                    slot[0].set()
+                answer = self._pings.get(msg[1])
+                if answer is not None:
+                    answer.value = (msg[2], msg[3])
             else:
                 raise wire.ProtocolError(f"unexpected message type {kind!r}")
 
@@ -410,8 +415,8 @@ class WorkerClient:
         )
         for choice in states.values():
             choice.end("error", kind, message)
-        for slot in self._pings.values():
-            slot[0].set()
+        for answer in self._pings.values():
+            answer.value = _GONE
         self._pings.clear()
         for _, _, waker in self._deferred:
             waker.deferred = False

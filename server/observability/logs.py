@@ -30,11 +30,10 @@ import json
 import logging
 import re
 import sys
-import time
 import uuid
 from contextvars import ContextVar
 
-from .record import RequestRecord
+from .record import RequestRecord, iso_utc
 
 __all__ = [
     "Event",
@@ -148,7 +147,7 @@ class JSONFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         msg = record.msg
         obj = {
-            "time": _iso_utc(record.created),
+            "time": iso_utc(record.created),
             "level": record.levelname,
             "logger": record.name,
         }
@@ -169,12 +168,6 @@ class JSONFormatter(logging.Formatter):
         elif record.exc_text:
             obj["exc"] = record.exc_text
         return json.dumps(obj, ensure_ascii=False, default=str)
-
-
-def _iso_utc(created: float) -> str:
-    seconds = int(created)
-    millis = int((created - seconds) * 1000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
 
 
 # -- setup -----------------------------------------------------------------------------------

@@ -25,13 +25,14 @@ from __future__ import annotations
 import time
 
 from ..errors import ServerError
+from ..outputs import FINISH_REASONS
 
 __all__ = ["RequestRecord", "ABORT_CAUSES", "FINISHED_REASONS"]
 
 _now = time.perf_counter
 
 #: Label values of ``trio_llm:request_success_total{finished_reason}``, best first.
-FINISHED_REASONS = ("stop", "length", "abort", "error")
+FINISHED_REASONS = FINISH_REASONS  # the order is the rank: the worst reason last
 #: Label values of ``trio_llm:request_aborts_total{cause}``.
 ABORT_CAUSES = ("client_disconnect", "timeout", "shutdown", "worker_failure")
 
@@ -185,7 +186,7 @@ class RequestRecord:
             "finish_reasons": self.finish_reasons,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
-            "arrival": _iso(self.arrival_wall),
+            "arrival": iso_utc(self.arrival_wall),
             "dispatch_ms": ms(self.dispatch),
             "accepted_ms": ms(self.accepted),
             "first_token_ms": ms(self.first_token),
@@ -203,8 +204,8 @@ class RequestRecord:
         return fields
 
 
-def _iso(wall: float) -> str:
-    """``2024-05-01T12:00:00.123Z`` (UTC, milliseconds)."""
-    seconds = int(wall)
-    millis = int((wall - seconds) * 1000)
+def iso_utc(created: float) -> str:
+    """``2024-05-01T12:00:00.123Z`` (UTC, milliseconds) for a ``time.time()`` value."""
+    seconds = int(created)
+    millis = int((created - seconds) * 1000)
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
