@@ -468,15 +468,25 @@ async def soak(args: argparse.Namespace) -> int:
         and result["server_exit"] == 0
         and not result["workers_left"]
     )
-    print(f"requests completed      {result['requests']} ({result['requests_per_s']}/s over {result['duration_s']} s, {args.concurrency} clients)")
+    print(
+        f"requests completed      {result['requests']} ({result['requests_per_s']}/s over "
+        f"{result['duration_s']} s, {args.concurrency} clients)"
+    )
     for key, value in result["by_outcome"].items():
         print(f"  {key:28} {value}")
     print(f"worker kills            {result['worker_kills']}")
     print(f"streams without [DONE]  {result['missing_done']}   (must be 0)")
     print(f"wrong statuses          {result['bad_status']}   (must be 0)")
     print(f"left in the server      {result['left_in_server']}   (must be all 0)")
-    print(f"server RSS              {result['rss_start_mib']} MiB after warm-up -> {result['rss_end_mib']} MiB at the end ({result['rss_growth_pct']:+.1f} %, peak {result['rss_peak_mib']} MiB; must be < +10 %)")
-    print(f"server exit status      {result['server_exit']}, worker processes left: {result['workers_left'] or 'none'}")
+    print(
+        f"server RSS              {result['rss_start_mib']} MiB after warm-up -> "
+        f"{result['rss_end_mib']} MiB at the end ({result['rss_growth_pct']:+.1f} %, peak "
+        f"{result['rss_peak_mib']} MiB; must be < +10 %)"
+    )
+    print(
+        f"server exit status      {result['server_exit']}, worker processes left: "
+        f"{result['workers_left'] or 'none'}"
+    )
     for p in result["problems"]:
         print(f"  problem: {p}")
     print("PASS" if ok else f"FAIL (server log: {log.name})")

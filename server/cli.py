@@ -24,7 +24,7 @@ API_KEY_ENV = "TRIO_LLM_API_KEY"
 
 def _split_commas(values: list[str] | None) -> tuple[str, ...]:
     """``["a,b", "c"]`` -> ``("a", "b", "c")``: repeated options, each possibly a list."""
-    out = []
+    out: list[str] = []
     for value in values or ():
         out.extend(part.strip() for part in value.split(",") if part.strip())
     return tuple(out)

@@ -59,8 +59,9 @@ class ServerError(Exception):
     status = 500
     type = "internal_error"
     code: str | None = None
-    #: For the error of a failed request raised from a stream: the output that carried it.
-    output = None
+    #: For the error of a failed request raised from a stream: the output that carried it
+    #: (a :class:`~server.outputs.RequestOutput`).
+    output: object = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         message = clip(message, MAX_MESSAGE_CHARS)

@@ -226,7 +226,7 @@ def sim_reference(prompt, params: server.SamplingParams, sample: int = 0, **opti
     text, ntok, finish = "", 0, None
     while finish is None:
         clock.t = engine.next_deadline()
-        for _, t, n, finish, _err in engine.step(clock.t):
+        for _, t, n, finish, _err in engine.step(clock.t):  # noqa: B007 - the loop ends on it
             text += t
             ntok += n
     return text, ntok, finish

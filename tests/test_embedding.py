@@ -75,7 +75,7 @@ async def test_a_neighbour_hypercorn_app_keeps_checkpoints_and_cancellation():
                 nonlocal ticks
                 while not done:
                     ticks += 1
-                    await trio.sleep(0)
+                    await trio.lowlevel.checkpoint()
 
             nursery.start_soon(ticker)
             # The client reads from a thread, as fast as the kernel delivers: the app's

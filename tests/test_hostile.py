@@ -18,7 +18,6 @@ import string
 from urllib.parse import urlsplit
 
 import httpx
-import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -12,16 +12,14 @@
 from __future__ import annotations
 
 import json
-import math
 import socket
 import sys
 import tempfile
 
 import httpx
 import trio
-from hypercorn.config import Config as HypercornConfig
 
-from server.http.connection import ServingConnection
+from server.http.connection import ServingConfig, ServingConnection
 from tests.conftest import running_server
 from tests.sse_record import SSE, stream_into
 from tests.test_hostile import addr, split_response
@@ -170,7 +168,8 @@ async def test_the_default_connection_limit_stays_below_ulimit():
             assert r.status_code == 200
             metrics = (await http.get("/metrics")).text
         assert "cannot accept" not in output(log)
-        reaped = [line for line in metrics.splitlines() if line.startswith("trio_llm:connections_reaped_total")]
+        name = "trio_llm:connections_reaped_total"
+        reaped = [line for line in metrics.splitlines() if line.startswith(name)]
         assert reaped and float(reaped[0].split()[-1]) >= 30, reaped
     finally:
         for sock in idle:
@@ -200,10 +199,8 @@ def tight_pair() -> tuple[trio.SocketStream, socket.socket]:
 
 
 def connection(stream: trio.SocketStream, send_timeout: float) -> ServingConnection:
-    hc = HypercornConfig()
+    hc = ServingConfig()
     hc.send_timeout = send_timeout
-    hc.send_cutoff = math.inf
-    hc.active_writes = set()
     return ServingConnection(None, hc, None, {}, stream)
 
 

@@ -169,7 +169,8 @@ async def test_absurd_numbers_and_hidden_lone_surrogates_are_a_400_in_our_words(
             assert error["param"] == param, error
             assert len(raw) < 1000
         # A surrogate pair is one character, not a lone surrogate.
-        raw = await raw_exchange(url, post(b"application/json", b'{"prompt": "x", "max_tokens": 2, "user": "\\ud83d\\ude00"}'))
+        pair = b'{"prompt": "x", "max_tokens": 2, "user": "\\ud83d\\ude00"}'
+        raw = await raw_exchange(url, post(b"application/json", pair))
         assert split_response(raw)[0] == 200
 
 

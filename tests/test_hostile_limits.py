@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
+import pathlib
 import shutil
-import subprocess
 
 import httpx
 import openai
@@ -90,16 +90,21 @@ async def test_no_sequence_limit_when_asked():
             assert r.status_code == 200 and len(r.json()["choices"]) == 12
 
 
+def _somaxconn() -> int:
+    return int(pathlib.Path("/proc/sys/net/core/somaxconn").read_text())
+
+
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to read the backlog")
 async def test_the_listen_backlog_is_ours():
-    somaxconn = int(open("/proc/sys/net/core/somaxconn").read())
+    somaxconn = _somaxconn()
     for backlog in (2048, 300):
         options = {} if backlog == 2048 else {"backlog": backlog}
         async with running_server(**options) as url:
             port = addr(url)[1]
-            out = subprocess.run(
-                ["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True
-            ).stdout.split()
+            ss = await trio.run_process(
+                ["ss", "-Hltn", f"sport = :{port}"], capture_stdout=True
+            )
+            out = ss.stdout.decode().split()
             # State Recv-Q Send-Q ...: for a listening socket, Send-Q is its backlog.
             assert int(out[2]) == min(backlog, somaxconn), out
 

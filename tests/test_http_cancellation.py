@@ -185,7 +185,7 @@ async def test_stalled_stream_and_a_client_timeout(fault_server_url):
             model="sim", prompt="p", max_tokens=20, stream=True,
             extra_body={"fault": {"kind": "stall", "after": 2}},
         )
-        with pytest.raises(Exception):
+        with pytest.raises(openai.APIError):
             async for _ in stream:
                 pass
     await wait_worker_empty(fault_server_url.engine, timeout=2.0)

@@ -210,7 +210,7 @@ async def test_restart_limit_leaves_the_worker_down_and_health_503():
         engine = url.engine
         pids = set()
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-            for death in range(3):
+            for _death in range(3):
                 await wait_until(lambda: engine.statistics().workers[0].alive, timeout=15)
                 assert (await http.get("/health")).status_code == 200
                 pids.add(engine.statistics().workers[0].pid)

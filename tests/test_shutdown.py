@@ -219,7 +219,8 @@ async def test_a_client_that_never_reads_does_not_hold_up_the_shutdown():
         stream = trio.SocketStream(sock)
         body = json.dumps({"prompt": "p", "max_tokens": 8000, "stream": True}).encode()
         await stream.send_all(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s"
             % (len(body), body)
         )
         await trio.sleep(1.5)  # the server's writes are blocked on the full socket by now

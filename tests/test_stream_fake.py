@@ -599,7 +599,7 @@ async def test_hung_worker_is_detected_stopped_and_replaced(autojump_clock):
     async with open_fake_engine(config) as (engine, spawn):
         results = await _run_three(engine, SamplingParams(max_tokens=50,
                                                           extra=fault("hang", 3)))
-        for name, got in results.items():
+        for got in results.values():
             t, last = got[-1]
             assert last.error_kind == "worker_died" and "hung" in last.error
             assert 10.0 < t <= 11.1  # silent for heartbeat_timeout, noticed on a heartbeat

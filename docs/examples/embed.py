@@ -25,7 +25,7 @@ async def main() -> None:
 
         with trio.move_on_after(0.05):
             async with engine.generate("a long one", server.SamplingParams(max_tokens=5_000)) as s:
-                async for out in s:
+                async for _ in s:
                     pass
         print("after cancelling:", await engine.ping_all(), "(running, waiting) per worker")
 

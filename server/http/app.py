@@ -38,6 +38,7 @@ from ..errors import (
     ServerError,
     ServiceUnavailable,
     Unauthorized,
+    clip,
     error_body,
 )
 from ..manager.engine import Engine, run_engine
@@ -77,6 +78,14 @@ def _json_error(exc: ServerError) -> Response:
     if isinstance(exc, ServiceUnavailable):
         response.headers["Retry-After"] = str(exc.retry_after)
     return response
+
+
+def _status_json(status: str, code: int = 200) -> Response:
+    """``{"status": ...}``, with ``Retry-After: 1`` on a 503 (the probes' answers)."""
+    headers = {"Retry-After": "1"} if code == 503 else None
+    return Response(
+        dumps({"status": status}), status=code, content_type="application/json", headers=headers
+    )
 
 
 def _has_body(scope: dict) -> bool:
@@ -249,9 +258,8 @@ class LLMServerApp(QuartTrio):
         async def health():
             engine = self.engine
             if engine is None or not engine.healthy():
-                body = {"status": "unavailable"}
-                return Response(dumps(body), status=503, content_type="application/json", headers={"Retry-After": "1"})
-            return Response(dumps({"status": "ok"}), status=200, content_type="application/json")
+                return _status_json("unavailable", 503)
+            return _status_json("ok")
 
         @self.get("/ready")
         async def ready():
@@ -259,12 +267,10 @@ class LLMServerApp(QuartTrio):
             # a load balancer sends new requests elsewhere while this server is full.
             engine = self.engine
             if engine is None or not engine.healthy():
-                status, body = 503, {"status": "unavailable"}
-            elif self.saturated():
-                status, body = 503, {"status": "saturated"}
-            else:
-                return Response(dumps({"status": "ready"}), status=200, content_type="application/json")
-            return Response(dumps(body), status=status, content_type="application/json", headers={"Retry-After": "1"})
+                return _status_json("unavailable", 503)
+            if self.saturated():
+                return _status_json("saturated", 503)
+            return _status_json("ready")
 
         @self.get("/metrics")
         async def metrics():
@@ -273,12 +279,17 @@ class LLMServerApp(QuartTrio):
 
         @self.get("/v1/models")
         async def models():
-            return Response(dumps({"object": "list", "data": [self._model_card()]}), content_type="application/json")
+            body = {"object": "list", "data": [self._model_card()]}
+            return Response(dumps(body), content_type="application/json")
 
         @self.get("/v1/models/<path:model_id>")
         async def model(model_id: str):
             if model_id != self._served_model():
-                raise NotFound(f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
+                raise NotFound(
+                    f"The model '{clip(model_id)}' does not exist.",
+                    param="model",
+                    code="model_not_found",
+                )
             return Response(dumps(self._model_card()), content_type="application/json")
 
         @self.errorhandler(ServerError)

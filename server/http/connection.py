@@ -56,7 +56,7 @@ from hypercorn.utils import parse_socket_addr
 
 from .protocol import ServingProtocolWrapper
 
-__all__ = ["KeepAliveTask", "ServingConnection", "cut_stalled_writes"]
+__all__ = ["KeepAliveTask", "ServingConfig", "ServingConnection", "cut_stalled_writes"]
 
 log = logging.getLogger("server")
 
@@ -93,9 +93,26 @@ async def _run_in_scope(scope: trio.CancelScope, action) -> None:
         await action()
 
 
+class ServingConfig(HypercornConfig):
+    """Hypercorn's configuration, plus what :class:`ServingConnection` reads: the send
+    timeout (progress-based), the time past which no write may go on (set at shutdown by
+    :func:`cut_stalled_writes`), and the cancel scopes of the writes in progress."""
+
+    send_timeout: float | None = None
+    send_cutoff: float = math.inf
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active_writes: set[trio.CancelScope] = set()
+
+
 class ServingConnection(TCPServer):
     """One connection of this server (see the module docstring). ``idle`` is the pool's set
     of idle connections (insertion-ordered: oldest first), or None."""
+
+    config: ServingConfig
+    protocol: ServingProtocolWrapper  # type: ignore[assignment]
+    idle_task: KeepAliveTask  # type: ignore[assignment]
 
     def __init__(self, app, config, context, state, stream, *, idle: dict | None = None) -> None:
         super().__init__(app, config, context, state, stream)
@@ -234,7 +251,7 @@ class ServingConnection(TCPServer):
         return False
 
 
-def cut_stalled_writes(hc: HypercornConfig, grace: float) -> None:
+def cut_stalled_writes(hc: ServingConfig, grace: float) -> None:
     """From now on no write may take longer than ``grace`` seconds, blocked ones included."""
     deadline = trio.current_time() + grace
     hc.send_cutoff = min(hc.send_cutoff, deadline)

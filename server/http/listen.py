@@ -205,9 +205,11 @@ class ConnectionPool:
             )
 
     def _descriptors_back(self) -> None:
+        since = self._exhausted_since
         log.warning(
             "accepting connections again after %.1f s out of file descriptors (%d attempts)",
-            time.monotonic() - self._exhausted_since, self._exhausted_attempts,
+            time.monotonic() - (since if since is not None else time.monotonic()),
+            self._exhausted_attempts,
         )
         self._exhausted_since = None
         self._exhausted_attempts = 0

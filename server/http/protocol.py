@@ -42,6 +42,7 @@ from ..observability.logs import request_id_from_header
 from .encode import dumps
 from .framing import OBS_FOLD, Refusal, check_request_head, find_obs_fold, head_end
 
+ChunkedWriter: type | None
 try:  # h11's chunked writer (private): without it, every chunk goes through h11 as usual
     from h11._writers import ChunkedWriter
 except ImportError:  # pragma: no cover

@@ -87,7 +87,7 @@ def _check_unicode(value, where: str) -> None:
             _check_unicode(item, f"{where}[{i}]")
 
 
-def _utf8(text: str, param: str) -> str:
+def _utf8(text: str, param: str | None) -> str:
     """``text``, unless it holds a lone surrogate (a JSON ``\\ud800`` escape): such a string
     is not Unicode text and cannot reach the engine."""
     try:
@@ -160,6 +160,7 @@ def _prompts(data: dict, limits: Limits) -> list:
         "lists of token ids.",
         param="prompt",
     )
+    prompts: list
     if isinstance(prompt, str):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt:

@@ -17,18 +17,16 @@ are stopped anyway and the CLI process exits.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 
 import trio
-from hypercorn.config import Config as HypercornConfig
 from trio_util import wait_any
 
 from ..config import ServerConfig
 from ..observability.gcstats import freeze_after_startup
 from .app import LLMServerApp, create_app
-from .connection import cut_stalled_writes
+from .connection import ServingConfig, cut_stalled_writes
 from .listen import serve_app
 
 __all__ = ["ShutdownPhases", "serve", "hypercorn_config"]
@@ -36,9 +34,9 @@ __all__ = ["ShutdownPhases", "serve", "hypercorn_config"]
 log = logging.getLogger("server")
 
 
-def hypercorn_config(config: ServerConfig) -> HypercornConfig:
+def hypercorn_config(config: ServerConfig) -> ServingConfig:
     """Hypercorn settings for ``config``: bind address, timeouts, no access log."""
-    hc = HypercornConfig()
+    hc = ServingConfig()
     host = f"[{config.host}]" if ":" in config.host else config.host
     hc.bind = [f"{host}:{config.port}"]
     hc.keep_alive_timeout = config.keep_alive_timeout
@@ -49,8 +47,6 @@ def hypercorn_config(config: ServerConfig) -> HypercornConfig:
     # Read by connection.ServingConnection: a write that makes no progress for send_timeout
     # seconds closes the connection; none goes on past send_cutoff (set at shutdown).
     hc.send_timeout = config.send_timeout
-    hc.send_cutoff = math.inf
-    hc.active_writes = set()
     hc.include_server_header = False  # no banner naming the implementation
     hc.graceful_timeout = config.close_timeout
     hc.accesslog = None

@@ -215,8 +215,9 @@ class Engine:
         for stream in streams:
             stream.abort("shutdown")
         with trio.move_on_after(self.config.drain_timeout):
-            while any(w.states for w in self.workers if w.alive):
-                await trio.sleep(0.01)  # shutdown only: a bounded poll beats a new event
+            # shutdown only: a bounded poll beats a new event
+            while any(w.states for w in self.workers if w.alive):  # noqa: ASYNC110
+                await trio.sleep(0.01)
         for stream in streams:
             stream.cut_off()
 

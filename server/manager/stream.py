@@ -72,7 +72,7 @@ class Waker:
     __slots__ = ("task", "ready", "closed", "interval", "not_before", "deferred")
 
     def __init__(self, interval: float = 0.0) -> None:
-        self.task = None
+        self.task: trio.lowlevel.Task | None = None
         self.ready: deque[Choice] = deque()
         self.closed = False  # the stream was released: late output is not queued
         self.interval = interval
@@ -217,6 +217,13 @@ class Choice:
         return out
 
 
+def _error_of(out: RequestOutput) -> ServerError:
+    """The exception of an error output (which always carries its kind)."""
+    exc = out.exception()
+    assert exc is not None
+    return exc
+
+
 class RequestStream:
     """The outputs of one request, in the order they arrive, one merged output per choice.
 
@@ -316,7 +323,7 @@ class RequestStream:
         The exception's traceback holds this frame: the local goes before it propagates,
         or exception and frame would form a cycle that only the collector frees (and the
         stream with them)."""
-        exc = out.exception()
+        exc = _error_of(out)
         exc.output = out
         await self.aclose()
         try:
@@ -366,9 +373,11 @@ class RequestStream:
             while True:
                 for c in choices:
                     if c.done and c.error_kind is not None and c.completion_tokens == 0:
-                        exc = RequestOutput(0, "", 0, 0, 0, "error", c.error_kind, c.error)
+                        out = RequestOutput(0, "", 0, 0, 0, "error", c.error_kind, c.error)
                         await self.aclose()
-                        raise exc.exception()
+                        # No local holds the exception: with the traceback holding this
+                        # frame, that would be a cycle only the collector frees.
+                        raise _error_of(out)
                 if self._waker.ready and all(c.accepted or c.done for c in choices):
                     return [c.prompt_tokens for c in choices]
                 if deadline == math.inf:
@@ -409,6 +418,7 @@ class RequestStream:
             await self._park_draining()
 
     async def _park_draining(self) -> None:
+        assert self._drain_deadline is not None
         with trio.move_on_at(self._drain_deadline):
             await self._waker.park()
             return

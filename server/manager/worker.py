@@ -210,7 +210,7 @@ class WorkerClient:
         """Keep a worker process running until cancelled; ``started(self)`` after the first
         HELLO. Raises :class:`WorkerStartupError` if the very first process fails to start."""
         config = self.config
-        recent = collections.deque()
+        recent: collections.deque[float] = collections.deque()
         backoff = config.restart_backoff
         first = True
         while True:
@@ -277,9 +277,11 @@ class WorkerClient:
                     nursery.start_soon(self._heartbeat)
             except BaseExceptionGroup as group:  # a nursery's errors always come grouped
                 ended, rest = group.split(_SessionEnded)
-                if rest is not None:
-                    raise rest from None
-                reason = ended.exceptions[0].reason
+                if rest is not None or ended is None:
+                    raise
+                first_end = ended.exceptions[0]
+                assert isinstance(first_end, _SessionEnded)
+                reason = first_end.reason
             return reason
         finally:
             self.alive = False

@@ -28,6 +28,8 @@ Names follow vLLM's (``vllm:`` -> ``trio_llm:``); see docs/metrics.md for each m
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from bisect import bisect_left
 from typing import Callable, Iterator, Sequence
 
@@ -43,6 +45,9 @@ from prometheus_client.utils import floatToGoString
 
 from .gcstats import gc_stats
 from .record import ABORT_CAUSES, FINISHED_REASONS, RequestRecord
+
+if TYPE_CHECKING:
+    from ..manager.engine import Engine
 
 __all__ = ["Metrics", "Histogram", "PREFIX"]
 
@@ -93,7 +98,7 @@ class Histogram:
 
     def buckets(self) -> list[tuple[str, float]]:
         """Cumulative ``(le, count)`` pairs, as the exposition format wants them."""
-        out = []
+        out: list[tuple[str, float]] = []
         total = 0
         for bound, n in zip(self.bounds, self.counts):
             total += n
@@ -127,7 +132,7 @@ class Metrics:
 
     def __init__(
         self,
-        engine: Callable[[], object | None],
+        engine: Callable[[], Engine | None],
         model_name: Callable[[], str],
         *,
         registry: CollectorRegistry | None = None,
@@ -180,7 +185,8 @@ class Metrics:
         self.prompt_tokens.observe(r.prompt_tokens)
         self.generation_tokens.observe(r.completion_tokens)
         arrival = r.arrival
-        self.e2e.observe(r.finish - arrival)
+        if r.finish is not None:
+            self.e2e.observe(r.finish - arrival)
         if r.accepted is not None:
             self.queue.observe(max(r.accepted - arrival, 0.0))
         if r.first_token is not None:

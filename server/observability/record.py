@@ -141,7 +141,8 @@ class RequestRecord:
             return None
         worst = -1
         for reason in self.finish_reasons:
-            rank = _RANK.get(reason, _RANK["abort"])  # a choice never ended: cut off
+            # a choice that never ended (None) was cut off
+            rank = _RANK["abort"] if reason is None else _RANK.get(reason, _RANK["abort"])
             if rank > worst:
                 worst = rank
         if self.error is not None and self.error[0] == 500:

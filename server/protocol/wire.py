@@ -91,7 +91,7 @@ class FrameDecoder:
     def __init__(self) -> None:
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> list[list]:
+    def feed(self, data: bytes | bytearray) -> list[list]:
         buf = self._buf
         buf += data
         messages = []

@@ -159,6 +159,7 @@ class InMemoryWorkerProcess:
 
     async def wait(self) -> int:
         await self._exited.wait()
+        assert self.returncode is not None
         return self.returncode
 
     def terminate(self) -> None:

@@ -303,7 +303,7 @@ class TransformersEngine:
         room = self.max_batch - len(self._rows)
         group: list[_Req] = []
         budget = self.prefill_tokens
-        for rid, req in self._waiting.items():
+        for req in self._waiting.values():
             if len(group) >= room or (group and len(req.prompt) > budget):
                 break
             group.append(req)

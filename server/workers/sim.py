@@ -29,6 +29,7 @@ from __future__ import annotations
 import random
 import time
 import zlib
+from collections.abc import ValuesView
 
 from .base import Rejected, WorkerCrash, WorkerGarbage, WorkerHang, check_context
 from .stops import StopMatcher
@@ -73,6 +74,16 @@ class _Req:
         "rid", "rng", "max_tokens", "stop", "produced", "ready_at",
         "fault", "fault_after", "prompt_tokens", "started",
     )
+    rid: int
+    rng: int  # the state of a 32-bit xorshift generator
+    max_tokens: int
+    stop: StopMatcher | None
+    produced: int
+    ready_at: float
+    fault: str | None
+    fault_after: int
+    prompt_tokens: int
+    started: bool
 
 
 class SimEngine:
@@ -202,6 +213,7 @@ class SimEngine:
         is_tick = tick is not None and now >= tick
         outputs = []
         finished = []
+        candidates: list[_Req] | ValuesView[_Req]
         if is_tick:
             candidates = running.values()
         else:
@@ -222,7 +234,7 @@ class SimEngine:
             self._starting.pop(rid, None)
         if self._waiting and len(running) < self.max_batch:
             self._admit(now)
-        if is_tick:
+        if tick is not None and is_tick:
             tick += self.itl
             if tick < now:  # the loop fell behind: keep the cadence from now on
                 tick = now + self.itl
