@@ -391,6 +391,24 @@ async def test_batch_with_n_streams_each_choice_by_index(autojump_clock):
             assert (text, finished[index]) == (ref_text, ref_finish)
 
 
+async def test_next_batch_takes_every_ready_choice_together(autojump_clock):
+    async with open_fake_engine() as (engine, spawn):
+        async with engine.generate_many(PROMPTS, SamplingParams(max_tokens=3)) as stream:
+            await trio.sleep(1)  # every choice finished meanwhile
+            outs = await stream.next_batch()
+            assert sorted(o.index for o in outs) == [0, 1, 2]
+            assert all(o.finish_reason == "length" and o.num_tokens == 3 for o in outs)
+            assert await stream.next_batch() == []
+        # A failed choice in a batch raises the request's error, as ``async for`` does.
+        params = SamplingParams(max_tokens=5, n=2, extra=fault("error", 2))
+        async with engine.generate("a", params) as stream:
+            with pytest.raises(server.EngineError) as info:
+                while await stream.next_batch():
+                    await trio.sleep(1)  # let both choices fail before the next batch
+            assert info.value.output.finish_reason == "error"
+        assert spawn.aborts() == 0
+
+
 async def test_take_ready_nowait_returns_every_ready_choice(autojump_clock):
     async with open_fake_engine() as (engine, spawn):
         async with engine.generate_many(PROMPTS, SamplingParams(max_tokens=3)) as stream:

@@ -285,19 +285,14 @@ async def _write_stream(
     try:
         if first:
             await send({"type": "http.response.body", "body": b"".join(first), "more_body": True})
-        async for out in stream:
-            if out.num_tokens:
+        while outs := await stream.next_batch():
+            if outs[0].num_tokens:
                 now = _now()
                 if last:
                     observe_itl(now - last)
                 else:
                     record.first_token = now
                 last = now
-            outs = stream.take_ready_nowait()
-            if outs:
-                outs.insert(0, out)
-            else:
-                outs = (out,)
             parts = []
             for o in outs:
                 if o.finish_reason == "error":

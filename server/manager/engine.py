@@ -127,7 +127,7 @@ class Engine:
         """
         params = params or SamplingParams()
         worker = self._pick_worker()
-        waker = Waker(self.config.stream_interval)
+        waker = Waker(worker.pacer)
         choices = []
         n = params.n
         wire_params = [params.to_wire(i) for i in range(n)]

@@ -43,6 +43,7 @@ from ..errors import ServerError
 from ..outputs import RequestOutput
 
 if TYPE_CHECKING:
+    from .pacing import Pacer
     from .worker import WorkerClient
 
 __all__ = ["Choice", "RequestStream", "Waker"]
@@ -59,23 +60,19 @@ _perf_counter = time.perf_counter
 class Waker:
     """The consumer side shared by a request's choices: who is parked, and who has news.
 
-    Pacing: with a ``stream_interval``, news that is not terminal wakes the consumer at most
-    once per interval. Until then the waker waits in its worker's deferred list, and the
-    news keeps merging in the meantime: fewer, fuller events, which is what makes the HTTP
-    send path affordable. The router wakes due consumers when the next frame arrives (so
-    an event carries whole engine steps), or by time one interval after they were due if
-    no frame comes. Paced wakeups go out one scheduler turn after the urgent ones (a
-    stream's first output, its end): a new stream's first token does not wait behind the
-    consumers of every other stream.
+    Pacing: with a stream interval, news that is not terminal wakes the consumer at most
+    once per interval; *when* is its worker's :class:`~server.manager.pacing.Pacer`'s
+    decision (this asks it to defer the wakeup, or to make it soon).
     """
 
-    __slots__ = ("task", "ready", "closed", "interval", "not_before", "deferred")
+    __slots__ = ("task", "ready", "closed", "pacer", "interval", "not_before", "deferred")
 
-    def __init__(self, interval: float = 0.0) -> None:
+    def __init__(self, pacer: Pacer) -> None:
         self.task: trio.lowlevel.Task | None = None
         self.ready: deque[Choice] = deque()
         self.closed = False  # the stream was released: late output is not queued
-        self.interval = interval
+        self.pacer = pacer
+        self.interval = pacer.interval
         self.not_before = 0.0  # trio time before which news is deferred (when pacing)
         self.deferred = False  # in a worker's deferred list
 
@@ -85,23 +82,28 @@ class Waker:
             self.task = None
             _reschedule(task)
 
-    def notify(self, worker: WorkerClient) -> None:
+    def notify(self) -> None:
         """Wake the consumer for news, unless pacing says to wait (then defer it)."""
         task = self.task
         if task is None:
             return
         if self.interval and self.not_before:  # paced, and it already had news
-            # last_heard: when the router read the frame being routed (one clock read per
+            pacer = self.pacer
+            # frame_time: when the router read the frame being routed (one clock read per
             # frame rather than one per output)
-            if worker.last_heard < self.not_before:
-                if not self.deferred:
-                    self.deferred = True
-                    worker.defer(self)
+            if pacer.frame_time < self.not_before:
+                self.defer()
             else:
-                worker.wake_soon(self)
+                pacer.wake_soon(self)
             return
         self.task = None
         _reschedule(task)
+
+    def defer(self) -> None:
+        """Wait for ``not_before`` (once: a waker is deferred at most once at a time)."""
+        if not self.deferred:
+            self.deferred = True
+            self.pacer.defer(self)
 
     def taken(self) -> None:
         """The consumer took its news: pace the next wake from now."""
@@ -190,7 +192,7 @@ class Choice:
             self.queued = True
             waker.ready.append(self)
         if finish is None:
-            waker.notify(self.worker)
+            waker.notify()
         else:
             waker.wake()
 
@@ -297,9 +299,7 @@ class RequestStream:
                         break
                     # Paced, and news came while we were busy: wait for its time (or for a
                     # last output), merging whatever arrives meanwhile.
-                    if not waker.deferred:
-                        waker.deferred = True
-                        self._choices[0].worker.defer(waker)
+                    waker.defer()
                 elif self._open == 0 or self._released:
                     self._release()
                     raise StopAsyncIteration
@@ -339,12 +339,27 @@ class RequestStream:
             return True
         return any(c.done for c in waker.ready)
 
-    def take_ready_nowait(self) -> list[RequestOutput]:
-        """Every output that is ready now, without waiting (possibly none).
+    async def next_batch(self) -> list[RequestOutput]:
+        """The next outputs: waits for one, then takes every other output ready now (one per
+        choice with news), so that they can go out together; ``[]`` once the stream ended.
+        Errors as in ``async for``: raised, unless ``errors_as_outputs``."""
+        try:
+            out = await self.__anext__()
+        except StopAsyncIteration:
+            return []
+        outs = self.take_ready_nowait()
+        if not outs:
+            return [out]
+        outs.insert(0, out)
+        if not self.errors_as_outputs:
+            for o in outs:
+                if o.finish_reason == "error":
+                    await self._raise_error(o)
+        return outs
 
-        The HTTP writer calls this after each ``__anext__`` to send all choices that have
-        news in one event batch.
-        """
+    def take_ready_nowait(self) -> list[RequestOutput]:
+        """Every output that is ready now, without waiting (possibly none), errors included
+        as outputs (see :meth:`next_batch` for the usual way to take several)."""
         ready = self._waker.ready
         if not ready:
             return []

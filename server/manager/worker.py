@@ -22,7 +22,6 @@ process is started after a backoff, unless too many restarts happened recently.
 from __future__ import annotations
 
 import collections
-import heapq
 import json
 import logging
 import math
@@ -35,6 +34,7 @@ from trio_util import AsyncBool, AsyncValue
 from ..config import EngineConfig
 from ..errors import EngineError
 from ..protocol import wire
+from .pacing import Pacer
 from .stream import Choice
 
 __all__ = ["WorkerClient", "WorkerStartupError", "spawn_process"]
@@ -97,11 +97,8 @@ class WorkerClient:
         self._ping_seq = 0
         #: Pings in flight: seq -> the answer, (running, waiting) or _GONE.
         self._pings: dict[int, AsyncValue] = {}
-        self._deferred: list = []  # heap of (not_before, seq, waker): paced wakers (see defer)
-        self._deferred_due = math.inf  # the first not_before in _deferred
-        self._deferred_seq = 0
-        self._router_scope: trio.CancelScope | None = None  # the router's wait for a frame
-        self._soon: list = []  # paced wakers due now (see wake_soon)
+        #: When this worker's consumers are woken for news (pacing).
+        self.pacer = Pacer(config.stream_interval)
         self._stdin_fd: int | None = None  # the pipe to the worker, while _writer runs
         self._writing = False  # _writer is in a write
         self._ready = trio.Event()
@@ -127,35 +124,6 @@ class WorkerClient:
         choice.abort_sent = True
         if self.alive:
             self._queue(wire.encode([wire.ABORT, choice.rid]))
-
-    def defer(self, waker) -> None:
-        """Hold a paced consumer's wakeup until its ``not_before`` (see stream.Waker)."""
-        self._deferred_seq += 1
-        heapq.heappush(self._deferred, (waker.not_before, self._deferred_seq, waker))
-        self._deferred_due = due = self._deferred[0][0]
-        scope = self._router_scope  # set while the router waits for a frame
-        if scope is not None:
-            scope.deadline = min(scope.deadline, due + self.config.stream_interval)
-
-    def wake_soon(self, waker) -> None:
-        """Wake a paced consumer after the router's next scheduler turn (see _wake_paced)."""
-        self._soon.append(waker)
-
-    def _wake_deferred(self) -> None:
-        """Wake the deferred consumers whose time has come; keep the others."""
-        now = trio.current_time()
-        heap = self._deferred
-        while heap and heap[0][0] <= now:
-            waker = heapq.heappop(heap)[2]
-            if waker.task is None:
-                waker.deferred = False  # woken by other news, or cancelled: nothing to do
-            elif waker.not_before > now:  # took other news since: due later now
-                self._deferred_seq += 1
-                heapq.heappush(heap, (waker.not_before, self._deferred_seq, waker))
-            else:
-                waker.deferred = False
-                waker.wake()
-        self._deferred_due = heap[0][0] if heap else math.inf
 
     def forget(self, choice: Choice) -> None:
         """Stop routing output to ``choice``; what the worker still sends for it is dropped."""
@@ -305,25 +273,23 @@ class WorkerClient:
 
     async def _router(self, proc, decoder: wire.FrameDecoder) -> None:
         receive_some = proc.stdout.receive_some
+        pacer = self.pacer
         while True:
-            # Paced consumers are woken when a frame arrives after they are due, so that
-            # each event carries whole engine steps (at 8 ms a step and a 20 ms interval: 3
-            # tokens, not 2 or 3). If no frame comes (a stalled or slow engine), they are
-            # woken by time, at most one interval late; defer() moves this deadline when a
-            # consumer defers itself while the router waits here.
+            # Paced consumers are woken when a frame arrives after they are due, or by time
+            # when none comes (server.manager.pacing).
             data = None
-            with trio.CancelScope(deadline=self._deferred_due + self.config.stream_interval) as scope:
-                self._router_scope = scope
+            with trio.CancelScope(deadline=pacer.router_deadline()) as scope:
+                pacer.router_scope = scope
                 try:
                     data = await receive_some(1 << 20)
                 finally:
-                    self._router_scope = None
+                    pacer.router_scope = None
             if data is None:
-                self._wake_deferred()
+                pacer.wake_due(trio.current_time())
                 continue
             if not data:
                 raise _SessionEnded("the worker process exited")
-            self.last_heard = trio.current_time()
+            self.last_heard = pacer.frame_time = trio.current_time()
             try:
                 self._route(decoder.feed(data))
             except (wire.ProtocolError, ValueError, TypeError) as exc:
@@ -335,16 +301,15 @@ class WorkerClient:
         the urgent ones (first outputs, ends, errors): those run in a batch of their own
         instead of behind every stream's next event, which is what a new request's time to
         first token waits for under load."""
-        if not self._soon and self._deferred_due > trio.current_time():
+        pacer = self.pacer
+        if not pacer.pending(trio.current_time()):
             return
         try:
             await trio.lowlevel.checkpoint()
         finally:
-            soon, self._soon = self._soon, []
-            for waker in soon:
+            for waker in pacer.take_soon():
                 waker.wake()
-            if self._deferred_due <= trio.current_time():
-                self._wake_deferred()
+            pacer.wake_due(trio.current_time())
 
     def _route(self, messages: list) -> None:
         """Hand each output to its choice. A plain function, so that nothing it touched
@@ -420,11 +385,7 @@ class WorkerClient:
         for answer in self._pings.values():
             answer.value = _GONE
         self._pings.clear()
-        for _, _, waker in self._deferred:
-            waker.deferred = False
-        self._deferred = []
-        self._deferred_due = math.inf
-        self._soon = []
+        self.pacer.clear()
 
     async def _stop_process(self, proc) -> int:
         """Close the pipe, then SIGTERM, then SIGKILL, each after the grace period."""
