@@ -14,10 +14,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 
 import pytest
+import trio
 
 from server.http import protocol
 from tests.conftest import running_server
@@ -183,3 +185,22 @@ async def test_no_server_header_names_the_implementation():
         ):
             raw = await raw_exchange(url, data)
             assert "server" not in split_response(raw)[1], raw[:300]
+
+
+async def test_refused_heads_leave_nothing_behind():
+    # A refusal raised again and again as one shared exception object kept every
+    # traceback it had, and with them every refused connection (its buffers, protocol,
+    # task group): memory any client could fill with folded headers.
+    from server.http.protocol import _StrictH11Connection
+
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\r\n b\r\nX-Pad: %b\r\n\r\n" % (b"p" * 8000)
+    async with running_server() as url:
+        for _ in range(30):
+            raw = await raw_exchange(url, head)
+            assert split_response(raw)[0] == 400
+        with trio.fail_after(5):
+            while url.app.connections.statistics().open:
+                await trio.sleep(0.02)
+        gc.collect()
+        alive = [o for o in gc.get_objects() if type(o) is _StrictH11Connection]
+        assert len(alive) <= 1, len(alive)

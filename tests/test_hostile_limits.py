@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import pathlib
 import shutil
 
@@ -165,3 +166,33 @@ async def test_an_engine_failure_after_the_heartbeat_is_an_error_event():
             assert failing.status == 200 and failing.events[0].startswith(b":")
             assert failing.done and failing.error()["type"] == "engine_error"
             assert json.loads(failing.events[-2][6:])["error"]
+
+
+async def test_a_bug_while_a_started_stream_waits_ends_it_as_a_stream(monkeypatch):
+    # After the heartbeat started the response, an unexpected error (a test-only fault in
+    # the wait) must end the stream with an error event and [DONE], not cut it mid-chunk.
+    from server.manager.stream import RequestStream
+
+    real = RequestStream.wait_started
+    calls = 0
+
+    async def faulty(self, timeout=math.inf):
+        nonlocal calls
+        if timeout != math.inf:
+            calls += 1
+            if calls == 3:  # the second wait after the response started
+                raise RuntimeError("a bug while waiting")
+        return await real(self, timeout)
+
+    monkeypatch.setattr(RequestStream, "wait_started", faulty)
+    one = EngineConfig(engine_options={**FAST_SIM, "max_batch": 1})
+    async with running_server(one, queued_heartbeat=0.2) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            async with trio.open_nursery() as nursery:
+                await occupy(nursery, http, 1000)
+                waiting = SSE()
+                nursery.start_soon(stream_into, http, {"prompt": "b", "max_tokens": 5}, waiting, 1)
+            assert waiting.status == 200 and waiting.events[0].startswith(b":")
+            assert waiting.done and waiting.error()["type"] == "engine_error"
+            r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200

@@ -76,6 +76,11 @@ class KeepAliveTask:
     def __init__(self) -> None:
         self._scope: trio.CancelScope | None = None
 
+    @property
+    def scope(self) -> trio.CancelScope | None:
+        """The running timer's scope (None once stopped)."""
+        return self._scope
+
     async def restart(self, task_group, action) -> None:
         if self._scope is not None:
             self._scope.cancel()
@@ -114,7 +119,9 @@ class ServingConnection(TCPServer):
     protocol: ServingProtocolWrapper  # type: ignore[assignment]
     idle_task: KeepAliveTask  # type: ignore[assignment]
 
-    def __init__(self, app, config, context, state, stream, *, idle: dict | None = None) -> None:
+    def __init__(
+        self, app, config, context, state, stream, *, idle: dict | None = None
+    ) -> None:
         super().__init__(app, config, context, state, stream)
         self.idle_task = KeepAliveTask()
         self._idle = idle
@@ -165,21 +172,26 @@ class ServingConnection(TCPServer):
         scope = self._idle_scope = trio.move_on_after(self.config.keep_alive_timeout)
         idle = self._idle
         if idle is not None:
-            idle[self] = None
+            idle[self] = scope
         try:
             with scope:
                 await self.context.terminated.wait()
         finally:
-            if idle is not None:
-                idle.pop(self, None)
-            self._idle_scope = None
+            # A timer restarted meanwhile has registered its own scope: leave it.
+            if idle is not None and idle.get(self) is scope:
+                del idle[self]
+            if self._idle_scope is scope:
+                self._idle_scope = None
         with trio.CancelScope(shield=True):
             await self._initiate_server_close()
 
     def close_if_idle(self) -> bool:
         """End the connection now if it is between requests; returns whether it was."""
         scope = self._idle_scope
-        if scope is None or scope.cancel_called:
+        # The keep-alive task's own scope is gone (or cancelled) once a request arrived,
+        # before the timer's task has run its cleanup: busy, not idle.
+        timer = self.idle_task.scope
+        if scope is None or scope.cancel_called or timer is None or timer.cancel_called:
             return False
         scope.cancel()
         return True

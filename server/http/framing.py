@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["Refusal", "check_request_head", "find_obs_fold", "head_end"]
+__all__ = ["Refusal", "check_request_head", "find_obs_fold", "head_end", "obs_fold"]
 
 _VERSIONS = (b"1.0", b"1.1")
 _BLANK_LINE = re.compile(rb"\n\r?\n")
@@ -80,6 +80,9 @@ def check_request_head(http_version: bytes, headers) -> Refusal | None:
     return None
 
 
-OBS_FOLD = Refusal(
-    400, "Header lines may not be folded (obs-fold, RFC 9112 section 5.2).", "obs_fold"
-)
+def obs_fold() -> Refusal:
+    """The refusal of a folded header line (a new exception each time: one raised again
+    and again would keep every traceback it ever had)."""
+    return Refusal(
+        400, "Header lines may not be folded (obs-fold, RFC 9112 section 5.2).", "obs_fold"
+    )

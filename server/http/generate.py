@@ -242,12 +242,18 @@ async def _stream_started(answer: _Answer, stream, heartbeat: float | None) -> l
     await answer.start_stream()
     send = answer.send
     while per_choice is None:
-        await send({"type": "http.response.body", "body": WAITING, "more_body": True})
         try:
+            await send({"type": "http.response.body", "body": WAITING, "more_body": True})
             per_choice = await stream.wait_started(heartbeat)
         except ServerError as exc:
             answer.record.failed(exc)
             await answer.last(error_event(exc) + DONE)
+            return None
+        except Exception:  # a bug of ours: the stream started, so it ends as a stream
+            log.exception("internal error while a stream waited for the engine")
+            error = EngineError("Internal server error while waiting for the engine.")
+            answer.record.failed(error)
+            await answer.last(error_event(error) + DONE)
             return None
     return per_choice
 

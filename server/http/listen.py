@@ -40,6 +40,7 @@ import logging
 import math
 import os
 import resource
+import socket
 import time
 from dataclasses import dataclass
 
@@ -133,8 +134,10 @@ class ConnectionPool:
         self.hc = hc
         self.context = context
         self.max_connections = max_connections
-        #: Idle keep-alive connections, oldest first (maintained by the connections).
-        self.idle: dict[ServingConnection, None] = {}
+        #: Idle keep-alive connections, oldest first, and the scope of each one's idle
+        #: timer (maintained by the connections). A connection is idle from its accept
+        #: until its first request too: the newest, so the last to be closed for room.
+        self.idle: dict[ServingConnection, trio.CancelScope] = {}
         self.open = 0
         self.accepted = 0
         self.refused = 0
@@ -183,6 +186,7 @@ class ConnectionPool:
         sock = stream.socket
         try:  # a fresh socket's buffer takes this at once (non-blocking); if not, nothing
             os.write(sock.fileno(), _REFUSAL)
+            sock.shutdown(socket.SHUT_WR)  # the answer, then FIN, before the close
         except OSError:
             pass
         sock.close()
@@ -229,11 +233,16 @@ class ConnectionPool:
         except Exception as exc:  # noqa: BLE001 - the boundary: nothing passes but Cancelled
             self._failed(info, exc)
         except BaseExceptionGroup as group:
-            cancelled, others = group.split(trio.Cancelled)
-            if others is not None:
-                self._failed(info, others)
-            if cancelled is not None:
-                raise cancelled from None
+            # Cancelled (and KeyboardInterrupt, SystemExit) pass; errors stop here.
+            errors, passing = group.split(Exception)
+            if errors is not None:
+                self._failed(info, errors)
+                del errors
+            if passing is not None:
+                try:
+                    raise passing from None
+                finally:
+                    del passing
         finally:
             self.open -= 1
             self.idle.pop(conn, None)

@@ -40,7 +40,7 @@ from hypercorn.utils import suppress_body
 from ..errors import ClientError, error_body
 from ..observability.logs import request_id_from_header
 from .encode import dumps
-from .framing import OBS_FOLD, Refusal, check_request_head, find_obs_fold, head_end
+from .framing import Refusal, check_request_head, find_obs_fold, head_end, obs_fold
 
 ChunkedWriter: type | None
 try:  # h11's chunked writer (private): without it, every chunk goes through h11 as usual
@@ -97,7 +97,7 @@ def _read_head_strictly(reader, buf):
     data = bytes(buf)
     end = head_end(data)
     if end != -1 and find_obs_fold(data[:end]):
-        raise OBS_FOLD
+        raise obs_fold()
     return reader(buf)
 
 
@@ -155,7 +155,10 @@ class ServingH11Protocol(H11Protocol):
     async def _check_protocol(self, event: h11.Request) -> None:
         refusal = check_request_head(event.http_version, event.headers)
         if refusal is not None:
-            raise refusal
+            try:
+                raise refusal
+            finally:  # no local may hold it: exception, traceback and frame would cycle
+                del refusal
 
     async def _create_stream(self, request: h11.Request) -> None:
         # Hypercorn's, less the WebSocket upgrade (an Upgrade header is ignored), with our

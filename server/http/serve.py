@@ -155,8 +155,8 @@ async def serve(
         nursery.start_soon(_shut_down, app, config, hc, phases, exit_when_stuck)
         nursery.start_soon(_stop_on_fatal, app, phases)
         binds = await nursery.start(run_http)
-        if wait_ready:
-            await wait_any(app.wait_engine_ready, app.fatal.wait)
+        if wait_ready:  # (or until the engine fails, or the caller stops it meanwhile)
+            await wait_any(app.wait_engine_ready, app.fatal.wait, phases.begin.wait)
         if not app.fatal.is_set():
             for url in binds:
                 log.info("serving on %s (engine %s)", url, config.engine.engine)

@@ -226,9 +226,10 @@ class Engine:
         return self._accepting and any(w.healthy() for w in self.workers)
 
     async def wait_ready(self) -> None:
-        """Wait until every worker has loaded its engine and serves (at once if they do)."""
+        """Wait until every worker has loaded its engine once (said HELLO); at once if
+        they have. A worker restarting later does not make this wait again."""
         for w in self.workers:
-            await w.wait_alive()
+            await w.wait_ready()
 
     async def wait_idle(self) -> None:
         """Wait until no stream is open in the manager."""

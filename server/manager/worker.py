@@ -29,7 +29,7 @@ import os
 import subprocess
 
 import trio
-from trio_util import AsyncBool, AsyncValue
+from trio_util import AsyncValue
 
 from ..config import EngineConfig
 from ..errors import EngineError
@@ -82,9 +82,8 @@ class WorkerClient:
         #: rid -> Choice for every choice the worker holds (registered at dispatch).
         self.states: dict[int, Choice] = {}
         self.info: dict = {}
-        #: Whether a worker process is up (said HELLO) and serving; observable, so that
-        #: :meth:`wait_alive` needs no polling.
-        self._alive = AsyncBool(False)
+        #: Whether a worker process is up (said HELLO) and serving.
+        self.alive = False
         self.pid: int | None = None
         self.restarts = 0
         self.gave_up = False
@@ -245,8 +244,9 @@ class WorkerClient:
                     nursery.start_soon(self._heartbeat)
             except BaseExceptionGroup as group:  # a nursery's errors always come grouped
                 ended, rest = group.split(_SessionEnded)
-                if rest is not None or ended is None:
-                    raise
+                if rest is not None:
+                    raise rest from None
+                assert ended is not None
                 first_end = ended.exceptions[0]
                 assert isinstance(first_end, _SessionEnded)
                 reason = first_end.reason
@@ -407,18 +407,6 @@ class WorkerClient:
             self.pid = None
 
     # -- introspection -----------------------------------------------------------------------
-
-    @property
-    def alive(self) -> bool:
-        return self._alive.value
-
-    @alive.setter
-    def alive(self, value: bool) -> None:
-        self._alive.value = value
-
-    async def wait_alive(self) -> None:
-        """Wait until a worker process is up and serving (at once if it is)."""
-        await self._alive.wait_value(True)
 
     def healthy(self) -> bool:
         """Alive and heard from within three heartbeat periods."""
