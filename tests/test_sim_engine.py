@@ -339,7 +339,7 @@ def test_error_fault_after_k_tokens():
     engine.add(1, "a", {"max_tokens": 10, "fault": {"kind": "error", "after": 3}})
     outs = [o for _, o in run(engine, clock)]
     assert [o[2] for o in outs] == [1, 1, 1, 0]
-    assert outs[-1][3:] == ["error", ["engine_error", "injected engine failure"]]
+    assert (outs[-1].finish, outs[-1].error) == ("error", ["engine_error", "injected engine failure"])
     assert engine.running() == 0
 
 

@@ -318,6 +318,7 @@ class WorkerClient:
         for msg in messages:
             kind = msg[0]
             if kind == wire.STEP:
+                # Rows unpacked in the field order of wire.AcceptRow and wire.OutputRow.
                 for rid, prompt_tokens in msg[1]:
                     choice = states.get(rid)
                     if choice is not None:

@@ -21,8 +21,10 @@ Worker -> frontend::
                                     outputs: [[rid, text, ntok, finish, err], ...]
     [PONG, seq, running, waiting]
 
-In an output, ``finish`` is None or one of stop/length/abort/error and ``err`` is None or
-``[kind, message]`` (kinds in :data:`server.errors.WIRE_KINDS`). A request that is rejected
+The rows of a STEP are :class:`AcceptRow` and :class:`OutputRow` (sent as arrays in their
+field order; the frontend unpacks them in that order). In an output, ``finish`` is None or
+one of stop/length/abort/error and ``err`` is None or ``[kind, message]`` (kinds in
+:data:`server.errors.WIRE_KINDS`). A request that is rejected
 (client fault, such as a prompt over the context limit) gets a terminal output with
 ``finish="error"`` and no accept. An abort of a request the worker holds is answered by a
 terminal ``abort`` output in the worker's next frame; of any other rid, by nothing.
@@ -34,10 +36,13 @@ A peer that sends a frame over :data:`MAX_FRAME`, or bytes that are not msgpack,
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 import msgpack
 
 __all__ = [
+    "AcceptRow",
+    "OutputRow",
     "HELLO",
     "SUBMIT",
     "ABORT",
@@ -50,6 +55,27 @@ __all__ = [
     "FrameDecoder",
     "encode",
 ]
+
+
+class AcceptRow(NamedTuple):
+    """The engine took request ``rid``; its prompt is ``prompt_tokens`` tokens long."""
+
+    rid: int
+    prompt_tokens: int
+
+
+class OutputRow(NamedTuple):
+    """What one request produced since the previous STEP of its worker."""
+
+    rid: int
+    #: New text (detokenized, stop strings applied).
+    text: str
+    #: New tokens.
+    ntok: int
+    #: None while it runs, else "stop", "length", "abort" or "error".
+    finish: str | None
+    #: ``[kind, message]`` when ``finish == "error"`` (kinds: server.errors.WIRE_KINDS).
+    error: list | None
 
 HELLO = 0
 SUBMIT = 1

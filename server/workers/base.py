@@ -7,7 +7,7 @@ answers calls. An engine is a class with::
     add(rid, prompt, params) -> int         prompt_tokens; raise Rejected for client faults
     abort(rid) -> bool                      True when it held rid (it then forgets it)
     next_deadline() -> float | None         monotonic time to call step() next; None when idle
-    step(now) -> list[list]                 outputs [rid, text, ntok, finish, err]
+    step(now) -> list[OutputRow]            outputs (server.protocol.wire.OutputRow)
     running() -> int, waiting() -> int
 
 ``prompt`` is a string, a list of token ids, or ``{"messages": [...]}`` for chat. ``step`` may

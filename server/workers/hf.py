@@ -54,6 +54,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
         "install them with: pip install -e '.[transformers]'"
     ) from None
 
+from ..protocol.wire import OutputRow
 from .base import Rejected, check_context
 from .hf_batch import KVBatch, UnsupportedModel, sliding_window
 from .hf_sample import sample
@@ -278,7 +279,7 @@ class TransformersEngine:
         """KV-cache slots held by the running batch (padding included); 0 when idle."""
         return self._batch.cached_tokens()
 
-    def step(self, now: float) -> list[list]:
+    def step(self, now: float) -> list[OutputRow]:
         outputs: list[list] = []
         try:
             with torch.inference_mode():
@@ -330,7 +331,7 @@ class TransformersEngine:
                     more, stopped = req.text.finish()
                     text += more
                     finish = "stop" if stopped else "length"
-            outputs.append([req.rid, text, 1, finish, None])
+            outputs.append(OutputRow(req.rid, text, 1, finish, None))
             if finish is not None:
                 finished.append(req)
         if finished:
@@ -343,6 +344,6 @@ class TransformersEngine:
         done = {o[0] for o in outputs if o[3] is not None}
         for req in self._rows:
             if req.rid not in done:
-                outputs.append([req.rid, "", 0, "error", ["engine_error", message]])
+                outputs.append(OutputRow(req.rid, "", 0, "error", ["engine_error", message]))
         self._rows = []
         self._batch.clear()

@@ -29,6 +29,7 @@ import sys
 import time
 
 from ..protocol import wire
+from ..protocol.wire import AcceptRow, OutputRow
 from .base import Rejected, WorkerCrash, WorkerGarbage, WorkerHang
 
 __all__ = ["build_engine", "serve", "main"]
@@ -66,15 +67,15 @@ def handle_message(engine, msg: list, accepts: list, outputs: list) -> list | No
     if kind == wire.SUBMIT:
         rid = msg[1]
         try:
-            accepts.append([rid, engine.add(rid, msg[2], msg[3])])
+            accepts.append(AcceptRow(rid, engine.add(rid, msg[2], msg[3])))
         except Rejected as exc:
-            outputs.append([rid, "", 0, "error", [exc.kind, exc.message]])
+            outputs.append(OutputRow(rid, "", 0, "error", [exc.kind, exc.message]))
         except Exception as exc:  # a request the engine chokes on fails alone
             message = f"the engine could not take this request: {exc!r:.200}"
-            outputs.append([rid, "", 0, "error", ["engine_error", message]])
+            outputs.append(OutputRow(rid, "", 0, "error", ["engine_error", message]))
     elif kind == wire.ABORT:
         if engine.abort(msg[1]):
-            outputs.append([msg[1], "", 0, "abort", None])
+            outputs.append(OutputRow(msg[1], "", 0, "abort", None))
     elif kind == wire.PING:
         return [wire.PONG, msg[1], engine.running(), engine.waiting()]
     return None

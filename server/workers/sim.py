@@ -31,6 +31,7 @@ import time
 import zlib
 from collections.abc import ValuesView
 
+from ..protocol.wire import OutputRow
 from .base import Rejected, WorkerCrash, WorkerGarbage, WorkerHang, check_context
 from .stops import StopMatcher
 
@@ -207,7 +208,7 @@ class SimEngine:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def step(self, now: float) -> list[list]:
+    def step(self, now: float) -> list[OutputRow]:
         running = self._running
         tick = self._next_tick
         is_tick = tick is not None and now >= tick
@@ -227,7 +228,7 @@ class SimEngine:
             out = self._advance(req)
             if out is not None:
                 outputs.append(out)
-                if out[3] is not None:
+                if out.finish is not None:
                     finished.append(req.rid)
         for rid in finished:
             del running[rid]
@@ -258,11 +259,11 @@ class SimEngine:
             self._running[rid] = req
             self._starting[rid] = req
 
-    def _advance(self, req: _Req) -> list | None:
+    def _advance(self, req: _Req) -> OutputRow | None:
         fault = req.fault
         if fault is not None and req.produced >= req.fault_after:
             if fault == "error":
-                return [req.rid, "", 0, "error", ["engine_error", "injected engine failure"]]
+                return OutputRow(req.rid, "", 0, "error", ["engine_error", "injected engine failure"])
             if fault == "crash":
                 raise WorkerCrash()
             if fault == "hang":
@@ -277,10 +278,10 @@ class SimEngine:
         req.produced += 1
         done = req.produced >= req.max_tokens
         if req.stop is None:
-            return [req.rid, word, 1, "length" if done else None, None]
+            return OutputRow(req.rid, word, 1, "length" if done else None, None)
         text, stopped = req.stop.feed(word)
         if stopped:
-            return [req.rid, text, 1, "stop", None]
+            return OutputRow(req.rid, text, 1, "stop", None)
         if done:
-            return [req.rid, text + req.stop.flush(), 1, "length", None]
-        return [req.rid, text, 1, None, None]
+            return OutputRow(req.rid, text + req.stop.flush(), 1, "length", None)
+        return OutputRow(req.rid, text, 1, None, None)
