@@ -188,9 +188,12 @@ async def _shut_down(app, config: ServerConfig, hc, phases: ShutdownPhases, exit
     # The HTTP server now closes the connections (close_timeout) and runs the lifespan
     # shutdown, and this task is cancelled when it is done. Past a grace period (or at a
     # second signal), stop the engine ourselves.
-    with trio.move_on_after(config.close_timeout + 5.0):
+    with trio.move_on_after(config.close_timeout + 5.0) as grace:
         await phases.hurry.wait()
-    log.error("connections still open (clients not reading): stopping the engine anyway")
+    if grace.cancelled_caught:
+        log.error("connections still open (clients not reading): stopping the engine anyway")
+    else:
+        log.info("stopping the engine now")
     await app.stop_engine()
     if exit_when_stuck:
         logging.shutdown()
