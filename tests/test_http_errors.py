@@ -39,6 +39,15 @@ BAD_COMPLETIONS = [
     (b'{"prompt": [1, 2], "echo": true}', 400, "echo"),
     (b'{"prompt": "hi", "model": 7}', 400, "model"),
     (b'{"prompt": "hi", "model": "gpt-4"}', 404, "model"),
+    # fields with a meaning the server does not honour yet: refused, never ignored
+    (b'{"prompt": "hi", "presence_penalty": 0.5}', 400, "presence_penalty"),
+    (b'{"prompt": "hi", "frequency_penalty": -1}', 400, "frequency_penalty"),
+    (b'{"prompt": "hi", "logit_bias": {"50256": -100}}', 400, "logit_bias"),
+    (b'{"prompt": "hi", "top_k": 5}', 400, "top_k"),
+    (b'{"prompt": "hi", "best_of": 3}', 400, "best_of"),
+    (b'{"prompt": "hi", "response_format": {"type": "json_object"}}', 400, "response_format"),
+    (b'{"prompt": "hi", "skip_special_tokens": false}', 400, "skip_special_tokens"),
+    (b'{"prompt": "hi", "use_beam_search": true}', 400, "use_beam_search"),
 ]
 
 BAD_CHAT = [
@@ -47,7 +56,19 @@ BAD_CHAT = [
     (b'{"messages": [{"role": "wizard", "content": "x"}]}', 400, "messages[0].role"),
     (b'{"messages": [{"role": "user", "content": 5}]}', 400, "messages[0].content"),
     (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
-     "messages[0].content"),
+     "messages[0].content[0]"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, '
+     b'{"type": "input_audio"}]}]}', 400, "messages[0].content[1]"),
+    (b'{"messages": [{"role": "user"}]}', 400, "messages[0].content"),
+    (b'{"messages": [{"role": "system", "content": null}]}', 400, "messages[0].content"),
+    (b'{"messages": [{"role": "tool", "content": "42"}]}', 400, "messages[0].tool_call_id"),
+    (b'{"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}', 400,
+     "messages[0]"),
+    (b'{"messages": [{"role": "assistant", "tool_calls": [{"id": "c1"}]}]}', 400,
+     "messages[0].tool_calls"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', 400,
+     "tools"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true}', 400, "logprobs"),
     (b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}', 400,
      "max_completion_tokens"),
 ]
@@ -193,3 +214,21 @@ async def test_a_bug_of_ours_mid_stream_ends_the_stream_with_an_error_event(monk
             r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
             assert r.status_code == 200
         # running_server checks that nothing is left in the manager or the worker
+
+
+async def test_fields_at_their_neutral_values_and_unknown_fields_are_served(server_url):
+    # What clients send by default for fields the server does not honour means "not
+    # used", and fields nobody defines are ignored (as OpenAI and vLLM do).
+    neutral = {
+        "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "top_k": -1,
+        "min_p": 0, "repetition_penalty": 1.0, "response_format": {"type": "text"},
+        "skip_special_tokens": True, "tools": [], "tool_choice": "none", "metadata": {"a": "b"},
+        "x_my_own_field": [1, 2],
+    }
+    async with httpx.AsyncClient(base_url=server_url, timeout=10) as http:
+        r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **neutral})
+        assert r.status_code == 200, r.text
+        r = await http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **neutral,
+        })
+        assert r.status_code == 200, r.text

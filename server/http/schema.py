@@ -2,8 +2,9 @@
 
 Everything a client can get wrong is decided here, before a response starts, so that it is
 answered with a 400 (or 404 for an unknown model) and never surfaces as a broken stream.
-Unknown fields are accepted and ignored, as OpenAI clients send extras; known fields that we
-cannot honour (``logprobs``) are refused rather than silently ignored.
+Fields with a meaning the server does not honour (penalties, logprobs, tools, response
+formats, ...) are refused with a 400 naming them (:mod:`server.http.fields`); fields nobody
+defines are ignored, as OpenAI clients send extras.
 
 Example::
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from ..config import Limits
 from ..errors import ClientError, NotFound, clip
 from ..params import SamplingParams
+from .fields import HONOURED_CHAT, HONOURED_COMPLETION, check_fields
 
 __all__ = ["GenerateRequest", "parse_completion", "parse_chat", "decode_json"]
 
@@ -186,30 +188,38 @@ def _prompts(data: dict, limits: Limits) -> list:
     return prompts
 
 
+_PART_KINDS = {"image_url": "image", "input_audio": "audio", "file": "file", "image": "image"}
+
+
 def _content(content, index: int) -> str:
+    param = f"messages[{index}].content"
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _PART_KINDS:
                 raise ClientError(
-                    "Only text content parts are supported.", param=f"messages[{index}].content"
+                    f"Content parts of type '{kind}' are not supported: the engine takes text "
+                    f"only (no {_PART_KINDS[kind]} input).",
+                    param=f"{param}[{j}]",
                 )
+            if kind != "text":
+                raise ClientError("Only text content parts are supported.", param=f"{param}[{j}]")
             text = part.get("text")
             if not isinstance(text, str):
-                raise ClientError(
-                    "A text content part needs a string 'text'.",
-                    param=f"messages[{index}].content",
-                )
+                raise ClientError("A text content part needs a string 'text'.", param=f"{param}[{j}]")
             parts.append(text)
         return "".join(parts)
-    if content is None:
-        return ""
-    raise ClientError("'content' must be a string or a list of parts.", param=f"messages[{index}].content")
+    raise ClientError("'content' must be a string or a list of parts.", param=param)
 
 
 def _messages(data: dict) -> list:
+    """OpenAI's rules: a known role; ``content`` required for system, developer, user and
+    tool messages; a tool message needs ``tool_call_id``; an assistant message may carry
+    ``tool_calls`` instead of content. Tool calls and tool results in the history are
+    refused until the server supports tools (they would otherwise be dropped)."""
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ClientError("'messages' must be a non-empty list.", param="messages")
@@ -222,8 +232,25 @@ def _messages(data: dict) -> list:
             raise ClientError(
                 f"'role' must be one of {', '.join(_ROLES)}.", param=f"messages[{i}].role"
             )
-        content = _utf8(_content(m.get("content"), i), f"messages[{i}].content")
-        rendered.append({"role": role, "content": content})
+        content = m.get("content")
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise ClientError(
+                "A tool message needs a string 'tool_call_id'.", param=f"messages[{i}].tool_call_id"
+            )
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if content is None and not calls:
+            raise ClientError(
+                f"A {role} message needs 'content'.", param=f"messages[{i}].content"
+            )
+        if role == "tool" or calls or (role == "assistant" and m.get("function_call")):
+            raise ClientError(
+                "Tool calls and tool results in the conversation are not supported by this "
+                "server yet.",
+                param=f"messages[{i}]" + (".tool_calls" if calls else ""),
+                code="unsupported_parameter",
+            )
+        text = _utf8(_content(content, i), f"messages[{i}].content")
+        rendered.append({"role": role, "content": text})
     return rendered
 
 
@@ -279,6 +306,7 @@ def _common(data: dict, limits: Limits, served_model: str, *, chat: bool) -> dic
 def parse_completion(body: bytes, limits: Limits, served_model: str) -> GenerateRequest:
     """Validate a ``/v1/completions`` body."""
     data = decode_json(body)
+    check_fields(data, HONOURED_COMPLETION)
     common = _common(data, limits, served_model, chat=False)
     prompts = _prompts(data, limits)
     echo = _bool(data, "echo", False)
@@ -292,6 +320,7 @@ def parse_completion(body: bytes, limits: Limits, served_model: str) -> Generate
 def parse_chat(body: bytes, limits: Limits, served_model: str) -> GenerateRequest:
     """Validate a ``/v1/chat/completions`` body."""
     data = decode_json(body)
+    check_fields(data, HONOURED_CHAT)
     common = _common(data, limits, served_model, chat=True)
     messages = _messages(data)
     return GenerateRequest(

@@ -1,0 +1,113 @@
+"""Which request fields the server honours, which it refuses, which it ignores. Sans-IO.
+
+A client that asks for a penalty, a JSON answer or a tool call and silently gets plain
+sampled text with a 200 is worse off than with a 400. So every field of OpenAI's request
+schema for ``/v1/completions`` and ``/v1/chat/completions``, and the common vLLM
+extensions, is either honoured (read by :mod:`server.http.schema`) or listed here in
+:data:`UNSUPPORTED` with the values that mean "not used" (what clients send by default):
+any other value is a 400 naming the field. Fields nobody defines are ignored, as vLLM and
+OpenAI do, with a debug log line (clients send extras).
+
+``docs/api.md`` has the table, per engine; no engine honours these fields yet.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..errors import ClientError
+
+__all__ = ["HONOURED_CHAT", "HONOURED_COMPLETION", "UNSUPPORTED", "check_fields"]
+
+log = logging.getLogger("server.http")
+
+_SAMPLING = {
+    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+    "seed", "user", "ignore_eos", "logprobs", "fault",
+}
+#: The fields each route reads (``logprobs`` only when false or 0; ``fault`` only with
+#: --sim-faults).
+HONOURED_COMPLETION = frozenset(_SAMPLING | {"prompt", "echo"})
+HONOURED_CHAT = frozenset(_SAMPLING | {"messages", "max_completion_tokens"})
+
+#: Defined by OpenAI or vLLM, not honoured yet: field -> the values that mean "not used".
+UNSUPPORTED: dict[str, tuple] = {
+    # sampling (OpenAI)
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "top_logprobs": (None, 0),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    # sampling (vLLM)
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0),
+    "repetition_penalty": (None, 1),
+    "min_tokens": (None, 0),
+    "stop_token_ids": (None, []),
+    "prompt_logprobs": (None, 0),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1),
+    "truncate_prompt_tokens": (None,),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "add_special_tokens": (None,),
+    # structured output, tools, reasoning (OpenAI, vLLM)
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "reasoning_effort": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    # chat templates (vLLM)
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "documents": (None,),
+    # other modalities and platform features (OpenAI)
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "store": (None, False),
+    "service_tier": (None, "auto", "default"),
+}
+
+#: Defined, and harmless to accept: they change nothing about the generation.
+_NO_OP = frozenset({"metadata"})
+
+
+def _neutral(value, neutral: tuple) -> bool:
+    for n in neutral:
+        if value == n and type(value) is not bool or value is n:
+            return True
+    return False
+
+
+def check_fields(data: dict, honoured: frozenset) -> None:
+    """Refuse a field that has a meaning this server does not honour (400 naming it), and
+    log the names nobody defines (ignored)."""
+    unknown = []
+    for name in data:
+        if name in honoured or name in _NO_OP:
+            continue
+        neutral = UNSUPPORTED.get(name)
+        if neutral is None:
+            unknown.append(name)
+        elif not _neutral(data[name], neutral):
+            raise ClientError(
+                f"'{name}' is not supported by this server yet; leave it out (or at its "
+                "default) to generate without it.",
+                param=name,
+                code="unsupported_parameter",
+            )
+    if unknown and log.isEnabledFor(logging.DEBUG):
+        log.debug("ignored request fields nobody defines: %s", ", ".join(unknown[:20]))
