@@ -1,17 +1,18 @@
-"""Serving the app with hypercorn's Trio worker, with a graceful drain on SIGTERM/SIGINT.
+"""Serving the app over HTTP (server.http.listen) with a graceful drain.
 
-Shutdown, in order (see docs/operations.md):
+The shutdown begins when the caller's ``shutdown_trigger`` is set, or, when the CLI asks
+for signal handling, at SIGTERM/SIGINT. Then, in order (see docs/operations.md):
 
-1. The first SIGTERM or SIGINT: the engine stops accepting (``/health`` and new requests get
-   503), requests in flight keep streaming for up to ``shutdown_timeout`` seconds.
-2. Then every stream still open is aborted: each open choice ends with
+1. The engine stops accepting (``/health`` and new requests get 503); requests in flight
+   keep streaming for up to ``shutdown_timeout`` seconds.
+2. Every stream still open is aborted: each open choice ends with
    ``finish_reason: "abort"`` and ``data: [DONE]`` (bounded by the engine's drain timeout).
-3. Hypercorn stops listening and closes connections; the lifespan stops the workers (pipe
-   closed, SIGTERM, SIGKILL, each after a grace period). The process exits 0.
+3. The server stops listening and closes connections (``close_timeout``); the lifespan
+   stops the workers (pipe closed, SIGTERM, SIGKILL, each after a grace period).
 
-A second signal skips what is left of step 1 and 2. If connections still do not close (a
-client that stopped reading blocks hypercorn's shielded socket write forever), the workers
-are stopped anyway and the CLI process exits.
+A second signal skips what is left of steps 1 and 2. If connections still do not close,
+the workers are stopped anyway (and the CLI process exits). Cancelling the caller's scope
+instead stops everything at once, workers included.
 """
 
 from __future__ import annotations
