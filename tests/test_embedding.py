@@ -87,10 +87,10 @@ async def test_a_neighbour_hypercorn_app_keeps_checkpoints_and_cancellation():
         async with httpx.AsyncClient(base_url=url) as http:
             assert (await http.get("/health")).status_code == 200
     # The deadline fired on time (0.5 s; a send path without checkpoints ran the whole
-    # loop, seconds), and the ticker ran between the app's sends (thousands of times; a
-    # few hundred without checkpoints).
+    # loop, seconds), and the ticker ran between the app's sends (about 25,000 times here;
+    # under 1,000 without checkpoints).
     assert result["elapsed"] < 0.9, result
-    assert ticks > 5000, ticks
+    assert ticks > 2000, ticks
 
 
 async def test_the_fast_paths_are_used_on_this_servers_connections(monkeypatch):
