@@ -20,7 +20,7 @@ import httpx
 import trio
 
 from server.http.connection import ServingConfig, ServingConnection
-from tests.conftest import running_server
+from tests.conftest import running_server, wait_http_ok
 from tests.sse_record import SSE, stream_into
 from tests.test_hostile import addr, split_response
 from tests.test_shutdown import REPO, free_port
@@ -105,17 +105,18 @@ async def run_limited(nofile: int, *args: str):
     )
     proc = await trio.lowlevel.open_process(["bash", "-c", cmd], stdout=log, stderr=log, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
-    async with httpx.AsyncClient(base_url=url) as http:
-        with trio.fail_after(30):
-            while True:
-                assert proc.poll() is None
-                try:
-                    if (await http.get("/health")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                await trio.sleep(0.05)
+    await wait_http_ok(url + "/health")
     return proc, url, log
+
+
+async def open_waiting(url: str, count: int) -> list[trio.SocketStream]:
+    """``count`` connections that each sent a request (served or still in the backlog)."""
+    socks = []
+    for _ in range(count):
+        sock = await trio.open_tcp_stream(*addr(url))
+        await sock.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        socks.append(sock)
+    return socks
 
 
 def output(log) -> str:
@@ -127,24 +128,13 @@ async def test_out_of_descriptors_is_one_episode_in_the_log_and_ends():
     proc, url, log = await run_limited(64, "--max-connections", "1000")
     idle = []
     try:
-        for _ in range(80):  # more than the process has descriptors for
-            sock = await trio.open_tcp_stream(*addr(url))
-            await sock.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-            idle.append(sock)
+        idle = await open_waiting(url, 80)  # more than the process has descriptors for
         await trio.sleep(1.5)  # about 15 accept attempts while out of descriptors
         text = output(log)
         assert text.count("cannot accept connections") == 1, text[-2000:]
         for sock in idle:
             await sock.aclose()
-        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-            with trio.fail_after(10):
-                while True:
-                    try:
-                        if (await http.get("/health")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    await trio.sleep(0.1)
+        await wait_http_ok(url + "/health", timeout=10)
         text = output(log)
         assert text.count("cannot accept connections") == 1, text[-2000:]
         assert text.count("accepting connections again") == 1, text[-2000:]
@@ -159,10 +149,7 @@ async def test_the_default_connection_limit_stays_below_ulimit():
     proc, url, log = await run_limited(256)  # default limit: 256 - 128 = 128
     idle = []
     try:
-        for _ in range(160):
-            sock = await trio.open_tcp_stream(*addr(url))
-            await sock.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-            idle.append(sock)
+        idle = await open_waiting(url, 160)
         async with httpx.AsyncClient(base_url=url, timeout=5) as http:
             r = await http.get("/health")
             assert r.status_code == 200

@@ -199,16 +199,36 @@ class LLMServerApp(QuartTrio):
         capacity = engine.capacity if engine is not None else None
         return None if capacity is None else 2 * capacity
 
+    def admission_error(self, engine: Engine, sequences: int) -> ServerError | None:
+        """Why a request of ``sequences`` sequences (prompts x n) may not be admitted now:
+        a 503 when it would take the server past its limits (decided before anything is
+        queued), a 400 when it could never fit; None when it may run."""
+        limit = self.server_config.max_concurrent_requests
+        if limit is not None and engine.open_streams >= limit:
+            return ServiceUnavailable(
+                f"The server is at its limit of {limit} concurrent requests; retry later.",
+                code="server_overloaded",
+            )
+        limit = self.sequence_limit()
+        if limit is None:
+            return None
+        if sequences > limit:
+            return ClientError(
+                f"This request asks for {sequences} sequences (prompts x n); the server runs "
+                f"at most {limit} at once.",
+                param="n",
+            )
+        if engine.open_sequences + sequences > limit:
+            return ServiceUnavailable(
+                f"The server is at its limit of {limit} concurrent sequences; retry later.",
+                code="server_overloaded",
+            )
+        return None
+
     def saturated(self) -> bool:
         """Whether a one-sequence request would be refused for want of capacity now."""
         engine = self.engine
-        if engine is None:
-            return False
-        limit = self.server_config.max_concurrent_requests
-        if limit is not None and engine.open_streams >= limit:
-            return True
-        limit = self.sequence_limit()
-        return limit is not None and engine.open_sequences >= limit
+        return engine is not None and self.admission_error(engine, 1) is not None
 
     # -- lifespan ----------------------------------------------------------------------------
 

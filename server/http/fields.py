@@ -86,8 +86,13 @@ _NO_OP = frozenset({"metadata"})
 
 
 def _neutral(value, neutral: tuple) -> bool:
+    """Whether ``value`` is one of the ``neutral`` ones; a bool only as itself (in Python
+    ``True == 1``: ``best_of: true`` is not ``best_of: 1``)."""
     for n in neutral:
-        if value == n and type(value) is not bool or value is n:
+        if isinstance(value, bool) or isinstance(n, bool):
+            if value is n:
+                return True
+        elif value == n:
             return True
     return False
 

@@ -38,7 +38,6 @@ import trio
 
 from ..errors import (
     BodyTimeout,
-    ClientError,
     EngineError,
     MethodNotAllowed,
     PayloadTooLarge,
@@ -104,6 +103,12 @@ class _Answer:
         headers = _SSE_HEADERS + self.headers
         await self.send({"type": "http.response.start", "status": 200, "headers": headers})
 
+    async def fail_stream(self, exc: ServerError, before: bytes = b"") -> None:
+        """End a started stream with ``exc`` as an error event and ``data: [DONE]``
+        (after ``before``, the text merged in before the failure)."""
+        self.record.failed(exc)
+        await self.last(before + error_event(exc) + DONE)
+
     async def last(self, body: bytes) -> None:
         self.record.response_complete = True
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
@@ -138,7 +143,9 @@ async def handle_generate(
         engine = app.require_engine()
         parse = schema.parse_chat if chat else schema.parse_completion
         req = parse(body, config.limits, engine.model_name)
-        _admit(app, engine, len(req.prompts) * req.params.n)
+        refusal = app.admission_error(engine, len(req.prompts) * req.params.n)
+        if refusal is not None:
+            raise refusal
         stream = engine.generate_many(
             req.prompts, req.params, timeout=config.request_timeout, errors_as_outputs=True
         )
@@ -181,32 +188,6 @@ async def handle_generate(
         record.ended(stream, req.params.n)
 
 
-def _admit(app, engine, sequences: int) -> None:
-    """Admission: refuse a request that would take the server past its limits (503 with
-    Retry-After, decided before anything is queued), or that could never fit (400)."""
-    config = app.server_config
-    limit = config.max_concurrent_requests
-    if limit is not None and engine.open_streams >= limit:
-        raise ServiceUnavailable(
-            f"The server is at its limit of {limit} concurrent requests; retry later.",
-            code="server_overloaded",
-        )
-    limit = app.sequence_limit()
-    if limit is None:
-        return
-    if sequences > limit:
-        raise ClientError(
-            f"This request asks for {sequences} sequences (prompts x n); the server runs at "
-            f"most {limit} at once.",
-            param="n",
-        )
-    if engine.open_sequences + sequences > limit:
-        raise ServiceUnavailable(
-            f"The server is at its limit of {limit} concurrent sequences; retry later.",
-            code="server_overloaded",
-        )
-
-
 async def _watch_disconnect(receive, scope: trio.CancelScope, record: RequestRecord) -> None:
     await watch_disconnect(receive, scope, lambda: record.response_complete)
     if not record.response_complete:  # else: the usual end of the connection after the answer
@@ -246,14 +227,13 @@ async def _stream_started(answer: _Answer, stream, heartbeat: float | None) -> l
             await send({"type": "http.response.body", "body": WAITING, "more_body": True})
             per_choice = await stream.wait_started(heartbeat)
         except ServerError as exc:
-            answer.record.failed(exc)
-            await answer.last(error_event(exc) + DONE)
+            await answer.fail_stream(exc)
             return None
         except Exception:  # a bug of ours: the stream started, so it ends as a stream
             log.exception("internal error while a stream waited for the engine")
-            error = EngineError("Internal server error while waiting for the engine.")
-            answer.record.failed(error)
-            await answer.last(error_event(error) + DONE)
+            await answer.fail_stream(
+                EngineError("Internal server error while waiting for the engine.")
+            )
             return None
     return per_choice
 
@@ -304,11 +284,7 @@ async def _write_stream(
                 if o.finish_reason == "error":
                     if o.text:  # text merged in before the failure still goes out
                         parts.append(enc.delta(o.index, o.text))
-                    exc = o.exception()
-                    record.failed(exc)
-                    parts.append(error_event(exc))
-                    parts.append(DONE)
-                    await answer.last(b"".join(parts))
+                    await answer.fail_stream(o.exception(), b"".join(parts))
                     return
                 if o.finish_reason is not None:
                     completion_tokens += o.completion_tokens
@@ -320,9 +296,7 @@ async def _write_stream(
         await answer.last(tail)
     except Exception:
         log.exception("internal error while streaming %s", response_id)
-        exc = EngineError("Internal server error while streaming.")
-        record.failed(exc)
-        await answer.last(error_event(exc) + DONE)
+        await answer.fail_stream(EngineError("Internal server error while streaming."))
 
 
 async def _write_full(answer: _Answer, stream, req, response_id: str, model: str) -> None:
