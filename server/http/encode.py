@@ -81,17 +81,25 @@ class ChunkEncoder:
             + b',"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
         )
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def usage(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+    ) -> bytes:
         """The last chunk with ``include_usage``: no choices, just the usage."""
-        return self._usage_head + dumps(usage(prompt_tokens, completion_tokens)) + b"}\n\n"
+        body = usage(prompt_tokens, completion_tokens, cached_tokens)
+        return self._usage_head + dumps(body) + b"}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details`` only from an engine that reports its
+    prefix-cache hits."""
+    out: dict = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def completion_body(
@@ -104,6 +112,7 @@ def completion_body(
     finish_reasons: list[str | None],
     prompt_tokens: int,
     completion_tokens: int,
+    cached_tokens: int | None = None,
 ) -> bytes:
     """The body of a non-streaming completions or chat response."""
     if chat:
@@ -128,6 +137,6 @@ def completion_body(
             "created": created,
             "model": model,
             "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens),
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
         }
     )

@@ -8,7 +8,9 @@ extensions, is either honoured (read by :mod:`server.http.schema`) or listed her
 any other value is a 400 naming the field. Fields nobody defines are ignored, as vLLM and
 OpenAI do, with a debug log line (clients send extras).
 
-``docs/api.md`` has the table, per engine; no engine honours these fields yet.
+An engine may honour some of them: it lists them in its HELLO info (``"sampling"``, e.g. the
+vllm engine's top_k, penalties, logit_bias); those are then validated by
+:mod:`server.http.schema` and passed to it. ``docs/api.md`` has the table, per engine.
 """
 
 from __future__ import annotations
@@ -97,20 +99,25 @@ def _neutral(value, neutral: tuple) -> bool:
     return False
 
 
-def check_fields(data: dict, honoured: frozenset) -> None:
+def check_fields(
+    data: dict, honoured: frozenset, engine_fields: frozenset = frozenset(), engine: str = ""
+) -> None:
     """Refuse a field that has a meaning this server does not honour (400 naming it), and
-    log the names nobody defines (ignored)."""
+    log the names nobody defines (ignored). ``engine_fields``: the fields of
+    :data:`UNSUPPORTED` that the serving engine declared it honours (its HELLO's
+    ``sampling``), read by the schema; ``engine`` names it in the refusal."""
     unknown = []
     for name in data:
-        if name in honoured or name in _NO_OP:
+        if name in honoured or name in _NO_OP or name in engine_fields:
             continue
         neutral = UNSUPPORTED.get(name)
         if neutral is None:
             unknown.append(name)
         elif not _neutral(data[name], neutral):
+            by = f"the {engine} engine" if engine else "this server"
             raise ClientError(
-                f"'{name}' is not supported by this server yet; leave it out (or at its "
-                "default) to generate without it.",
+                f"'{name}' is not supported by {by}; leave it out (or at its default) to "
+                "generate without it.",
                 param=name,
                 code="unsupported_parameter",
             )

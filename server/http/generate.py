@@ -142,7 +142,7 @@ async def handle_generate(
             return
         engine = app.require_engine()
         parse = schema.parse_chat if chat else schema.parse_completion
-        req = parse(body, config.limits, engine.model_name)
+        req = parse(body, config.limits, engine.model_name, engine.info)
         refusal = app.admission_error(engine, len(req.prompts) * req.params.n)
         if refusal is not None:
             raise refusal
@@ -250,6 +250,14 @@ def _prompt_tokens(per_choice: list[int], n: int) -> int:
     return sum(per_choice[::n])
 
 
+def _cached_tokens(cached: dict[int, int], n: int) -> int | None:
+    """Prefix-cache hits of each prompt's first sample (counted once per prompt, as its
+    prompt tokens are); None when the engine reports none."""
+    if not cached:
+        return None
+    return sum(v for index, v in cached.items() if index % n == 0)
+
+
 async def _write_stream(
     answer: _Answer, stream, req, response_id: str, model: str, observe_itl, heartbeat
 ) -> None:
@@ -267,6 +275,7 @@ async def _write_stream(
         elif req.echo:
             first.append(enc.delta(index, req.prompts[index // n]))
     completion_tokens = 0
+    cached: dict[int, int] = {}
     last = 0.0  # when the previous write with new tokens happened
     try:
         if first:
@@ -288,11 +297,15 @@ async def _write_stream(
                     return
                 if o.finish_reason is not None:
                     completion_tokens += o.completion_tokens
+                    if o.cached_tokens is not None:
+                        cached[o.index] = o.cached_tokens
                 parts.append(enc.delta(o.index, o.text, o.finish_reason))
             await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
         tail = DONE
         if req.include_usage:
-            tail = enc.usage(_prompt_tokens(per_choice, n), completion_tokens) + DONE
+            tail = enc.usage(
+                _prompt_tokens(per_choice, n), completion_tokens, _cached_tokens(cached, n)
+            ) + DONE
         await answer.last(tail)
     except Exception:
         log.exception("internal error while streaming %s", response_id)
@@ -312,6 +325,7 @@ async def _write_full(answer: _Answer, stream, req, response_id: str, model: str
             texts[index].append(req.prompts[index // n])
     reasons: list[str | None] = [None] * k
     completion_tokens = 0
+    cached: dict[int, int] = {}
     async for out in stream:
         if record.first_token is None and out.num_tokens:
             # No inter-token latency here: nothing is written until the end.
@@ -326,6 +340,8 @@ async def _write_full(answer: _Answer, stream, req, response_id: str, model: str
         if out.finish_reason is not None:
             reasons[out.index] = out.finish_reason
             completion_tokens += out.completion_tokens
+            if out.cached_tokens is not None:
+                cached[out.index] = out.cached_tokens
     body = completion_body(
         chat=req.chat,
         response_id=response_id,
@@ -335,5 +351,6 @@ async def _write_full(answer: _Answer, stream, req, response_id: str, model: str
         finish_reasons=reasons,
         prompt_tokens=_prompt_tokens(per_choice, n),
         completion_tokens=completion_tokens,
+        cached_tokens=_cached_tokens(cached, n),
     )
     await answer.json(body)

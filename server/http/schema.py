@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ..config import Limits
 from ..errors import ClientError, NotFound, clip
 from ..params import SamplingParams
-from .fields import HONOURED_CHAT, HONOURED_COMPLETION, check_fields
+from .fields import HONOURED_CHAT, HONOURED_COMPLETION, UNSUPPORTED, check_fields
 
 __all__ = ["GenerateRequest", "parse_completion", "parse_chat", "decode_json"]
 
@@ -112,7 +112,7 @@ def _int(data: dict, name: str, default, lo: int, hi: int):
     return value
 
 
-def _number(data: dict, name: str, default: float, lo: float, hi: float, lo_open=False) -> float:
+def _number(data: dict, name: str, default, lo: float, hi: float, lo_open=False):
     value = data.get(name, default)
     if value is None:
         return default
@@ -125,7 +125,7 @@ def _number(data: dict, name: str, default: float, lo: float, hi: float, lo_open
     return value
 
 
-def _bool(data: dict, name: str, default: bool) -> bool:
+def _bool(data: dict, name: str, default):
     value = data.get(name, default)
     if value is None:
         return default
@@ -254,7 +254,80 @@ def _messages(data: dict) -> list:
     return rendered
 
 
-def _common(data: dict, limits: Limits, served_model: str, *, chat: bool) -> dict:
+def _token_id_list(data: dict, name: str, most: int) -> list[int] | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > most or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value
+    ):
+        raise ClientError(f"'{name}' must be a list of at most {most} token ids.", param=name)
+    return value
+
+
+def _logit_bias(data: dict) -> dict[str, float] | None:
+    value = data.get("logit_bias")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > 300:
+        raise ClientError(
+            "'logit_bias' must be an object of at most 300 token ids to numbers.",
+            param="logit_bias",
+        )
+    out = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and len(key) < 11):
+            raise ClientError(
+                f"'logit_bias' keys must be token ids, not {clip(key)!r}.", param="logit_bias"
+            )
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
+            -100 <= bias <= 100
+        ):
+            raise ClientError(
+                "'logit_bias' values must be numbers from -100 to 100.", param="logit_bias"
+            )
+        out[key] = float(bias)
+    return out
+
+
+#: Engine-honoured sampling fields (fields.UNSUPPORTED names an engine may declare), each
+#: with its validation; vLLM's ranges.
+_ENGINE_SAMPLING = {
+    "top_k": lambda d, lim: _int(d, "top_k", None, -1, 2**31 - 1),
+    "min_p": lambda d, lim: _number(d, "min_p", None, 0.0, 1.0),
+    "presence_penalty": lambda d, lim: _number(d, "presence_penalty", None, -2.0, 2.0),
+    "frequency_penalty": lambda d, lim: _number(d, "frequency_penalty", None, -2.0, 2.0),
+    "repetition_penalty": lambda d, lim: _number(
+        d, "repetition_penalty", None, 0.0, 10.0, lo_open=True
+    ),
+    "min_tokens": lambda d, lim: _int(d, "min_tokens", None, 0, lim.max_tokens),
+    "stop_token_ids": lambda d, lim: _token_id_list(d, "stop_token_ids", 64),
+    "logit_bias": lambda d, lim: _logit_bias(d),
+    "include_stop_str_in_output": lambda d, lim: _bool(d, "include_stop_str_in_output", None),
+    "skip_special_tokens": lambda d, lim: _bool(d, "skip_special_tokens", None),
+    "spaces_between_special_tokens": lambda d, lim: _bool(
+        d, "spaces_between_special_tokens", None
+    ),
+}
+
+
+def _engine_sampling(data: dict, limits: Limits, engine_fields: frozenset) -> dict:
+    """The engine-honoured sampling fields of a request, validated (None values dropped)."""
+    out = {}
+    for name in engine_fields:
+        if name in data:
+            check = _ENGINE_SAMPLING.get(name)
+            if check is None:  # an engine declared a field this server cannot validate
+                raise ClientError(f"'{name}' is not supported by this server.", param=name)
+            value = check(data, limits)
+            if value is not None:
+                out[name] = value
+    return out
+
+
+def _common(
+    data: dict, limits: Limits, served_model: str, *, chat: bool, engine_fields: frozenset
+) -> dict:
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise ClientError("'model' must be a string.", param="model")
@@ -287,7 +360,7 @@ def _common(data: dict, limits: Limits, served_model: str, *, chat: bool) -> dic
             max_tokens = _int(data, "max_tokens", None, 1, limits.max_tokens)
     else:
         max_tokens = _int(data, "max_tokens", min(16, limits.max_tokens), 1, limits.max_tokens)
-    extra = {}
+    extra = _engine_sampling(data, limits, engine_fields)
     if limits.allow_faults and isinstance(data.get("fault"), dict):
         extra["fault"] = data["fault"]
     params = SamplingParams(
@@ -303,11 +376,22 @@ def _common(data: dict, limits: Limits, served_model: str, *, chat: bool) -> dic
     return {"model": model, "params": params, "stream": stream, "include_usage": include_usage, "user": user}
 
 
-def parse_completion(body: bytes, limits: Limits, served_model: str) -> GenerateRequest:
-    """Validate a ``/v1/completions`` body."""
+def _engine_fields(info: dict | None) -> tuple[frozenset, str]:
+    if not info:
+        return frozenset(), ""
+    sampling = info.get("sampling") or ()
+    return frozenset(n for n in sampling if n in UNSUPPORTED), str(info.get("engine") or "")
+
+
+def parse_completion(
+    body: bytes, limits: Limits, served_model: str, engine_info: dict | None = None
+) -> GenerateRequest:
+    """Validate a ``/v1/completions`` body. ``engine_info``: the engine's HELLO info (its
+    ``sampling`` fields are accepted, its ``engine`` named when a field is refused)."""
     data = decode_json(body)
-    check_fields(data, HONOURED_COMPLETION)
-    common = _common(data, limits, served_model, chat=False)
+    fields, engine = _engine_fields(engine_info)
+    check_fields(data, HONOURED_COMPLETION, fields, engine)
+    common = _common(data, limits, served_model, chat=False, engine_fields=fields)
     prompts = _prompts(data, limits)
     echo = _bool(data, "echo", False)
     if echo and not all(isinstance(p, str) for p in prompts):
@@ -317,11 +401,14 @@ def parse_completion(body: bytes, limits: Limits, served_model: str) -> Generate
     return GenerateRequest(chat=False, prompts=prompts, echo=echo, **common)
 
 
-def parse_chat(body: bytes, limits: Limits, served_model: str) -> GenerateRequest:
-    """Validate a ``/v1/chat/completions`` body."""
+def parse_chat(
+    body: bytes, limits: Limits, served_model: str, engine_info: dict | None = None
+) -> GenerateRequest:
+    """Validate a ``/v1/chat/completions`` body (``engine_info``: see parse_completion)."""
     data = decode_json(body)
-    check_fields(data, HONOURED_CHAT)
-    common = _common(data, limits, served_model, chat=True)
+    fields, engine = _engine_fields(engine_info)
+    check_fields(data, HONOURED_CHAT, fields, engine)
+    common = _common(data, limits, served_model, chat=True, engine_fields=fields)
     messages = _messages(data)
     return GenerateRequest(
         chat=True, prompts=[{"messages": messages}], echo=False, **common

@@ -65,7 +65,9 @@ class Engine:
 
     def __init__(self, config: EngineConfig, *, spawn=None) -> None:
         self.config = config
-        self.workers = [WorkerClient(i, config, spawn) for i in range(config.workers)]
+        self.workers = [
+            WorkerClient(i, config.for_worker(i), spawn) for i in range(config.workers)
+        ]
         self._rids = itertools.count(1)
         #: Streams open (dispatched, not yet released): observable, for wait_idle.
         self._open = AsyncValue(0)

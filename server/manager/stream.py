@@ -144,6 +144,7 @@ class Choice:
         "finish_reason",
         "error_kind",
         "error",
+        "cached_tokens",
     )
 
     def __init__(self, rid: int, index: int, worker: WorkerClient, waker: Waker) -> None:
@@ -164,6 +165,8 @@ class Choice:
         self.finish_reason: str | None = None
         self.error_kind: str | None = None
         self.error: str | None = None
+        #: Prompt tokens the engine found in its prefix cache (None: it does not say).
+        self.cached_tokens: int | None = None
 
     # -- router side -------------------------------------------------------------------------
 
@@ -172,6 +175,12 @@ class Choice:
         self.accepted_at = _perf_counter()
         self.prompt_tokens = prompt_tokens
         self.waker.wake()
+
+    def note(self, note: dict) -> None:
+        """Details the engine sent about this choice (before its outputs of that step)."""
+        cached = note.get("cached_tokens")
+        if isinstance(cached, int):
+            self.cached_tokens = cached
 
     def push(self, text: str, ntok: int, finish: str | None, err: list | None) -> None:
         """Merge one engine step's output into the pending slot and wake the consumer."""
@@ -212,6 +221,7 @@ class Choice:
             self.finish_reason,
             self.error_kind,
             self.error,
+            self.cached_tokens,
         )
         self.text = ""
         self.ntok = 0

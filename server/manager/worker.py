@@ -323,6 +323,11 @@ class WorkerClient:
                     choice = states.get(rid)
                     if choice is not None:
                         choice.accept(prompt_tokens)
+                if len(msg) > 3:  # notes: details that precede this frame's outputs
+                    for rid, note in msg[3]:
+                        choice = states.get(rid)
+                        if choice is not None:
+                            choice.note(note)
                 for rid, text, ntok, finish, err in msg[2]:
                     choice = states.get(rid)
                     if choice is None:

@@ -19,6 +19,8 @@ Worker -> frontend::
     [HELLO, info]                   once, when the engine is loaded (info: dict)
     [STEP, accepts, outputs]        accepts: [[rid, prompt_tokens], ...]
                                     outputs: [[rid, text, ntok, finish, err], ...]
+    [STEP, accepts, outputs, notes] notes: [[rid, {"cached_tokens": n}], ...], only when
+                                    the engine has any (they precede the outputs)
     [PONG, seq, running, waiting]
 
 The rows of a STEP are :class:`AcceptRow` and :class:`OutputRow` (sent as arrays in their

@@ -51,7 +51,7 @@ from ..config import EngineConfig
 from ..manager.engine import Engine, open_engine
 from ..protocol import wire
 from ..workers.base import WorkerCrash, WorkerGarbage, WorkerHang
-from ..workers.main import handle_message
+from ..workers.main import handle_message, step_message
 from ..workers.sim import SimEngine
 
 __all__ = [
@@ -262,7 +262,7 @@ class InMemoryWorkerProcess:
             if deadline is not None and now >= deadline:
                 outputs.extend(engine.step(now))
             if accepts or outputs:
-                await self._send([wire.STEP, accepts, outputs])
+                await self._send(step_message(engine, accepts, outputs))
                 accepts = []
                 outputs = []
 

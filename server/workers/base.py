@@ -10,6 +10,12 @@ answers calls. An engine is a class with::
     step(now) -> list[OutputRow]            outputs (server.protocol.wire.OutputRow)
     running() -> int, waiting() -> int
 
+and optionally::
+
+    notes: list                             [rid, dict] details (such as cached_tokens) the
+                                            loop sends with the next STEP, then clears
+    close() -> None                         called once when the worker ends
+
 ``prompt`` is a string, a list of token ids, or ``{"messages": [...]}`` for chat. ``step`` may
 take as long as the engine's real work takes: the loop reads the pipe between steps.
 """
@@ -18,7 +24,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-__all__ = ["Engine", "Rejected", "WorkerCrash", "WorkerGarbage", "WorkerHang", "check_context"]
+__all__ = [
+    "Engine", "EngineBroken", "Rejected", "WorkerCrash", "WorkerGarbage", "WorkerHang",
+    "check_context", "encode_prompt", "one_line",
+]
 
 
 class Rejected(Exception):
@@ -28,6 +37,17 @@ class Rejected(Exception):
         super().__init__(message)
         self.kind = kind
         self.message = message
+
+
+class EngineBroken(Exception):
+    """The engine failed in a way it cannot be trusted to recover from (its library's
+    state after the failure is unknown). ``outputs`` end every request it held with an
+    error; the worker sends them, then exits, and the frontend starts a fresh worker."""
+
+    def __init__(self, message: str, outputs: list) -> None:
+        super().__init__(message)
+        self.message = message
+        self.outputs = outputs
 
 
 class WorkerCrash(BaseException):
@@ -75,3 +95,38 @@ def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int
             "max_tokens."
         )
     return max_tokens
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an exception's message, at most 300 characters (for an operator's
+    log line or an error body: never a traceback)."""
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def encode_prompt(prompt: object, tokenizer, *, vocab_size: int, chat: bool, model: str) -> list[int]:
+    """Token ids of a prompt (a string, token ids, or ``{"messages": [...]}``) with a Hugging
+    Face tokenizer: chat messages through its chat template (``chat``: whether it has one),
+    as vLLM and transformers render them. Client faults raise :class:`Rejected`."""
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt))
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        if any(not 0 <= t < vocab_size for t in prompt):
+            raise Rejected(f"token ids must be between 0 and {vocab_size - 1}")
+        return list(prompt)
+    if isinstance(prompt, dict):
+        messages = prompt.get("messages")
+        if not isinstance(messages, list):
+            raise Rejected("messages must be a list")
+        if not chat:
+            raise Rejected(
+                f"model {model!r} has no chat template, so it cannot serve chat completions; "
+                "use /v1/completions with a prompt"
+            )
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:
+            raise Rejected(f"cannot render the chat template: {one_line(exc)}") from None
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    raise Rejected("prompt must be a string or a list of token ids")

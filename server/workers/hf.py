@@ -55,7 +55,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     ) from None
 
 from ..protocol.wire import OutputRow
-from .base import Rejected, check_context
+from .base import Rejected, check_context, encode_prompt, one_line
 from .hf_batch import KVBatch, UnsupportedModel, sliding_window
 from .hf_sample import sample
 from .hf_text import RequestText
@@ -91,7 +91,7 @@ def load_model(model_path: str, *, device: str = "cpu", dtype: str | None = None
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
-        raise RuntimeError(f"cannot load the tokenizer in {path}: {_one_line(exc)}") from None
+        raise RuntimeError(f"cannot load the tokenizer in {path}: {one_line(exc)}") from None
     if getattr(tokenizer, "backend_tokenizer", None) is None:
         raise RuntimeError(f"{path} has no fast tokenizer (tokenizer.json), which is required")
     kwargs = {"dtype": "auto" if dtype == "auto" else _DTYPES[dtype], "local_files_only": True}
@@ -101,14 +101,8 @@ def load_model(model_path: str, *, device: str = "cpu", dtype: str | None = None
         model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
         model = model.to(device).eval()
     except Exception as exc:
-        raise RuntimeError(f"cannot load the model in {path}: {_one_line(exc)}") from None
+        raise RuntimeError(f"cannot load the model in {path}: {one_line(exc)}") from None
     return model, tokenizer
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    line = text[0] if text else type(exc).__name__
-    return line if len(line) <= 300 else line[:297] + "..."
 
 
 def _context_length(config, tokenizer) -> int:
@@ -232,29 +226,10 @@ class TransformersEngine:
 
     def encode(self, prompt: object) -> list[int]:
         """Token ids of a prompt (a string, token ids, or ``{"messages": [...]}``)."""
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt).input_ids
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            if any(not 0 <= t < self.vocab_size for t in prompt):
-                raise Rejected(f"token ids must be between 0 and {self.vocab_size - 1}")
-            return list(prompt)
-        if isinstance(prompt, dict):
-            messages = prompt.get("messages")
-            if not isinstance(messages, list):
-                raise Rejected("messages must be a list")
-            if self.chat_template is None:
-                raise Rejected(
-                    f"model {self.info['model']!r} has no chat template, so it cannot serve "
-                    "chat completions; use /v1/completions with a prompt"
-                )
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True
-                )
-            except Exception as exc:
-                raise Rejected(f"cannot render the chat template: {_one_line(exc)}") from None
-            return self.tokenizer(text, add_special_tokens=False).input_ids
-        raise Rejected("prompt must be a string or a list of token ids")
+        return encode_prompt(
+            prompt, self.tokenizer, vocab_size=self.vocab_size,
+            chat=self.chat_template is not None, model=self.info["model"],
+        )
 
     def abort(self, rid: int) -> bool:
         if self._waiting.pop(rid, None) is not None:
@@ -295,7 +270,7 @@ class TransformersEngine:
             self._fail_all(outputs, str(exc))
         except Exception as exc:  # the model failed (out of memory, ...): fail, keep serving
             print(f"transformers engine: step failed: {exc!r}", file=sys.stderr)
-            self._fail_all(outputs, f"the model failed: {_one_line(exc)}")
+            self._fail_all(outputs, f"the model failed: {one_line(exc)}")
         return outputs
 
     # -- internals --------------------------------------------------------------------------

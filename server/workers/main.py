@@ -16,7 +16,7 @@ One thread, one loop::
 
 End of input (the frontend closed the pipe or died) ends the worker: a worker never outlives
 its frontend. SIGINT is ignored (a Ctrl-C in the terminal reaches the whole process group;
-the frontend decides how its workers stop); SIGTERM ends it.
+the frontend decides how its workers stop); SIGTERM ends it, after the engine's cleanup.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import time
 
 from ..protocol import wire
 from ..protocol.wire import AcceptRow, OutputRow
-from .base import Rejected, WorkerCrash, WorkerGarbage, WorkerHang
+from .base import EngineBroken, Rejected, one_line, WorkerCrash, WorkerGarbage, WorkerHang
 
-__all__ = ["build_engine", "serve", "main"]
+__all__ = ["build_engine", "serve", "main", "step_message"]
 
 
 def build_engine(config: dict):
@@ -47,6 +47,10 @@ def build_engine(config: dict):
         from .hf import TransformersEngine
 
         return TransformersEngine(**options)
+    if kind == "vllm":
+        from .vllm_engine import VLLMEngine
+
+        return VLLMEngine(**options)
     raise SystemExit(f"unknown engine {kind!r}")
 
 
@@ -79,6 +83,18 @@ def handle_message(engine, msg: list, accepts: list, outputs: list) -> list | No
     elif kind == wire.PING:
         return [wire.PONG, msg[1], engine.running(), engine.waiting()]
     return None
+
+
+def step_message(engine, accepts: list, outputs: list) -> list:
+    """The STEP message of one loop iteration: ``[STEP, accepts, outputs]``, plus the
+    engine's notes (``[rid, dict]`` rows, such as a request's cached prompt tokens) as a
+    fourth item when it has any. Takes the notes (the engine's list is emptied)."""
+    notes = getattr(engine, "notes", None)
+    if notes:
+        message = [wire.STEP, accepts, outputs, list(notes)]
+        notes.clear()
+        return message
+    return [wire.STEP, accepts, outputs]
 
 
 def serve(engine, fd_in: int, fd_out: int) -> None:
@@ -115,16 +131,40 @@ def serve(engine, fd_in: int, fd_out: int) -> None:
                 _write_all(fd_out, b"".join(replies))
         deadline = engine.next_deadline()
         if deadline is not None and clock() >= deadline:
-            outputs.extend(engine.step(clock()))
+            try:
+                outputs.extend(engine.step(clock()))
+            except EngineBroken as exc:  # its requests end with errors; then this worker
+                outputs.extend(exc.outputs)
+                _write_all(fd_out, wire.encode(step_message(engine, accepts, outputs)))
+                raise
         if accepts or outputs:
-            _write_all(fd_out, wire.encode([wire.STEP, accepts, outputs]))
+            _write_all(fd_out, wire.encode(step_message(engine, accepts, outputs)))
             accepts = []
             outputs = []
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived: unwind (running the engine's cleanup), then die of the signal."""
+
+
+def _terminate(signum, frame) -> None:
+    raise _Terminated
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM unwinds first, so that an engine that started processes of its own (vLLM's
+    # tensor-parallel workers) stops them; then the process dies of the signal as before.
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        _main(argv)
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _main(argv: list[str]) -> None:
     fd_in = os.dup(0)
     fd_out = os.dup(1)
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -132,13 +172,18 @@ def main(argv: list[str] | None = None) -> None:
     os.dup2(2, 1)
     os.close(devnull)
     config = json.loads(argv[0]) if argv else {}
+    if config.get("visible_devices") is not None:  # --devices-per-worker: before any import
+        os.environ["CUDA_VISIBLE_DEVICES"] = config["visible_devices"]
     try:
         engine = build_engine(config)
     except Exception as exc:  # a clear line for the operator, not a traceback
-        print(f"trio-llm-server worker: cannot start engine: {exc}", file=sys.stderr)
+        print(f"trio-llm-server worker: cannot start engine: {one_line(exc)}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
         serve(engine, fd_in, fd_out)
+    except EngineBroken as exc:
+        print(f"trio-llm-server worker: engine failed, restarting: {exc.message}", file=sys.stderr)
+        raise SystemExit(3) from None
     except WorkerCrash:
         os._exit(17)
     except WorkerHang:
@@ -150,3 +195,7 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(3600)
     except (BrokenPipeError, wire.ProtocolError):
         raise SystemExit(1) from None
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()

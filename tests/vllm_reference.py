@@ -1,0 +1,105 @@
+"""The reference for tests/test_vllm_engine.py: ``vllm.LLM`` on a model, in a process of its
+own, answering one JSON line per JSON line on stdin.
+
+Its own process because vLLM, when it builds an engine, walks every loaded module's globals
+with ``hasattr``, and Quart's context-local proxies (loaded in the test process) raise
+RuntimeError from it. It also runs the checks of :class:`server.workers.vllm_engine.VLLMEngine`
+that need vLLM in process (wrapping this LLM's engine, no second model load).
+
+Requests: ``{"op": "generate", "prompts": [...], "max_tokens": n, "params": {...}}`` ->
+``[[text, tokens], ...]``; ``{"op": "encode", "text": s}`` -> ids; ``{"op": "decode",
+"ids": [...]}`` -> text; ``{"op": "engine_failure"}`` and ``{"op": "engine_abort"}`` -> what
+the engine did.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    from server.workers.vllm_engine import ENVIRONMENT
+
+    # Answers on a private copy of stdout; vLLM's own prints go to stderr.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+
+    os.environ.update(ENVIRONMENT)
+    import vllm
+
+    options = json.loads(sys.argv[1])
+    llm = vllm.LLM(**options)
+    tok = llm.get_tokenizer()
+    print(json.dumps("ready"), file=out, flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        op = req["op"]
+        if op == "generate":
+            params = vllm.SamplingParams(max_tokens=req["max_tokens"], **req.get("params", {}))
+            outs = llm.generate(req["prompts"], params, use_tqdm=False)
+            answer: object = [[o.outputs[0].text, len(o.outputs[0].token_ids)] for o in outs]
+        elif op == "encode":
+            answer = list(tok.encode(req["text"]))
+        elif op == "decode":
+            answer = tok.decode(req["ids"])
+        elif op == "engine_failure":
+            answer = engine_failure(llm)
+        elif op == "engine_abort":
+            answer = engine_abort(llm)
+        else:
+            answer = {"unknown op": op}
+        print(json.dumps(answer), file=out, flush=True)
+
+
+def engine_failure(llm) -> dict:
+    """A failure inside vLLM's step: every held request fails, and EngineBroken says so."""
+    from server.workers.base import EngineBroken
+    from server.workers.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(llm_engine=llm.llm_engine, warmup=False)
+    prompt_tokens = [
+        engine.add(1, "hello", {"max_tokens": 50, "temperature": 0}),
+        engine.add(2, [5, 6, 7], {"max_tokens": 50, "temperature": 0}),
+    ]
+    engine.step(0.0)
+    real = llm.llm_engine.step
+
+    def boom():
+        raise RuntimeError("CUDA error: an illegal memory access\nand more lines")
+
+    llm.llm_engine.step = boom
+    try:
+        engine.step(0.0)
+        raised = None
+    except EngineBroken as exc:
+        raised = {"message": exc.message, "rows": sorted(list(r) for r in exc.outputs)}
+    finally:
+        llm.llm_engine.step = real
+    llm.llm_engine.abort_request(["1", "2"])
+    return {"prompt_tokens": prompt_tokens, "raised": raised,
+            "left": llm.llm_engine.get_num_unfinished_requests()}
+
+
+def engine_abort(llm) -> dict:
+    """An abort removes the request from vLLM's scheduler before it returns."""
+    from server.workers.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(llm_engine=llm.llm_engine, warmup=False)
+    engine.add(7, "hello", {"max_tokens": 50, "temperature": 0})
+    engine.step(0.0)
+    held = engine.running() + engine.waiting()
+    first = engine.abort(7)
+    return {
+        "held_before": held,
+        "abort": first,
+        "held_after": engine.running() + engine.waiting(),
+        "vllm_unfinished": llm.llm_engine.get_num_unfinished_requests(),
+        "abort_again": engine.abort(7),
+        "deadline": engine.next_deadline(),
+    }
+
+
+if __name__ == "__main__":
+    main()
