@@ -17,7 +17,12 @@ so every request makes exactly ``--max-tokens`` tokens), at each concurrency of
 For each it reports the frontend's CPU per delivered token (``frontend_cpu_us_per_token``:
 our frontend process; vLLM's API-server process, its engine-core process being the
 "worker"), the engine side's, tokens/s and TTFT p50. Engine settings are the same for both
-(``--engine-arg`` pairs below, as vLLM options for vLLM's server).
+(``--engine``, JSON: ``--engine-arg`` pairs for ours, options for vLLM's server).
+
+On a GPU (the device tool lends one to some sessions), with a real small model::
+
+    python bench/vllm_frontend.py --model-path /models/qwen2.5-0.5b-instruct \\
+        --engine '{"max_model_len": 4096}' --concurrency 1,4,16,64 --max-tokens 256
 
 Without ``--model-path`` the tiny model of tests/tiny_model.py (hidden 256, 4 heads, 2
 layers) is built in a temporary directory. Output: a table, then one JSON line.
@@ -49,17 +54,17 @@ sys.path.insert(0, str(ROOT))
 ENGINE = {"dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20}
 
 
-def _server_cmd(kind: str, model: str, port: int) -> list[str]:
+def _server_cmd(kind: str, model: str, port: int, engine: dict) -> list[str]:
     if kind == "vllm":
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--port", str(port), "--host", "127.0.0.1", "--served-model-name", "m",
                "--disable-uvicorn-access-log"]
-        for key, value in ENGINE.items():
+        for key, value in engine.items():
             cmd += [f"--{key.replace('_', '-')}", str(value)]
         return cmd
     cmd = [sys.executable, "-m", "server", "--engine", "vllm", "--model-path", model,
            "--model", "m", "--port", str(port), "--disable-log-requests"]
-    for key, value in ENGINE.items():
+    for key, value in engine.items():
         cmd += ["--engine-arg", f"{key}={value}"]
     if kind == "ours-0":
         cmd += ["--stream-interval-ms", "0"]
@@ -95,7 +100,7 @@ def run_server(kind: str, model: str, args) -> list[dict]:
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
     log = open(Path(tempfile.gettempdir()) / f"vllm_frontend_{kind}.log", "w")
-    proc = subprocess.Popen(_server_cmd(kind, model, port), stdout=log, stderr=log, env=env)
+    proc = subprocess.Popen(_server_cmd(kind, model, port, args.engine), stdout=log, stderr=log, env=env)
     rows = []
     try:
         _wait_up(url, kind, proc)
@@ -142,6 +147,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--servers", default="ours,ours-0,vllm")
+    p.add_argument("--engine", type=json.loads, default=ENGINE,
+                   help="engine arguments for both servers, as JSON (default: the CPU "
+                   "settings above; on a GPU e.g. '{\"max_model_len\": 4096}')")
     args = p.parse_args(argv)
     model = args.model_path
     if model is None:

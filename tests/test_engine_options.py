@@ -145,3 +145,56 @@ def test_step_message_carries_notes_only_when_there_are_some():
     assert engine.notes == []
     assert step_message(engine, [[1, 2]], []) == [wire.STEP, [[1, 2]], []]
     assert step_message(object(), [], []) == [wire.STEP, [], []]
+
+
+class _BrokenEngine:
+    """An engine whose library fails inside a step (what VLLMEngine raises then)."""
+
+    info = {"engine": "broken"}
+    notes: list = []
+
+    def __init__(self):
+        self.held = set()
+
+    def add(self, rid, prompt, params):
+        self.held.add(rid)
+        return 1
+
+    def abort(self, rid):
+        return False
+
+    def next_deadline(self):
+        return 0.0 if self.held else None
+
+    def step(self, now):
+        from server.protocol.wire import OutputRow
+        from server.workers.base import EngineBroken
+
+        rows = [OutputRow(r, "", 0, "error", ["engine_error", "it broke"]) for r in self.held]
+        raise EngineBroken("it broke", rows)
+
+    def running(self):
+        return len(self.held)
+
+    def waiting(self):
+        return 0
+
+
+def test_a_broken_engine_sends_its_errors_then_the_loop_ends():
+    import os
+
+    from server.workers.base import EngineBroken
+    from server.workers.main import serve
+
+    down_r, down_w = os.pipe()
+    up_r, up_w = os.pipe()
+    os.write(down_w, wire.encode([wire.SUBMIT, 5, "hi", {}]))
+    with pytest.raises(EngineBroken):
+        serve(_BrokenEngine(), down_r, up_w)
+    for fd in (down_w, up_w):
+        os.close(fd)
+    messages = wire.FrameDecoder().feed(os.read(up_r, 1 << 16))
+    os.close(up_r)
+    os.close(down_r)
+    assert messages[0][0] == wire.HELLO
+    assert messages[1] == [wire.STEP, [[5, 1]], [[5, "", 0, "error", ["engine_error", "it broke"]]]]
