@@ -327,6 +327,8 @@ class WorkerClient:
                     for rid, note in msg[3]:
                         choice = states.get(rid)
                         if choice is not None:
+                            if not isinstance(note, dict):
+                                raise TypeError("a note must be a map")
                             choice.note(note)
                 for rid, text, ntok, finish, err in msg[2]:
                     choice = states.get(rid)
