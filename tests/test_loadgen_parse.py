@@ -705,8 +705,11 @@ async def test_time_limit_aborts(nursery):
 
 
 STDLIB_SERVER = r'''
-import argparse, json
+import argparse, json, signal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+# Ctrl-C ends it even when it inherited SIGINT ignored (as a child of a process that ignores it).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 p = argparse.ArgumentParser()
 p.add_argument("--host"); p.add_argument("--port", type=int); p.add_argument("--tokens", type=int)
