@@ -127,7 +127,9 @@ class Schedule:
         now = trio.current_time()
         self.warmup_end = min(now, self.warmup_end) if self.warmup > 0 else now
         if self.duration is not None:
-            self.deadline = self.warmup_end + self.duration
+            # From now, when the window's clock (below) starts: from a late start (the
+            # warmup timer woke late under load) the window would be shorter than asked.
+            self.deadline = now + self.duration
         self.stats.t_start = self.warm_stats.t_end = _perf()
         if self._on_start is not None:
             self._on_start(self)
