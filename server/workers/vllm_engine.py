@@ -3,10 +3,11 @@
 Example (what a worker process does with ``--engine vllm --model-path DIR``)::
 
     engine = VLLMEngine(model_path="/models/qwen2.5-0.5b", max_batch=64)
-    engine.add(1, "Once upon a time", {"max_tokens": 16, "temperature": 0})
+    chat = {"messages": [{"role": "user", "content": "Hi!"}]}
+    engine.add(1, chat, {"max_tokens": 16, "temperature": 0.7, "top_k": 20, "seed": 1})
     while engine.next_deadline() is not None:
-        for rid, text, ntok, finish, err in engine.step(time.monotonic()):
-            print(text, end="")
+        rows = engine.step(time.monotonic())   # wire.OutputRow: rid, text, ntok, finish, err
+        engine.notes.clear()                   # [rid, {"cached_tokens": n}] at each finish
 
 Theory of operation
 -------------------
