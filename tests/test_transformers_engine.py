@@ -192,6 +192,71 @@ def test_top_p_keeps_the_most_likely_token():
     assert picks == {0, 1, 2, 3}
 
 
+def _penalised_reference(engine, prompt, max_tokens: int, *, rep=1.0, freq=0.0, pres=0.0):
+    """Greedy decoding with vLLM's penalties, one full forward pass per token (no cache):
+    repetition over prompt and output, frequency and presence over the output."""
+    ids = engine.encode(prompt)
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            logits = engine.model(torch.tensor([ids + out])).logits[0, -1].float()
+            seen = torch.zeros_like(logits, dtype=torch.bool)
+            seen[torch.tensor(ids + out)] = True
+            logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+            counts = torch.zeros_like(logits)
+            for t in out:
+                counts[t] += 1
+            logits = logits - freq * counts - pres * (counts > 0)
+            out.append(int(logits.argmax()))
+    return out
+
+
+def test_sampling_fields_in_the_transformers_engine(engine):
+    prompt = prompts(1, seed=11)[0]
+    text, _ = reference(engine, prompt, 12)
+    # top_k=1 and a tiny min_p... at temperature 1: only the most likely token is left.
+    engine.add(1, prompt, {"max_tokens": 12, "temperature": 1.0, "top_k": 1, "seed": 3})
+    engine.add(2, prompt, {"max_tokens": 12, "temperature": 1.0, "min_p": 0.999999, "seed": 4})
+    # a logit bias that makes one token the only choice
+    token = engine.encode("dog")[0]
+    engine.add(3, prompt, {"max_tokens": 4, "temperature": 0, "logit_bias": {str(token): 100}})
+    out = run(engine)
+    assert result(out[1])[0] == text and result(out[2])[0] == text
+    assert result(out[3])[:2] == (engine.tokenizer.decode([token] * 4), 4)
+
+    # Penalties: equal to a plain reference of vLLM's formulas, token for token.
+    for i, kw in enumerate(({"rep": 1.5}, {"freq": 1.5}, {"pres": 2.0},
+                            {"rep": 1.2, "freq": 0.5, "pres": 0.5})):
+        params = greedy(16, repetition_penalty=kw.get("rep", 1.0),
+                        frequency_penalty=kw.get("freq", 0.0), presence_penalty=kw.get("pres", 0.0))
+        engine.add(10 + i, prompt, params)
+        ids = _penalised_reference(engine, prompt, 16, **kw)
+        got = result(run(engine)[10 + i])
+        assert got[:2] == (engine.tokenizer.decode(ids, skip_special_tokens=True), 16), kw
+    assert _penalised_reference(engine, prompt, 16, rep=1.5) != \
+        _penalised_reference(engine, prompt, 16)  # (the penalty changes this output)
+
+
+def test_stop_token_ids_and_min_tokens(engine):
+    prompt = prompts(1, seed=12)[0]
+    ids = _penalised_reference(engine, prompt, 12)  # plain greedy ids
+    third = ids[2]
+    first = ids.index(third)  # (it may come earlier too)
+    engine.add(1, prompt, greedy(12, stop_token_ids=[third]))
+    text, ntok, finish = result(run(engine)[1])
+    assert (ntok, finish) == (first + 1, "stop")
+    assert text == engine.tokenizer.decode(ids[:first], skip_special_tokens=True)
+    # min_tokens bans the stop token (and EOS) until that many tokens were made.
+    engine.add(2, prompt, greedy(12, stop_token_ids=[third], min_tokens=first + 3))
+    text, ntok, finish = result(run(engine)[2])
+    assert ntok >= first + 3
+    # Bad token ids are a client fault.
+    for params in ({"stop_token_ids": [10**6]}, {"logit_bias": {"999999": 1}}):
+        with pytest.raises(Rejected, match="token ids"):
+            engine.add(3, prompt, greedy(4, **params))
+    assert engine.next_deadline() is None
+
+
 def test_streamed_multibyte_text_equals_the_full_decode(engine):
     # characters the tokenizer never saw whole: they are split into byte tokens
     text = "漢字かな 🦀🧪 Ωμέγα — ñandú 👩🏽‍🚀"
@@ -468,6 +533,13 @@ async def test_http_end_to_end(model_dir, engine):
             )
             assert r.choices[0].text == text[: text.index(stop)]
             assert r.choices[0].finish_reason == "stop"
+
+            # a field the engine declares reaches it: top_k=1 at temperature 1 is greedy
+            r = await client.completions.create(
+                model=MODEL, prompt=ps[2], max_tokens=lengths[2], temperature=1.0,
+                extra_body={"top_k": 1},
+            )
+            assert r.choices[0].text == text
 
             # a client that goes away mid-stream: the worker drops the request
             s = await client.completions.create(

@@ -57,6 +57,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 from ..protocol.wire import OutputRow
 from .base import Rejected, check_context, encode_prompt, one_line
 from .hf_batch import KVBatch, UnsupportedModel, sliding_window
+from .hf_logits import SAMPLING_FIELDS, Rules, process
 from .hf_sample import sample
 from .hf_text import RequestText
 
@@ -120,7 +121,7 @@ def _context_length(config, tokenizer) -> int:
 class _Req:
     __slots__ = (
         "rid", "prompt", "max_tokens", "temperature", "top_p", "rng", "ignore_eos", "text",
-        "produced", "last",
+        "produced", "last", "rules",
     )
 
 
@@ -173,6 +174,7 @@ class TransformersEngine:
             "device": str(self.model.device),
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "max_batch": max_batch,
+            "sampling": list(SAMPLING_FIELDS),
         }
         self._batch = KVBatch(self.model)
         self._rows: list[_Req] = []  # the batch's rows, in row order
@@ -200,7 +202,8 @@ class TransformersEngine:
             seed = None if seed is None else int(seed)
             stop = tuple(s for s in params.get("stop") or () if s)
             ignore_eos = bool(params.get("ignore_eos", False))
-        except (TypeError, ValueError):
+            rules = Rules.parse(params, ids, vocab_size=self.vocab_size, device=self.model.device)
+        except (TypeError, ValueError, AttributeError):
             raise Rejected("malformed sampling parameters") from None
         if max_tokens < 1:
             raise Rejected("max_tokens must be at least 1")
@@ -218,6 +221,7 @@ class TransformersEngine:
             req.rng = torch.Generator()
             req.rng.manual_seed(random.getrandbits(63) if seed is None else seed % (1 << 63))
         req.ignore_eos = ignore_eos
+        req.rules = rules
         req.text = RequestText(self._tok, ids, stop)
         req.produced = 0
         req.last = -1
@@ -291,12 +295,24 @@ class TransformersEngine:
     def _advance(self, reqs: list[_Req], logits, outputs: list[list]) -> None:
         """Sample one token for each of ``reqs`` (the rows ``logits`` belong to), emit their
         outputs, and drop the ones that finished from the batch."""
-        tokens = sample(logits, [(r.temperature, r.top_p, r.rng) for r in reqs])
+        specs = [(r.temperature, r.top_p, r.rng) for r in reqs]
+        if any(r.rules is not None for r in reqs):
+            logits = process(logits, [(r.rules, r.produced) for r in reqs], self.eos_ids)
+            top_k = [r.rules.top_k if r.rules else 0 for r in reqs]
+            min_p = [r.rules.min_p if r.rules else 0.0 for r in reqs]
+            tokens = sample(logits, specs, top_k, min_p)
+        else:
+            tokens = sample(logits, specs)
         finished = []
         for req, tok in zip(reqs, tokens):
             req.produced += 1
             req.last = tok
-            if tok in self.eos_ids and not req.ignore_eos:
+            rules = req.rules
+            if rules is not None:
+                rules.observe(tok)
+            if (tok in self.eos_ids and not req.ignore_eos) or (
+                rules is not None and tok in rules.stop_ids
+            ):
                 text, _ = req.text.finish()
                 finish = "stop"
             else:

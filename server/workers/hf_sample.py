@@ -1,4 +1,5 @@
-"""Choosing the next token of every row of a batch: greedy, or temperature and top-p.
+"""Choosing the next token of every row of a batch: greedy, or temperature, top-p, top-k
+and min-p.
 
 Example::
 
@@ -24,9 +25,17 @@ __all__ = ["sample"]
 Spec = tuple[float, float, "torch.Generator | None"]
 
 
-def sample(logits: torch.Tensor, specs: list[Spec]) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    specs: list[Spec],
+    top_k: list[int] | None = None,
+    min_p: list[float] | None = None,
+) -> list[int]:
     """Next token of each row of ``logits`` (``[rows, vocab]``), by ``specs[row]`` =
-    ``(temperature, top_p, generator)``; the generator is a CPU one (unused when greedy)."""
+    ``(temperature, top_p, generator)``; the generator is a CPU one (unused when greedy).
+    ``top_k[row]`` (0: off) and ``min_p[row]`` (0: off) narrow a sampled row further: only
+    its k most likely tokens, and only tokens at least ``min_p`` times as likely as its most
+    likely one (vLLM's order: min-p, then top-k and top-p)."""
     tokens = logits.argmax(-1).tolist()
     sampled = [i for i, (t, _, _) in enumerate(specs) if t > 0]
     if not sampled:
@@ -35,13 +44,25 @@ def sample(logits: torch.Tensor, specs: list[Spec]) -> list[int]:
     index = torch.tensor(sampled, dtype=torch.long, device=device)
     temps = torch.tensor([specs[i][0] for i in sampled], dtype=torch.float32, device=device)
     top_p = [specs[i][1] for i in sampled]
+    ks = [top_k[i] for i in sampled] if top_k else []
+    mins = [min_p[i] for i in sampled] if min_p else []
     scaled = logits.index_select(0, index).float() / temps[:, None]
     probs = torch.softmax(scaled, dim=-1)
+    if any(mins):
+        floor = torch.tensor(mins, dtype=torch.float32, device=device)[:, None]
+        probs = probs.masked_fill(probs < floor * probs.max(-1, keepdim=True).values, 0.0)
     order = None
-    if any(p < 1.0 for p in top_p):
+    if any(p < 1.0 for p in top_p) or any(ks):
         probs, order = probs.sort(dim=-1, descending=True)
+    if any(ks):
+        vocab = probs.shape[-1]
+        k = torch.tensor([k if k > 0 else vocab for k in ks], device=device)[:, None]
+        probs = probs.masked_fill(torch.arange(vocab, device=device)[None, :] >= k, 0.0)
+    if any(p < 1.0 for p in top_p):
+        # Mass of the more likely tokens, of the distribution left after min-p and top-k.
+        kept = probs / probs.sum(-1, keepdim=True) if any(mins) or any(ks) else probs
         limit = torch.tensor(top_p, dtype=torch.float32, device=device)[:, None]
-        before = probs.cumsum(-1) - probs  # mass of the more likely tokens
+        before = kept.cumsum(-1) - kept
         probs = probs.masked_fill(before >= limit, 0.0)
     cdf = probs.cumsum(-1)
     draws = torch.cat([torch.rand(1, generator=specs[i][2]) for i in sampled]).to(device)
