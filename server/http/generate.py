@@ -37,29 +37,21 @@ import time
 import trio
 
 from ..errors import (
-    BodyTimeout,
     EngineError,
-    MethodNotAllowed,
-    PayloadTooLarge,
     RequestTimeout,
     ServerError,
     ServiceUnavailable,
-    Unauthorized,
-    UnsupportedMediaType,
 )
 from ..observability.record import RequestRecord
 from . import schema
 from .asgi import (
     CLOSE,
-    discard_body,
-    header,
-    is_json,
-    read_body,
     send_error,
     send_json,
     watch_disconnect,
 )
 from .encode import DONE, ChunkEncoder, completion_body, error_event
+from .post import BEFORE_BODY, UNREAD_BODY, read_json_post, refusal_headers
 
 __all__ = ["handle_generate"]
 
@@ -125,18 +117,7 @@ async def handle_generate(
     config = app.server_config
     answer = _Answer(send, headers, record)
     try:
-        if app.api_keys is not None:
-            app.api_keys.check(header(scope, b"authorization"))
-        if scope["method"] != "POST":
-            raise MethodNotAllowed(f"Method {scope['method']} is not allowed; use POST.")
-        if not is_json(header(scope, b"content-type")):
-            # A form or text/plain POST is a "simple" cross-site request a browser sends
-            # without a CORS preflight: any web page could otherwise start generations.
-            raise UnsupportedMediaType(
-                "The request body must be JSON, sent with 'Content-Type: application/json'.",
-                param="content-type",
-            )
-        body = await read_body(scope, receive, config.max_body_bytes, config.read_timeout)
+        body = await read_json_post(app, scope, receive)
         if body is None:
             record.client_disconnected = True
             return
@@ -150,15 +131,10 @@ async def handle_generate(
             req.prompts, req.params, timeout=config.request_timeout, errors_as_outputs=True
         )
         record.dispatched(req.stream, stream.choices)
-    except (Unauthorized, MethodNotAllowed, UnsupportedMediaType) as exc:
-        extra = [(b"www-authenticate", b"Bearer")] if isinstance(exc, Unauthorized) else [
-            (b"allow", b"POST")
-        ]
-        if not await discard_body(scope, receive, config.max_body_bytes, config.read_timeout):
-            extra.append(CLOSE)
-        await answer.error(exc, extra)
+    except BEFORE_BODY as exc:
+        await answer.error(exc, await refusal_headers(exc, scope, receive, config))
         return
-    except (PayloadTooLarge, BodyTimeout) as exc:  # the rest of the body is not read
+    except UNREAD_BODY as exc:  # the rest of the body is not read
         await answer.error(exc, [CLOSE])
         return
     except ServerError as exc:
