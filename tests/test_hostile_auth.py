@@ -34,6 +34,8 @@ SPELLINGS = [
     "/metrics/../v1/models",
     "/v1/completions",
     "//v1/completions",
+    "/tokenize",
+    "/detokenize",
     "*",
 ]
 

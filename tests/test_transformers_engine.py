@@ -22,6 +22,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
+import httpx  # noqa: E402
 import openai  # noqa: E402
 import torch  # noqa: E402
 import trio  # noqa: E402
@@ -255,6 +256,18 @@ def test_stop_token_ids_and_min_tokens(engine):
         with pytest.raises(Rejected, match="token ids"):
             engine.add(3, prompt, greedy(4, **params))
     assert engine.next_deadline() is None
+
+
+def test_tokenize_and_detokenize_use_the_serving_tokenizer(engine):
+    text = "hello 世界 🙂 café"
+    got = engine.tokenize({"op": "tokenize", "prompt": text, "add_special_tokens": True})
+    assert got == {"tokens": engine.encode(text), "max_model_len": engine.max_model_len}
+    chat = {"messages": [{"role": "user", "content": text}]}
+    assert engine.tokenize({"op": "tokenize", "prompt": chat})["tokens"] == engine.encode(chat)
+    ids = got["tokens"]
+    assert engine.tokenize({"op": "detokenize", "tokens": ids}) == {"prompt": text}
+    with pytest.raises(Rejected, match="token ids"):
+        engine.tokenize({"op": "detokenize", "tokens": [10**6]})
 
 
 def test_streamed_multibyte_text_equals_the_full_decode(engine):
@@ -540,6 +553,21 @@ async def test_http_end_to_end(model_dir, engine):
                 extra_body={"top_k": 1},
             )
             assert r.choices[0].text == text
+
+            # /tokenize and /detokenize, answered by the worker's tokenizer
+            async with httpx.AsyncClient(base_url=url) as http:
+                r = await http.post("/tokenize", json={"model": MODEL, "prompt": ps[0]})
+                assert r.status_code == 200, r.text
+                body = r.json()
+                assert body["tokens"] == engine.encode(ps[0])
+                assert body["count"] == len(body["tokens"]) and body["token_strs"] is None
+                assert body["max_model_len"] == engine.max_model_len
+                r = await http.post("/tokenize", json={"messages": chat})
+                assert r.json()["count"] == prompt_tokens
+                r = await http.post("/detokenize", json={"tokens": body["tokens"]})
+                assert r.json() == {"prompt": ps[0]}
+                r = await http.post("/detokenize", json={"tokens": [10**6]})
+                assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
 
             # a client that goes away mid-stream: the worker drops the request
             s = await client.completions.create(

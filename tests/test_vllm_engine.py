@@ -267,6 +267,17 @@ def test_stop_strings_and_token_id_prompts(client, reference):
     assert r.usage.prompt_tokens == len(ids)
 
 
+def test_tokenize_and_detokenize(server, reference):
+    text = "hello 世界 🙂 café"
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": text})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == reference.encode(text)
+    assert (body["count"], body["max_model_len"]) == (len(body["tokens"]), CONTEXT)
+    r = httpx.post(server.url + "/detokenize", json={"tokens": body["tokens"]})
+    assert r.json() == {"prompt": reference.decode(body["tokens"])}
+
+
 def test_vllm_sampling_fields_are_honoured(client, reference):
     prompt = "hello world"
     greedy, _ = reference.generate([prompt], 12)[0]

@@ -49,6 +49,8 @@ from .asgi import CLOSE, HeaderSend, header, send_empty, send_error
 from .auth import APIKeys, is_protected
 from .cors import CORSPolicy
 from .encode import dumps
+from .tokenize import ROUTES as TOKENIZE_ROUTES
+from .tokenize import handle_tokenize
 from .generate import handle_generate
 from .listen import connection_info
 
@@ -169,6 +171,10 @@ class LLMServerApp(QuartTrio):
                 record.finish = _now()
                 self.metrics.observe(record)
                 log_request(record)
+            return
+        op = TOKENIZE_ROUTES.get(path)
+        if op is not None:
+            await handle_tokenize(self, scope, receive, send, op=op, headers=extra)
             return
         if _has_body(scope):
             # No route served from here reads a request body: the answer (404, 405, 401) may

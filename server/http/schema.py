@@ -24,7 +24,7 @@ from ..errors import ClientError, NotFound, clip
 from ..params import SamplingParams
 from .fields import HONOURED_CHAT, HONOURED_COMPLETION, UNSUPPORTED, check_fields
 
-__all__ = ["GenerateRequest", "parse_completion", "parse_chat", "decode_json"]
+__all__ = ["GenerateRequest", "parse_completion", "parse_chat", "decode_json", "messages_of"]
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 _MAX_TOKEN_ID = 2**31 - 1
@@ -215,7 +215,7 @@ def _content(content, index: int) -> str:
     raise ClientError("'content' must be a string or a list of parts.", param=param)
 
 
-def _messages(data: dict) -> list:
+def messages_of(data: dict) -> list:
     """OpenAI's rules: a known role; ``content`` required for system, developer, user and
     tool messages; a tool message needs ``tool_call_id``; an assistant message may carry
     ``tool_calls`` instead of content. Tool calls and tool results in the history are
@@ -409,7 +409,7 @@ def parse_chat(
     fields, engine = _engine_fields(engine_info)
     check_fields(data, HONOURED_CHAT, fields, engine)
     common = _common(data, limits, served_model, chat=True, engine_fields=fields)
-    messages = _messages(data)
+    messages = messages_of(data)
     return GenerateRequest(
         chat=True, prompts=[{"messages": messages}], echo=False, **common
     )

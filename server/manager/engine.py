@@ -150,6 +150,13 @@ class Engine:
             self.deadlines.add(trio.current_time() + timeout, stream)
         return stream
 
+    async def tokenize(self, request: dict) -> dict:
+        """Answer a /tokenize or /detokenize request (a TOKENIZE round trip, see
+        server.protocol.wire) with the least loaded worker's tokenizer: the one requests
+        are served with. Bounded like any worker round trip: a hung worker is stopped by
+        the heartbeat, and its round trips fail with EngineError."""
+        return await self._pick_worker().tokenize(request)
+
     def _pick_worker(self) -> WorkerClient:
         if not self._accepting:
             raise ServiceUnavailable("the server is shutting down", code="shutting_down")

@@ -32,7 +32,7 @@ import trio
 from trio_util import AsyncValue
 
 from ..config import EngineConfig
-from ..errors import EngineError
+from ..errors import EngineError, error_from_wire
 from ..protocol import wire
 from .pacing import Pacer
 from .stream import Choice
@@ -94,7 +94,7 @@ class WorkerClient:
         self._outbox: list[bytes] = []
         self._outbox_ready = trio.Event()
         self._ping_seq = 0
-        #: Pings in flight: seq -> the answer, (running, waiting) or _GONE.
+        #: Round trips in flight (PING, TOKENIZE): seq -> the answer, or _GONE.
         self._pings: dict[int, AsyncValue] = {}
         #: When this worker's consumers are woken for news (pacing).
         self.pacer = Pacer(config.stream_interval)
@@ -153,19 +153,32 @@ class WorkerClient:
 
     async def ping(self) -> tuple[int, int]:
         """Round-trip a ping; returns the worker's (running, waiting) request counts."""
+        return await self._round_trip(lambda seq: [wire.PING, seq])
+
+    async def tokenize(self, request: dict) -> dict:
+        """Round-trip a TOKENIZE request (see server.protocol.wire); the worker answers
+        between engine steps. Raises the worker's error (a client fault is a ClientError)."""
+        result, err = await self._round_trip(lambda seq: [wire.TOKENIZE, seq, request])
+        if err is not None:
+            raise error_from_wire(err[0], err[1])
+        return result
+
+    async def _round_trip(self, message):
+        """Send ``message(seq)`` and wait for the answer the router files under ``seq``
+        (ends with EngineError if the worker goes away first)."""
         if not self.alive:
             raise EngineError(f"worker {self.index} is not running")
         self._ping_seq += 1
         seq = self._ping_seq
         answer = self._pings[seq] = AsyncValue(None)
         try:
-            self._queue(wire.encode([wire.PING, seq]))
-            counts = await answer.wait_value(_answered)
+            self._queue(wire.encode(message(seq)))
+            reply = await answer.wait_value(_answered)
         finally:
             self._pings.pop(seq, None)
-        if counts is _GONE:
+        if reply is _GONE:
             raise EngineError(f"worker {self.index} went away before answering")
-        return counts
+        return reply
 
     async def wait_ready(self) -> None:
         """Wait until a process of this worker has said HELLO (once ever)."""
@@ -337,6 +350,10 @@ class WorkerClient:
                     if finish is not None:
                         del states[rid]
                     choice.push(text, ntok, finish, err)
+            elif kind == wire.TOKENIZED:
+                answer = self._pings.get(msg[1])
+                if answer is not None:
+                    answer.value = (msg[2], msg[3])
             elif kind == wire.PONG:
                 self.running, self.waiting = msg[2], msg[3]
                 answer = self._pings.get(msg[1])

@@ -12,6 +12,9 @@ Frontend -> worker::
     [SUBMIT, rid, prompt, params]   prompt: str, list[int], or {"messages": [...]} for chat
     [ABORT, rid]                    unknown or finished rid: a no-op
     [PING, seq]
+    [TOKENIZE, seq, request]        {"op": "tokenize", "prompt": str | {"messages": [...]},
+                                    "add_special_tokens": bool} or {"op": "detokenize",
+                                    "tokens": [int, ...]}
     [SHUTDOWN]
 
 Worker -> frontend::
@@ -22,6 +25,8 @@ Worker -> frontend::
     [STEP, accepts, outputs, notes] notes: [[rid, {"cached_tokens": n}], ...], only when
                                     the engine has any (they precede the outputs)
     [PONG, seq, running, waiting]
+    [TOKENIZED, seq, result, err]   result: {"tokens": [...], "max_model_len": n} or
+                                    {"prompt": str}; or err: [kind, message]
 
 The rows of a STEP are :class:`AcceptRow` and :class:`OutputRow` (sent as arrays in their
 field order; the frontend unpacks them in that order). In an output, ``finish`` is None or
@@ -52,6 +57,8 @@ __all__ = [
     "PONG",
     "SHUTDOWN",
     "STEP",
+    "TOKENIZE",
+    "TOKENIZED",
     "MAX_FRAME",
     "ProtocolError",
     "FrameDecoder",
@@ -86,6 +93,8 @@ PING = 3
 PONG = 4
 SHUTDOWN = 5
 STEP = 6
+TOKENIZE = 7
+TOKENIZED = 8
 
 #: Largest frame either side accepts (64 MiB): a bigger length prefix means garbage.
 MAX_FRAME = 64 * 1024 * 1024

@@ -15,6 +15,7 @@ and optionally::
     notes: list                             [rid, dict] details (such as cached_tokens) the
                                             loop sends with the next STEP, then clears
     close() -> None                         called once when the worker ends
+    tokenize(request) -> dict               /tokenize and /detokenize (wire.TOKENIZE)
 
 ``prompt`` is a string, a list of token ids, or ``{"messages": [...]}`` for chat. ``step`` may
 take as long as the engine's real work takes: the loop reads the pipe between steps.
@@ -26,7 +27,7 @@ from typing import Protocol
 
 __all__ = [
     "Engine", "EngineBroken", "Rejected", "WorkerCrash", "WorkerGarbage", "WorkerHang",
-    "check_context", "encode_prompt", "one_line",
+    "check_context", "encode_prompt", "one_line", "tokenize_request",
 ]
 
 
@@ -130,3 +131,28 @@ def encode_prompt(prompt: object, tokenizer, *, vocab_size: int, chat: bool, mod
             raise Rejected(f"cannot render the chat template: {one_line(exc)}") from None
         return list(tokenizer.encode(text, add_special_tokens=False))
     raise Rejected("prompt must be a string or a list of token ids")
+
+
+def tokenize_request(
+    request: dict, tokenizer, *, vocab_size: int, chat: bool, model: str, max_model_len: int
+) -> dict:
+    """Answer a TOKENIZE request (see server.protocol.wire) with a Hugging Face tokenizer:
+    ``{"tokens", "max_model_len"}`` for ``tokenize`` (chat messages rendered as for
+    generation), ``{"prompt"}`` for ``detokenize``."""
+    op = request.get("op")
+    if op == "detokenize":
+        ids = request.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise Rejected("tokens must be a list of token ids")
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise Rejected(f"token ids must be between 0 and {vocab_size - 1}")
+        return {"prompt": tokenizer.decode(ids)}
+    if op != "tokenize":
+        raise Rejected(f"unknown tokenize operation {op!r}")
+    prompt = request.get("prompt")
+    if isinstance(prompt, str):
+        special = bool(request.get("add_special_tokens", True))
+        ids = list(tokenizer.encode(prompt, add_special_tokens=special))
+    else:
+        ids = encode_prompt(prompt, tokenizer, vocab_size=vocab_size, chat=chat, model=model)
+    return {"tokens": ids, "max_model_len": max_model_len}

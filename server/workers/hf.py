@@ -55,7 +55,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     ) from None
 
 from ..protocol.wire import OutputRow
-from .base import Rejected, check_context, encode_prompt, one_line
+from .base import Rejected, check_context, encode_prompt, one_line, tokenize_request
 from .hf_batch import KVBatch, UnsupportedModel, sliding_window
 from .hf_logits import SAMPLING_FIELDS, Rules, process
 from .hf_sample import sample
@@ -227,6 +227,14 @@ class TransformersEngine:
         req.last = -1
         self._waiting[rid] = req
         return len(ids)
+
+    def tokenize(self, request: dict) -> dict:
+        """/tokenize and /detokenize, with the tokenizer requests are served with."""
+        return tokenize_request(
+            request, self.tokenizer, vocab_size=self.vocab_size,
+            chat=self.chat_template is not None, model=self.info["model"],
+            max_model_len=self.max_model_len,
+        )
 
     def encode(self, prompt: object) -> list[int]:
         """Token ids of a prompt (a string, token ids, or ``{"messages": [...]}``)."""

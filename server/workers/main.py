@@ -82,7 +82,25 @@ def handle_message(engine, msg: list, accepts: list, outputs: list) -> list | No
             outputs.append(OutputRow(msg[1], "", 0, "abort", None))
     elif kind == wire.PING:
         return [wire.PONG, msg[1], engine.running(), engine.waiting()]
+    elif kind == wire.TOKENIZE:
+        return [wire.TOKENIZED, msg[1], *_tokenize(engine, msg[2])]
     return None
+
+
+def _tokenize(engine, request: dict) -> list:
+    """``[result, None]`` or ``[None, [kind, message]]`` for a TOKENIZE request."""
+    tokenize = getattr(engine, "tokenize", None)
+    if tokenize is None:
+        name = engine.info.get("engine", "this")
+        message = (f"/tokenize and /detokenize are not supported by the {name} engine (it "
+                   "has no tokenizer); the transformers and vllm engines have one")
+        return [None, ["invalid_request", message]]
+    try:
+        return [tokenize(request), None]
+    except Rejected as exc:
+        return [None, [exc.kind, exc.message]]
+    except Exception as exc:
+        return [None, ["engine_error", f"the engine could not tokenize: {exc!r:.200}"]]
 
 
 def step_message(engine, accepts: list, outputs: list) -> list:

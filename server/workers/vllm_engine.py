@@ -41,7 +41,7 @@ import os
 from pathlib import Path
 
 from ..protocol.wire import OutputRow
-from .base import EngineBroken, Rejected, check_context, encode_prompt, one_line
+from .base import EngineBroken, Rejected, check_context, encode_prompt, one_line, tokenize_request
 
 __all__ = ["VLLMEngine", "VLLM_SAMPLING"]
 
@@ -268,6 +268,14 @@ class VLLMEngine:
             core.shutdown()
 
     # -- requests in vLLM's terms -----------------------------------------------------------
+
+    def tokenize(self, request: dict) -> dict:
+        """/tokenize and /detokenize, with the tokenizer requests are served with."""
+        return tokenize_request(
+            request, self.tokenizer, vocab_size=self.vocab_size,
+            chat=self.chat_template is not None, model=self.info["model"],
+            max_model_len=self.max_model_len,
+        )
 
     def encode(self, prompt: object) -> list[int]:
         """Token ids of a prompt (a string, token ids, or ``{"messages": [...]}``)."""

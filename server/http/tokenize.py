@@ -1,0 +1,132 @@
+"""``POST /tokenize`` and ``POST /detokenize``, in vLLM's shapes, answered by a worker.
+
+Example::
+
+    POST /tokenize    {"prompt": "Hello world"}
+    -> {"count": 2, "max_model_len": 4096, "tokens": [9707, 1879], "token_strs": null}
+    POST /tokenize    {"messages": [{"role": "user", "content": "Hi"}]}   (as for generation)
+    POST /detokenize  {"tokens": [9707, 1879]}
+    -> {"prompt": "Hello world"}
+
+The frontend never loads a tokenizer: the request goes to the least loaded worker (a
+TOKENIZE round trip, answered between engine steps) whose tokenizer is the one generation
+uses, so the ids are exactly those a generation request's prompt becomes. An engine without
+a tokenizer (the sim engine) answers 400. Parsing is sans-IO (:func:`parse_tokenize`,
+:func:`parse_detokenize`); :func:`handle_tokenize` is the thin ASGI shell.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..errors import ClientError, NotFound, ServerError, clip
+from .asgi import CLOSE, send_error, send_json
+from .encode import dumps
+from .post import BEFORE_BODY, UNREAD_BODY, read_json_post, refusal_headers
+from .schema import decode_json, messages_of
+
+__all__ = ["handle_tokenize", "parse_tokenize", "parse_detokenize", "ROUTES"]
+
+log = logging.getLogger("server.http")
+
+#: Path -> operation.
+ROUTES = {"/tokenize": "tokenize", "/detokenize": "detokenize"}
+
+#: vLLM's tokenize fields this server does not honour -> the values that mean "not used".
+_REFUSED: dict[str, tuple] = {
+    "return_token_strs": (None, False),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "tools": (None, []),
+    "mm_processor_kwargs": (None, {}),
+}
+
+
+def _model(data: dict, served_model: str) -> None:
+    model = data.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise ClientError("'model' must be a string.", param="model")
+    if model != served_model:
+        raise NotFound(
+            f"The model '{clip(model)}' does not exist.", param="model", code="model_not_found"
+        )
+
+
+def parse_tokenize(body: bytes, served_model: str) -> dict:
+    """The TOKENIZE request of a ``/tokenize`` body (400/404 on bad input)."""
+    data = decode_json(body)
+    _model(data, served_model)
+    for name, neutral in _REFUSED.items():
+        value = data.get(name)
+        if not any(value is n if n is None or isinstance(n, bool) else value == n
+                   for n in neutral):
+            raise ClientError(
+                f"'{name}' is not supported by this server's /tokenize.", param=name,
+                code="unsupported_parameter",
+            )
+    special = data.get("add_special_tokens")
+    if special is not None and not isinstance(special, bool):
+        raise ClientError("'add_special_tokens' must be a boolean.", param="add_special_tokens")
+    if ("prompt" in data) == ("messages" in data):
+        raise ClientError("Give either 'prompt' or 'messages'.", param="prompt")
+    if "prompt" in data:
+        prompt = data["prompt"]
+        if not isinstance(prompt, str):
+            raise ClientError("'prompt' must be a string.", param="prompt")
+        return {"op": "tokenize", "prompt": prompt,
+                "add_special_tokens": True if special is None else special}
+    if special:
+        raise ClientError(
+            "'add_special_tokens' is not supported with 'messages': they are rendered as for "
+            "a chat completion.", param="add_special_tokens", code="unsupported_parameter",
+        )
+    return {"op": "tokenize", "prompt": {"messages": messages_of(data)}}
+
+
+def parse_detokenize(body: bytes, served_model: str) -> dict:
+    """The TOKENIZE request of a ``/detokenize`` body (400/404 on bad input)."""
+    data = decode_json(body)
+    _model(data, served_model)
+    tokens = data.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in tokens
+    ):
+        raise ClientError("'tokens' must be a list of token ids.", param="tokens")
+    return {"op": "detokenize", "tokens": tokens}
+
+
+async def handle_tokenize(app, scope: dict, receive, send, *, op: str, headers: list) -> None:
+    """Serve one /tokenize or /detokenize request; never raises into the ASGI server (but
+    Cancelled)."""
+    config = app.server_config
+    try:
+        body = await read_json_post(app, scope, receive)
+        if body is None:
+            return  # the client went away
+        engine = app.require_engine()
+        parse = parse_tokenize if op == "tokenize" else parse_detokenize
+        result = await engine.tokenize(parse(body, engine.model_name))
+    except BEFORE_BODY as exc:
+        await send_error(send, exc, headers + await refusal_headers(exc, scope, receive, config))
+        return
+    except UNREAD_BODY as exc:
+        await send_error(send, exc, headers + [CLOSE])
+        return
+    except ServerError as exc:
+        await send_error(send, exc, headers)
+        return
+    except Exception:
+        log.exception("internal error in %s", scope["path"])
+        await send_error(send, ServerError("Internal server error."), headers)
+        return
+    if op == "tokenize":
+        tokens = result["tokens"]
+        answer = {"count": len(tokens), "max_model_len": result["max_model_len"],
+                  "tokens": tokens, "token_strs": None}
+    else:
+        answer = {"prompt": result["prompt"]}
+    await send_json(send, 200, dumps(answer), headers)

@@ -1,0 +1,74 @@
+"""/tokenize and /detokenize: request parsing (sans-IO) and the sim engine's answer. The
+transformers and vllm engines' answers are tested with them (their modules)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from server.errors import ClientError, NotFound
+from server.http.tokenize import parse_detokenize, parse_tokenize
+from tests.conftest import JSON
+
+
+def tok(body: dict) -> dict:
+    return parse_tokenize(json.dumps(body).encode(), "m")
+
+
+def test_tokenize_requests():
+    assert tok({"prompt": "hi"}) == {"op": "tokenize", "prompt": "hi", "add_special_tokens": True}
+    assert tok({"model": "m", "prompt": "hi", "add_special_tokens": False})["add_special_tokens"] \
+        is False
+    chat = tok({"messages": [{"role": "user", "content": [{"type": "text", "text": "yo"}]}],
+                "add_generation_prompt": True, "return_token_strs": False})
+    assert chat == {"op": "tokenize", "prompt": {"messages": [{"role": "user", "content": "yo"}]}}
+    assert parse_detokenize(b'{"tokens": [1, 2]}', "m") == {"op": "detokenize", "tokens": [1, 2]}
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "prompt"),
+        ({"prompt": "a", "messages": []}, "prompt"),
+        ({"prompt": ["a"]}, "prompt"),
+        ({"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ({"prompt": "a", "return_token_strs": True}, "return_token_strs"),
+        ({"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": False},
+         "add_generation_prompt"),
+        ({"messages": [{"role": "user", "content": "a"}], "add_special_tokens": True},
+         "add_special_tokens"),
+        ({"messages": [{"role": "user", "content": "a"}], "chat_template": "{{x}}"},
+         "chat_template"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"prompt": "a", "model": 3}, "model"),
+    ],
+)
+def test_bad_tokenize_requests(body, param):
+    with pytest.raises(ClientError) as info:
+        tok(body)
+    assert info.value.param == param
+
+
+def test_bad_detokenize_requests():
+    for body in (b'{}', b'{"tokens": "12"}', b'{"tokens": [1, -1]}', b'{"tokens": [true]}'):
+        with pytest.raises(ClientError) as info:
+            parse_detokenize(body, "m")
+        assert info.value.param == "tokens"
+    with pytest.raises(NotFound):
+        parse_detokenize(b'{"model": "other", "tokens": []}', "m")
+
+
+async def test_the_sim_engine_has_no_tokenizer(server_url):
+    async with httpx.AsyncClient(base_url=server_url, timeout=10) as http:
+        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+            r = await http.post(path, json=body)
+            assert r.status_code == 400
+            assert "not supported by the sim engine" in r.json()["error"]["message"]
+        r = await http.post("/tokenize", content=b'{"prompt": 1}', headers=JSON)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = await http.get("/tokenize")
+        assert r.status_code == 405 and r.headers["allow"] == "POST"
+        r = await http.post("/detokenize", content=b'{"tokens": []}')
+        assert r.status_code == 415
