@@ -34,6 +34,8 @@ class RequestOutput:
         "error_kind",
         "error",
         "cached_tokens",
+        "logprobs",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -59,6 +61,13 @@ class RequestOutput:
         #: Prompt tokens found in the engine's prefix cache, when the engine reports it
         #: (vLLM); None otherwise.
         self.cached_tokens = cached_tokens
+        #: Only for requests that asked for logprobs: one entry per new token,
+        #: ``[token_text, logprob, [[alt_text, alt_logprob], ...]]`` (the alternatives: the
+        #: most likely tokens, best first); else None.
+        self.logprobs: list | None = None
+        #: With ``echo`` and logprobs, on the first output: one entry per prompt token (the
+        #: first one's logprob is None).
+        self.prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:

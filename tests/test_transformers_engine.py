@@ -270,6 +270,43 @@ def test_tokenize_and_detokenize_use_the_serving_tokenizer(engine):
         engine.tokenize({"op": "detokenize", "tokens": [10**6]})
 
 
+def test_logprobs_are_the_models_own(engine):
+    prompt = prompts(1, seed=13)[0]
+    engine.add(1, prompt, greedy(6, logprobs=3, prompt_logprobs=2))
+    engine.add(2, prompt, greedy(6))  # asks for none: gets none
+    engine.notes.clear()
+    notes: dict = {}
+    outputs: dict = {}
+    while engine.next_deadline() is not None:
+        for out in engine.step(0.0):
+            outputs.setdefault(out[0], []).append(out)
+        for rid, note in engine.notes:
+            for key, entries in note.items():
+                notes.setdefault((rid, key), []).extend(entries)
+        engine.notes.clear()
+    assert set(notes) == {(1, "logprobs"), (1, "prompt_logprobs")}
+    ids = engine.encode(prompt)
+    out = _penalised_reference(engine, prompt, 6)  # plain greedy ids
+    with torch.inference_mode():
+        rows = torch.log_softmax(engine.model(torch.tensor([ids + out])).logits[0].float(), -1)
+    decode = engine.tokenizer.decode
+    entries = notes[(1, "logprobs")]
+    assert [e[0] for e in entries] == [decode([t]) for t in out]
+    for j, (text, lp, alts) in enumerate(entries):
+        row = rows[len(ids) - 1 + j]
+        assert lp == pytest.approx(float(row[out[j]]), abs=1e-4)
+        values, top = row.topk(3)
+        assert [a[0] for a in alts] == [decode([t]) for t in top.tolist()]
+        assert [a[1] for a in alts] == pytest.approx(values.tolist(), abs=1e-4)
+        assert alts[0] == [text, pytest.approx(lp, abs=1e-6)]  # greedy: the best one
+    prompt_entries = notes[(1, "prompt_logprobs")]
+    assert prompt_entries[0] == [decode([ids[0]]), None, []]
+    for i in range(1, len(ids)):
+        assert prompt_entries[i][1] == pytest.approx(float(rows[i - 1][ids[i]]), abs=1e-4)
+        assert len(prompt_entries[i][2]) == 2
+    assert result(outputs[1])[:2] == result(outputs[2])[:2]
+
+
 def test_streamed_multibyte_text_equals_the_full_decode(engine):
     # characters the tokenizer never saw whole: they are split into byte tokens
     text = "漢字かな 🦀🧪 Ωμέγα — ñandú 👩🏽‍🚀"
@@ -568,6 +605,46 @@ async def test_http_end_to_end(model_dir, engine):
                 assert r.json() == {"prompt": ps[0]}
                 r = await http.post("/detokenize", json={"tokens": [10**6]})
                 assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
+
+            # logprobs: completions (legacy shape, echo gives the prompt's), chat, streaming
+            r = await client.completions.create(
+                model=MODEL, prompt=ps[0], max_tokens=5, temperature=0, logprobs=2, echo=True
+            )
+            lp = r.choices[0].logprobs
+            n_prompt = r.usage.prompt_tokens
+            assert len(lp.tokens) == n_prompt + 5 == len(lp.token_logprobs)
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            assert all(isinstance(v, float) for v in lp.token_logprobs[1:])
+            assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+            assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+            s = await client.completions.create(
+                model=MODEL, prompt=ps[0], max_tokens=5, temperature=0, logprobs=0, stream=True
+            )
+            chunks = [c.choices[0].logprobs async for c in s if c.choices and c.choices[0].logprobs]
+            streamed_tokens = [t for c in chunks for t in c.tokens]
+            assert streamed_tokens == lp.tokens[n_prompt:]
+            offsets = [o for c in chunks for o in c.text_offset]
+            assert offsets == [x - lp.text_offset[n_prompt] for x in lp.text_offset[n_prompt:]]
+            r = await client.chat.completions.create(
+                model=MODEL, messages=chat, max_tokens=4, temperature=0, logprobs=True,
+                top_logprobs=3,
+            )
+            content = r.choices[0].logprobs.content
+            assert len(content) == r.usage.completion_tokens == 4
+            assert all(len(c.top_logprobs) == 3 and c.bytes == list(c.token.encode()) for c in content)
+            s = await client.chat.completions.create(
+                model=MODEL, messages=chat, max_tokens=4, temperature=0, logprobs=True, stream=True
+            )
+            streamed = [e async for c in s if c.choices and c.choices[0].logprobs
+                        for e in c.choices[0].logprobs.content]
+            assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+            assert all(e.top_logprobs == [] for e in streamed)
+            with pytest.raises(openai.BadRequestError, match="only supported without streaming"):
+                await client.completions.create(
+                    model=MODEL, prompt="hi", max_tokens=2, logprobs=1, echo=True, stream=True
+                )
+            with pytest.raises(openai.BadRequestError, match="between 0 and 20"):
+                await client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=21)
 
             # a client that goes away mid-stream: the worker drops the request
             s = await client.completions.create(

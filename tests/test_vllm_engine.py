@@ -300,6 +300,24 @@ def test_vllm_sampling_fields_are_honoured(client, reference):
         assert info.value.body["param"] == field
 
 
+def test_logprobs_are_vllms(client, reference):
+    prompt = _prompts(1, seed=5)[0]
+    expected = reference.ask(op="logprobs", prompt=prompt, max_tokens=6, k=2)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                  logprobs=2, echo=True)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(expected["prompt"] + expected["tokens"], abs=1e-5)
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+    assert len(lp.tokens) == r.usage.prompt_tokens + 6
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=3, stream=True,
+    )
+    content = [e for c in r if c.choices and c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content]
+    assert len(content) == 4 and all(len(e.top_logprobs) == 3 for e in content)
+
+
 def test_prefix_cache_hits_are_reported(client):
     prompt = " ".join(["model token stream"] * 60)  # over one 128-token block
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)

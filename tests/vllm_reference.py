@@ -7,7 +7,8 @@ RuntimeError from it. It also runs the checks of :class:`server.workers.vllm_eng
 that need vLLM in process (wrapping this LLM's engine, no second model load).
 
 Requests: ``{"op": "generate", "prompts": [...], "max_tokens": n, "params": {...}}`` ->
-``[[text, tokens], ...]``; ``{"op": "encode", "text": s}`` -> ids; ``{"op": "decode",
+``[[text, tokens], ...]``; ``{"op": "logprobs", "prompt": s, "max_tokens": n, "k": k}`` ->
+the chosen tokens' and the prompt's logprobs; ``{"op": "encode", "text": s}`` -> ids; ``{"op": "decode",
 "ids": [...]}`` -> text; ``{"op": "engine_failure"}`` and ``{"op": "engine_abort"}`` -> what
 the engine did.
 """
@@ -40,6 +41,16 @@ def main() -> None:
             params = vllm.SamplingParams(max_tokens=req["max_tokens"], **req.get("params", {}))
             outs = llm.generate(req["prompts"], params, use_tqdm=False)
             answer: object = [[o.outputs[0].text, len(o.outputs[0].token_ids)] for o in outs]
+        elif op == "logprobs":
+            params = vllm.SamplingParams(max_tokens=req["max_tokens"], temperature=0,
+                                         logprobs=req["k"], prompt_logprobs=req["k"])
+            o = llm.generate([req["prompt"]], params, use_tqdm=False)[0]
+            c = o.outputs[0]
+            answer = {
+                "tokens": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                "prompt": [None if lp is None else lp[t].logprob
+                           for t, lp in zip(o.prompt_token_ids, o.prompt_logprobs)],
+            }
         elif op == "encode":
             answer = list(tok.encode(req["text"]))
         elif op == "decode":

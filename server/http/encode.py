@@ -74,6 +74,22 @@ class ChunkEncoder:
             + self._tail + _finish(finish_reason) + b"}]}\n\n"
         )
 
+    def delta_logprobs(
+        self, index: int, text: str, finish_reason: str | None, logprobs: dict | None
+    ) -> bytes:
+        """:meth:`delta` with a logprobs object (requests that asked for logprobs)."""
+        lp = dumps(logprobs) if logprobs is not None else b"null"
+        if self._chat:
+            body = b',"delta":{}' if not text and finish_reason is not None else (
+                self._mid + _dumps(text).encode() + b"}"
+            )
+        else:
+            body = self._mid + _dumps(text).encode()
+        return (
+            self._head + str(index).encode() + body + b',"logprobs":' + lp
+            + b',"finish_reason":' + _finish(finish_reason) + b"}]}\n\n"
+        )
+
     def role(self, index: int) -> bytes:
         """A chat choice's opening chunk: ``delta: {"role": "assistant", "content": ""}``."""
         return (
@@ -113,22 +129,25 @@ def completion_body(
     prompt_tokens: int,
     completion_tokens: int,
     cached_tokens: int | None = None,
+    logprobs: list | None = None,
 ) -> bytes:
-    """The body of a non-streaming completions or chat response."""
+    """The body of a non-streaming completions or chat response (``logprobs``: each
+    choice's logprobs object, for requests that asked)."""
+    lps = logprobs or [None] * len(texts)
     if chat:
         choices = [
             {
                 "index": i,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": lp,
                 "finish_reason": reason,
             }
-            for i, (text, reason) in enumerate(zip(texts, finish_reasons))
+            for i, (text, reason, lp) in enumerate(zip(texts, finish_reasons, lps))
         ]
     else:
         choices = [
-            {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-            for i, (text, reason) in enumerate(zip(texts, finish_reasons))
+            {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+            for i, (text, reason, lp) in enumerate(zip(texts, finish_reasons, lps))
         ]
     return dumps(
         {

@@ -51,6 +51,7 @@ from .asgi import (
     watch_disconnect,
 )
 from .encode import DONE, ChunkEncoder, completion_body, error_event
+from .logprobs import LogprobsFormatter
 from .post import BEFORE_BODY, UNREAD_BODY, read_json_post, refusal_headers
 
 __all__ = ["handle_generate"]
@@ -252,6 +253,10 @@ async def _write_stream(
             first.append(enc.delta(index, req.prompts[index // n]))
     completion_tokens = 0
     cached: dict[int, int] = {}
+    # Only for requests that asked (echo with logprobs does not stream: schema refuses it).
+    formatters = None
+    if req.logprobs is not None:
+        formatters = [LogprobsFormatter(req.chat) for _ in range(len(per_choice))]
     last = 0.0  # when the previous write with new tokens happened
     try:
         if first:
@@ -275,7 +280,11 @@ async def _write_stream(
                     completion_tokens += o.completion_tokens
                     if o.cached_tokens is not None:
                         cached[o.index] = o.cached_tokens
-                parts.append(enc.delta(o.index, o.text, o.finish_reason))
+                if formatters is None:
+                    parts.append(enc.delta(o.index, o.text, o.finish_reason))
+                else:
+                    lp = formatters[o.index].format(o.logprobs)
+                    parts.append(enc.delta_logprobs(o.index, o.text, o.finish_reason, lp))
             await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
         tail = DONE
         if req.include_usage:
@@ -302,6 +311,8 @@ async def _write_full(answer: _Answer, stream, req, response_id: str, model: str
     reasons: list[str | None] = [None] * k
     completion_tokens = 0
     cached: dict[int, int] = {}
+    entries: list[list] = [[] for _ in range(k)]  # logprobs, for requests that asked
+    prompts: list = [None] * k
     async for out in stream:
         if record.first_token is None and out.num_tokens:
             # No inter-token latency here: nothing is written until the end.
@@ -313,11 +324,20 @@ async def _write_full(answer: _Answer, stream, req, response_id: str, model: str
             await answer.error(_abort_error(stream.abort_cause))
             return
         texts[out.index].append(out.text)
+        if out.logprobs is not None:
+            entries[out.index].extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            prompts[out.index] = out.prompt_logprobs
         if out.finish_reason is not None:
             reasons[out.index] = out.finish_reason
             completion_tokens += out.completion_tokens
             if out.cached_tokens is not None:
                 cached[out.index] = out.cached_tokens
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = [
+            LogprobsFormatter(req.chat).format(entries[i], prompts[i]) for i in range(k)
+        ]
     body = completion_body(
         chat=req.chat,
         response_id=response_id,
@@ -328,5 +348,6 @@ async def _write_full(answer: _Answer, stream, req, response_id: str, model: str
         prompt_tokens=_prompt_tokens(per_choice, n),
         completion_tokens=completion_tokens,
         cached_tokens=_cached_tokens(cached, n),
+        logprobs=logprobs,
     )
     await answer.json(body)

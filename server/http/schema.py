@@ -42,6 +42,9 @@ class GenerateRequest:
     include_usage: bool
     echo: bool
     user: str | None
+    #: Alternatives per token asked for (0: the chosen token's logprob only); None: no
+    #: logprobs. With ``echo`` (completions), the prompt's logprobs too.
+    logprobs: int | None = None
 
 
 def decode_json(body: bytes) -> dict:
@@ -315,7 +318,7 @@ def _engine_sampling(data: dict, limits: Limits, engine_fields: frozenset) -> di
     """The engine-honoured sampling fields of a request, validated (None values dropped)."""
     out = {}
     for name in engine_fields:
-        if name in data:
+        if name in data and name != "top_logprobs":  # (read by _logprobs)
             check = _ENGINE_SAMPLING.get(name)
             if check is None:  # an engine declared a field this server cannot validate
                 raise ClientError(f"'{name}' is not supported by this server.", param=name)
@@ -325,8 +328,44 @@ def _engine_sampling(data: dict, limits: Limits, engine_fields: frozenset) -> di
     return out
 
 
+def _logprobs(data: dict, chat: bool, engine_info: dict | None) -> int | None:
+    """How many alternatives per token a request asks for (None: no logprobs): completions'
+    ``logprobs: k``, chat's ``logprobs: true`` with ``top_logprobs: k``. Refused (400) when
+    the engine does not say it makes them (its HELLO's ``logprobs``: the most k it takes)."""
+    if chat:
+        asked = _bool(data, "logprobs", False)
+        top = _int(data, "top_logprobs", None, 0, 20)
+        if not asked:
+            if top:
+                raise ClientError("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+            return None
+        top = top or 0
+    else:
+        if data.get("logprobs") is False:
+            return None
+        top = _int(data, "logprobs", None, 0, 20)
+        if top is None:
+            return None
+    most = (engine_info or {}).get("logprobs")
+    if not isinstance(most, int):
+        engine = (engine_info or {}).get("engine")
+        by = f"the {engine} engine" if engine else "this server"
+        raise ClientError(f"'logprobs' is not supported by {by}.", param="logprobs",
+                          code="unsupported_parameter")
+    if top > most:
+        param = "top_logprobs" if chat else "logprobs"
+        raise ClientError(f"'{param}' must be at most {most}.", param=param)
+    return top
+
+
 def _common(
-    data: dict, limits: Limits, served_model: str, *, chat: bool, engine_fields: frozenset
+    data: dict,
+    limits: Limits,
+    served_model: str,
+    *,
+    chat: bool,
+    engine_fields: frozenset,
+    engine_info: dict | None,
 ) -> dict:
     model = data.get("model")
     if model is not None and not isinstance(model, str):
@@ -348,9 +387,7 @@ def _common(
         if not isinstance(options, dict):
             raise ClientError("'stream_options' must be an object.", param="stream_options")
         include_usage = _bool(options, "include_usage", False)
-    logprobs = data.get("logprobs")
-    if logprobs not in (None, False, 0):
-        raise ClientError("'logprobs' is not supported by this server.", param="logprobs")
+    logprobs = _logprobs(data, chat, engine_info)
     user = data.get("user")
     if user is not None and not isinstance(user, str):
         raise ClientError("'user' must be a string.", param="user")
@@ -361,6 +398,8 @@ def _common(
     else:
         max_tokens = _int(data, "max_tokens", min(16, limits.max_tokens), 1, limits.max_tokens)
     extra = _engine_sampling(data, limits, engine_fields)
+    if logprobs is not None:
+        extra["logprobs"] = logprobs
     if limits.allow_faults and isinstance(data.get("fault"), dict):
         extra["fault"] = data["fault"]
     params = SamplingParams(
@@ -373,13 +412,18 @@ def _common(
         ignore_eos=_bool(data, "ignore_eos", False),
         extra=extra,
     )
-    return {"model": model, "params": params, "stream": stream, "include_usage": include_usage, "user": user}
+    return {
+        "model": model, "params": params, "stream": stream, "include_usage": include_usage,
+        "user": user, "logprobs": logprobs,
+    }
 
 
 def _engine_fields(info: dict | None) -> tuple[frozenset, str]:
     if not info:
         return frozenset(), ""
-    sampling = info.get("sampling") or ()
+    sampling = set(info.get("sampling") or ())
+    if isinstance(info.get("logprobs"), int):
+        sampling.add("top_logprobs")  # read by _logprobs
     return frozenset(n for n in sampling if n in UNSUPPORTED), str(info.get("engine") or "")
 
 
@@ -391,11 +435,20 @@ def parse_completion(
     data = decode_json(body)
     fields, engine = _engine_fields(engine_info)
     check_fields(data, HONOURED_COMPLETION, fields, engine)
-    common = _common(data, limits, served_model, chat=False, engine_fields=fields)
+    common = _common(
+        data, limits, served_model, chat=False, engine_fields=fields, engine_info=engine_info
+    )
     prompts = _prompts(data, limits)
     echo = _bool(data, "echo", False)
     if echo and not all(isinstance(p, str) for p in prompts):
         raise ClientError("'echo' is only supported with text prompts.", param="echo")
+    if echo and common["logprobs"] is not None:
+        if common["stream"]:
+            raise ClientError(
+                "'echo' with 'logprobs' (the prompt's logprobs) is only supported without "
+                "streaming.", param="echo", code="unsupported_parameter",
+            )
+        common["params"].extra["prompt_logprobs"] = common["logprobs"]
     if len(prompts) * common["params"].n > limits.max_n * limits.max_prompts:
         raise ClientError("Too many choices in one request.", param="n")
     return GenerateRequest(chat=False, prompts=prompts, echo=echo, **common)
@@ -408,7 +461,9 @@ def parse_chat(
     data = decode_json(body)
     fields, engine = _engine_fields(engine_info)
     check_fields(data, HONOURED_CHAT, fields, engine)
-    common = _common(data, limits, served_model, chat=True, engine_fields=fields)
+    common = _common(
+        data, limits, served_model, chat=True, engine_fields=fields, engine_info=engine_info
+    )
     messages = messages_of(data)
     return GenerateRequest(
         chat=True, prompts=[{"messages": messages}], echo=False, **common

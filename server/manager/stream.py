@@ -145,6 +145,8 @@ class Choice:
         "error_kind",
         "error",
         "cached_tokens",
+        "logprobs",
+        "prompt_logprobs",
     )
 
     def __init__(self, rid: int, index: int, worker: WorkerClient, waker: Waker) -> None:
@@ -167,6 +169,10 @@ class Choice:
         self.error: str | None = None
         #: Prompt tokens the engine found in its prefix cache (None: it does not say).
         self.cached_tokens: int | None = None
+        #: Logprob entries of the pending tokens (only for requests that asked), and of the
+        #: prompt (``echo`` with logprobs): see RequestOutput.
+        self.logprobs: list | None = None
+        self.prompt_logprobs: list | None = None
 
     # -- router side -------------------------------------------------------------------------
 
@@ -181,6 +187,15 @@ class Choice:
         cached = note.get("cached_tokens")
         if isinstance(cached, int):
             self.cached_tokens = cached
+        entries = note.get("logprobs")
+        if isinstance(entries, list):
+            if self.logprobs is None:
+                self.logprobs = entries
+            else:
+                self.logprobs.extend(entries)
+        prompt = note.get("prompt_logprobs")
+        if isinstance(prompt, list):
+            self.prompt_logprobs = prompt
 
     def push(self, text: str, ntok: int, finish: str | None, err: list | None) -> None:
         """Merge one engine step's output into the pending slot and wake the consumer."""
@@ -223,6 +238,9 @@ class Choice:
             self.error,
             self.cached_tokens,
         )
+        if self.logprobs is not None or self.prompt_logprobs is not None:
+            out.logprobs, self.logprobs = self.logprobs, None
+            out.prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
         self.text = ""
         self.ntok = 0
         self.queued = False

@@ -27,7 +27,8 @@ from typing import Protocol
 
 __all__ = [
     "Engine", "EngineBroken", "Rejected", "WorkerCrash", "WorkerGarbage", "WorkerHang",
-    "check_context", "encode_prompt", "one_line", "tokenize_request",
+    "check_context", "encode_prompt", "finite_logprob", "one_line", "tokenize_request",
+    "MAX_LOGPROBS",
 ]
 
 
@@ -156,3 +157,14 @@ def tokenize_request(
     else:
         ids = encode_prompt(prompt, tokenizer, vocab_size=vocab_size, chat=chat, model=model)
     return {"tokens": ids, "max_model_len": max_model_len}
+
+
+#: The most alternatives per token a request may ask for (OpenAI: 5 for completions, 20 for
+#: chat; vLLM's default max_logprobs: 20). An engine that makes logprobs says so in its HELLO
+#: (``"logprobs": MAX_LOGPROBS``).
+MAX_LOGPROBS = 20
+
+
+def finite_logprob(value: float) -> float:
+    """JSON has no -inf: a token the model rules out gets vLLM's -9999.0."""
+    return value if value > -9999.0 else -9999.0

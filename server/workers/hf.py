@@ -55,7 +55,15 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     ) from None
 
 from ..protocol.wire import OutputRow
-from .base import Rejected, check_context, encode_prompt, one_line, tokenize_request
+from .base import (
+    MAX_LOGPROBS,
+    Rejected,
+    check_context,
+    encode_prompt,
+    finite_logprob,
+    one_line,
+    tokenize_request,
+)
 from .hf_batch import KVBatch, UnsupportedModel, sliding_window
 from .hf_logits import SAMPLING_FIELDS, Rules, process
 from .hf_sample import sample
@@ -106,6 +114,18 @@ def load_model(model_path: str, *, device: str = "cpu", dtype: str | None = None
     return model, tokenizer
 
 
+
+def _top(value) -> int | None:
+    """A logprobs request: None (not asked) or how many alternatives (0..MAX_LOGPROBS)."""
+    if value is None or value is False:
+        return None
+    top = int(value)
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise ValueError("logprobs out of range")
+    return top
+
+
+
 def _context_length(config, tokenizer) -> int:
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
@@ -121,7 +141,7 @@ def _context_length(config, tokenizer) -> int:
 class _Req:
     __slots__ = (
         "rid", "prompt", "max_tokens", "temperature", "top_p", "rng", "ignore_eos", "text",
-        "produced", "last", "rules",
+        "produced", "last", "rules", "logprobs", "prompt_logprobs",
     )
 
 
@@ -175,10 +195,13 @@ class TransformersEngine:
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "max_batch": max_batch,
             "sampling": list(SAMPLING_FIELDS),
+            "logprobs": MAX_LOGPROBS,
         }
         self._batch = KVBatch(self.model)
         self._rows: list[_Req] = []  # the batch's rows, in row order
         self._waiting: dict[int, _Req] = {}  # insertion order is FIFO order
+        #: [rid, dict] details (logprobs) for the frontend, taken by the worker loop.
+        self.notes: list[list] = []
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -203,6 +226,8 @@ class TransformersEngine:
             stop = tuple(s for s in params.get("stop") or () if s)
             ignore_eos = bool(params.get("ignore_eos", False))
             rules = Rules.parse(params, ids, vocab_size=self.vocab_size, device=self.model.device)
+            logprobs = _top(params.get("logprobs"))
+            prompt_logprobs = _top(params.get("prompt_logprobs"))
         except (TypeError, ValueError, AttributeError):
             raise Rejected("malformed sampling parameters") from None
         if max_tokens < 1:
@@ -222,6 +247,8 @@ class TransformersEngine:
             req.rng.manual_seed(random.getrandbits(63) if seed is None else seed % (1 << 63))
         req.ignore_eos = ignore_eos
         req.rules = rules
+        req.logprobs = logprobs
+        req.prompt_logprobs = prompt_logprobs
         req.text = RequestText(self._tok, ids, stop)
         req.produced = 0
         req.last = -1
@@ -276,6 +303,9 @@ class TransformersEngine:
                 if self._waiting and len(self._rows) < self.max_batch:
                     group = self._admit()
                     self._rows.extend(group)
+                    for req in group:
+                        if req.prompt_logprobs is not None:
+                            self._prompt_logprobs(req)
                     logits = self._batch.prefill([r.prompt for r in group])
                     self._advance(group, logits, outputs)
         except UnsupportedModel as exc:
@@ -303,6 +333,11 @@ class TransformersEngine:
     def _advance(self, reqs: list[_Req], logits, outputs: list[list]) -> None:
         """Sample one token for each of ``reqs`` (the rows ``logits`` belong to), emit their
         outputs, and drop the ones that finished from the batch."""
+        asked = [i for i, r in enumerate(reqs) if r.logprobs is not None]
+        raw = None
+        if asked:  # the model's own distribution, before any sampling rule (as vLLM's)
+            index = torch.tensor(asked, device=logits.device)
+            raw = torch.log_softmax(logits.index_select(0, index).float(), -1)
         specs = [(r.temperature, r.top_p, r.rng) for r in reqs]
         if any(r.rules is not None for r in reqs):
             logits = process(logits, [(r.rules, r.produced) for r in reqs], self.eos_ids)
@@ -311,6 +346,10 @@ class TransformersEngine:
             tokens = sample(logits, specs, top_k, min_p)
         else:
             tokens = sample(logits, specs)
+        if raw is not None:
+            for row, i in enumerate(asked):
+                entry = self._logprob_entry(raw[row], tokens[i], reqs[i].logprobs)
+                self.notes.append([reqs[i].rid, {"logprobs": [entry]}])
         finished = []
         for req, tok in zip(reqs, tokens):
             req.produced += 1
@@ -338,6 +377,28 @@ class TransformersEngine:
             rows = [i for i, r in enumerate(self._rows) if id(r) in gone]
             self._rows = [r for r in self._rows if id(r) not in gone]
             self._batch.remove(rows)
+
+    def _logprob_entry(self, logprobs, token: int, top: int) -> list:
+        """``[text, logprob, [[alt_text, alt_logprob], ...]]`` of a chosen token (the
+        ``top`` most likely alternatives, best first), from a row of log-probabilities."""
+        decode = self.tokenizer.decode
+        alts = []
+        if top:
+            values, ids = logprobs.topk(top)
+            pairs = zip(values.tolist(), ids.tolist())
+            alts = [[decode([t]), finite_logprob(v)] for v, t in pairs]
+        return [decode([token]), finite_logprob(float(logprobs[token])), alts]
+
+    def _prompt_logprobs(self, req: _Req) -> None:
+        """The prompt's logprobs (``echo``), from one forward pass over it: entry i is the
+        log-probability of prompt token i after tokens 0..i-1 (None for the first)."""
+        ids = req.prompt
+        logits = self.model(torch.tensor([ids], device=self.model.device)).logits[0]
+        rows = torch.log_softmax(logits.float(), -1)
+        entries: list = [[self.tokenizer.decode([ids[0]]), None, []]]
+        for i in range(1, len(ids)):
+            entries.append(self._logprob_entry(rows[i - 1], ids[i], req.prompt_logprobs))
+        self.notes.append([req.rid, {"prompt_logprobs": entries}])
 
     def _fail_all(self, outputs: list[list], message: str) -> None:
         done = {o[0] for o in outputs if o[3] is not None}

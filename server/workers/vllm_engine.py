@@ -41,7 +41,16 @@ import os
 from pathlib import Path
 
 from ..protocol.wire import OutputRow
-from .base import EngineBroken, Rejected, check_context, encode_prompt, one_line, tokenize_request
+from .base import (
+    MAX_LOGPROBS,
+    EngineBroken,
+    Rejected,
+    check_context,
+    encode_prompt,
+    finite_logprob,
+    one_line,
+    tokenize_request,
+)
 
 __all__ = ["VLLMEngine", "VLLM_SAMPLING"]
 
@@ -123,6 +132,16 @@ def _build_engine(model_path: str | None, named: dict, engine_args: dict):
         raise RuntimeError(f"vLLM could not start: {one_line(exc)}") from None
 
 
+def _entry(by_id: dict, token: int, top: int) -> list:
+    """Our logprob entry from vLLM's ``{token_id: Logprob}`` of one position."""
+    chosen = by_id[token]
+    ranked = sorted((lp for t, lp in by_id.items() if lp.rank is not None and lp.rank <= top),
+                    key=lambda lp: lp.rank)
+    return [chosen.decoded_token or "", finite_logprob(chosen.logprob),
+            [[lp.decoded_token or "", finite_logprob(lp.logprob)] for lp in ranked]]
+
+
+
 def _served_name(config) -> str:
     name = config.model_config.served_model_name
     if isinstance(name, (list, tuple)):
@@ -193,9 +212,12 @@ class VLLMEngine:
             "prefix_caching": self.prefix_caching,
             "max_batch": self.max_batch,
             "sampling": list(VLLM_SAMPLING),
+            "logprobs": MAX_LOGPROBS,
         }
         #: Requests vLLM holds for us (added, not finished or aborted).
         self._held: set[int] = set()
+        #: Of those, the ones that asked for logprobs: rid -> alternatives per token.
+        self._logprobs: dict[int, int] = {}
         #: ``[rid, dict]`` details for the frontend, sent with the next STEP (the worker
         #: loop takes them).
         self.notes: list[list] = []
@@ -213,12 +235,15 @@ class VLLMEngine:
         except ValueError as exc:  # vLLM's own validation of the request: a client fault
             raise Rejected(one_line(exc)) from None
         self._held.add(rid)
+        if sampling.logprobs is not None:
+            self._logprobs[rid] = sampling.logprobs
         return len(ids)
 
     def abort(self, rid: int) -> bool:
         if rid not in self._held:
             return False
         self._held.discard(rid)
+        self._logprobs.pop(rid, None)
         self._llm.abort_request([str(rid)])
         return True
 
@@ -240,6 +265,7 @@ class VLLMEngine:
             message = f"vLLM failed: {one_line(exc)}"
             failed = [OutputRow(r, "", 0, "error", ["engine_error", message]) for r in self._held]
             self._held.clear()
+            self._logprobs.clear()
             raise EngineBroken(message, failed) from exc
         rows: list[OutputRow] = []
         held = self._held
@@ -248,10 +274,14 @@ class VLLMEngine:
             if rid not in held:
                 continue  # aborted meanwhile
             out = result.outputs[0]
+            top = self._logprobs.get(rid)
+            if top is not None:
+                self._note_logprobs(rid, result, out, top)
             finish = None
             error = None
             if result.finished:
                 held.discard(rid)
+                self._logprobs.pop(rid, None)
                 if out.finish_reason == "error":
                     finish, error = "error", ["engine_error", "vLLM failed this request"]
                 else:
@@ -299,6 +329,9 @@ class VLLMEngine:
             "ignore_eos": bool(params.get("ignore_eos", False)),
             "output_kind": self._DELTA,
         }
+        for name in ("logprobs", "prompt_logprobs"):
+            if params.get(name) is not None:
+                kwargs[name] = int(params[name])
         for name in VLLM_SAMPLING:
             value = params.get(name)
             if value is not None:
@@ -311,6 +344,26 @@ class VLLMEngine:
             raise Rejected(one_line(exc)) from None
 
     # -- internals --------------------------------------------------------------------------
+
+    def _note_logprobs(self, rid: int, result, out, top: int) -> None:
+        """The logprobs of a request's new tokens (and, on its first output, of its prompt)
+        as notes: entries ``[text, logprob, [[alt_text, alt_logprob], ...]]``."""
+        note: dict = {}
+        if out.logprobs:
+            note["logprobs"] = [
+                _entry(by_id, token, top) for token, by_id in zip(out.token_ids, out.logprobs)
+            ]
+        if result.prompt_logprobs:
+            ids = result.prompt_token_ids or []
+            prompt: list = []
+            for token, by_id in zip(ids, result.prompt_logprobs):
+                if by_id is None:
+                    prompt.append([self.tokenizer.decode([token]), None, []])
+                else:
+                    prompt.append(_entry(by_id, token, top))
+            note["prompt_logprobs"] = prompt
+        if note:
+            self.notes.append([rid, note])
 
     def _scheduler(self):
         core = getattr(getattr(self._llm, "engine_core", None), "engine_core", None)
