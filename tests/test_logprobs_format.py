@@ -47,7 +47,6 @@ def test_what_a_request_asks_for():
         (chat, {"top_logprobs": 2}, HF, "needs 'logprobs': true"),
         (completion, {"logprobs": 21}, HF, "between 0 and 20"),
         (completion, {"logprobs": 2}, {"engine": "x", "logprobs": 1}, "at most 1"),
-        (completion, {"logprobs": 1, "echo": True, "stream": True}, HF, "without streaming"),
     ],
 )
 def test_refusals(parse, body, info, words):

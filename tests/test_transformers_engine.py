@@ -607,7 +607,7 @@ async def test_http_end_to_end(model_dir, engine):
                 assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
 
             # logprobs: completions (legacy shape, echo gives the prompt's), chat, streaming
-            r = await client.completions.create(
+            r_echo = r = await client.completions.create(
                 model=MODEL, prompt=ps[0], max_tokens=5, temperature=0, logprobs=2, echo=True
             )
             lp = r.choices[0].logprobs
@@ -639,10 +639,15 @@ async def test_http_end_to_end(model_dir, engine):
                         for e in c.choices[0].logprobs.content]
             assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
             assert all(e.top_logprobs == [] for e in streamed)
-            with pytest.raises(openai.BadRequestError, match="only supported without streaming"):
-                await client.completions.create(
-                    model=MODEL, prompt="hi", max_tokens=2, logprobs=1, echo=True, stream=True
-                )
+            s = await client.completions.create(
+                model=MODEL, prompt=ps[0], max_tokens=5, temperature=0, logprobs=2, echo=True,
+                stream=True,
+            )
+            chunks = [c.choices[0] async for c in s if c.choices]
+            assert "".join(c.text for c in chunks) == r_echo.choices[0].text
+            merged = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+            assert merged == lp.tokens
+            assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == lp.text_offset
             with pytest.raises(openai.BadRequestError, match="between 0 and 20"):
                 await client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=21)
 

@@ -245,18 +245,19 @@ async def _write_stream(
     record = answer.record
     enc = ChunkEncoder(chat=req.chat, response_id=response_id, created=int(time.time()), model=model)
     n = req.params.n
+    # Only for requests that asked for logprobs. With echo, the prompt's text goes out with
+    # its logprobs, which come with the choice's first output.
+    formatters = None
+    if req.logprobs is not None:
+        formatters = [LogprobsFormatter(req.chat) for _ in range(len(per_choice))]
     first = []
     for index in range(len(per_choice)):
         if req.chat:
             first.append(enc.role(index))
-        elif req.echo:
+        elif req.echo and formatters is None:
             first.append(enc.delta(index, req.prompts[index // n]))
     completion_tokens = 0
     cached: dict[int, int] = {}
-    # Only for requests that asked (echo with logprobs does not stream: schema refuses it).
-    formatters = None
-    if req.logprobs is not None:
-        formatters = [LogprobsFormatter(req.chat) for _ in range(len(per_choice))]
     last = 0.0  # when the previous write with new tokens happened
     try:
         if first:
@@ -283,8 +284,11 @@ async def _write_stream(
                 if formatters is None:
                     parts.append(enc.delta(o.index, o.text, o.finish_reason))
                 else:
-                    lp = formatters[o.index].format(o.logprobs)
-                    parts.append(enc.delta_logprobs(o.index, o.text, o.finish_reason, lp))
+                    text = o.text
+                    if o.prompt_logprobs is not None:  # echo: the prompt first
+                        text = req.prompts[o.index // n] + text
+                    lp = formatters[o.index].format(o.logprobs, o.prompt_logprobs)
+                    parts.append(enc.delta_logprobs(o.index, text, o.finish_reason, lp))
             await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
         tail = DONE
         if req.include_usage:

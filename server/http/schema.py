@@ -442,12 +442,7 @@ def parse_completion(
     echo = _bool(data, "echo", False)
     if echo and not all(isinstance(p, str) for p in prompts):
         raise ClientError("'echo' is only supported with text prompts.", param="echo")
-    if echo and common["logprobs"] is not None:
-        if common["stream"]:
-            raise ClientError(
-                "'echo' with 'logprobs' (the prompt's logprobs) is only supported without "
-                "streaming.", param="echo", code="unsupported_parameter",
-            )
+    if echo and common["logprobs"] is not None:  # the prompt's logprobs too
         common["params"].extra["prompt_logprobs"] = common["logprobs"]
     if len(prompts) * common["params"].n > limits.max_n * limits.max_prompts:
         raise ClientError("Too many choices in one request.", param="n")
