@@ -198,3 +198,35 @@ def test_a_broken_engine_sends_its_errors_then_the_loop_ends():
     os.close(down_r)
     assert messages[0][0] == wire.HELLO
     assert messages[1] == [wire.STEP, [[5, 1]], [[5, "", 0, "error", ["engine_error", "it broke"]]]]
+
+
+def _engine_infos() -> dict:
+    """Each engine's HELLO declarations, from the engines' own constants."""
+    from server.workers.base import MAX_LOGPROBS
+    from server.workers.hf_logits import SAMPLING_FIELDS
+    from server.workers.vllm_engine import VLLM_SAMPLING
+
+    return {
+        "sim": {"engine": "sim"},
+        "transformers": {"engine": "transformers", "sampling": list(SAMPLING_FIELDS),
+                         "logprobs": MAX_LOGPROBS},
+        "vllm": {"engine": "vllm", "sampling": list(VLLM_SAMPLING), "logprobs": MAX_LOGPROBS},
+    }
+
+
+@pytest.mark.parametrize("engine", ["sim", "transformers", "vllm"])
+def test_every_field_an_engine_does_not_honour_is_a_400_naming_it(engine):
+    from server.http.fields import UNSUPPORTED
+
+    info = _engine_infos()[engine]
+    honoured = set(info.get("sampling", ())) | ({"top_logprobs"} if "logprobs" in info else set())
+    refused = [name for name in UNSUPPORTED if name not in honoured]
+    assert len(refused) >= 20
+    for name in refused:
+        for parse, extra in ((schema.parse_completion, {"prompt": "hi"}),
+                             (schema.parse_chat, {"messages": [{"role": "user", "content": "hi"}]})):
+            body = json.dumps({**extra, name: {"not": "neutral"}}).encode()
+            with pytest.raises(ClientError) as info_:
+                parse(body, Limits(), "m", info)
+            assert info_.value.param == name, (engine, name)
+            assert f"by the {engine} engine" in str(info_.value), (engine, name)

@@ -117,6 +117,29 @@ async def test_chat_stream_roles_n_and_usage(server_url):
     assert usage.completion_tokens == 15
 
 
+async def test_continuous_usage_stats_on_every_chunk(server_url):
+    for chat in (False, True):
+        kw = dict(model="sim", max_tokens=6, n=2, stream=True,
+                  stream_options={"include_usage": True, "continuous_usage_stats": True})
+        if chat:
+            stream = await client(server_url).chat.completions.create(
+                messages=[{"role": "user", "content": "a b c"}], **kw)
+        else:
+            stream = await client(server_url).completions.create(prompt="a b c", **kw)
+        seen = []
+        async for chunk in stream:
+            assert chunk.usage is not None, chunk  # every chunk, the last one included
+            seen.append(chunk.usage.completion_tokens)
+            assert chunk.usage.prompt_tokens == (5 if chat else 3)  # "<|user|> a b c <|assistant|>"
+            assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + seen[-1]
+        assert seen == sorted(seen) and seen[-1] == 12
+        assert seen[0] == 0 if chat else seen[0] < 12  # (a chat opens with role chunks)
+        assert len(seen) > 3
+    r = await httpx.AsyncClient(base_url=server_url).post("/v1/completions", json={
+        "prompt": "a", "stream": True, "stream_options": {"continuous_usage_stats": True}})
+    assert r.status_code == 400 and "needs 'include_usage'" in r.json()["error"]["message"]
+
+
 async def test_batch_prompts_with_n_are_indexed(server_url):
     r = await client(server_url).completions.create(
         model="sim", prompt=["p zero", "p one two", "p two three four"], n=2, max_tokens=3, seed=9

@@ -90,6 +90,12 @@ class ChunkEncoder:
             + b',"finish_reason":' + _finish(finish_reason) + b"}]}\n\n"
         )
 
+    @staticmethod
+    def with_usage(chunk: bytes, usage_so_far: dict) -> bytes:
+        """A chunk of :meth:`delta` (or its kin) with ``usage`` added
+        (``stream_options.continuous_usage_stats``)."""
+        return chunk[:-3] + b',"usage":' + dumps(usage_so_far) + b"}\n\n"
+
     def role(self, index: int) -> bytes:
         """A chat choice's opening chunk: ``delta: {"role": "assistant", "content": ""}``."""
         return (

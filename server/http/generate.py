@@ -50,7 +50,7 @@ from .asgi import (
     send_json,
     watch_disconnect,
 )
-from .encode import DONE, ChunkEncoder, completion_body, error_event
+from .encode import DONE, ChunkEncoder, completion_body, error_event, usage
 from .logprobs import LogprobsFormatter
 from .post import BEFORE_BODY, UNREAD_BODY, read_json_post, refusal_headers
 
@@ -258,6 +258,11 @@ async def _write_stream(
             first.append(enc.delta(index, req.prompts[index // n]))
     completion_tokens = 0
     cached: dict[int, int] = {}
+    continuous = req.continuous_usage
+    prompt_tokens = _prompt_tokens(per_choice, n)
+    so_far = [0] * len(per_choice)  # completion tokens per choice (continuous usage)
+    if continuous:
+        first = [enc.with_usage(c, usage(prompt_tokens, 0)) for c in first]
     last = 0.0  # when the previous write with new tokens happened
     try:
         if first:
@@ -289,12 +294,15 @@ async def _write_stream(
                         text = req.prompts[o.index // n] + text
                     lp = formatters[o.index].format(o.logprobs, o.prompt_logprobs)
                     parts.append(enc.delta_logprobs(o.index, text, o.finish_reason, lp))
+            if continuous:
+                for o in outs:
+                    so_far[o.index] = o.completion_tokens
+                now_usage = usage(prompt_tokens, sum(so_far))
+                parts = [enc.with_usage(part, now_usage) for part in parts]
             await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
         tail = DONE
         if req.include_usage:
-            tail = enc.usage(
-                _prompt_tokens(per_choice, n), completion_tokens, _cached_tokens(cached, n)
-            ) + DONE
+            tail = enc.usage(prompt_tokens, completion_tokens, _cached_tokens(cached, n)) + DONE
         await answer.last(tail)
     except Exception:
         log.exception("internal error while streaming %s", response_id)

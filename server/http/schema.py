@@ -45,6 +45,8 @@ class GenerateRequest:
     #: Alternatives per token asked for (0: the chosen token's logprob only); None: no
     #: logprobs. With ``echo`` (completions), the prompt's logprobs too.
     logprobs: int | None = None
+    #: ``stream_options.continuous_usage_stats``: usage on every chunk (vLLM).
+    continuous_usage: bool = False
 
 
 def decode_json(body: bytes) -> dict:
@@ -378,7 +380,7 @@ def _common(
         )
     stream = _bool(data, "stream", False)
     options = data.get("stream_options")
-    include_usage = False
+    include_usage = continuous_usage = False
     if options is not None:
         if not stream:
             raise ClientError(
@@ -387,6 +389,12 @@ def _common(
         if not isinstance(options, dict):
             raise ClientError("'stream_options' must be an object.", param="stream_options")
         include_usage = _bool(options, "include_usage", False)
+        continuous_usage = _bool(options, "continuous_usage_stats", False)
+        if continuous_usage and not include_usage:
+            raise ClientError(
+                "'stream_options.continuous_usage_stats' needs 'include_usage': true.",
+                param="stream_options",
+            )
     logprobs = _logprobs(data, chat, engine_info)
     user = data.get("user")
     if user is not None and not isinstance(user, str):
@@ -414,7 +422,7 @@ def _common(
     )
     return {
         "model": model, "params": params, "stream": stream, "include_usage": include_usage,
-        "user": user, "logprobs": logprobs,
+        "user": user, "logprobs": logprobs, "continuous_usage": continuous_usage,
     }
 
 
