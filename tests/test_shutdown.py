@@ -290,3 +290,18 @@ async def test_leaving_open_engine_aborts_open_streams_like_the_http_shutdown():
     assert trio.current_time() - left < 1.0  # the streams ended at once
     assert not pid_exists(pid) and child_pids() - before == set()
     assert ends == [("abort", None, "shutdown")] * 2
+
+
+def test_the_cli_exits_1_when_its_engine_cannot_start():
+    # A worker that cannot load its engine ends the server with one line and status 1 (not
+    # a server that answers 503 forever), here and for systemd or Kubernetes to see.
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "server", "--port", "0", "--sim-max-batch", "0"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "cannot start engine: the sim engine needs max_batch >= 1" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -249,7 +249,8 @@ class LLMServerApp(QuartTrio):
             await run_engine(
                 self.server_config.engine, shutdown=self._engine_shutdown, task_status=task_status
             )
-        except WorkerStartupError as exc:
+        except* WorkerStartupError as group:  # (it comes grouped out of the engine's nursery)
+            exc = _first_leaf(group)
             log.error("%s", exc)
             self.fatal_error = exc
             self.fatal.set()
@@ -353,6 +354,13 @@ class LLMServerApp(QuartTrio):
         if self.engine is not None and self.engine.info.get("max_model_len"):
             card["max_model_len"] = self.engine.info["max_model_len"]
         return card
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
 
 
 def create_app(config: ServerConfig | None = None, *, engine: Engine | None = None) -> LLMServerApp:

@@ -198,4 +198,4 @@ async def _shut_down(app, config: ServerConfig, hc, phases: ShutdownPhases, exit
     await app.stop_engine()
     if exit_when_stuck:
         logging.shutdown()
-        os._exit(0)
+        os._exit(1 if app.fatal_error is not None else 0)  # an engine that never started: 1

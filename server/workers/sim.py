@@ -104,6 +104,10 @@ class SimEngine:
         startup_delay_ms: float = 0.0,
         clock=time.monotonic,
     ) -> None:
+        if max_batch < 1 or max_model_len < 2:
+            raise ValueError("the sim engine needs max_batch >= 1 and max_model_len >= 2")
+        if itl_ms < 0 or ttft_ms < 0 or prefill_us_per_token < 0:
+            raise ValueError("the sim engine's times must not be negative")
         if startup_delay_ms:  # pretend to load weights (lets tests see a starting server)
             time.sleep(startup_delay_ms / 1000.0)
         self._clock = clock
