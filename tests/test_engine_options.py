@@ -208,9 +208,12 @@ def _engine_infos() -> dict:
 
     return {
         "sim": {"engine": "sim"},
-        "transformers": {"engine": "transformers", "sampling": list(SAMPLING_FIELDS),
+        # (the transformers engine declares response_format when xgrammar is installed)
+        "transformers": {"engine": "transformers",
+                         "sampling": [*SAMPLING_FIELDS, "response_format"],
                          "logprobs": MAX_LOGPROBS},
-        "vllm": {"engine": "vllm", "sampling": list(VLLM_SAMPLING), "logprobs": MAX_LOGPROBS},
+        "vllm": {"engine": "vllm", "sampling": [*VLLM_SAMPLING, "response_format"],
+                 "logprobs": MAX_LOGPROBS},
     }
 
 
@@ -230,3 +233,21 @@ def test_every_field_an_engine_does_not_honour_is_a_400_naming_it(engine):
                 parse(body, Limits(), "m", info)
             assert info_.value.param == name, (engine, name)
             assert f"by the {engine} engine" in str(info_.value), (engine, name)
+
+
+def test_response_format_shapes():
+    info = {"engine": "transformers", "sampling": ["response_format"]}
+    schema_ = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema_, "strict": True}}
+    assert _parse({"prompt": "hi", "response_format": fmt}, info).params.to_wire()[
+        "response_format"] == {"type": "json_schema", "schema": schema_}
+    assert _parse({"prompt": "hi", "response_format": {"type": "json_object"}}, info
+                  ).params.to_wire()["response_format"] == {"type": "json_object"}
+    assert "response_format" not in _parse(
+        {"prompt": "hi", "response_format": {"type": "text"}}, info).params.to_wire()
+    for bad in ({"type": "xml"}, "json", {"type": "json_schema"},
+                {"type": "json_schema", "json_schema": {"schema": []}},
+                {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}):
+        with pytest.raises(ClientError) as info_:
+            _parse({"prompt": "hi", "response_format": bad}, info)
+        assert info_.value.param == "response_format"

@@ -307,6 +307,47 @@ def test_logprobs_are_the_models_own(engine):
     assert result(outputs[1])[:2] == result(outputs[2])[:2]
 
 
+SCHEMAS = [
+    {"type": "object", "additionalProperties": False, "required": ["color", "ok"],
+     "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}}},
+    {"type": "object", "additionalProperties": False, "required": ["name", "tags"],
+     "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}},
+    {"type": "object", "additionalProperties": False, "required": ["n", "inner"],
+     "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "inner": {"type": "object", "additionalProperties": False,
+                              "required": ["x"], "properties": {"x": {"type": "boolean"}}}}},
+    {"type": "array", "minItems": 1, "maxItems": 4,
+     "items": {"type": "object", "additionalProperties": False, "required": ["id"],
+               "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9}}}},
+]
+
+
+def test_json_schema_outputs_validate(engine):
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    rid = 0
+    for schema in SCHEMAS:
+        for params in (greedy(80), {"max_tokens": 80, "temperature": 1.0, "seed": 5}):
+            for prompt in prompts(2, seed=rid + 30):
+                rid += 1
+                fmt = {"type": "json_schema", "schema": schema}
+                engine.add(rid, prompt, {**params, "response_format": fmt})
+                text, ntok, finish = result(run(engine)[rid])
+                assert finish == "stop", (schema, text)
+                jsonschema.validate(json.loads(text), schema)
+    # json_object: an object or array as far as it got; complete ones parse.
+    engine.add(99, "hello", greedy(60, response_format={"type": "json_object"}))
+    text, _, finish = result(run(engine)[99])
+    if finish == "stop":
+        json.loads(text)
+    for bad in ({"type": "json_schema", "schema": {"type": "no-such-type"}},
+                {"type": "yaml"}):
+        with pytest.raises(Rejected, match="response_format"):
+            engine.add(100, "hello", greedy(4, response_format=bad))
+    assert engine.next_deadline() is None
+
+
 def test_streamed_multibyte_text_equals_the_full_decode(engine):
     # characters the tokenizer never saw whole: they are split into byte tokens
     text = "漢字かな 🦀🧪 Ωμέγα — ñandú 👩🏽‍🚀"
@@ -650,6 +691,28 @@ async def test_http_end_to_end(model_dir, engine):
             assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == lp.text_offset
             with pytest.raises(openai.BadRequestError, match="between 0 and 20"):
                 await client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=21)
+
+            # structured output: the SDK's response_format, streaming and not
+            import jsonschema
+
+            schema = SCHEMAS[2]
+            fmt = {"type": "json_schema",
+                   "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+            r = await client.chat.completions.create(
+                model=MODEL, messages=chat, max_tokens=80, temperature=0, response_format=fmt
+            )
+            jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+            s = await client.chat.completions.create(
+                model=MODEL, messages=chat, max_tokens=80, temperature=0, response_format=fmt,
+                stream=True,
+            )
+            text = "".join([c.choices[0].delta.content or "" async for c in s if c.choices])
+            assert text == r.choices[0].message.content
+            with pytest.raises(openai.BadRequestError, match="response_format"):
+                await client.chat.completions.create(
+                    model=MODEL, messages=chat, max_tokens=8,
+                    response_format={"type": "json_schema", "json_schema": {"name": "x"}},
+                )
 
             # a client that goes away mid-stream: the worker drops the request
             s = await client.completions.create(

@@ -318,6 +318,30 @@ def test_logprobs_are_vllms(client, reference):
     assert len(content) == 4 and all(len(e.top_logprobs) == 3 for e in content)
 
 
+def test_json_schema_outputs_validate(client):
+    import jsonschema
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["color", "n"],
+              "properties": {"color": {"enum": ["red", "green", "blue"]},
+                             "n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    for prompt in _prompts(3, seed=8):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=0,
+                                      extra_body={"response_format": fmt})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].text), schema)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=60,
+        temperature=0.7, seed=2, response_format=fmt, stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), schema)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body={
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "x", "schema": {"type": "nope"}}}})
+
+
 def test_prefix_cache_hits_are_reported(client):
     prompt = " ".join(["model token stream"] * 60)  # over one 128-token block
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)

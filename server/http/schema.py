@@ -295,6 +295,37 @@ def _logit_bias(data: dict) -> dict[str, float] | None:
     return out
 
 
+def _response_format(data: dict) -> dict | None:
+    """``response_format`` for the engine: ``{"type": "json_object"}``, ``{"type":
+    "json_schema", "schema": {...}}``, or None (``text``, the default)."""
+    value = data.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ClientError(
+            "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+            "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}.",
+            param="response_format",
+        )
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise ClientError(
+            "'response_format.json_schema' must be an object with a 'schema' object.",
+            param="response_format",
+        )
+    if not isinstance(spec.get("name", ""), str) or not isinstance(spec.get("strict", False), bool):
+        raise ClientError(
+            "'response_format.json_schema' needs a string 'name' and a boolean 'strict'.",
+            param="response_format",
+        )
+    return {"type": "json_schema", "schema": spec["schema"]}
+
+
 #: Engine-honoured sampling fields (fields.UNSUPPORTED names an engine may declare), each
 #: with its validation; vLLM's ranges.
 _ENGINE_SAMPLING = {
@@ -313,6 +344,7 @@ _ENGINE_SAMPLING = {
     "spaces_between_special_tokens": lambda d, lim: _bool(
         d, "spaces_between_special_tokens", None
     ),
+    "response_format": lambda d, lim: _response_format(d),
 }
 
 

@@ -34,6 +34,7 @@ finished UTF-8 text and never loads a tokenizer. See ``docs/transformers.md`` fo
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import sys
@@ -65,6 +66,7 @@ from .base import (
     tokenize_request,
 )
 from .hf_batch import KVBatch, UnsupportedModel, sliding_window
+from .hf_grammar import Grammars
 from .hf_logits import SAMPLING_FIELDS, Rules, process
 from .hf_sample import sample
 from .hf_text import RequestText
@@ -141,7 +143,7 @@ def _context_length(config, tokenizer) -> int:
 class _Req:
     __slots__ = (
         "rid", "prompt", "max_tokens", "temperature", "top_p", "rng", "ignore_eos", "text",
-        "produced", "last", "rules", "logprobs", "prompt_logprobs",
+        "produced", "last", "rules", "logprobs", "prompt_logprobs", "matcher",
     )
 
 
@@ -186,6 +188,8 @@ class TransformersEngine:
         self.eos_ids = self._eos_ids()
         template = getattr(self.tokenizer, "chat_template", None)
         self.chat_template = template if isinstance(template, str) and template else None
+        grammar_ok = importlib.util.find_spec("xgrammar") is not None
+        self._grammars: Grammars | None = None
         self.info = {
             "engine": "transformers",
             "model": model or Path(model_path).expanduser().resolve().name,
@@ -194,7 +198,7 @@ class TransformersEngine:
             "device": str(self.model.device),
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "max_batch": max_batch,
-            "sampling": list(SAMPLING_FIELDS),
+            "sampling": list(SAMPLING_FIELDS) + (["response_format"] if grammar_ok else []),
             "logprobs": MAX_LOGPROBS,
         }
         self._batch = KVBatch(self.model)
@@ -226,6 +230,7 @@ class TransformersEngine:
             stop = tuple(s for s in params.get("stop") or () if s)
             ignore_eos = bool(params.get("ignore_eos", False))
             rules = Rules.parse(params, ids, vocab_size=self.vocab_size, device=self.model.device)
+            response_format = params.get("response_format")
             logprobs = _top(params.get("logprobs"))
             prompt_logprobs = _top(params.get("prompt_logprobs"))
         except (TypeError, ValueError, AttributeError):
@@ -249,6 +254,7 @@ class TransformersEngine:
         req.rules = rules
         req.logprobs = logprobs
         req.prompt_logprobs = prompt_logprobs
+        req.matcher = None if not response_format else self._grammar().matcher(response_format)
         req.text = RequestText(self._tok, ids, stop)
         req.produced = 0
         req.last = -1
@@ -339,6 +345,11 @@ class TransformersEngine:
             index = torch.tensor(asked, device=logits.device)
             raw = torch.log_softmax(logits.index_select(0, index).float(), -1)
         specs = [(r.temperature, r.top_p, r.rng) for r in reqs]
+        constrained = [(i, r.matcher) for i, r in enumerate(reqs) if r.matcher is not None]
+        if constrained:  # structured output: only grammatical tokens (in place, after raw)
+            assert self._grammars is not None
+            logits = logits.float()
+            self._grammars.mask(logits, constrained)
         if any(r.rules is not None for r in reqs):
             logits = process(logits, [(r.rules, r.produced) for r in reqs], self.eos_ids)
             top_k = [r.rules.top_k if r.rules else 0 for r in reqs]
@@ -357,8 +368,13 @@ class TransformersEngine:
             rules = req.rules
             if rules is not None:
                 rules.observe(tok)
-            if (tok in self.eos_ids and not req.ignore_eos) or (
-                rules is not None and tok in rules.stop_ids
+            matcher = req.matcher
+            if matcher is not None:
+                matcher.accept_token(tok)
+            if (
+                (tok in self.eos_ids and not req.ignore_eos)
+                or (rules is not None and tok in rules.stop_ids)
+                or (matcher is not None and matcher.is_terminated())
             ):
                 text, _ = req.text.finish()
                 finish = "stop"
@@ -377,6 +393,17 @@ class TransformersEngine:
             rows = [i for i, r in enumerate(self._rows) if id(r) in gone]
             self._rows = [r for r in self._rows if id(r) not in gone]
             self._batch.remove(rows)
+
+    def _grammar(self) -> Grammars:
+        """The grammars of this model's tokenizer, made on first use (xgrammar's import and
+        tokenizer analysis cost seconds: only engines that serve response_format pay)."""
+        if self._grammars is None:
+            if importlib.util.find_spec("xgrammar") is None:
+                raise Rejected("response_format needs xgrammar, which is not installed")
+            self._grammars = Grammars(
+                self.tokenizer, vocab_size=self.vocab_size, stop_ids=self.eos_ids
+            )
+        return self._grammars
 
     def _logprob_entry(self, logprobs, token: int, top: int) -> list:
         """``[text, logprob, [[alt_text, alt_logprob], ...]]`` of a chosen token (the

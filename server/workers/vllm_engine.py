@@ -124,6 +124,15 @@ def _build_engine(model_path: str | None, named: dict, engine_args: dict):
         raise ValueError(f"unknown vLLM engine argument(s): {', '.join(unknown)}")
     kwargs = dict(engine_args)
     kwargs.update((k, v) for k, v in named.items() if v is not None)
+    if "structured_outputs_config" not in kwargs:
+        # No free whitespace between JSON tokens in structured output, as in the
+        # transformers engine: a model may not pad a document with blanks until max_tokens.
+        # (vLLM reads this from its engine config only, not from each request.)
+        from vllm.config.structured_outputs import StructuredOutputsConfig
+
+        kwargs["structured_outputs_config"] = StructuredOutputsConfig(
+            backend="xgrammar", disable_any_whitespace=True
+        )
     kwargs["model"] = str(path)
     kwargs.setdefault("served_model_name", path.resolve().name)
     try:
@@ -211,7 +220,7 @@ class VLLMEngine:
             "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
             "prefix_caching": self.prefix_caching,
             "max_batch": self.max_batch,
-            "sampling": list(VLLM_SAMPLING),
+            "sampling": [*VLLM_SAMPLING, "response_format"],
             "logprobs": MAX_LOGPROBS,
         }
         #: Requests vLLM holds for us (added, not finished or aborted).
@@ -329,6 +338,16 @@ class VLLMEngine:
             "ignore_eos": bool(params.get("ignore_eos", False)),
             "output_kind": self._DELTA,
         }
+        response_format = params.get("response_format")
+        if response_format:  # structured output: vLLM's own (xgrammar by default)
+            from vllm.sampling_params import StructuredOutputsParams
+
+            if response_format.get("type") == "json_object":
+                kwargs["structured_outputs"] = StructuredOutputsParams(json_object=True)
+            else:
+                kwargs["structured_outputs"] = StructuredOutputsParams(
+                    json=response_format.get("schema") or {}
+                )
         for name in ("logprobs", "prompt_logprobs"):
             if params.get(name) is not None:
                 kwargs[name] = int(params[name])
