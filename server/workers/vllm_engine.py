@@ -199,6 +199,12 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        try:  # what vLLM blames on the request (its 4xx), besides ValueError
+            from vllm.exceptions import VLLMClientError
+
+            self._client_errors: tuple[type[Exception], ...] = (ValueError, VLLMClientError)
+        except ImportError:
+            self._client_errors = (ValueError,)
         self._SamplingParams = SamplingParams
         self._DELTA = RequestOutputKind.DELTA
         config = self._llm.vllm_config
@@ -241,7 +247,7 @@ class VLLMEngine:
         sampling = self.sampling_params(params, max_tokens)
         try:
             self._llm.add_request(str(rid), {"prompt_token_ids": ids}, sampling)
-        except ValueError as exc:  # vLLM's own validation of the request: a client fault
+        except self._client_errors as exc:  # vLLM's own validation: a client fault
             raise Rejected(one_line(exc)) from None
         self._held.add(rid)
         if sampling.logprobs is not None:
