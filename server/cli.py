@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "this many (worker i gets CUDA_VISIBLE_DEVICES i*N .. i*N+N-1); default: "
                    "every worker sees every device")
 
+    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split a reasoning model's <think>...</think> from its chat answers "
+                   "into reasoning_content (qwen3: when the answer opens with <think>; "
+                   "deepseek_r1: the answer starts in reasoning, up to </think>)")
+
     g = p.add_argument_group("sim engine")
     g.add_argument("--sim-itl-ms", type=float, default=8.0, help="inter-token latency per request")
     g.add_argument("--sim-ttft-ms", type=float, default=20.0, help="base time to first token")
@@ -131,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra time to first token per prompt token, in microseconds")
     g.add_argument("--sim-max-batch", type=int, default=256,
                    help="most requests running at once in each sim worker")
+    g.add_argument("--sim-reasoning-tokens", type=int, default=0,
+                   help="emulate a reasoning model: each answer opens with <think>, this many "
+                   "words, </think> (for --reasoning-parser qwen3)")
     g.add_argument("--sim-faults", action="store_true",
                    help="enable fault injection: a request's 'fault' field, e.g. "
                    '{"kind": "crash", "after": 3}, is honoured (for tests; never in production)')
@@ -208,6 +216,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             "prefill_us_per_token": args.sim_prefill_us_per_token,
             "max_batch": args.max_batch or args.sim_max_batch,
             "faults": args.sim_faults,
+            "reasoning_tokens": args.sim_reasoning_tokens,
         }
     elif args.engine == "vllm":
         options = _vllm_options(args)
@@ -274,6 +283,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         send_timeout=args.send_timeout or None,
         api_keys=api_keys,
         allowed_origins=_split_commas(args.allowed_origins),
+        reasoning_parser=args.reasoning_parser,
     )
 
 

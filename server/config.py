@@ -151,6 +151,9 @@ class ServerConfig:
     #: Keys accepted (``Authorization: Bearer KEY``); empty: no key is needed. Only
     #: ``/health``, ``/ready`` and ``/metrics`` are open when keys are set.
     api_keys: tuple[str, ...] = ()
+    #: How chat answers are split into ``reasoning_content`` and ``content``
+    #: (server.http.reasoning.PARSERS: "qwen3", "deepseek_r1"); None: not split.
+    reasoning_parser: str | None = None
     #: Origins a browser may call the API from (CORS), or ``("*",)`` for any; empty: CORS is
     #: off (no CORS headers, preflights are not answered).
     allowed_origins: tuple[str, ...] = ()

@@ -90,6 +90,26 @@ class ChunkEncoder:
             + b',"finish_reason":' + _finish(finish_reason) + b"}]}\n\n"
         )
 
+    def delta_reasoning(
+        self,
+        index: int,
+        reasoning: str,
+        content: str,
+        finish_reason: str | None,
+        logprobs: dict | None = None,
+    ) -> bytes:
+        """A chat chunk with ``reasoning_content`` and/or ``content`` (--reasoning-parser)."""
+        delta: dict = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content or not (reasoning or finish_reason):
+            delta["content"] = content
+        lp = dumps(logprobs) if logprobs is not None else b"null"
+        return (
+            self._head + str(index).encode() + b',"delta":' + dumps(delta) + b',"logprobs":'
+            + lp + b',"finish_reason":' + _finish(finish_reason) + b"}]}\n\n"
+        )
+
     @staticmethod
     def with_usage(chunk: bytes, usage_so_far: dict) -> bytes:
         """A chunk of :meth:`delta` (or its kin) with ``usage`` added
@@ -136,9 +156,11 @@ def completion_body(
     completion_tokens: int,
     cached_tokens: int | None = None,
     logprobs: list | None = None,
+    reasoning: list | None = None,
 ) -> bytes:
     """The body of a non-streaming completions or chat response (``logprobs``: each
-    choice's logprobs object, for requests that asked)."""
+    choice's logprobs object, for requests that asked; ``reasoning``: each chat choice's
+    ``reasoning_content``, with --reasoning-parser)."""
     lps = logprobs or [None] * len(texts)
     if chat:
         choices = [
@@ -150,6 +172,9 @@ def completion_body(
             }
             for i, (text, reason, lp) in enumerate(zip(texts, finish_reasons, lps))
         ]
+        if reasoning is not None:
+            for choice, thought in zip(choices, reasoning):
+                choice["message"]["reasoning_content"] = thought or None
     else:
         choices = [
             {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}

@@ -52,6 +52,7 @@ from .asgi import (
 )
 from .encode import DONE, ChunkEncoder, completion_body, error_event, usage
 from .logprobs import LogprobsFormatter
+from .reasoning import ReasoningSplitter
 from .post import BEFORE_BODY, UNREAD_BODY, read_json_post, refusal_headers
 
 __all__ = ["handle_generate"]
@@ -155,10 +156,13 @@ async def handle_generate(
                         observe_itl = app.metrics.itl.observe
                         await _write_stream(
                             answer, stream, req, response_id, engine.model_name, observe_itl,
-                            config.queued_heartbeat,
+                            config.queued_heartbeat, config.reasoning_parser,
                         )
                     else:
-                        await _write_full(answer, stream, req, response_id, engine.model_name)
+                        await _write_full(
+                            answer, stream, req, response_id, engine.model_name,
+                            config.reasoning_parser,
+                        )
             finally:
                 nursery.cancel_scope.cancel()
     finally:
@@ -236,7 +240,8 @@ def _cached_tokens(cached: dict[int, int], n: int) -> int | None:
 
 
 async def _write_stream(
-    answer: _Answer, stream, req, response_id: str, model: str, observe_itl, heartbeat
+    answer: _Answer, stream, req, response_id: str, model: str, observe_itl, heartbeat,
+    reasoning_parser: str | None = None,
 ) -> None:
     per_choice = await _stream_started(answer, stream, heartbeat)
     if per_choice is None:
@@ -258,6 +263,9 @@ async def _write_stream(
             first.append(enc.delta(index, req.prompts[index // n]))
     completion_tokens = 0
     cached: dict[int, int] = {}
+    splitters = None  # chat with --reasoning-parser: each choice's reasoning/content split
+    if req.chat and reasoning_parser is not None:
+        splitters = [ReasoningSplitter.for_parser(reasoning_parser) for _ in per_choice]
     continuous = req.continuous_usage
     prompt_tokens = _prompt_tokens(per_choice, n)
     so_far = [0] * len(per_choice)  # completion tokens per choice (continuous usage)
@@ -286,7 +294,16 @@ async def _write_stream(
                     completion_tokens += o.completion_tokens
                     if o.cached_tokens is not None:
                         cached[o.index] = o.cached_tokens
-                if formatters is None:
+                if splitters is not None:
+                    splitter = splitters[o.index]
+                    thought, said = splitter.feed(o.text)
+                    if o.finish_reason is not None:
+                        more_thought, more_said = splitter.finish()
+                        thought, said = thought + more_thought, said + more_said
+                    lp = formatters[o.index].format(o.logprobs) if formatters else None
+                    if thought or said or o.finish_reason is not None or lp is not None:
+                        parts.append(enc.delta_reasoning(o.index, thought, said, o.finish_reason, lp))
+                elif formatters is None:
                     parts.append(enc.delta(o.index, o.text, o.finish_reason))
                 else:
                     text = o.text
@@ -299,7 +316,8 @@ async def _write_stream(
                     so_far[o.index] = o.completion_tokens
                 now_usage = usage(prompt_tokens, sum(so_far))
                 parts = [enc.with_usage(part, now_usage) for part in parts]
-            await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
+            if parts:  # (none when a reasoning split holds a partial tag back)
+                await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
         tail = DONE
         if req.include_usage:
             tail = enc.usage(prompt_tokens, completion_tokens, _cached_tokens(cached, n)) + DONE
@@ -309,7 +327,10 @@ async def _write_stream(
         await answer.fail_stream(EngineError("Internal server error while streaming."))
 
 
-async def _write_full(answer: _Answer, stream, req, response_id: str, model: str) -> None:
+async def _write_full(
+    answer: _Answer, stream, req, response_id: str, model: str,
+    reasoning_parser: str | None = None,
+) -> None:
     per_choice = await _started(answer, stream)
     if per_choice is None:
         return
@@ -350,16 +371,27 @@ async def _write_full(answer: _Answer, stream, req, response_id: str, model: str
         logprobs = [
             LogprobsFormatter(req.chat).format(entries[i], prompts[i]) for i in range(k)
         ]
+    joined = ["".join(t) for t in texts]
+    reasoning = None
+    if req.chat and reasoning_parser is not None:
+        reasoning = []
+        for i, text in enumerate(joined):
+            splitter = ReasoningSplitter.for_parser(reasoning_parser)
+            thought, said = splitter.feed(text)
+            more_thought, more_said = splitter.finish()
+            reasoning.append(thought + more_thought)
+            joined[i] = said + more_said
     body = completion_body(
         chat=req.chat,
         response_id=response_id,
         created=int(time.time()),
         model=model,
-        texts=["".join(t) for t in texts],
+        texts=joined,
         finish_reasons=reasons,
         prompt_tokens=_prompt_tokens(per_choice, n),
         completion_tokens=completion_tokens,
         cached_tokens=_cached_tokens(cached, n),
         logprobs=logprobs,
+        reasoning=reasoning,
     )
     await answer.json(body)

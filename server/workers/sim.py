@@ -102,6 +102,7 @@ class SimEngine:
         max_model_len: int = 8192,
         faults: bool = False,
         startup_delay_ms: float = 0.0,
+        reasoning_tokens: int = 0,
         clock=time.monotonic,
     ) -> None:
         if max_batch < 1 or max_model_len < 2:
@@ -117,6 +118,9 @@ class SimEngine:
         self.max_batch = max_batch
         self.max_model_len = max_model_len
         self.faults = faults
+        #: A reasoning model's shape: each answer opens with "<think>", this many words,
+        #: "</think>" (a token each), then the answer.
+        self.reasoning_tokens = reasoning_tokens
         self.info = {
             "engine": "sim",
             "model": model,
@@ -279,6 +283,11 @@ class SimEngine:
         x = (req.rng * 1103515245 + 12345) & 0xFFFFFFFF
         req.rng = x
         word = _VOCAB_SPACED[(x >> 16) % _V]
+        if self.reasoning_tokens:
+            if req.produced == 0:
+                word = "<think>"
+            elif req.produced == self.reasoning_tokens + 1:
+                word = "</think>"
         req.produced += 1
         done = req.produced >= req.max_tokens
         if req.stop is None:

@@ -1,0 +1,101 @@
+"""Reasoning content: a reasoning model's ``<think>...</think>`` split from its answer.
+Sans-IO, streaming-safe.
+
+Example::
+
+    split = ReasoningSplitter.for_parser("qwen3")
+    split.feed("<thi")            # ("", ""): could be the start of the tag, held back
+    split.feed("nk>Let me see")   # ("Let me see", "")
+    split.feed("</think>Yes.")    # ("", "Yes.")
+    split.finish()                # ("", ""): anything held back
+
+``--reasoning-parser`` picks the family, as vLLM names them:
+
+- ``qwen3``: the answer is content unless it opens with ``<think>``; what stands between
+  ``<think>`` and ``</think>`` is reasoning (an answer without the tags is all content);
+- ``deepseek_r1``: the chat template opens the thinking in the prompt, so the output starts
+  in reasoning; ``</think>`` ends it (a leading ``<think>`` is dropped). An answer that never
+  closes its thinking is all reasoning.
+
+Text that might be the beginning of a tag is held back until it is decided, so a tag split
+across tokens (``"</th"``, ``"ink>"``) never leaks into either part; the concatenation of
+what is returned equals the text without its tags.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ReasoningSplitter", "PARSERS"]
+
+START = "<think>"
+END = "</think>"
+
+#: The parsers ``--reasoning-parser`` takes: name -> whether the output starts in reasoning.
+PARSERS = {"qwen3": False, "deepseek_r1": True}
+
+
+class ReasoningSplitter:
+    """Splits one choice's streamed text into (reasoning, content) deltas."""
+
+    __slots__ = ("_state", "_held")
+
+    # States: "open" (at the start: a <think> may come), "reasoning", "content".
+
+    def __init__(self, starts_in_reasoning: bool) -> None:
+        self._state = "open-reasoning" if starts_in_reasoning else "open"
+        self._held = ""
+
+    @classmethod
+    def for_parser(cls, name: str) -> ReasoningSplitter:
+        return cls(PARSERS[name])
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        """Add text; returns the (reasoning, content) that is decided now."""
+        text = self._held + piece
+        self._held = ""
+        reasoning: list[str] = []
+        content: list[str] = []
+        while text:
+            state = self._state
+            if state.startswith("open"):
+                stripped = text.lstrip()
+                if stripped.startswith(START):
+                    self._state = "reasoning"
+                    text = stripped[len(START):]
+                    continue
+                if START.startswith(stripped):  # maybe a <think> still coming
+                    self._held = text
+                    break
+                self._state = "reasoning" if state == "open-reasoning" else "content"
+                continue
+            if state == "content":
+                content.append(text)
+                break
+            # reasoning: up to </think>, holding back what could begin it
+            cut = text.find(END)
+            if cut != -1:
+                reasoning.append(text[:cut])
+                text = text[cut + len(END):]
+                self._state = "content"
+                continue
+            keep = _partial_suffix(text, END)
+            reasoning.append(text[: len(text) - keep])
+            self._held = text[len(text) - keep:]
+            break
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """The text ended: what was held back, where it belongs."""
+        held, self._held = self._held, ""
+        if not held:
+            return "", ""
+        if self._state in ("reasoning", "open-reasoning"):
+            return held, ""
+        return "", held
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of ``tag``."""
+    for k in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
