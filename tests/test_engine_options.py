@@ -210,9 +210,11 @@ def _engine_infos() -> dict:
         "sim": {"engine": "sim"},
         # (the transformers engine declares response_format when xgrammar is installed)
         "transformers": {"engine": "transformers",
-                         "sampling": [*SAMPLING_FIELDS, "response_format"],
+                         "sampling": [*SAMPLING_FIELDS, "response_format",
+                                      "chat_template_kwargs"],
                          "logprobs": MAX_LOGPROBS},
-        "vllm": {"engine": "vllm", "sampling": [*VLLM_SAMPLING, "response_format"],
+        "vllm": {"engine": "vllm",
+                 "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs"],
                  "logprobs": MAX_LOGPROBS},
     }
 

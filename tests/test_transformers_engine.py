@@ -130,6 +130,20 @@ def test_token_id_and_chat_prompts(engine):
     assert result(out[2])[:2] == reference(engine, chat, 8)
 
 
+def test_chat_template_kwargs_reach_the_template(engine):
+    chat = {"messages": [{"role": "user", "content": "hello"}]}
+    rendered = engine.tokenizer.apply_chat_template(
+        chat["messages"], tokenize=False, add_generation_prompt=True, enable_thinking=True
+    )
+    assert rendered.endswith("<|assistant|><think>")  # (the tiny model's template)
+    ids = engine.encode(chat, {"enable_thinking": True})
+    assert ids == engine.tokenizer(rendered, add_special_tokens=False).input_ids
+    assert ids != engine.encode(chat)
+    params = greedy(4, chat_template_kwargs={"enable_thinking": True})
+    assert engine.add(1, chat, params) == len(ids)
+    run(engine)
+
+
 def test_stop_string_across_token_boundaries(engine):
     prompt = prompts(1, seed=7)[0]
     engine.add(1, prompt, greedy(30))
@@ -691,6 +705,26 @@ async def test_http_end_to_end(model_dir, engine):
             assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == lp.text_offset
             with pytest.raises(openai.BadRequestError, match="between 0 and 20"):
                 await client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=21)
+
+            # chat_template_kwargs reach the template; reserved names and completions refuse
+            r = await client.chat.completions.create(
+                model=MODEL, messages=chat, max_tokens=2,
+                extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+            )
+            assert r.usage.prompt_tokens == len(
+                engine.encode({"messages": chat}, {"enable_thinking": True})
+            ) > prompt_tokens
+            for where, body in (
+                ("chat", {"chat_template_kwargs": {"tokenize": True}}),
+                ("completions", {"chat_template_kwargs": {"enable_thinking": True}}),
+            ):
+                with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+                    if where == "chat":
+                        await client.chat.completions.create(
+                            model=MODEL, messages=chat, max_tokens=2, extra_body=body)
+                    else:
+                        await client.completions.create(
+                            model=MODEL, prompt="x", max_tokens=2, extra_body=body)
 
             # structured output: the SDK's response_format, streaming and not
             import jsonschema

@@ -30,6 +30,7 @@ SPECIAL_TOKENS = [EOS, "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{% if enable_thinking %}<think>{% endif %}"
 )
 
 #: The corpus vocabulary: ASCII, accented Latin, CJK, emoji (some with ZWJ sequences).

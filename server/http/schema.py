@@ -326,6 +326,28 @@ def _response_format(data: dict) -> dict | None:
     return {"type": "json_schema", "schema": spec["schema"]}
 
 
+#: Template variables a request may not set: the server decides them.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tools", "documents", "return_dict", "return_assistant_tokens_mask",
+})
+
+
+def _template_kwargs(data: dict) -> dict | None:
+    value = data.get("chat_template_kwargs")
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict):
+        raise ClientError("'chat_template_kwargs' must be an object.", param="chat_template_kwargs")
+    reserved = sorted(set(value) & _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ClientError(
+            f"'chat_template_kwargs' may not set {', '.join(reserved)}.",
+            param="chat_template_kwargs",
+        )
+    return value
+
+
 #: Engine-honoured sampling fields (fields.UNSUPPORTED names an engine may declare), each
 #: with its validation; vLLM's ranges.
 _ENGINE_SAMPLING = {
@@ -345,6 +367,7 @@ _ENGINE_SAMPLING = {
         d, "spaces_between_special_tokens", None
     ),
     "response_format": lambda d, lim: _response_format(d),
+    "chat_template_kwargs": lambda d, lim: _template_kwargs(d),
 }
 
 
@@ -482,6 +505,12 @@ def parse_completion(
     echo = _bool(data, "echo", False)
     if echo and not all(isinstance(p, str) for p in prompts):
         raise ClientError("'echo' is only supported with text prompts.", param="echo")
+    if "chat_template_kwargs" in common["params"].extra:
+        raise ClientError(
+            "'chat_template_kwargs' is for chat completions: a completions prompt is not "
+            "rendered with a template.", param="chat_template_kwargs",
+            code="unsupported_parameter",
+        )
     if echo and common["logprobs"] is not None:  # the prompt's logprobs too
         common["params"].extra["prompt_logprobs"] = common["logprobs"]
     if len(prompts) * common["params"].n > limits.max_n * limits.max_prompts:

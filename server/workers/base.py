@@ -107,10 +107,19 @@ def one_line(exc: BaseException) -> str:
     return line if len(line) <= 300 else line[:297] + "..."
 
 
-def encode_prompt(prompt: object, tokenizer, *, vocab_size: int, chat: bool, model: str) -> list[int]:
+def encode_prompt(
+    prompt: object,
+    tokenizer,
+    *,
+    vocab_size: int,
+    chat: bool,
+    model: str,
+    template_kwargs: dict | None = None,
+) -> list[int]:
     """Token ids of a prompt (a string, token ids, or ``{"messages": [...]}``) with a Hugging
     Face tokenizer: chat messages through its chat template (``chat``: whether it has one),
-    as vLLM and transformers render them. Client faults raise :class:`Rejected`."""
+    as vLLM and transformers render them, with the request's ``chat_template_kwargs`` (such
+    as ``enable_thinking``) as template variables. Client faults raise :class:`Rejected`."""
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt))
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -127,7 +136,9 @@ def encode_prompt(prompt: object, tokenizer, *, vocab_size: int, chat: bool, mod
                 "use /v1/completions with a prompt"
             )
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+            )
         except Exception as exc:
             raise Rejected(f"cannot render the chat template: {one_line(exc)}") from None
         return list(tokenizer.encode(text, add_special_tokens=False))

@@ -198,7 +198,10 @@ class TransformersEngine:
             "device": str(self.model.device),
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "max_batch": max_batch,
-            "sampling": list(SAMPLING_FIELDS) + (["response_format"] if grammar_ok else []),
+            "sampling": [
+                *SAMPLING_FIELDS, "chat_template_kwargs",
+                *(["response_format"] if grammar_ok else []),
+            ],
             "logprobs": MAX_LOGPROBS,
         }
         self._batch = KVBatch(self.model)
@@ -220,7 +223,7 @@ class TransformersEngine:
     # -- the Engine interface ---------------------------------------------------------------
 
     def add(self, rid: int, prompt: object, params: dict) -> int:
-        ids = self.encode(prompt)
+        ids = self.encode(prompt, params.get("chat_template_kwargs"))
         try:
             max_tokens = int(params.get("max_tokens", 16))
             temperature = float(params.get("temperature", 1.0))
@@ -269,11 +272,12 @@ class TransformersEngine:
             max_model_len=self.max_model_len,
         )
 
-    def encode(self, prompt: object) -> list[int]:
+    def encode(self, prompt: object, template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a prompt (a string, token ids, or ``{"messages": [...]}``)."""
         return encode_prompt(
             prompt, self.tokenizer, vocab_size=self.vocab_size,
             chat=self.chat_template is not None, model=self.info["model"],
+            template_kwargs=template_kwargs,
         )
 
     def abort(self, rid: int) -> bool:
