@@ -51,8 +51,9 @@ from .asgi import (
     watch_disconnect,
 )
 from .encode import DONE, ChunkEncoder, completion_body, error_event, usage
+from .events import RichEvents
 from .logprobs import LogprobsFormatter
-from .reasoning import ReasoningSplitter
+from .reasoning import split_text
 from .post import BEFORE_BODY, UNREAD_BODY, read_json_post, refusal_headers
 
 __all__ = ["handle_generate"]
@@ -250,25 +251,25 @@ async def _write_stream(
     record = answer.record
     enc = ChunkEncoder(chat=req.chat, response_id=response_id, created=int(time.time()), model=model)
     n = req.params.n
-    # Only for requests that asked for logprobs. With echo, the prompt's text goes out with
-    # its logprobs, which come with the choice's first output.
-    formatters = None
-    if req.logprobs is not None:
-        formatters = [LogprobsFormatter(req.chat) for _ in range(len(per_choice))]
+    choices = len(per_choice)
+    rich = None  # logprobs or a reasoning split: richer events (else plain text events)
+    if RichEvents.wanted(chat=req.chat, logprobs=req.logprobs is not None,
+                         reasoning_parser=reasoning_parser):
+        # With echo and logprobs, the prompt goes out with its logprobs, in the first event.
+        echoed = [req.prompts[i // n] for i in range(choices)] if req.echo else None
+        rich = RichEvents(enc, choices=choices, chat=req.chat, logprobs=req.logprobs is not None,
+                          reasoning_parser=reasoning_parser, prompts=echoed)
     first = []
-    for index in range(len(per_choice)):
+    for index in range(choices):
         if req.chat:
             first.append(enc.role(index))
-        elif req.echo and formatters is None:
+        elif req.echo and rich is None:
             first.append(enc.delta(index, req.prompts[index // n]))
     completion_tokens = 0
     cached: dict[int, int] = {}
-    splitters = None  # chat with --reasoning-parser: each choice's reasoning/content split
-    if req.chat and reasoning_parser is not None:
-        splitters = [ReasoningSplitter.for_parser(reasoning_parser) for _ in per_choice]
     continuous = req.continuous_usage
     prompt_tokens = _prompt_tokens(per_choice, n)
-    so_far = [0] * len(per_choice)  # completion tokens per choice (continuous usage)
+    so_far = [0] * choices  # completion tokens per choice (continuous usage)
     if continuous:
         first = [enc.with_usage(c, usage(prompt_tokens, 0)) for c in first]
     last = 0.0  # when the previous write with new tokens happened
@@ -294,23 +295,12 @@ async def _write_stream(
                     completion_tokens += o.completion_tokens
                     if o.cached_tokens is not None:
                         cached[o.index] = o.cached_tokens
-                if splitters is not None:
-                    splitter = splitters[o.index]
-                    thought, said = splitter.feed(o.text)
-                    if o.finish_reason is not None:
-                        more_thought, more_said = splitter.finish()
-                        thought, said = thought + more_thought, said + more_said
-                    lp = formatters[o.index].format(o.logprobs) if formatters else None
-                    if thought or said or o.finish_reason is not None or lp is not None:
-                        parts.append(enc.delta_reasoning(o.index, thought, said, o.finish_reason, lp))
-                elif formatters is None:
+                if rich is None:
                     parts.append(enc.delta(o.index, o.text, o.finish_reason))
                 else:
-                    text = o.text
-                    if o.prompt_logprobs is not None:  # echo: the prompt first
-                        text = req.prompts[o.index // n] + text
-                    lp = formatters[o.index].format(o.logprobs, o.prompt_logprobs)
-                    parts.append(enc.delta_logprobs(o.index, text, o.finish_reason, lp))
+                    event = rich.event(o)
+                    if event is not None:
+                        parts.append(event)
             if continuous:
                 for o in outs:
                     so_far[o.index] = o.completion_tokens
@@ -376,11 +366,8 @@ async def _write_full(
     if req.chat and reasoning_parser is not None:
         reasoning = []
         for i, text in enumerate(joined):
-            splitter = ReasoningSplitter.for_parser(reasoning_parser)
-            thought, said = splitter.feed(text)
-            more_thought, more_said = splitter.finish()
-            reasoning.append(thought + more_thought)
-            joined[i] = said + more_said
+            thought, joined[i] = split_text(reasoning_parser, text)
+            reasoning.append(thought)
     body = completion_body(
         chat=req.chat,
         response_id=response_id,

@@ -24,7 +24,7 @@ what is returned equals the text without its tags.
 
 from __future__ import annotations
 
-__all__ = ["ReasoningSplitter", "PARSERS"]
+__all__ = ["ReasoningSplitter", "PARSERS", "split_text"]
 
 START = "<think>"
 END = "</think>"
@@ -99,3 +99,11 @@ def _partial_suffix(text: str, tag: str) -> int:
         if tag.startswith(text[-k:]):
             return k
     return 0
+
+
+def split_text(parser: str, text: str) -> tuple[str, str]:
+    """(reasoning, content) of a whole answer."""
+    splitter = ReasoningSplitter.for_parser(parser)
+    thought, said = splitter.feed(text)
+    more_thought, more_said = splitter.finish()
+    return thought + more_thought, said + more_said
