@@ -1,5 +1,6 @@
-"""What deploy/ ships: the Grafana dashboard's queries name only metrics a live server
-exports."""
+"""What deploy/ ships: Kubernetes manifests valid for Kubernetes' own schemas (offline,
+kubernetes-validate), whose server arguments all exist; the Grafana dashboard's queries name
+only metrics a live server exports."""
 
 from __future__ import annotations
 
@@ -8,10 +9,15 @@ import re
 from pathlib import Path
 
 import httpx
+import pytest
+
+from server.cli import build_parser, config_from_args
 
 from tests.conftest import running_server
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "trio-llm-server.json"
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "trio-llm-server.json"
+KUBERNETES_VERSION = "1.33.0"
 def query_metrics(expr: str) -> set[str]:
     """The metric names an expression reads: its words, less functions (a word before
     "("), grouping labels, label matchers, ranges and variables."""
@@ -51,3 +57,53 @@ async def test_every_metric_the_dashboard_queries_is_exported():
     exported = set(re.findall(r"^([A-Za-z_:][A-Za-z0-9_:]*)", scrape, re.M))
     missing = sorted(wanted - exported)
     assert not missing, f"the dashboard queries metrics the server does not export: {missing}"
+
+
+def _layouts():
+    return sorted(p.parent for p in (DEPLOY / "kubernetes").glob("*/kustomization.yaml"))
+
+
+def _resources(layout: Path) -> list[dict]:
+    yaml = pytest.importorskip("yaml")
+    kustomization = yaml.safe_load((layout / "kustomization.yaml").read_text())
+    docs = []
+    for name in kustomization["resources"]:
+        docs.extend(d for d in yaml.safe_load_all((layout / name).read_text()) if d)
+    return docs
+
+
+def test_each_layout_is_valid_kubernetes():
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    layouts = _layouts()
+    assert [p.name for p in layouts] == ["sim", "vllm-gpu"]
+    for layout in layouts:
+        kinds = set()
+        for doc in _resources(layout):
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+            kinds.add(doc["kind"])
+        assert kinds == {"Deployment", "Service", "PodDisruptionBudget"}, layout
+
+
+def test_the_servers_arguments_probes_and_grace_period():
+    options = {o for a in build_parser()._actions for o in a.option_strings}
+    for layout in _layouts():
+        for doc in _resources(layout):
+            if doc["kind"] != "Deployment":
+                continue
+            pod = doc["spec"]["template"]["spec"]
+            (container,) = pod["containers"]
+            args = dict(a.split("=", 1) for a in container["args"])
+            unknown = sorted(set(args) - options)
+            assert not unknown, f"{layout.name}: not options of trio-llm-server: {unknown}"
+            config = config_from_args(build_parser().parse_args(container["args"]))
+            assert pod["terminationGracePeriodSeconds"] > config.shutdown_timeout + 10
+            assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+            assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+            assert container["startupProbe"]["httpGet"]["path"] == "/health"
+            startup = container["startupProbe"]
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= min(
+                config.engine.startup_timeout, 300
+            )
+            annotations = doc["spec"]["template"]["metadata"]["annotations"]
+            assert annotations["prometheus.io/path"] == "/metrics"
+            assert annotations["prometheus.io/port"] == str(config.port)
