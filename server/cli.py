@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="log lines as text, or as one JSON object per line (for Loki, "
                    "Logstash); see docs/observability.md")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send an OpenTelemetry span per generation request to this OTLP/HTTP "
+                   "endpoint (e.g. http://collector:4318/v1/traces; the client's traceparent "
+                   "is its parent); needs the [otel] extra")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="no INFO line per finished request (a failed one is still logged, "
                    "at WARNING)")
@@ -284,6 +288,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         api_keys=api_keys,
         allowed_origins=_split_commas(args.allowed_origins),
         reasoning_parser=args.reasoning_parser,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 

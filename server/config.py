@@ -151,6 +151,9 @@ class ServerConfig:
     #: Keys accepted (``Authorization: Bearer KEY``); empty: no key is needed. Only
     #: ``/health``, ``/ready`` and ``/metrics`` are open when keys are set.
     api_keys: tuple[str, ...] = ()
+    #: Where to send a trace span per generation request (OTLP/HTTP, e.g.
+    #: ``http://collector:4318/v1/traces``); None: no tracing. Needs the ``otel`` extra.
+    otlp_traces_endpoint: str | None = None
     #: How chat answers are split into ``reasoning_content`` and ``content``
     #: (server.http.reasoning.PARSERS: "qwen3", "deepseek_r1"); None: not split.
     reasoning_parser: str | None = None

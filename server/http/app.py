@@ -45,6 +45,7 @@ from ..manager.engine import Engine, run_engine
 from ..manager.worker import WorkerStartupError
 from ..observability import Metrics, RequestRecord, log_request, request_id_from_header
 from ..observability.logs import request_id_var
+from ..observability.tracing import Tracing
 from .asgi import CLOSE, HeaderSend, header, send_empty, send_error
 from .auth import APIKeys, is_protected
 from .cors import CORSPolicy
@@ -101,7 +102,9 @@ def _has_body(scope: dict) -> bool:
 class LLMServerApp(QuartTrio):
     """The server's ASGI app. ``engine`` is None until the lifespan has started it."""
 
-    def __init__(self, config: ServerConfig, *, engine: Engine | None = None) -> None:
+    def __init__(
+        self, config: ServerConfig, *, engine: Engine | None = None, tracer_provider=None
+    ) -> None:
         super().__init__("trio_llm_server")
         self.server_config = config
         self.engine = engine
@@ -119,6 +122,12 @@ class LLMServerApp(QuartTrio):
         self.connections = None
         #: The ``/metrics`` families, in a registry of this app's own.
         self.metrics = Metrics(lambda: self.engine, self._served_model)
+        #: A span per generation request (OpenTelemetry), when asked; else None.
+        self.tracing: Tracing | None = None
+        if tracer_provider is not None:
+            self.tracing = Tracing(tracer_provider)
+        elif config.otlp_traces_endpoint:
+            self.tracing = Tracing.from_endpoint(config.otlp_traces_endpoint)
         self._routes()
 
     def require_engine(self) -> Engine:
@@ -171,6 +180,8 @@ class LLMServerApp(QuartTrio):
                 record.finish = _now()
                 self.metrics.observe(record)
                 log_request(record)
+                if self.tracing is not None:
+                    self.tracing.export(record, self._served_model(), header(scope, b"traceparent"))
             return
         op = TOKENIZE_ROUTES.get(path)
         if op is not None:
@@ -363,6 +374,10 @@ def _first_leaf(group: BaseExceptionGroup) -> BaseException:
     return exc
 
 
-def create_app(config: ServerConfig | None = None, *, engine: Engine | None = None) -> LLMServerApp:
-    """Build the ASGI app. Without ``engine`` the app starts its own in its lifespan."""
-    return LLMServerApp(config or ServerConfig(), engine=engine)
+def create_app(
+    config: ServerConfig | None = None, *, engine: Engine | None = None, tracer_provider=None
+) -> LLMServerApp:
+    """Build the ASGI app. Without ``engine`` the app starts its own in its lifespan.
+    ``tracer_provider`` (an OpenTelemetry one): a span per generation request through it
+    (else through ``config.otlp_traces_endpoint``, if set; else no tracing)."""
+    return LLMServerApp(config or ServerConfig(), engine=engine, tracer_provider=tracer_provider)
