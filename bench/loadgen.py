@@ -29,6 +29,11 @@ Examples::
     python bench/loadgen.py --spawn-server "--engine-workers 1 --sim-itl-ms 8" \\
         --concurrency 128 --requests 512 --prompt-tokens 128 --max-tokens 256
 
+    # one wave (--burst): 128 clients send one request each at the same instant; the table
+    # compares the wave's wall time with the ideal (max_tokens * itl_ms)
+    python bench/loadgen.py --spawn-server "--engine-workers 1" --burst \\
+        --concurrency 128 --prompt-tokens 128 --max-tokens 256
+
 Output: a progress line on stderr while it runs, then a summary table and, as the last line
 of stdout, one JSON object (see ``summarize``). Exit status: 0 when every request succeeded,
 1 when some failed or ended without ``[DONE]``, 2 on a usage or setup error.

@@ -164,10 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds in-flight requests may keep streaming "
                    "before they are aborted (0: abort at once)")
-    g.add_argument("--stream-interval-ms", type=float, default=20.0,
+    g.add_argument("--stream-interval-ms", type=float, default=0.0,
                    help="least time between two SSE events of one stream; tokens produced "
-                   "meanwhile go out merged in one event (0: one event per engine step). The "
-                   "first and last events are never delayed")
+                   "meanwhile go out merged in one event. 0 (default): an event per engine "
+                   "step while the client keeps up; a stream that falls behind gets what is "
+                   "pending merged into its next event. The first and last events are never "
+                   "delayed")
     g.add_argument("--drain-timeout", type=float, default=1.0,
                    help="after an abort, seconds a worker has to confirm before the stream "
                    "is cut off")

@@ -35,7 +35,7 @@ class EngineConfig:
     drain_timeout: float = 1.0
     #: Pacing: the least time between two wakeups of a stream's consumer for new text (0:
     #: every engine step). Text produced meanwhile is merged; first and last outputs are
-    #: never delayed. The HTTP server's default is 20 ms (``--stream-interval-ms``).
+    #: never delayed. The HTTP server's default is 0 too (``--stream-interval-ms``).
     stream_interval: float = 0.0
     #: How long a worker may take to load its engine and say HELLO.
     startup_timeout: float = 120.0

@@ -616,6 +616,23 @@ async def test_ramp_up_zero_starts_all_clients_at_once(nursery):
     assert t[-1] - t[0] < 0.04
 
 
+async def test_burst_is_one_wave_measured_against_the_ideal(nursery):
+    srv = await start_standin(nursery, StandIn())
+    args = bench_args(srv.port, "-c", "5", "--burst", "--max-tokens", "30", "--itl-ms", "1",
+                      "--model", "m", "--pid", str(os.getpid()))
+    s = await run_benchmark(args)
+    assert srv.requests == s["requests"] == 5 and s["errors"] == 0  # one request per client
+    t = sorted(srv.arrivals.values())
+    assert t[-1] - t[0] < 0.04  # all at once
+    assert s["burst_ideal_s"] == pytest.approx(0.030)
+    assert s["burst_wall_over_ideal"] == pytest.approx(s["duration_s"] / 0.030, rel=0.01)
+    assert s["frontend_cpu_us_per_request"] > 0
+    assert "burst wall / ideal" in format_table(s)
+    for clash in (["-n", "5"], ["-d", "1"], ["--ramp-up", "0"], ["--warmup", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--burst", *clash])
+
+
 async def test_seamless_warmup_counts_only_requests_started_after_it(nursery):
     # 3 clients spread over 30 ms, requests of ~25-40 ms: 0.15 s of warmup, then 0.2 s
     # measured, no pause between them

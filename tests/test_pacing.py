@@ -122,3 +122,22 @@ async def test_a_paced_stream_still_ends_promptly_on_abort_and_errors(autojump_c
                     stream.abort()
             assert out.finish_reason == "abort"
             assert trio.current_time() - aborted_at < 0.1
+
+
+async def test_the_server_defaults_to_an_event_per_engine_step():
+    """``python -m server`` without ``--stream-interval-ms``: a client that keeps up gets
+    one event per engine step (the anchors' granularity), not tokens held back."""
+    import httpx
+
+    from tests.test_shutdown import cli_server
+
+    async with cli_server("--sim-itl-ms", "10") as srv:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
+            body = {"model": "sim", "prompt": "a b", "max_tokens": 20, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                events = [line async for line in r.aiter_lines() if line.startswith("data: {")]
+        srv.proc.send_signal(2)
+        assert await srv.wait_exit(10) == 0
+    # A step may merge into the next one when this machine is busy; at a 20 ms interval
+    # the same stream takes about 10 events.
+    assert len(events) >= 17, len(events)

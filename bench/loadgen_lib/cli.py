@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "/ 1000 s, which spreads the arrivals evenly; 0: all at once. The "
                         "ramp-up is part of the warmup when there is one: use --warmup >= the "
                         "ramp-up for steady-state figures")
+    g.add_argument("--burst", action="store_true",
+                   help="one wave: every client sends one request at the same instant "
+                        "(--ramp-up 0, --requests = --concurrency, no warmup); the table adds "
+                        "the wave's wall time against the ideal, max_tokens * itl_ms: every "
+                        "request served at once, one token per engine step")
     g.add_argument("--warmup", type=_non_negative_float, default=None,
                    help="seconds of load before the measured window, without a pause between "
                         "them: requests started in the warmup are not counted (not even when "
@@ -170,6 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.burst:
+        given = [opt for opt, value in (("--requests", args.requests), ("--duration", args.duration),
+                                        ("--warmup", args.warmup)) if value is not None]
+        if args.ramp_up != "auto":
+            given.append("--ramp-up")
+        if given:
+            parser.error(f"--burst sets {', '.join(given)} itself")
+        args.requests, args.ramp_up, args.warmup = args.concurrency, 0.0, 0.0
     if args.requests is None and args.duration is None:
         args.requests = 256
     if args.ramp_up == "auto":

@@ -127,6 +127,10 @@ def summarize(args, stats: Stats, *, cpu: dict | None, loadgen_cpu_s: float | No
         "loadgen_cpu_percent": _r(None if loadgen_cpu_s is None
                                   else 100.0 * loadgen_cpu_s / duration, 1),
     }
+    if getattr(args, "burst", False):
+        ideal = args.max_tokens * args.itl_ms / 1000.0
+        s["burst_ideal_s"] = _r(ideal)
+        s["burst_wall_over_ideal"] = _r(duration / ideal)
     s["efficiency"] = _r(s["delivered_tokens_per_s"] / s["offered_tokens_per_s"]
                          if s["offered_tokens_per_s"] else None)
     steady = None
@@ -143,6 +147,8 @@ def summarize(args, stats: Stats, *, cpu: dict | None, loadgen_cpu_s: float | No
                 s[f"{who}_cpu_percent"] = round(100.0 * cpu_s / duration, 1)
                 if tokens:
                     s[f"{who}_cpu_us_per_token"] = round(1e6 * cpu_s / tokens, 2)
+                if stats.requests:
+                    s[f"{who}_cpu_us_per_request"] = round(1e6 * cpu_s / stats.requests, 1)
         s["frontend_pid"] = cpu["frontend_pid"]
         s["frontend_cpu_s"] = _r(cpu["frontend_cpu_s"])
         s["workers"] = [
@@ -174,6 +180,10 @@ def format_table(s: dict) -> str:
                      f"{s['incomplete_streams']})"),
         ("duration", f"{f(s['duration_s'], '{:.2f}')} s  "
                      f"({f(s['requests_per_s'], '{:.1f}')} req/s)"),
+        *([("burst wall / ideal", f"{f(s['duration_s'], '{:.3f}')} s / "
+                                   f"{f(s['burst_ideal_s'], '{:.3f}')} s  = "
+                                   f"{f(s['burst_wall_over_ideal'], '{:.3f}')}x")]
+          if s.get("burst_ideal_s") else []),
         ("delivered tokens/s", f"{f(s['delivered_tokens_per_s'])}  (offered "
                                f"{f(s['offered_tokens_per_s'])}, efficiency "
                                f"{f(s['efficiency'], '{:.3f}')})"),
@@ -189,7 +199,8 @@ def format_table(s: dict) -> str:
                                                 ("gap_p50_ms", "gap_p90_ms", "gap_p99_ms",
                                                  "gap_max_ms"))),
         ("frontend CPU", f"{f(s['frontend_cpu_percent'])} %  "
-                         f"({f(s['frontend_cpu_us_per_token'])} us/token)"),
+                         f"({f(s['frontend_cpu_us_per_token'])} us/token, "
+                         f"{f(s.get('frontend_cpu_us_per_request'))} us/request)"),
         ("worker CPU (all)", f"{f(s['worker_cpu_percent'])} %  "
                              f"({f(s['worker_cpu_us_per_token'])} us/token)"),
     ]
