@@ -146,6 +146,7 @@ class ServingConnection(TCPServer):
                     client,
                     server,
                     self.protocol_send,
+                    writer=self,
                 )
                 await self.protocol.initiate()
                 await self.idle_task.restart(self._task_group, self._idle_timeout)
@@ -203,19 +204,30 @@ class ServingConnection(TCPServer):
             await super().protocol_send(event)
             return
         data = event.data
-        stream = self.stream
-        if not self.send_lock.locked():
-            try:
-                # fileno() is -1 once the socket is closed: the write then fails (EBADF).
-                sent = os.write(stream.socket.fileno(), data)
-            except OSError:  # a full buffer (EAGAIN), or a broken or closed connection
-                sent = 0
-            if sent == len(data):
-                return
-            if sent:  # the rest must follow, even if the caller is being cancelled
-                await self._send_bounded(memoryview(data)[sent:], torn=True)
-                return
+        sent = self.write_nowait(data)
+        if sent == len(data):
+            return
+        if sent > 0:  # the rest must follow, even if the caller is being cancelled
+            await self.send_torn(memoryview(data)[sent:])
+            return
         await self._send_bounded(data)
+
+    def write_nowait(self, data: bytes) -> int:
+        """Hand ``data`` to the kernel with one non-blocking write, when no other write is
+        in progress; returns how many bytes it took (0: none, or the lock is held, or the
+        connection is broken or closed: the slow way finds out which). A partial write
+        must be completed with :meth:`send_torn` before anything else is written."""
+        if self.send_lock.locked():
+            return 0
+        try:
+            # fileno() is -1 once the socket is closed: the write then fails (EBADF).
+            return os.write(self.stream.socket.fileno(), data)
+        except OSError:  # a full buffer (EAGAIN), or a broken or closed connection
+            return 0
+
+    async def send_torn(self, rest) -> None:
+        """The rest of a partial :meth:`write_nowait`, shielded (see :meth:`_send_bounded`)."""
+        await self._send_bounded(rest, torn=True)
 
     async def _send_bounded(self, data, *, torn: bool = False) -> None:
         """Write ``data`` under the lock, shielded and bounded by progress. ``torn``: the

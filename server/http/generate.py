@@ -55,6 +55,8 @@ from .events import RichEvents
 from .logprobs import LogprobsFormatter
 from .reasoning import split_text
 from .post import BEFORE_BODY, UNREAD_BODY, read_json_post, refusal_headers
+from .protocol import DIRECT_BODY, DirectBody
+from .sink import TextSink
 
 __all__ = ["handle_generate"]
 
@@ -158,6 +160,7 @@ async def handle_generate(
                         await _write_stream(
                             answer, stream, req, response_id, engine.model_name, observe_itl,
                             config.queued_heartbeat, config.reasoning_parser,
+                            scope["extensions"].get(DIRECT_BODY),
                         )
                     else:
                         await _write_full(
@@ -242,7 +245,7 @@ def _cached_tokens(cached: dict[int, int], n: int) -> int | None:
 
 async def _write_stream(
     answer: _Answer, stream, req, response_id: str, model: str, observe_itl, heartbeat,
-    reasoning_parser: str | None = None,
+    reasoning_parser: str | None = None, direct: DirectBody | None = None,
 ) -> None:
     per_choice = await _stream_started(answer, stream, heartbeat)
     if per_choice is None:
@@ -273,10 +276,19 @@ async def _write_stream(
     if continuous:
         first = [enc.with_usage(c, usage(prompt_tokens, 0)) for c in first]
     last = 0.0  # when the previous write with new tokens happened
+    # A plain stream's text events are written by the router once the first went out
+    # (server.http.sink); this task still writes the first, the last, errors and the rest.
+    plain = direct is not None and rich is None and not continuous and choices == 1
+    sink: TextSink | None = None
     try:
         if first:
             await send({"type": "http.response.body", "body": b"".join(first), "more_body": True})
         while outs := await stream.next_batch():
+            if sink is not None:
+                if sink.torn:
+                    rest, sink.torn = sink.torn, b""
+                    await direct.send_torn(rest)  # type: ignore[union-attr]
+                last = sink.last
             if outs[0].num_tokens:
                 now = _now()
                 if last:
@@ -296,6 +308,8 @@ async def _write_stream(
                     if o.cached_tokens is not None:
                         cached[o.index] = o.cached_tokens
                 if rich is None:
+                    if sink is not None and not o.text and o.finish_reason is None:
+                        continue  # the sink wrote its text (and sent the rest above)
                     parts.append(enc.delta(o.index, o.text, o.finish_reason))
                 else:
                     event = rich.event(o)
@@ -308,11 +322,18 @@ async def _write_stream(
                 parts = [enc.with_usage(part, now_usage) for part in parts]
             if parts:  # (none when a reasoning split holds a partial tag back)
                 await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
+            if sink is not None:
+                sink.last = last
+            elif plain and last:
+                sink = TextSink(direct, enc, observe_itl, last)  # type: ignore[arg-type]
+                stream.set_sink(sink)
+        stream.set_sink(None)
         tail = DONE
         if req.include_usage:
             tail = enc.usage(prompt_tokens, completion_tokens, _cached_tokens(cached, n)) + DONE
         await answer.last(tail)
     except Exception:
+        stream.set_sink(None)
         log.exception("internal error while streaming %s", response_id)
         await answer.fail_stream(EngineError("Internal server error while streaming."))
 

@@ -49,7 +49,9 @@ except ImportError:  # pragma: no cover
     ChunkedWriter = None
 
 __all__ = [
+    "DIRECT_BODY",
     "FAST_PATHS",
+    "DirectBody",
     "ServingH11Protocol",
     "ServingHTTPStream",
     "ServingProtocolWrapper",
@@ -121,8 +123,10 @@ class ServingH11Protocol(H11Protocol):
     #: The response head went out and h11 chose chunked framing for its body.
     _chunked = False
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, writer=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        #: The connection's direct writer (``write_nowait``, ``send_torn``), if it has one.
+        self.writer = writer
         self.connection = _StrictH11Connection(
             h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
         )
@@ -174,6 +178,8 @@ class ServingH11Protocol(H11Protocol):
             self.stream_send,
             STREAM_ID,
         )
+        if self.writer is not None:
+            self.stream.direct_body = DirectBody(self.stream, self, self.writer)
         headers = (
             request.headers.raw_items() if self.config.h11_pass_raw_headers else list(request.headers)
         )
@@ -212,13 +218,66 @@ def _peer(client) -> str:
     return f"{client[0]}:{client[1]}"
 
 
+#: The ASGI scope extension of :class:`DirectBody` (only this server's connections have it).
+DIRECT_BODY = "trio_llm.direct_body"
+
+
+class DirectBody:
+    """Writes of body chunks that need no task: the ASGI extension :data:`DIRECT_BODY`.
+
+    For a response in progress with chunked framing, :meth:`write_nowait` hands one chunk
+    to the kernel at once, from any code that runs in the connection's thread (the worker's
+    router, which has the text in hand), when no other write is in progress. What the
+    kernel does not take is the caller's to send next, with :meth:`send_torn`, before any
+    other message of the response. Everything else (the head, the last chunk, errors)
+    goes through the ASGI ``send`` as usual.
+    """
+
+    __slots__ = ("_stream", "_protocol", "_connection")
+
+    def __init__(self, stream: ServingHTTPStream, protocol: ServingH11Protocol, connection) -> None:
+        self._stream = stream
+        self._protocol = protocol
+        self._connection = connection
+
+    def write_nowait(self, body: bytes) -> bytes | None:
+        """Write ``body`` as one chunk now. Returns None when nothing was written (no body
+        in progress, another write under way, a full socket buffer, a broken connection:
+        send it the usual way), ``b""`` when all of it was, else the rest of the framed
+        chunk, which must go next, with :meth:`send_torn`."""
+        if not (self._stream._body_ok and self._protocol._chunked) or not body:
+            return None
+        data = b"%x\r\n%b\r\n" % (len(body), body)
+        sent = self._connection.write_nowait(data)
+        if sent <= 0:
+            return None
+        return data[sent:]
+
+    async def send_torn(self, rest: bytes) -> None:
+        """The rest of a chunk :meth:`write_nowait` tore; shielded, bounded like any write."""
+        await self._connection.send_torn(rest)
+
+
 class ServingHTTPStream(HTTPStream):
     """Hypercorn's ASGI side of one HTTP request, passing body messages of a response in
     progress (more to come, bytes, a response that has a body) straight to the protocol;
-    everything else is hypercorn's own ``app_send``."""
+    everything else is hypercorn's own ``app_send``. Its scope offers :class:`DirectBody`
+    when the connection is one of this server's."""
 
     #: The response started and its body is sent (not a HEAD, a 204 or a 304).
     _body_ok = False
+    #: Set by the protocol that creates it.
+    direct_body: DirectBody | None = None
+
+    async def handle(self, event) -> None:
+        await super().handle(event)
+        # The app was spawned, not yet run: it finds the extension in its scope.
+        if (
+            type(event) is Request and self.direct_body is not None
+            and getattr(self, "app_put", None) is not None
+        ):
+            extensions: dict = self.scope["extensions"]  # type: ignore[typeddict-item]
+            extensions[DIRECT_BODY] = self.direct_body
 
     async def app_send(self, message) -> None:
         if message is not None and self._body_ok and message.get("more_body", False):
@@ -238,9 +297,11 @@ class ServingProtocolWrapper:
 
     __slots__ = ("protocol",)
 
-    def __init__(self, app, config, context, task_group, state, ssl, client, server, send) -> None:
+    def __init__(
+        self, app, config, context, task_group, state, ssl, client, server, send, writer=None
+    ) -> None:
         self.protocol = ServingH11Protocol(
-            app, config, context, task_group, state, ssl, client, server, send
+            app, config, context, task_group, state, ssl, client, server, send, writer=writer
         )
 
     async def initiate(self) -> None:

@@ -32,9 +32,11 @@ reference counting alone.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import trio
@@ -47,6 +49,8 @@ if TYPE_CHECKING:
     from .worker import WorkerClient
 
 __all__ = ["Choice", "RequestStream", "Waker"]
+
+log = logging.getLogger("server.stream")
 
 _Abort = trio.lowlevel.Abort
 _current_task = trio.lowlevel.current_task
@@ -65,7 +69,9 @@ class Waker:
     decision (this asks it to defer the wakeup, or to make it soon).
     """
 
-    __slots__ = ("task", "ready", "closed", "pacer", "interval", "not_before", "deferred")
+    __slots__ = (
+        "task", "ready", "closed", "pacer", "interval", "not_before", "deferred", "sink"
+    )
 
     def __init__(self, pacer: Pacer) -> None:
         self.task: trio.lowlevel.Task | None = None
@@ -75,6 +81,8 @@ class Waker:
         self.interval = pacer.interval  # read on every notify: one attribute lookup less
         self.not_before = 0.0  # trio time before which news is deferred (when pacing)
         self.deferred = False  # in a worker's deferred list
+        #: The consumer's direct writer of plain text (see :meth:`RequestStream.set_sink`).
+        self.sink: Callable[[Choice], bool] | None = None
 
     def wake(self) -> None:
         task = self.task
@@ -213,6 +221,16 @@ class Choice:
                 self.error_kind, self.error = err
         waker = self.waker
         if not self.queued and not waker.closed:
+            # A consumer parked with nothing ready, that gave its stream a sink: the sink
+            # writes the text now (to the client's socket), and the consumer sleeps on.
+            sink = waker.sink
+            if sink is not None and finish is None and waker.task is not None and self.text:
+                try:
+                    if sink(self):
+                        return
+                except Exception:  # a sink must not raise; if one does, the router goes on
+                    waker.sink = None
+                    log.exception("a stream's sink failed; its consumer takes over")
             self.queued = True
             waker.ready.append(self)
         if finish is None:
@@ -385,6 +403,21 @@ class RequestStream:
                     await self._raise_error(o)
         return outs
 
+    def set_sink(self, sink: Callable[[Choice], bool] | None) -> None:
+        """Let ``sink`` take text the moment it arrives, instead of waking the consumer.
+
+        For a consumer that turns each output into bytes for one client (the HTTP layer's
+        plain streams). While the consumer is parked waiting for this stream and nothing
+        is ready, the worker's router calls ``sink(choice)`` for a choice with new text that
+        did not end. The sink either takes the news (it clears ``choice.text`` and
+        ``choice.ntok``, and returns True: the consumer is not woken) or leaves the choice
+        as it found it, or with less (returns False: the choice goes to the consumer as
+        usual). It runs in the router: it must never block, raise or wait. Ends, errors and
+        everything while the stream closes go to the consumer; :meth:`aclose` drops the sink.
+        Not with pacing (a stream interval): the sink is never called then.
+        """
+        self._waker.sink = sink if not self._waker.interval and not self._released else None
+
     def take_ready_nowait(self) -> list[RequestOutput]:
         """Every output that is ready now, without waiting (possibly none), errors included
         as outputs (see :meth:`next_batch` for the usual way to take several)."""
@@ -480,6 +513,7 @@ class RequestStream:
         deadline. Safe to call more than once, and from a cancelled scope."""
         if self._released:
             return
+        self._waker.sink = None  # what drains now is not written to the client
         choices = self._choices
         if any(not c.done for c in choices):
             for c in choices:
@@ -498,6 +532,7 @@ class RequestStream:
             self._released = True
             self._waker.ready.clear()
             self._waker.closed = True
+            self._waker.sink = None
             self._on_release(self)
 
     async def __aenter__(self) -> RequestStream:
