@@ -75,3 +75,19 @@ async def test_a_span_per_request_with_the_clients_parent():
 def test_tracing_is_off_unless_asked():
     app = create_app(ServerConfig())
     assert app.tracing is None
+
+
+def test_tracing_off_imports_nothing_of_opentelemetry():
+    """Off, tracing costs one ``is None`` test per request (docs/benchmarks.md) and not a
+    module: nothing of opentelemetry is imported by the server."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from server.config import ServerConfig; from server.http.app import "
+        "create_app; create_app(ServerConfig()); "
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
