@@ -65,9 +65,15 @@ class Engine:
 
     def __init__(self, config: EngineConfig, *, spawn=None) -> None:
         self.config = config
-        self.workers = [
-            WorkerClient(i, config.for_worker(i), spawn) for i in range(config.workers)
-        ]
+        if config.worker_addresses:  # remote workers: one per address, connected to
+            self.workers = [
+                WorkerClient(i, config.for_worker(i), address=address)
+                for i, address in enumerate(config.worker_addresses)
+            ]
+        else:
+            self.workers = [
+                WorkerClient(i, config.for_worker(i), spawn) for i in range(config.workers)
+            ]
         self._rids = itertools.count(1)
         #: Streams open (dispatched, not yet released): observable, for wait_idle.
         self._open = AsyncValue(0)
@@ -161,9 +167,12 @@ class Engine:
         if not self._accepting:
             raise ServiceUnavailable("the server is shutting down", code="shutting_down")
         best = None
+        best_load = 0
         for w in self.workers:
-            if w.alive and (best is None or w.outstanding < best.outstanding):
+            # a shared worker's load counts the other frontends' requests (from its PONGs)
+            if w.alive and (best is None or w.load < best_load):
                 best = w
+                best_load = w.load
         if best is None:
             raise ServiceUnavailable("no engine worker is available", code="no_worker")
         return best
