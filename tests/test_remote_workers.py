@@ -23,7 +23,9 @@ import trio
 
 from server import EngineConfig, SamplingParams, open_engine
 from server.cli import build_parser, config_from_args
+from server.manager.transport import open_connected
 from server.manager.worker import WorkerStartupError
+from server.protocol import wire
 from server.protocol.handshake import SECRET_ENV
 from tests.conftest import child_pids, running_server, wait_http_ok
 from tests.remote import SECRET, listening_worker, make_certificate, worker_env
@@ -175,7 +177,7 @@ async def test_a_killed_worker_ends_its_streams_and_the_frontend_reconnects(tmp_
     async with AsyncExitStack() as stack:
         w = await stack.enter_async_context(listening_worker(tmp_path, address, name="first"))
         later = await stack.enter_async_context(AsyncExitStack())  # exits after the server
-        config = remote_config(w, heartbeat_interval=0.2, restart_backoff=0.05,
+        config = remote_config(w, heartbeat_interval=0.2, restart_backoff=0.05, max_restarts=1,
                                restart_backoff_max=0.2)
         later_pids: set[int] = set()
         async with running_server(config, not_ours=later_pids) as url:
@@ -305,3 +307,30 @@ async def test_tls_streams_and_an_untrusted_certificate_is_refused(tmp_path):
                 async with open_engine(remote_config(w, worker_tls_ca=str(other))):
                     pass
             await wait_until(lambda: "TLS handshake failed" in w.text(), 2)
+
+
+# -- a frontend that stops reading -----------------------------------------------------------
+
+
+async def test_a_frontend_that_does_not_read_is_dropped_and_its_requests_aborted(tmp_path):
+    path = tmp_path / "w.sock"  # unix socket buffers are small: the worker's fills soon
+    async with listening_worker(tmp_path, f"unix:{path}", "--max-buffer-bytes", "100000",
+                                secret=None) as w:
+        config = remote_config(w, secret=None)
+        with trio.fail_after(15):
+            async with open_engine(config) as engine:
+                link = await open_connected(config, w.address, None)  # a frontend by hand
+                try:
+                    await link.handshake()
+                    params = SamplingParams(max_tokens=5000).to_wire(0)
+                    await link.send.send_all(b"".join(
+                        wire.encode([wire.SUBMIT, rid, "p", params]) for rid in range(200)))
+                    # ... and it never reads: its output piles up in the worker
+                    while (await engine.ping_all())[0][0] < 200:
+                        await trio.sleep(0.02)
+                    while (await engine.ping_all()) != [(0, 0)]:
+                        await trio.sleep(0.02)
+                finally:
+                    await link.aclose(0)
+    assert re.search(r"disconnected \(not reading \(\d+ bytes of output waiting\)\); "
+                     r"aborted 200 request\(s\)", w.text()), w.text()
