@@ -21,7 +21,7 @@ import openai
 import pytest
 import trio
 
-from server import EngineConfig, SamplingParams, open_engine
+from server import Engine, EngineConfig, SamplingParams, open_engine
 from server.cli import build_parser, config_from_args
 from server.manager.transport import open_connected
 from server.manager.worker import WorkerStartupError
@@ -334,3 +334,14 @@ async def test_a_frontend_that_does_not_read_is_dropped_and_its_requests_aborted
                     await link.aclose(0)
     assert re.search(r"disconnected \(not reading \(\d+ bytes of output waiting\)\); "
                      r"aborted 200 request\(s\)", w.text()), w.text()
+
+
+async def test_an_engine_with_remote_workers_refuses_what_only_spawned_ones_honour():
+    def engine(**kw) -> Engine:
+        return Engine(EngineConfig(worker_addresses=("127.0.0.1:7100", "unix:/run/w"), **kw))
+
+    with pytest.raises(ValueError, match="engine_options and devices_per_worker are the rem"):
+        engine(engine_options={"itl_ms": 1.0})
+    with pytest.raises(ValueError, match="workers=3 with 2 worker addresses"):
+        engine(workers=3)
+    assert [str(w.address) for w in engine().workers] == ["127.0.0.1:7100", "unix:/run/w"]
