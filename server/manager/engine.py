@@ -26,6 +26,7 @@ from ..config import EngineConfig
 from ..errors import ServiceUnavailable
 from ..params import SamplingParams
 from ..protocol import wire
+from ..protocol.handshake import parse_address
 from .deadlines import DeadlineQueue
 from .stream import Choice, RequestStream, Waker
 from .worker import WorkerClient, WorkerStartupError
@@ -65,9 +66,17 @@ class Engine:
 
     def __init__(self, config: EngineConfig, *, spawn=None) -> None:
         self.config = config
-        self.workers = [
-            WorkerClient(i, config.for_worker(i), spawn) for i in range(config.workers)
-        ]
+        if config.worker_addresses:  # remote workers: one per address, connected to
+            _check_remote(config)
+            self.workers = [
+                WorkerClient(i, config.for_worker(i), address=parse_address(address)
+                             if isinstance(address, str) else address)
+                for i, address in enumerate(config.worker_addresses)
+            ]
+        else:
+            self.workers = [
+                WorkerClient(i, config.for_worker(i), spawn) for i in range(config.workers)
+            ]
         self._rids = itertools.count(1)
         #: Streams open (dispatched, not yet released): observable, for wait_idle.
         self._open = AsyncValue(0)
@@ -161,9 +170,12 @@ class Engine:
         if not self._accepting:
             raise ServiceUnavailable("the server is shutting down", code="shutting_down")
         best = None
+        best_load = 0
         for w in self.workers:
-            if w.alive and (best is None or w.outstanding < best.outstanding):
+            # a shared worker's load counts the other frontends' requests (from its PONGs)
+            if w.alive and (best is None or w.load < best_load):
                 best = w
+                best_load = w.load
         if best is None:
             raise ServiceUnavailable("no engine worker is available", code="no_worker")
         return best
@@ -264,6 +276,17 @@ class Engine:
             accepting=self._accepting,
             workers=workers,
         )
+
+
+def _check_remote(config: EngineConfig) -> None:
+    """Refuse what a config with remote workers cannot honour (their engine is theirs)."""
+    n = len(config.worker_addresses)
+    if config.workers not in (1, n):
+        raise ValueError(f"workers={config.workers} with {n} worker addresses: one worker "
+                         "per address")
+    if config.engine_options or config.devices_per_worker is not None:
+        raise ValueError("engine_options and devices_per_worker are the remote workers' "
+                         "own: give them to 'python -m server.workers --listen'")
 
 
 @asynccontextmanager

@@ -1,10 +1,11 @@
-"""One engine worker process as the frontend sees it: spawn, route, supervise, stop.
+"""One engine worker as the frontend sees it: spawn or connect, route, supervise, stop.
 
 Theory of operation
 -------------------
 :meth:`WorkerClient.run` is a long-running service (start protocol: it reports ``started``
-with itself once the first process said HELLO). It loops over *sessions*; a session is one
-process, with three tasks in one nursery:
+with itself once the first session said HELLO). It loops over *sessions*; a session is one
+process it spawned, or one connection to a worker that listens (``address``; see
+:mod:`server.manager.transport`), with three tasks in one nursery:
 
 * the **router** reads frames from the worker's stdout and hands each output to the
   :class:`~server.manager.stream.Choice` its rid names (late output for a rid the table no
@@ -13,10 +14,13 @@ process, with three tasks in one nursery:
   in one write;
 * the **heartbeat** pings, and ends the session when the worker has been silent too long.
 
-A session ends when the process exits (end of its stdout), breaks the protocol, or hangs.
-Then every choice the worker held ends with an ``error`` output at once, the process is
-stopped (close the pipe, SIGTERM, SIGKILL, each after a grace period, shielded), and a new
-process is started after a backoff, unless too many restarts happened recently.
+A session ends when the process exits (end of its stdout) or the connection closes, the
+worker breaks the protocol, or it hangs (no answer to pings: a dead network link looks the
+same). Then every choice the worker held ends with an ``error`` output at once, the link is
+closed (a process: close the pipe, SIGTERM, SIGKILL, each after a grace period; shielded),
+and a new session starts after a backoff. A spawned worker is left down after too many
+restarts in a while; a remote one is reconnected to forever (the backoff is capped), since
+it is restarted by whoever runs it, not by us.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from ..errors import EngineError, error_from_wire
 from ..protocol import wire
 from .pacing import Pacer
 from .stream import Choice
+from .transport import Link, SessionEnded, open_connected, open_spawned, tls_context
 
 __all__ = ["WorkerClient", "WorkerStartupError", "spawn_process"]
 
@@ -66,19 +71,23 @@ def _answered(value) -> bool:
     return value is not None
 
 
-class _SessionEnded(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+_SessionEnded = SessionEnded
 
 
 class WorkerClient:
-    """The frontend's handle on one worker process (and its successors after restarts)."""
+    """The frontend's handle on one worker (and its successors after restarts): a process
+    it spawns, or the worker listening at ``address`` (a
+    :class:`~server.protocol.handshake.WorkerAddress`)."""
 
-    def __init__(self, index: int, config: EngineConfig, spawn=None) -> None:
+    def __init__(self, index: int, config: EngineConfig, spawn=None, address=None) -> None:
         self.index = index
         self.config = config
         self._spawn = spawn or spawn_process
+        self.address = address
+        self._tls = (
+            tls_context(config.worker_tls_ca)
+            if address is not None and config.worker_tls_ca else None
+        )
         #: rid -> Choice for every choice the worker holds (registered at dispatch).
         self.states: dict[int, Choice] = {}
         self.info: dict = {}
@@ -91,6 +100,8 @@ class WorkerClient:
         #: The worker's (running, waiting) request counts in its latest PONG (for metrics).
         self.running = 0
         self.waiting = 0
+        #: A shared (remote) worker's requests from other frontends, as of its latest PONG.
+        self.foreign = 0
         self._outbox: list[bytes] = []
         self._outbox_ready = trio.Event()
         self._ping_seq = 0
@@ -107,6 +118,11 @@ class WorkerClient:
     @property
     def outstanding(self) -> int:
         return len(self.states)
+
+    @property
+    def load(self) -> int:
+        """Requests on this worker: ours, plus other frontends' on a shared worker."""
+        return len(self.states) + self.foreign
 
     def submit_nowait(self, choices: list[Choice], frames: list[bytes]) -> None:
         """Register ``choices`` and queue their SUBMIT ``frames`` (encoded by the caller, so
@@ -205,55 +221,75 @@ class WorkerClient:
             recent.append(now)
             while recent and now - recent[0] > config.restart_window:
                 recent.popleft()
-            if len(recent) > config.max_restarts:
+            if len(recent) > config.max_restarts and self.address is None:
                 log.error(
                     "worker %d: %d restarts in %.0f s, leaving it down (%s)",
                     self.index, len(recent), config.restart_window, reason,
                 )
                 self.gave_up = True
                 break
-            log.warning("worker %d: %s; restarting in %.2f s", self.index, reason, backoff)
+            log.warning("worker %d: %s; %s in %.2f s", self.index, reason,
+                        "restarting" if self.address is None else "reconnecting", backoff)
             await trio.sleep(backoff)
             backoff = min(backoff * 2, config.restart_backoff_max)
             self.restarts += 1
         await trio.sleep_forever()
 
+    async def _open_link(self) -> Link:
+        if self.address is None:
+            return await open_spawned(self.config, self._spawn)
+        return await open_connected(self.config, self.address, self._tls)
+
+    def _startup_failed(self, first: bool, exc: SessionEnded | trio.TooSlowError) -> str:
+        """The reason a session ended before HELLO; raises WorkerStartupError where that
+        ends the server: a spawned worker's first start, or a remote worker that refuses
+        our credentials when we first connect (a configuration error, said at once)."""
+        reason = getattr(exc, "reason", "no HELLO in time")
+        if self.address is None and first:
+            raise WorkerStartupError(
+                f"engine worker {self.index} failed to start ({reason}); "
+                "see its message above"
+            ) from None
+        if self.address is not None:
+            reason = f"{self.address}: {reason}"
+            if first and getattr(exc, "refused", False):
+                raise WorkerStartupError(f"engine worker {self.index} at {reason}") from None
+            if getattr(exc, "refused", False):
+                log.error("worker %d: %s", self.index, reason)
+        return reason
+
     async def _session(self, task_status, first: bool) -> str:
         config = self.config
         try:
-            proc = await self._spawn(config)
+            link = await self._open_link()
         except OSError as exc:  # e.g. EAGAIN from fork: a failed start, not a crashed engine
             if first:
                 raise WorkerStartupError(
                     f"engine worker {self.index} could not be started: {exc}"
                 ) from exc
             return f"could not be started ({exc})"
-        self.pid = proc.pid
+        except SessionEnded as exc:  # could not connect
+            return self._startup_failed(first, exc)
+        self.pid = link.pid
         self._outbox.clear()
-        decoder = wire.FrameDecoder()
         reason = "stopped"
         try:
             try:
                 with trio.fail_after(config.startup_timeout):
-                    await self._wait_hello(proc, decoder)
+                    self.info = await link.handshake()
             except (_SessionEnded, trio.TooSlowError) as exc:
-                reason = getattr(exc, "reason", "no HELLO in time")
-                if first:
-                    raise WorkerStartupError(
-                        f"engine worker {self.index} failed to start ({reason}); "
-                        "see its message above"
-                    ) from None
+                reason = self._startup_failed(first, exc)
                 return reason
             self.alive = True
             self.last_heard = trio.current_time()
             self._ready.set()
             if task_status is not None:
                 task_status.started(self)
-            log.info("worker %d (pid %d) is up: %s", self.index, proc.pid, self.info)
+            log.info("worker %d (%s) is up: %s", self.index, link.where, self.info)
             try:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._router, proc, decoder)
-                    nursery.start_soon(self._writer, proc)
+                    nursery.start_soon(self._router, link)
+                    nursery.start_soon(self._writer, link)
                     nursery.start_soon(self._heartbeat)
             except BaseExceptionGroup as group:  # a nursery's errors always come grouped
                 ended, rest = group.split(_SessionEnded)
@@ -266,26 +302,19 @@ class WorkerClient:
             return reason
         finally:
             self.alive = False
-            self.running = self.waiting = 0
+            self.running = self.waiting = self.foreign = 0
             self._fail_all(reason)
             with trio.CancelScope(shield=True):
-                code = await self._stop_process(proc)
+                try:
+                    how = await link.aclose(config.shutdown_grace)
+                finally:
+                    self.pid = None
             if reason != "stopped":
-                log.warning("worker %d (pid %d) exited with %s", self.index, proc.pid, code)
+                log.warning("worker %d (%s) %s", self.index, link.where, how)
 
-    async def _wait_hello(self, proc, decoder: wire.FrameDecoder) -> None:
-        while True:
-            data = await proc.stdout.receive_some(1 << 16)
-            if not data:
-                raise _SessionEnded("exited during startup")
-            for msg in decoder.feed(data):
-                if msg[0] == wire.HELLO and isinstance(msg[1], dict):
-                    self.info = msg[1]
-                    return
-                raise _SessionEnded(f"sent {msg[0]!r} before HELLO")
-
-    async def _router(self, proc, decoder: wire.FrameDecoder) -> None:
-        receive_some = proc.stdout.receive_some
+    async def _router(self, link: Link) -> None:
+        receive_some = link.receive.receive_some
+        decoder = link.decoder
         pacer = self.pacer
         while True:
             # Paced consumers are woken when a frame arrives after they are due, or by time
@@ -295,13 +324,15 @@ class WorkerClient:
                 pacer.router_scope = scope
                 try:
                     data = await receive_some(1 << 20)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    raise _SessionEnded(f"the connection broke ({exc})") from None
                 finally:
                     pacer.router_scope = None
             if data is None:
                 pacer.wake_due(trio.current_time())
                 continue
             if not data:
-                raise _SessionEnded("the worker process exited")
+                raise _SessionEnded(link.eof_reason)
             self.last_heard = pacer.frame_time = trio.current_time()
             try:
                 self._route(decoder.feed(data))
@@ -356,19 +387,20 @@ class WorkerClient:
                     answer.value = (msg[2], msg[3])
             elif kind == wire.PONG:
                 self.running, self.waiting = msg[2], msg[3]
+                if len(msg) > 4:  # a listening worker: how many of them are ours
+                    self.foreign = max(0, msg[2] + msg[3] - msg[4])
                 answer = self._pings.get(msg[1])
                 if answer is not None:
                     answer.value = (msg[2], msg[3])
             else:
                 raise wire.ProtocolError(f"unexpected message type {kind!r}")
 
-    async def _writer(self, proc) -> None:
-        send_all = proc.stdin.send_all
-        fileno = getattr(proc.stdin, "fileno", None)  # None for in-memory test pipes
+    async def _writer(self, link: Link) -> None:
+        send_all = link.send.send_all
         try:
-            # From here until the pipe is closed (after this task), _send_nowait may write
+            # From here until the link is closed (after this task), _send_nowait may write
             # to it directly, when this task is not writing and nothing is queued.
-            self._stdin_fd = fileno() if fileno is not None else None
+            self._stdin_fd = link.fd
             while True:
                 if not self._outbox:
                     await self._outbox_ready.wait()
@@ -379,7 +411,7 @@ class WorkerClient:
                 try:
                     await send_all(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    raise _SessionEnded("the worker's pipe broke") from None
+                    raise _SessionEnded("the link to the worker broke") from None
                 finally:
                     self._writing = False
         finally:
@@ -411,25 +443,6 @@ class WorkerClient:
             answer.value = _GONE
         self._pings.clear()
         self.pacer.clear()
-
-    async def _stop_process(self, proc) -> int:
-        """Close the pipe, then SIGTERM, then SIGKILL, each after the grace period."""
-        grace = self.config.shutdown_grace
-        try:
-            await proc.stdin.aclose()
-        except trio.BrokenResourceError:
-            pass
-        try:
-            with trio.move_on_after(grace):
-                return await proc.wait()
-            proc.terminate()
-            with trio.move_on_after(grace):
-                return await proc.wait()
-            proc.kill()
-            return await proc.wait()
-        finally:
-            await proc.stdout.aclose()
-            self.pid = None
 
     # -- introspection -----------------------------------------------------------------------
 

@@ -24,9 +24,12 @@ Worker -> frontend::
                                     outputs: [[rid, text, ntok, finish, err], ...]
     [STEP, accepts, outputs, notes] notes: [[rid, {"cached_tokens": n}], ...], only when
                                     the engine has any (they precede the outputs)
-    [PONG, seq, running, waiting]
+    [PONG, seq, running, waiting]   a listening worker adds the requests this connection holds
     [TOKENIZED, seq, result, err]   result: {"tokens": [...], "max_model_len": n} or
                                     {"prompt": str}; or err: [kind, message]
+
+A worker started with ``--listen`` opens each connection with a handshake first
+(CHALLENGE, AUTH, then HELLO or REFUSED; see :mod:`server.protocol.handshake`).
 
 The rows of a STEP are :class:`AcceptRow` and :class:`OutputRow` (sent as arrays in their
 field order; the frontend unpacks them in that order). In an output, ``finish`` is None or
@@ -59,6 +62,9 @@ __all__ = [
     "STEP",
     "TOKENIZE",
     "TOKENIZED",
+    "CHALLENGE",
+    "AUTH",
+    "REFUSED",
     "MAX_FRAME",
     "ProtocolError",
     "FrameDecoder",
@@ -95,6 +101,10 @@ SHUTDOWN = 5
 STEP = 6
 TOKENIZE = 7
 TOKENIZED = 8
+# The handshake of a connection to a listening worker (server.protocol.handshake).
+CHALLENGE = 9
+AUTH = 10
+REFUSED = 11
 
 #: Largest frame either side accepts (64 MiB): a bigger length prefix means garbage.
 MAX_FRAME = 64 * 1024 * 1024

@@ -32,7 +32,7 @@ from ..protocol import wire
 from ..protocol.wire import AcceptRow, OutputRow
 from .base import EngineBroken, Rejected, one_line, WorkerCrash, WorkerGarbage, WorkerHang
 
-__all__ = ["build_engine", "serve", "main", "step_message"]
+__all__ = ["build_engine", "serve", "main", "run_as_worker", "step_message"]
 
 
 def build_engine(config: dict):
@@ -170,13 +170,17 @@ def _terminate(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+    run_as_worker(_main, sys.argv[1:] if argv is None else argv)
+
+
+def run_as_worker(body, argv: list[str]) -> None:
+    """``body(argv)`` with a worker's signals: SIGINT ignored (the frontend decides how its
+    workers stop), SIGTERM unwinds first, so that an engine that started processes of its
+    own (vLLM's tensor-parallel workers) stops them; then the process dies of the signal."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # SIGTERM unwinds first, so that an engine that started processes of its own (vLLM's
-    # tensor-parallel workers) stops them; then the process dies of the signal as before.
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        _main(argv)
+        body(argv)
     except _Terminated:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)

