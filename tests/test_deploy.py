@@ -75,38 +75,94 @@ def _resources(layout: Path) -> list[dict]:
 def test_each_layout_is_valid_kubernetes():
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     layouts = _layouts()
-    assert [p.name for p in layouts] == ["sim", "vllm-gpu"]
+    assert [p.name for p in layouts] == ["sim", "vllm-gpu", "vllm-remote"]
     for layout in layouts:
         kinds = set()
         for doc in _resources(layout):
             kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
             kinds.add(doc["kind"])
-        assert kinds == {"Deployment", "Service", "PodDisruptionBudget"}, layout
+        expected = {"Deployment", "Service", "PodDisruptionBudget"}
+        if layout.name == "vllm-remote":
+            expected.add("StatefulSet")
+        assert kinds == expected, layout
+
+
+def _pods(layout: Path, kind: str):
+    for doc in _resources(layout):
+        if doc["kind"] == kind:
+            pod = doc["spec"]["template"]["spec"]
+            (container,) = pod["containers"]
+            yield doc, pod, container
+
+
+def _check_options(layout: Path, container: dict, parser) -> None:
+    options = {o for a in parser._actions for o in a.option_strings}
+    args = dict(a.split("=", 1) for a in container["args"])
+    unknown = sorted(set(args) - options)
+    assert not unknown, f"{layout.name}: not options of {parser.prog}: {unknown}"
 
 
 def test_the_servers_arguments_probes_and_grace_period():
-    options = {o for a in build_parser()._actions for o in a.option_strings}
     for layout in _layouts():
-        for doc in _resources(layout):
-            if doc["kind"] != "Deployment":
-                continue
-            pod = doc["spec"]["template"]["spec"]
-            (container,) = pod["containers"]
-            args = dict(a.split("=", 1) for a in container["args"])
-            unknown = sorted(set(args) - options)
-            assert not unknown, f"{layout.name}: not options of trio-llm-server: {unknown}"
+        for doc, pod, container in _pods(layout, "Deployment"):
+            _check_options(layout, container, build_parser())
             config = config_from_args(build_parser().parse_args(container["args"]))
             assert pod["terminationGracePeriodSeconds"] > config.shutdown_timeout + 10
-            assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+            # With remote workers, liveness is the frontend's own (/health is 503 while no
+            # worker is connected, which a frontend restart does not cure).
+            alive = "/metrics" if config.engine.worker_addresses else "/health"
+            assert container["livenessProbe"]["httpGet"]["path"] == alive
+            assert container["startupProbe"]["httpGet"]["path"] == alive
             assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
-            assert container["startupProbe"]["httpGet"]["path"] == "/health"
             startup = container["startupProbe"]
-            assert startup["periodSeconds"] * startup["failureThreshold"] >= min(
-                config.engine.startup_timeout, 300
-            )
+            if not config.engine.worker_addresses:
+                assert startup["periodSeconds"] * startup["failureThreshold"] >= min(
+                    config.engine.startup_timeout, 300
+                )
             annotations = doc["spec"]["template"]["metadata"]["annotations"]
             assert annotations["prometheus.io/path"] == "/metrics"
             assert annotations["prometheus.io/port"] == str(config.port)
+
+
+def test_the_remote_layout_connects_frontends_to_each_worker_with_the_secret():
+    from server.protocol.handshake import SECRET_ENV, parse_address
+    from server.workers.listen import build_parser as worker_parser
+
+    yaml = pytest.importorskip("yaml")
+    layout = DEPLOY / "kubernetes" / "vllm-remote"
+    kustomization = yaml.safe_load((layout / "kustomization.yaml").read_text())
+    (generated,) = kustomization["secretGenerator"]
+    secret_name = generated["name"]
+    assert generated["options"]["disableNameSuffixHash"]  # referenced by this name
+
+    def secret_ref(container):
+        (ref,) = [e["valueFrom"]["secretKeyRef"] for e in container["env"]
+                  if e["name"] == SECRET_ENV]
+        assert ref["name"] == secret_name and ref["key"] in generated["files"]
+
+    (sts, _, worker), = _pods(layout, "StatefulSet")
+    assert worker["command"] == ["python", "-m", "server.workers"]
+    _check_options(layout, worker, worker_parser())
+    args = worker_parser().parse_args(worker["args"])
+    listen = parse_address(args.listen)
+    assert not listen.loopback
+    secret_ref(worker)
+    (port,) = worker["ports"]
+    assert port["containerPort"] == listen.port
+    for probe in ("startupProbe", "livenessProbe"):
+        command = worker[probe]["exec"]["command"]
+        assert command[:3] == ["python", "-m", "server.workers.probe"]
+        assert parse_address(command[3]).port == listen.port
+        assert worker[probe]["timeoutSeconds"] > 5  # the probe's own --timeout
+    (service,) = [d for d in _resources(layout)
+                  if d["kind"] == "Service" and d["metadata"]["name"] == sts["spec"]["serviceName"]]
+    assert service["spec"]["clusterIP"] == "None"  # stable per-pod names
+    names = {f"{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}:{listen.port}"
+             for i in range(sts["spec"]["replicas"])}
+    (_, _, frontend), = _pods(layout, "Deployment")
+    config = config_from_args(build_parser().parse_args(frontend["args"]))
+    assert {f"{a.host}:{a.port}" for a in config.engine.worker_addresses} == names
+    secret_ref(frontend)
 
 
 def test_the_dockerfiles_pass_hadolint():
