@@ -44,6 +44,7 @@ CASES = [
      None, [("f", W), ("g", "{}")]),
     ("forced", '[{"name":"f","arguments":{"a":[{"b":"}"}]}}]', None,
      [("f", '{"a":[{"b":"}"}]}')]),
+    ("forced", '[{"name":"f","arguments":{}},{"name":"g","arg', None, [("f", "{}")]),
 ]
 
 

@@ -207,7 +207,10 @@ class ToolCallParser:
 
     def _say(self, text: str) -> None:
         """Content; its blanks at the end are held until more content follows (dropped
-        when a call starts, and at the end after calls)."""
+        when a call starts, and at the end after calls). The ``forced`` format has none:
+        what is not a call there (a head cut by max_tokens) is dropped."""
+        if self._fmt == "forced":
+            return
         text = self._held + text
         kept = text.rstrip(_BLANKS)
         self._held = text[len(kept):]
