@@ -121,3 +121,35 @@ def test_parallel_false_keeps_the_first_call():
 def test_unknown_format():
     with pytest.raises(ValueError):
         ToolCallParser("mistral")
+
+
+def test_reasoning_then_tool_calls_in_the_events_of_a_stream():
+    """With --reasoning-parser and tools, the thinking is split off first and the parser
+    sees only the content; the events' deltas add up to the whole answer's split."""
+    from server.http.encode import ChunkEncoder
+    from server.http.events import RichEvents
+    from server.http.tools import read_tools
+    from server.outputs import RequestOutput
+
+    tools = read_tools({"tools": [{"type": "function", "function": {"name": "f"}}]}, "hermes")
+    text = ('<think>I should call <tool_call> f.</think>Calling.\n<tool_call>{"name": "f", '
+            '"arguments": {"q": "日本"}}</tool_call>')
+    for cut in range(0, len(text) + 1, 3):
+        enc = ChunkEncoder(chat=True, response_id="x", created=0, model="m")
+        rich = RichEvents(enc, choices=1, chat=True, logprobs=False, reasoning_parser="qwen3",
+                          tools=tools)
+        events = b""
+        for piece, finish in ((text[:cut], None), (text[cut:], "stop")):
+            events += rich.event(RequestOutput(0, piece, 1, 3, 1, finish)) or b""
+        thought, said, calls, finishes = "", "", [], []
+        for line in events.decode().split("\n\n")[:-1]:
+            choice = json.loads(line.removeprefix("data: "))["choices"][0]
+            delta = choice["delta"]
+            thought += delta.get("reasoning_content", "")
+            said += delta.get("content", "")
+            accumulate(calls, delta.get("tool_calls", []))
+            finishes.append(choice["finish_reason"])
+        assert thought == "I should call <tool_call> f." and said == "Calling.", cut
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            ("f", '{"q": "日本"}')], cut
+        assert finishes[-1] == "tool_calls" and finishes[:-1] == [None] * (len(finishes) - 1)

@@ -161,22 +161,24 @@ async def test_sim_tool_calls_over_http_streaming_and_not():
         assert call.id.startswith("call_") and call.function.name == "get_weather"
         arguments = json.loads(call.function.arguments)
         assert list(arguments) == ["city"] and len(arguments["city"].split()) == 20
-        stream = await client.chat.completions.create(
-            model="sim", messages=CHAT, tools=TOOLS, max_tokens=30, seed=3, stream=True)
-        content, calls, finish = "", [], None
+        stream = await client.chat.completions.create(  # two choices: a parser each
+            model="sim", messages=CHAT, tools=TOOLS, max_tokens=30, seed=3, stream=True, n=2)
+        content, calls, finish = ["", ""], [[], []], [None, None]
         async for chunk in stream:
             for c in chunk.choices:
-                content += c.delta.content or ""
+                content[c.index] += c.delta.content or ""
                 for d in c.delta.tool_calls or ():
+                    assert d.index == 0
                     if d.id is not None:
                         assert d.function.arguments == "" and d.type == "function"
-                        calls.append([d.function.name, ""])
+                        calls[c.index].append([d.function.name, ""])
                     else:
                         assert d.function.name is None
-                        calls[d.index][1] += d.function.arguments
-                finish = c.finish_reason or finish
-        assert content == "" and finish == "tool_calls"
-        assert calls == [[call.function.name, call.function.arguments]]
+                        calls[c.index][d.index][1] += d.function.arguments
+                finish[c.index] = c.finish_reason or finish[c.index]
+        assert content == ["", ""] and finish == ["tool_calls", "tool_calls"]
+        assert calls[0] == [[call.function.name, call.function.arguments]]
+        assert calls[1][0][0] == "get_weather" and calls[1] != calls[0]
         # truncated by max_tokens: a call with the arguments so far, finish_reason length
         r = await client.chat.completions.create(
             model="sim", messages=CHAT, tools=TOOLS, max_tokens=8, seed=3)
