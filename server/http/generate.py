@@ -256,7 +256,7 @@ async def _write_stream(
     enc = ChunkEncoder(chat=req.chat, response_id=response_id, created=int(time.time()), model=model)
     n = req.params.n
     choices = len(per_choice)
-    rich = None  # logprobs or a reasoning split: richer events (else plain text events)
+    rich = None  # logprobs, a reasoning split or tools: richer events (else plain text)
     if RichEvents.wanted(chat=req.chat, logprobs=req.logprobs is not None,
                          reasoning_parser=reasoning_parser, tools=req.tools):
         # With echo and logprobs, the prompt goes out with its logprobs, in the first event.

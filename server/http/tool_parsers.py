@@ -31,22 +31,13 @@ Formats (``--tool-call-parser``, vLLM's names):
 - ``forced`` (internal): the JSON array ``[{"name": ..., "arguments": {...}}, ...]`` that
   the grammar of ``tool_choice: required`` or a named function forces.
 
-A call is one JSON object whose head is ``{"name": "<string>", "arguments": {`` (or
-``"parameters"``; any blanks between). The call is committed when that head is complete:
-its first delta goes out, then the raw text of the arguments object as the model writes it,
-up to its closing brace (tracked by brace depth, outside strings), so the concatenated
-fragments are exactly the final ``arguments`` string. What follows the arguments up to the
-end of the object (and, in hermes, up to ``</tool_call>``) is dropped. Text that cannot be
-such a head (malformed JSON, another key first) is content, tags included (vLLM also
-answers an unparsable call as content). Arguments are not validated beyond their braces:
-a model may write invalid JSON inside them (as OpenAI's models may; ``tool_choice:
-required`` and named functions make them valid for the schema with a grammar). An output
-that ends inside the arguments (``max_tokens``) leaves the call with the arguments so far.
-
-Nothing of a call leaks into content: a possible beginning of ``<tool_call>`` or
-``<|python_tag|>`` at the end of a delta is held back until decided. Blanks right before a
-``<tool_call>`` are dropped, and blanks at the end are dropped when calls were made, so a
-message of calls alone has no content.
+A call is committed once its head ``{"name": "<string>", "arguments": {`` (or
+``"parameters"``) is complete; then the raw text of its arguments object streams, up to its
+closing brace (brace depth outside strings), so the fragments concatenate to exactly the
+final ``arguments``. A head that cannot be one is content, tags included (as vLLM answers an
+unparsable call). Possible tag beginnings at the end of a delta are held back; blanks before
+a call, and at the end after calls, are dropped. docs/tools.md has the details and the
+decisions on malformed calls.
 
 With ``parallel=False`` only the first call is returned; later ones are parsed and dropped.
 """
