@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "into reasoning_content (qwen3: when the answer opens with <think>; "
                    "deepseek_r1: the answer starts in reasoning, up to </think>)")
 
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="serve tools: parse chat answers into tool_calls (hermes: "
+                   "<tool_call>{json}</tool_call>; llama3_json: {\"name\": ..., "
+                   "\"parameters\": ...} calls separated by ';'); without it requests with "
+                   "tools are refused")
+
     g = p.add_argument_group("limits and timeouts")
     g.add_argument("--max-concurrent-requests", type=int, default=None,
                    help="requests in flight beyond which new ones get 503 with Retry-After")
@@ -198,6 +204,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         api_keys=api_keys,
         allowed_origins=_split_commas(args.allowed_origins),
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 

@@ -168,6 +168,9 @@ class ServerConfig:
     #: How chat answers are split into ``reasoning_content`` and ``content``
     #: (server.http.reasoning.PARSERS: "qwen3", "deepseek_r1"); None: not split.
     reasoning_parser: str | None = None
+    #: How chat answers are parsed into ``tool_calls`` (server.http.tool_parsers.PARSERS:
+    #: "hermes", "llama3_json"); None: requests with tools are refused.
+    tool_call_parser: str | None = None
     #: Origins a browser may call the API from (CORS), or ``("*",)`` for any; empty: CORS is
     #: off (no CORS headers, preflights are not answered).
     allowed_origins: tuple[str, ...] = ()

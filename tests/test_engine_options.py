@@ -207,14 +207,15 @@ def _engine_infos() -> dict:
     from server.workers.vllm_engine import VLLM_SAMPLING
 
     return {
-        "sim": {"engine": "sim"},
+        "sim": {"engine": "sim", "sampling": ["tools"]},
         # (the transformers engine declares response_format when xgrammar is installed)
         "transformers": {"engine": "transformers",
                          "sampling": [*SAMPLING_FIELDS, "response_format",
-                                      "chat_template_kwargs"],
+                                      "chat_template_kwargs", "tools"],
                          "logprobs": MAX_LOGPROBS},
         "vllm": {"engine": "vllm",
-                 "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs"],
+                 "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs",
+                              "tools"],
                  "logprobs": MAX_LOGPROBS},
     }
 

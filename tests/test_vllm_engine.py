@@ -182,7 +182,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = Server(model_dir)
+    s = Server(model_dir, "--tool-call-parser", "hermes")
     yield s
     s.stop()
 
@@ -340,6 +340,37 @@ def test_json_schema_outputs_validate(client):
         client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body={
             "response_format": {"type": "json_schema",
                                 "json_schema": {"name": "x", "schema": {"type": "nope"}}}})
+
+
+def test_tool_choice_required_and_named_are_forced_valid(client):
+    from tests.test_tools import CHAT, HISTORY, TOOLS, check_calls
+
+    named = {"type": "function", "function": {"name": "book"}}
+    # (one call: this random model, greedy, would go on adding calls to max_tokens)
+    one = {"parallel_tool_calls": False}
+    for choice in ("required", named):
+        r = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS,
+                                           tool_choice=choice, max_tokens=200, temperature=0,
+                                           extra_body=one)
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+        assert r.choices[0].message.content is None
+        check_calls(r.choices[0].message.tool_calls, 1)
+        stream = client.chat.completions.create(
+            model=MODEL, messages=CHAT, tools=TOOLS, tool_choice=choice, max_tokens=200,
+            temperature=0, stream=True, extra_body=one)
+        calls: dict = {}
+        for chunk in stream:
+            for d in (chunk.choices[0].delta.tool_calls or ()) if chunk.choices else ():
+                name, arguments = calls.get(d.index, (d.function.name, ""))
+                calls[d.index] = (name, arguments + d.function.arguments)
+        assert list(calls.values()) == [(c.function.name, c.function.arguments)
+                                        for c in r.choices[0].message.tool_calls]
+    # the history with calls and results renders through the template (vLLM's tokenizer)
+    short = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS,
+                                           max_tokens=1)
+    long = client.chat.completions.create(model=MODEL, messages=HISTORY, tools=TOOLS,
+                                          max_tokens=1)
+    assert long.usage.prompt_tokens > short.usage.prompt_tokens
 
 
 def test_prefix_cache_hits_are_reported(client):

@@ -9,7 +9,8 @@ Example::
 The tokenizer is a byte-level BPE trained here (with the ``tokenizers`` library) on a
 generated corpus of English, accented, CJK and emoji words, so multi-byte characters span
 several tokens in the ways a real tokenizer splits them. It has a simple chat template
-(``<|role|>content`` lines, then ``<|assistant|>``) unless ``chat_template=False``, and
+(``<|role|>content`` lines, then ``<|assistant|>``; tools Hermes-style, see
+:data:`CHAT_TEMPLATE`) unless ``chat_template=False``, and
 ``<|endoftext|>`` as its EOS token.
 
 The weights are random (seeded), drawn with a larger spread than usual so that the logits
@@ -27,8 +28,20 @@ __all__ = ["build_tiny_model", "CHAT_TEMPLATE", "EOS", "SPECIAL_TOKENS", "WORDS"
 
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, "<|system|>", "<|user|>", "<|assistant|>"]
+#: ``<|role|>content`` lines; with tools, Hermes-style as Qwen2.5's: the tools listed in a
+#: system line, assistant calls as ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``,
+#: tool results as ``<tool_response>...</tool_response>`` in a user line.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if tools %}<|system|>You may call these functions:"
+    "{% for t in tools %} {{ t | tojson }}{% endfor %}. To call one, answer "
+    '<tool_call>{"name": <name>, "arguments": <object>}</tool_call>\n{% endif %}'
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}<|user|><tool_response>{{ m['content'] }}</tool_response>\n"
+    "{% elif m['role'] == 'assistant' and m['tool_calls'] %}<|assistant|>{{ m['content'] }}"
+    "{% for c in m['tool_calls'] %}<tool_call>{\"name\": \"{{ c['function']['name'] }}\", "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}</tool_call>{% endfor %}"
+    "{{ '\\n' }}"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     "{% if enable_thinking %}<think>{% endif %}"
 )

@@ -97,13 +97,17 @@ class ChunkEncoder:
         content: str,
         finish_reason: str | None,
         logprobs: dict | None = None,
+        tool_calls: list | None = None,
     ) -> bytes:
-        """A chat chunk with ``reasoning_content`` and/or ``content`` (--reasoning-parser)."""
+        """A chat chunk with ``reasoning_content`` and/or ``content`` (--reasoning-parser),
+        and/or ``tool_calls`` deltas (--tool-call-parser)."""
         delta: dict = {}
         if reasoning:
             delta["reasoning_content"] = reasoning
-        if content or not (reasoning or finish_reason):
+        if content or not (reasoning or finish_reason or tool_calls):
             delta["content"] = content
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         lp = dumps(logprobs) if logprobs is not None else b"null"
         return (
             self._head + str(index).encode() + b',"delta":' + dumps(delta) + b',"logprobs":'
@@ -157,10 +161,12 @@ def completion_body(
     cached_tokens: int | None = None,
     logprobs: list | None = None,
     reasoning: list | None = None,
+    tool_calls: list | None = None,
 ) -> bytes:
     """The body of a non-streaming completions or chat response (``logprobs``: each
     choice's logprobs object, for requests that asked; ``reasoning``: each chat choice's
-    ``reasoning_content``, with --reasoning-parser)."""
+    ``reasoning_content``, with --reasoning-parser; ``tool_calls``: each chat choice's
+    calls, for requests with tools)."""
     lps = logprobs or [None] * len(texts)
     if chat:
         choices = [
@@ -175,6 +181,10 @@ def completion_body(
         if reasoning is not None:
             for choice, thought in zip(choices, reasoning):
                 choice["message"]["reasoning_content"] = thought or None
+        if tool_calls is not None:
+            for choice, calls in zip(choices, tool_calls):
+                if calls:
+                    choice["message"]["tool_calls"] = calls
     else:
         choices = [
             {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}

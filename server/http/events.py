@@ -1,5 +1,6 @@
 """What each output of a stream becomes on the wire when the request asked for more than text:
-logprobs, or a reasoning split (--reasoning-parser). Sans-IO.
+logprobs, a reasoning split (--reasoning-parser), or tool calls (--tool-call-parser, for
+requests with tools). Sans-IO.
 
 The plain case (text only) never comes here: the writer encodes it with
 :meth:`ChunkEncoder.delta` directly, so its cost per event does not depend on these features.
@@ -11,6 +12,8 @@ from ..outputs import RequestOutput
 from .encode import ChunkEncoder
 from .logprobs import LogprobsFormatter
 from .reasoning import ReasoningSplitter
+from .tool_parsers import ToolCallParser
+from .tools import ToolChoice
 
 __all__ = ["RichEvents"]
 
@@ -22,7 +25,7 @@ class RichEvents:
     the prompt's logprobs, in the choice's first event), else None.
     """
 
-    __slots__ = ("enc", "formatters", "splitters", "prompts")
+    __slots__ = ("enc", "formatters", "splitters", "prompts", "tool_parsers")
 
     def __init__(
         self,
@@ -33,6 +36,7 @@ class RichEvents:
         logprobs: bool,
         reasoning_parser: str | None,
         prompts: list[str] | None = None,
+        tools: ToolChoice | None = None,
     ) -> None:
         self.enc = enc
         self.formatters = [LogprobsFormatter(chat) for _ in range(choices)] if logprobs else None
@@ -40,29 +44,61 @@ class RichEvents:
         if chat and reasoning_parser is not None:
             self.splitters = [ReasoningSplitter.for_parser(reasoning_parser) for _ in range(choices)]
         self.prompts = prompts
+        self.tool_parsers = None
+        if tools is not None and tools.parse is not None:
+            self.tool_parsers = [
+                ToolCallParser(tools.parse, parallel=tools.parallel) for _ in range(choices)
+            ]
 
     @staticmethod
-    def wanted(*, chat: bool, logprobs: bool, reasoning_parser: str | None) -> bool:
+    def wanted(
+        *, chat: bool, logprobs: bool, reasoning_parser: str | None,
+        tools: ToolChoice | None = None,
+    ) -> bool:
         """Whether a stream needs these events (else: plain text events)."""
-        return logprobs or (chat and reasoning_parser is not None)
+        return (
+            logprobs or (chat and reasoning_parser is not None)
+            or (tools is not None and tools.parse is not None)
+        )
 
     def event(self, o: RequestOutput) -> bytes | None:
         """The event of output ``o`` (None: nothing to send yet, as when a reasoning split
-        holds back what may be the start of a tag)."""
+        or a tool call parser holds back what may be the start of a tag). Several tool call
+        deltas go out as consecutive chunks, one delta each."""
         formatter = self.formatters[o.index] if self.formatters is not None else None
+        if self.splitters is None and self.tool_parsers is None:
+            assert formatter is not None
+            text = o.text
+            if o.prompt_logprobs is not None and self.prompts is not None:  # echo: prompt first
+                text = self.prompts[o.index] + text
+            lp = formatter.format(o.logprobs, o.prompt_logprobs)
+            return self.enc.delta_logprobs(o.index, text, o.finish_reason, lp)
+        finish = o.finish_reason
+        thought, said = "", o.text
         if self.splitters is not None:
-            splitter = self.splitters[o.index]
-            thought, said = splitter.feed(o.text)
-            if o.finish_reason is not None:
-                more_thought, more_said = splitter.finish()
-                thought, said = thought + more_thought, said + more_said
-            lp = formatter.format(o.logprobs) if formatter is not None else None
-            if not (thought or said or o.finish_reason is not None or lp is not None):
-                return None
-            return self.enc.delta_reasoning(o.index, thought, said, o.finish_reason, lp)
-        assert formatter is not None
-        text = o.text
-        if o.prompt_logprobs is not None and self.prompts is not None:  # echo: the prompt first
-            text = self.prompts[o.index] + text
-        lp = formatter.format(o.logprobs, o.prompt_logprobs)
-        return self.enc.delta_logprobs(o.index, text, o.finish_reason, lp)
+            thought, said = _feed(self.splitters[o.index], said, finish is not None)
+        calls: list = []
+        if self.tool_parsers is not None:
+            parser = self.tool_parsers[o.index]
+            said, calls = _feed(parser, said, finish is not None)
+            if finish == "stop" and parser.calls:
+                finish = "tool_calls"
+        lp = formatter.format(o.logprobs) if formatter is not None else None
+        if not (thought or said or calls or finish is not None or lp is not None):
+            return None
+        delta = self.enc.delta_reasoning
+        if len(calls) <= 1:
+            return delta(o.index, thought, said, finish, lp, calls)
+        chunks = [delta(o.index, thought, said, None, lp, calls[:1])]
+        chunks += [delta(o.index, "", "", None, None, [c]) for c in calls[1:-1]]
+        chunks.append(delta(o.index, "", "", finish, None, calls[-1:]))
+        return b"".join(chunks)
+
+
+def _feed(parser, text: str, last: bool) -> tuple:
+    """A splitter's or parser's ``feed`` of ``text``, with its ``finish`` when ``last``."""
+    a, b = parser.feed(text)
+    if last:
+        more_a, more_b = parser.finish()
+        a, b = a + more_a, b + more_b
+    return a, b

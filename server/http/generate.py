@@ -54,6 +54,7 @@ from .encode import DONE, ChunkEncoder, completion_body, error_event, usage
 from .events import RichEvents
 from .logprobs import LogprobsFormatter
 from .reasoning import split_text
+from .tool_parsers import parse_text as parse_tool_text
 from .post import BEFORE_BODY, UNREAD_BODY, read_json_post, refusal_headers
 from .protocol import DIRECT_BODY, DirectBody
 from .sink import TextSink
@@ -127,8 +128,11 @@ async def handle_generate(
             record.client_disconnected = True
             return
         engine = app.require_engine()
-        parse = schema.parse_chat if chat else schema.parse_completion
-        req = parse(body, config.limits, engine.model_name, engine.info)
+        if chat:
+            req = schema.parse_chat(body, config.limits, engine.model_name, engine.info,
+                                    config.tool_call_parser)
+        else:
+            req = schema.parse_completion(body, config.limits, engine.model_name, engine.info)
         refusal = app.admission_error(engine, len(req.prompts) * req.params.n)
         if refusal is not None:
             raise refusal
@@ -255,13 +259,13 @@ async def _write_stream(
     enc = ChunkEncoder(chat=req.chat, response_id=response_id, created=int(time.time()), model=model)
     n = req.params.n
     choices = len(per_choice)
-    rich = None  # logprobs or a reasoning split: richer events (else plain text events)
+    rich = None  # logprobs, a reasoning split or tools: richer events (else plain text)
     if RichEvents.wanted(chat=req.chat, logprobs=req.logprobs is not None,
-                         reasoning_parser=reasoning_parser):
+                         reasoning_parser=reasoning_parser, tools=req.tools):
         # With echo and logprobs, the prompt goes out with its logprobs, in the first event.
         echoed = [req.prompts[i // n] for i in range(choices)] if req.echo else None
         rich = RichEvents(enc, choices=choices, chat=req.chat, logprobs=req.logprobs is not None,
-                          reasoning_parser=reasoning_parser, prompts=echoed)
+                          reasoning_parser=reasoning_parser, prompts=echoed, tools=req.tools)
     first = []
     for index in range(choices):
         if req.chat:
@@ -389,6 +393,11 @@ async def _write_full(
         for i, text in enumerate(joined):
             thought, joined[i] = split_text(reasoning_parser, text)
             reasoning.append(thought)
+    tool_calls = None
+    if req.tools is not None and req.tools.parse is not None:
+        tool_calls = [
+            _tool_calls(req.tools, joined, reasons, i) for i in range(k)
+        ]
     body = completion_body(
         chat=req.chat,
         response_id=response_id,
@@ -401,5 +410,15 @@ async def _write_full(
         cached_tokens=_cached_tokens(cached, n),
         logprobs=logprobs,
         reasoning=reasoning,
+        tool_calls=tool_calls,
     )
     await answer.json(body)
+
+
+def _tool_calls(tools, texts: list, reasons: list, i: int) -> list:
+    """Choice ``i``'s tool calls; its text becomes the content around them (None when
+    there is none), and a ``stop`` with calls becomes ``tool_calls``."""
+    texts[i], calls = parse_tool_text(tools.parse, texts[i], parallel=tools.parallel)
+    if calls and reasons[i] == "stop":
+        reasons[i] = "tool_calls"
+    return calls

@@ -23,6 +23,7 @@ from ..config import Limits
 from ..errors import ClientError, NotFound, clip
 from ..params import SamplingParams
 from .fields import HONOURED_CHAT, HONOURED_COMPLETION, UNSUPPORTED, check_fields
+from .tools import TOOL_FIELDS, ToolChoice, history_message, read_tools, refuse_tools
 
 __all__ = ["GenerateRequest", "parse_completion", "parse_chat", "decode_json", "messages_of"]
 
@@ -47,6 +48,8 @@ class GenerateRequest:
     logprobs: int | None = None
     #: ``stream_options.continuous_usage_stats``: usage on every chunk (vLLM).
     continuous_usage: bool = False
+    #: Tools, when the request has some (server.http.tools).
+    tools: ToolChoice | None = None
 
 
 def decode_json(body: bytes) -> dict:
@@ -220,11 +223,12 @@ def _content(content, index: int) -> str:
     raise ClientError("'content' must be a string or a list of parts.", param=param)
 
 
-def messages_of(data: dict) -> list:
+def messages_of(data: dict, tools_ok: bool = False) -> list:
     """OpenAI's rules: a known role; ``content`` required for system, developer, user and
     tool messages; a tool message needs ``tool_call_id``; an assistant message may carry
     ``tool_calls`` instead of content. Tool calls and tool results in the history are
-    refused until the server supports tools (they would otherwise be dropped)."""
+    refused unless the server serves tools (``tools_ok``: they would otherwise be
+    dropped)."""
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ClientError("'messages' must be a non-empty list.", param="messages")
@@ -247,15 +251,8 @@ def messages_of(data: dict) -> list:
             raise ClientError(
                 f"A {role} message needs 'content'.", param=f"messages[{i}].content"
             )
-        if role == "tool" or calls or (role == "assistant" and m.get("function_call")):
-            raise ClientError(
-                "Tool calls and tool results in the conversation are not supported by this "
-                "server yet.",
-                param=f"messages[{i}]" + (".tool_calls" if calls else ""),
-                code="unsupported_parameter",
-            )
-        text = _utf8(_content(content, i), f"messages[{i}].content")
-        rendered.append({"role": role, "content": text})
+        text = "" if content is None else _utf8(_content(content, i), f"messages[{i}].content")
+        rendered.append(history_message(m, i, role, text, tools_ok))
     return rendered
 
 
@@ -375,7 +372,8 @@ def _engine_sampling(data: dict, limits: Limits, engine_fields: frozenset) -> di
     """The engine-honoured sampling fields of a request, validated (None values dropped)."""
     out = {}
     for name in engine_fields:
-        if name in data and name != "top_logprobs":  # (read by _logprobs)
+        # (top_logprobs: read by _logprobs; tools: by server.http.tools)
+        if name in data and name != "top_logprobs" and name not in TOOL_FIELDS:
             check = _ENGINE_SAMPLING.get(name)
             if check is None:  # an engine declared a field this server cannot validate
                 raise ClientError(f"'{name}' is not supported by this server.", param=name)
@@ -497,7 +495,7 @@ def parse_completion(
     ``sampling`` fields are accepted, its ``engine`` named when a field is refused)."""
     data = decode_json(body)
     fields, engine = _engine_fields(engine_info)
-    check_fields(data, HONOURED_COMPLETION, fields, engine)
+    check_fields(data, HONOURED_COMPLETION, fields - TOOL_FIELDS, engine)
     common = _common(
         data, limits, served_model, chat=False, engine_fields=fields, engine_info=engine_info
     )
@@ -519,16 +517,51 @@ def parse_completion(
 
 
 def parse_chat(
-    body: bytes, limits: Limits, served_model: str, engine_info: dict | None = None
+    body: bytes,
+    limits: Limits,
+    served_model: str,
+    engine_info: dict | None = None,
+    tool_parser: str | None = None,
 ) -> GenerateRequest:
-    """Validate a ``/v1/chat/completions`` body (``engine_info``: see parse_completion)."""
+    """Validate a ``/v1/chat/completions`` body (``engine_info``: see parse_completion;
+    ``tool_parser``: the server's --tool-call-parser, without which tools are refused)."""
     data = decode_json(body)
     fields, engine = _engine_fields(engine_info)
+    tools_ok = tool_parser is not None and "tools" in fields
+    if tools_ok:
+        fields |= TOOL_FIELDS
+    else:
+        fields -= TOOL_FIELDS
+        if tool_parser is None and "tools" in (engine_info or {}).get("sampling", ()):
+            refuse_tools(data, f"the {engine} engine" if engine else "this server")
     check_fields(data, HONOURED_CHAT, fields, engine)
     common = _common(
         data, limits, served_model, chat=True, engine_fields=fields, engine_info=engine_info
     )
-    messages = messages_of(data)
+    messages = messages_of(data, tools_ok)
+    tools = read_tools(data, tool_parser) if tool_parser is not None and tools_ok else None
+    if tools is not None:
+        _tools_to_engine(tools, common["params"].extra, "response_format" in fields, engine)
     return GenerateRequest(
-        chat=True, prompts=[{"messages": messages}], echo=False, **common
+        chat=True, prompts=[{"messages": messages}], echo=False, tools=tools, **common
     )
+
+
+def _tools_to_engine(tools: ToolChoice, extra: dict, grammar_ok: bool, engine: str) -> None:
+    """The engine renders the tools, and forces the grammar of tool_choice required or
+    named (as a response_format: it takes no other)."""
+    extra["tools"] = tools.tools
+    if tools.grammar is None:
+        return
+    if not grammar_ok:
+        raise ClientError(
+            f"'tool_choice' 'required' or a named function needs structured output, which "
+            f"the {engine} engine does not support.", param="tool_choice",
+            code="unsupported_parameter",
+        )
+    if "response_format" in extra:
+        raise ClientError(
+            "'response_format' cannot be combined with 'tool_choice' 'required' or a named "
+            "function: both constrain the whole output.", param="response_format",
+        )
+    extra["response_format"] = {"type": "json_schema", "schema": tools.grammar}

@@ -115,11 +115,13 @@ def encode_prompt(
     chat: bool,
     model: str,
     template_kwargs: dict | None = None,
+    tools: list | None = None,
 ) -> list[int]:
     """Token ids of a prompt (a string, token ids, or ``{"messages": [...]}``) with a Hugging
     Face tokenizer: chat messages through its chat template (``chat``: whether it has one),
     as vLLM and transformers render them, with the request's ``chat_template_kwargs`` (such
-    as ``enable_thinking``) as template variables. Client faults raise :class:`Rejected`."""
+    as ``enable_thinking``) as template variables and its ``tools`` (OpenAI's shape) as the
+    template's ``tools``. Client faults raise :class:`Rejected`."""
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt))
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -137,7 +139,8 @@ def encode_prompt(
             )
         try:
             text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
+                **(template_kwargs or {}),
             )
         except Exception as exc:
             raise Rejected(f"cannot render the chat template: {one_line(exc)}") from None

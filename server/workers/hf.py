@@ -199,7 +199,7 @@ class TransformersEngine:
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "max_batch": max_batch,
             "sampling": [
-                *SAMPLING_FIELDS, "chat_template_kwargs",
+                *SAMPLING_FIELDS, "chat_template_kwargs", "tools",
                 *(["response_format"] if grammar_ok else []),
             ],
             "logprobs": MAX_LOGPROBS,
@@ -223,7 +223,7 @@ class TransformersEngine:
     # -- the Engine interface ---------------------------------------------------------------
 
     def add(self, rid: int, prompt: object, params: dict) -> int:
-        ids = self.encode(prompt, params.get("chat_template_kwargs"))
+        ids = self.encode(prompt, params.get("chat_template_kwargs"), params.get("tools"))
         try:
             max_tokens = int(params.get("max_tokens", 16))
             temperature = float(params.get("temperature", 1.0))
@@ -272,12 +272,15 @@ class TransformersEngine:
             max_model_len=self.max_model_len,
         )
 
-    def encode(self, prompt: object, template_kwargs: dict | None = None) -> list[int]:
-        """Token ids of a prompt (a string, token ids, or ``{"messages": [...]}``)."""
+    def encode(
+        self, prompt: object, template_kwargs: dict | None = None, tools: list | None = None
+    ) -> list[int]:
+        """Token ids of a prompt (a string, token ids, or ``{"messages": [...]}``), with
+        the request's template variables and tools."""
         return encode_prompt(
             prompt, self.tokenizer, vocab_size=self.vocab_size,
             chat=self.chat_template is not None, model=self.info["model"],
-            template_kwargs=template_kwargs,
+            template_kwargs=template_kwargs, tools=tools,
         )
 
     def abort(self, rid: int) -> bool:

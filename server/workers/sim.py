@@ -16,6 +16,11 @@ It behaves like a real engine from the frontend's point of view:
 * **Finishing.** ``length`` at ``max_tokens``; ``stop`` when a stop string appears in the
   text (text that could be the start of a stop string is held back until it is decided, and
   the stop string itself is never sent).
+* **Tool calls.** A chat request with ``tools`` is answered with one call of its first
+  tool in the Hermes format (``<tool_call>{"name": ..., "arguments": {"<its first
+  property>": "<words>"}}</tool_call>``, the tags split across tokens), ``max_tokens``
+  tokens in all, then ``stop`` (``length`` when ``max_tokens`` is too short for the call).
+  The arguments follow no schema: the sim serves ``tool_choice: auto`` only.
 * **Fault injection** (only when built with ``faults=True``): a request may carry
   ``{"fault": {"kind": K, "after": k}}`` where K is ``error`` (fail with an engine error
   after k tokens), ``crash`` (the worker process dies after k tokens), ``hang`` (the whole
@@ -26,6 +31,7 @@ It behaves like a real engine from the frontend's point of view:
 
 from __future__ import annotations
 
+import json
 import random
 import time
 import zlib
@@ -73,7 +79,7 @@ def count_tokens(text: str) -> int:
 class _Req:
     __slots__ = (
         "rid", "rng", "max_tokens", "stop", "produced", "ready_at",
-        "fault", "fault_after", "prompt_tokens", "started",
+        "fault", "fault_after", "prompt_tokens", "started", "call",
     )
     rid: int
     rng: int  # the state of a 32-bit xorshift generator
@@ -85,6 +91,7 @@ class _Req:
     fault_after: int
     prompt_tokens: int
     started: bool
+    call: list[str] | None  # the tokens of a tool call, when the request has tools
 
 
 class SimEngine:
@@ -127,6 +134,7 @@ class SimEngine:
             "max_model_len": max_model_len,
             "max_batch": max_batch,
             "chat_template": CHAT_TEMPLATE,
+            "sampling": ["tools"],
         }
         self._running: dict[int, _Req] = {}
         self._waiting: dict[int, _Req] = {}  # insertion order is FIFO order
@@ -182,6 +190,7 @@ class SimEngine:
         req.ready_at = 0.0
         req.fault = None
         req.fault_after = 0
+        req.call = _tool_call(params.get("tools"), max_tokens, req.rng)
         fault = params.get("fault")
         if self.faults and isinstance(fault, dict):
             if fault.get("kind") not in FAULT_KINDS:
@@ -288,6 +297,11 @@ class SimEngine:
                 word = "<think>"
             elif req.produced == self.reasoning_tokens + 1:
                 word = "</think>"
+        if req.call is not None:
+            word = req.call[req.produced]
+            if req.produced + 1 == len(req.call) < req.max_tokens + 1:
+                req.produced += 1
+                return OutputRow(req.rid, word, 1, "stop", None)
         req.produced += 1
         done = req.produced >= req.max_tokens
         if req.stop is None:
@@ -298,3 +312,19 @@ class SimEngine:
         if done:
             return OutputRow(req.rid, text + req.stop.flush(), 1, "length", None)
         return OutputRow(req.rid, text, 1, None, None)
+
+
+def _tool_call(tools, max_tokens: int, rng: int) -> list[str] | None:
+    """The tokens of the sim's tool call (see the module docstring), or None without tools."""
+    if not tools:
+        return None
+    fn = tools[0]["function"]
+    props = list((fn.get("parameters") or {}).get("properties") or ()) or ["text"]
+    head = ["<tool_", "call>", '{"name": ', json.dumps(fn["name"]), ', "arguments": {',
+            json.dumps(props[0]) + ':', ' "']
+    tail = ['"}}', "</tool", "_call>"]
+    words = []
+    for _ in range(max(1, max_tokens - len(head) - len(tail))):
+        rng = (rng * 1103515245 + 12345) & 0xFFFFFFFF
+        words.append(_VOCAB[(rng >> 16) % _V] + " ")
+    return head + words + tail

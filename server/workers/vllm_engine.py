@@ -226,7 +226,7 @@ class VLLMEngine:
             "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
             "prefix_caching": self.prefix_caching,
             "max_batch": self.max_batch,
-            "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs"],
+            "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs", "tools"],
             "logprobs": MAX_LOGPROBS,
         }
         #: Requests vLLM holds for us (added, not finished or aborted).
@@ -242,7 +242,7 @@ class VLLMEngine:
     # -- the Engine interface ---------------------------------------------------------------
 
     def add(self, rid: int, prompt: object, params: dict) -> int:
-        ids = self.encode(prompt, params.get("chat_template_kwargs"))
+        ids = self.encode(prompt, params.get("chat_template_kwargs"), params.get("tools"))
         max_tokens = check_context(len(ids), params.get("max_tokens"), self.max_model_len)
         sampling = self.sampling_params(params, max_tokens)
         try:
@@ -322,12 +322,15 @@ class VLLMEngine:
             max_model_len=self.max_model_len,
         )
 
-    def encode(self, prompt: object, template_kwargs: dict | None = None) -> list[int]:
-        """Token ids of a prompt (a string, token ids, or ``{"messages": [...]}``)."""
+    def encode(
+        self, prompt: object, template_kwargs: dict | None = None, tools: list | None = None
+    ) -> list[int]:
+        """Token ids of a prompt (a string, token ids, or ``{"messages": [...]}``), with
+        the request's template variables and tools."""
         return encode_prompt(
             prompt, self.tokenizer, vocab_size=self.vocab_size,
             chat=self.chat_template is not None, model=self.info["model"],
-            template_kwargs=template_kwargs,
+            template_kwargs=template_kwargs, tools=tools,
         )
 
     def sampling_params(self, params: dict, max_tokens: int):

@@ -1,0 +1,217 @@
+"""Tool calling, the request side: ``tools``, ``tool_choice``, ``parallel_tool_calls`` and
+tool calls in the history, validated into what the engine and the writer need. Sans-IO.
+
+Example::
+
+    choice = read_tools(data, parser="hermes")   # None: the request has no tools
+    choice.tools         # for the chat template (``apply_chat_template(tools=...)``)
+    choice.parse         # "hermes", "forced" (required / named: the grammar's JSON) or None
+    choice.grammar       # the JSON schema forced with tool_choice required / named, or None
+
+What each ``tool_choice`` does (docs/api.md, "Tool calls"):
+
+- ``auto`` (the default with tools): the tools are rendered by the chat template and the
+  output is parsed with ``--tool-call-parser``;
+- ``none``: the tools are rendered (as vLLM does), the output is not parsed: all content;
+- ``required``, or ``{"type": "function", "function": {"name": ...}}``: the output is forced
+  by a grammar to be the JSON array ``[{"name": ..., "arguments": {...}}, ...]`` (one call of
+  that function for a named one; one call at most with ``parallel_tool_calls: false``),
+  each ``arguments`` valid for its function's ``parameters`` schema; the writer parses that
+  array into ``tool_calls`` (the ``forced`` format of :mod:`server.http.tool_parsers`).
+
+Served only when the server runs with ``--tool-call-parser`` and the engine declares
+``tools`` in its HELLO ``sampling`` (it renders them with its chat template); otherwise the
+fields are a 400 naming them, as are tool calls in the history.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from ..errors import ClientError
+from .fields import UNSUPPORTED, _neutral
+
+__all__ = ["TOOL_FIELDS", "ToolChoice", "history_message", "read_tools", "refuse_tools"]
+
+#: The request fields of tool calling (an engine declares ``tools``; the others follow).
+TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_MAX_TOOLS = 128
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """A request's tools, as the engine and the writer need them."""
+
+    #: The tools as the chat template takes them (OpenAI's shape).
+    tools: list
+    #: How the output is parsed: a --tool-call-parser name, "forced", or None (not parsed).
+    parse: str | None
+    #: ``parallel_tool_calls``.
+    parallel: bool
+    #: The JSON schema of the output (tool_choice required or named), else None.
+    grammar: dict | None
+
+
+def refuse_tools(data: dict, by: str) -> None:
+    """A 400 for tool fields (and tool calls in the history, see :func:`history_message`)
+    when the server has no --tool-call-parser."""
+    for name in ("tools", "tool_choice"):
+        if name in data and not _neutral(data[name], UNSUPPORTED[name]):
+            raise ClientError(
+                f"'{name}' is not supported by {by} without a tool call parser: start the "
+                "server with --tool-call-parser (hermes or llama3_json) to serve tool calls.",
+                param=name, code="unsupported_parameter",
+            )
+
+
+def _tool(tool, i: int, names: set) -> dict:
+    param = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise ClientError('Each tool must be {"type": "function", "function": {...}}.', param=param)
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise ClientError("A tool needs a 'function' object.", param=f"{param}.function")
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ClientError(
+            "A function's 'name' must be 1 to 64 letters, digits, '_' or '-'.",
+            param=f"{param}.function.name",
+        )
+    if name in names:
+        raise ClientError(f"Two tools are named {name!r}.", param=f"{param}.function.name")
+    names.add(name)
+    description = fn.get("description")
+    if description is not None and not isinstance(description, str):
+        raise ClientError("'description' must be a string.", param=f"{param}.function.description")
+    parameters = fn.get("parameters")
+    if parameters is not None:
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise ClientError(
+                "'parameters' must be a JSON schema of an object "
+                '({"type": "object", "properties": {...}}).',
+                param=f"{param}.function.parameters",
+            )
+    strict = fn.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ClientError("'strict' must be a boolean.", param=f"{param}.function.strict")
+    out: dict = {"name": name}
+    if description is not None:
+        out["description"] = description
+    out["parameters"] = parameters if parameters is not None else {
+        "type": "object", "properties": {}}
+    return {"type": "function", "function": out}
+
+
+def _call_schema(fn: dict) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"enum": [fn["name"]]}, "arguments": fn["parameters"]},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def read_tools(data: dict, parser: str) -> ToolChoice | None:
+    """The request's tools and tool_choice (None: no tools, nothing to parse); 400s naming
+    the field for a malformed tool, an unknown tool_choice, or a named function not given."""
+    tools = data.get("tools")
+    if tools is None:
+        tools = []
+    if not isinstance(tools, list) or len(tools) > _MAX_TOOLS:
+        raise ClientError(f"'tools' must be a list of at most {_MAX_TOOLS} tools.", param="tools")
+    names: set = set()
+    rendered = [_tool(t, i, names) for i, t in enumerate(tools)]
+    parallel = data.get("parallel_tool_calls")
+    if parallel is None:
+        parallel = True
+    if not isinstance(parallel, bool):
+        raise ClientError("'parallel_tool_calls' must be a boolean.", param="parallel_tool_calls")
+    choice = data.get("tool_choice")
+    if choice is None:
+        choice = "auto" if rendered else "none"
+    named = None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise ClientError(
+                'A named \'tool_choice\' is {"type": "function", "function": {"name": ...}}.',
+                param="tool_choice",
+            )
+        if name not in names:
+            raise ClientError(f"'tool_choice' names {name!r}, which is not in 'tools'.",
+                              param="tool_choice")
+        named = name
+    elif choice not in ("none", "auto", "required"):
+        raise ClientError(
+            "'tool_choice' must be 'none', 'auto', 'required' or "
+            '{"type": "function", "function": {"name": ...}}.', param="tool_choice",
+        )
+    if not rendered:
+        if choice in ("none", "auto"):
+            return None
+        raise ClientError("'tool_choice' needs 'tools'.", param="tool_choice")
+    if choice == "none":
+        return ToolChoice(rendered, None, parallel, None)
+    if choice == "auto":
+        return ToolChoice(rendered, parser, parallel, None)
+    fns = [t["function"] for t in rendered if named is None or t["function"]["name"] == named]
+    items = _call_schema(fns[0]) if len(fns) == 1 else {"anyOf": [_call_schema(f) for f in fns]}
+    grammar: dict = {"type": "array", "items": items, "minItems": 1}
+    if named is not None or not parallel:
+        grammar["maxItems"] = 1
+    return ToolChoice(rendered, "forced", parallel, grammar)
+
+
+def history_message(m: dict, i: int, role: str, text: str, tools_ok: bool) -> dict:
+    """A history message for the chat template: assistant ``tool_calls`` (their
+    ``arguments`` as objects, as Hugging Face templates expect) and ``tool`` results; a 400
+    when the server does not serve tools."""
+    calls = m.get("tool_calls") if role == "assistant" else None
+    if not (role == "tool" or calls or (role == "assistant" and m.get("function_call"))):
+        return {"role": role, "content": text}
+    if not tools_ok:
+        raise ClientError(
+            "Tool calls and tool results in the conversation need a server started with "
+            "--tool-call-parser and an engine that renders tools.",
+            param=f"messages[{i}]" + (".tool_calls" if calls else ""),
+            code="unsupported_parameter",
+        )
+    if role == "assistant" and not calls:
+        raise ClientError("'function_call' is deprecated: give 'tool_calls'.",
+                          param=f"messages[{i}].function_call")
+    if role == "tool":
+        out = {"role": "tool", "content": text, "tool_call_id": m["tool_call_id"]}
+        if isinstance(m.get("name"), str):
+            out["name"] = m["name"]
+        return out
+    if not isinstance(calls, list):
+        raise ClientError("'tool_calls' must be a list.", param=f"messages[{i}].tool_calls")
+    rendered = []
+    for j, call in enumerate(calls):
+        param = f"messages[{i}].tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
+            call.get("id"), str
+        ):
+            raise ClientError(
+                'A tool call is {"id": ..., "type": "function", "function": {"name": ..., '
+                '"arguments": "<JSON>"}}.', param=param,
+            )
+        arguments = fn.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise ClientError("'arguments' must be a JSON object.",
+                                  param=f"{param}.function.arguments") from None
+        if not isinstance(arguments, dict):
+            raise ClientError("'arguments' must be a JSON object.",
+                              param=f"{param}.function.arguments")
+        rendered.append({"id": call["id"], "type": "function",
+                         "function": {"name": fn["name"], "arguments": arguments}})
+    return {"role": "assistant", "content": text, "tool_calls": rendered}

@@ -1,0 +1,155 @@
+"""The tool call parsers (sans-IO): every way of cutting an output into deltas gives the
+same content and calls as the whole text, nothing of a call leaks into content, and the
+argument fragments concatenate to exactly the final arguments."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from server.http.tool_parsers import ToolCallParser, accumulate, parse_text
+
+W = '{"city": "Pa}ris \\"x\\" 日本 🙂", "days": [1, {"n": 2}], "ok": true}'
+
+#: (format, model output, expected content, expected [(name, arguments)])
+CASES = [
+    ("hermes", f'<tool_call>\n{{"name": "get_weather", "arguments": {W}}}\n</tool_call>',
+     None, [("get_weather", W)]),
+    ("hermes", 'Let me check.\n<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'
+     '<tool_call>{"name":"b","arguments":{"x":"<tool_call>"}}</tool_call>\n',
+     "Let me check.", [("a", "{}"), ("b", '{"x":"<tool_call>"}')]),
+    ("hermes", "No calls: 1 < 2 and <tool_call> is just text </tool_call>.",
+     "No calls: 1 < 2 and <tool_call> is just text </tool_call>.", []),
+    ("hermes", '<tool_call>{"arguments": {}, "name": "f"}</tool_call> after',
+     '<tool_call>{"arguments": {}, "name": "f"}</tool_call> after', []),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "unfinished', None,
+     [("f", '{"a": "unfinished')]),
+    ("hermes", 'text <tool_ca', "text <tool_ca", []),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"q": 1}, "extra": {"}": 2}}</tool_call>'
+     'Done.  ', "Done.", [("f", '{"q": 1}')]),
+    ("hermes", '  plain answer  ', "  plain answer  ", []),
+    ("hermes", 'A \n<tool_call>{"name": "f", "arguments": {}}</tool_call> B', "A B",
+     [("f", "{}")]),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"x": 1}}; '
+     f'{{"name": "g", "parameters": {W}}}', None, [("f", '{"x": 1}'), ("g", W)]),
+    ("llama3_json", ' {"name": "f", "parameters": {}}', None, [("f", "{}")]),
+    ("llama3_json", 'The answer is {"name": "f"}', 'The answer is {"name": "f"}', []),
+    ("llama3_json", '{"value": 3}', '{"value": 3}', []),
+    ("llama3_json", '{"name": "f", "parameters": {}} and then text', "and then text",
+     [("f", "{}")]),
+    ("llama3_json", "<|python", "<|python", []),
+    ("forced", f'[{{"name": "f", "arguments": {W}}}, {{"name": "g", "arguments": {{}}}}]',
+     None, [("f", W), ("g", "{}")]),
+    ("forced", '[{"name":"f","arguments":{"a":[{"b":"}"}]}}]', None,
+     [("f", '{"a":[{"b":"}"}]}')]),
+    ("forced", '[{"name":"f","arguments":{}},{"name":"g","arg', None, [("f", "{}")]),
+]
+
+
+def parse_pieces(fmt: str, pieces: list[str], parallel: bool = True):
+    """(content or None, [(name, arguments)]) from feeding ``pieces``; checks each delta's
+    shape on the way."""
+    p = ToolCallParser(fmt, parallel=parallel)
+    content = ""
+    calls: list[dict] = []
+    started = 0
+    for piece in [*pieces, None]:
+        said, deltas = p.feed(piece) if piece is not None else p.finish()
+        content += said
+        for d in deltas:
+            if "id" in d:
+                assert d["index"] == started and d["type"] == "function"
+                started += 1
+                assert d["id"].startswith("call_") and d["function"]["arguments"] == ""
+            else:
+                assert set(d) == {"index", "function"} and d["function"]["arguments"]
+                assert d["index"] == started - 1
+        accumulate(calls, deltas)
+    assert p.calls >= len(calls)
+    got = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    return (content or None) if calls else content, got
+
+
+@pytest.mark.parametrize("fmt, text, content, calls", CASES)
+def test_every_split_gives_the_whole_texts_parse(fmt, text, content, calls):
+    whole_content, whole_calls = parse_text(fmt, text)
+    assert whole_content == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole_calls] == calls
+    expected = (content, calls)
+    assert parse_pieces(fmt, [text]) == expected
+    assert parse_pieces(fmt, list(text)) == expected  # character by character
+    for cut in range(len(text) + 1):
+        assert parse_pieces(fmt, [text[:cut], text[cut:]]) == expected, cut
+    rng = random.Random(len(text))
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(len(text) + 1), min(5, len(text) + 1)))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        assert parse_pieces(fmt, pieces) == expected, pieces
+
+
+def test_complete_arguments_parse_as_json():
+    for _, _, _, calls in CASES:
+        for _, arguments in calls:
+            if "unfinished" not in arguments:
+                json.loads(arguments)
+
+
+def test_nothing_of_a_call_is_released_early():
+    p = ToolCallParser("hermes")
+    assert p.feed("Hi <tool") == ("Hi", [])  # the blank and a possible tag held back
+    assert p.feed("_call>") == ("", [])
+    said, deltas = p.feed('{"name": "f", "arguments": {"a"')
+    assert said == "" and deltas[0]["function"] == {"name": "f", "arguments": ""}
+    assert deltas[1] == {"index": 0, "function": {"arguments": '{"a"'}}
+    assert p.feed(": 1}}</tool_c") == ("", [{"index": 0, "function": {"arguments": ": 1}"}}])
+    assert p.feed("all>") == ("", [])
+    assert p.finish() == ("", [])
+
+
+def test_parallel_false_keeps_the_first_call():
+    text = ('<tool_call>{"name": "a", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>')
+    content, calls = parse_text("hermes", text, parallel=False)
+    assert content is None and [c["function"]["name"] for c in calls] == ["a"]
+    for cut in range(len(text) + 1):
+        assert parse_pieces("hermes", [text[:cut], text[cut:]], parallel=False) == (
+            None, [("a", "{}")])
+
+
+def test_unknown_format():
+    with pytest.raises(ValueError):
+        ToolCallParser("mistral")
+
+
+def test_reasoning_then_tool_calls_in_the_events_of_a_stream():
+    """With --reasoning-parser and tools, the thinking is split off first and the parser
+    sees only the content; the events' deltas add up to the whole answer's split."""
+    from server.http.encode import ChunkEncoder
+    from server.http.events import RichEvents
+    from server.http.tools import read_tools
+    from server.outputs import RequestOutput
+
+    tools = read_tools({"tools": [{"type": "function", "function": {"name": "f"}}]}, "hermes")
+    text = ('<think>I should call <tool_call> f.</think>Calling.\n<tool_call>{"name": "f", '
+            '"arguments": {"q": "日本"}}</tool_call>')
+    for cut in range(0, len(text) + 1, 3):
+        enc = ChunkEncoder(chat=True, response_id="x", created=0, model="m")
+        rich = RichEvents(enc, choices=1, chat=True, logprobs=False, reasoning_parser="qwen3",
+                          tools=tools)
+        events = b""
+        for piece, finish in ((text[:cut], None), (text[cut:], "stop")):
+            events += rich.event(RequestOutput(0, piece, 1, 3, 1, finish)) or b""
+        thought, said, calls, finishes = "", "", [], []
+        for line in events.decode().split("\n\n")[:-1]:
+            choice = json.loads(line.removeprefix("data: "))["choices"][0]
+            delta = choice["delta"]
+            thought += delta.get("reasoning_content", "")
+            said += delta.get("content", "")
+            accumulate(calls, delta.get("tool_calls", []))
+            finishes.append(choice["finish_reason"])
+        assert thought == "I should call <tool_call> f." and said == "Calling.", cut
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            ("f", '{"q": "日本"}')], cut
+        assert finishes[-1] == "tool_calls" and finishes[:-1] == [None] * (len(finishes) - 1)
