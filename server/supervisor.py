@@ -131,11 +131,11 @@ def describe(code: int) -> str:
 
 class Supervisor:
     def __init__(self, args: argparse.Namespace, config: ServerConfig, plan: Plan,
-                 sock, directory: str) -> None:
+                 sockets: list[socket.socket], directory: str) -> None:
         self.args = args
         self.config = config
         self.plan = plan
-        self.sock = sock
+        self.sockets = sockets
         self.dir = directory
         self.stopping = trio.Event()
         self.frontends: dict[int, Child] = {}
@@ -161,7 +161,7 @@ class Supervisor:
                     async with trio.open_nursery() as frontends:
                         for i in range(args.api_servers):
                             await frontends.start(self._frontend, i)
-                        host, port = self.sock.getsockname()[:2]
+                        host, port = self.sockets[0].getsockname()[:2]
                         host = f"[{host}]" if ":" in host else host
                         log.info("serving on http://%s:%d (%d frontends, %d engine workers)",
                                  host, port, args.api_servers, args.engine_workers)
@@ -213,7 +213,8 @@ class Supervisor:
             await self._restart_after(f"engine worker {index}", why, child, restarts)
 
     async def _frontend(self, index: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        argv = self.plan.frontend_argv(index, self.sock.fileno(), self.dir, self.workers_paths)
+        fd = self.sockets[index].fileno()
+        argv = self.plan.frontend_argv(index, fd, self.dir, self.workers_paths)
         path = peer_socket(self.dir, index)
         restarts = Restarts(self.args.max_restarts)
         first = True
@@ -222,7 +223,7 @@ class Supervisor:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-            child = Child(argv, pass_fds=(self.sock.fileno(),))
+            child = Child(argv, pass_fds=(fd,))
             self.frontends[index] = child
             try:
                 if self.stopping.is_set():  # a signal came while it started
@@ -282,23 +283,42 @@ def _answers(path: Path) -> bool:
     return True
 
 
+def open_group_sockets(config: ServerConfig, n: int) -> list[socket.socket]:
+    """``n`` listening sockets on the same address, in one SO_REUSEPORT group (the port of
+    the first, when ``config.port`` is 0), with the server's options and backlog."""
+    hc = hypercorn_config(config)
+    hc.workers = n  # (hypercorn sets SO_REUSEPORT for several workers)
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            (sock,) = open_sockets(hc, config.backlog)
+            sockets.append(sock)
+            host = f"[{config.host}]" if ":" in config.host else config.host
+            hc.bind = [f"{host}:{sock.getsockname()[1]}"]
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
 def supervise(args: argparse.Namespace, config: ServerConfig) -> int:
     """Run the supervisor until its frontends stopped (SIGTERM/SIGINT): the exit status."""
     from .cli import build_parser
 
-    hc = hypercorn_config(config)
     try:
-        (sock,) = open_sockets(hc, config.backlog)
+        sockets = open_group_sockets(config, args.api_servers)
     except OSError as exc:
         print(f"trio-llm-server: cannot listen on {config.host}:{config.port}: {exc}",
               file=sys.stderr)
         return 1
     directory = tempfile.mkdtemp(prefix="trio-llm-")  # mode 0700
-    supervisor = Supervisor(args, config, plan(build_parser(), args), sock, directory)
+    supervisor = Supervisor(args, config, plan(build_parser(), args), sockets, directory)
     try:
         trio.run(supervisor.run)
     finally:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         shutil.rmtree(directory, ignore_errors=True)
     if supervisor.fatal is not None:
         print(f"trio-llm-server: {supervisor.fatal}", file=sys.stderr)

@@ -6,10 +6,10 @@ The rule, by the type each family declares:
 * **counters, histograms and summaries are summed** over the frontends, sample by sample
   (same name, same labels): requests, tokens, aborts, rejections, connections, the latency
   histograms, ``process_cpu_seconds_total`` (all frontends' CPU), garbage collections.
-  Their ``_created`` samples are dropped: a creation time is one process's, not a sum's.
 * **gauges (and untyped or info families) stay per process**, with a ``frontend`` label
   naming the frontend they came from: requests in flight, open connections, each worker's
-  running and waiting counts as that frontend last heard them, memory, descriptors.
+  running and waiting counts as that frontend last heard them, memory, descriptors, and
+  the ``*_created`` times of the counters (the text format makes them gauges).
 
 A frontend that did not answer (restarting) is missing from the sums until it is back,
 with its counters started over: the sums drop, which Prometheus' ``rate()`` reads as a
@@ -52,8 +52,6 @@ def merge_expositions(texts: Mapping[str, str]) -> list[Metric]:
             if family.type in SUMMED_TYPES and merged.type in SUMMED_TYPES:
                 acc = sums.setdefault(family.name, {})
                 for s in family.samples:
-                    if s.name.endswith("_created"):
-                        continue
                     key = (s.name, tuple(s.labels.items()))
                     acc[key] = acc.get(key, 0.0) + s.value
             else:
