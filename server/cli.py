@@ -100,10 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("several frontends")
     g.add_argument("--api-servers", type=int, default=1, metavar="N",
-                   help="run N frontend processes accepting on one listening socket and "
+                   help="run N frontend processes serving the same port (SO_REUSEPORT) and "
                    "sharing the engine workers, under a supervisor process (this one) that "
                    "starts, restarts and stops them all; 1: one process serves HTTP itself "
-                   "(Linux only; see docs/scaling.md)")
+                   "(N > 1: Linux only; see docs/scaling.md)")
     g.add_argument("--listen-fd", type=int, default=None, metavar="FD",
                    help="serve on this inherited listening socket (a file descriptor) instead "
                    "of --host/--port (what the supervisor of --api-servers gives each "
