@@ -106,8 +106,9 @@ class CpuMeter:
     """Reads the CPU time of the frontend and of its workers, before and after a run.
 
     Workers are the given pids, or (``auto_workers``) all descendants of the frontend at each
-    snapshot, less the frontends of a ``--api-servers`` supervisor (counted as frontend); a worker that appeared during the run is counted from zero, one that vanished
-    is reported as lost (its CPU after the first snapshot is unknown).
+    snapshot, less the frontends of a ``--api-servers`` supervisor (counted as frontend); a
+    worker that appeared during the run is counted from zero, one that vanished is reported
+    as lost (its CPU after the first snapshot is unknown).
     """
 
     def __init__(self, frontend: int | None, workers: list[int] | None, auto_workers: bool):
