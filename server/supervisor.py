@@ -209,7 +209,11 @@ class Supervisor:
                     code = await child.wait()
                     why = describe(code)
             finally:
-                await child.stop(_GRACE)
+                if child.returncode is None:  # we stop it (the end, or giving up)
+                    await child.stop(_GRACE)
+                    log.info("engine worker %d stopped (%s)", index, describe(child.popen.wait()))
+                else:
+                    await child.stop(_GRACE)  # (closes its pidfd)
             await self._restart_after(f"engine worker {index}", why, child, restarts)
 
     async def _frontend(self, index: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
