@@ -142,6 +142,8 @@ class Supervisor:
         self.workers_paths = [
             os.path.join(directory, f"worker-{i}.sock") for i in range(args.engine_workers)
         ]
+        #: While children start: the scope that a signal cancels.
+        self._starting: trio.CancelScope | None = None
         #: Why the supervisor gives up (then its children are stopped at once).
         self.fatal: str | None = None
 
@@ -156,11 +158,11 @@ class Supervisor:
             root.start_soon(self._watch_signals)
             try:
                 async with trio.open_nursery() as workers:
-                    for i in range(args.engine_workers):
-                        await workers.start(self._worker, i)
+                    self._starting = workers.cancel_scope  # a signal now stops everything
+                    await _start_all(workers, self._worker, args.engine_workers)
                     async with trio.open_nursery() as frontends:
-                        for i in range(args.api_servers):
-                            await frontends.start(self._frontend, i)
+                        await _start_all(frontends, self._frontend, args.api_servers)
+                        self._starting = None
                         host, port = self.sockets[0].getsockname()[:2]
                         host = f"[{host}]" if ":" in host else host
                         log.info("serving on http://%s:%d (%d frontends, %d engine workers)",
@@ -177,6 +179,8 @@ class Supervisor:
                 log.info("%s: stopping %d frontend(s)%s", name, len(self.frontends),
                          ", hurrying" if self.stopping.is_set() else "")
                 self.stopping.set()
+                if self._starting is not None:
+                    self._starting.cancel()
                 for child in self.frontends.values():
                     child.signal(signal.SIGTERM)
 
@@ -272,6 +276,14 @@ class Supervisor:
                     return True
                 await trio.sleep(0.05)
         return False
+
+
+async def _start_all(nursery: trio.Nursery, service, n: int) -> None:
+    """Start ``service(i)`` for i < n in ``nursery``, all at once; return once each has
+    called ``started()`` (an error in one ends the others)."""
+    async with trio.open_nursery() as starting:
+        for i in range(n):
+            starting.start_soon(nursery.start, service, i)
 
 
 def _answers(path: Path) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -181,6 +182,9 @@ async def supervised(tmp_path: Path, *args: str, frontends: int = 2):
             for pid in sup.seen:
                 if pid_exists(pid):
                     os.kill(pid, signal.SIGKILL)
+            found = re.search(r"unix:(\S+)/worker-0\.sock", sup.text())
+            if found:  # (a SIGKILLed supervisor leaves its private directory behind)
+                shutil.rmtree(found.group(1), ignore_errors=True)
 
 
 async def local_metrics(directory: Path, index: int) -> dict[tuple, float]:
