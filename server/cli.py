@@ -98,6 +98,23 @@ def build_parser() -> argparse.ArgumentParser:
                    "certificate(s) in this PEM file (the workers' --tls-cert must be "
                    "issued for the host names or addresses given to --worker-address)")
 
+    g = p.add_argument_group("several frontends")
+    g.add_argument("--api-servers", type=int, default=1, metavar="N",
+                   help="run N frontend processes serving the same port (SO_REUSEPORT) and "
+                   "sharing the engine workers, under a supervisor process (this one) that "
+                   "starts, restarts and stops them all; 1: one process serves HTTP itself "
+                   "(N > 1: Linux only; see docs/scaling.md)")
+    g.add_argument("--listen-fd", type=int, default=None, metavar="FD",
+                   help="serve on this inherited listening socket (a file descriptor) instead "
+                   "of --host/--port (what the supervisor of --api-servers gives each "
+                   "frontend; also socket activation)")
+    g.add_argument("--frontend-dir", default=None, metavar="DIR",
+                   help="set by the supervisor of --api-servers: this process is one of its "
+                   "frontends, whose private sockets are in DIR; /metrics merges them all")
+    g.add_argument("--frontend-index", type=int, default=None, metavar="I",
+                   help="set by the supervisor of --api-servers with --frontend-dir: this "
+                   "frontend's number (the 'frontend' label of its gauges in /metrics)")
+
     g = p.add_argument_group("frontend")
     g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="split a reasoning model's <think>...</think> from its chat answers "
@@ -149,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    _check_frontend_options(args)
     remote = _remote_workers(args)
     options = {} if remote else engine_options(args, "trio-llm-server")
     startup = args.worker_startup_timeout
@@ -206,7 +224,37 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        listen_fd=args.listen_fd,
+        frontend_dir=args.frontend_dir,
+        frontend_index=args.frontend_index or 0,
     )
+
+
+def _check_frontend_options(args: argparse.Namespace) -> None:
+    """Refuse the combinations of --api-servers, --listen-fd and the group options that
+    could not be honoured (one line each)."""
+    parser = build_parser()
+    if args.api_servers < 1:
+        raise SystemExit("trio-llm-server: --api-servers must be at least 1")
+    if args.api_servers > 1:
+        for name in ("worker_address", "listen_fd", "frontend_dir", "frontend_index"):
+            if getattr(args, name) is not None:
+                raise SystemExit(
+                    f"trio-llm-server: --{name.replace('_', '-')} is not an option of "
+                    "--api-servers: the supervisor starts the engine workers, the listening "
+                    "socket and the frontends itself"
+                )
+    if args.listen_fd is not None:
+        given = [f"--{n}" for n in ("host", "port") if getattr(args, n) != parser.get_default(n)]
+        if given:
+            raise SystemExit(
+                f"trio-llm-server: {' and '.join(given)}: not with --listen-fd (the inherited "
+                "socket is already bound)"
+            )
+        if args.listen_fd < 0:
+            raise SystemExit("trio-llm-server: --listen-fd must be a file descriptor")
+    if (args.frontend_dir is None) != (args.frontend_index is None):
+        raise SystemExit("trio-llm-server: --frontend-dir and --frontend-index go together")
 
 
 #: Options about spawned workers only, besides the engine's own (ENGINE_DESTS).
@@ -254,6 +302,10 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
     configure_logging(args.log_level, args.log_format, sys.stderr)
+    if args.api_servers > 1:
+        from .supervisor import supervise
+
+        raise SystemExit(supervise(args, config))
     if args.disable_log_requests:
         logging.getLogger("server.request").setLevel(logging.WARNING)
     if config.api_keys:

@@ -174,3 +174,10 @@ class ServerConfig:
     #: Origins a browser may call the API from (CORS), or ``("*",)`` for any; empty: CORS is
     #: off (no CORS headers, preflights are not answered).
     allowed_origins: tuple[str, ...] = ()
+    #: Serve on this inherited listening socket (a file descriptor) instead of host/port.
+    listen_fd: int | None = None
+    #: One of several frontends of a supervisor (``--api-servers``): the directory of their
+    #: private sockets (each answers its peers' metrics scrapes there; ``/metrics`` merges
+    #: them all), and this frontend's number. None: a server on its own.
+    frontend_dir: str | None = None
+    frontend_index: int = 0

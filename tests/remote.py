@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,3 +108,114 @@ def make_certificate(directory: Path, *names: str) -> tuple[Path, Path]:
         check=True, capture_output=True,
     )
     return cert, key
+
+
+# -- a supervisor of several frontends (--api-servers) ---------------------------------------
+
+
+class Supervised:
+    """A running ``python -m server --api-servers N``: its process, URL, log, and its
+    children as found in /proc (frontends by number, workers)."""
+
+    def __init__(self, proc: trio.Process, log: Path) -> None:
+        self.proc = proc
+        self.log = log
+        self.url = ""
+        self.seen: set[int] = set()  # every child pid ever seen
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def children(self) -> tuple[dict[int, int], list[int]]:
+        """``({frontend number: pid}, [worker pids])``, live ones."""
+        from tests.conftest import children_of
+
+        frontends, workers = {}, []
+        for pid in children_of(self.proc.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"server.workers" in argv:
+                workers.append(pid)
+            elif b"--frontend-index" in argv:
+                frontends[int(argv[argv.index(b"--frontend-index") + 1])] = pid
+        self.seen |= set(frontends.values()) | set(workers)
+        return frontends, workers
+
+    def directory(self) -> Path:
+        found = re.search(r"unix:(\S+)/worker-0\.sock", self.text())
+        assert found, self.text()
+        return Path(found.group(1))
+
+
+@asynccontextmanager
+async def supervised(tmp_path: Path, *args: str, frontends: int = 2):
+    """The supervisor with ``frontends`` frontends on port 0 and the fast sim engine, up
+    (its ``serving on`` line); killed, with anything left of its children, at the end."""
+    from tests.conftest import pid_exists
+
+    log = tmp_path / "supervisor.log"
+    err = log.open("wb")  # noqa: ASYNC230 (a local file, before the process exists)
+    try:
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "server", "--api-servers", str(frontends), "--port", "0",
+             *FAST_ARGS, *args],
+            stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=worker_env(None), cwd=ROOT,
+        )
+    finally:
+        err.close()
+    sup = Supervised(proc, log)
+    try:
+        with trio.fail_after(30):
+            while not (found := re.search(r"server\.supervisor: serving on (\S+) \(", sup.text())):
+                assert proc.poll() is None, sup.text()
+                await trio.sleep(0.05)
+        sup.url = found.group(1)
+        sup.children()
+        yield sup
+    finally:
+        with trio.CancelScope(shield=True):
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            for pid in sup.seen:
+                if pid_exists(pid):
+                    os.kill(pid, signal.SIGKILL)
+            found = re.search(r"unix:(\S+)/worker-0\.sock", sup.text())
+            if found:  # (a SIGKILLed supervisor leaves its private directory behind)
+                shutil.rmtree(found.group(1), ignore_errors=True)
+
+
+async def local_metrics(directory: Path, index: int) -> dict[tuple, float]:
+    """Frontend ``index``'s own metrics, read from its private socket:
+    ``{(sample name, frozenset of labels): value}``."""
+
+    stream = await trio.open_unix_socket(str(directory / f"frontend-{index}.sock"))
+    async with stream:
+        data = b""
+        while chunk := await stream.receive_some(1 << 16):
+            data += chunk
+    return parse_samples(data.decode())
+
+
+def parse_samples(text: str) -> dict[tuple, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def worker_counts(path: Path) -> tuple[int, int]:
+    """``(running, waiting)`` of the listening worker at ``path``, by its own count: a PING
+    over a connection of our own."""
+    from server import EngineConfig, open_engine
+
+    config = EngineConfig(worker_addresses=(parse_address(f"unix:{path}"),),
+                          shutdown_grace=0.3)
+    async with open_engine(config) as engine:
+        (counts,) = await engine.ping_all()
+    return counts

@@ -93,12 +93,22 @@ def server_pid_from_port(port: int) -> int | None:
     return pids[0]
 
 
+def is_group_frontend(pid: int) -> bool:
+    """Whether ``pid`` is one of the frontends of a ``--api-servers`` supervisor."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"\0--frontend-index\0" in f.read()
+    except OSError:
+        return False
+
+
 class CpuMeter:
     """Reads the CPU time of the frontend and of its workers, before and after a run.
 
     Workers are the given pids, or (``auto_workers``) all descendants of the frontend at each
-    snapshot; a worker that appeared during the run is counted from zero, one that vanished
-    is reported as lost (its CPU after the first snapshot is unknown).
+    snapshot, less the frontends of a ``--api-servers`` supervisor (counted as frontend); a
+    worker that appeared during the run is counted from zero, one that vanished is reported
+    as lost (its CPU after the first snapshot is unknown).
     """
 
     def __init__(self, frontend: int | None, workers: list[int] | None, auto_workers: bool):
@@ -114,12 +124,17 @@ class CpuMeter:
             if st is not None:
                 pids["frontend"] = (self.frontend, st[1], st[2])
         workers = descendants(self.frontend) if self.auto and self.frontend else self.workers
-        w = {}
+        w, group = {}, {}
         for pid in workers:
             st = read_stat(pid)
-            if st is not None:
+            if st is None:
+                continue
+            if self.auto and is_group_frontend(pid):  # --api-servers: a frontend, not a worker
+                group[pid] = st[1]
+            else:
                 w[pid] = (st[1], st[2])
-        return {"frontend": pids.get("frontend"), "workers": w, "t": time.perf_counter()}
+        return {"frontend": pids.get("frontend"), "workers": w, "group": group,
+                "t": time.perf_counter()}
 
     def start(self) -> None:
         self.before = self._snapshot()
@@ -130,7 +145,13 @@ class CpuMeter:
         before = self.before or {"frontend": None, "workers": {}}
         res: dict = {"frontend_pid": self.frontend, "frontend_cpu_s": None, "workers": []}
         if after["frontend"] and before["frontend"]:
-            res["frontend_cpu_s"] = (after["frontend"][1] - before["frontend"][1]) / CLK_TCK
+            ticks = after["frontend"][1] - before["frontend"][1]
+            # With --api-servers the pid is the supervisor's: its frontends count as frontend
+            # (one that appeared during the run counts from zero).
+            before_group = before.get("group", {})
+            ticks += sum(t - before_group.get(pid, 0) for pid, t in after["group"].items())
+            res["frontend_cpu_s"] = ticks / CLK_TCK
+            res["frontend_processes"] = 1 + len(after["group"])
         total = 0.0
         for pid, (ticks, comm) in sorted(after["workers"].items()):
             b = before["workers"].get(pid, (0, comm))[0]

@@ -44,6 +44,7 @@ from ..errors import (
 from ..manager.engine import Engine, run_engine
 from ..manager.worker import WorkerStartupError
 from ..observability import Metrics, RequestRecord, log_request, request_id_from_header
+from ..observability.group import group_exposition
 from ..observability.logs import request_id_var
 from ..observability.tracing import Tracing
 from .asgi import CLOSE, HeaderSend, header, send_empty, send_error
@@ -312,7 +313,15 @@ class LLMServerApp(QuartTrio):
 
         @self.get("/metrics")
         async def metrics():
-            body, content_type = self.metrics.exposition(request.headers.get("accept"))
+            accept = request.headers.get("accept")
+            group = self.server_config.frontend_dir
+            if group is None:
+                body, content_type = self.metrics.exposition(accept)
+            else:  # one of several frontends (--api-servers): answer for all of them
+                body, content_type = await group_exposition(
+                    group, self.server_config.frontend_index,
+                    self.metrics.local_exposition(), accept,
+                )
             return Response(body, status=200, content_type=content_type)
 
         @self.get("/v1/models")

@@ -26,6 +26,7 @@ from trio_util import wait_any
 
 from ..config import ServerConfig
 from ..observability.gcstats import freeze_after_startup
+from ..observability.group import peer_socket, serve_peer_scrapes
 from .app import LLMServerApp, create_app
 from .connection import ServingConfig, cut_stalled_writes
 from .listen import serve_app
@@ -38,8 +39,11 @@ log = logging.getLogger("server")
 def hypercorn_config(config: ServerConfig) -> ServingConfig:
     """Hypercorn settings for ``config``: bind address, timeouts, no access log."""
     hc = ServingConfig()
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    hc.bind = [f"{host}:{config.port}"]
+    if config.listen_fd is not None:
+        hc.bind = [f"fd://{config.listen_fd}"]
+    else:
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        hc.bind = [f"{host}:{config.port}"]
     hc.keep_alive_timeout = config.keep_alive_timeout
     # Not hypercorn's read_timeout: it bounds every read, also while a response streams and
     # the client rightly sends nothing. Idle connections (none sent yet, or between
@@ -156,6 +160,12 @@ async def serve(
         nursery.start_soon(_shut_down, app, config, hc, phases, exit_when_stuck)
         nursery.start_soon(_stop_on_fatal, app, phases)
         binds = await nursery.start(run_http)
+        if config.frontend_dir is not None:  # one of --api-servers' frontends
+            await nursery.start(
+                serve_peer_scrapes,
+                peer_socket(config.frontend_dir, config.frontend_index),
+                app.metrics.local_exposition,
+            )
         if wait_ready:  # (or until the engine fails, or the caller stops it meanwhile)
             await wait_any(app.wait_engine_ready, app.fatal.wait, phases.begin.wait)
         if not app.fatal.is_set():

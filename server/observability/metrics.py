@@ -199,6 +199,10 @@ class Metrics:
         encoder, content_type = choose_encoder(accept or "")
         return encoder(self.registry), content_type
 
+    def local_exposition(self) -> bytes:
+        """This process's metrics in the text format (what a peer frontend merges)."""
+        return self.exposition()[0]
+
     def collect(self) -> Iterator[Metric]:
         """Called by the registry at scrape time."""
         model = self._model_name()

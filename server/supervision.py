@@ -1,0 +1,124 @@
+"""What the supervisor of ``--api-servers N`` runs, and when it restarts it. Sans-IO.
+
+``plan(args, parser, ...)`` splits the server's command line in two: the engine options go
+to each worker (``python -m server.workers --listen unix:PATH ...``), the serving options to
+each frontend (``python -m server --listen-fd FD --worker-address unix:PATH ...``). The split
+follows the option's home: an option of :func:`server.engine_args.add_engine_arguments`
+(as a listening worker takes them) belongs to the worker, the rest to the frontend, except
+those only the supervisor honours (``SUPERVISOR_DESTS``). ``--model`` and ``--sim-faults``
+go to both (the served name; whether a request's ``fault`` field is accepted).
+
+:class:`Restarts` is the backoff of one child: 0.1 s after a death, doubling up to 5 s,
+starting over after the child lived ``window`` seconds; more than ``limit`` restarts within
+``window``: give up (the supervisor then exits 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import deque
+from dataclasses import dataclass
+
+from .engine_args import add_engine_arguments
+
+__all__ = ["Plan", "Restarts", "SUPERVISOR_DESTS", "options_argv", "plan"]
+
+#: Options the supervisor itself honours; they reach no child as given.
+SUPERVISOR_DESTS = frozenset({
+    "help", "api_servers", "host", "port", "engine_workers", "worker_startup_timeout",
+    "devices_per_worker", "max_restarts", "listen_fd", "frontend_dir", "frontend_index",
+    "worker_address", "worker_secret_file", "worker_tls_ca",
+})
+
+#: Engine options a frontend needs too.
+_BOTH = frozenset({"model", "sim_faults"})
+
+
+def _engine_dests() -> frozenset[str]:
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(p, spawned=False)
+    return frozenset(a.dest for a in p._actions)
+
+
+def options_argv(parser: argparse.ArgumentParser, args: argparse.Namespace, dests) -> list[str]:
+    """The command-line options that give ``args``' values of ``dests`` (only those that
+    differ from ``parser``'s defaults), as ``parser`` would read them back."""
+    out: list[str] = []
+    for action in parser._actions:
+        if action.dest not in dests or not action.option_strings:
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        option = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            out.append(option if value else "--no-" + option[2:])
+        elif isinstance(action, argparse._StoreTrueAction):
+            out.append(option)
+        elif isinstance(action, argparse._AppendAction):
+            for item in value:
+                out += [option, str(item)]
+        else:
+            out += [option, str(value)]
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The children's command lines (less what is per child)."""
+
+    #: ``python -m server.workers`` and the engine options (``--listen`` is per worker).
+    worker: list[str]
+    #: ``python -m server`` and the serving options (``--listen-fd``, ``--frontend-dir``,
+    #: ``--frontend-index`` and ``--worker-address`` are per frontend).
+    frontend: list[str]
+
+    def worker_argv(self, path: str) -> list[str]:
+        return [*self.worker, "--listen", f"unix:{path}"]
+
+    def frontend_argv(self, index: int, fd: int, directory: str, workers: list[str]) -> list[str]:
+        argv = [*self.frontend, "--listen-fd", str(fd), "--frontend-dir", directory,
+                "--frontend-index", str(index)]
+        for path in workers:
+            argv += ["--worker-address", f"unix:{path}"]
+        return argv
+
+
+def plan(parser: argparse.ArgumentParser, args: argparse.Namespace,
+         python: str = sys.executable) -> Plan:
+    """Split ``args`` (the server's, parsed by ``parser``) into the children's options."""
+    engine = _engine_dests() - SUPERVISOR_DESTS
+    every = {a.dest for a in parser._actions}
+    frontend = (every - engine - SUPERVISOR_DESTS) | _BOTH
+    return Plan(
+        worker=[python, "-m", "server.workers", *options_argv(parser, args, engine)],
+        frontend=[python, "-m", "server", *options_argv(parser, args, frontend)],
+    )
+
+
+class Restarts:
+    """When to restart one child after it died (module docstring)."""
+
+    def __init__(self, limit: int, *, window: float = 60.0, first: float = 0.1,
+                 cap: float = 5.0) -> None:
+        self.limit = limit
+        self.window = window
+        self.first = first
+        self.cap = cap
+        self._delay = first
+        self._deaths: deque[float] = deque()
+
+    def died(self, now: float, lived: float) -> float | None:
+        """The delay before the restart of a child that died at ``now`` after ``lived``
+        seconds; None when it died more than ``limit`` times within ``window``."""
+        if lived >= self.window:
+            self._delay = self.first
+        self._deaths.append(now)
+        while self._deaths and self._deaths[0] < now - self.window:
+            self._deaths.popleft()
+        if len(self._deaths) > self.limit:
+            return None
+        delay = self._delay
+        self._delay = min(self._delay * 2, self.cap)
+        return delay

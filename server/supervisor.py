@@ -1,0 +1,342 @@
+"""The supervisor of ``trio-llm-server --api-servers N`` (N > 1): the engine workers and N
+frontend processes, all its children, sharing one listening socket. Linux only.
+
+Theory of operation
+-------------------
+::
+
+    supervisor (this process: no HTTP, no engine)
+    ├── worker 0 (python -m server.workers --listen unix:DIR/worker-0.sock ...)
+    ├── worker M-1
+    ├── frontend 0 (python -m server --listen-fd FD --worker-address unix:... ...)
+    └── frontend N-1          DIR: a private directory, mode 0700
+
+1. The supervisor binds and listens on ``--host``/``--port`` itself (port 0: the port
+   chosen is in its ``serving on`` line), with the server's socket options and
+   ``--backlog``. Every frontend inherits that socket and accepts from it: the kernel hands
+   each connection to one of them, and connections queued while a frontend is down are
+   taken by the others.
+2. It starts ``--engine-workers`` listening workers on unix sockets in ``DIR`` (no secret:
+   the directory's mode is the access control) and waits until each listens (its socket
+   file appears: a worker binds only once its engine is loaded), then the frontends, each
+   given every worker's address, and waits until each answers on its private socket
+   (:mod:`server.observability.group`).
+3. Supervision: a child that exits is restarted (:class:`~server.supervision.Restarts`:
+   backoff from 0.1 s, doubling to 5 s), a worker on the same socket path, so that the
+   frontends reconnect by themselves. A dead frontend's connections to the workers end,
+   and the workers abort its requests; the other frontends are not touched. A child that
+   cannot start the first time, or dies more than ``--max-restarts`` times within 60 s,
+   ends the supervisor with status 1 and one line.
+4. SIGTERM/SIGINT: SIGTERM to every frontend (each drains with ``--shutdown-timeout`` as
+   a server on its own does); once they are all gone, the workers get SIGTERM, then
+   SIGKILL after a grace. A second signal is forwarded too (each frontend hurries).
+
+No child outlives the supervisor: each is started in its own process group (a Ctrl-C
+reaches the supervisor only, which decides) with a parent-death signal (``prctl
+PR_SET_PDEATHSIG``: SIGKILL when the supervisor dies, even of SIGKILL), and whatever is
+left when the supervisor ends is killed. Children are started from the Trio thread itself,
+not with ``trio.lowlevel.open_process``: that forks from a worker thread, and the
+parent-death signal fires when the *thread* that forked exits (Trio's idle threads do).
+A child's exit is awaited on its pidfd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+from .config import ServerConfig
+from .http.listen import open_sockets
+from .http.serve import hypercorn_config
+from .observability.group import peer_socket
+from .supervision import Plan, Restarts, plan
+
+__all__ = ["supervise"]
+
+log = logging.getLogger("server.supervisor")
+
+_PR_SET_PDEATHSIG = 1
+#: How long a frontend may take to answer on its private socket after it started.
+_FRONTEND_STARTUP = 60.0
+#: After SIGTERM, how long a worker (or a child, at a fatal end) has before SIGKILL.
+_GRACE = 3.0
+
+
+class Fatal(Exception):
+    """A child could not start, or kept dying: the supervisor ends with status 1 (raised
+    by :meth:`Supervisor.give_up`, which notes why)."""
+
+
+class Child:
+    """One child process, started from the calling (Trio) thread, with a pidfd."""
+
+    def __init__(self, argv: list[str], *, pass_fds: tuple = (), env: dict | None = None) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        parent = os.getpid()
+
+        def setup() -> None:  # in the child, between fork and exec
+            os.setpgid(0, 0)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != parent:  # the parent died before prctl took effect
+                os._exit(1)
+
+        self.popen = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, pass_fds=pass_fds, env=env, preexec_fn=setup,
+        )
+        self.pid = self.popen.pid
+        self.started = time.monotonic()
+        self._pidfd = os.pidfd_open(self.pid)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    async def wait(self) -> int:
+        if self.popen.returncode is None:
+            await trio.lowlevel.wait_readable(self._pidfd)
+        return self.popen.wait()
+
+    def signal(self, signum: int) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signum)
+
+    async def stop(self, grace: float) -> None:
+        """SIGTERM, then SIGKILL after ``grace``; waits for it. Shielded and bounded."""
+        with trio.CancelScope(shield=True):
+            self.signal(signal.SIGTERM)
+            with trio.move_on_after(grace):
+                await self.wait()
+            if self.popen.poll() is None:
+                self.popen.kill()
+                await self.wait()
+            trio.lowlevel.notify_closing(self._pidfd)
+            os.close(self._pidfd)
+
+
+def describe(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+
+
+class Supervisor:
+    def __init__(self, args: argparse.Namespace, config: ServerConfig, plan: Plan,
+                 sockets: list[socket.socket], directory: str) -> None:
+        self.args = args
+        self.config = config
+        self.plan = plan
+        self.sockets = sockets
+        self.dir = directory
+        self.stopping = trio.Event()
+        self.frontends: dict[int, Child] = {}
+        self.workers_paths = [
+            os.path.join(directory, f"worker-{i}.sock") for i in range(args.engine_workers)
+        ]
+        #: While children start: the scope that a signal cancels.
+        self._starting: trio.CancelScope | None = None
+        #: Why the supervisor gives up (then its children are stopped at once).
+        self.fatal: str | None = None
+
+    def give_up(self, why: str) -> Fatal:
+        if self.fatal is None:
+            self.fatal = why
+        return Fatal(why)
+
+    async def run(self) -> None:
+        args = self.args
+        async with trio.open_nursery() as root:
+            root.start_soon(self._watch_signals)
+            try:
+                async with trio.open_nursery() as workers:
+                    self._starting = workers.cancel_scope  # a signal now stops everything
+                    await _start_all(workers, self._worker, args.engine_workers)
+                    async with trio.open_nursery() as frontends:
+                        await _start_all(frontends, self._frontend, args.api_servers)
+                        self._starting = None
+                        host, port = self.sockets[0].getsockname()[:2]
+                        host = f"[{host}]" if ":" in host else host
+                        log.info("serving on http://%s:%d (%d frontends, %d engine workers)",
+                                 host, port, args.api_servers, args.engine_workers)
+                    workers.cancel_scope.cancel()  # every frontend is gone: stop the workers
+            except* Fatal:
+                pass  # (self.fatal says why)
+            root.cancel_scope.cancel()
+
+    async def _watch_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                log.info("%s: stopping %d frontend(s)%s", name, len(self.frontends),
+                         ", hurrying" if self.stopping.is_set() else "")
+                self.stopping.set()
+                if self._starting is not None:
+                    self._starting.cancel()
+                for child in self.frontends.values():
+                    child.signal(signal.SIGTERM)
+
+    async def _worker(self, index: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        path = self.workers_paths[index]
+        argv = self.plan.worker_argv(path)
+        env = None
+        devices = self.config.engine.for_worker(index).visible_devices()
+        if devices is not None:
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices}
+        restarts = Restarts(self.args.max_restarts)
+        first = True
+        while True:
+            try:
+                os.unlink(path)  # a killed predecessor's
+            except FileNotFoundError:
+                pass
+            child = Child(argv, env=env)
+            try:
+                if not await self._until(lambda: os.path.exists(path), child,
+                                         self.config.engine.startup_timeout):
+                    why = describe(child.returncode) if child.returncode is not None \
+                        else "not listening in time"
+                    if first:
+                        raise self.give_up(f"engine worker {index} could not start ({why})")
+                else:
+                    if first:
+                        first = False
+                        task_status.started()
+                    code = await child.wait()
+                    why = describe(code)
+            finally:
+                if child.returncode is None:  # we stop it (the end, or giving up)
+                    await child.stop(_GRACE)
+                    log.info("engine worker %d stopped (%s)", index, describe(child.popen.wait()))
+                else:
+                    await child.stop(_GRACE)  # (closes its pidfd)
+            await self._restart_after(f"engine worker {index}", why, child, restarts)
+
+    async def _frontend(self, index: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        fd = self.sockets[index].fileno()
+        argv = self.plan.frontend_argv(index, fd, self.dir, self.workers_paths)
+        path = peer_socket(self.dir, index)
+        restarts = Restarts(self.args.max_restarts)
+        first = True
+        while not self.stopping.is_set():
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            child = Child(argv, pass_fds=(fd,))
+            self.frontends[index] = child
+            try:
+                if self.stopping.is_set():  # a signal came while it started
+                    child.signal(signal.SIGTERM)
+                if not await self._until(lambda: _answers(path), child, _FRONTEND_STARTUP):
+                    why = describe(child.returncode) if child.returncode is not None \
+                        else "not serving in time"
+                    if first and not self.stopping.is_set():
+                        raise self.give_up(f"frontend {index} could not start ({why})")
+                else:
+                    if first:
+                        first = False
+                        task_status.started()
+                    why = describe(await child.wait())
+            finally:
+                del self.frontends[index]
+                # A frontend drains on SIGTERM (for --shutdown-timeout), unless we give up.
+                drain = self.config.shutdown_timeout + 10.0
+                await child.stop(_GRACE if self.fatal is not None else drain)
+            if self.stopping.is_set():
+                log.info("frontend %d stopped (%s)", index, why)
+                break
+            await self._restart_after(f"frontend {index}", why, child, restarts)
+        if first:
+            task_status.started()
+
+    async def _restart_after(self, name: str, why: str, child: Child, restarts: Restarts) -> None:
+        now = time.monotonic()
+        delay = restarts.died(now, now - child.started)
+        if delay is None:
+            raise self.give_up(f"{name} died more than {restarts.limit} times within "
+                        f"{restarts.window:.0f} s (last: {why})")
+        log.error("%s (pid %d) exited (%s); restarting in %.1f s", name, child.pid, why, delay)
+        with trio.move_on_after(delay):
+            await self.stopping.wait()
+
+    async def _until(self, ready, child: Child, timeout: float) -> bool:
+        """Whether ``ready()`` came true before ``child`` exited (within ``timeout``)."""
+        with trio.move_on_after(timeout):
+            while child.returncode is None:
+                if ready():
+                    return True
+                await trio.sleep(0.05)
+        return False
+
+
+async def _start_all(nursery: trio.Nursery, service, n: int) -> None:
+    """Start ``service(i)`` for i < n in ``nursery``, all at once; return once each has
+    called ``started()`` (an error in one ends the others)."""
+    async with trio.open_nursery() as starting:
+        for i in range(n):
+            starting.start_soon(nursery.start, service, i)
+
+
+def _answers(path: Path) -> bool:
+    """Whether a frontend listens on its private socket (it then serves HTTP too)."""
+    if not path.exists():
+        return False
+    with socket.socket(socket.AF_UNIX) as s:
+        s.setblocking(False)
+        try:
+            s.connect(os.fspath(path))
+        except OSError:
+            return False
+    return True
+
+
+def open_group_sockets(config: ServerConfig, n: int) -> list[socket.socket]:
+    """``n`` listening sockets on the same address, in one SO_REUSEPORT group (the port of
+    the first, when ``config.port`` is 0), with the server's options and backlog."""
+    hc = hypercorn_config(config)
+    hc.workers = n  # (hypercorn sets SO_REUSEPORT for several workers)
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            (sock,) = open_sockets(hc, config.backlog)
+            sockets.append(sock)
+            host = f"[{config.host}]" if ":" in config.host else config.host
+            hc.bind = [f"{host}:{sock.getsockname()[1]}"]
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def supervise(args: argparse.Namespace, config: ServerConfig) -> int:
+    """Run the supervisor until its frontends stopped (SIGTERM/SIGINT): the exit status."""
+    from .cli import build_parser
+
+    try:
+        sockets = open_group_sockets(config, args.api_servers)
+    except OSError as exc:
+        print(f"trio-llm-server: cannot listen on {config.host}:{config.port}: {exc}",
+              file=sys.stderr)
+        return 1
+    directory = tempfile.mkdtemp(prefix="trio-llm-")  # mode 0700
+    supervisor = Supervisor(args, config, plan(build_parser(), args), sockets, directory)
+    try:
+        trio.run(supervisor.run)
+    finally:
+        for sock in sockets:
+            sock.close()
+        shutil.rmtree(directory, ignore_errors=True)
+    if supervisor.fatal is not None:
+        print(f"trio-llm-server: {supervisor.fatal}", file=sys.stderr)
+        return 1
+    return 0

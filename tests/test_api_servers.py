@@ -1,0 +1,249 @@
+"""``--api-servers N``: a supervisor, N frontends on one inherited listening socket and the
+engine workers, as real processes (real time, ``trio.fail_after``).
+
+Requests spread over the frontends (counted from each frontend's own metrics, read on its
+private socket), ``/metrics`` sums them; a SIGKILLed frontend's streams end, its requests
+are aborted in the worker (the worker's own count, by PING), the other frontend's streams
+go on untouched, and it is restarted; SIGTERM drains every frontend and leaves no process;
+a SIGKILLed supervisor leaves no process (the parent-death signal); a worker that cannot
+start ends the supervisor with one line. The sans-IO parts (merging expositions, the
+restart policy, the split of the command line) are tested without processes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import httpx
+import pytest
+import trio
+
+from server.cli import build_parser, config_from_args
+from server.observability.merge import merge_expositions
+from server.supervision import Restarts, plan
+from tests.conftest import pid_exists
+from tests.remote import local_metrics, parse_samples, supervised, worker_counts
+from tests.sse_record import SSE, stream_into
+
+LENGTH = ("trio_llm:request_success_total",
+          frozenset({("finished_reason", "length"), ("model_name", "sim")}))
+
+
+def in_flight(index: int | None = None) -> tuple:
+    """The in-flight gauge's key: merged (labelled with the frontend), or one's own."""
+    labels = {("model_name", "sim")}
+    if index is not None:
+        labels.add(("frontend", str(index)))
+    return ("trio_llm:num_requests_in_flight", frozenset(labels))
+
+
+async def wait_gone(pids, timeout: float) -> None:
+    with trio.fail_after(timeout):
+        while any(pid_exists(p) for p in pids):
+            await trio.sleep(0.05)
+
+
+async def streams(http: httpx.AsyncClient, n: int, max_tokens: int, nursery) -> list[SSE]:
+    recs = [SSE() for _ in range(n)]
+
+    async def one(rec: SSE) -> None:
+        try:
+            await stream_into(http, {"prompt": "p", "max_tokens": max_tokens}, rec)
+        except (httpx.RemoteProtocolError, httpx.ReadError):
+            rec.status = -1  # the connection broke (its frontend died)
+
+    for rec in recs:
+        nursery.start_soon(one, rec)
+    with trio.fail_after(10):
+        for rec in recs:
+            await rec.started.wait()
+    return recs
+
+
+def new_connections() -> httpx.Limits:
+    return httpx.Limits(max_keepalive_connections=0)  # a connection per request
+
+
+# -- with processes --------------------------------------------------------------------------
+
+
+async def test_requests_spread_over_the_frontends_and_metrics_sum_them(tmp_path):
+    async with supervised(tmp_path) as sup:
+        directory = sup.directory()
+        async with httpx.AsyncClient(base_url=sup.url, timeout=30,
+                                     limits=new_connections()) as http:
+            async with trio.open_nursery() as nursery:
+                recs = await streams(http, 16, 100, nursery)
+        assert all(r.finish_reasons() == ["length"] for r in recs)
+        own = [await local_metrics(directory, i) for i in (0, 1)]
+        served = [m[LENGTH] for m in own]
+        assert all(n > 0 for n in served) and sum(served) == 16, served
+        async with httpx.AsyncClient(base_url=sup.url) as http:
+            merged = parse_samples((await http.get("/metrics")).text)
+        assert merged[LENGTH] == 16  # summed
+        assert merged[("trio_llm:api_servers_scraped", frozenset())] == 2
+        tokens = ("trio_llm:generation_tokens_total", frozenset({("model_name", "sim")}))
+        assert merged[tokens] == 1600
+        assert merged[in_flight(0)] == 0 and merged[in_flight(1)] == 0  # per frontend
+        cpu = ("process_cpu_seconds_total", frozenset())
+        assert merged[cpu] >= max(m[cpu] for m in own)  # summed too
+
+
+async def test_a_killed_frontend_is_restarted_its_requests_aborted_the_others_untouched(tmp_path):
+    async with supervised(tmp_path, "--sim-itl-ms", "5") as sup:
+        directory = sup.directory()
+        frontends, _ = sup.children()
+        async with httpx.AsyncClient(base_url=sup.url, timeout=30,
+                                     limits=new_connections()) as http:
+            async with trio.open_nursery() as nursery:
+                recs = await streams(http, 12, 500, nursery)  # 2.5 s each
+                counts = [int((await local_metrics(directory, i))[in_flight()]) for i in (0, 1)]
+                assert sum(counts) == 12 and min(counts) > 0, counts
+                assert await worker_counts(directory / "worker-0.sock") == (12, 0)
+                doomed = frontends[0]
+                os.kill(doomed, signal.SIGKILL)
+                # its requests are aborted in the worker at once; the others run on
+                with trio.fail_after(2):
+                    while await worker_counts(directory / "worker-0.sock") != (counts[1], 0):
+                        await trio.sleep(0.05)
+        broken = [r for r in recs if r.status == -1]
+        whole = [r for r in recs if r.status == 200]
+        assert len(broken) == counts[0] and len(whole) == counts[1]
+        assert all(r.finish_reasons() == ["length"] and r.tokens() == 500 and not r.has_error()
+                   for r in whole)
+        assert await worker_counts(directory / "worker-0.sock") == (0, 0)
+        with trio.fail_after(10):
+            while (again := sup.children()[0].get(0)) in (None, doomed):
+                await trio.sleep(0.05)
+            while True:
+                try:
+                    await local_metrics(directory, 0)
+                    break
+                except OSError:
+                    await trio.sleep(0.05)
+        assert again != doomed
+        assert "frontend 0 (pid %d) exited (killed by SIGKILL); restarting" % doomed in sup.text()
+        async with httpx.AsyncClient(base_url=sup.url) as http:
+            merged = parse_samples((await http.get("/metrics")).text)
+        assert merged[("trio_llm:api_servers_scraped", frozenset())] == 2
+
+
+async def test_sigterm_drains_every_frontend_and_leaves_no_process(tmp_path):
+    async with supervised(tmp_path, "--shutdown-timeout", "5") as sup:
+        frontends, workers = sup.children()
+        assert len(frontends) == 2 and len(workers) == 1
+        async with httpx.AsyncClient(base_url=sup.url, timeout=30,
+                                     limits=new_connections()) as http:
+            async with trio.open_nursery() as nursery:
+                recs = await streams(http, 8, 1000, nursery)  # 2 s each
+                sup.proc.send_signal(signal.SIGTERM)
+                signalled = trio.current_time()
+                with trio.fail_after(3):
+                    while True:  # new requests: 503 from whichever frontend takes them
+                        r = await http.post("/v1/completions",
+                                            json={"prompt": "n", "max_tokens": 2})
+                        if r.status_code == 503:
+                            break
+                        await trio.sleep(0.02)
+                assert r.json()["error"]["code"] == "shutting_down"
+        assert all(r.status == 200 and r.finish_reasons() == ["length"] and r.tokens() == 1000
+                   for r in recs)
+        assert max(r.ended for r in recs) - signalled < 5
+        with trio.fail_after(15):
+            assert await sup.proc.wait() == 0, sup.text()
+        await wait_gone([*frontends.values(), *workers], 2)
+        assert "Traceback" not in sup.text()
+        assert "engine worker 0 stopped (killed by SIGTERM)" in sup.text()  # not left to die
+        assert not sup.directory().exists()
+
+
+async def test_a_killed_supervisor_leaves_no_process(tmp_path):
+    async with supervised(tmp_path, "--engine-workers", "2") as sup:
+        frontends, workers = sup.children()
+        assert len(frontends) == 2 and len(workers) == 2
+        sup.proc.kill()
+        await sup.proc.wait()
+        await wait_gone([*frontends.values(), *workers], 5)
+
+
+async def test_a_worker_that_cannot_start_ends_the_supervisor_with_one_line(tmp_path):
+    # (no vLLM in this environment: the worker fails at once)
+    proc = await trio.run_process(
+        [sys.executable, "-m", "server", "--api-servers", "2", "--port", "0",
+         "--engine", "vllm", "--model-path", str(tmp_path)],
+        capture_stdout=True, capture_stderr=True, check=False,
+    )
+    assert proc.returncode == 1
+    last = proc.stderr.decode().strip().splitlines()[-1]
+    assert last == "trio-llm-server: engine worker 0 could not start (exit status 2)", last
+
+
+# -- without processes -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--api-servers", "0"], "--api-servers must be at least 1"),
+    (["--api-servers", "2", "--worker-address", "unix:/w"],
+     "--worker-address is not an option of --api-servers"),
+    (["--api-servers", "2", "--listen-fd", "3"], "--listen-fd is not an option of --api-servers"),
+    (["--listen-fd", "3", "--port", "9000"], "--port: not with --listen-fd"),
+    (["--frontend-dir", "/d"], "--frontend-dir and --frontend-index go together"),
+])
+def test_option_refusals_are_one_line(argv, message):
+    with pytest.raises(SystemExit, match=message) as info:
+        config_from_args(build_parser().parse_args(argv))
+    assert "\n" not in str(info.value.code)
+
+
+def test_the_command_line_splits_into_the_workers_and_the_frontends():
+    parser = build_parser()
+    args = parser.parse_args([
+        "--api-servers", "3", "--port", "0", "--engine-workers", "2", "--sim-itl-ms", "3",
+        "--max-batch", "64", "--shutdown-timeout", "4", "--api-key", "k", "--sim-faults",
+        "--model", "m", "--max-restarts", "2",
+    ])
+    p = plan(parser, args, python="py")
+    assert p.worker_argv("/d/w.sock") == [
+        "py", "-m", "server.workers", "--model", "m", "--max-batch", "64",
+        "--sim-itl-ms", "3.0", "--sim-faults", "--listen", "unix:/d/w.sock"]
+    front = p.frontend_argv(1, 5, "/d", ["/d/w0", "/d/w1"])
+    assert front[:3] == ["py", "-m", "server"]
+    config = config_from_args(parser.parse_args(front[3:]))  # a frontend accepts its argv
+    assert config.listen_fd == 5 and config.frontend_index == 1
+    assert config.shutdown_timeout == 4 and config.api_keys == ("k",)
+    assert config.limits.allow_faults and config.engine.model == "m"
+    assert [str(a) for a in config.engine.worker_addresses] == ["unix:/d/w0", "unix:/d/w1"]
+
+
+def test_metrics_merge_sums_counters_and_histograms_and_labels_gauges():
+    def text(requests: int, in_flight: int, le1: int) -> str:
+        return (
+            "# TYPE r_total counter\n"  # (as prometheus-client writes them)
+            f'r_total{{m="a"}} {requests}\n'
+            "# TYPE r_created gauge\n"
+            f'r_created{{m="a"}} 1.7e9\n'
+            "# TYPE g gauge\n"
+            f"g {in_flight}\n"
+            "# TYPE h histogram\n"
+            f'h_bucket{{le="1.0"}} {le1}\nh_bucket{{le="+Inf"}} 5\nh_count 5\nh_sum 2.5\n'
+        )
+    families = {f.name: f for f in merge_expositions({"0": text(3, 1, 2), "1": text(4, 2, 3)})}
+    assert [(s.name, s.labels, s.value) for s in families["r"].samples] == [
+        ("r_total", {"m": "a"}, 7.0)]
+    assert [s.labels["frontend"] for s in families["r_created"].samples] == ["0", "1"]
+    assert [(s.labels, s.value) for s in families["g"].samples] == [
+        ({"frontend": "0"}, 1.0), ({"frontend": "1"}, 2.0)]
+    assert [(s.name, s.labels.get("le"), s.value) for s in families["h"].samples] == [
+        ("h_bucket", "1.0", 5.0), ("h_bucket", "+Inf", 10.0), ("h_count", None, 10.0),
+        ("h_sum", None, 5.0)]
+
+
+def test_restarts_back_off_and_give_up():
+    r = Restarts(3, window=60.0)
+    assert [r.died(t, 1.0) for t in (0.0, 1.0, 2.0)] == [0.1, 0.2, 0.4]
+    assert r.died(3.0, 1.0) is None  # a fourth death within 60 s
+    r = Restarts(3, window=60.0)
+    assert r.died(0.0, 1.0) == 0.1 and r.died(1.0, 1.0) == 0.2
+    assert r.died(100.0, 99.0) == 0.1  # it lived long: the backoff starts over
