@@ -8,9 +8,10 @@ generator (bench/loadgen.py, closed loop, streaming completions, greedy with ``i
 so every request makes exactly ``--max-tokens`` tokens), at each concurrency of
 ``--concurrency`` (default 1,4,16):
 
-* ``ours``: ``python -m server --engine vllm`` at its defaults (``--stream-interval-ms 20``);
-* ``ours-0``: the same with ``--stream-interval-ms 0``: one event per engine step, vLLM's
-  own granularity;
+* ``ours``: ``python -m server --engine vllm`` at its defaults: one event per engine step,
+  vLLM's own granularity (``--stream-interval-ms 0``);
+* ``ours-20``: the same with ``--stream-interval-ms 20`` (the default before issue 15:
+  tokens merged into an event at most every 20 ms);
 * ``vllm``: vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``, what
   ``vllm serve`` runs) at its defaults.
 
@@ -66,8 +67,8 @@ def _server_cmd(kind: str, model: str, port: int, engine: dict) -> list[str]:
            "--model", "m", "--port", str(port), "--disable-log-requests"]
     for key, value in engine.items():
         cmd += ["--engine-arg", f"{key}={value}"]
-    if kind == "ours-0":
-        cmd += ["--stream-interval-ms", "0"]
+    if kind == "ours-20":
+        cmd += ["--stream-interval-ms", "20"]
     return cmd
 
 
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--servers", default="ours,ours-0,vllm")
+    p.add_argument("--servers", default="ours,ours-20,vllm")
     p.add_argument("--engine", type=json.loads, default=ENGINE,
                    help="engine arguments for both servers, as JSON (default: the CPU "
                    "settings above; on a GPU e.g. '{\"max_model_len\": 4096}')")
