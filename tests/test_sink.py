@@ -125,3 +125,34 @@ async def test_no_sink_with_pacing(autojump_clock):
             assert stream._waker.sink is None
             async for _ in stream:
                 pass
+
+
+async def test_chunks_the_kernel_takes_in_part_go_out_whole_and_in_order(monkeypatch):
+    """A socket buffer that takes only part of a chunk (the kernel's choice): the rest goes
+    out first, from the request's task; the stream and the next response on the same
+    connection are byte for byte those of a socket that takes everything."""
+    from server.http.connection import ServingConnection
+
+    real = ServingConnection.write_nowait
+    writes = torn = 0
+
+    def tearing(self, data):
+        nonlocal writes, torn
+        writes += 1
+        if writes % 3 == 0 and len(data) > 1 and not self.send_lock.locked():
+            torn += 1
+            return real(self, data[: len(data) // 2])
+        return real(self, data)
+
+    body = {"prompt": "a b c", "max_tokens": 60, "stream": True, "seed": 5,
+            "stream_options": {"include_usage": True}}
+    async with running_server() as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            with trio.fail_after(20):
+                whole = [await _stream(http, body) for _ in range(2)]
+            monkeypatch.setattr(ServingConnection, "write_nowait", tearing)
+            with trio.fail_after(20):
+                parts = [await _stream(http, body) for _ in range(2)]  # one connection
+    assert torn >= 20
+    assert [_events(b) for b in parts] == [_events(b) for b in whole]
+    assert all(b.endswith(b"data: [DONE]\n\n") for b in parts)

@@ -312,7 +312,8 @@ async def _write_stream(
                     if o.cached_tokens is not None:
                         cached[o.index] = o.cached_tokens
                 if rich is None:
-                    if sink is not None and not o.text and o.finish_reason is None:
+                    if (sink is not None and not o.text and not o.num_tokens
+                            and o.finish_reason is None):
                         continue  # the sink wrote its text (and sent the rest above)
                     parts.append(enc.delta(o.index, o.text, o.finish_reason))
                 else:
@@ -329,8 +330,11 @@ async def _write_stream(
             if sink is not None:
                 sink.last = last
             elif plain and last:
-                sink = TextSink(direct, enc, observe_itl, last)  # type: ignore[arg-type]
-                stream.set_sink(sink)
+                plain = False  # one try; only for a chunked body (HTTP/1.1)
+                if direct is not None and direct.usable():
+                    sink = TextSink(direct, enc, observe_itl, last)
+                    if not stream.set_sink(sink):
+                        sink = None
         stream.set_sink(None)
         tail = DONE
         if req.include_usage:

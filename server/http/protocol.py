@@ -240,12 +240,21 @@ class DirectBody:
         self._protocol = protocol
         self._connection = connection
 
+    def usable(self) -> bool:
+        """Whether a chunked body is in progress (not an HTTP/1.0 or Content-Length body,
+        not before the head or after the last chunk): only then can it write."""
+        stream = self._stream
+        return (
+            stream._body_ok and self._protocol._chunked and not stream.closed
+            and stream.state == ASGIHTTPState.RESPONSE
+        )
+
     def write_nowait(self, body: bytes) -> bytes | None:
         """Write ``body`` as one chunk now. Returns None when nothing was written (no body
         in progress, another write under way, a full socket buffer, a broken connection:
         send it the usual way), ``b""`` when all of it was, else the rest of the framed
         chunk, which must go next, with :meth:`send_torn`."""
-        if not (self._stream._body_ok and self._protocol._chunked) or not body:
+        if not body or not self.usable():
             return None
         data = b"%x\r\n%b\r\n" % (len(body), body)
         sent = self._connection.write_nowait(data)

@@ -56,13 +56,14 @@ class TextSink:
         rest = self._body.write_nowait(data)
         if rest is None:
             return False  # not written: the task sends it the usual way
-        if choice.ntok:
+        # Written (maybe in part): from here the choice must say so, whatever follows.
+        self.torn = rest
+        tokens = choice.ntok
+        choice.text = ""
+        choice.ntok = 0
+        if tokens:
             now = _now()
             self._observe_itl(now - self.last)
             self.last = now
-        choice.text = ""
-        choice.ntok = 0
-        if rest:
-            self.torn = rest
-            return False  # the task wakes, for an output without text, and sends the rest
-        return True
+        # Torn: the task wakes, for an output without text or tokens, and sends the rest.
+        return not rest

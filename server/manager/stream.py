@@ -403,7 +403,7 @@ class RequestStream:
                     await self._raise_error(o)
         return outs
 
-    def set_sink(self, sink: Callable[[Choice], bool] | None) -> None:
+    def set_sink(self, sink: Callable[[Choice], bool] | None) -> bool:
         """Let ``sink`` take text the moment it arrives, instead of waking the consumer.
 
         For a consumer that turns each output into bytes for one client (the HTTP layer's
@@ -414,9 +414,12 @@ class RequestStream:
         as it found it, or with less (returns False: the choice goes to the consumer as
         usual). It runs in the router: it must never block, raise or wait. Ends, errors and
         everything while the stream closes go to the consumer; :meth:`aclose` drops the sink.
-        Not with pacing (a stream interval): the sink is never called then.
+        Not with pacing (a stream interval): the sink is never called then. Returns whether
+        the sink was installed.
         """
-        self._waker.sink = sink if not self._waker.interval and not self._released else None
+        waker = self._waker
+        waker.sink = sink if not waker.interval and not self._released else None
+        return waker.sink is not None
 
     def take_ready_nowait(self) -> list[RequestOutput]:
         """Every output that is ready now, without waiting (possibly none), errors included
