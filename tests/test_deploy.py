@@ -124,6 +124,19 @@ def test_the_servers_arguments_probes_and_grace_period():
             assert annotations["prometheus.io/port"] == str(config.port)
 
 
+def test_read_only_pods_have_a_writable_tmp():
+    """A read-only root filesystem needs /tmp mounted (Python's tempfile, the supervisor's
+    private directory, compilers' scratch files)."""
+    for layout in _layouts():
+        for kind in ("Deployment", "StatefulSet"):
+            for _, pod, container in _pods(layout, kind):
+                if container["securityContext"].get("readOnlyRootFilesystem"):
+                    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+                    assert "/tmp" in mounts, layout.name
+                    volumes = {v["name"]: v for v in pod["volumes"]}
+                    assert "emptyDir" in volumes[mounts["/tmp"]], layout.name
+
+
 def test_the_remote_layout_connects_frontends_to_each_worker_with_the_secret():
     from server.protocol.handshake import SECRET_ENV, parse_address
     from server.workers.listen import build_parser as worker_parser
@@ -141,7 +154,8 @@ def test_the_remote_layout_connects_frontends_to_each_worker_with_the_secret():
         assert ref["name"] == secret_name and ref["key"] in generated["files"]
 
     (sts, _, worker), = _pods(layout, "StatefulSet")
-    assert worker["command"] == ["python", "-m", "server.workers"]
+    # python3: vLLM's image has no "python" command
+    assert worker["command"] == ["python3", "-m", "server.workers"]
     _check_options(layout, worker, worker_parser())
     args = worker_parser().parse_args(worker["args"])
     listen = parse_address(args.listen)
@@ -151,7 +165,7 @@ def test_the_remote_layout_connects_frontends_to_each_worker_with_the_secret():
     assert port["containerPort"] == listen.port
     for probe in ("startupProbe", "livenessProbe"):
         command = worker[probe]["exec"]["command"]
-        assert command[:3] == ["python", "-m", "server.workers.probe"]
+        assert command[:3] == ["python3", "-m", "server.workers.probe"]
         assert parse_address(command[3]).port == listen.port
         assert worker[probe]["timeoutSeconds"] > 5  # the probe's own --timeout
     (service,) = [d for d in _resources(layout)

@@ -345,3 +345,14 @@ async def test_an_engine_with_remote_workers_refuses_what_only_spawned_ones_hono
     with pytest.raises(ValueError, match="workers=3 with 2 worker addresses"):
         engine(workers=3)
     assert [str(w.address) for w in engine().workers] == ["127.0.0.1:7100", "unix:/run/w"]
+
+
+def test_the_secret_reads_the_same_from_a_file_and_the_environment(tmp_path):
+    # kustomize makes the Secret from a file, newline included, and hands it to the pods'
+    # environment; a frontend given the file must agree with a worker given the variable.
+    from server.protocol.handshake import SECRET_ENV, read_secret
+
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    assert read_secret(str(path), {}) == read_secret(None, {SECRET_ENV: SECRET + "\n"})
+    assert read_secret(None, {SECRET_ENV: SECRET + "\r\n"}) == SECRET.encode()

@@ -101,9 +101,11 @@ def parse_address(text: str) -> WorkerAddress:
 
 
 def read_secret(path: str | None, env=None) -> bytes | None:
-    """The shared secret: the file at ``path`` (trailing newline stripped) if given, else
-    ``$TRIO_LLM_WORKER_SECRET``, else None. Raises ValueError (with the reason) for an
-    unreadable file or a secret shorter than 16 characters."""
+    """The shared secret: the file at ``path`` if given, else ``$TRIO_LLM_WORKER_SECRET``,
+    else None; trailing line ends stripped from either (a Kubernetes Secret made from a
+    file keeps its newline in the environment, and both sides must agree). Raises
+    ValueError (with the reason) for an unreadable file or a secret shorter than 16
+    characters."""
     env = os.environ if env is None else env
     if path is not None:
         try:
@@ -116,7 +118,7 @@ def read_secret(path: str | None, env=None) -> bytes | None:
         value = env.get(SECRET_ENV)
         if not value:
             return None
-        secret = value.encode()
+        secret = value.encode().rstrip(b"\r\n")
         source = f"${SECRET_ENV}"
     if len(secret) < MIN_SECRET_LENGTH:
         raise ValueError(
