@@ -153,3 +153,28 @@ def test_reasoning_then_tool_calls_in_the_events_of_a_stream():
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
             ("f", '{"q": "日本"}')], cut
         assert finishes[-1] == "tool_calls" and finishes[:-1] == [None] * (len(finishes) - 1)
+
+
+@pytest.mark.parametrize("fmt, opening, filler", [
+    ("hermes", "Hi <tool_call>{", " "),  # a head kept open by blanks
+    ("hermes", "<tool_call>\n", "\n"),  # blanks before the call's "{"
+    ("hermes", '<tool_call>{"name": "', "\\\\"),  # a name of escapes
+    ("llama3_json", "", " "),  # blanks that open the answer
+    ("llama3_json", '{"name"', " "),
+])
+def test_text_that_keeps_a_call_undecided_costs_linear_time(fmt, opening, filler):
+    """One token at a time, a model can keep a call's head undecided for ever; the parser
+    must not scan the whole of it again at every delta (that was seconds of event loop
+    for 8,000 tokens). Past MAX_HEAD the text is content, for any split."""
+    import time
+
+    from server.http.tool_parsers import MAX_HEAD
+
+    pieces = [opening] + [filler] * 8000 + ["done"]
+    started = time.process_time()
+    content, calls = parse_pieces(fmt, pieces)
+    took = time.process_time() - started
+    assert (content, calls) == parse_text(fmt, "".join(pieces))
+    assert calls == [] and content is not None and content.endswith("done")
+    assert took < 0.5, took  # linear: about 0.05 s here; quadratic: over 1 s
+    assert len(opening) + len(filler) * 8000 > MAX_HEAD

@@ -58,6 +58,12 @@ CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _ARG_KEYS = ('"arguments"', '"parameters"')
 
+#: A call's head (from its ``{`` to its arguments' ``{``) must fit in this many characters,
+#: and at most this many blanks may open a llama3_json or forced answer: past them the
+#: text is not a call. Without a bound, text that keeps a head undecided (blanks, a name of
+#: escapes) would be scanned again at every delta: quadratic, on the event loop.
+MAX_HEAD = 1024
+
 _IN_STRING = re.compile(r'["\\]')
 _STRUCTURE = re.compile(r'[{}"]')
 _BLANKS = " \t\r\n"
@@ -251,6 +257,9 @@ class ToolCallParser:
     def _st_start(self) -> bool:  # llama3_json and forced, at the beginning
         buf = self._buf
         i = _blanks(buf, 0)
+        if i > MAX_HEAD:
+            self._state = "content"
+            return True
         rest = buf[i:]
         if not rest:
             if self._ended:
@@ -278,7 +287,9 @@ class ToolCallParser:
         if i == len(buf):
             if self._ended:
                 self._fallback(buf)
-                self._buf = ""
+            else:  # blanks: part of the opening, whatever it turns out to be
+                self._raw += buf
+            self._buf = ""
             return False
         if buf[i] == "{":
             self._raw += buf[:i]
@@ -298,7 +309,9 @@ class ToolCallParser:
 
     def _st_head(self) -> bool:
         buf = self._buf
-        status, name, end = _head(buf)
+        status, name, end = _head(buf[:MAX_HEAD])
+        if status == "more" and len(buf) >= MAX_HEAD:
+            status = "bad"  # a head cannot end past MAX_HEAD: the same for any split
         if status == "more" and not self._ended:
             return False
         if status == "ok":
