@@ -1,5 +1,5 @@
 """The supervisor of ``trio-llm-server --api-servers N`` (N > 1): the engine workers and N
-frontend processes, all its children, sharing one listening socket. Linux only.
+frontend processes, all its children, accepting on one port. Linux only.
 
 Theory of operation
 -------------------
@@ -13,9 +13,13 @@ Theory of operation
 
 1. The supervisor binds and listens on ``--host``/``--port`` itself (port 0: the port
    chosen is in its ``serving on`` line), with the server's socket options and
-   ``--backlog``. Every frontend inherits that socket and accepts from it: the kernel hands
-   each connection to one of them, and connections queued while a frontend is down are
-   taken by the others.
+   ``--backlog``: one socket per frontend, all on the same port with ``SO_REUSEPORT``.
+   Frontend *i* inherits socket *i*; the kernel spreads new connections over the sockets
+   (one shared socket would give them all to whichever frontend wakes first). The
+   supervisor keeps every socket open, so connections queued for a frontend that died
+   are not refused: its successor takes them when it starts (after its backoff), and new
+   connections keep being hashed to its socket meanwhile: a dead frontend delays its
+   share of new connections by its restart time (docs/scaling.md).
 2. It starts ``--engine-workers`` listening workers on unix sockets in ``DIR`` (no secret:
    the directory's mode is the access control) and waits until each listens (its socket
    file appears: a worker binds only once its engine is loaded), then the frontends, each
@@ -328,7 +332,14 @@ def supervise(args: argparse.Namespace, config: ServerConfig) -> int:
         print(f"trio-llm-server: cannot listen on {config.host}:{config.port}: {exc}",
               file=sys.stderr)
         return 1
-    directory = tempfile.mkdtemp(prefix="trio-llm-")  # mode 0700
+    try:
+        directory = tempfile.mkdtemp(prefix="trio-llm-")  # mode 0700
+    except OSError as exc:  # e.g. a read-only root filesystem without a /tmp volume
+        for sock in sockets:
+            sock.close()
+        print(f"trio-llm-server: cannot create a private directory in "
+              f"{tempfile.gettempdir()}: {exc} (set TMPDIR)", file=sys.stderr)
+        return 1
     supervisor = Supervisor(args, config, plan(build_parser(), args), sockets, directory)
     try:
         trio.run(supervisor.run)

@@ -52,9 +52,10 @@ async def listening_worker(
     secret: str | None = SECRET,
     netns: str | None = None,
     name: str = "worker",
+    prefix: tuple[str, ...] = (),
 ):
     log = tmp_path / f"{name}.log"
-    cmd = [sys.executable, "-m", "server.workers", "--listen", listen, *FAST_ARGS, *args]
+    cmd = [*prefix, sys.executable, "-m", "server.workers", "--listen", listen, *FAST_ARGS, *args]
     if netns is not None:
         cmd = ["ip", "netns", "exec", netns, *cmd]
     err = log.open("wb")  # noqa: ASYNC230 (a local file, before the process exists)

@@ -356,3 +356,39 @@ def test_the_secret_reads_the_same_from_a_file_and_the_environment(tmp_path):
     path.write_text(SECRET + "\n")
     assert read_secret(str(path), {}) == read_secret(None, {SECRET_ENV: SECRET + "\n"})
     assert read_secret(None, {SECRET_ENV: SECRET + "\r\n"}) == SECRET.encode()
+
+
+async def test_connecting_to_a_host_that_does_not_answer_gives_up_at_the_heartbeat_timeout():
+    # A listener whose backlog is full drops new SYNs, as a host that is gone does: the
+    # connect would wait for the kernel's connect timeout (minutes).
+    import socket
+
+    import pytest
+
+    from server.config import EngineConfig
+    from server.manager.transport import SessionEnded, open_connected
+    from server.protocol.handshake import parse_address
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    filled = []
+    try:
+        for _ in range(4):  # fill the backlog (its size is the kernel's choice for 0)
+            s = socket.socket()
+            s.setblocking(False)
+            try:
+                s.connect(("127.0.0.1", port))
+            except BlockingIOError:
+                pass
+            filled.append(s)
+        config = EngineConfig(heartbeat_timeout=0.3)
+        started = trio.current_time()
+        with trio.fail_after(5), pytest.raises(SessionEnded, match="no answer within 0.3 s"):
+            await open_connected(config, parse_address(f"127.0.0.1:{port}"), None)
+        assert trio.current_time() - started < 2
+    finally:
+        for s in filled:
+            s.close()
+        listener.close()

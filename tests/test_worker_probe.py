@@ -39,3 +39,50 @@ async def test_a_serving_worker_answers_and_a_hung_or_absent_one_does_not(tmp_pa
     assert gone.returncode == 1 and b"cannot connect" in gone.stderr
     usage = await run_probe("not-an-address")
     assert usage.returncode == 2
+    bad_ca = await run_probe(address, "--tls-ca", "/nonexistent/ca.pem")
+    assert bad_ca.returncode == 2 and b"--tls-ca" in bad_ca.stderr
+    assert b"Traceback" not in bad_ca.stderr
+
+
+def _cpu_seconds(pid: int) -> float:
+    import os
+
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def test_connections_that_never_authenticate_cannot_lock_out_frontends(tmp_path):
+    """Anyone who reaches the port can open connections without the secret: past 64
+    waiting ones the oldest goes, and when the worker runs out of descriptors it pauses
+    accepting (it does not spin); a frontend (the probe) still gets in afterwards."""
+    async def open_many(address, n):
+        socks = []
+        for _ in range(n):
+            socks.append(await trio.open_tcp_stream(address.host, address.port))
+        return socks
+
+    async with listening_worker(tmp_path) as w:
+        socks = await open_many(w.address, 70)
+        with trio.fail_after(5):  # the first ones are closed by the worker
+            assert await socks[0].receive_some(1 << 16)  # its CHALLENGE
+            while await socks[0].receive_some(1 << 16):
+                pass
+        assert "too many connections awaiting authentication" in w.text()
+        ok = await run_probe(str(w.address))
+        assert ok.returncode == 0, ok.stderr
+        for s in socks:
+            await s.aclose()
+
+    async with listening_worker(tmp_path, prefix=("prlimit", "--nofile=40:40"),
+                                name="few-fds") as w:
+        socks = await open_many(w.address, 60)  # the kernel queues what is not accepted
+        with trio.fail_after(5):
+            while "pausing accepts" not in w.text():
+                await trio.sleep(0.05)
+        before = _cpu_seconds(w.proc.pid)
+        await trio.sleep(1.0)
+        assert _cpu_seconds(w.proc.pid) - before < 0.3  # no busy loop
+        for s in socks:
+            await s.aclose()
+        ok = await run_probe(str(w.address), timeout=5)
+        assert ok.returncode == 0, ok.stderr + w.text().encode()

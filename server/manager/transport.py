@@ -187,7 +187,16 @@ def tls_context(ca_file: str) -> ssl.SSLContext:
 
 async def open_connected(config: EngineConfig, address: handshake.WorkerAddress,
                          tls: ssl.SSLContext | None) -> Link:
-    """Connect to a listening worker (TLS with ``tls``); SessionEnded if it cannot."""
+    """Connect to a listening worker (TLS with ``tls``); SessionEnded if it cannot, or if
+    connecting takes longer than the heartbeat timeout (a host that drops packets would
+    otherwise hold the session for the kernel's connect timeout, minutes)."""
+    with trio.move_on_after(config.heartbeat_timeout):
+        return await _connect(config, address, tls)
+    raise SessionEnded(f"cannot connect: no answer within {config.heartbeat_timeout:g} s")
+
+
+async def _connect(config: EngineConfig, address: handshake.WorkerAddress,
+                   tls: ssl.SSLContext | None) -> Link:
     stream: trio.abc.HalfCloseableStream | trio.SSLStream
     try:
         if address.path is not None:

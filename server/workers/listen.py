@@ -63,6 +63,11 @@ _MAX_UNAUTHENTICATED = 4096
 _HANDSHAKE_TIMEOUT = 10.0
 #: How often, at most, the loop wakes to check connection timeouts.
 _HOUSEKEEPING = 0.5
+#: Connections that have not authenticated yet, at most (the oldest goes first): anyone who
+#: can reach the port can open them, and each holds a descriptor until its handshake ends.
+_MAX_UNAUTHENTICATED_CONNS = 64
+#: After accept() failed (out of descriptors), seconds before accepting again.
+_ACCEPT_PAUSE = 0.5
 
 
 def say(message: str) -> None:
@@ -115,6 +120,8 @@ class Server:
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, None)
         self.conns: set[_Conn] = set()
+        #: accept() failed: not accepting until then (monotonic), or None
+        self.accept_paused: float | None = None
         #: the engine's id -> (connection, its rid)
         self.owners: dict[int, tuple[_Conn, int]] = {}
         self._ids = itertools.count(1)
@@ -130,7 +137,8 @@ class Server:
         while True:
             deadline = engine.next_deadline()
             timeout = None if deadline is None else max(0.0, deadline - clock())
-            if self.conns and (timeout is None or timeout > _HOUSEKEEPING):
+            busy = self.conns or self.accept_paused is not None
+            if busy and (timeout is None or timeout > _HOUSEKEEPING):
                 timeout = _HOUSEKEEPING
             for key, mask in self.selector.select(timeout):
                 conn = key.data
@@ -165,8 +173,16 @@ class Server:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # e.g. EMFILE: the connection waits in the backlog
-                say(f"cannot accept a connection: {exc}")
+                # The listener stays readable: without a pause the loop would spin.
+                say(f"cannot accept a connection: {exc}; pausing accepts for "
+                    f"{_ACCEPT_PAUSE:g} s")
+                self.selector.unregister(self.listener)
+                self.accept_paused = time.monotonic() + _ACCEPT_PAUSE
                 return
+            pending = [c for c in self.conns if c.state != "ready"]
+            if len(pending) >= _MAX_UNAUTHENTICATED_CONNS:
+                self._drop(min(pending, key=lambda c: c.opened),
+                           "too many connections awaiting authentication")
             peer = _peer_name(addr)
             sock.setblocking(False)
             if sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -327,6 +343,9 @@ class Server:
             say(f"connection from {conn.peer} ended: {reason}")
 
     def _expire(self, now: float) -> None:
+        if self.accept_paused is not None and now >= self.accept_paused:
+            self.accept_paused = None
+            self.selector.register(self.listener, selectors.EVENT_READ, None)
         for conn in list(self.conns):
             if conn.state != "ready":
                 if now - conn.opened > _HANDSHAKE_TIMEOUT:

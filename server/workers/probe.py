@@ -13,6 +13,7 @@ probe's connection like any frontend's, and it holds no request.
 from __future__ import annotations
 
 import argparse
+import ssl
 import sys
 
 import trio
@@ -27,10 +28,10 @@ PROG = "python -m server.workers.probe"
 
 
 async def probe(address: handshake.WorkerAddress, secret: bytes | None,
-                tls_ca: str | None = None) -> tuple[int, int]:
+                tls: ssl.SSLContext | None = None) -> tuple[int, int]:
     """The worker's (running, waiting) counts, from one PING; SessionEnded if it fails."""
     config = EngineConfig(worker_secret=secret)
-    link = await open_connected(config, address, tls_context(tls_ca) if tls_ca else None)
+    link = await open_connected(config, address, tls)
     try:
         await link.handshake()
         await link.send.send_all(wire.encode([wire.PING, 1]))
@@ -62,12 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         address = handshake.parse_address(args.address)
         secret = handshake.read_secret(args.secret_file)
+        tls = tls_context(args.tls_ca) if args.tls_ca else None
     except ValueError as exc:
         p.error(str(exc))
+    except (OSError, ssl.SSLError) as exc:
+        p.error(f"--tls-ca: {exc}")
 
     async def run() -> tuple[int, int] | None:
         with trio.move_on_after(args.timeout):
-            return await probe(address, secret, args.tls_ca)
+            return await probe(address, secret, tls)
         return None
 
     try:
