@@ -315,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     from .http.app import create_app
     from .http.serve import serve
+    from .http.listen import ListenError
     from .manager.worker import WorkerStartupError
 
     app = create_app(config)
@@ -324,11 +325,21 @@ def main(argv: list[str] | None = None) -> None:
         serve, config, app=app, handle_signals=True, tune_gc=True, wait_ready=False,
         exit_when_stuck=True,
     )
+    failures: list[BaseException] = []
     try:
         trio.run(run)
-    except WorkerStartupError as exc:
-        print(f"trio-llm-server: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
+    except* (WorkerStartupError, ListenError) as group:  # (grouped by the nurseries)
+        failures = _leaves(group)
+    if failures:  # configuration errors: one line each, no traceback
+        for exc in failures:
+            print(f"trio-llm-server: {exc}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def _leaves(group: BaseException) -> list[BaseException]:
+    if isinstance(group, BaseExceptionGroup):
+        return [leaf for exc in group.exceptions for leaf in _leaves(exc)]
+    return [group]
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -305,3 +305,20 @@ def test_the_cli_exits_1_when_its_engine_cannot_start():
     assert r.returncode == 1, r.stderr[-2000:]
     assert "cannot start engine: the sim engine needs max_batch >= 1" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_cli_says_in_one_line_that_its_port_is_taken():
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert f"trio-llm-server: cannot listen on 127.0.0.1:{port}: Address already in use" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -50,7 +50,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, RawData
 from hypercorn.trio.task_group import TaskGroup
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
@@ -161,7 +161,23 @@ class ServingConnection(TCPServer):
             await super()._close()
 
     async def _read_data(self) -> None:
-        await super()._read_data()
+        if self.config.read_timeout is not None:  # not this server's settings: upstream's
+            await super()._read_data()
+        else:
+            # Hypercorn's loop, less the cancel scope it opens around every read for a
+            # timeout this server never sets (serve.hypercorn_config): one scope less per
+            # request.
+            receive_some = self.stream.receive_some
+            handle = self.protocol.handle
+            while True:
+                try:
+                    data = await receive_some(MAX_RECV)
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    break
+                await handle(RawData(bytes(data)))
+                if not data:
+                    break
+            await handle(Closed())
         # The client closed the connection (or reading failed): hypercorn's connection task
         # group would otherwise wait for the keep-alive idle timer (keep_alive_timeout, 30 s
         # by default) before letting go of this connection's tasks and buffers.

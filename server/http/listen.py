@@ -58,6 +58,7 @@ __all__ = [
     "ConnectionInfo",
     "ConnectionPool",
     "ConnectionStatistics",
+    "ListenError",
     "connection_info",
     "default_max_connections",
     "serve_app",
@@ -256,9 +257,19 @@ class ConnectionPool:
         )
 
 
+class ListenError(Exception):
+    """The server cannot listen where it was told (a port in use, an address not here, no
+    permission): a configuration error, said in one line."""
+
+
 def open_sockets(hc: HypercornConfig, backlog: int) -> list:
-    """Hypercorn's bound sockets for ``hc.bind``, listening with ``backlog``."""
-    sockets = hc.create_sockets()
+    """Hypercorn's bound sockets for ``hc.bind``, listening with ``backlog``; raises
+    :class:`ListenError` when it cannot."""
+    try:
+        sockets = hc.create_sockets()
+    except OSError as exc:
+        where = ", ".join(hc.bind)
+        raise ListenError(f"cannot listen on {where}: {exc.strerror or exc}") from None
     for sock in sockets.insecure_sockets:
         sock.listen(backlog)
     return list(sockets.insecure_sockets)
