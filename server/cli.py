@@ -14,6 +14,7 @@ import sys
 import trio
 
 from .config import EngineConfig, Limits, ServerConfig
+from .http.tool_parsers import PARSERS as TOOL_PARSERS
 from .engine_args import ENGINE_DESTS, add_engine_arguments, engine_options
 from .protocol.handshake import SECRET_ENV, parse_address, read_secret
 from .observability.logs import configure_logging
@@ -121,11 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "into reasoning_content (qwen3: when the answer opens with <think>; "
                    "deepseek_r1: the answer starts in reasoning, up to </think>)")
 
-    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+    g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
                    help="serve tools: parse chat answers into tool_calls (hermes: "
                    "<tool_call>{json}</tool_call>; llama3_json: {\"name\": ..., "
-                   "\"parameters\": ...} calls separated by ';'); without it requests with "
-                   "tools are refused")
+                   "\"parameters\": ...} calls separated by ';'; mistral: [TOOL_CALLS] "
+                   "and a JSON array of calls); without it requests with tools are refused")
 
     g = p.add_argument_group("limits and timeouts")
     g.add_argument("--max-concurrent-requests", type=int, default=None,

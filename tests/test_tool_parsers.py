@@ -40,6 +40,16 @@ CASES = [
     ("llama3_json", '{"name": "f", "parameters": {}} and then text', "and then text",
      [("f", "{}")]),
     ("llama3_json", "<|python", "<|python", []),
+    ("mistral", f'[TOOL_CALLS] [{{"name": "f", "arguments": {W}}}, {{"name": "g", '
+     '"arguments": {}}]', None, [("f", W), ("g", "{}")]),
+    ("mistral", 'Checking. [TOOL_CALLS][{"name":"f","arguments":{"a":"[TOOL_CALLS]"}}]',
+     "Checking.", [("f", '{"a":"[TOOL_CALLS]"}')]),
+    ("mistral", "A plain answer with [brackets] and [TOOL_CALL",
+     "A plain answer with [brackets] and [TOOL_CALL", []),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+     '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', []),  # the v11 form: not parsed
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"x": "unfinished', None,
+     [("f", '{"x": "unfinished')]),
     ("forced", f'[{{"name": "f", "arguments": {W}}}, {{"name": "g", "arguments": {{}}}}]',
      None, [("f", W), ("g", "{}")]),
     ("forced", '[{"name":"f","arguments":{"a":[{"b":"}"}]}}]', None,
@@ -120,7 +130,7 @@ def test_parallel_false_keeps_the_first_call():
 
 def test_unknown_format():
     with pytest.raises(ValueError):
-        ToolCallParser("mistral")
+        ToolCallParser("qwen3_coder")
 
 
 def test_reasoning_then_tool_calls_in_the_events_of_a_stream():
@@ -161,6 +171,7 @@ def test_reasoning_then_tool_calls_in_the_events_of_a_stream():
     ("hermes", '<tool_call>{"name": "', "\\\\"),  # a name of escapes
     ("llama3_json", "", " "),  # blanks that open the answer
     ("llama3_json", '{"name"', " "),
+    ("mistral", "[TOOL_CALLS]", " "),  # blanks before the array
 ])
 def test_text_that_keeps_a_call_undecided_costs_linear_time(fmt, opening, filler):
     """One token at a time, a model can keep a call's head undecided for ever; the parser
@@ -178,3 +189,17 @@ def test_text_that_keeps_a_call_undecided_costs_linear_time(fmt, opening, filler
     assert calls == [] and content is not None and content.endswith("done")
     assert took < 0.5, took  # linear: about 0.05 s here; quadratic: over 1 s
     assert len(opening) + len(filler) * 8000 > MAX_HEAD
+
+
+@pytest.mark.parametrize("fmt, call", [
+    ("llama3_json", '{"name": "f", "parameters": {}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}'),
+])
+def test_blanks_between_calls_cost_linear_time(fmt, call):
+    import time
+
+    pieces = [call] + [" "] * 8000 + ["done"]
+    started = time.process_time()
+    got = parse_pieces(fmt, pieces)
+    assert time.process_time() - started < 0.5
+    assert got == (parse_text(fmt, "".join(pieces))[0], [("f", "{}")])

@@ -25,6 +25,9 @@ Formats (``--tool-call-parser``, vLLM's names):
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number,
   anywhere in the text; the rest is content (Qwen2.5, Qwen3, Hermes);
+- ``mistral``: content, then ``[TOOL_CALLS]`` and a JSON array ``[{"name": ...,
+  "arguments": {...}}, ...]`` (Mistral 7B v0.3, Nemo, Small: the tokenizers before v11;
+  the later ``[TOOL_CALLS]name[ARGS]{...}`` form is not parsed: it stays content);
 - ``llama3_json``: the output *starts* (after blanks) with ``{"name": ..., "parameters":
   {...}}``, optionally after ``<|python_tag|>``; several are separated by ``;``. An output
   that does not start so is all content;
@@ -51,9 +54,10 @@ import re
 __all__ = ["PARSERS", "ToolCallParser", "accumulate", "parse_text", "new_call_id"]
 
 #: The formats ``--tool-call-parser`` takes.
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral")
 
 OPEN = "<tool_call>"
+MISTRAL_TAG = "[TOOL_CALLS]"
 CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _ARG_KEYS = ('"arguments"', '"parameters"')
@@ -154,7 +158,7 @@ class ToolCallParser:
 
     __slots__ = (
         "_fmt", "_limit", "_state", "_buf", "_raw", "_held", "_ended", "_depth", "_in_str",
-        "_esc", "_content", "_deltas", "calls", "_make_id",
+        "_esc", "_content", "_deltas", "calls", "_make_id", "_tag", "_array",
     )
 
     def __init__(self, fmt: str, *, parallel: bool = True, make_id=new_call_id) -> None:
@@ -162,7 +166,9 @@ class ToolCallParser:
             raise ValueError(f"unknown tool call format {fmt!r}")
         self._fmt = fmt
         self._limit = None if parallel else 1
-        self._state = "text" if fmt == "hermes" else "start"
+        self._state = "text" if fmt in ("hermes", "mistral") else "start"
+        self._tag = MISTRAL_TAG if fmt == "mistral" else OPEN  # what opens calls in text
+        self._array = fmt in ("forced", "mistral")  # calls in a JSON array
         self._buf = ""
         self._raw = ""  # the text since a call's opening, in case it is not one
         self._held = ""  # blanks at the end of the content, held back
@@ -240,16 +246,17 @@ class ToolCallParser:
 
     # Each state's step consumes from _buf; True: go on, False: wait for more text.
 
-    def _st_text(self) -> bool:  # hermes, outside calls
+    def _st_text(self) -> bool:  # hermes and mistral, outside calls
         buf = self._buf
-        i = buf.find(OPEN)
+        tag = self._tag
+        i = buf.find(tag)
         if i >= 0:
             self._say(buf[:i])
-            self._buf = buf[i + len(OPEN):]
-            self._raw = OPEN
-            self._state = "open"
+            self._buf = buf[i + len(tag):]
+            self._raw = tag
+            self._state = "open" if self._fmt == "hermes" else "bracket"
             return True
-        keep = 0 if self._ended else _partial_suffix(buf, OPEN)
+        keep = 0 if self._ended else _partial_suffix(buf, tag)
         self._say(buf[: len(buf) - keep])
         self._buf = buf[len(buf) - keep:]
         return False
@@ -281,6 +288,25 @@ class ToolCallParser:
         self._state = "open" if rest[0] == "{" else "content"
         return True
 
+    def _st_bracket(self) -> bool:  # mistral, after [TOOL_CALLS]: the array's "["
+        buf = self._buf
+        i = _blanks(buf, 0)
+        if i == len(buf):
+            if self._ended:
+                self._fallback(buf)
+            else:
+                self._raw += buf
+            self._buf = ""
+            return False
+        if buf[i] == "[":
+            self._raw += buf[: i + 1]
+            self._buf = buf[i + 1:]
+            self._state = "open"
+        else:  # not the array form: the tag and the rest are content
+            self._fallback("")
+            self._state = "content"
+        return True
+
     def _st_open(self) -> bool:  # before a call's "{"
         buf = self._buf
         i = _blanks(buf, 0)
@@ -295,7 +321,7 @@ class ToolCallParser:
             self._raw += buf[:i]
             self._buf = buf[i:]
             self._state = "head"
-        elif self._fmt == "forced" and buf[i] == "]":
+        elif self._array and buf[i] == "]":
             self._state = "done"
         elif self._fmt == "hermes":
             self._say(self._raw + buf[:i])
@@ -403,17 +429,16 @@ class ToolCallParser:
         self._buf = buf[len(buf) - _partial_suffix(buf, CLOSE):]
         return False
 
-    def _st_after(self) -> bool:  # llama3_json and forced, between calls
+    def _st_after(self) -> bool:  # llama3_json, mistral and forced, between calls
         buf = self._buf
         i = _blanks(buf, 0)
-        if i == len(buf):
-            if self._ended:
-                self._buf = ""
+        if i == len(buf):  # blanks between calls are dropped
+            self._buf = ""
             return False
         c = buf[i]
         if c == (";" if self._fmt == "llama3_json" else ","):
             self._raw, self._buf, self._state = "", buf[i + 1:], "open"
-        elif self._fmt == "forced" and c == "]":
+        elif self._array and c == "]":
             self._state = "done"
         else:
             self._buf = buf[i:]
