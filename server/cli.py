@@ -238,12 +238,12 @@ def _check_frontend_options(args: argparse.Namespace) -> None:
     if args.api_servers < 1:
         raise SystemExit("trio-llm-server: --api-servers must be at least 1")
     if args.api_servers > 1:
-        for name in ("worker_address", "listen_fd", "frontend_dir", "frontend_index"):
+        for name in ("listen_fd", "frontend_dir", "frontend_index"):
             if getattr(args, name) is not None:
                 raise SystemExit(
                     f"trio-llm-server: --{name.replace('_', '-')} is not an option of "
-                    "--api-servers: the supervisor starts the engine workers, the listening "
-                    "socket and the frontends itself"
+                    "--api-servers: the supervisor opens the listening sockets and starts "
+                    "the frontends itself"
                 )
     if args.listen_fd is not None:
         given = [f"--{n}" for n in ("host", "port") if getattr(args, n) != parser.get_default(n)]

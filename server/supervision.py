@@ -78,10 +78,12 @@ class Plan:
         return [*self.worker, "--listen", f"unix:{path}"]
 
     def frontend_argv(self, index: int, fd: int, directory: str, workers: list[str]) -> list[str]:
+        """``workers``: the addresses the frontend connects to (``unix:PATH`` of the
+        supervisor's own workers, or the remote workers given to it)."""
         argv = [*self.frontend, "--listen-fd", str(fd), "--frontend-dir", directory,
                 "--frontend-index", str(index)]
-        for path in workers:
-            argv += ["--worker-address", f"unix:{path}"]
+        for address in workers:
+            argv += ["--worker-address", address]
         return argv
 
 
@@ -91,6 +93,8 @@ def plan(parser: argparse.ArgumentParser, args: argparse.Namespace,
     engine = _engine_dests() - SUPERVISOR_DESTS
     every = {a.dest for a in parser._actions}
     frontend = (every - engine - SUPERVISOR_DESTS) | _BOTH
+    if getattr(args, "worker_address", None):  # remote workers: how to reach them
+        frontend |= {"worker_secret_file", "worker_tls_ca"}
     return Plan(
         worker=[python, "-m", "server.workers", *options_argv(parser, args, engine)],
         frontend=[python, "-m", "server", *options_argv(parser, args, frontend)],

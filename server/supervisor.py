@@ -62,7 +62,7 @@ from pathlib import Path
 import trio
 
 from .config import ServerConfig
-from .http.listen import open_sockets
+from .http.listen import ListenError, open_sockets
 from .http.serve import hypercorn_config
 from .observability.group import peer_socket
 from .supervision import Plan, Restarts, plan
@@ -143,9 +143,15 @@ class Supervisor:
         self.dir = directory
         self.stopping = trio.Event()
         self.frontends: dict[int, Child] = {}
-        self.workers_paths = [
+        #: With --worker-address, the frontends connect to those workers: none is started.
+        self.remote = bool(config.engine.worker_addresses)
+        self.workers_paths = [] if self.remote else [
             os.path.join(directory, f"worker-{i}.sock") for i in range(args.engine_workers)
         ]
+        self.worker_addresses = (
+            [str(a) for a in config.engine.worker_addresses] if self.remote
+            else [f"unix:{p}" for p in self.workers_paths]
+        )
         #: While children start: the scope that a signal cancels.
         self._starting: trio.CancelScope | None = None
         #: Why the supervisor gives up (then its children are stopped at once).
@@ -163,14 +169,16 @@ class Supervisor:
             try:
                 async with trio.open_nursery() as workers:
                     self._starting = workers.cancel_scope  # a signal now stops everything
-                    await _start_all(workers, self._worker, args.engine_workers)
+                    await _start_all(workers, self._worker, len(self.workers_paths))
                     async with trio.open_nursery() as frontends:
                         await _start_all(frontends, self._frontend, args.api_servers)
                         self._starting = None
                         host, port = self.sockets[0].getsockname()[:2]
                         host = f"[{host}]" if ":" in host else host
-                        log.info("serving on http://%s:%d (%d frontends, %d engine workers)",
-                                 host, port, args.api_servers, args.engine_workers)
+                        log.info("serving on http://%s:%d (%d frontends, %d engine workers%s; "
+                                 "private directory %s)", host, port, args.api_servers,
+                                 len(self.worker_addresses), ", remote" if self.remote else "",
+                                 self.dir)
                     workers.cancel_scope.cancel()  # every frontend is gone: stop the workers
             except* Fatal:
                 pass  # (self.fatal says why)
@@ -226,7 +234,7 @@ class Supervisor:
 
     async def _frontend(self, index: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
         fd = self.sockets[index].fileno()
-        argv = self.plan.frontend_argv(index, fd, self.dir, self.workers_paths)
+        argv = self.plan.frontend_argv(index, fd, self.dir, self.worker_addresses)
         path = peer_socket(self.dir, index)
         restarts = Restarts(self.args.max_restarts)
         first = True
@@ -328,6 +336,9 @@ def supervise(args: argparse.Namespace, config: ServerConfig) -> int:
 
     try:
         sockets = open_group_sockets(config, args.api_servers)
+    except ListenError as exc:
+        print(f"trio-llm-server: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"trio-llm-server: cannot listen on {config.host}:{config.port}: {exc}",
               file=sys.stderr)

@@ -145,15 +145,17 @@ class Supervised:
         return frontends, workers
 
     def directory(self) -> Path:
-        found = re.search(r"unix:(\S+)/worker-0\.sock", self.text())
+        found = re.search(r"private directory (\S+)\)", self.text())
         assert found, self.text()
         return Path(found.group(1))
 
 
 @asynccontextmanager
-async def supervised(tmp_path: Path, *args: str, frontends: int = 2):
-    """The supervisor with ``frontends`` frontends on port 0 and the fast sim engine, up
-    (its ``serving on`` line); killed, with anything left of its children, at the end."""
+async def supervised(tmp_path: Path, *args: str, frontends: int = 2, sim: bool = True,
+                     secret: str | None = None):
+    """The supervisor with ``frontends`` frontends on port 0 and the fast sim engine (unless
+    ``sim`` is false: remote workers), up (its ``serving on`` line); killed, with anything
+    left of its children, at the end."""
     from tests.conftest import pid_exists
 
     log = tmp_path / "supervisor.log"
@@ -161,8 +163,8 @@ async def supervised(tmp_path: Path, *args: str, frontends: int = 2):
     try:
         proc = await trio.lowlevel.open_process(
             [sys.executable, "-m", "server", "--api-servers", str(frontends), "--port", "0",
-             *FAST_ARGS, *args],
-            stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=worker_env(None), cwd=ROOT,
+             *(FAST_ARGS if sim else ()), *args],
+            stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=worker_env(secret), cwd=ROOT,
         )
     finally:
         err.close()
@@ -183,7 +185,8 @@ async def supervised(tmp_path: Path, *args: str, frontends: int = 2):
             for pid in sup.seen:
                 if pid_exists(pid):
                     os.kill(pid, signal.SIGKILL)
-            found = re.search(r"unix:(\S+)/worker-0\.sock", sup.text())
+            found = (re.search(r"private directory (\S+)\)", sup.text())
+                     or re.search(r"unix:(\S+)/worker-0\.sock", sup.text()))
             if found:  # (a SIGKILLed supervisor leaves its private directory behind)
                 shutil.rmtree(found.group(1), ignore_errors=True)
 

@@ -91,6 +91,32 @@ async def test_requests_spread_over_the_frontends_and_metrics_sum_them(tmp_path)
         assert merged[cpu] >= max(m[cpu] for m in own)  # summed too
 
 
+async def test_frontends_over_remote_workers_start_none_and_leave_them_running(tmp_path):
+    """--api-servers with --worker-address: the frontends share workers someone else runs
+    (a frontend pod using more than one core); the supervisor starts and stops none."""
+    from tests.remote import SECRET, listening_worker
+
+    async with listening_worker(tmp_path) as w:
+        async with supervised(tmp_path, "--worker-address", str(w.address), sim=False,
+                              secret=SECRET) as sup:
+            assert "1 engine workers, remote" in sup.text()
+            directory = sup.directory()
+            async with httpx.AsyncClient(base_url=sup.url, timeout=30,
+                                         limits=new_connections()) as http:
+                async with trio.open_nursery() as nursery:
+                    recs = await streams(http, 16, 50, nursery)
+            assert all(r.finish_reasons() == ["length"] for r in recs)
+            served = [(await local_metrics(directory, i))[LENGTH] for i in (0, 1)]
+            assert all(n > 0 for n in served) and sum(served) == 16, served
+            assert w.text().count("connected") >= 2  # one connection per frontend
+            sup.proc.send_signal(signal.SIGTERM)
+            with trio.fail_after(20):
+                assert await sup.proc.wait() == 0, sup.text()
+        assert w.proc.poll() is None  # not the supervisor's to stop
+        assert "worker" not in " ".join(
+            line for line in sup.text().splitlines() if "stopped" in line)
+
+
 async def test_a_killed_frontend_is_restarted_its_requests_aborted_the_others_untouched(tmp_path):
     async with supervised(tmp_path, "--sim-itl-ms", "5") as sup:
         directory = sup.directory()
@@ -185,8 +211,6 @@ async def test_a_worker_that_cannot_start_ends_the_supervisor_with_one_line(tmp_
 
 @pytest.mark.parametrize("argv, message", [
     (["--api-servers", "0"], "--api-servers must be at least 1"),
-    (["--api-servers", "2", "--worker-address", "unix:/w"],
-     "--worker-address is not an option of --api-servers"),
     (["--api-servers", "2", "--listen-fd", "3"], "--listen-fd is not an option of --api-servers"),
     (["--listen-fd", "3", "--port", "9000"], "--port: not with --listen-fd"),
     (["--frontend-dir", "/d"], "--frontend-dir and --frontend-index go together"),
@@ -208,7 +232,7 @@ def test_the_command_line_splits_into_the_workers_and_the_frontends():
     assert p.worker_argv("/d/w.sock") == [
         "py", "-m", "server.workers", "--model", "m", "--max-batch", "64",
         "--sim-itl-ms", "3.0", "--sim-faults", "--listen", "unix:/d/w.sock"]
-    front = p.frontend_argv(1, 5, "/d", ["/d/w0", "/d/w1"])
+    front = p.frontend_argv(1, 5, "/d", ["unix:/d/w0", "unix:/d/w1"])
     assert front[:3] == ["py", "-m", "server"]
     config = config_from_args(parser.parse_args(front[3:]))  # a frontend accepts its argv
     assert config.listen_fd == 5 and config.frontend_index == 1
