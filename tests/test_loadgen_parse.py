@@ -626,7 +626,7 @@ async def test_burst_is_one_wave_measured_against_the_ideal(nursery):
     assert t[-1] - t[0] < 0.04  # all at once
     assert s["burst_ideal_s"] == pytest.approx(0.030)
     assert s["burst_wall_over_ideal"] == pytest.approx(s["duration_s"] / 0.030, rel=0.01)
-    assert s["frontend_cpu_us_per_request"] > 0
+    assert s["frontend_cpu_us_per_request"] >= 0  # (10 ms ticks: a short run may read 0)
     assert "burst wall / ideal" in format_table(s)
     for clash in (["-n", "5"], ["-d", "1"], ["--ramp-up", "0"], ["--warmup", "0"]):
         with pytest.raises(SystemExit):
