@@ -60,6 +60,9 @@ BAD_CHAT = [
     (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, '
      b'{"type": "input_audio"}]}]}', 400, "messages[0].content[1]"),
     (b'{"messages": [{"role": "user"}]}', 400, "messages[0].content"),
+    # a part type that is not a string (found by the property test: it was a 500)
+    (b'{"messages": [{"role": "system", "content": [{"type": []}]}]}', 400,
+     "messages[0].content[0]"),
     (b'{"messages": [{"role": "system", "content": null}]}', 400, "messages[0].content"),
     (b'{"messages": [{"role": "tool", "content": "42"}]}', 400, "messages[0].tool_call_id"),
     (b'{"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}', 400,

@@ -207,7 +207,7 @@ def _content(content, index: int) -> str:
         parts = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in _PART_KINDS:
+            if isinstance(kind, str) and kind in _PART_KINDS:  # (a list is not hashable)
                 raise ClientError(
                     f"Content parts of type '{kind}' are not supported: the engine takes text "
                     f"only (no {_PART_KINDS[kind]} input).",
