@@ -25,6 +25,11 @@ def test_tokenize_requests():
                 "add_generation_prompt": True, "return_token_strs": False})
     assert chat == {"op": "tokenize", "prompt": {"messages": [{"role": "user", "content": "yo"}]}}
     assert parse_detokenize(b'{"tokens": [1, 2]}', "m") == {"op": "detokenize", "tokens": [1, 2]}
+    tool = {"type": "function", "function": {"name": "f"}}
+    with_tools = tok({"messages": [{"role": "user", "content": "a"}], "tools": [tool],
+                      "chat_template_kwargs": {"enable_thinking": False}})
+    assert with_tools["tools"][0]["function"]["name"] == "f"
+    assert with_tools["template_kwargs"] == {"enable_thinking": False}
 
 
 @pytest.mark.parametrize(
@@ -43,6 +48,11 @@ def test_tokenize_requests():
          "chat_template"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"prompt": "a", "model": 3}, "model"),
+        ({"prompt": "a", "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+        ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "x"}]},
+         "tools[0]"),
+        ({"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": []},
+         "chat_template_kwargs"),
     ],
 )
 def test_bad_tokenize_requests(body, param):

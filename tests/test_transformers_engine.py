@@ -656,6 +656,20 @@ async def test_http_end_to_end(model_dir, engine):
                 assert body["max_model_len"] == engine.max_model_len
                 r = await http.post("/tokenize", json={"messages": chat})
                 assert r.json()["count"] == prompt_tokens
+                # tools and template variables, rendered as a chat request renders them
+                tools = [{"type": "function", "function": {
+                    "name": "get_weather", "description": "The weather in a city.",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                }}]
+                with_tools = {"messages": chat, "tools": tools,
+                              "chat_template_kwargs": {"enable_thinking": True}}
+                r = await http.post("/tokenize", json=with_tools)
+                assert r.status_code == 200, r.text
+                rendered = engine.encode({"messages": chat}, {"enable_thinking": True}, tools)
+                assert r.status_code == 200, r.text
+                assert r.json()["tokens"] == rendered and len(rendered) > prompt_tokens + 10
+                r = await http.post("/tokenize", json={"prompt": "x", "tools": tools})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
                 r = await http.post("/detokenize", json={"tokens": body["tokens"]})
                 assert r.json() == {"prompt": ps[0]}
                 r = await http.post("/detokenize", json={"tokens": [10**6]})

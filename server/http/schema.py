@@ -330,7 +330,8 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 
 
-def _template_kwargs(data: dict) -> dict | None:
+def template_kwargs_of(data: dict) -> dict | None:
+    """``chat_template_kwargs``, validated (None: none given)."""
     value = data.get("chat_template_kwargs")
     if value is None or value == {}:
         return None
@@ -364,7 +365,7 @@ _ENGINE_SAMPLING = {
         d, "spaces_between_special_tokens", None
     ),
     "response_format": lambda d, lim: _response_format(d),
-    "chat_template_kwargs": lambda d, lim: _template_kwargs(d),
+    "chat_template_kwargs": lambda d, lim: template_kwargs_of(d),
 }
 
 

@@ -23,7 +23,8 @@ from ..errors import ClientError, NotFound, ServerError, clip
 from .asgi import CLOSE, send_error, send_json
 from .encode import dumps
 from .post import BEFORE_BODY, UNREAD_BODY, read_json_post, refusal_headers
-from .schema import decode_json, messages_of
+from .schema import decode_json, messages_of, template_kwargs_of
+from .tools import render_tools
 
 __all__ = ["handle_tokenize", "parse_tokenize", "parse_detokenize", "ROUTES"]
 
@@ -38,8 +39,6 @@ _REFUSED: dict[str, tuple] = {
     "add_generation_prompt": (None, True),
     "continue_final_message": (None, False),
     "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
-    "tools": (None, []),
     "mm_processor_kwargs": (None, {}),
 }
 
@@ -74,6 +73,10 @@ def parse_tokenize(body: bytes, served_model: str) -> dict:
     if ("prompt" in data) == ("messages" in data):
         raise ClientError("Give either 'prompt' or 'messages'.", param="prompt")
     if "prompt" in data:
+        for name in ("tools", "chat_template_kwargs"):
+            if data.get(name) not in (None, [], {}):
+                raise ClientError(f"'{name}' goes with 'messages': a prompt is not rendered "
+                                  "with the chat template.", param=name)
         prompt = data["prompt"]
         if not isinstance(prompt, str):
             raise ClientError("'prompt' must be a string.", param="prompt")
@@ -84,7 +87,16 @@ def parse_tokenize(body: bytes, served_model: str) -> dict:
             "'add_special_tokens' is not supported with 'messages': they are rendered as for "
             "a chat completion.", param="add_special_tokens", code="unsupported_parameter",
         )
-    return {"op": "tokenize", "prompt": {"messages": messages_of(data)}}
+    # Rendered as a chat completion with the same fields would be: its tools (and tool
+    # calls and results in the history) and its template variables.
+    request = {"op": "tokenize", "prompt": {"messages": messages_of(data, tools_ok=True)}}
+    tools = render_tools(data)
+    if tools:
+        request["tools"] = tools
+    template_kwargs = template_kwargs_of(data)
+    if template_kwargs is not None:
+        request["template_kwargs"] = template_kwargs
+    return request
 
 
 def parse_detokenize(body: bytes, served_model: str) -> dict:

@@ -63,7 +63,8 @@ def refuse_tools(data: dict, by: str) -> None:
         if name in data and not _neutral(data[name], UNSUPPORTED[name]):
             raise ClientError(
                 f"'{name}' is not supported by {by} without a tool call parser: start the "
-                "server with --tool-call-parser (hermes or llama3_json) to serve tool calls.",
+                "server with --tool-call-parser (hermes, llama3_json or mistral) to serve tool "
+                "calls.",
                 param=name, code="unsupported_parameter",
             )
 
@@ -115,16 +116,23 @@ def _call_schema(fn: dict) -> dict:
     }
 
 
-def read_tools(data: dict, parser: str) -> ToolChoice | None:
-    """The request's tools and tool_choice (None: no tools, nothing to parse); 400s naming
-    the field for a malformed tool, an unknown tool_choice, or a named function not given."""
+def render_tools(data: dict) -> list:
+    """The request's ``tools`` as the chat template takes them (``[]`` for none); a 400
+    naming the field for a malformed tool."""
     tools = data.get("tools")
     if tools is None:
         tools = []
     if not isinstance(tools, list) or len(tools) > _MAX_TOOLS:
         raise ClientError(f"'tools' must be a list of at most {_MAX_TOOLS} tools.", param="tools")
     names: set = set()
-    rendered = [_tool(t, i, names) for i, t in enumerate(tools)]
+    return [_tool(t, i, names) for i, t in enumerate(tools)]
+
+
+def read_tools(data: dict, parser: str) -> ToolChoice | None:
+    """The request's tools and tool_choice (None: no tools, nothing to parse); 400s naming
+    the field for a malformed tool, an unknown tool_choice, or a named function not given."""
+    rendered = render_tools(data)
+    names = {t["function"]["name"] for t in rendered}
     parallel = data.get("parallel_tool_calls")
     if parallel is None:
         parallel = True

@@ -169,7 +169,13 @@ def tokenize_request(
         special = bool(request.get("add_special_tokens", True))
         ids = list(tokenizer.encode(prompt, add_special_tokens=special))
     else:
-        ids = encode_prompt(prompt, tokenizer, vocab_size=vocab_size, chat=chat, model=model)
+        tools = request.get("tools")
+        template_kwargs = request.get("template_kwargs")
+        if (tools is not None and not isinstance(tools, list)) or (
+                template_kwargs is not None and not isinstance(template_kwargs, dict)):
+            raise Rejected("tools must be a list and template_kwargs an object")
+        ids = encode_prompt(prompt, tokenizer, vocab_size=vocab_size, chat=chat, model=model,
+                            template_kwargs=template_kwargs, tools=tools)
     return {"tokens": ids, "max_model_len": max_model_len}
 
 
