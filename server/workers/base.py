@@ -23,10 +23,11 @@ take as long as the engine's real work takes: the loop reads the pipe between st
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = [
-    "Engine", "EngineBroken", "Rejected", "WorkerCrash", "WorkerGarbage", "WorkerHang",
+    "Engine", "EngineBroken", "HFTokenizing", "Rejected", "WorkerCrash", "WorkerGarbage",
+    "WorkerHang",
     "check_context", "encode_prompt", "finite_logprob", "one_line", "tokenize_request",
     "MAX_LOGPROBS",
 ]
@@ -177,6 +178,37 @@ def tokenize_request(
         ids = encode_prompt(prompt, tokenizer, vocab_size=vocab_size, chat=chat, model=model,
                             template_kwargs=template_kwargs, tools=tools)
     return {"tokens": ids, "max_model_len": max_model_len}
+
+
+class HFTokenizing:
+    """Prompt encoding and /tokenize for the engines that serve with a Hugging Face
+    tokenizer (transformers, vllm): they set ``tokenizer``, ``vocab_size``,
+    ``chat_template``, ``info`` and ``max_model_len``."""
+
+    tokenizer: Any  # a Hugging Face tokenizer (an optional dependency)
+    vocab_size: int
+    chat_template: str | None
+    info: dict
+    max_model_len: int
+
+    def tokenize(self, request: dict) -> dict:
+        """/tokenize and /detokenize, with the tokenizer requests are served with."""
+        return tokenize_request(
+            request, self.tokenizer, vocab_size=self.vocab_size,
+            chat=self.chat_template is not None, model=self.info["model"],
+            max_model_len=self.max_model_len,
+        )
+
+    def encode(
+        self, prompt: object, template_kwargs: dict | None = None, tools: list | None = None
+    ) -> list[int]:
+        """Token ids of a prompt (a string, token ids, or ``{"messages": [...]}``), with
+        the request's template variables and tools."""
+        return encode_prompt(
+            prompt, self.tokenizer, vocab_size=self.vocab_size,
+            chat=self.chat_template is not None, model=self.info["model"],
+            template_kwargs=template_kwargs, tools=tools,
+        )
 
 
 #: The most alternatives per token a request may ask for (OpenAI: 5 for completions, 20 for

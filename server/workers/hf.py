@@ -57,13 +57,12 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from ..protocol.wire import OutputRow
 from .base import (
+    HFTokenizing,
     MAX_LOGPROBS,
     Rejected,
     check_context,
-    encode_prompt,
     finite_logprob,
     one_line,
-    tokenize_request,
 )
 from .hf_batch import KVBatch, UnsupportedModel, sliding_window
 from .hf_grammar import Grammars
@@ -147,7 +146,7 @@ class _Req:
     )
 
 
-class TransformersEngine:
+class TransformersEngine(HFTokenizing):
     """See the module docstring. Options come from ``EngineConfig.engine_options``."""
 
     def __init__(
@@ -263,25 +262,6 @@ class TransformersEngine:
         req.last = -1
         self._waiting[rid] = req
         return len(ids)
-
-    def tokenize(self, request: dict) -> dict:
-        """/tokenize and /detokenize, with the tokenizer requests are served with."""
-        return tokenize_request(
-            request, self.tokenizer, vocab_size=self.vocab_size,
-            chat=self.chat_template is not None, model=self.info["model"],
-            max_model_len=self.max_model_len,
-        )
-
-    def encode(
-        self, prompt: object, template_kwargs: dict | None = None, tools: list | None = None
-    ) -> list[int]:
-        """Token ids of a prompt (a string, token ids, or ``{"messages": [...]}``), with
-        the request's template variables and tools."""
-        return encode_prompt(
-            prompt, self.tokenizer, vocab_size=self.vocab_size,
-            chat=self.chat_template is not None, model=self.info["model"],
-            template_kwargs=template_kwargs, tools=tools,
-        )
 
     def abort(self, rid: int) -> bool:
         if self._waiting.pop(rid, None) is not None:

@@ -42,14 +42,13 @@ from pathlib import Path
 
 from ..protocol.wire import OutputRow
 from .base import (
+    HFTokenizing,
     MAX_LOGPROBS,
     EngineBroken,
     Rejected,
     check_context,
-    encode_prompt,
     finite_logprob,
     one_line,
-    tokenize_request,
 )
 
 __all__ = ["VLLMEngine", "VLLM_SAMPLING"]
@@ -158,7 +157,7 @@ def _served_name(config) -> str:
     return str(name or Path(config.model_config.model).name)
 
 
-class VLLMEngine:
+class VLLMEngine(HFTokenizing):
     """See the module docstring. Options come from ``EngineConfig.engine_options``; the
     named ones are vLLM's engine arguments of the same meaning (``max_batch`` is
     ``max_num_seqs``), ``engine_args`` any other ``vllm.EngineArgs`` field.
@@ -313,25 +312,6 @@ class VLLMEngine:
             core.shutdown()
 
     # -- requests in vLLM's terms -----------------------------------------------------------
-
-    def tokenize(self, request: dict) -> dict:
-        """/tokenize and /detokenize, with the tokenizer requests are served with."""
-        return tokenize_request(
-            request, self.tokenizer, vocab_size=self.vocab_size,
-            chat=self.chat_template is not None, model=self.info["model"],
-            max_model_len=self.max_model_len,
-        )
-
-    def encode(
-        self, prompt: object, template_kwargs: dict | None = None, tools: list | None = None
-    ) -> list[int]:
-        """Token ids of a prompt (a string, token ids, or ``{"messages": [...]}``), with
-        the request's template variables and tools."""
-        return encode_prompt(
-            prompt, self.tokenizer, vocab_size=self.vocab_size,
-            chat=self.chat_template is not None, model=self.info["model"],
-            template_kwargs=template_kwargs, tools=tools,
-        )
 
     def sampling_params(self, params: dict, max_tokens: int):
         """The ``vllm.SamplingParams`` of a request's wire params (a client fault in them,
