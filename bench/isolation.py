@@ -114,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--settle", type=float, default=2.0, help="s of pause between phases")
     p.add_argument("--tail", type=float, default=0.5,
                    help="s a heavy phase's window runs on after the answer")
-    p.add_argument("--heavy-timeout", type=float, default=180.0,
-                   help="most s to wait for a heavy request's answer")
+    p.add_argument("--heavy-timeout", type=float, default=600.0,
+                   help="most s to wait for a heavy request's answer (the logprobs one takes "
+                   "minutes with the transformers engine on a CPU)")
     p.add_argument("--ready-timeout", type=float, default=300.0,
                    help="most s to wait, after a phase, for /health to answer 200 again")
     p.add_argument("--health-interval", type=float, default=0.02, help="s between /health probes")
@@ -218,7 +219,7 @@ async def _run(args, server: SpawnedServer) -> dict | None:
             phases = await run_phases(args, target, model, server.proc.pid)
             result = {"engine": args.engine, "streams": args.streams,
                       "max_tokens": args.max_tokens, "target_ms": args.target_ms,
-                      "phases": phases}
+                      "server_log": server.log_path, "phases": phases}
         nursery.cancel_scope.cancel()
     return result
 
