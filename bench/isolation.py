@@ -130,16 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def server_args(args, model_path: str | None) -> str:
-    """The server's command line for ``--engine`` (then ``--server-args``)."""
+    """The server's command line for ``--engine`` (then ``--server-args``). With the tiny
+    model, vllm gets the CPU settings of bench/vllm_frontend.py (float32, a 1 GiB KV cache);
+    with ``--model-path`` only what ``--server-args`` adds."""
     extra = ["--engine", args.engine, "--disable-log-requests"]
     room = args.streams + 32  # the streams and the heavy request's 16 sequences run together
     if args.engine == "transformers":
         extra += ["--model-path", model_path, "--max-batch", str(room)]
     elif args.engine == "vllm":
-        extra += ["--model-path", model_path, "--max-model-len", "2048",
-                  "--engine-arg", "dtype=float32",
-                  "--engine-arg", f"kv_cache_memory_bytes={1 << 30}",
-                  "--engine-arg", f"max_num_seqs={room}"]
+        extra += ["--model-path", model_path, "--max-batch", str(room)]
+        if args.model_path is None:  # the tiny model on vLLM's CPU build
+            extra += ["--max-model-len", "2048", "--dtype", "float32",
+                      "--engine-arg", f"kv_cache_memory_bytes={1 << 30}"]
     return shlex.join(extra) + " " + args.server_args
 
 

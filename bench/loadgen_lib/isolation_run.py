@@ -133,7 +133,7 @@ class Background:
 
 class HealthProbe:
     """``GET /health`` on a fresh connection every ``interval`` seconds: (start, latency,
-    ok) of each."""
+    ok) of each. A window's probes are those in flight during it."""
 
     def __init__(self, target: Target, interval: float, timeout: float) -> None:
         self.target = target
@@ -153,7 +153,7 @@ class HealthProbe:
             await trio.sleep(self.interval)
 
     def window(self, a: float, b: float) -> dict:
-        got = [(lat, ok) for t0, lat, ok in self.probes if a <= t0 <= b]
+        got = [(lat, ok) for t0, lat, ok in self.probes if t0 <= b and t0 + lat >= a]
         return {"health_probes": len(got),
                 "health_max_ms": round(max(lat for lat, _ in got) * 1000, 1) if got else None,
                 "health_failed": sum(not ok for _, ok in got)}
@@ -166,11 +166,11 @@ async def send_heavy(target: Target, heavy: HeavyRequest, req: bytes, timeout: f
                  "response_bytes": 0, "error": None, "timed_out": False}
     head_keep, tail_keep = bytearray(), b""
     t0 = _perf()
+    parser = HTTPResponseParser(method="POST")
     with trio.move_on_after(timeout) as cs:
         stream = None
         try:
             stream = await target.connect()
-            parser = HTTPResponseParser(method="POST")
             async with trio.open_nursery() as nursery:
 
                 async def sender() -> None:
@@ -191,17 +191,17 @@ async def send_heavy(target: Target, heavy: HeavyRequest, req: bytes, timeout: f
                     if not data:
                         break
                 nursery.cancel_scope.cancel()
-            out["status"] = parser.head.status if parser.head is not None else 0
         except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"
         finally:
             if stream is not None:
                 close_stream(stream)
     out["duration_s"] = round(_perf() - t0, 3)
+    out["status"] = parser.head.status if parser.head is not None else 0
     if cs.cancelled_caught:
         out["timed_out"] = True
         out["error"] = f"no complete answer within {timeout} s (--heavy-timeout)"
-    elif out["status"] not in (0, 200):
+    elif out["status"] not in (0, 200) and out["error"] is None:
         out["error"] = error_message(bytes(head_keep))
     elif out["status"] == 200:
         m = re.search(rb'"completion_tokens":\s*(\d+)', tail_keep)
