@@ -55,7 +55,7 @@ from .events import RichEvents
 from .logprobs import LogprobsFormatter
 from .reasoning import split_text
 from .tool_parsers import parse_text as parse_tool_text
-from .post import BEFORE_BODY, UNREAD_BODY, read_json_post, refusal_headers
+from .post import BEFORE_BODY, UNREAD_BODY, off_loop, read_json_post, refusal_headers
 from .protocol import DIRECT_BODY, DirectBody
 from .sink import TextSink
 
@@ -129,10 +129,11 @@ async def handle_generate(
             return
         engine = app.require_engine()
         if chat:
-            req = schema.parse_chat(body, config.limits, engine.model_name, engine.info,
-                                    config.tool_call_parser)
+            req = await off_loop(len(body), schema.parse_chat, body, config.limits,
+                                 engine.model_name, engine.info, config.tool_call_parser)
         else:
-            req = schema.parse_completion(body, config.limits, engine.model_name, engine.info)
+            req = await off_loop(len(body), schema.parse_completion, body, config.limits,
+                                 engine.model_name, engine.info)
         refusal = app.admission_error(engine, len(req.prompts) * req.params.n)
         if refusal is not None:
             raise refusal

@@ -1,0 +1,124 @@
+"""Issue 23, item 3: big bodies must not stall the frontend's event loop.
+
+What is tested here is the behaviour; the stalls themselves are measured by
+``bench/bodies.py`` (no wall-clock bounds in tests):
+
+* a token-id prompt that cannot fit the model's context is refused by the frontend, with
+  the worker's own 400, before the walk over its ids, and no worker sees it;
+* a body past :data:`server.http.post.BIG_BODY` (parsed in a thread) is answered exactly
+  as the same request in a small body is;
+* the parse (msgspec, then the standard library for what msgspec refuses) answers as
+  ``json.loads`` did.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from server.config import EngineConfig
+from server.errors import ClientError
+from server.http import schema
+from server.http.post import BIG_BODY
+from server.params import context_error
+from tests.conftest import FAST_SIM, JSON, running_server
+
+CONTEXT = 64
+
+
+def _count_dispatches(engine) -> list:
+    """Every request the engine is asked to run, recorded (and then run)."""
+    seen: list = []
+    generate_many = engine.generate_many
+
+    def spy(prompts, *args, **kwargs):
+        seen.append(prompts)
+        return generate_many(prompts, *args, **kwargs)
+
+    engine.generate_many = spy
+    return seen
+
+
+async def test_a_token_id_prompt_past_the_context_is_refused_before_any_worker():
+    config = EngineConfig(engine_options={**FAST_SIM, "max_model_len": CONTEXT})
+    async with running_server(config) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            # What the worker answers when it finds the prompt too long (a text prompt: the
+            # frontend cannot count its tokens).
+            r = await http.post("/v1/completions", headers=JSON,
+                                json={"prompt": "word " * 200, "max_tokens": 4})
+            assert r.status_code == 400
+            worker = r.json()["error"]
+            assert "maximum context length is 64 tokens" in worker["message"]
+            seen = _count_dispatches(url.app.engine)
+            cases = [
+                ({"prompt": [7] * 100, "max_tokens": 4}, 100, 4),
+                ({"prompt": [7] * 60, "max_tokens": 5}, 60, 5),  # 65 > 64
+                ({"prompt": [[7] * 3, [7] * 70], "max_tokens": 2}, 70, 2),
+                # Millions of ids, parsed in a thread, refused on their count.
+                ({"prompt": [1] * 1_900_000, "max_tokens": 4}, 1_900_000, 4),
+            ]
+            for body, tokens, max_tokens in cases:
+                r = await http.post("/v1/completions", headers=JSON, json=body)
+                assert r.status_code == 400, r.text[:300]
+                error = r.json()["error"]
+                assert error["message"] == context_error(tokens, max_tokens, CONTEXT)
+                assert {k: error[k] for k in ("type", "param", "code")} == {
+                    k: worker[k] for k in ("type", "param", "code")}
+            assert seen == []
+            # What fits still runs.
+            r = await http.post("/v1/completions", headers=JSON,
+                                json={"prompt": [7] * 60, "max_tokens": 4})
+            assert r.status_code == 200, r.text[:300]
+            assert len(seen) == 1
+
+
+async def test_a_big_body_is_answered_as_the_same_request_in_a_small_one():
+    request = {"prompt": "the same words", "max_tokens": 6, "seed": 3, "n": 2}
+    pad = {"padding_nobody_defines": "p" * BIG_BODY}
+    bad = {"prompt": "x", "max_tokens": 6, "temperature": "hot"}
+    async with running_server() as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            answers = []
+            for body in (request, {**request, **pad}):
+                r = await http.post("/v1/completions", headers=JSON, json=body)
+                assert r.status_code == 200, r.text[:300]
+                answers.append([c["text"] for c in r.json()["choices"]])
+            assert answers[0] == answers[1]
+            errors = []
+            for body in (bad, {**bad, **pad}):
+                r = await http.post("/v1/completions", headers=JSON, json=body)
+                errors.append((r.status_code, r.json()))
+            assert errors[0] == errors[1] and errors[0][0] == 400
+            assert errors[0][1]["error"]["param"] == "temperature"
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "seed": 1}
+            texts = []
+            for body in (chat, {**chat, **pad}):
+                r = await http.post("/v1/chat/completions", headers=JSON, json=body)
+                assert r.status_code == 200, r.text[:300]
+                texts.append(r.json()["choices"][0]["message"]["content"])
+            assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("body", [
+    b'{"prompt": "x", "temperature": NaN}',
+    b'{"prompt": "x", "max_tokens": 1e400}',
+    b'{"prompt": "x", "user": "\\ud83d\\ude00", "max_tokens": 2}',
+    b'{"prompt": [1, 2, 3], "n": 2, "unknown": {"a": [1.5, -0.0, 1e-7, true, null]}}',
+    b'{"prompt": "x", "unknown": ' + b"1" * 4000 + b"}",
+    b'{"prompt": "x", "prompt": [5]}',
+    b'{"prompt": "x",}',
+    b'{"prompt": "x"} trailing',
+    b'{"prompt": "x", "unknown": ' + b"1" * 5000 + b"}",
+])
+def test_the_parse_takes_and_refuses_what_json_loads_does(body):
+    try:
+        expected = json.loads(body)
+    except ValueError:
+        with pytest.raises(ClientError) as refused:
+            schema.decode_json(body)
+        assert refused.value.status == 400 and "set_int_max_str_digits" not in str(refused.value)
+        return
+    assert json.dumps(schema.decode_json(body)) == json.dumps(expected)  # (NaN != NaN)
