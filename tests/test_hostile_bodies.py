@@ -18,7 +18,7 @@ import json
 import httpx
 import pytest
 
-from server.config import EngineConfig
+from server.config import EngineConfig, Limits
 from server.errors import ClientError
 from server.http import schema
 from server.http.post import BIG_BODY
@@ -122,3 +122,67 @@ def test_the_parse_takes_and_refuses_what_json_loads_does(body):
         assert refused.value.status == 400 and "set_int_max_str_digits" not in str(refused.value)
         return
     assert json.dumps(schema.decode_json(body)) == json.dumps(expected)  # (NaN != NaN)
+
+
+# -- what one request may make the server build ------------------------------------------------
+
+HF = {"engine": "transformers", "logprobs": 20, "max_model_len": 2048}
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def _chat(body: dict, limits: Limits, info=HF):
+    return schema.parse_chat(json.dumps({"messages": CHAT, **body}).encode(), limits, "m", info)
+
+
+def test_an_answer_past_max_answer_logprobs_is_refused_naming_the_fields():
+    limits = Limits(max_answer_logprobs=16 * 100 * 21)
+    at_the_bound = {"n": 16, "max_tokens": 100, "logprobs": True, "top_logprobs": 20}
+    assert _chat(at_the_bound, limits).logprobs == 20
+    for body, size in [
+        ({**at_the_bound, "max_tokens": 101}, 16 * 101 * 21),
+        # Without max_tokens, what fits the context.
+        ({"n": 16, "logprobs": True, "top_logprobs": 1}, 16 * 2048 * 2),
+    ]:
+        with pytest.raises(ClientError) as refused:
+            _chat(body, limits)
+        error = refused.value
+        assert error.status == 400 and error.param == "top_logprobs"
+        assert f"{size} logprobs" in error.message and f"more than the {16 * 100 * 21}" in error.message
+        for name in ("n", "max_tokens", "top_logprobs", "stream"):
+            assert name in error.message
+        # A stream sends them as it goes: not bounded.
+        assert _chat({**body, "stream": True}, limits).logprobs is not None
+        assert _chat(body, Limits(max_answer_logprobs=0)).logprobs is not None  # no limit
+    # Completions: prompts x n choices, logprobs k.
+    body = {"prompt": ["a", "b"], "n": 4, "max_tokens": 10, "logprobs": 5}
+    with pytest.raises(ClientError) as refused:
+        schema.parse_completion(json.dumps(body).encode(), Limits(max_answer_logprobs=479),
+                                "m", HF)
+    assert refused.value.param == "logprobs" and "480 logprobs" in refused.value.message
+    assert schema.parse_completion(json.dumps(body).encode(), Limits(max_answer_logprobs=480),
+                                   "m", HF).logprobs == 5
+
+
+async def test_a_big_answer_built_in_a_thread_is_the_answer_built_here(tmp_path, monkeypatch):
+    import trio
+
+    from server.http import post
+    from tests.test_transformers_engine import MODEL, hf_config
+    from tests.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / MODEL)
+    # 4 choices x 48 tokens x 21 logprobs: past BIG_BODY, so built in a worker thread.
+    body = {"messages": CHAT, "n": 4, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 20}
+    with trio.fail_after(120):
+        async with running_server(hf_config(model_dir)) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                answers = []
+                for big_body in (post.BIG_BODY, 1 << 62):
+                    monkeypatch.setattr(post, "BIG_BODY", big_body)
+                    r = await http.post("/v1/chat/completions", headers=JSON, json=body)
+                    assert r.status_code == 200, r.text[:300]
+                    answers.append(r.json()["choices"])
+    assert len(r.content) > BIG_BODY
+    assert answers[0] == answers[1]
+    assert sum(len(c["logprobs"]["content"]) for c in answers[0]) == 4 * 48

@@ -386,12 +386,33 @@ async def _write_full(
             completion_tokens += out.completion_tokens
             if out.cached_tokens is not None:
                 cached[out.index] = out.cached_tokens
+    joined = ["".join(t) for t in texts]
+    values = sum(map(len, entries)) * ((req.logprobs or 0) + 1)
+    size = sum(map(len, joined)) + values * _BYTES_PER_LOGPROB
+    body = await off_loop(
+        size, _full_body, req, response_id, model, reasoning_parser, joined, reasons, entries,
+        prompts, _prompt_tokens(per_choice, n), completion_tokens, _cached_tokens(cached, n),
+    )
+    await answer.json(body)
+
+
+#: About what one logprob (a token and its value) adds to a chat answer, to tell a big one.
+_BYTES_PER_LOGPROB = 70
+
+
+def _full_body(
+    req, response_id: str, model: str, reasoning_parser: str | None, joined: list[str],
+    reasons: list, entries: list[list], prompts: list, prompt_tokens: int,
+    completion_tokens: int, cached_tokens: int | None,
+) -> bytes:
+    """The body of a non-streaming answer. Sans-IO: a big one (many logprobs) is built in
+    a worker thread (see :func:`server.http.post.off_loop`)."""
+    k = len(joined)
     logprobs = None
     if req.logprobs is not None:
         logprobs = [
             LogprobsFormatter(req.chat).format(entries[i], prompts[i]) for i in range(k)
         ]
-    joined = ["".join(t) for t in texts]
     reasoning = None
     if req.chat and reasoning_parser is not None:
         reasoning = []
@@ -403,21 +424,20 @@ async def _write_full(
         tool_calls = [
             _tool_calls(req.tools, joined, reasons, i) for i in range(k)
         ]
-    body = completion_body(
+    return completion_body(
         chat=req.chat,
         response_id=response_id,
         created=int(time.time()),
         model=model,
         texts=joined,
         finish_reasons=reasons,
-        prompt_tokens=_prompt_tokens(per_choice, n),
+        prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
-        cached_tokens=_cached_tokens(cached, n),
+        cached_tokens=cached_tokens,
         logprobs=logprobs,
         reasoning=reasoning,
         tool_calls=tool_calls,
     )
-    await answer.json(body)
 
 
 def _tool_calls(tools, texts: list, reasons: list, i: int) -> list:

@@ -515,6 +515,34 @@ def _common(
     }
 
 
+def _check_answer_size(
+    req: GenerateRequest, limits: Limits, engine_info: dict | None
+) -> GenerateRequest:
+    """Refuse a non-streaming request whose answer could hold more logprobs than
+    ``limits.max_answer_logprobs``, before anything runs: the server builds that answer
+    as one document (a 200-byte request for n=16 x 900 tokens x top 20 made 19 MB). A
+    chat request without ``max_tokens`` counts what fits the context."""
+    most = limits.max_answer_logprobs
+    if req.logprobs is None or req.stream or not most:
+        return req
+    max_tokens = req.params.max_tokens
+    if max_tokens is None:
+        context = (engine_info or {}).get("max_model_len")
+        max_tokens = context if isinstance(context, int) else limits.max_tokens
+    choices = len(req.prompts) * req.params.n
+    size = choices * max_tokens * (req.logprobs + 1)
+    if size > most:
+        param = "top_logprobs" if req.chat else "logprobs"
+        unset = "" if req.params.max_tokens is not None else " (max_tokens unset: the context)"
+        raise ClientError(
+            f"This answer could hold {size} logprobs ({choices} choices x {max_tokens} "
+            f"tokens{unset} x {req.logprobs + 1} per token), more than the {most} the server "
+            f"builds for one answer: ask for fewer (n, max_tokens, {param}), or stream it.",
+            param=param,
+        )
+    return req
+
+
 def _engine_fields(info: dict | None) -> tuple[frozenset, str]:
     if not info:
         return frozenset(), ""
@@ -551,7 +579,9 @@ def parse_completion(
         common["params"].extra["prompt_logprobs"] = common["logprobs"]
     if len(prompts) * common["params"].n > limits.max_n * limits.max_prompts:
         raise ClientError("Too many choices in one request.", param="n")
-    return GenerateRequest(chat=False, prompts=prompts, echo=echo, **common)
+    return _check_answer_size(
+        GenerateRequest(chat=False, prompts=prompts, echo=echo, **common), limits, engine_info
+    )
 
 
 def parse_chat(
@@ -580,9 +610,9 @@ def parse_chat(
     tools = read_tools(data, tool_parser) if tool_parser is not None and tools_ok else None
     if tools is not None:
         _tools_to_engine(tools, common["params"].extra, "response_format" in fields, engine)
-    return GenerateRequest(
+    return _check_answer_size(GenerateRequest(
         chat=True, prompts=[{"messages": messages}], echo=False, tools=tools, **common
-    )
+    ), limits, engine_info)
 
 
 def _tools_to_engine(tools: ToolChoice, extra: dict, grammar_ok: bool, engine: str) -> None:
