@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from ..errors import ClientError
+from ..errors import ClientError, printable
 
 __all__ = ["HONOURED_CHAT", "HONOURED_COMPLETION", "UNSUPPORTED", "check_fields"]
 
@@ -122,4 +122,5 @@ def check_fields(
                 code="unsupported_parameter",
             )
     if unknown and log.isEnabledFor(logging.DEBUG):
-        log.debug("ignored request fields nobody defines: %s", ", ".join(unknown[:20]))
+        log.debug("ignored request fields nobody defines: %s",
+                  ", ".join(printable(name, 64) for name in unknown[:20]))
