@@ -186,3 +186,81 @@ async def test_a_big_answer_built_in_a_thread_is_the_answer_built_here(tmp_path,
     assert len(r.content) > BIG_BODY
     assert answers[0] == answers[1]
     assert sum(len(c["logprobs"]["content"]) for c in answers[0]) == 4 * 48
+
+
+# -- item 6: names the client chose, echoed and logged -----------------------------------------
+
+
+async def test_a_huge_or_forging_key_is_echoed_and_logged_bounded_and_escaped(caplog):
+    import logging
+
+    from server.observability.logs import TextFormatter
+
+    huge = "a\nb" + "k" * 1_000_000
+    async with running_server() as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            # A lone surrogate under a key: the 400 names the path to it.
+            body = {"prompt": "x", "metadata": {huge: "\ud800"}}
+            r = await http.post("/v1/completions", headers=JSON,
+                                content=json.dumps(body).encode())
+            assert r.status_code == 400
+            param = r.json()["error"]["param"]
+            assert param.startswith("metadata.a\\nb" + "k" * 10) and "\n" not in param
+            assert len(param) < 300 and len(r.content) < 1500
+            # Field names nobody defines are logged (debug), bounded and on one line.
+            caplog.set_level(logging.DEBUG, logger="server.http")
+            body = {"prompt": "x", "max_tokens": 1, "x\n2026-01-01 ERROR forged": 1, huge: 2}
+            r = await http.post("/v1/completions", headers=JSON, json=body)
+            assert r.status_code == 200
+    lines = [TextFormatter().format(rec) for rec in caplog.records
+             if "nobody defines" in rec.getMessage()]
+    assert len(lines) == 1
+    assert "\n" not in lines[0] and "x\\n2026" in lines[0] and len(lines[0]) < 1000
+
+
+# -- item 6: framing ---------------------------------------------------------------------------
+
+
+async def test_transfer_encoding_in_http_1_0_is_a_400_and_the_connection_closes():
+    from tests.test_hostile import raw_exchange
+    from tests.test_hostile_framing import error_of, statuses
+
+    body = b'{"prompt": "x", "max_tokens": 2}'
+    chunked = b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+    async with running_server() as url:
+        raw = await raw_exchange(
+            url,
+            b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + chunked
+            + b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
+        )
+        status, headers, error = error_of(raw)
+        assert status == 400 and error["code"] == "ambiguous_framing", raw[:300]
+        assert headers["connection"] == "close" and statuses(raw) == [400]
+        # HTTP/1.1 chunked is still served.
+        raw = await raw_exchange(
+            url,
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + chunked,
+        )
+        assert statuses(raw) == [200], raw[:300]
+
+
+@pytest.mark.parametrize("after", [
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"garbage that is no request at all\r\n\r\n",
+    b"\x00" * 70000,
+])
+async def test_bytes_after_a_connection_close_request_are_ignored_and_it_is_answered(after):
+    from tests.test_hostile import raw_exchange, split_response
+    from tests.test_hostile_framing import post, statuses
+
+    async with running_server() as url:
+        for request in (
+            post(b"application/json"),
+            b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            b"GET /health HTTP/1.0\r\nHost: x\r\n\r\n",
+        ):
+            raw = await raw_exchange(url, request + after)
+            assert split_response(raw)[0] == 200, raw[:300]
+            assert len(statuses(raw)) + raw.count(b"HTTP/1.0 ") == 1, raw[:600]
