@@ -387,7 +387,8 @@ async def _write_full(
             if out.cached_tokens is not None:
                 cached[out.index] = out.cached_tokens
     joined = ["".join(t) for t in texts]
-    values = sum(map(len, entries)) * ((req.logprobs or 0) + 1)
+    tokens = sum(map(len, entries)) + sum(len(p) for p in prompts if p)  # (prompt: echo)
+    values = tokens * ((req.logprobs or 0) + 1)
     size = sum(map(len, joined)) + values * _BYTES_PER_LOGPROB
     body = await off_loop(
         size, _full_body, req, response_id, model, reasoning_parser, joined, reasons, entries,
