@@ -124,6 +124,26 @@ def test_the_parse_takes_and_refuses_what_json_loads_does(body):
     assert json.dumps(schema.decode_json(body)) == json.dumps(expected)  # (NaN != NaN)
 
 
+def test_a_big_body_keeps_the_known_fields_and_refuses_what_a_small_one_does():
+    from server.http.fields import KNOWN
+
+    unknown = {f"{i:x}": [i, {"x": None}] for i in range(40_000)}
+    body = {"prompt": [1, 2], "n": 2, "metadata": {"k": "v"}, "temperature": 0.5, **unknown,
+            "stop": ["a"], "tools": None}
+    raw = json.dumps(body).encode()
+    assert len(raw) >= schema.SKIP_UNKNOWN_FROM
+    assert schema.decode_json(raw, known=True) == {
+        k: v for k, v in body.items() if k in KNOWN or k == "tools"}
+    assert schema.decode_json(raw) == body
+    for bad, param in (
+        (b', "zz": "\\ud800"}', "zz"),  # a lone surrogate in a field nobody defines
+        (b', "temperature": NaN}', "temperature"),  # json.loads takes NaN; the field does not
+    ):
+        with pytest.raises(ClientError) as refused:
+            schema.parse_completion(raw[:-1] + bad, Limits(), "m", {})
+        assert refused.value.param == param
+
+
 # -- what one request may make the server build ------------------------------------------------
 
 HF = {"engine": "transformers", "logprobs": 20, "max_model_len": 2048}
@@ -209,7 +229,9 @@ async def test_a_huge_or_forging_key_is_echoed_and_logged_bounded_and_escaped(ca
             assert len(param) < 300 and len(r.content) < 1500
             # Field names nobody defines are logged (debug), bounded and on one line.
             caplog.set_level(logging.DEBUG, logger="server.http")
-            body = {"prompt": "x", "max_tokens": 1, "x\n2026-01-01 ERROR forged": 1, huge: 2}
+            # (A body under SKIP_UNKNOWN_FROM: a bigger one's unknown fields are not built.)
+            body = {"prompt": "x", "max_tokens": 1, "x\n2026-01-01 ERROR forged": 1,
+                    huge[:100_000]: 2}
             r = await http.post("/v1/completions", headers=JSON, json=body)
             assert r.status_code == 200
     lines = [TextFormatter().format(rec) for rec in caplog.records

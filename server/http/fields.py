@@ -19,7 +19,7 @@ import logging
 
 from ..errors import ClientError, printable
 
-__all__ = ["HONOURED_CHAT", "HONOURED_COMPLETION", "UNSUPPORTED", "check_fields"]
+__all__ = ["HONOURED_CHAT", "HONOURED_COMPLETION", "KNOWN", "UNSUPPORTED", "check_fields"]
 
 log = logging.getLogger("server.http")
 
@@ -85,6 +85,10 @@ UNSUPPORTED: dict[str, tuple] = {
 
 #: Defined, and harmless to accept: they change nothing about the generation.
 _NO_OP = frozenset({"metadata"})
+
+#: Every field name either route knows (read, refused, or accepted as a no-op): a big body
+#: is parsed skipping the others (:func:`server.http.schema.decode_json`).
+KNOWN = HONOURED_CHAT | HONOURED_COMPLETION | frozenset(UNSUPPORTED) | _NO_OP
 
 
 def _neutral(value, neutral: tuple) -> bool:

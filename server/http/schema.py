@@ -18,13 +18,14 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
 from ..config import Limits
 from ..errors import ClientError, NotFound, clip
 from ..params import SamplingParams, context_error
-from .fields import HONOURED_CHAT, HONOURED_COMPLETION, UNSUPPORTED, check_fields
+from .fields import HONOURED_CHAT, HONOURED_COMPLETION, KNOWN, UNSUPPORTED, check_fields
 from .tools import TOOL_FIELDS, ToolChoice, history_message, read_tools, refuse_tools
 
 __all__ = ["GenerateRequest", "parse_completion", "parse_chat", "decode_json", "messages_of"]
@@ -54,8 +55,13 @@ class GenerateRequest:
     tools: ToolChoice | None = None
 
 
-def decode_json(body: bytes) -> dict:
+def decode_json(body: bytes, known: bool = False) -> dict:
     """The body as a JSON object, or a ClientError that says what is wrong with it.
+
+    ``known``: a body of :data:`SKIP_UNKNOWN_FROM` bytes or more keeps only the fields of
+    :data:`~server.http.fields.KNOWN`: msgspec skips the others without building them (a
+    body of 350k keys nobody defines: 25 ms instead of 170-220 ms of the loop's time), and
+    they are not logged.
 
     msgspec parses (4-16 times as fast as the standard library, which matters because the
     parse holds the GIL, and with it the event loop, for its whole length: a 4 MB body of
@@ -69,7 +75,12 @@ def decode_json(body: bytes) -> dict:
     except UnicodeDecodeError:
         raise ClientError("The request body is not valid UTF-8.") from None
     try:
-        data = _msgspec_decode(body)
+        if known and len(body) >= SKIP_UNKNOWN_FROM:
+            fields = _decode_known(body)
+            data = {name: value for name in _KNOWN_NAMES
+                    if (value := getattr(fields, name)) is not msgspec.UNSET}
+        else:
+            data = _msgspec_decode(body)
     except RecursionError:
         raise ClientError("The request body is nested too deeply.") from None
     except msgspec.DecodeError:
@@ -80,6 +91,12 @@ def decode_json(body: bytes) -> dict:
 
 
 _msgspec_decode = msgspec.json.Decoder().decode
+#: Bodies at least this large are parsed skipping the fields nobody defines (``known``).
+SKIP_UNKNOWN_FROM = 256 * 1024
+_KNOWN_NAMES = tuple(sorted(KNOWN | TOOL_FIELDS))
+_decode_known = msgspec.json.Decoder(msgspec.defstruct(
+    "KnownFields", [(name, Any, msgspec.UNSET) for name in _KNOWN_NAMES]
+)).decode
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
@@ -557,7 +574,7 @@ def parse_completion(
 ) -> GenerateRequest:
     """Validate a ``/v1/completions`` body. ``engine_info``: the engine's HELLO info (its
     ``sampling`` fields are accepted, its ``engine`` named when a field is refused)."""
-    data = decode_json(body)
+    data = decode_json(body, known=True)
     fields, engine = _engine_fields(engine_info)
     check_fields(data, HONOURED_COMPLETION, fields - TOOL_FIELDS, engine)
     common = _common(
@@ -593,7 +610,7 @@ def parse_chat(
 ) -> GenerateRequest:
     """Validate a ``/v1/chat/completions`` body (``engine_info``: see parse_completion;
     ``tool_parser``: the server's --tool-call-parser, without which tools are refused)."""
-    data = decode_json(body)
+    data = decode_json(body, known=True)
     fields, engine = _engine_fields(engine_info)
     tools_ok = tool_parser is not None and "tools" in fields
     if tools_ok:
