@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-n", type=int, default=16, help="largest 'n' accepted")
     g.add_argument("--max-tokens-cap", type=int, default=32768, help="largest 'max_tokens' accepted")
     g.add_argument("--max-prompts", type=int, default=64, help="most prompts in one completions request")
+    g.add_argument("--max-answer-logprobs", type=int, default=2**19,
+                   help="most logprobs a non-streaming answer may be asked to hold: choices x "
+                   "max_tokens x (top_logprobs + 1); more is a 400 (0: no limit)")
     g.add_argument("--heartbeat-timeout", type=float, default=10.0,
                    help="seconds a worker may leave pings unanswered before it is restarted")
     g.add_argument("--max-restarts", type=int, default=5,
@@ -199,6 +202,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_n=args.max_n,
         max_tokens=args.max_tokens_cap,
         max_prompts=args.max_prompts,
+        max_answer_logprobs=args.max_answer_logprobs,
         allow_faults=args.sim_faults,
     )
     api_keys = _split_commas(args.api_key)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from ..params import context_error
+
 __all__ = [
     "Engine", "EngineBroken", "HFTokenizing", "Rejected", "WorkerCrash", "WorkerGarbage",
     "WorkerHang",
@@ -83,21 +85,10 @@ def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int
     """
     if prompt_tokens < 1:
         raise Rejected("The prompt must contain at least one token.")
-    if max_tokens is None:
-        if prompt_tokens >= max_model_len:
-            raise Rejected(
-                f"This model's maximum context length is {max_model_len} tokens. However, "
-                f"your prompt has {prompt_tokens} tokens. Please reduce the length of the prompt."
-            )
-        return max_model_len - prompt_tokens
-    if prompt_tokens + max_tokens > max_model_len:
-        raise Rejected(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
-            f"{max_tokens} for the completion). Please reduce the length of the prompt or "
-            "max_tokens."
-        )
-    return max_tokens
+    error = context_error(prompt_tokens, max_tokens, max_model_len)
+    if error is not None:
+        raise Rejected(error)
+    return max_model_len - prompt_tokens if max_tokens is None else max_tokens
 
 
 def one_line(exc: BaseException) -> str:
