@@ -24,16 +24,23 @@ import socket
 import subprocess
 import sys
 
+import httpx
+import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 
-from server import SamplingParams, open_engine
+from server import EngineConfig, SamplingParams, open_engine
+from server.config import ServerConfig
+from server.http.serve import serve
+from server.manager.worker import WorkerClient
 from server.protocol import handshake, wire
 from tests import frames
-from tests.conftest import assert_engine_idle
+from tests.conftest import FAST_SIM, assert_engine_idle, child_pids, pid_exists, wait_http_ok
 from tests.remote import (
-    ROOT, SECRET, listening_worker, remote_config,
+    ROOT, SECRET, FrameProxy, free_port, listening_worker, remote_config, stop, wait_until,
+    worker_env,
 )
+from tests.sse_record import SSE, stream_into
 
 #: The frames of the issue: each ended a listening worker (IndexError, TypeError).
 ISSUE_FRAMES = [[3], [7], [1], [2], [1, [1], "hi", {}], [2, [1]]]
@@ -173,3 +180,158 @@ def test_a_pipe_worker_given_a_malformed_frame_exits_with_a_line():
     assert proc.returncode == 1
     assert b"protocol violation by the frontend, exiting: malformed SUBMIT" in err
     assert b"Traceback" not in err
+
+
+# -- a frontend, given malformed frames by its worker ----------------------------------------
+
+
+async def test_a_malformed_pong_ends_that_session_and_the_server_reconnects(tmp_path):
+    async with listening_worker(tmp_path) as w, trio.open_nursery() as nursery:
+        proxy = await nursery.start(FrameProxy(w.address).run)
+        port = free_port()
+        log = tmp_path / "frontend.log"
+        with log.open("wb") as err:  # noqa: ASYNC230 (a local file, before the process)
+            frontend = await trio.lowlevel.open_process(
+                [sys.executable, "-m", "server", "--port", str(port),
+                 "--worker-address", str(proxy.address)],
+                env=worker_env(SECRET), stdin=subprocess.DEVNULL, stderr=err, cwd=ROOT,
+            )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            await wait_http_ok(url + "/ready", timeout=30)
+            recs = [SSE(), SSE()]
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                async with trio.open_nursery() as streams:
+                    for rec in recs:
+                        streams.start_soon(stream_into, http,
+                                           {"prompt": "p", "max_tokens": 8000}, rec)
+                    with trio.fail_after(10):
+                        for rec in recs:
+                            await rec.started.wait()
+                    relay = proxy.current
+                    assert relay is not None
+                    await proxy.inject(relay, wire.encode([wire.PONG]))
+                    with trio.fail_after(10):
+                        for rec in recs:
+                            await rec.finished.wait()
+                for rec in recs:
+                    assert rec.status == 200 and rec.done  # an error event, then [DONE]
+                    error = rec.error()
+                    assert error["code"] == "worker_died"
+                    assert "protocol violation: malformed PONG: [4]" in error["message"]
+                # the frontend reconnects by itself, and serves
+                await wait_http_ok(url + "/ready", timeout=20)
+                assert (await http.get("/health")).status_code == 200
+                r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                assert r.status_code == 200, r.text
+            assert frontend.returncode is None
+            assert proxy.connections == 2
+        finally:
+            with trio.CancelScope(shield=True):
+                await stop(frontend)  # SIGTERM (then SIGKILL)
+            nursery.cancel_scope.cancel()
+        assert frontend.returncode == 0, log.read_text()
+        text = log.read_text()
+        assert re.search(r"worker 0: .*protocol violation: malformed PONG: \[4\]; reconnecting",
+                         text), text
+        assert "Traceback" not in text
+        # the worker aborted what the dropped connection held (closed, or reset: the kernel
+        # resets a socket closed with unread bytes)
+        assert re.search(r"disconnected \((closed by the frontend|connection broke: .*reset.*)"
+                         r"\); aborted 2 request\(s\)", w.text()), w.text()
+
+
+async def test_property_generated_frames_from_a_worker_end_at_most_its_session(tmp_path):
+    async with listening_worker(tmp_path, secret=None) as w, trio.open_nursery() as nursery:
+        proxy = await nursery.start(FrameProxy(w.address).run)
+        config = remote_config(proxy, secret=None, restart_backoff=0.02,
+                               restart_backoff_max=0.02)
+        seen: collections.Counter = collections.Counter()
+        async with open_engine(config) as engine:
+            worker = engine.workers[0]
+
+            async def one(message: list) -> None:
+                await wait_until(lambda: worker.alive and proxy.current is not None, 20)
+                relay, restarts = proxy.current, worker.restarts
+                assert relay is not None
+                good = frames.verdict(wire.check_reply, message)
+                await proxy.inject(relay, wire.encode(message))
+                if good:  # a round trip after it, on the same session: it went on
+                    with trio.fail_after(20):
+                        await engine.ping_all()
+                    assert worker.alive and worker.restarts == restarts
+                    assert proxy.current is relay
+                else:  # the session ended; the frontend reconnected
+                    await wait_until(lambda: worker.restarts == restarts + 1 and worker.alive
+                                     and proxy.current not in (None, relay), 20)
+                seen[good] += 1
+                with trio.fail_after(20):
+                    async with engine.generate("x", SamplingParams(max_tokens=3)) as stream:
+                        assert sum([o.num_tokens async for o in stream]) == 3
+
+            def fuzz() -> None:
+                @settings(max_examples=frames.EXAMPLES, deadline=None, database=None,
+                          suppress_health_check=list(HealthCheck))
+                @given(frames.replies)
+                def example(message):
+                    trio.from_thread.run(one, message)
+
+                example()
+
+            await trio.to_thread.run_sync(fuzz)
+            await assert_engine_idle(engine)
+        nursery.cancel_scope.cancel()
+    print("outcomes (well formed?):", dict(seen))
+    assert seen[True] and seen[False]
+
+
+# -- an error that ends the engine ends the server -------------------------------------------
+
+#: The server's command, with a bug put in the router (what a bug would do; no frame can).
+_BUGGY_SERVER = """
+import sys
+from server.manager.worker import WorkerClient
+
+def _route(self, messages):
+    raise RuntimeError("a bug in the router")
+
+WorkerClient._route = _route
+from server.cli import main
+main(sys.argv[1:])
+"""
+
+
+def _broken_route(self, messages):
+    raise RuntimeError("a bug in the router")
+
+
+async def test_an_error_that_ends_the_engine_ends_the_server_process_non_zero(tmp_path):
+    log = tmp_path / "frontend.log"
+    before = child_pids()
+    with log.open("wb") as err:  # noqa: ASYNC230 (a local file, before the process)
+        with trio.fail_after(60):
+            done = await trio.run_process(
+                [sys.executable, "-c", _BUGGY_SERVER, "--port", "0",
+                 "--sim-itl-ms", "2", "--sim-ttft-ms", "5"],
+                stdin=subprocess.DEVNULL, stderr=err, cwd=ROOT, check=False,
+            )
+    text = log.read_text()
+    assert done.returncode == 1, text
+    assert "the engine failed: RuntimeError('a bug in the router'); stopping the server" in text
+    # its worker was stopped with it
+    pids = [int(p) for p in re.findall(r"worker 0 \(pid (\d+)\) is up", text)]
+    assert pids and not any(pid_exists(p) for p in pids)
+    assert child_pids() - before == set()
+
+
+async def test_an_error_that_ends_the_engine_comes_out_of_serve_and_open_engine(monkeypatch):
+    monkeypatch.setattr(WorkerClient, "_route", _broken_route)
+    config = EngineConfig(engine_options=dict(FAST_SIM), shutdown_grace=0.3)
+    with trio.fail_after(60):
+        with pytest.raises(RuntimeError, match="a bug in the router"):
+            await serve(ServerConfig(engine=config, host="127.0.0.1", port=0,
+                                     shutdown_timeout=0, close_timeout=0.2))
+        with pytest.raises(ExceptionGroup) as info:
+            async with open_engine(config) as engine:
+                await engine.ping_all()
+    assert info.group_contains(RuntimeError, match="a bug in the router", depth=None)
