@@ -118,7 +118,7 @@ def step_message(engine, accepts: list, outputs: list) -> list:
 def serve(engine, fd_in: int, fd_out: int) -> None:
     """Run the loop until the input ends or a SHUTDOWN arrives."""
     clock = time.monotonic
-    decoder = wire.FrameDecoder()
+    decoder = wire.FrameDecoder(wire.check_request)  # a malformed message ends the loop
     # select(2) takes a timeout in microseconds, epoll in whole milliseconds (rounded up): a
     # sim engine's first token would be up to 1 ms late. One descriptor: select is as cheap.
     selector = selectors.SelectSelector() if fd_in < 1024 else selectors.DefaultSelector()
@@ -215,7 +215,11 @@ def _main(argv: list[str]) -> None:
         _write_all(fd_out, b"\xff\xff\xff\xffthis is not a frame")
         while True:
             time.sleep(3600)
-    except (BrokenPipeError, wire.ProtocolError):
+    except BrokenPipeError:
+        raise SystemExit(1) from None
+    except wire.ProtocolError as exc:  # the frontend is broken: so is this pipe
+        print(f"trio-llm-server worker: protocol violation by the frontend, exiting: {exc}",
+              file=sys.stderr)
         raise SystemExit(1) from None
     finally:
         close = getattr(engine, "close", None)
