@@ -223,7 +223,7 @@ def model_dir(tmp_path_factory):
 
     torch.set_num_threads(1)
     return build_tiny_model(tmp_path_factory.mktemp("tools") / "tiny-tools",
-                            max_position_embeddings=2048)  # the tools take ~800 tokens
+                            max_position_embeddings=4096)  # tools take ~800-1800 tokens
 
 
 def test_forced_calls_are_always_valid_in_the_engine(model_dir):

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from ..errors import ClientError
 from .fields import UNSUPPORTED, _neutral
+from .json_schema import check_refs, rebase
 
 __all__ = ["TOOL_FIELDS", "ToolChoice", "history_message", "read_tools", "refuse_tools"]
 
@@ -96,6 +97,7 @@ def _tool(tool, i: int, names: set) -> dict:
                 '({"type": "object", "properties": {...}}).',
                 param=f"{param}.function.parameters",
             )
+        check_refs(parameters, f"{param}.function.parameters")
     strict = fn.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise ClientError("'strict' must be a boolean.", param=f"{param}.function.strict")
@@ -108,12 +110,29 @@ def _tool(tool, i: int, names: set) -> dict:
 
 
 def _call_schema(fn: dict) -> dict:
+    """The schema of one call of ``fn``; its arguments refer to the grammar's
+    ``$defs[name]`` (see :func:`_grammar`)."""
     return {
         "type": "object",
-        "properties": {"name": {"enum": [fn["name"]]}, "arguments": fn["parameters"]},
+        "properties": {"name": {"enum": [fn["name"]]},
+                       "arguments": {"$ref": f"#/$defs/{fn['name']}"}},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+def _grammar(fns: list, most_one: bool) -> dict:
+    """The JSON schema of the output of tool_choice required or named: an array of calls
+    of ``fns``. Each function's ``parameters`` sit under the root's ``$defs`` by the
+    function's name, their own references (``#/$defs/Item`` of a pydantic model, ``#``
+    for recursion) rebased there (:func:`server.http.json_schema.rebase`; xgrammar's
+    pointers cannot index into an ``anyOf`` list, so they may not sit inside one)."""
+    items = _call_schema(fns[0]) if len(fns) == 1 else {"anyOf": [_call_schema(f) for f in fns]}
+    grammar: dict = {"type": "array", "items": items, "minItems": 1}
+    if most_one:
+        grammar["maxItems"] = 1
+    grammar["$defs"] = {f["name"]: rebase(f["parameters"], f"#/$defs/{f['name']}") for f in fns}
+    return grammar
 
 
 def render_tools(data: dict) -> list:
@@ -168,10 +187,7 @@ def read_tools(data: dict, parser: str) -> ToolChoice | None:
     if choice == "auto":
         return ToolChoice(rendered, parser, parallel, None)
     fns = [t["function"] for t in rendered if named is None or t["function"]["name"] == named]
-    items = _call_schema(fns[0]) if len(fns) == 1 else {"anyOf": [_call_schema(f) for f in fns]}
-    grammar: dict = {"type": "array", "items": items, "minItems": 1}
-    if named is not None or not parallel:
-        grammar["maxItems"] = 1
+    grammar = _grammar(fns, named is not None or not parallel)
     return ToolChoice(rendered, "forced", parallel, grammar)
 
 

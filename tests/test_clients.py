@@ -1,0 +1,137 @@
+"""What real clients send (issue 29), each case as the client library sends it: the openai
+SDK's ``pydantic_function_tool`` and ``.parse`` helpers (as instructor, pydantic-ai and
+openai-agents build their requests), on the tiny random transformers model, whose output
+the grammar forces.
+
+The request-side checks run without a model; the end-to-end ones start one server each."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal, Optional
+
+import pytest
+from pydantic import BaseModel, Field
+
+from server.config import Limits
+from server.errors import ClientError
+from server.http import schema
+from server.http.tools import read_tools
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+
+CHAT = [{"role": "user", "content": "Book a room for Ann."}]
+HF_INFO = {"engine": "transformers", "sampling": ["response_format", "tools"]}
+
+
+class Guest(BaseModel):
+    name: Literal["Ann", "Bob"]
+    vip: bool
+
+
+class Booking(BaseModel):
+    """Nested models: pydantic emits ``$defs`` and ``$ref: "#/$defs/Guest"``."""
+
+    nights: int = Field(ge=1, le=9)
+    lead: Guest
+    guests: list[Guest] = Field(max_length=2)
+    extra: Optional[Guest]  # noqa: UP045 (as clients write it)
+
+
+class Node(BaseModel):
+    """A recursive model: ``$ref: "#/$defs/Node"`` inside ``$defs.Node``."""
+
+    label: Literal["x", "y"]
+    children: list[Node] = Field(max_length=1)
+
+
+def parse(body: dict, parser: str | None = "hermes"):
+    return schema.parse_chat(json.dumps({"messages": CHAT, **body}).encode(), Limits(), "m",
+                             HF_INFO, parser)
+
+
+def refused(body: dict, parser: str | None = "hermes") -> ClientError:
+    with pytest.raises(ClientError) as caught:
+        parse(body, parser)
+    assert caught.value.status == 400
+    return caught.value
+
+
+# -- 1. nested models in forced tool calls ---------------------------------------------------
+
+OLD_STYLE = {"type": "function", "function": {"name": "old", "parameters": {
+    "type": "object", "required": ["x", "next"],
+    "properties": {"x": {"$ref": "#/definitions/X"},                    # a chain of refs,
+                   "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},  # recursion to root
+    "definitions": {"X": {"$ref": "#/definitions/Y"}, "Y": {"type": "integer"}}}}}
+
+
+def test_forced_grammar_keeps_every_reference_resolvable():
+    """Whatever the tool_choice, a call valid for the tool's own schema is valid for the
+    grammar (jsonschema resolves the grammar's references as the engine does)."""
+    tools = [openai.pydantic_function_tool(Booking), openai.pydantic_function_tool(Node),
+             OLD_STYLE]
+    lead = {"name": "Ann", "vip": True}
+    calls = {
+        "Booking": {"nights": 2, "lead": lead, "guests": [lead], "extra": None},
+        "Node": {"label": "x", "children": [{"label": "y", "children": []}]},
+        "old": {"x": 3, "next": {"x": 4, "next": None}},
+    }
+    for choice in ("required", *({"type": "function", "function": {"name": n}} for n in calls)):
+        grammar = read_tools({"tools": tools, "tool_choice": choice}, "hermes").grammar
+        for name, arguments in calls.items():
+            call = [{"name": name, "arguments": arguments}]
+            if choice == "required" or choice["function"]["name"] == name:
+                jsonschema.validate(call, grammar)
+            else:
+                assert not jsonschema.Draft202012Validator(grammar).is_valid(call)
+        bad = [{"name": "Booking", "arguments": {**calls["Booking"], "lead": {"name": "Eve"}}}]
+        assert not jsonschema.Draft202012Validator(grammar).is_valid(bad)
+
+
+@pytest.mark.parametrize("ref, why", [
+    ("https://example.com/s.json", "another document"),
+    ("#Anchor", "anchor"),
+    ("#/$defs/Missing", "points to nothing"),
+    ("#/anyOf/0", "points into a list"),
+])
+def test_references_the_grammar_cannot_follow_are_400s_naming_them(ref, why):
+    params = {"type": "object", "properties": {"a": {"$ref": ref}}, "anyOf": [{}]}
+    e = refused({"tools": [{"type": "function", "function": {"name": "f", "parameters": params}}]})
+    assert e.param == "tools[0].function.parameters" and why in str(e) and ref in str(e)
+    e = refused({"response_format": {"type": "json_schema",
+                                     "json_schema": {"name": "r", "schema": params}}})
+    assert e.param == "response_format" and why in str(e)
+
+
+torch = pytest.importorskip("torch")
+# (a fixture: the tiny model, its template with tools)
+from tests.test_tools import model_dir  # noqa: E402,F401
+
+
+def hf_config(path):
+    from server.config import EngineConfig
+
+    return EngineConfig(engine="transformers", drain_timeout=5.0,
+                        engine_options={"model_path": str(path), "num_threads": 1})
+
+
+async def test_pydantic_tools_with_the_sdk_parse_helper(model_dir):  # noqa: F811
+    """openai's ``pydantic_function_tool`` with a named choice and ``required`` (instructor's
+    TOOLS mode, openai-agents' tools): the SDK parses the forced call into the model."""
+    import trio
+
+    from tests.conftest import running_server
+
+    tools = [openai.pydantic_function_tool(Booking), openai.pydantic_function_tool(Node)]
+    with trio.fail_after(120):
+        async with running_server(hf_config(model_dir), tool_call_parser="hermes") as url:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            for choice in ({"type": "function", "function": {"name": "Booking"}}, "required"):
+                r = await client.chat.completions.parse(
+                    model="tiny-tools", messages=CHAT, tools=tools, tool_choice=choice,
+                    max_tokens=300, temperature=0, parallel_tool_calls=False)
+                assert r.choices[0].finish_reason == "tool_calls"
+                (call,) = r.choices[0].message.tool_calls
+                assert isinstance(call.function.parsed_arguments, (Booking, Node))
