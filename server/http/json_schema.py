@@ -34,7 +34,7 @@ from urllib.parse import unquote
 
 from ..errors import ClientError
 
-__all__ = ["check_refs", "rebase"]
+__all__ = ["check_grammar_ints", "check_refs", "rebase"]
 
 #: Keywords whose value is a map of names to schemas.
 _MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
@@ -105,6 +105,35 @@ def check_refs(schema: dict, param: str) -> None:
         wrong = _target(schema, ref)
         if wrong is not None:
             raise ClientError(f"'$ref' {shown!r} {wrong}.", param=param)
+
+
+_INT64 = range(-(2**63), 2**63)
+
+
+def _big_int(node) -> bool:
+    if isinstance(node, int) and not isinstance(node, bool):
+        return node not in _INT64
+    if isinstance(node, list):
+        return any(_big_int(item) for item in node)
+    if isinstance(node, dict):
+        return any(_big_int(v) for k, v in node.items() if k not in ("default", "examples"))
+    return False
+
+
+def check_grammar_ints(schema: dict, param: str) -> None:
+    """A 400 naming ``param`` for an integer beyond 64 bits in a schema the grammar is
+    compiled from (``default`` and ``examples`` aside): xgrammar holds them as doubles, so
+    an ``enum`` or ``const`` of one would force a different number, and a bound of one is
+    an error. (Elsewhere, in tool-call arguments and template variables, they pass
+    through intact.)"""
+    try:
+        big = _big_int(schema)
+    except RecursionError:
+        raise ClientError("The schema is nested too deeply.", param=param) from None
+    if big:
+        raise ClientError(
+            "Integers beyond 64 bits in a schema are not supported by the grammar compiler "
+            "(in 'enum', 'const' or bounds): write them as strings.", param=param)
 
 
 def rebase(schema, base: str):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ..config import Limits
 from ..errors import ClientError, NotFound, clip
 from ..params import SamplingParams
-from .json_schema import check_refs
+from .json_schema import check_grammar_ints, check_refs
 from .fields import HONOURED_CHAT, HONOURED_COMPLETION, UNSUPPORTED, check_fields
 from .tools import TOOL_FIELDS, ToolChoice, history_message, read_tools, refuse_tools
 
@@ -322,6 +322,7 @@ def _response_format(data: dict) -> dict | None:
             param="response_format",
         )
     check_refs(spec["schema"], "response_format")
+    check_grammar_ints(spec["schema"], "response_format")
     return {"type": "json_schema", "schema": spec["schema"]}
 
 

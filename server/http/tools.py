@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from ..errors import ClientError
 from .fields import UNSUPPORTED, _neutral
-from .json_schema import check_refs, rebase
+from .json_schema import check_grammar_ints, check_refs, rebase
 
 __all__ = ["TOOL_FIELDS", "ToolChoice", "history_message", "read_tools", "refuse_tools"]
 
@@ -186,7 +186,11 @@ def read_tools(data: dict, parser: str) -> ToolChoice | None:
         return ToolChoice(rendered, None, parallel, None)
     if choice == "auto":
         return ToolChoice(rendered, parser, parallel, None)
-    fns = [t["function"] for t in rendered if named is None or t["function"]["name"] == named]
+    fns = []
+    for i, t in enumerate(rendered):
+        if named is None or t["function"]["name"] == named:
+            check_grammar_ints(t["function"]["parameters"], f"tools[{i}].function.parameters")
+            fns.append(t["function"])
     grammar = _grammar(fns, named is not None or not parallel)
     return ToolChoice(rendered, "forced", parallel, grammar)
 
