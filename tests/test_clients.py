@@ -105,6 +105,22 @@ def test_references_the_grammar_cannot_follow_are_400s_naming_them(ref, why):
     assert e.param == "response_format" and why in str(e)
 
 
+# -- 3. response_format with a forced tool call --------------------------------------------
+
+
+def test_a_forced_call_takes_precedence_over_response_format():
+    """openai-agents sends ``response_format`` (its ``output_type``) with ``tools`` on every
+    turn; with ``required`` or a named function, the call's grammar wins (as in vLLM)."""
+    tool = openai.pydantic_function_tool(Node)
+    fmt = {"type": "json_schema", "json_schema": {"name": "g", "schema": Guest.model_json_schema()}}
+    for choice in ("required", {"type": "function", "function": {"name": "Node"}}):
+        req = parse({"tools": [tool], "tool_choice": choice, "response_format": fmt})
+        assert req.params.extra["response_format"] == {"type": "json_schema",
+                                                       "schema": req.tools.grammar}
+    req = parse({"tools": [tool], "response_format": fmt})  # auto: the format stays
+    assert req.params.extra["response_format"]["schema"] == Guest.model_json_schema()
+
+
 torch = pytest.importorskip("torch")
 # (a fixture: the tiny model, its template with tools)
 from tests.test_tools import model_dir  # noqa: E402,F401
@@ -190,3 +206,23 @@ async def test_integers_beyond_64_bits_pass_through_to_the_engine(model_dir):  #
                 await client.chat.completions.create(
                     model="tiny-tools", messages=CHAT, max_tokens=1,
                     extra_body={"chat_template_kwargs": {"x": 10**41}})
+
+
+async def test_agents_first_turn_tools_and_output_type(model_dir):  # noqa: F811
+    """openai-agents' first turn with a tool and an ``output_type``: ``tools``, a named
+    ``tool_choice`` and ``response_format`` together, through the SDK's ``.parse``."""
+    import trio
+
+    from tests.conftest import running_server
+
+    with trio.fail_after(120):
+        async with running_server(hf_config(model_dir), tool_call_parser="hermes") as url:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            r = await client.chat.completions.parse(
+                model="tiny-tools", messages=CHAT, response_format=Guest,
+                tools=[openai.pydantic_function_tool(Booking)],
+                tool_choice={"type": "function", "function": {"name": "Booking"}},
+                max_tokens=300, temperature=0)
+            assert r.choices[0].finish_reason == "tool_calls"
+            (call,) = r.choices[0].message.tool_calls
+            assert isinstance(call.function.parsed_arguments, Booking)

@@ -102,8 +102,6 @@ def test_refusals_name_the_field():
                    ).param == "tools[0].function.name"
     assert refused({"tools": [WEATHER, WEATHER]}).param == "tools[1].function.name"
     assert refused({"tools": [{"type": "code"}]}).param == "tools[0]"
-    assert refused({"tools": TOOLS, "tool_choice": "required",
-                    "response_format": {"type": "json_object"}}).param == "response_format"
     e = refused({"tools": TOOLS, "tool_choice": "required"},
                 info={"engine": "sim", "sampling": ["tools"]})
     assert e.param == "tool_choice" and "sim engine" in str(e)

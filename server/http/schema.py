@@ -553,7 +553,8 @@ def parse_chat(
 
 def _tools_to_engine(tools: ToolChoice, extra: dict, grammar_ok: bool, engine: str) -> None:
     """The engine renders the tools, and forces the grammar of tool_choice required or
-    named (as a response_format: it takes no other)."""
+    named (as a response_format: it takes no other; it takes precedence over the request's
+    own ``response_format``, as in vLLM)."""
     extra["tools"] = tools.tools
     if tools.grammar is None:
         return
@@ -563,9 +564,6 @@ def _tools_to_engine(tools: ToolChoice, extra: dict, grammar_ok: bool, engine: s
             f"the {engine} engine does not support.", param="tool_choice",
             code="unsupported_parameter",
         )
-    if "response_format" in extra:
-        raise ClientError(
-            "'response_format' cannot be combined with 'tool_choice' 'required' or a named "
-            "function: both constrain the whole output.", param="response_format",
-        )
+    # A response_format too (openai-agents sends one with tools on every turn): the call
+    # is forced, the format is for a later turn's answer, as OpenAI and vLLM take it.
     extra["response_format"] = {"type": "json_schema", "schema": tools.grammar}
