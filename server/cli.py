@@ -123,10 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "deepseek_r1: the answer starts in reasoning, up to </think>)")
 
     g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
-                   help="serve tools: parse chat answers into tool_calls (hermes: "
-                   "<tool_call>{json}</tool_call>; llama3_json: {\"name\": ..., "
+                   help="serve tool_choice auto: parse chat answers into tool_calls "
+                   "(hermes: <tool_call>{json}</tool_call>; llama3_json: {\"name\": ..., "
                    "\"parameters\": ...} calls separated by ';'; mistral: [TOOL_CALLS] "
-                   "and a JSON array of calls); without it requests with tools are refused")
+                   "and a JSON array of calls); without it auto is refused (required, "
+                   "named functions, none and tool history need no parser)")
 
     g = p.add_argument_group("limits and timeouts")
     g.add_argument("--max-concurrent-requests", type=int, default=None,

@@ -208,21 +208,43 @@ async def test_integers_beyond_64_bits_pass_through_to_the_engine(model_dir):  #
                     extra_body={"chat_template_kwargs": {"x": 10**41}})
 
 
-async def test_agents_first_turn_tools_and_output_type(model_dir):  # noqa: F811
+async def test_agents_first_turn_without_a_tool_call_parser(model_dir):  # noqa: F811
     """openai-agents' first turn with a tool and an ``output_type``: ``tools``, a named
-    ``tool_choice`` and ``response_format`` together, through the SDK's ``.parse``."""
+    ``tool_choice`` and ``response_format`` together, through the SDK's ``.parse`` (item 3),
+    on a server without ``--tool-call-parser``: a forced call and the history need none,
+    only ``auto`` does (item 4)."""
     import trio
 
     from tests.conftest import running_server
 
+    tools = [openai.pydantic_function_tool(Booking)]
+    named = {"type": "function", "function": {"name": "Booking"}}
     with trio.fail_after(120):
-        async with running_server(hf_config(model_dir), tool_call_parser="hermes") as url:
+        async with running_server(hf_config(model_dir)) as url:
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
             r = await client.chat.completions.parse(
-                model="tiny-tools", messages=CHAT, response_format=Guest,
-                tools=[openai.pydantic_function_tool(Booking)],
-                tool_choice={"type": "function", "function": {"name": "Booking"}},
-                max_tokens=300, temperature=0)
+                model="tiny-tools", messages=CHAT, response_format=Guest, tools=tools,
+                tool_choice=named, max_tokens=300, temperature=0)
             assert r.choices[0].finish_reason == "tool_calls"
             (call,) = r.choices[0].message.tool_calls
             assert isinstance(call.function.parsed_arguments, Booking)
+            # the next turn: the call and its result in the history, the answer forced
+            history = [*CHAT, r.choices[0].message.model_dump(exclude_none=True),
+                       {"role": "tool", "tool_call_id": call.id, "content": "booked"}]
+            history[1].pop("parsed", None)
+            for c in history[1]["tool_calls"]:
+                c["function"].pop("parsed_arguments", None)
+            r = await client.chat.completions.parse(
+                model="tiny-tools", messages=history, response_format=Guest, tools=tools,
+                tool_choice="none", max_tokens=100, temperature=0)
+            assert isinstance(r.choices[0].message.parsed, Guest)
+            assert r.usage.prompt_tokens > 1000  # the tools and the call were rendered
+            r = await client.chat.completions.create(
+                model="tiny-tools", messages=CHAT, tools=tools, tool_choice="required",
+                max_tokens=300, temperature=0)
+            assert Booking.model_validate_json(
+                r.choices[0].message.tool_calls[0].function.arguments)
+            with pytest.raises(openai.BadRequestError, match="--tool-call-parser") as caught:
+                await client.chat.completions.create(
+                    model="tiny-tools", messages=CHAT, tools=tools, max_tokens=1)
+            assert caught.value.body["param"] == "tools"

@@ -24,7 +24,7 @@ from ..errors import ClientError, NotFound, clip
 from ..params import SamplingParams
 from .json_schema import check_grammar_ints, check_refs
 from .fields import HONOURED_CHAT, HONOURED_COMPLETION, UNSUPPORTED, check_fields
-from .tools import TOOL_FIELDS, ToolChoice, history_message, read_tools, refuse_tools
+from .tools import TOOL_FIELDS, ToolChoice, history_message, read_tools
 
 __all__ = ["GenerateRequest", "parse_completion", "parse_chat", "decode_json", "messages_of"]
 
@@ -228,7 +228,7 @@ def messages_of(data: dict, tools_ok: bool = False) -> list:
     """OpenAI's rules: a known role; ``content`` required for system, developer, user and
     tool messages; a tool message needs ``tool_call_id``; an assistant message may carry
     ``tool_calls`` instead of content. Tool calls and tool results in the history are
-    refused unless the server serves tools (``tools_ok``: they would otherwise be
+    refused unless the engine renders tools (``tools_ok``: they would otherwise be
     dropped)."""
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -528,22 +528,18 @@ def parse_chat(
     tool_parser: str | None = None,
 ) -> GenerateRequest:
     """Validate a ``/v1/chat/completions`` body (``engine_info``: see parse_completion;
-    ``tool_parser``: the server's --tool-call-parser, without which tools are refused)."""
+    ``tool_parser``: the server's --tool-call-parser, without which tool_choice ``auto``
+    is refused)."""
     data = decode_json(body)
     fields, engine = _engine_fields(engine_info)
-    tools_ok = tool_parser is not None and "tools" in fields
-    if tools_ok:
-        fields |= TOOL_FIELDS
-    else:
-        fields -= TOOL_FIELDS
-        if tool_parser is None and "tools" in (engine_info or {}).get("sampling", ()):
-            refuse_tools(data, f"the {engine} engine" if engine else "this server")
+    tools_ok = "tools" in fields
+    fields = fields | TOOL_FIELDS if tools_ok else fields - TOOL_FIELDS
     check_fields(data, HONOURED_CHAT, fields, engine)
     common = _common(
         data, limits, served_model, chat=True, engine_fields=fields, engine_info=engine_info
     )
     messages = messages_of(data, tools_ok)
-    tools = read_tools(data, tool_parser) if tool_parser is not None and tools_ok else None
+    tools = read_tools(data, tool_parser) if tools_ok else None
     if tools is not None:
         _tools_to_engine(tools, common["params"].extra, "response_format" in fields, engine)
     return GenerateRequest(

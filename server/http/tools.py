@@ -19,9 +19,11 @@ What each ``tool_choice`` does (docs/api.md, "Tool calls"):
   each ``arguments`` valid for its function's ``parameters`` schema; the writer parses that
   array into ``tool_calls`` (the ``forced`` format of :mod:`server.http.tool_parsers`).
 
-Served only when the server runs with ``--tool-call-parser`` and the engine declares
-``tools`` in its HELLO ``sampling`` (it renders them with its chat template); otherwise the
-fields are a 400 naming them, as are tool calls in the history.
+Served when the engine declares ``tools`` in its HELLO ``sampling`` (it renders them with
+its chat template); otherwise the fields are a 400 naming them, as are tool calls in the
+history. Only ``auto`` parses free text, so only ``auto`` needs ``--tool-call-parser``
+(as vLLM's needs ``--enable-auto-tool-choice``): without one it is a 400 naming the
+option; ``none``, ``required``, named functions and the history need none.
 """
 
 from __future__ import annotations
@@ -31,10 +33,9 @@ import re
 from dataclasses import dataclass
 
 from ..errors import ClientError
-from .fields import UNSUPPORTED, _neutral
 from .json_schema import check_grammar_ints, check_refs, rebase
 
-__all__ = ["TOOL_FIELDS", "ToolChoice", "history_message", "read_tools", "refuse_tools"]
+__all__ = ["TOOL_FIELDS", "ToolChoice", "history_message", "read_tools"]
 
 #: The request fields of tool calling (an engine declares ``tools``; the others follow).
 TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
@@ -55,19 +56,6 @@ class ToolChoice:
     parallel: bool
     #: The JSON schema of the output (tool_choice required or named), else None.
     grammar: dict | None
-
-
-def refuse_tools(data: dict, by: str) -> None:
-    """A 400 for tool fields (and tool calls in the history, see :func:`history_message`)
-    when the server has no --tool-call-parser."""
-    for name in ("tools", "tool_choice"):
-        if name in data and not _neutral(data[name], UNSUPPORTED[name]):
-            raise ClientError(
-                f"'{name}' is not supported by {by} without a tool call parser: start the "
-                "server with --tool-call-parser (hermes, llama3_json or mistral) to serve tool "
-                "calls.",
-                param=name, code="unsupported_parameter",
-            )
 
 
 def _tool(tool, i: int, names: set) -> dict:
@@ -147,9 +135,10 @@ def render_tools(data: dict) -> list:
     return [_tool(t, i, names) for i, t in enumerate(tools)]
 
 
-def read_tools(data: dict, parser: str) -> ToolChoice | None:
+def read_tools(data: dict, parser: str | None) -> ToolChoice | None:
     """The request's tools and tool_choice (None: no tools, nothing to parse); 400s naming
-    the field for a malformed tool, an unknown tool_choice, or a named function not given."""
+    the field for a malformed tool, an unknown tool_choice, a named function not given, or
+    ``auto`` when the server has no tool call ``parser``."""
     rendered = render_tools(data)
     names = {t["function"]["name"] for t in rendered}
     parallel = data.get("parallel_tool_calls")
@@ -185,6 +174,15 @@ def read_tools(data: dict, parser: str) -> ToolChoice | None:
     if choice == "none":
         return ToolChoice(rendered, None, parallel, None)
     if choice == "auto":
+        if parser is None:
+            given = data.get("tool_choice") is not None
+            raise ClientError(
+                "'tool_choice' 'auto'" + ("" if given else " (the default with 'tools')")
+                + " needs a server started with --tool-call-parser (hermes, llama3_json or "
+                "mistral) to find the calls in the answer; 'required', a named function and "
+                "'none' need none.",
+                param="tool_choice" if given else "tools", code="unsupported_parameter",
+            )
         return ToolChoice(rendered, parser, parallel, None)
     fns = []
     for i, t in enumerate(rendered):
@@ -204,8 +202,8 @@ def history_message(m: dict, i: int, role: str, text: str, tools_ok: bool) -> di
         return {"role": role, "content": text}
     if not tools_ok:
         raise ClientError(
-            "Tool calls and tool results in the conversation need a server started with "
-            "--tool-call-parser and an engine that renders tools.",
+            "Tool calls and tool results in the conversation need an engine that renders "
+            "tools.",
             param=f"messages[{i}]" + (".tool_calls" if calls else ""),
             code="unsupported_parameter",
         )
