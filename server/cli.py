@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "into reasoning_content (qwen3: when the answer opens with <think>; "
                    "deepseek_r1: the answer starts in reasoning, up to </think>)")
 
+    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info: the tokenizer's configuration, special "
+                   "tokens and chat template, as vLLM does (lm-eval reads the template there); "
+                   "off by default: it shows the template and configuration to any client "
+                   "with a key")
+
     g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
                    help="serve tool_choice auto: parse chat answers into tool_calls "
                    "(hermes: <tool_call>{json}</tool_call>; llama3_json: {\"name\": ..., "
@@ -225,6 +231,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         allowed_origins=_split_commas(args.allowed_origins),
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
+        enable_tokenizer_info=args.enable_tokenizer_info_endpoint,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         listen_fd=args.listen_fd,
         frontend_dir=args.frontend_dir,

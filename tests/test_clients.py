@@ -248,3 +248,55 @@ async def test_agents_first_turn_without_a_tool_call_parser(model_dir):  # noqa:
                 await client.chat.completions.create(
                     model="tiny-tools", messages=CHAT, tools=tools, max_tokens=1)
             assert caught.value.body["param"] == "tools"
+
+
+# -- 5. echo with token-id prompts (lm-eval's local-completions), GET /tokenizer_info ------------
+
+
+async def test_lm_eval_loglikelihood_with_token_ids_and_tokenizer_info(model_dir):  # noqa: F811
+    """lm-eval's ``local-completions`` asks for loglikelihoods with token-id prompts, ``echo``
+    and ``logprobs: 1`` (its default ``tokenized_requests=True``): answered as the same
+    prompt as text is, echo included; ``GET /tokenizer_info`` (behind its option) gives the
+    chat template and special tokens it fetches."""
+    import httpx
+    import trio
+
+    from tests.conftest import running_server
+    from tests.tiny_model import CHAT_TEMPLATE, EOS
+
+    text = "the quick brown fox jumps over the lazy dog"
+    with trio.fail_after(120):
+        async with running_server(hf_config(model_dir), enable_tokenizer_info=True) as url:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            async with httpx.AsyncClient(base_url=url) as http:
+                ids = (await http.post("/tokenize", json={"prompt": text})).json()["tokens"]
+                info = (await http.get("/tokenizer_info")).json()
+            assert info["chat_template"] == CHAT_TEMPLATE and info["eos_token"] == EOS
+            assert isinstance(info["tokenizer_class"], str) and "vocab_file" not in info
+            lm_eval = {"max_tokens": 1, "logprobs": 1, "temperature": 0, "seed": 1234,
+                       "echo": True}
+            by_text = await client.completions.create(model="tiny-tools", prompt=text, **lm_eval)
+            by_ids = await client.completions.create(
+                model="tiny-tools", prompt=[ids, ids[:3]], **lm_eval)
+            first, short = by_ids.choices
+            assert first.text == by_text.choices[0].text and first.text.startswith(text)
+            assert first.logprobs.tokens == by_text.choices[0].logprobs.tokens
+            # (batched with another prompt: float rounding differs in the last digits)
+            assert first.logprobs.token_logprobs == pytest.approx(
+                by_text.choices[0].logprobs.token_logprobs, abs=1e-3)
+            assert len(first.logprobs.token_logprobs) == len(ids) + 1
+            assert first.logprobs.token_logprobs[0] is None
+            assert short.text.startswith(" ".join(text.split()[:1])) and len(
+                short.logprobs.tokens) == 4
+            # streaming, and echo without logprobs: the prompt's text first
+            stream = await client.completions.create(
+                model="tiny-tools", prompt=ids, **{**lm_eval, "logprobs": None}, stream=True)
+            streamed = "".join([c.choices[0].text async for c in stream])
+            assert streamed == first.text
+
+
+async def test_tokenizer_info_is_off_by_default(server_url):
+    import httpx
+
+    async with httpx.AsyncClient(base_url=server_url) as http:
+        assert (await http.get("/tokenizer_info")).status_code == 404

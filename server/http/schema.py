@@ -51,6 +51,9 @@ class GenerateRequest:
     continuous_usage: bool = False
     #: Tools, when the request has some (server.http.tools).
     tools: ToolChoice | None = None
+    #: With ``echo``, each prompt's text: a text prompt itself; a token-id prompt's None
+    #: until the frontend has it detokenized (:func:`server.http.generate.echo_texts`).
+    echoed: tuple = ()
 
 
 def decode_json(body: bytes) -> dict:
@@ -505,8 +508,7 @@ def parse_completion(
     )
     prompts = _prompts(data, limits)
     echo = _bool(data, "echo", False)
-    if echo and not all(isinstance(p, str) for p in prompts):
-        raise ClientError("'echo' is only supported with text prompts.", param="echo")
+    echoed = tuple(p if isinstance(p, str) else None for p in prompts) if echo else ()
     if "chat_template_kwargs" in common["params"].extra:
         raise ClientError(
             "'chat_template_kwargs' is for chat completions: a completions prompt is not "
@@ -517,7 +519,7 @@ def parse_completion(
         common["params"].extra["prompt_logprobs"] = common["logprobs"]
     if len(prompts) * common["params"].n > limits.max_n * limits.max_prompts:
         raise ClientError("Too many choices in one request.", param="n")
-    return GenerateRequest(chat=False, prompts=prompts, echo=echo, **common)
+    return GenerateRequest(chat=False, prompts=prompts, echo=echo, echoed=echoed, **common)
 
 
 def parse_chat(

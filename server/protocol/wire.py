@@ -14,7 +14,7 @@ Frontend -> worker::
     [PING, seq]
     [TOKENIZE, seq, request]        {"op": "tokenize", "prompt": str | {"messages": [...]},
                                     "add_special_tokens": bool} or {"op": "detokenize",
-                                    "tokens": [int, ...]}
+                                    "tokens": [int, ...]} or {"op": "info"}
     [SHUTDOWN]
 
 Worker -> frontend::
