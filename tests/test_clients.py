@@ -98,8 +98,10 @@ def test_forced_grammar_keeps_every_reference_resolvable():
 ])
 def test_references_the_grammar_cannot_follow_are_400s_naming_them(ref, why):
     params = {"type": "object", "properties": {"a": {"$ref": ref}}, "anyOf": [{}]}
-    e = refused({"tools": [{"type": "function", "function": {"name": "f", "parameters": params}}]})
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    e = refused({"tools": tools, "tool_choice": "required"})
     assert e.param == "tools[0].function.parameters" and why in str(e) and ref in str(e)
+    assert parse({"tools": tools}).tools.parse == "hermes"  # auto: rendered, not compiled
     e = refused({"response_format": {"type": "json_schema",
                                      "json_schema": {"name": "r", "schema": params}}})
     assert e.param == "response_format" and why in str(e)

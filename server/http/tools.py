@@ -85,7 +85,6 @@ def _tool(tool, i: int, names: set) -> dict:
                 '({"type": "object", "properties": {...}}).',
                 param=f"{param}.function.parameters",
             )
-        check_refs(parameters, f"{param}.function.parameters")
     strict = fn.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise ClientError("'strict' must be a boolean.", param=f"{param}.function.strict")
@@ -187,6 +186,8 @@ def read_tools(data: dict, parser: str | None) -> ToolChoice | None:
     fns = []
     for i, t in enumerate(rendered):
         if named is None or t["function"]["name"] == named:
+            # (checked when compiled: auto and none only render the schemas, as vLLM does)
+            check_refs(t["function"]["parameters"], f"tools[{i}].function.parameters")
             check_grammar_ints(t["function"]["parameters"], f"tools[{i}].function.parameters")
             fns.append(t["function"])
     grammar = _grammar(fns, named is not None or not parallel)
