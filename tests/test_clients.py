@@ -302,3 +302,40 @@ async def test_tokenizer_info_is_off_by_default(server_url):
 
     async with httpx.AsyncClient(base_url=server_url) as http:
         assert (await http.get("/tokenizer_info")).status_code == 404
+
+
+# -- the client libraries themselves, where installed (a ``clients`` test extra) ---------------
+# (Written against their documented APIs; skipped where they are not installed.)
+
+
+async def test_instructor_tools_mode_and_langchain_history(model_dir):  # noqa: F811
+    """instructor's TOOLS mode (a named forced call of a nested model) and LangChain's
+    ``bind_tools`` with the model's call sent back on the next turn (item 2's path)."""
+    instructor = pytest.importorskip("instructor")
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    import trio
+
+    from tests.conftest import running_server
+
+    with trio.fail_after(180):
+        async with running_server(hf_config(model_dir)) as url:
+
+            def clients() -> None:
+                raw = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+                patched = instructor.from_openai(raw, mode=instructor.Mode.TOOLS)
+                booking = patched.chat.completions.create(
+                    model="tiny-tools", messages=CHAT, response_model=Booking, max_retries=1,
+                    max_tokens=300, temperature=0)
+                assert isinstance(booking, Booking)
+                chat = langchain_openai.ChatOpenAI(
+                    base_url=url + "/v1", api_key="x", model="tiny-tools", max_tokens=300,
+                    temperature=0, max_retries=0).bind_tools([Booking], tool_choice="Booking")
+                first = chat.invoke([HumanMessage(CHAT[0]["content"])])
+                (call,) = first.tool_calls
+                call["args"]["nights"] = BIG  # as if the model had written it
+                again = chat.invoke([HumanMessage(CHAT[0]["content"]), first,
+                                     ToolMessage("booked", tool_call_id=call["id"])])
+                assert again.tool_calls[0]["name"] == "Booking"
+
+            await trio.to_thread.run_sync(clients)
