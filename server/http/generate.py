@@ -39,6 +39,7 @@ import time
 import trio
 
 from ..errors import (
+    ClientError,
     EngineError,
     RequestTimeout,
     ServerError,
@@ -189,7 +190,12 @@ async def echo_texts(engine, req):
     echoed = list(req.echoed)
     for i, prompt in enumerate(req.prompts):
         if echoed[i] is None:
-            echoed[i] = (await engine.tokenize({"op": "detokenize", "tokens": prompt}))["prompt"]
+            try:
+                answer = await engine.tokenize({"op": "detokenize", "tokens": prompt})
+            except ClientError as exc:  # (the sim engine has no tokenizer)
+                raise ClientError(f"'echo' of a token-id prompt needs its text: {exc.message}",
+                                  param="echo", code=exc.code) from None
+            echoed[i] = answer["prompt"]
     return dataclasses.replace(req, echoed=tuple(echoed))
 
 
