@@ -175,8 +175,12 @@ class ServerConfig:
     #: (server.http.reasoning.PARSERS: "qwen3", "deepseek_r1"); None: not split.
     reasoning_parser: str | None = None
     #: How chat answers are parsed into ``tool_calls`` (server.http.tool_parsers.PARSERS:
-    #: "hermes", "llama3_json"); None: requests with tools are refused.
+    #: "hermes", "llama3_json", "mistral") with tool_choice auto; None: auto is refused
+    #: (required, named and none are grammar-forced or unparsed: they need no parser).
     tool_call_parser: str | None = None
+    #: Serve ``GET /tokenizer_info`` (the tokenizer's configuration and chat template, as
+    #: vLLM's ``--enable-tokenizer-info-endpoint``); off, it is a 404.
+    enable_tokenizer_info: bool = False
     #: Origins a browser may call the API from (CORS), or ``("*",)`` for any; empty: CORS is
     #: off (no CORS headers, preflights are not answered).
     allowed_origins: tuple[str, ...] = ()

@@ -31,6 +31,17 @@ def test_round_trip_each_message():
         assert wire.FrameDecoder().feed(wire.encode(message)) == [message]
 
 
+def test_integers_beyond_64_bits_travel_exactly():
+    """JSON allows them (a model may write one in a call's arguments): an extension type,
+    back as the same int; those that fit stay plain msgpack ints."""
+    values = [2**64, -(2**63) - 1, 10**39, -(10**40), 2**63 - 1, -(2**63), True]
+    message = [wire.SUBMIT, 1, {"messages": []}, {"tools": [{"n": values}]}]
+    assert wire.FrameDecoder().feed(wire.encode(message)) == [message]
+    assert msgpack.unpackb(wire.encode([wire.PING, 2**63 - 1])[4:]) == [wire.PING, 2**63 - 1]
+    with pytest.raises(TypeError, match="set"):
+        wire.encode([wire.PING, {1}])
+
+
 def test_many_frames_in_one_feed():
     decoder = wire.FrameDecoder()
     assert decoder.feed(b"".join(wire.encode(m) for m in MESSAGES)) == MESSAGES
@@ -120,13 +131,23 @@ def _frame(body: bytes) -> bytes:
         msgpack.packb(["PING", 1]),  # type is not an int
         msgpack.packb({"a": 1}),
         b"",  # empty frame
+        msgpack.packb([1, msgpack.ExtType(2, b"1")]),  # an unknown extension type
+        msgpack.packb([1, msgpack.ExtType(wire.BIG_INT, b"1_0")]),  # not just digits
+        msgpack.packb([1, msgpack.ExtType(wire.BIG_INT, b"")]),
+        msgpack.packb([1, msgpack.ExtType(wire.BIG_INT, b"9" * 4302)]),
     ],
     ids=["bad-byte", "truncated", "trailing", "not-list", "empty-list", "str-type", "map",
-         "empty"],
+         "empty", "ext-type", "big-int-underscore", "big-int-empty", "big-int-long"],
 )
 def test_garbage_is_a_protocol_error(body):
     with pytest.raises(wire.ProtocolError):
         wire.FrameDecoder().feed(_frame(body))
+
+
+def test_the_longest_integer_the_frontend_parses_travels_intact():
+    big = -(10**4299) - 7  # a sign and 4,300 digits: Python's default limit for int(str)
+    assert wire.FrameDecoder().feed(wire.encode([wire.SUBMIT, 1, "p", {"x": big}])) == [
+        [wire.SUBMIT, 1, "p", {"x": big}]]
 
 
 def test_garbage_after_good_frames_is_still_an_error():

@@ -336,6 +336,14 @@ class LLMServerApp(QuartTrio):
                 )
             return Response(body, status=200, content_type=content_type)
 
+        if self.server_config.enable_tokenizer_info:
+
+            @self.get("/tokenizer_info")
+            async def tokenizer_info():
+                # A worker's tokenizer, as for /tokenize (server.http.tokenize).
+                info = await self.require_engine().tokenize({"op": "info"})
+                return Response(dumps(info), content_type="application/json")
+
         @self.get("/v1/models")
         async def models():
             body = {"object": "list", "data": [self._model_card()]}

@@ -30,6 +30,8 @@ only work per streamed write is a clock read and one lock-free histogram observa
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 import time
@@ -37,6 +39,7 @@ import time
 import trio
 
 from ..errors import (
+    ClientError,
     EngineError,
     RequestTimeout,
     ServerError,
@@ -137,6 +140,8 @@ async def handle_generate(
         refusal = app.admission_error(engine, len(req.prompts) * req.params.n)
         if refusal is not None:
             raise refusal
+        if None in req.echoed:
+            req = await echo_texts(engine, req)
         stream = engine.generate_many(
             req.prompts, req.params, timeout=config.request_timeout, errors_as_outputs=True
         )
@@ -176,6 +181,23 @@ async def handle_generate(
                 nursery.cancel_scope.cancel()
     finally:
         record.ended(stream, req.params.n)
+
+
+async def echo_texts(engine, req):
+    """``req`` with the text of its token-id prompts to echo (lm-eval's ``local-completions``
+    sends token ids with ``echo`` for every loglikelihood request): each decoded by a
+    worker's tokenizer (a /detokenize round trip), special tokens included, as the engine
+    reads the ids."""
+    echoed = list(req.echoed)
+    for i, prompt in enumerate(req.prompts):
+        if echoed[i] is None:
+            try:
+                answer = await engine.tokenize({"op": "detokenize", "tokens": prompt})
+            except ClientError as exc:  # (the sim engine has no tokenizer)
+                raise ClientError(f"'echo' of a token-id prompt needs its text: {exc.message}",
+                                  param="echo", code=exc.code) from None
+            echoed[i] = answer["prompt"]
+    return dataclasses.replace(req, echoed=tuple(echoed))
 
 
 async def _watch_disconnect(receive, scope: trio.CancelScope, record: RequestRecord) -> None:
@@ -264,7 +286,7 @@ async def _write_stream(
     if RichEvents.wanted(chat=req.chat, logprobs=req.logprobs is not None,
                          reasoning_parser=reasoning_parser, tools=req.tools):
         # With echo and logprobs, the prompt goes out with its logprobs, in the first event.
-        echoed = [req.prompts[i // n] for i in range(choices)] if req.echo else None
+        echoed = [req.echoed[i // n] for i in range(choices)] if req.echo else None
         rich = RichEvents(enc, choices=choices, chat=req.chat, logprobs=req.logprobs is not None,
                           reasoning_parser=reasoning_parser, prompts=echoed, tools=req.tools)
     first = []
@@ -272,7 +294,7 @@ async def _write_stream(
         if req.chat:
             first.append(enc.role(index))
         elif req.echo and rich is None:
-            first.append(enc.delta(index, req.prompts[index // n]))
+            first.append(enc.delta(index, req.echoed[index // n]))
     completion_tokens = 0
     cached: dict[int, int] = {}
     continuous = req.continuous_usage
@@ -360,7 +382,7 @@ async def _write_full(
     texts: list[list[str]] = [[] for _ in range(k)]
     if req.echo:
         for index in range(k):
-            texts[index].append(req.prompts[index // n])
+            texts[index].append(req.echoed[index // n])
     reasons: list[str | None] = [None] * k
     completion_tokens = 0
     cached: dict[int, int] = {}

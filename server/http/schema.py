@@ -25,8 +25,9 @@ import msgspec
 from ..config import Limits
 from ..errors import ClientError, NotFound, clip
 from ..params import SamplingParams, context_error
+from .json_schema import check_grammar_ints, check_refs
 from .fields import HONOURED_CHAT, HONOURED_COMPLETION, KNOWN, UNSUPPORTED, check_fields
-from .tools import TOOL_FIELDS, ToolChoice, history_message, read_tools, refuse_tools
+from .tools import TOOL_FIELDS, ToolChoice, history_message, read_tools
 
 __all__ = ["GenerateRequest", "parse_completion", "parse_chat", "decode_json", "messages_of"]
 
@@ -53,6 +54,9 @@ class GenerateRequest:
     continuous_usage: bool = False
     #: Tools, when the request has some (server.http.tools).
     tools: ToolChoice | None = None
+    #: With ``echo``, each prompt's text: a text prompt itself; a token-id prompt's None
+    #: until the frontend has it detokenized (:func:`server.http.generate.echo_texts`).
+    echoed: tuple = ()
 
 
 def decode_json(body: bytes, known: bool = False) -> dict:
@@ -279,7 +283,7 @@ def messages_of(data: dict, tools_ok: bool = False) -> list:
     """OpenAI's rules: a known role; ``content`` required for system, developer, user and
     tool messages; a tool message needs ``tool_call_id``; an assistant message may carry
     ``tool_calls`` instead of content. Tool calls and tool results in the history are
-    refused unless the server serves tools (``tools_ok``: they would otherwise be
+    refused unless the engine renders tools (``tools_ok``: they would otherwise be
     dropped)."""
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -372,6 +376,8 @@ def _response_format(data: dict) -> dict | None:
             "'response_format.json_schema' needs a string 'name' and a boolean 'strict'.",
             param="response_format",
         )
+    check_refs(spec["schema"], "response_format")
+    check_grammar_ints(spec["schema"], "response_format")
     return {"type": "json_schema", "schema": spec["schema"]}
 
 
@@ -584,8 +590,7 @@ def parse_completion(
     prompts = _prompts(data, limits, common["params"].max_tokens,
                        max_model_len if isinstance(max_model_len, int) else None)
     echo = _bool(data, "echo", False)
-    if echo and not all(isinstance(p, str) for p in prompts):
-        raise ClientError("'echo' is only supported with text prompts.", param="echo")
+    echoed = tuple(p if isinstance(p, str) else None for p in prompts) if echo else ()
     if "chat_template_kwargs" in common["params"].extra:
         raise ClientError(
             "'chat_template_kwargs' is for chat completions: a completions prompt is not "
@@ -597,7 +602,8 @@ def parse_completion(
     if len(prompts) * common["params"].n > limits.max_n * limits.max_prompts:
         raise ClientError("Too many choices in one request.", param="n")
     return _check_answer_size(
-        GenerateRequest(chat=False, prompts=prompts, echo=echo, **common), limits, engine_info
+        GenerateRequest(chat=False, prompts=prompts, echo=echo, echoed=echoed, **common),
+        limits, engine_info,
     )
 
 
@@ -609,22 +615,18 @@ def parse_chat(
     tool_parser: str | None = None,
 ) -> GenerateRequest:
     """Validate a ``/v1/chat/completions`` body (``engine_info``: see parse_completion;
-    ``tool_parser``: the server's --tool-call-parser, without which tools are refused)."""
+    ``tool_parser``: the server's --tool-call-parser, without which tool_choice ``auto``
+    is refused)."""
     data = decode_json(body, known=True)
     fields, engine = _engine_fields(engine_info)
-    tools_ok = tool_parser is not None and "tools" in fields
-    if tools_ok:
-        fields |= TOOL_FIELDS
-    else:
-        fields -= TOOL_FIELDS
-        if tool_parser is None and "tools" in (engine_info or {}).get("sampling", ()):
-            refuse_tools(data, f"the {engine} engine" if engine else "this server")
+    tools_ok = "tools" in fields
+    fields = fields | TOOL_FIELDS if tools_ok else fields - TOOL_FIELDS
     check_fields(data, HONOURED_CHAT, fields, engine)
     common = _common(
         data, limits, served_model, chat=True, engine_fields=fields, engine_info=engine_info
     )
     messages = messages_of(data, tools_ok)
-    tools = read_tools(data, tool_parser) if tool_parser is not None and tools_ok else None
+    tools = read_tools(data, tool_parser) if tools_ok else None
     if tools is not None:
         _tools_to_engine(tools, common["params"].extra, "response_format" in fields, engine)
     return _check_answer_size(GenerateRequest(
@@ -634,7 +636,8 @@ def parse_chat(
 
 def _tools_to_engine(tools: ToolChoice, extra: dict, grammar_ok: bool, engine: str) -> None:
     """The engine renders the tools, and forces the grammar of tool_choice required or
-    named (as a response_format: it takes no other)."""
+    named (as a response_format: it takes no other; it takes precedence over the request's
+    own ``response_format``, as in vLLM)."""
     extra["tools"] = tools.tools
     if tools.grammar is None:
         return
@@ -644,9 +647,6 @@ def _tools_to_engine(tools: ToolChoice, extra: dict, grammar_ok: bool, engine: s
             f"the {engine} engine does not support.", param="tool_choice",
             code="unsupported_parameter",
         )
-    if "response_format" in extra:
-        raise ClientError(
-            "'response_format' cannot be combined with 'tool_choice' 'required' or a named "
-            "function: both constrain the whole output.", param="response_format",
-        )
+    # A response_format too (openai-agents sends one with tools on every turn): the call
+    # is forced, the format is for a later turn's answer, as OpenAI and vLLM take it.
     extra["response_format"] = {"type": "json_schema", "schema": tools.grammar}

@@ -14,7 +14,7 @@ Frontend -> worker::
     [PING, seq]
     [TOKENIZE, seq, request]        {"op": "tokenize", "prompt": str | {"messages": [...]},
                                     "add_special_tokens": bool} or {"op": "detokenize",
-                                    "tokens": [int, ...]}
+                                    "tokens": [int, ...]} or {"op": "info"}
     [SHUTDOWN]
 
 Worker -> frontend::
@@ -39,6 +39,10 @@ one of stop/length/abort/error and ``err`` is None or ``[kind, message]`` (kinds
 ``finish="error"`` and no accept. An abort of a request the worker holds is answered by a
 terminal ``abort`` output in the worker's next frame; of any other rid, by nothing.
 
+Integers beyond msgpack's 64 bits (legal in JSON payloads the frontend passes on: tool-call
+arguments, schemas, template variables) travel as the extension type :data:`BIG_INT`, their
+decimal digits, and come out as the same ``int``.
+
 A peer that sends a frame over :data:`MAX_FRAME`, or bytes that are not msgpack, is broken:
 :class:`ProtocolError` is raised and the connection must be dropped.
 
@@ -57,6 +61,7 @@ judge: it answers a request it cannot take with an error output, as for any clie
 from __future__ import annotations
 
 import reprlib
+import re
 import struct
 from typing import Callable, Iterable, NamedTuple
 
@@ -128,7 +133,33 @@ REFUSED = 11
 MAX_FRAME = 64 * 1024 * 1024
 
 _HEADER = struct.Struct(">I")
-_packb = msgpack.Packer(use_bin_type=True).pack
+
+#: msgpack extension type of an integer beyond 64 bits, as its decimal digits. Such
+#: integers are legal JSON and reach the engine only inside client payloads it passes on
+#: (tool-call arguments in the history, schemas, template variables): carried exactly.
+BIG_INT = 1
+#: A sign and Python's default int_max_str_digits (4,300): the most the frontend's JSON
+#: parser lets through, and the most ``int()`` turns back without raising.
+_MAX_BIG_INT_DIGITS = 4301
+
+
+def _pack_big_int(value):
+    """msgpack's ``default``: called for what it cannot pack itself (big ints only)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return msgpack.ExtType(BIG_INT, str(value).encode("ascii"))
+    raise TypeError(f"cannot send a {type(value).__name__} to a worker")
+
+
+def _unpack_ext(code: int, data: bytes):
+    if code != BIG_INT or len(data) > _MAX_BIG_INT_DIGITS or not _DIGITS.fullmatch(data):
+        raise ValueError(f"bad extension value (type {code})")
+    return int(data)
+
+
+_DIGITS = re.compile(rb"-?[0-9]+")
+
+
+_packb = msgpack.Packer(use_bin_type=True, default=_pack_big_int).pack
 
 
 class ProtocolError(Exception):
@@ -173,7 +204,9 @@ class FrameDecoder:
                 break
             start = pos + 4
             try:
-                message = msgpack.unpackb(buf[start : start + length], use_list=True, raw=False)
+                message = msgpack.unpackb(
+                    buf[start : start + length], use_list=True, raw=False, ext_hook=_unpack_ext
+                )
             except Exception as exc:
                 raise ProtocolError(f"undecodable frame: {exc}") from None
             if type(message) is not list or not message or type(message[0]) is not int:

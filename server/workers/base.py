@@ -145,8 +145,11 @@ def tokenize_request(
 ) -> dict:
     """Answer a TOKENIZE request (see server.protocol.wire) with a Hugging Face tokenizer:
     ``{"tokens", "max_model_len"}`` for ``tokenize`` (chat messages rendered as for
-    generation), ``{"prompt"}`` for ``detokenize``."""
+    generation), ``{"prompt"}`` for ``detokenize``, the tokenizer's configuration for
+    ``info`` (see :func:`tokenizer_info`)."""
     op = request.get("op")
+    if op == "info":
+        return tokenizer_info(tokenizer)
     if op == "detokenize":
         ids = request.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
@@ -169,6 +172,33 @@ def tokenize_request(
         ids = encode_prompt(prompt, tokenizer, vocab_size=vocab_size, chat=chat, model=model,
                             template_kwargs=template_kwargs, tools=tools)
     return {"tokens": ids, "max_model_len": max_model_len}
+
+
+def tokenizer_info(tokenizer) -> dict:
+    """``GET /tokenizer_info`` as vLLM answers it: the tokenizer's configuration (its
+    ``tokenizer_config.json`` as loaded: special tokens, ``chat_template``, ...) without
+    file paths, its ``tokenizer_class``. Plain JSON values: a special token as its text,
+    keys as strings, anything else as its ``str``."""
+    config = dict(getattr(tokenizer, "init_kwargs", None) or {})
+    for name in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path"):
+        config.pop(name, None)
+    config = _plain(config)
+    config["tokenizer_class"] = type(tokenizer).__name__
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and template:
+        config["chat_template"] = template
+    return config
+
+
+def _plain(value):
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    content = getattr(value, "content", None)  # tokenizers' AddedToken
+    return content if isinstance(content, str) else str(value)
 
 
 class HFTokenizing:

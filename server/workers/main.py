@@ -92,8 +92,9 @@ def _tokenize(engine, request: dict) -> list:
     tokenize = getattr(engine, "tokenize", None)
     if tokenize is None:
         name = engine.info.get("engine", "this")
-        message = (f"/tokenize and /detokenize are not supported by the {name} engine (it "
-                   "has no tokenizer); the transformers and vllm engines have one")
+        message = (f"Tokenizing is not supported by the {name} engine: it has no tokenizer "
+                   "(/tokenize, /detokenize, /tokenizer_info and echo of token-id prompts "
+                   "need one); the transformers and vllm engines have one")
         return [None, ["invalid_request", message]]
     try:
         return [tokenize(request), None]
