@@ -157,6 +157,14 @@ def test_garbage_after_good_frames_is_still_an_error():
         decoder.feed(_frame(b"\xc1"))
 
 
+def test_good_frames_in_the_same_bytes_as_garbage_are_kept_on_the_error():
+    good = [[wire.PING, 1], [wire.PONG, 1, 0, 0]]
+    data = b"".join(map(wire.encode, good)) + _frame(b"\xc1") + wire.encode([wire.PING, 2])
+    with pytest.raises(wire.ProtocolError) as caught:
+        wire.FrameDecoder().feed(data)
+    assert caught.value.messages == good
+
+
 def test_oversize_length_is_an_error_as_soon_as_the_header_arrives():
     decoder = wire.FrameDecoder()
     header = struct.pack(">I", wire.MAX_FRAME + 1)

@@ -335,7 +335,12 @@ class WorkerClient:
                 raise _SessionEnded(link.eof_reason)
             self.last_heard = pacer.frame_time = trio.current_time()
             try:
-                self._route(decoder.feed(data))
+                try:
+                    messages = decoder.feed(data)
+                except wire.ProtocolError as exc:
+                    self._route(exc.messages)  # what it said well before the garbage counts
+                    raise
+                self._route(messages)
             except wire.ProtocolError as exc:  # the worker's fault: it is treated as dead
                 raise _SessionEnded(f"protocol violation: {exc}") from None
             await self._wake_paced()

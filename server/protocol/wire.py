@@ -163,7 +163,13 @@ _packb = msgpack.Packer(use_bin_type=True, default=_pack_big_int).pack
 
 
 class ProtocolError(Exception):
-    """The peer sent bytes that are not a valid frame; the connection cannot be trusted."""
+    """The peer sent bytes that are not a valid frame; the connection cannot be trusted.
+
+    From :meth:`FrameDecoder.feed`, ``messages`` holds the valid messages that the same
+    bytes completed before the bad one: a peer's last words before the garbage (a worker's
+    outputs, say) are still its words."""
+
+    messages: list[list] = []  # (replaced, never appended to)
 
 
 def encode(message: list) -> bytes:
@@ -193,28 +199,33 @@ class FrameDecoder:
     def feed(self, data: bytes | bytearray) -> list[list]:
         buf = self._buf
         buf += data
-        messages = []
+        messages: list[list] = []
         pos = 0
         end = len(buf)
-        while end - pos >= 4:
-            (length,) = _HEADER.unpack_from(buf, pos)
-            if length > MAX_FRAME:
-                raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME} limit")
-            if end - pos - 4 < length:
-                break
-            start = pos + 4
-            try:
-                message = msgpack.unpackb(
-                    buf[start : start + length], use_list=True, raw=False, ext_hook=_unpack_ext
-                )
-            except Exception as exc:
-                raise ProtocolError(f"undecodable frame: {exc}") from None
-            if type(message) is not list or not message or type(message[0]) is not int:
-                raise ProtocolError(f"malformed message: {_clip(message)}")
-            if self._check is not None:
-                self._check(message)
-            messages.append(message)
-            pos = start + length
+        try:
+            while end - pos >= 4:
+                (length,) = _HEADER.unpack_from(buf, pos)
+                if length > MAX_FRAME:
+                    raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME} limit")
+                if end - pos - 4 < length:
+                    break
+                start = pos + 4
+                try:
+                    message = msgpack.unpackb(
+                        buf[start : start + length], use_list=True, raw=False,
+                        ext_hook=_unpack_ext,
+                    )
+                except Exception as exc:
+                    raise ProtocolError(f"undecodable frame: {exc}") from None
+                if type(message) is not list or not message or type(message[0]) is not int:
+                    raise ProtocolError(f"malformed message: {_clip(message)}")
+                if self._check is not None:
+                    self._check(message)
+                messages.append(message)
+                pos = start + length
+        except ProtocolError as exc:
+            exc.messages = messages  # the good ones before the bad one
+            raise
         if pos:
             del buf[:pos]
         return messages
