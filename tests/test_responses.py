@@ -241,6 +241,19 @@ async def test_engine_failure_after_the_first_byte_is_response_failed():
                                           extra_body={"fault": {"kind": "error", "after": 3}})
 
 
+async def test_request_timeout_after_the_first_byte_is_response_failed():
+    config = EngineConfig(engine_options={**FAST_SIM, "faults": True}, drain_timeout=0.5)
+    async with running_server(config, request_timeout=0.5) as url:
+        stream = await client_of(url).responses.create(
+            model="sim", input="p", max_output_tokens=20, stream=True,
+            extra_body={"fault": {"kind": "stall", "after": 2}})
+        events = [e async for e in stream]
+        check_sequence(events)
+        failed = events[-1].response
+        assert events[-1].type == "response.failed" and failed.error.code == "request_timeout"
+        assert failed.output[0].status == "incomplete"
+
+
 async def test_disconnect_mid_stream_aborts_the_request():
     # The request stalls after two tokens: only an abort can end it.
     config = EngineConfig(engine_options={**FAST_SIM, "faults": True}, drain_timeout=0.5)
