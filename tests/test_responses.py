@@ -83,8 +83,28 @@ def test_input_items_become_chat_messages():
     assert messages[2]["content"] == "Let me look."  # the call joins its turn's message
     assert messages[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "C"}
     assert messages[3] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    assert "reasoning_content" not in messages[2]
     assert req.params.max_tokens == 50 and req.chat.tools.parse == "forced"
     assert req.echo["tool_choice"] == {"type": "function", "name": "get_weather"}
+
+
+THOUGHT = {"type": "reasoning", "id": "rs_1", "summary": [],
+           "content": [{"type": "reasoning_text", "text": "Paris, so Celsius."}]}
+TURN = [{"role": "user", "content": "Weather in Paris?"}, THOUGHT,
+        {"type": "function_call", "call_id": "c1", "name": "get_weather",
+         "arguments": '{"city": "Paris", "unit": "C"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
+
+
+def test_reasoning_items_go_back_as_reasoning_content():
+    # A reasoning item is the template's reasoning_content of the assistant turn after it
+    # (an agent sends the whole previous output back: reasoning, message, calls).
+    req = parse_responses(json.dumps({"input": TURN, "tools": [WEATHER]}).encode(), LIMITS,
+                          "m", HF_INFO, "hermes")
+    messages = req.prompts[0]["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1]["reasoning_content"] == "Paris, so Celsius."
+    assert messages[1]["tool_calls"][0]["id"] == "c1"
 
 
 def test_refusals_name_the_responses_field():
@@ -104,7 +124,11 @@ def test_refusals_name_the_responses_field():
          "tool_choice"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
          "input[0].content[0]"),
-        ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input[0].type"),
+        ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input[0]"),
+        ({"input": [{"role": "user", "content": "a"}, {"type": "reasoning", "id": "r",
+                                                       "encrypted_content": "x"}]},
+         "input[1].encrypted_content"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
         ({"input": [{"role": "user", "content": "a"},
                     {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
          "input[1].arguments"),
@@ -179,9 +203,7 @@ async def test_function_calls_and_history_with_the_sdk():
         # the call and its output go back as input: rendered, more prompt tokens
         turn2 = await client.responses.create(
             model="sim", tools=[WEATHER], max_output_tokens=4, tool_choice="none",
-            input=[{"role": "user", "content": "Weather in Paris?"},
-                   {"type": "function_call", "call_id": call.call_id, "name": call.name,
-                    "arguments": call.arguments},
+            input=[{"role": "user", "content": "Weather in Paris?"}, *r.output,
                    {"type": "function_call_output", "call_id": call.call_id,
                     "output": "sunny, 21"}])
         assert turn2.usage.input_tokens > r.usage.input_tokens
@@ -220,6 +242,12 @@ async def test_reasoning_items_with_a_reasoning_parser():
             "response.output_text.delta")
         assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
         check_sequence(events)
+        # the SDK's output objects go back as input, as an agent sends them
+        again = await client.responses.create(
+            model="sim", max_output_tokens=8, temperature=0,
+            input=[{"role": "user", "content": "why"}, *r.output,
+                   {"role": "user", "content": "and then?"}])
+        assert again.usage.input_tokens > r.usage.input_tokens
 
 
 async def test_engine_failure_after_the_first_byte_is_response_failed():
@@ -289,6 +317,22 @@ def model_dir(tmp_path_factory):
     torch.set_num_threads(1)
     return build_tiny_model(tmp_path_factory.mktemp("responses") / "tiny-responses",
                             max_position_embeddings=2048)
+
+
+def test_reasoning_and_calls_in_the_input_reach_the_template(model_dir):
+    from server.workers.hf import TransformersEngine
+
+    engine = TransformersEngine(model_path=str(model_dir), max_batch=1)
+    engine.tokenizer.chat_template = (  # a Qwen3-like template's use of reasoning_content
+        "{% for m in messages %}<|{{ m['role'] }}|>{% if m.reasoning_content %}<think>"
+        "{{ m.reasoning_content }}</think>{% endif %}{{ m['content'] or '' }}"
+        "{% for c in m.tool_calls or [] %}{{ c['function'] | tojson }}{% endfor %}\n"
+        "{% endfor %}<|assistant|>")
+    req = parse_responses(json.dumps({"input": TURN, "tools": [WEATHER]}).encode(), LIMITS,
+                          "m", HF_INFO, "hermes")
+    text = engine.tokenizer.decode(engine.encode(req.prompts[0], None, req.chat.tools.tools))
+    assert "<think>Paris, so Celsius.</think>" in text
+    assert '"name": "get_weather"' in text and "sunny" in text
 
 
 async def test_forced_call_and_json_schema_on_transformers(model_dir):

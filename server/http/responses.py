@@ -139,11 +139,35 @@ def _text_of(content, param: str, role: str) -> str:
     return "".join(texts)
 
 
-def _messages(data: dict) -> tuple[list, list]:
-    """``instructions`` and ``input`` as chat messages, and for each message the Responses
-    field it came from (for each assistant message's tool calls too: see _rename)."""
+def _reasoning_text(item: dict, param: str) -> str:
+    """A reasoning input item's text: its ``reasoning_text`` content (this server's
+    output), else its summary; encrypted reasoning (OpenAI's) cannot be read."""
+    if item.get("encrypted_content") is not None:
+        raise ClientError("Encrypted reasoning cannot be read by this server.",
+                          param=f"{param}.encrypted_content", code="unsupported_parameter")
+    texts: list[str] = []
+    for name, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(name) or []
+        if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and p.get("type") == kind and isinstance(p.get("text"), str)
+            for p in parts
+        ):
+            raise ClientError(f"'{name}' must be a list of {{\"type\": \"{kind}\", "
+                              "\"text\": ...}} parts.", param=f"{param}.{name}")
+        if parts and not texts:
+            texts = [p["text"] for p in parts]
+    return "".join(texts)
+
+
+def _messages(data: dict) -> tuple[list, list, dict]:
+    """``instructions`` and ``input`` as chat messages, for each message the Responses
+    field it came from (for each assistant message's tool calls too: see _rename), and
+    the reasoning of assistant messages (message index -> the text of the ``reasoning``
+    items before it: the chat template's ``reasoning_content``)."""
     messages: list = []
     where: list = []  # per message: (param, [param of each tool call])
+    reasoning: dict = {}
+    pending: tuple | None = None  # (param of the first, texts) of reasoning items not placed
     instructions = data.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -154,7 +178,7 @@ def _messages(data: dict) -> tuple[list, list]:
     if isinstance(items, str):
         messages.append({"role": "user", "content": items})
         where.append(("input", []))
-        return messages, where
+        return messages, where, reasoning
     if not isinstance(items, list) or not items:
         raise ClientError("'input' must be a string or a non-empty list of items.", param="input")
     for i, item in enumerate(items):
@@ -162,6 +186,20 @@ def _messages(data: dict) -> tuple[list, list]:
         if not isinstance(item, dict):
             raise ClientError("Each input item must be an object.", param=param)
         kind = item.get("type", "message" if "role" in item else None)
+        if kind == "reasoning":
+            text = _reasoning_text(item, param)
+            pending = (pending[0] if pending else param, (pending[1] if pending else "") + text)
+            continue
+        opens_turn = (kind == "message" and item.get("role") == "assistant") or (
+            kind == "function_call" and (pending is not None or not messages
+                                         or messages[-1]["role"] != "assistant"))
+        if pending is not None and not opens_turn:
+            raise ClientError(
+                "A reasoning item must come before the assistant message or function call "
+                "it led to.", param=pending[0])
+        if pending is not None:
+            reasoning[len(messages)] = pending[1]
+            pending = None
         if kind == "message":
             role = item.get("role")
             if role not in _MESSAGE_ROLES:
@@ -179,9 +217,8 @@ def _messages(data: dict) -> tuple[list, list]:
                                       param=f"{param}.{name}")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":  # the same turn
-                last.setdefault("tool_calls", []).append(call)
+            if not opens_turn:  # the same turn as the assistant message before it
+                messages[-1].setdefault("tool_calls", []).append(call)
                 where[-1][1].append(param)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
@@ -198,12 +235,16 @@ def _messages(data: dict) -> tuple[list, list]:
             where.append((param, []))
         else:
             raise ClientError(
-                f"Input items of type {kind!r} are not supported: messages, function_call and "
-                "function_call_output only (reasoning and hosted tool items are not taken back).",
+                f"Input items of type {kind!r} are not supported: messages, reasoning, "
+                "function_call and function_call_output only (hosted tool items and item "
+                "references are not taken).",
                 param=f"{param}.type" if kind is not None else param,
                 code="unsupported_parameter",
             )
-    return messages, where
+    if pending is not None:
+        raise ClientError("A reasoning item must come before the assistant message or "
+                          "function call it led to.", param=pending[0])
+    return messages, where, reasoning
 
 
 def _tools(data: dict) -> list | None:
@@ -323,7 +364,7 @@ def parse_responses(
     _reasoning(data)
     if not isinstance(data.get("metadata") or {}, dict):
         raise ClientError("'metadata' must be an object.", param="metadata")
-    messages, where = _messages(data)
+    messages, where, reasoning = _messages(data)
     chat: dict = {"messages": messages}
     for name in ("model", "temperature", "top_p", "stream", "user", "parallel_tool_calls",
                  "fault"):
@@ -344,6 +385,9 @@ def parse_responses(
         req = parse_chat(dumps(chat), limits, served_model, engine_info, tool_parser)
     except ClientError as exc:
         raise _rename(exc, where) from None
+    rendered = req.prompts[0]["messages"]  # one per message, in order (schema.messages_of)
+    for index, thought in reasoning.items():
+        rendered[index]["reasoning_content"] = thought
     params = req.params
     echo = {
         "instructions": data.get("instructions"),
