@@ -14,7 +14,8 @@ import trio
 
 from server.config import EngineConfig, Limits
 from server.errors import ClientError
-from server.http.responses import parse_responses
+from server.http.responses import CALLS_OR_DOCUMENT, parse_responses
+from server.http.responses_events import ResponseEvents, new_response, response_usage
 from tests.conftest import FAST_SIM, assert_engine_idle, running_server
 from tests.test_http_cancellation import open_request, read_until
 
@@ -105,6 +106,35 @@ def test_reasoning_items_go_back_as_reasoning_content():
     assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
     assert messages[1]["reasoning_content"] == "Paris, so Celsius."
     assert messages[1]["tool_calls"][0]["id"] == "c1"
+
+
+def test_auto_tools_with_a_format_take_calls_or_the_document():
+    fmt = {"format": {"type": "json_schema", "name": "answer", "schema": {"type": "object"}}}
+    req = parse_responses(json.dumps({"input": "hi", "tools": [WEATHER], "text": fmt}).encode(),
+                          LIMITS, "m", HF_INFO, "hermes")
+    assert req.chat.tools.parse == CALLS_OR_DOCUMENT
+    calls, document = req.params.extra["response_format"]["schema"]["anyOf"]
+    assert calls["type"] == "array" and document == {"type": "object"}
+    call = '[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}]'
+    for text, kinds in [(call, ["function_call"]), ('{"city": "Paris"}', ["message"]),
+                        ("", ["message"])]:
+        outputs = []
+        for cut in range(len(text) + 1):  # any split of the text: the same items
+            events = ResponseEvents(new_response("resp_1", 0, "m", req.echo),
+                                    reasoning_parser=None, tools=req.chat.tools)
+            events.feed(text[:cut])
+            events.feed(text[cut:], last=True)
+            events.end("stop", response_usage(1, 1, None))
+            outputs.append([{k: v for k, v in o.items() if k not in ("id", "call_id")}
+                            for o in events.response["output"]])
+        assert [o["type"] for o in outputs[0]] == kinds
+        assert all(o == outputs[0] for o in outputs)
+    assert outputs[0][0]["content"][0]["text"] == ""
+    # tool_choice none: the format alone
+    req = parse_responses(json.dumps({"input": "hi", "tools": [WEATHER], "text": fmt,
+                                      "tool_choice": "none"}).encode(),
+                          LIMITS, "m", HF_INFO, "hermes")
+    assert req.params.extra["response_format"]["schema"] == {"type": "object"}
 
 
 def test_refusals_name_the_responses_field():
@@ -356,6 +386,25 @@ async def test_forced_call_and_json_schema_on_transformers(model_dir):
                     final = await stream.get_final_response()
                 assert [(o.name, o.arguments) for o in final.output] == [
                     (o.name, o.arguments) for o in r.output]
+            # auto with a format (an agent's tool and its output_type): calls or the document
+            r = await client.responses.create(
+                model="tiny-responses", input="Weather in Paris?", tools=[WEATHER],
+                text=fmt, max_output_tokens=200, temperature=0)
+            assert r.status == "completed"
+            if r.output[0].type == "function_call":
+                assert {o.name for o in r.output} == {"get_weather"}
+                assert all(set(json.loads(o.arguments)) == {"city", "unit"}
+                           for o in r.output)
+            else:
+                assert set(json.loads(r.output_text)) == {"city", "ok"}
+            async with client.responses.stream(
+                    model="tiny-responses", input="Weather in Paris?", tools=[WEATHER],
+                    text=fmt, max_output_tokens=200, temperature=0) as stream:
+                final = await stream.get_final_response()
+            assert [o.type for o in final.output] == [o.type for o in r.output]
+            assert final.output_text == r.output_text
+            assert [getattr(o, "arguments", None) for o in final.output] == [
+                getattr(o, "arguments", None) for o in r.output]
             # json_schema output: a document valid for the schema, streaming and not
             r = await client.responses.create(model="tiny-responses", input="Answer in JSON.",
                                               text=fmt, max_output_tokens=200, temperature=0)

@@ -27,15 +27,20 @@ Example::
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import Limits
 from ..errors import ClientError
 from .encode import dumps
 from .fields import _neutral
 from .schema import GenerateRequest, decode_json, parse_chat
+from .tools import ToolChoice, read_tools
 
-__all__ = ["HONOURED", "REFUSED", "ResponsesRequest", "parse_responses"]
+__all__ = ["CALLS_OR_DOCUMENT", "HONOURED", "REFUSED", "ResponsesRequest", "parse_responses"]
+
+#: How the answer is parsed with ``tool_choice: auto`` and a ``text.format``: the calls
+#: array of the forced format, or the document (server.http.responses_events).
+CALLS_OR_DOCUMENT = "calls_or_document"
 
 #: The fields this route reads (``fault`` only with --sim-faults).
 HONOURED = frozenset({
@@ -385,6 +390,7 @@ def parse_responses(
         req = parse_chat(dumps(chat), limits, served_model, engine_info, tool_parser)
     except ClientError as exc:
         raise _rename(exc, where) from None
+    req = _calls_or_document(req)
     rendered = req.prompts[0]["messages"]  # one per message, in order (schema.messages_of)
     for index, thought in reasoning.items():
         rendered[index]["reasoning_content"] = thought
@@ -402,6 +408,24 @@ def parse_responses(
         "user": data.get("user"),
     }
     return ResponsesRequest(req, echo)
+
+
+def _calls_or_document(req: GenerateRequest) -> GenerateRequest:
+    """``tool_choice: auto`` (with tools) and a JSON ``text.format``: the grammar lets the
+    model write either the calls (the JSON array that ``required`` forces) or the document
+    (an agent's structured final output after its tool calls). Chat's rule, the format
+    over the whole output, would leave the model no way to call a tool."""
+    tools = req.tools
+    fmt = req.params.extra.get("response_format")
+    if tools is None or tools.parse in (None, "forced") or fmt is None:
+        return req
+    calls = read_tools({"tools": tools.tools, "tool_choice": "required",
+                        "parallel_tool_calls": tools.parallel}, tools.parse)
+    assert calls is not None and calls.grammar is not None
+    document = fmt["schema"] if fmt["type"] == "json_schema" else {"type": "object"}
+    req.params.extra["response_format"] = {
+        "type": "json_schema", "schema": {"anyOf": [calls.grammar, document]}}
+    return replace(req, tools=ToolChoice(tools.tools, CALLS_OR_DOCUMENT, tools.parallel, None))
 
 
 def _echo_choice(choice, tools) -> object:
