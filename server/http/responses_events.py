@@ -73,7 +73,7 @@ def response_usage(input_tokens: int, output_tokens: int, cached: int | None) ->
 class ResponseEvents:
     """The output items and the events of one response (see the module docstring)."""
 
-    __slots__ = ("response", "_seq", "_splitter", "_parser", "_item", "_pieces")
+    __slots__ = ("response", "_seq", "_splitter", "_parser", "_item", "_pieces", "_delta")
 
     def __init__(
         self, response: dict, *, reasoning_parser: str | None, tools: ToolChoice | None
@@ -90,6 +90,7 @@ class ResponseEvents:
             self._parser = ToolCallParser(tools.parse, parallel=tools.parallel)
         self._item: dict | None = None  # the open item (the last of response["output"])
         self._pieces: list[str] = []  # its text (or arguments) so far
+        self._delta = (b"", b"")  # its delta events' bytes before and after the text
 
     def _event(self, kind: str, fields: dict) -> bytes:
         fields["sequence_number"] = self._seq
@@ -154,24 +155,30 @@ class ResponseEvents:
     # -- items ---------------------------------------------------------------------------
 
     def _write(self, kind: str, text: str) -> bytes:
-        """``text`` into an open item of ``kind`` (opening one if needed)."""
+        """``text`` into an open item of ``kind`` (opening one if needed): a delta event,
+        from the open item's pre-encoded head and tail (the hot path: one per event)."""
         head = b""
         item = self._item
         if item is None or item["type"] != kind:
             head = self._close("completed") + self._open(kind)
-            item = self._item
-            assert item is not None
         self._pieces.append(text)
-        where = {"item_id": item["id"], "output_index": len(self.response["output"]) - 1}
-        if kind == "function_call":
-            return head + self._event("response.function_call_arguments.delta",
-                                      {**where, "delta": text})
-        if kind == "message":
-            return head + self._event("response.output_text.delta",
-                                      {**where, "content_index": 0, "delta": text,
-                                       "logprobs": []})
-        return head + self._event("response.reasoning_text.delta",
-                                  {**where, "content_index": 0, "delta": text})
+        seq = self._seq
+        self._seq += 1
+        return (head + self._delta[0] + dumps(text) + self._delta[1] + str(seq).encode()
+                + b"}\n\n")
+
+    def _delta_parts(self, item: dict) -> tuple[bytes, bytes]:
+        """The bytes of the open item's delta events before and after the text."""
+        kind = _DELTA[item["type"]]
+        fields: dict = {"type": kind, "item_id": item["id"],
+                        "output_index": len(self.response["output"]) - 1}
+        tail = b',"sequence_number":'
+        if item["type"] != "function_call":
+            fields["content_index"] = 0
+            if item["type"] == "message":
+                tail = b',"logprobs":[],"sequence_number":'
+        head = b"event: " + kind.encode() + b"\ndata: " + dumps(fields)[:-1] + b',"delta":'
+        return head, tail
 
     def _open(self, kind: str) -> bytes:
         if kind == "message":
@@ -194,6 +201,7 @@ class ResponseEvents:
         self.response["output"].append(item)
         self._item = item
         self._pieces = []
+        self._delta = self._delta_parts(item)
         return self._event("response.output_item.added", {
             "output_index": len(self.response["output"]) - 1, "item": item})
 
@@ -234,6 +242,12 @@ class ResponseEvents:
         out.append(self._event("response.output_item.done", {
             "output_index": where["output_index"], "item": item}))
         return b"".join(out)
+
+
+#: The delta event of each item type.
+_DELTA = {"message": "response.output_text.delta",
+          "reasoning": "response.reasoning_text.delta",
+          "function_call": "response.function_call_arguments.delta"}
 
 
 def _part(kind: str, text: str) -> dict:

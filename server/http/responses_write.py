@@ -122,7 +122,9 @@ async def _write_full(answer, stream, events: ResponseEvents) -> None:
         texts.append(out.text)
         if out.finish_reason is not None:
             final = out
-    assert final is not None
+    if final is None:  # (the stream ended without finishing its choice: not expected)
+        await answer.error(EngineError("The engine ended the request without an answer."))
+        return
     events.feed("".join(texts), last=True)
     events.end(final.finish_reason, _usage(per_choice, final))
     await answer.json(dumps(events.response))
