@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 import trio
@@ -205,6 +206,12 @@ async def test_text_streaming_and_not_with_the_sdk():
         assert text == r.output_text == events[-4].text
         last = events[-1].response
         assert last.output_text == text and last.usage.output_tokens == 8
+        # on the wire: named events, no [DONE]
+        async with httpx.AsyncClient(base_url=url) as raw:
+            wire = (await raw.post("/v1/responses", json={"input": "hi", "stream": True,
+                                                           "max_output_tokens": 2})).content
+        assert wire.startswith(b'event: response.created\ndata: {"type":"response.created",')
+        assert wire.endswith(b"}\n\n") and b"[DONE]" not in wire
         assert events[2].item.id == last.output[0].id
 
 

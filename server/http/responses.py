@@ -120,7 +120,7 @@ def check_fields(data: dict) -> None:
             raise _refuse(name, refused[1])
 
 
-def _text_of(content, param: str, role: str) -> str:
+def _text_of(content, param: str) -> str:
     """A message's content (a string or a list of text parts) as one string."""
     if isinstance(content, str):
         return content
@@ -212,7 +212,7 @@ def _messages(data: dict) -> tuple[list, list, dict]:
                                   param=f"{param}.role")
             if "content" not in item:
                 raise ClientError("A message needs 'content'.", param=f"{param}.content")
-            text = _text_of(item["content"], f"{param}.content", role)
+            text = _text_of(item["content"], f"{param}.content")
             messages.append({"role": role, "content": text})
             where.append((param, []))
         elif kind == "function_call":
@@ -235,7 +235,7 @@ def _messages(data: dict) -> tuple[list, list, dict]:
             if "output" not in item:
                 raise ClientError("A function call output needs 'output'.",
                                   param=f"{param}.output")
-            text = _text_of(item["output"], f"{param}.output", "tool")
+            text = _text_of(item["output"], f"{param}.output")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
             where.append((param, []))
         else:
