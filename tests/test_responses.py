@@ -107,6 +107,13 @@ def test_reasoning_items_go_back_as_reasoning_content():
     assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
     assert messages[1]["reasoning_content"] == "Paris, so Celsius."
     assert messages[1]["tool_calls"][0]["id"] == "c1"
+    # thinking followed by no answer (cut by max_output_tokens): a turn of thinking alone
+    req = parse_responses(json.dumps({"input": [*TURN[:2], TURN[0]]}).encode(), LIMITS, "m",
+                          HF_INFO, "hermes")
+    messages = req.prompts[0]["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[1] == {"role": "assistant", "content": "",
+                           "reasoning_content": "Paris, so Celsius."}
 
 
 def test_auto_tools_with_a_format_take_calls_or_the_document():
@@ -155,7 +162,6 @@ def test_refusals_name_the_responses_field():
          "tool_choice"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
          "input[0].content[0]"),
-        ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input[0]"),
         ({"input": [{"role": "user", "content": "a"}, {"type": "reasoning", "id": "r",
                                                        "encrypted_content": "x"}]},
          "input[1].encrypted_content"),

@@ -198,13 +198,11 @@ def _messages(data: dict) -> tuple[list, list, dict]:
         opens_turn = (kind == "message" and item.get("role") == "assistant") or (
             kind == "function_call" and (pending is not None or not messages
                                          or messages[-1]["role"] != "assistant"))
-        if pending is not None and not opens_turn:
-            raise ClientError(
-                "A reasoning item must come before the assistant message or function call "
-                "it led to.", param=pending[0])
-        if pending is not None:
+        if pending is not None and not opens_turn:  # a turn of thinking alone
+            _thinking_turn(messages, where, reasoning, pending)
+        elif pending is not None:
             reasoning[len(messages)] = pending[1]
-            pending = None
+        pending = None
         if kind == "message":
             role = item.get("role")
             if role not in _MESSAGE_ROLES:
@@ -247,9 +245,16 @@ def _messages(data: dict) -> tuple[list, list, dict]:
                 code="unsupported_parameter",
             )
     if pending is not None:
-        raise ClientError("A reasoning item must come before the assistant message or "
-                          "function call it led to.", param=pending[0])
+        _thinking_turn(messages, where, reasoning, pending)
     return messages, where, reasoning
+
+
+def _thinking_turn(messages: list, where: list, reasoning: dict, pending: tuple) -> None:
+    """Reasoning items followed by no assistant message or call (an answer cut while it
+    thought): an assistant turn of that reasoning and no content."""
+    reasoning[len(messages)] = pending[1]
+    messages.append({"role": "assistant", "content": ""})
+    where.append((pending[0], []))
 
 
 def _tools(data: dict) -> list | None:
