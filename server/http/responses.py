@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass, replace
 
 from ..config import Limits
-from ..errors import ClientError
+from ..errors import ClientError, printable
 from .encode import dumps
 from .fields import _neutral
 from .schema import GenerateRequest, decode_json, parse_chat
@@ -114,7 +114,7 @@ def check_fields(data: dict) -> None:
             continue
         refused = REFUSED.get(name)
         if refused is None:
-            raise ClientError(f"Unknown parameter: '{name}'.", param=name,
+            raise ClientError(f"Unknown parameter: '{printable(name)}'.", param=name,
                               code="unknown_parameter")
         if not _neutral(value, refused[0]):
             raise _refuse(name, refused[1])
@@ -238,7 +238,8 @@ def _messages(data: dict) -> tuple[list, list, dict]:
             where.append((param, []))
         else:
             raise ClientError(
-                f"Input items of type {kind!r} are not supported: messages, reasoning, "
+                f"Input items of type {printable(repr(kind))} are not supported: messages, "
+                "reasoning, "
                 "function_call and function_call_output only (hosted tool items and item "
                 "references are not taken).",
                 param=f"{param}.type" if kind is not None else param,
@@ -269,7 +270,8 @@ def _tools(data: dict) -> list | None:
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
             raise ClientError(
-                f"Tools of type {kind!r} are not supported: function tools only (hosted tools "
+                f"Tools of type {printable(repr(kind))} are not supported: function tools only "
+                "(hosted tools "
                 "are OpenAI's).", param=f"tools[{i}].type", code="unsupported_parameter",
             )
         fn = {k: tool[k] for k in ("name", "description", "parameters", "strict")
@@ -301,8 +303,8 @@ def _text_format(data: dict) -> dict | None:
             if text[name] not in (None, "medium"):
                 raise _refuse("text.verbosity", "the model's answer is not steered")
         elif name != "format":
-            raise ClientError(f"Unknown parameter: 'text.{name}'.", param=f"text.{name}",
-                              code="unknown_parameter")
+            raise ClientError(f"Unknown parameter: 'text.{printable(name)}'.",
+                              param=f"text.{name}", code="unknown_parameter")
     fmt = text.get("format")
     if fmt is None:
         return None

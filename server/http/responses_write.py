@@ -19,6 +19,7 @@ import time
 from ..errors import EngineError
 from . import generate
 from .encode import dumps
+from .post import off_loop
 from .responses import ResponsesRequest, parse_responses
 from .responses_events import ResponseEvents, new_response, response_usage
 
@@ -125,6 +126,14 @@ async def _write_full(answer, stream, events: ResponseEvents) -> None:
     if final is None:  # (the stream ended without finishing its choice: not expected)
         await answer.error(EngineError("The engine ended the request without an answer."))
         return
-    events.feed("".join(texts), last=True)
-    events.end(final.finish_reason, _usage(per_choice, final))
-    await answer.json(dumps(events.response))
+    text = "".join(texts)
+    await answer.json(await off_loop(len(text), _full_body, events, text, final.finish_reason,
+                                     _usage(per_choice, final)))
+
+
+def _full_body(events: ResponseEvents, text: str, finish_reason: str, usage: dict) -> bytes:
+    """The Response object of the whole text (sans-IO: a big one is built in a worker
+    thread, see :func:`server.http.post.off_loop`)."""
+    events.feed(text, last=True)
+    events.end(finish_reason, usage)
+    return dumps(events.response)
