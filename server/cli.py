@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="trio-llm-server",
         description="An OpenAI-compatible LLM server on Trio: SSE streaming, engine workers "
-        "over pipes. Serves /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+        "over pipes. Serves /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, "
+        "/tokenize, "
         "/detokenize, /health, /ready and /metrics over HTTP/1.1.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -54,6 +54,8 @@ from .encode import dumps
 from .tokenize import ROUTES as TOKENIZE_ROUTES
 from .tokenize import handle_tokenize
 from .generate import handle_generate
+from .responses_write import PATH as RESPONSES_PATH
+from .responses_write import ROUTE as RESPONSES
 from .listen import connection_info
 
 __all__ = ["LLMServerApp", "create_app"]
@@ -63,6 +65,7 @@ log = logging.getLogger("server.http")
 _GENERATE_ROUTES = {
     "/v1/completions": False,
     "/v1/chat/completions": True,
+    RESPONSES_PATH: True,
 }
 
 
@@ -176,7 +179,8 @@ class LLMServerApp(QuartTrio):
             record = RequestRecord(request_id, path)
             try:
                 await handle_generate(
-                    self, scope, receive, send, chat=chat, record=record, headers=extra
+                    self, scope, receive, send, chat=chat, record=record, headers=extra,
+                    route=RESPONSES if path == RESPONSES_PATH else None,
                 )
             finally:
                 record.finish = _now()

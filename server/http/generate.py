@@ -116,12 +116,14 @@ class _Answer:
 
 
 async def handle_generate(
-    app, scope: dict, receive, send, *, chat: bool, record: RequestRecord, headers: list
+    app, scope: dict, receive, send, *, chat: bool, record: RequestRecord, headers: list,
+    route=None,
 ) -> None:
     """Serve one generation request; never raises into the ASGI server (but Cancelled).
 
     ``record`` is filled in as the request goes (the caller records it when this returns);
-    ``headers`` go on the response, whatever it is.
+    ``headers`` go on the response, whatever it is. ``route``: another route's shapes on
+    this request's life (``parse`` and ``write``; server.http.responses_write), or None.
     """
     config = app.server_config
     answer = _Answer(send, headers, record)
@@ -131,7 +133,10 @@ async def handle_generate(
             record.client_disconnected = True
             return
         engine = app.require_engine()
-        if chat:
+        if route is not None:
+            req = await off_loop(len(body), route.parse, body, config, engine.model_name,
+                                 engine.info)
+        elif chat:
             req = await off_loop(len(body), schema.parse_chat, body, config.limits,
                                  engine.model_name, engine.info, config.tool_call_parser)
         else:
@@ -159,13 +164,17 @@ async def handle_generate(
         log.exception("internal error before the response started")
         await answer.error(ServerError("Internal server error."))
         return
-    response_id = ("chatcmpl-" if chat else "cmpl-") + record.request_id
+    prefix = route.id_prefix if route is not None else "chatcmpl-" if chat else "cmpl-"
+    response_id = prefix + record.request_id
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, record)
             try:
                 async with stream:
-                    if req.stream:
+                    if route is not None:
+                        await route.write(app, answer, stream, req, response_id,
+                                          engine.model_name)
+                    elif req.stream:
                         observe_itl = app.metrics.itl.observe
                         await _write_stream(
                             answer, stream, req, response_id, engine.model_name, observe_itl,

@@ -1,0 +1,295 @@
+"""``POST /v1/responses``, the answer side: a Response object's output items and its stream
+of events, built from the engine's text. Sans-IO.
+
+Theory of operation
+-------------------
+The text of the one choice is fed in as it comes (:meth:`ResponseEvents.feed`). It goes
+through the reasoning splitter (``--reasoning-parser``), then the tool call parser (for a
+request with tools, ``tool_choice`` auto, required or named), exactly as chat's
+:class:`~server.http.events.RichEvents`; each piece lands in an output item:
+
+- thinking in a ``reasoning`` item (``content: [{"type": "reasoning_text"}]``);
+- content in a ``message`` item (``content: [{"type": "output_text"}]``);
+- each call in a ``function_call`` item (``call_id``, ``name``, ``arguments``).
+
+One item is open at a time: a piece of another kind closes it and opens the next, so the
+items come in the order the model wrote them. Each step returns the events it makes, in
+OpenAI's sequence (``event: <type>`` lines, each with a rising ``sequence_number``)::
+
+    response.created, response.in_progress
+    response.output_item.added, response.content_part.added,
+        response.output_text.delta ..., response.output_text.done,
+        response.content_part.done, response.output_item.done      (a message)
+    response.output_item.added, response.function_call_arguments.delta ...,
+        response.function_call_arguments.done, response.output_item.done   (a call)
+    response.completed (or response.incomplete, with max_output_tokens; response.failed)
+
+A non-streaming answer is the same machine fed the whole text once; its body is the final
+:attr:`ResponseEvents.response`, so both shapes agree by construction.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import ServerError
+from .encode import dumps
+from .events import _feed
+from .reasoning import ReasoningSplitter
+from .responses import CALLS_OR_DOCUMENT
+from .tool_parsers import ToolCallParser
+from .tools import ToolChoice
+
+__all__ = ["CallsOrDocument", "ResponseEvents", "new_response", "response_usage"]
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + os.urandom(12).hex()
+
+
+def new_response(response_id: str, created_at: int, model: str, echo: dict) -> dict:
+    """A Response object, in progress, with the request's fields echoed."""
+    return {
+        "id": response_id, "object": "response", "created_at": created_at,
+        "status": "in_progress", "background": False, "error": None,
+        "incomplete_details": None, "model": model, "output": [],
+        "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
+        "service_tier": "default", "store": False, "truncation": "disabled", "usage": None,
+        **echo,
+    }
+
+
+def response_usage(input_tokens: int, output_tokens: int, cached: int | None) -> dict:
+    """OpenAI's Responses usage (reasoning tokens are not counted apart: 0)."""
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": cached or 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+class ResponseEvents:
+    """The output items and the events of one response (see the module docstring)."""
+
+    __slots__ = ("response", "_seq", "_splitter", "_parser", "_item", "_pieces", "_delta")
+
+    def __init__(
+        self, response: dict, *, reasoning_parser: str | None, tools: ToolChoice | None
+    ) -> None:
+        self.response = response
+        self._seq = 0
+        self._splitter = None
+        if reasoning_parser is not None:
+            self._splitter = ReasoningSplitter.for_parser(reasoning_parser)
+        self._parser: CallsOrDocument | ToolCallParser | None = None
+        if tools is not None and tools.parse == CALLS_OR_DOCUMENT:
+            self._parser = CallsOrDocument(tools.parallel)
+        elif tools is not None and tools.parse is not None:
+            self._parser = ToolCallParser(tools.parse, parallel=tools.parallel)
+        self._item: dict | None = None  # the open item (the last of response["output"])
+        self._pieces: list[str] = []  # its text (or arguments) so far
+        self._delta = (b"", b"")  # its delta events' bytes before and after the text
+
+    def _event(self, kind: str, fields: dict) -> bytes:
+        fields["sequence_number"] = self._seq
+        self._seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + dumps({"type": kind, **fields}) + b"\n\n"
+
+    def start(self) -> bytes:
+        """``response.created`` and ``response.in_progress``."""
+        return (self._event("response.created", {"response": self.response})
+                + self._event("response.in_progress", {"response": self.response}))
+
+    def feed(self, text: str, last: bool = False) -> bytes:
+        """The events of new text (``last``: the text ended; what parsers held back is
+        decided)."""
+        thought, said = "", text
+        if self._splitter is not None:
+            thought, said = _feed(self._splitter, said, last)
+        calls: list = []
+        if self._parser is not None:
+            said, calls = _feed(self._parser, said, last)
+        out = []
+        if thought:
+            out.append(self._write("reasoning", thought))
+        if said:
+            out.append(self._write("message", said))
+        for delta in calls:
+            if "id" in delta:
+                out.append(self._open_call(delta["id"], delta["function"]["name"]))
+            fragment = delta["function"].get("arguments")
+            if fragment:
+                out.append(self._write("function_call", fragment))
+        return b"".join(out)
+
+    def end(self, finish_reason: str | None, usage: dict) -> bytes:
+        """Close the open item; ``response.completed`` (``stop``) or
+        ``response.incomplete`` (``length``: ``max_output_tokens``)."""
+        complete = finish_reason != "length"
+        out = []
+        if not self.response["output"]:  # an empty answer is an empty message
+            out.append(self._open("message"))
+        out.append(self._close("completed" if complete else "incomplete"))
+        response = self.response
+        response["usage"] = usage
+        if complete:
+            response["status"] = "completed"
+            out.append(self._event("response.completed", {"response": response}))
+        else:
+            response["status"] = "incomplete"
+            response["incomplete_details"] = {"reason": "max_output_tokens"}
+            out.append(self._event("response.incomplete", {"response": response}))
+        return b"".join(out)
+
+    def fail(self, exc: ServerError) -> bytes:
+        """``response.failed``: the engine failed it, or the server gave up on it (the
+        open item is left ``incomplete``, with what was written)."""
+        self._flush("incomplete")
+        response = self.response
+        response["status"] = "failed"
+        response["error"] = {"code": exc.code or exc.type, "message": exc.message}
+        return self._event("response.failed", {"response": response})
+
+    # -- items ---------------------------------------------------------------------------
+
+    def _write(self, kind: str, text: str) -> bytes:
+        """``text`` into an open item of ``kind`` (opening one if needed): a delta event,
+        from the open item's pre-encoded head and tail (the hot path: one per event)."""
+        head = b""
+        item = self._item
+        if item is None or item["type"] != kind:
+            head = self._close("completed") + self._open(kind)
+        self._pieces.append(text)
+        seq = self._seq
+        self._seq += 1
+        return (head + self._delta[0] + dumps(text) + self._delta[1] + str(seq).encode()
+                + b"}\n\n")
+
+    def _delta_parts(self, item: dict) -> tuple[bytes, bytes]:
+        """The bytes of the open item's delta events before and after the text."""
+        kind = _DELTA[item["type"]]
+        fields: dict = {"type": kind, "item_id": item["id"],
+                        "output_index": len(self.response["output"]) - 1}
+        tail = b',"sequence_number":'
+        if item["type"] != "function_call":
+            fields["content_index"] = 0
+            if item["type"] == "message":
+                tail = b',"logprobs":[],"sequence_number":'
+        head = b"event: " + kind.encode() + b"\ndata: " + dumps(fields)[:-1] + b',"delta":'
+        return head, tail
+
+    def _open(self, kind: str) -> bytes:
+        if kind == "message":
+            item = {"id": _new_id("msg_"), "type": "message", "status": "in_progress",
+                    "role": "assistant", "content": []}
+        else:
+            item = {"id": _new_id("rs_"), "type": "reasoning", "summary": [], "content": [],
+                    "status": "in_progress"}
+        return self._added(item) + self._event("response.content_part.added", {
+            "item_id": item["id"], "output_index": len(self.response["output"]) - 1,
+            "content_index": 0, "part": _part(kind, "")})
+
+    def _open_call(self, call_id: str, name: str) -> bytes:
+        head = self._close("completed")
+        item = {"id": _new_id("fc_"), "type": "function_call", "status": "in_progress",
+                "arguments": "", "call_id": call_id, "name": name}
+        return head + self._added(item)
+
+    def _added(self, item: dict) -> bytes:
+        self.response["output"].append(item)
+        self._item = item
+        self._pieces = []
+        self._delta = self._delta_parts(item)
+        return self._event("response.output_item.added", {
+            "output_index": len(self.response["output"]) - 1, "item": item})
+
+    def _flush(self, status: str) -> str | None:
+        """The open item's final text and status, set on it; None when none is open."""
+        item = self._item
+        if item is None:
+            return None
+        text = "".join(self._pieces)
+        item["status"] = status
+        if item["type"] == "function_call":
+            item["arguments"] = text
+        else:
+            item["content"] = [_part(item["type"], text)]
+        return text
+
+    def _close(self, status: str) -> bytes:
+        """The done events of the open item, if any."""
+        item = self._item
+        text = self._flush(status)
+        if item is None or text is None:
+            return b""
+        self._item = None
+        where = {"item_id": item["id"], "output_index": len(self.response["output"]) - 1}
+        out = []
+        if item["type"] == "function_call":
+            out.append(self._event("response.function_call_arguments.done",
+                                   {**where, "name": item["name"], "arguments": text}))
+        else:
+            kind = ("response.output_text.done" if item["type"] == "message"
+                    else "response.reasoning_text.done")
+            done = {**where, "content_index": 0, "text": text}
+            if item["type"] == "message":
+                done["logprobs"] = []
+            out.append(self._event(kind, done))
+            out.append(self._event("response.content_part.done",
+                                   {**where, "content_index": 0, "part": item["content"][0]}))
+        out.append(self._event("response.output_item.done", {
+            "output_index": where["output_index"], "item": item}))
+        return b"".join(out)
+
+
+#: The delta event of each item type.
+_DELTA = {"message": "response.output_text.delta",
+          "reasoning": "response.reasoning_text.delta",
+          "function_call": "response.function_call_arguments.delta"}
+
+
+def _part(kind: str, text: str) -> dict:
+    if kind == "message":
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "reasoning_text", "text": text}
+
+
+
+class CallsOrDocument:
+    """The answer's parser with ``tool_choice: auto`` and a JSON ``text.format``
+    (responses._calls_or_document): the grammar's JSON starts with ``[`` for the calls
+    array (parsed as the forced format), ``{`` for the document (all content)."""
+
+    __slots__ = ("_parallel", "_parser", "_buf")
+
+    def __init__(self, parallel: bool) -> None:
+        self._parallel = parallel
+        self._parser: ToolCallParser | None = None
+        self._buf: str | None = ""  # until the first character decides; None: the document
+
+    @property
+    def calls(self) -> int:
+        return self._parser.calls if self._parser is not None else 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self._parser is not None:
+            return self._parser.feed(text)
+        if self._buf is None:
+            return text, []
+        self._buf += text
+        rest = self._buf.lstrip()
+        if not rest:
+            return "", []
+        text, self._buf = self._buf, None
+        if rest[0] != "[":
+            return text, []
+        self._parser = ToolCallParser("forced", parallel=self._parallel)
+        return self._parser.feed(text)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        if self._parser is not None:
+            return self._parser.finish()
+        held, self._buf = self._buf or "", None
+        return held, []
