@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import trio
@@ -353,6 +354,17 @@ ANSWER = {
 }
 
 
+#: An output_type of nested models, as pydantic writes its schema.
+NESTED = {
+    "type": "object", "additionalProperties": False, "required": ["stops"],
+    "properties": {"stops": {"type": "array", "maxItems": 2,
+                             "items": {"$ref": "#/$defs/Stop"}}},
+    "$defs": {"Stop": {"type": "object", "additionalProperties": False, "required": ["city"],
+                       "properties": {"city": {"type": "string",
+                                               "pattern": "^[A-Za-z]{1,8}$"}}}},
+}
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from tests.tiny_model import build_tiny_model
@@ -418,6 +430,16 @@ async def test_forced_call_and_json_schema_on_transformers(model_dir):
             assert final.output_text == r.output_text
             assert [getattr(o, "arguments", None) for o in final.output] == [
                 getattr(o, "arguments", None) for o in r.output]
+            # ... with a document of nested models (pydantic's $defs and #/$defs refs): both
+            # the tool's parameters and the document's definitions resolve in one grammar
+            nested = {"format": {"type": "json_schema", "name": "trip", "strict": True,
+                                 "schema": NESTED}}
+            r = await client.responses.create(
+                model="tiny-responses", input="Plan a trip.", tools=[WEATHER],
+                text=nested, max_output_tokens=200, temperature=0)
+            assert r.status in ("completed", "incomplete")
+            if r.status == "completed" and r.output[0].type == "message":
+                jsonschema.validate(json.loads(r.output_text), NESTED)
             # json_schema output: a document valid for the schema, streaming and not
             r = await client.responses.create(model="tiny-responses", input="Answer in JSON.",
                                               text=fmt, max_output_tokens=200, temperature=0)

@@ -34,6 +34,7 @@ from ..errors import ClientError, printable
 from .encode import dumps
 from .fields import _neutral
 from .schema import GenerateRequest, decode_json, parse_chat
+from .json_schema import rebase
 from .tools import ToolChoice, read_tools
 
 __all__ = ["CALLS_OR_DOCUMENT", "HONOURED", "REFUSED", "ResponsesRequest", "parse_responses"]
@@ -100,6 +101,10 @@ class ResponsesRequest:
     @property
     def stream(self) -> bool:
         return self.chat.stream
+
+    @property
+    def echoed(self) -> tuple:
+        return self.chat.echoed  # empty: nothing is echoed on this route
 
 
 def _refuse(name: str, why: str, code: str = "unsupported_parameter") -> ClientError:
@@ -417,6 +422,10 @@ def parse_responses(
     return ResponsesRequest(req, echo)
 
 
+#: Where the document's schema sits in the grammar of :func:`_calls_or_document`.
+_DOCUMENT = "document.format"
+
+
 def _calls_or_document(req: GenerateRequest) -> GenerateRequest:
     """``tool_choice: auto`` (with tools) and a JSON ``text.format``: the grammar lets the
     model write either the calls (the JSON array that ``required`` forces) or the document
@@ -430,8 +439,14 @@ def _calls_or_document(req: GenerateRequest) -> GenerateRequest:
                         "parallel_tool_calls": tools.parallel}, tools.parse)
     assert calls is not None and calls.grammar is not None
     document = fmt["schema"] if fmt["type"] == "json_schema" else {"type": "object"}
-    req.params.extra["response_format"] = {
-        "type": "json_schema", "schema": {"anyOf": [calls.grammar, document]}}
+    # Both under one root: the calls' tool parameters already sit in its $defs, and the
+    # document joins them there with its own references rebased (xgrammar's pointers cannot
+    # index into the anyOf list). Its key cannot be a function's name (no '.' in those).
+    grammar = dict(calls.grammar)
+    defs = dict(grammar.pop("$defs", {}))
+    defs[_DOCUMENT] = rebase(document, f"#/$defs/{_DOCUMENT}")
+    req.params.extra["response_format"] = {"type": "json_schema", "schema": {
+        "anyOf": [grammar, {"$ref": f"#/$defs/{_DOCUMENT}"}], "$defs": defs}}
     return replace(req, tools=ToolChoice(tools.tools, CALLS_OR_DOCUMENT, tools.parallel, None))
 
 
