@@ -780,3 +780,91 @@ async def test_iterating_a_closed_stream_ends(autojump_clock):
             outs = [o async for o in stream]
     assert not scope.cancelled_caught, "still waiting after 5 s"
     assert outs == []
+
+
+# ------------------------------------------------------------------------------------------
+# One consumer at a time; aclose from another task (trio's rules for streams)
+# ------------------------------------------------------------------------------------------
+
+
+async def test_aclose_from_another_task_wakes_the_parked_consumer(autojump_clock):
+    # a long TTFT: the consumer is parked when the other task closes the stream
+    async with open_fake_engine(ttft_ms=5000) as (engine, spawn):
+        stream = engine.generate("hi", LONG)
+        raised = []
+
+        async def consume():
+            try:
+                async for _ in stream:
+                    pass  # pragma: no cover
+            except trio.ClosedResourceError:
+                raised.append(trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consume)
+            await trio.sleep(0.5)
+            await stream.aclose()
+            closed_at = trio.current_time()
+        assert raised == [approx(closed_at)]
+        assert spawn.aborts() == 1
+        assert [o async for o in stream] == []  # closed: its iteration ends
+
+
+async def test_aclose_from_another_task_wakes_wait_started(autojump_clock):
+    async with open_fake_engine(ttft_ms=5000) as (engine, spawn):
+        stream = engine.generate("hi", LONG)
+        async with trio.open_nursery() as nursery:
+            async def close_later():
+                await trio.sleep(0.5)
+                await stream.aclose()
+
+            nursery.start_soon(close_later)
+            with pytest.raises(trio.ClosedResourceError):
+                await stream.wait_started()
+        assert trio.current_time() == approx(0.5)
+        assert spawn.aborts() == 1
+
+
+async def test_a_second_task_waiting_on_the_stream_is_busy(autojump_clock):
+    async with open_fake_engine(ttft_ms=1000) as (engine, spawn):
+        async with engine.generate("hi", SamplingParams(max_tokens=3)) as stream:
+            async with trio.open_nursery() as nursery:
+                got: list = []
+
+                async def consume():
+                    got.extend(await collect(stream))
+
+                nursery.start_soon(consume)
+                await trio.sleep(0.1)  # the first consumer is parked
+                with pytest.raises(trio.BusyResourceError):
+                    await stream.__anext__()
+                with pytest.raises(trio.BusyResourceError):
+                    await stream.wait_started()
+        # the first consumer was not disturbed: it got the whole answer
+        assert got[-1][1].finish_reason == "length"
+        assert sum(o.num_tokens for _, o in got) == 3
+        assert spawn.aborts() == 0
+
+
+@pytest.mark.parametrize("ignore_abort", [False, True])
+async def test_concurrent_acloses_both_end_with_the_close(autojump_clock, ignore_abort):
+    # both return when the worker confirms the abort (or at the drain deadline): neither
+    # waits in the other's place
+    params = SamplingParams(max_tokens=5000, extra=fault("ignore_abort") if ignore_abort else {})
+    async with open_fake_engine(drain_timeout=5.0) as (engine, spawn):
+        stream = engine.generate("hi", params)
+        await stream.wait_started()
+        start = trio.current_time()
+        done = []
+
+        async def close():
+            await stream.aclose()
+            done.append(trio.current_time() - start)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(close)
+            nursery.start_soon(close)
+        assert len(done) == 2 and done[0] == done[1]
+        assert done[0] == (approx(5.0) if ignore_abort else pytest.approx(0.0, abs=0.05))
+        assert spawn.aborts() == 1
+        await assert_engine_idle(engine, settle=60)  # a request that ignored its abort
