@@ -19,6 +19,7 @@ from server import SamplingParams
 from server.manager.worker import WorkerStartupError
 from server.protocol import wire
 from tests import fakes as scenarios
+from server.testing import open_in_memory_engine
 from tests.fakes import (
     all_outputs,
     assert_engine_idle,
@@ -703,6 +704,63 @@ async def test_startup_failure_is_not_wrapped(autojump_clock):
         with pytest.raises(WorkerStartupError):
             async with server.open_engine(sim_config(), spawn=spawn):
                 pass  # pragma: no cover
+
+
+async def test_the_bodys_exception_comes_out_of_open_engine_unwrapped(autojump_clock):
+    # except ClientError around the block catches a request's rejection from inside it
+    async with open_fake_spawner() as spawn:
+        with pytest.raises(server.ClientError, match="maximum context length") as info:
+            async with server.open_engine(sim_config(max_model_len=16), spawn=spawn) as engine:
+                await engine.generate("one two three", SamplingParams(max_tokens=20)).wait_started()
+        assert type(info.value) is server.ClientError
+        spawn.assert_all_exited()
+    with pytest.raises(server.ClientError, match="maximum context length") as info:
+        async with open_in_memory_engine(max_model_len=16) as engine:
+            await engine.generate("one two three", SamplingParams(max_tokens=20)).wait_started()
+    assert type(info.value) is server.ClientError
+
+
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, ValueError])
+async def test_an_exception_in_the_body_is_not_grouped(autojump_clock, exc_type):
+    with pytest.raises(exc_type) as info:
+        async with open_in_memory_engine() as engine:
+            async with engine.generate("hi", LONG) as stream:
+                async for _ in stream:
+                    raise exc_type("from the body")
+    assert type(info.value) is exc_type and str(info.value) == "from the body"
+    # its context is what it had where it was raised, not the nursery's group
+    assert not isinstance(info.value.__context__, BaseExceptionGroup)
+
+
+async def test_a_background_failure_still_comes_out_grouped():
+    from contextlib import asynccontextmanager
+
+    from server.manager.unwrap import body_errors_unwrapped
+
+    @asynccontextmanager
+    async def open_service(fail: bool):
+        async def background():
+            if fail:
+                raise RuntimeError("background")
+            await trio.sleep_forever()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(background)
+            yield
+            nursery.cancel_scope.cancel()
+
+    with pytest.raises(BaseExceptionGroup) as info:  # the body was cancelled by the failure
+        async with body_errors_unwrapped(open_service(fail=True)):
+            await trio.sleep_forever()
+    assert [type(e) for e in info.value.exceptions] == [RuntimeError]
+    with pytest.raises(BaseExceptionGroup) as info:  # both failed: both come out
+        async with body_errors_unwrapped(open_service(fail=True)):
+            raise ValueError("body")
+    leaves = {type(e) for e in info.value.exceptions}
+    assert leaves == {RuntimeError, ValueError}
+    with pytest.raises(ValueError):  # only the body failed: itself
+        async with body_errors_unwrapped(open_service(fail=False)):
+            raise ValueError("body")
 
 
 async def test_leaving_the_engine_aborts_open_streams(autojump_clock):

@@ -41,7 +41,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import namedtuple
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import AsyncIterator
 
 import trio
@@ -49,6 +49,7 @@ import trio.testing
 
 from ..config import EngineConfig
 from ..manager.engine import Engine, open_engine
+from ..manager.unwrap import body_errors_unwrapped
 from ..protocol import wire
 from ..workers.base import WorkerCrash, WorkerGarbage, WorkerHang
 from ..workers.main import handle_message, step_message
@@ -319,14 +320,13 @@ async def open_in_memory_spawner(**kw) -> AsyncIterator[InMemorySpawner]:
                 proc.die(-9)
 
 
-@asynccontextmanager
-async def open_in_memory_engine(
+def open_in_memory_engine(
     config: EngineConfig | None = None,
     *,
     spawner: InMemorySpawner | None = None,
     timeout: float = 600.0,
     **options,
-) -> AsyncIterator[Engine]:
+) -> AbstractAsyncContextManager[Engine]:
     """An :class:`~server.Engine` over in-memory sim workers, for the block's duration.
 
     ``config`` defaults to :func:`sim_engine_config` of ``options``. ``spawner``: one
@@ -334,9 +334,17 @@ async def open_in_memory_engine(
     On a clean exit the block checks that nothing is left in the manager or any worker,
     and that every worker exited with the engine. It fails after ``timeout`` seconds of
     Trio time: under ``autojump_clock`` a test that would wait forever (heartbeats keep the
-    clock jumping) fails at once instead.
+    clock jumping) fails at once instead. An exception raised in the block comes out as
+    itself, as from :func:`server.open_engine`.
     """
     config = config or sim_engine_config(**options)
+    return body_errors_unwrapped(_in_memory_engine(config, spawner, timeout))
+
+
+@asynccontextmanager
+async def _in_memory_engine(
+    config: EngineConfig, spawner: InMemorySpawner | None, timeout: float
+) -> AsyncIterator[Engine]:
     with trio.fail_after(timeout):
         if spawner is None:
             async with open_in_memory_spawner() as spawner:
