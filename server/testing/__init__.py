@@ -34,6 +34,8 @@ The parts:
   :class:`InMemoryWorkerProcess` can crash, hang, be killed or break the protocol, and
   every frame that crossed its pipe is recorded (:class:`PipeLog`).
 * :func:`sim_engine_config`, :func:`fault`: configurations and sim fault injection.
+* :func:`open_asgi_client` (:mod:`server.testing.asgi`): the HTTP app on that engine, in
+  virtual time, without sockets.
 """
 
 from __future__ import annotations
@@ -54,14 +56,18 @@ from ..protocol import wire
 from ..workers.base import WorkerCrash, WorkerGarbage, WorkerHang
 from ..workers.main import handle_message, step_message
 from ..workers.sim import SimEngine
+from .asgi import ASGIClient, ASGIResponse, open_asgi_client
 
 __all__ = [
+    "ASGIClient",
+    "ASGIResponse",
     "Frame",
     "InMemorySpawner",
     "InMemoryWorkerProcess",
     "PipeLog",
     "assert_engine_idle",
     "fault",
+    "open_asgi_client",
     "open_in_memory_engine",
     "open_in_memory_spawner",
     "sim_engine_config",
