@@ -122,11 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "into reasoning_content (qwen3: when the answer opens with <think>; "
                    "deepseek_r1: the answer starts in reasoning, up to </think>)")
 
+    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info: the tokenizer's configuration, special "
+                   "tokens and chat template, as vLLM does (lm-eval reads the template there); "
+                   "off by default: it shows the template and configuration to any client "
+                   "with a key")
+
     g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
-                   help="serve tools: parse chat answers into tool_calls (hermes: "
-                   "<tool_call>{json}</tool_call>; llama3_json: {\"name\": ..., "
+                   help="serve tool_choice auto: parse chat answers into tool_calls "
+                   "(hermes: <tool_call>{json}</tool_call>; llama3_json: {\"name\": ..., "
                    "\"parameters\": ...} calls separated by ';'; mistral: [TOOL_CALLS] "
-                   "and a JSON array of calls); without it requests with tools are refused")
+                   "and a JSON array of calls); without it auto is refused (required, "
+                   "named functions, none and tool history need no parser)")
 
     g = p.add_argument_group("limits and timeouts")
     g.add_argument("--max-concurrent-requests", type=int, default=None,
@@ -159,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-n", type=int, default=16, help="largest 'n' accepted")
     g.add_argument("--max-tokens-cap", type=int, default=32768, help="largest 'max_tokens' accepted")
     g.add_argument("--max-prompts", type=int, default=64, help="most prompts in one completions request")
+    g.add_argument("--max-answer-logprobs", type=int, default=2**19,
+                   help="most logprobs a non-streaming answer may be asked to hold: choices x "
+                   "max_tokens x (top_logprobs + 1); more is a 400 (0: no limit)")
     g.add_argument("--heartbeat-timeout", type=float, default=10.0,
                    help="seconds a worker may leave pings unanswered before it is restarted")
     g.add_argument("--max-restarts", type=int, default=5,
@@ -199,6 +209,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_n=args.max_n,
         max_tokens=args.max_tokens_cap,
         max_prompts=args.max_prompts,
+        max_answer_logprobs=args.max_answer_logprobs,
         allow_faults=args.sim_faults,
     )
     api_keys = _split_commas(args.api_key)
@@ -224,6 +235,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         allowed_origins=_split_commas(args.allowed_origins),
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
+        enable_tokenizer_info=args.enable_tokenizer_info_endpoint,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         listen_fd=args.listen_fd,
         frontend_dir=args.frontend_dir,

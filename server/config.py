@@ -113,6 +113,12 @@ class Limits:
     max_tokens: int = 32768
     max_prompts: int = 64
     max_stop: int = 16
+    #: Most logprobs (each token's own and its alternatives, over all choices) that one
+    #: non-streaming answer may be asked to hold: ``choices x max_tokens x
+    #: (top_logprobs + 1)``; more is a 400 before anything runs (0: no limit). The default,
+    #: 2**19, is about a 40 MB chat answer: n=16 x 16,384 tokens x top 1, or n=16 x 1,536
+    #: tokens x top 20. A stream sends them as it goes and is not bounded by it.
+    max_answer_logprobs: int = 2**19
     #: Whether a request's ``fault`` field (sim engine fault injection) reaches the engine.
     allow_faults: bool = False
 
@@ -169,8 +175,12 @@ class ServerConfig:
     #: (server.http.reasoning.PARSERS: "qwen3", "deepseek_r1"); None: not split.
     reasoning_parser: str | None = None
     #: How chat answers are parsed into ``tool_calls`` (server.http.tool_parsers.PARSERS:
-    #: "hermes", "llama3_json"); None: requests with tools are refused.
+    #: "hermes", "llama3_json", "mistral") with tool_choice auto; None: auto is refused
+    #: (required, named and none are grammar-forced or unparsed: they need no parser).
     tool_call_parser: str | None = None
+    #: Serve ``GET /tokenizer_info`` (the tokenizer's configuration and chat template, as
+    #: vLLM's ``--enable-tokenizer-info-endpoint``); off, it is a 404.
+    enable_tokenizer_info: bool = False
     #: Origins a browser may call the API from (CORS), or ``("*",)`` for any; empty: CORS is
     #: off (no CORS headers, preflights are not answered).
     allowed_origins: tuple[str, ...] = ()

@@ -22,6 +22,8 @@ exception, so a worker can blame the client ("prompt too long") or itself.
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "ServerError",
     "ClientError",
@@ -36,6 +38,7 @@ __all__ = [
     "ServiceUnavailable",
     "RequestTimeout",
     "clip",
+    "printable",
     "error_from_wire",
     "error_body",
 ]
@@ -53,6 +56,21 @@ def clip(value: str, limit: int = 256) -> str:
     return f"{value[:limit]}... ({len(value)} characters)"
 
 
+#: Control characters (C0, DEL, C1) and the Unicode line and paragraph separators.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _escape(match: re.Match) -> str:
+    return match.group().encode("unicode_escape").decode("ascii")
+
+
+def printable(value: str, limit: int = 256) -> str:
+    """A name the client chose (a field name, a path through its body) for an error body or
+    a log line: :func:`clip`-ped to ``limit`` characters, and with control characters
+    written as escapes (``\\n``), so that it cannot start a forged log line."""
+    return _CONTROL.sub(_escape, clip(value, limit))
+
+
 class ServerError(Exception):
     """Base class. ``status`` is the HTTP status, ``type``/``code``/``param`` fill OpenAI's body."""
 
@@ -67,7 +85,8 @@ class ServerError(Exception):
         message = clip(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.message = message
-        self.param = param
+        #: The field at fault: a path through the client's body, so bounded and escaped.
+        self.param = None if param is None else printable(param)
         if code is not None:
             self.code = code
 

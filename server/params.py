@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["SamplingParams"]
+__all__ = ["SamplingParams", "context_error"]
 
 
 def _wrap64(seed: int) -> int:
@@ -59,3 +59,24 @@ class SamplingParams:
         if self.extra:
             wire.update(self.extra)
         return wire
+
+
+def context_error(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> str | None:
+    """Why a prompt of ``prompt_tokens`` tokens and ``max_tokens`` to generate cannot fit
+    the model's context, in OpenAI's words (None: it fits). The workers refuse with it
+    (after tokenizing), and the frontend too, before a token-id prompt reaches them."""
+    if max_tokens is None:
+        if prompt_tokens >= max_model_len:
+            return (
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"your prompt has {prompt_tokens} tokens. Please reduce the length of the prompt."
+            )
+        return None
+    if prompt_tokens + max_tokens > max_model_len:
+        return (
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion). Please reduce the length of the prompt or "
+            "max_tokens."
+        )
+    return None

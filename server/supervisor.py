@@ -24,7 +24,9 @@ Theory of operation
    the directory's mode is the access control) and waits until each listens (its socket
    file appears: a worker binds only once its engine is loaded), then the frontends, each
    given every worker's address, and waits until each answers on its private socket
-   (:mod:`server.observability.group`).
+   (:mod:`server.observability.group`). ``DIR`` is locked as long as the supervisor
+   lives; at start, the directories of supervisors that were killed are removed
+   (:mod:`server.private_dir`).
 3. Supervision: a child that exits is restarted (:class:`~server.supervision.Restarts`:
    backoff from 0.1 s, doubling to 5 s), a worker on the same socket path, so that the
    frontends reconnect by themselves. A dead frontend's connections to the workers end,
@@ -65,6 +67,7 @@ from .config import ServerConfig
 from .http.listen import ListenError, open_sockets
 from .http.serve import hypercorn_config
 from .observability.group import peer_socket
+from .private_dir import make_private_directory, remove_stale_directories
 from .supervision import Plan, Restarts, plan
 
 __all__ = ["supervise"]
@@ -343,8 +346,12 @@ def supervise(args: argparse.Namespace, config: ServerConfig) -> int:
         print(f"trio-llm-server: cannot listen on {config.host}:{config.port}: {exc}",
               file=sys.stderr)
         return 1
+    removed = remove_stale_directories()
+    if removed:
+        log.info("removed %d private directories of killed supervisors: %s", len(removed),
+                 " ".join(removed))
     try:
-        directory = tempfile.mkdtemp(prefix="trio-llm-")  # mode 0700
+        directory, lock = make_private_directory()  # mode 0700
     except OSError as exc:  # e.g. a read-only root filesystem without a /tmp volume
         for sock in sockets:
             sock.close()
@@ -358,6 +365,7 @@ def supervise(args: argparse.Namespace, config: ServerConfig) -> int:
         for sock in sockets:
             sock.close()
         shutil.rmtree(directory, ignore_errors=True)
+        os.close(lock)
     if supervisor.fatal is not None:
         print(f"trio-llm-server: {supervisor.fatal}", file=sys.stderr)
         return 1

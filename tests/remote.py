@@ -4,7 +4,8 @@ self-signed TLS certificate made with the openssl command.
 
 ``listening_worker(...)`` starts the worker, waits for its "listening on" line and yields a
 :class:`Listening` (its address, process, and log); leaving the block stops it (SIGTERM,
-then SIGKILL, bounded) and checks that it is gone.
+then SIGKILL, bounded) and checks that it is gone. A :class:`FrameProxy` between frontends
+and a worker lets a test put frames of its own in the worker's stream.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from contextlib import asynccontextmanager
@@ -20,7 +22,9 @@ from pathlib import Path
 
 import trio
 
+from server.config import EngineConfig
 from server.protocol.handshake import SECRET_ENV, WorkerAddress, parse_address
+from server.protocol.wire import HELLO, FrameDecoder, ProtocolError, encode
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "correct horse battery staple 42"
@@ -35,6 +39,27 @@ class Listening:
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
+
+
+def remote_config(*workers, secret: str | None = SECRET, **kw) -> EngineConfig:
+    """An engine config for the listening ``workers`` (anything with an ``address``)."""
+    kw.setdefault("shutdown_grace", 0.3)
+    return EngineConfig(
+        worker_addresses=tuple(w.address for w in workers), workers=len(workers),
+        worker_secret=None if secret is None else secret.encode(), **kw,
+    )
+
+
+async def wait_until(predicate, timeout: float) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.02)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def worker_env(secret: str | None) -> dict:
@@ -223,3 +248,76 @@ async def worker_counts(path: Path) -> tuple[int, int]:
     async with open_engine(config) as engine:
         (counts,) = await engine.ping_all()
     return counts
+
+
+# -- a proxy that slips frames of the test's between a worker's ------------------------------
+
+
+class _Relay:
+    """One frontend's connection through a :class:`FrameProxy`."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.lock = trio.Lock()  # one frame at a time toward the frontend
+
+
+class FrameProxy:
+    """A TCP proxy between frontends and the listening worker at ``upstream``: bytes pass
+    through unchanged toward the worker; the worker's frames are passed on one at a time,
+    so that :meth:`inject` can put a frame of the test's between two of them. ``current``:
+    the newest connection whose HELLO went through (None while there is none)."""
+
+    def __init__(self, upstream: WorkerAddress) -> None:
+        self.upstream = upstream
+        self.address: WorkerAddress | None = None
+        self.current: _Relay | None = None
+        self.connections = 0
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        self.address = parse_address(f"127.0.0.1:{port}")
+        task_status.started(self)
+        await trio.serve_listeners(self._relay, listeners)
+
+    async def inject(self, relay: _Relay, frame: bytes) -> None:
+        """Send ``frame`` (bytes) to the frontend of ``relay``, between two worker frames."""
+        async with relay.lock:
+            await relay.stream.send_all(frame)
+
+    async def _relay(self, down: trio.SocketStream) -> None:
+        self.connections += 1
+        relay = _Relay(down)
+        try:
+            up = await trio.open_tcp_stream(self.upstream.host, self.upstream.port)
+        except OSError:
+            await down.aclose()
+            return
+        broken = (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError)
+        async with down, up, trio.open_nursery() as nursery:
+
+            async def toward_worker() -> None:
+                try:
+                    while data := await down.receive_some(1 << 16):
+                        await up.send_all(data)
+                except broken:
+                    pass
+                nursery.cancel_scope.cancel()
+
+            async def toward_frontend() -> None:
+                decoder = FrameDecoder()
+                try:
+                    while data := await up.receive_some(1 << 16):
+                        for message in decoder.feed(data):
+                            async with relay.lock:
+                                await down.send_all(encode(message))
+                            if message[0] == HELLO:
+                                self.current = relay
+                except broken:
+                    pass
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(toward_worker)
+            nursery.start_soon(toward_frontend)
+        if self.current is relay:
+            self.current = None

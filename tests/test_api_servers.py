@@ -271,3 +271,37 @@ def test_restarts_back_off_and_give_up():
     r = Restarts(3, window=60.0)
     assert r.died(0.0, 1.0) == 0.1 and r.died(1.0, 1.0) == 0.2
     assert r.died(100.0, 99.0) == 0.1  # it lived long: the backoff starts over
+
+
+async def test_a_killed_supervisors_directory_is_removed_by_the_next_one(tmp_path, monkeypatch):
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from server.private_dir import remove_stale_directories
+
+    # Short: the unix sockets' paths must fit in 108 bytes.
+    temp = Path(tempfile.mkdtemp(prefix="tl", dir="/tmp"))
+    monkeypatch.setenv("TMPDIR", str(temp))
+    unlocked = temp / "trio-llm-older"  # no lock file (an older server's): left alone
+    unlocked.mkdir()
+    try:
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        async with supervised(tmp_path / "a", "--engine-workers", "1") as first:
+            killed = first.directory()
+            frontends, workers = first.children()
+            first.proc.kill()
+            await first.proc.wait()
+            await wait_gone([*frontends.values(), *workers], 5)
+            assert killed.parent == temp and killed.exists()
+            async with supervised(tmp_path / "b", "--engine-workers", "1") as second:
+                live = second.directory()
+                assert not killed.exists() and live.exists() and unlocked.exists()
+                assert "removed 1 private directories of killed supervisors" in second.text()
+                # Another supervisor starting now leaves the live one's directory.
+                assert remove_stale_directories(str(temp)) == [] and live.exists()
+                async with httpx.AsyncClient(base_url=second.url, timeout=10) as http:
+                    assert (await http.get("/health")).status_code == 200
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)

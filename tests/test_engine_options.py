@@ -225,9 +225,12 @@ def _engine_info(engine: str) -> dict:
 @pytest.mark.parametrize("engine", ["sim", "transformers", "vllm"])
 def test_every_field_an_engine_does_not_honour_is_a_400_naming_it(engine):
     from server.http.fields import UNSUPPORTED
+    from server.http.tools import TOOL_FIELDS
 
     info = _engine_info(engine)
     honoured = set(info.get("sampling", ())) | ({"top_logprobs"} if "logprobs" in info else set())
+    if "tools" in honoured:  # tool_choice and parallel_tool_calls follow (server.http.tools)
+        honoured |= TOOL_FIELDS
     refused = [name for name in UNSUPPORTED if name not in honoured]
     assert len(refused) >= 20
     for name in refused:

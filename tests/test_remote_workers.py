@@ -28,28 +28,10 @@ from server.manager.worker import WorkerStartupError
 from server.protocol import wire
 from server.protocol.handshake import SECRET_ENV
 from tests.conftest import child_pids, running_server, wait_http_ok
-from tests.remote import SECRET, listening_worker, make_certificate, worker_env
+from tests.remote import (
+    SECRET, free_port, listening_worker, make_certificate, remote_config, wait_until, worker_env,
+)
 from tests.sse_record import SSE, stream_into
-
-
-def remote_config(*workers, secret: str | None = SECRET, **kw) -> EngineConfig:
-    kw.setdefault("shutdown_grace", 0.3)
-    return EngineConfig(
-        worker_addresses=tuple(w.address for w in workers), workers=len(workers),
-        worker_secret=None if secret is None else secret.encode(), **kw,
-    )
-
-
-async def wait_until(predicate, timeout: float) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.02)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- a frontend with two remote workers ------------------------------------------------------
@@ -362,8 +344,6 @@ def test_the_secret_reads_the_same_from_a_file_and_the_environment(tmp_path):
 async def test_connecting_to_a_host_that_does_not_answer_gives_up_at_the_heartbeat_timeout():
     # A listener whose backlog is full drops new SYNs, as a host that is gone does: the
     # connect would wait for the kernel's connect timeout (minutes).
-    import socket
-
     import pytest
 
     from server.config import EngineConfig

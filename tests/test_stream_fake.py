@@ -13,6 +13,7 @@ import gc
 
 import pytest
 import trio
+from hypothesis import HealthCheck, given, settings
 
 import server
 from server import SamplingParams
@@ -20,6 +21,7 @@ from server.manager.worker import WorkerStartupError
 from server.protocol import wire
 from tests import fakes as scenarios
 from server.testing import open_in_memory_engine
+from tests import frames
 from tests.fakes import (
     all_outputs,
     assert_engine_idle,
@@ -926,3 +928,19 @@ async def test_concurrent_acloses_both_end_with_the_close(autojump_clock, ignore
         assert done[0] == (approx(5.0) if ignore_abort else pytest.approx(0.0, abs=0.05))
         assert spawn.aborts() == 1
         await assert_engine_idle(engine, settle=60)  # a request that ignored its abort
+
+
+@settings(max_examples=60, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(message=frames.replies)
+async def test_property_a_frame_from_the_worker_ends_at_most_its_session(autojump_clock,
+                                                                          message):
+    async with open_fake_engine() as (engine, spawn):
+        await engine.ping_all()  # (the worker idles: nothing of its own is on the pipe)
+        await spawn.processes[0].inject(wire.encode(message))
+        if frames.verdict(wire.check_reply, message):
+            await engine.ping_all()  # answered after it: the session went on
+            assert engine.statistics().workers[0].restarts == 0
+        else:  # the worker is treated as dead: stopped (escalating) and restarted
+            await _assert_restarted(engine, spawn)
+            assert spawn.processes[0].exited

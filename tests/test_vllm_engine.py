@@ -373,6 +373,34 @@ def test_tool_choice_required_and_named_are_forced_valid(client):
     assert long.usage.prompt_tokens > short.usage.prompt_tokens
 
 
+def test_what_real_clients_send(client):
+    """Issue 29 on vLLM (tests/test_clients.py has each case on the transformers engine):
+    pydantic's nested models in a forced call, an integer beyond 64 bits in the history,
+    echo of a token-id prompt."""
+    from tests.test_clients import BIG, CHAT, Booking
+
+    tool = openai.pydantic_function_tool(Booking)
+    r = client.chat.completions.parse(
+        model=MODEL, messages=CHAT, tools=[tool], max_tokens=300, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "Booking"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Booking)
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "Booking", "arguments": json.dumps({"nights": BIG})}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=[tool],
+                                       tool_choice="none", max_tokens=1)
+    assert r.choices[0].finish_reason == "length"
+    text = "the quick brown fox"
+    ids = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"),
+                     json={"prompt": text}).json()["tokens"]
+    r = client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=1,
+                                  max_tokens=1, temperature=0)
+    assert r.choices[0].text.startswith(text)
+    assert len(r.choices[0].logprobs.token_logprobs) == len(ids) + 1
+
+
 def test_prefix_cache_hits_are_reported(client):
     prompt = " ".join(["model token stream"] * 60)  # over one 128-token block
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from server.protocol import wire
+from tests import frames
 
 MESSAGES = [
     [wire.HELLO, {"engine": "sim", "model": "m", "max_model_len": 8192, "chat_template": "x"}],
@@ -28,6 +29,17 @@ MESSAGES = [
 def test_round_trip_each_message():
     for message in MESSAGES:
         assert wire.FrameDecoder().feed(wire.encode(message)) == [message]
+
+
+def test_integers_beyond_64_bits_travel_exactly():
+    """JSON allows them (a model may write one in a call's arguments): an extension type,
+    back as the same int; those that fit stay plain msgpack ints."""
+    values = [2**64, -(2**63) - 1, 10**39, -(10**40), 2**63 - 1, -(2**63), True]
+    message = [wire.SUBMIT, 1, {"messages": []}, {"tools": [{"n": values}]}]
+    assert wire.FrameDecoder().feed(wire.encode(message)) == [message]
+    assert msgpack.unpackb(wire.encode([wire.PING, 2**63 - 1])[4:]) == [wire.PING, 2**63 - 1]
+    with pytest.raises(TypeError, match="set"):
+        wire.encode([wire.PING, {1}])
 
 
 def test_many_frames_in_one_feed():
@@ -119,13 +131,23 @@ def _frame(body: bytes) -> bytes:
         msgpack.packb(["PING", 1]),  # type is not an int
         msgpack.packb({"a": 1}),
         b"",  # empty frame
+        msgpack.packb([1, msgpack.ExtType(2, b"1")]),  # an unknown extension type
+        msgpack.packb([1, msgpack.ExtType(wire.BIG_INT, b"1_0")]),  # not just digits
+        msgpack.packb([1, msgpack.ExtType(wire.BIG_INT, b"")]),
+        msgpack.packb([1, msgpack.ExtType(wire.BIG_INT, b"9" * 4302)]),
     ],
     ids=["bad-byte", "truncated", "trailing", "not-list", "empty-list", "str-type", "map",
-         "empty"],
+         "empty", "ext-type", "big-int-underscore", "big-int-empty", "big-int-long"],
 )
 def test_garbage_is_a_protocol_error(body):
     with pytest.raises(wire.ProtocolError):
         wire.FrameDecoder().feed(_frame(body))
+
+
+def test_the_longest_integer_the_frontend_parses_travels_intact():
+    big = -(10**4299) - 7  # a sign and 4,300 digits: Python's default limit for int(str)
+    assert wire.FrameDecoder().feed(wire.encode([wire.SUBMIT, 1, "p", {"x": big}])) == [
+        [wire.SUBMIT, 1, "p", {"x": big}]]
 
 
 def test_garbage_after_good_frames_is_still_an_error():
@@ -153,3 +175,111 @@ def test_text_garbage_such_as_a_stray_print_is_an_error():
     # "hello\n" read as a length prefix is 0x68656c6c: over MAX_FRAME
     with pytest.raises(wire.ProtocolError):
         wire.FrameDecoder().feed(b"hello world\n")
+
+
+# -- shapes: what each side accepts ----------------------------------------------------------
+
+GOOD_REQUESTS = [m for m in MESSAGES if m[0] in wire.REQUESTS] + [
+    [wire.TOKENIZE, 1, {"op": "detokenize", "tokens": [1, 2]}],
+]
+GOOD_REPLIES = [m for m in MESSAGES if m[0] in wire.REPLIES] + [
+    [wire.PONG, 7, 3, 1, 2],  # a listening worker's: with this connection's count
+    [wire.STEP, [], [[1, "x", 1, "stop", None]], [[1, {"cached_tokens": 3}], [1, {
+        "logprobs": [["x", -0.5, [["y", -1.0]]]], "prompt_logprobs": [["a", None, []]]}]]],
+    [wire.TOKENIZED, 1, {"tokens": [1], "max_model_len": 8}, None],
+    [wire.TOKENIZED, 1, None, ["invalid_request", "no"]],
+]
+
+
+def test_well_formed_messages_pass_their_side_only():
+    for message in GOOD_REQUESTS:
+        assert wire.check_request(message) is message
+        with pytest.raises(wire.ProtocolError, match="unexpected"):
+            wire.check_reply(message)
+    for message in GOOD_REPLIES:
+        assert wire.check_reply(message) is message
+        with pytest.raises(wire.ProtocolError, match="unexpected"):
+            wire.check_request(message)
+
+
+@pytest.mark.parametrize("message", [
+    # issue 23: each of these raised IndexError or TypeError in a listening worker
+    [wire.PING], [wire.TOKENIZE], [wire.SUBMIT], [wire.ABORT], [wire.SUBMIT, [1], "hi", {}],
+    [wire.ABORT, [1]],
+    [wire.SUBMIT, 1, "hi"], [wire.SUBMIT, 1, "hi", {}, 5], [wire.SUBMIT, 1, 5, {}],
+    [wire.SUBMIT, 1, "hi", []], [wire.SUBMIT, True, "hi", {}], [wire.PING, "7"],
+    [wire.TOKENIZE, 1, "text"], [wire.SHUTDOWN, 1],
+], ids=repr)
+def test_malformed_requests_are_protocol_errors(message):
+    with pytest.raises(wire.ProtocolError, match="malformed"):
+        wire.check_request(message)
+
+
+@pytest.mark.parametrize("message", [
+    [wire.PONG], [wire.PONG, 1, 2], [wire.PONG, 1, -1, 0], [wire.PONG, 1, 0, 0, 0, 0],
+    [wire.STEP], [wire.STEP, [], None], [wire.STEP, [[1]], []], [wire.STEP, [], [[1, "x"]]],
+    [wire.STEP, [], [[1, b"x", 1, None, None]]], [wire.STEP, [], [[1, "x", -1, None, None]]],
+    [wire.STEP, [], [[1, "x", 1, "done", None]]], [wire.STEP, [], [[1, "x", 1, [], None]]],
+    [wire.STEP, [], [[1, "", 0, "error", None]]], [wire.STEP, [], [[1, "", 0, "error", ["k"]]]],
+    [wire.STEP, [], [[1, "", 0, "stop", ["k", "m"]]]], [wire.STEP, [], [], [[1, 2]]],
+    [wire.STEP, [], [], [[1, {"cached_tokens": "3"}]]], [wire.STEP, [], [], [[1, {"x": 1}]]],
+    [wire.STEP, [], [], [[1, {"logprobs": [["x", "-1", []]]}]]], [wire.STEP, [], [], [], 1],
+    [wire.TOKENIZED, 1, None, None], [wire.TOKENIZED, 1, {}, ["k", "m"]],
+    [wire.TOKENIZED, 1, []],
+], ids=repr)
+def test_malformed_replies_are_protocol_errors(message):
+    with pytest.raises(wire.ProtocolError, match="malformed"):
+        wire.check_reply(message)
+
+
+def test_unexpected_types_and_the_handshake():
+    for check in (wire.check_request, wire.check_reply):
+        with pytest.raises(wire.ProtocolError, match="unexpected message type 99"):
+            check([99])
+        for kind in (wire.HELLO, wire.CHALLENGE, wire.AUTH, wire.REFUSED):
+            with pytest.raises(wire.ProtocolError, match="unexpected"):
+                check([kind])
+    nonce = bytes(32)
+    assert wire.check([wire.CHALLENGE, 1, nonce, True], [wire.CHALLENGE])
+    assert wire.check([wire.AUTH, nonce, None], [wire.AUTH])
+    assert wire.check([wire.HELLO, {}, nonce], [wire.HELLO])
+    for bad in ([wire.CHALLENGE, 1, "n", True], [wire.AUTH, nonce], [wire.HELLO, {}, "p"],
+                [wire.REFUSED], [wire.HELLO, []]):
+        with pytest.raises(wire.ProtocolError, match="malformed"):
+            wire.check(bad, [bad[0]])
+
+
+def test_the_decoder_applies_its_check():
+    decoder = wire.FrameDecoder(wire.check_request)
+    assert decoder.feed(wire.encode([wire.PING, 1])) == [[wire.PING, 1]]
+    with pytest.raises(wire.ProtocolError, match=r"malformed PING: \[3\]"):
+        decoder.feed(wire.encode([wire.PING]))
+    with pytest.raises(wire.ProtocolError, match="malformed message"):  # bool is no type
+        wire.FrameDecoder().feed(wire.encode([True, 1]))
+
+
+def test_a_huge_malformed_message_is_named_in_a_short_line():
+    message = [wire.SUBMIT, "x" * 1_000_000, [list(range(1000))] * 1000, {}]
+    with pytest.raises(wire.ProtocolError) as info:
+        wire.check_request(message)
+    assert len(str(info.value)) < 250
+
+
+@settings(max_examples=300, deadline=None)
+@given(message=frames.requests | frames.replies)
+def test_property_a_check_passes_or_raises_a_protocol_error_and_nothing_else(message):
+    for check in (wire.check_request, wire.check_reply):
+        try:
+            assert check(message) is message
+        except wire.ProtocolError as exc:
+            assert len(str(exc)) < 250
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_property_well_formed_messages_of_each_type_pass(data):
+    for kind, strategy in frames.WELL_FORMED.items():
+        message = list(data.draw(strategy))
+        assert wire.check(message, [kind]) is message
+        # ... and survive the wire (repr: NaN is not equal to itself)
+        assert repr(wire.FrameDecoder().feed(wire.encode(message))) == repr([message])

@@ -252,11 +252,18 @@ async def _exchange(ctx: Context, stream, req: bytes, res: Result) -> bool:
 _CLOSE_KINDS = frozenset({"timeout", "protocol", "connection", "connection_closed"})
 
 
-async def one_request(ctx: Context, client: Client, ticket: int) -> Result:
+async def one_request(ctx: Context, client: Client, ticket: int,
+                      on_attempt=None) -> Result:
+    """Send request ``ticket`` and read its response (retried once on a fresh connection
+    when a reused one turns out closed). ``on_attempt(res)``, if given, is called with each
+    attempt's :class:`Result` before it is sent, so that a caller can watch a stream's events
+    as they arrive (``res.tracker`` appears with the response head)."""
     req = ctx.request_bytes(ticket)
     timeout = ctx.args.request_timeout
     for attempt in (0, 1):
         res = Result(_perf())
+        if on_attempt is not None:
+            on_attempt(res)
         reused = client.stream is not None
         with trio.move_on_after(timeout) as cs:
             try:

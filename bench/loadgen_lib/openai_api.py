@@ -56,12 +56,13 @@ class StreamTracker:
     ``on_event(event_type, data, now)`` for each event, with ``now`` the receipt time in
     seconds (any clock). Afterwards: ``first`` (time of the first content event, or None),
     ``gaps`` (seconds between consecutive content events), ``content_events``, ``usage_tokens``
-    (``usage.completion_tokens`` of the last chunk that had one), ``done`` (saw ``[DONE]``) and
-    ``error`` (message of the first error event, or None).
+    (``usage.completion_tokens`` of the last chunk that had one), ``done`` (saw ``[DONE]``),
+    ``error`` (message of the first error event, or None) and ``error_code`` (its
+    ``error.code``, e.g. ``"worker_died"``, when it had one).
     """
 
     __slots__ = ("chat", "first", "last", "gaps", "content_events", "usage_tokens", "done",
-                 "error", "events")
+                 "error", "error_code", "events")
 
     def __init__(self, *, chat: bool) -> None:
         self.chat = chat
@@ -72,6 +73,7 @@ class StreamTracker:
         self.usage_tokens: int | None = None
         self.done = False
         self.error: str | None = None
+        self.error_code: str | None = None
         self.events = 0
 
     @property
@@ -97,6 +99,8 @@ class StreamTracker:
             return
         err = obj.get("error")
         if err is not None:
+            if self.error is None and type(err) is dict and type(err.get("code")) is str:
+                self.error_code = err["code"]
             self._set_error(error_message(obj))
             return
         usage = obj.get("usage")

@@ -56,8 +56,8 @@ class Reactor:
         if self._readers.pop(fd, None) is not None:
             try:
                 self._epoll.unregister(fd)
-            except OSError:  # pragma: no cover - already closed
-                pass
+            except (OSError, ValueError):  # pragma: no cover - fd or epoll set closed
+                pass  # (ValueError: the reactor task was cancelled before its clients)
 
     async def run(self) -> None:
         epfd = self._epoll.fileno()

@@ -26,10 +26,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class SpawnedServer:
-    """``python -m server --host 127.0.0.1 --port PORT ARGS``, output to a log file."""
+def _child_setup(cpus: frozenset[int] | None) -> None:
+    """In the server's process, before it runs: die with this process (Linux
+    ``PR_SET_PDEATHSIG``: SIGTERM, so that it stops its workers, if the benchmark is killed
+    without a chance to stop it) and keep to ``cpus`` (inherited by its workers)."""
+    try:
+        import ctypes
 
-    def __init__(self, extra_args: str, module: str, log_path: str | None) -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+class SpawnedServer:
+    """``python -m server --host 127.0.0.1 --port PORT ARGS``, output to a log file; with
+    ``cpus``, it (and the workers it starts) run on those CPUs only."""
+
+    def __init__(self, extra_args: str, module: str, log_path: str | None,
+                 cpus: frozenset[int] | None = None) -> None:
         self.port = free_port()
         self.cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port",
                     str(self.port), *shlex.split(extra_args)]
@@ -41,7 +57,8 @@ class SpawnedServer:
             self._log_file = os.fdopen(fd, "wb")
         log(f"starting server: {shlex.join(self.cmd)}  (log: {self.log_path})")
         self.proc = subprocess.Popen(self.cmd, cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL,
-                                     stdout=self._log_file, stderr=subprocess.STDOUT)
+                                     stdout=self._log_file, stderr=subprocess.STDOUT,
+                                     preexec_fn=lambda: _child_setup(cpus))
 
     @property
     def url(self) -> str:

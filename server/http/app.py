@@ -114,7 +114,8 @@ class LLMServerApp(QuartTrio):
         self._engine_shutdown = trio.Event()
         self._engine_started = trio.Event()
         self._engine_stopped = trio.Event()
-        #: Set (with ``fatal_error``) when the engine cannot run at all; serve() then exits.
+        #: Set (with ``fatal_error``) when the engine cannot start, or stopped by an error:
+        #: serve() then stops, and raises it.
         self.fatal = trio.Event()
         self.fatal_error: BaseException | None = None
         self.api_keys = APIKeys(config.api_keys) if config.api_keys else None
@@ -264,11 +265,22 @@ class LLMServerApp(QuartTrio):
         except* WorkerStartupError as group:  # (it comes grouped out of the engine's nursery)
             exc = _first_leaf(group)
             log.error("%s", exc)
-            self.fatal_error = exc
-            self.fatal.set()
+            self._fail(exc)
+        except* Exception as group:
+            # Anything else that ended the engine's nursery is a bug: the engine is gone,
+            # and a server without one could only answer 503. It ends the server (and the
+            # CLI's process, non-zero, so that its supervisor restarts it).
+            exc = _only_leaf(group)
+            log.critical("the engine failed: %r; stopping the server", exc, exc_info=exc)
+            self._fail(exc)
         finally:
             self.engine = None
             self._engine_stopped.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.fatal_error is None:
+            self.fatal_error = exc
+        self.fatal.set()
 
     async def wait_engine_ready(self) -> None:
         """Wait until the engine runs and every worker has loaded (returns at once for an
@@ -323,6 +335,14 @@ class LLMServerApp(QuartTrio):
                     self.metrics.local_exposition(), accept,
                 )
             return Response(body, status=200, content_type=content_type)
+
+        if self.server_config.enable_tokenizer_info:
+
+            @self.get("/tokenizer_info")
+            async def tokenizer_info():
+                # A worker's tokenizer, as for /tokenize (server.http.tokenize).
+                info = await self.require_engine().tokenize({"op": "info"})
+                return Response(dumps(info), content_type="application/json")
 
         @self.get("/v1/models")
         async def models():
@@ -379,6 +399,14 @@ class LLMServerApp(QuartTrio):
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:
     exc: BaseException = group
     while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _only_leaf(group: BaseExceptionGroup) -> BaseException:
+    """The one exception inside nested groups of one; else the group itself."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import logging
 
-from ..errors import ClientError
+from ..errors import ClientError, printable
 
-__all__ = ["HONOURED_CHAT", "HONOURED_COMPLETION", "UNSUPPORTED", "check_fields"]
+__all__ = ["HONOURED_CHAT", "HONOURED_COMPLETION", "KNOWN", "UNSUPPORTED", "check_fields"]
 
 log = logging.getLogger("server.http")
 
@@ -86,6 +86,10 @@ UNSUPPORTED: dict[str, tuple] = {
 #: Defined, and harmless to accept: they change nothing about the generation.
 _NO_OP = frozenset({"metadata"})
 
+#: Every field name either route knows (read, refused, or accepted as a no-op): a big body
+#: is parsed skipping the others (:func:`server.http.schema.decode_json`).
+KNOWN = HONOURED_CHAT | HONOURED_COMPLETION | frozenset(UNSUPPORTED) | _NO_OP
+
 
 def _neutral(value, neutral: tuple) -> bool:
     """Whether ``value`` is one of the ``neutral`` ones; a bool only as itself (in Python
@@ -122,4 +126,5 @@ def check_fields(
                 code="unsupported_parameter",
             )
     if unknown and log.isEnabledFor(logging.DEBUG):
-        log.debug("ignored request fields nobody defines: %s", ", ".join(unknown[:20]))
+        log.debug("ignored request fields nobody defines: %s",
+                  ", ".join(printable(name, 64) for name in unknown[:20]))

@@ -10,6 +10,8 @@ this server could read differently:
 * Obsolete line folding, a header line that starts with a space or tab (RFC 9112 5.2: a
   server must either refuse it or replace it; h11 unfolds it): 400. Checked on the raw
   head, see :func:`find_obs_fold`.
+* ``Transfer-Encoding`` in an HTTP/1.0 request (RFC 9112 6.1: the framing "MUST" be
+  treated as faulty; h11 would read the body as chunked): 400, as nginx answers.
 * A version other than HTTP/1.0 and HTTP/1.1 on the request line, the HTTP/2 connection
   preface (``PRI * HTTP/2.0``) included: 505. This server speaks HTTP/1.1 only
   (docs/operations.md, "Security").
@@ -71,6 +73,12 @@ def check_request_head(http_version: bytes, headers) -> Refusal | None:
             length = True
         elif name == b"transfer-encoding":
             chunked = True
+    if chunked and http_version == b"1.0":
+        return Refusal(
+            400,
+            "An HTTP/1.0 request may not carry Transfer-Encoding (RFC 9112 section 6.1).",
+            "ambiguous_framing",
+        )
     if length and chunked:
         return Refusal(
             400,

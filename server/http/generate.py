@@ -30,6 +30,8 @@ only work per streamed write is a clock read and one lock-free histogram observa
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 import time
@@ -37,6 +39,7 @@ import time
 import trio
 
 from ..errors import (
+    ClientError,
     EngineError,
     RequestTimeout,
     ServerError,
@@ -55,7 +58,7 @@ from .events import RichEvents
 from .logprobs import LogprobsFormatter
 from .reasoning import split_text
 from .tool_parsers import parse_text as parse_tool_text
-from .post import BEFORE_BODY, UNREAD_BODY, read_json_post, refusal_headers
+from .post import BEFORE_BODY, UNREAD_BODY, off_loop, read_json_post, refusal_headers
 from .protocol import DIRECT_BODY, DirectBody
 from .sink import TextSink
 
@@ -129,13 +132,16 @@ async def handle_generate(
             return
         engine = app.require_engine()
         if chat:
-            req = schema.parse_chat(body, config.limits, engine.model_name, engine.info,
-                                    config.tool_call_parser)
+            req = await off_loop(len(body), schema.parse_chat, body, config.limits,
+                                 engine.model_name, engine.info, config.tool_call_parser)
         else:
-            req = schema.parse_completion(body, config.limits, engine.model_name, engine.info)
+            req = await off_loop(len(body), schema.parse_completion, body, config.limits,
+                                 engine.model_name, engine.info)
         refusal = app.admission_error(engine, len(req.prompts) * req.params.n)
         if refusal is not None:
             raise refusal
+        if None in req.echoed:
+            req = await echo_texts(engine, req)
         stream = engine.generate_many(
             req.prompts, req.params, timeout=config.request_timeout, errors_as_outputs=True
         )
@@ -175,6 +181,23 @@ async def handle_generate(
                 nursery.cancel_scope.cancel()
     finally:
         record.ended(stream, req.params.n)
+
+
+async def echo_texts(engine, req):
+    """``req`` with the text of its token-id prompts to echo (lm-eval's ``local-completions``
+    sends token ids with ``echo`` for every loglikelihood request): each decoded by a
+    worker's tokenizer (a /detokenize round trip), special tokens included, as the engine
+    reads the ids."""
+    echoed = list(req.echoed)
+    for i, prompt in enumerate(req.prompts):
+        if echoed[i] is None:
+            try:
+                answer = await engine.tokenize({"op": "detokenize", "tokens": prompt})
+            except ClientError as exc:  # (the sim engine has no tokenizer)
+                raise ClientError(f"'echo' of a token-id prompt needs its text: {exc.message}",
+                                  param="echo", code=exc.code) from None
+            echoed[i] = answer["prompt"]
+    return dataclasses.replace(req, echoed=tuple(echoed))
 
 
 async def _watch_disconnect(receive, scope: trio.CancelScope, record: RequestRecord) -> None:
@@ -263,7 +286,7 @@ async def _write_stream(
     if RichEvents.wanted(chat=req.chat, logprobs=req.logprobs is not None,
                          reasoning_parser=reasoning_parser, tools=req.tools):
         # With echo and logprobs, the prompt goes out with its logprobs, in the first event.
-        echoed = [req.prompts[i // n] for i in range(choices)] if req.echo else None
+        echoed = [req.echoed[i // n] for i in range(choices)] if req.echo else None
         rich = RichEvents(enc, choices=choices, chat=req.chat, logprobs=req.logprobs is not None,
                           reasoning_parser=reasoning_parser, prompts=echoed, tools=req.tools)
     first = []
@@ -271,7 +294,7 @@ async def _write_stream(
         if req.chat:
             first.append(enc.role(index))
         elif req.echo and rich is None:
-            first.append(enc.delta(index, req.prompts[index // n]))
+            first.append(enc.delta(index, req.echoed[index // n]))
     completion_tokens = 0
     cached: dict[int, int] = {}
     continuous = req.continuous_usage
@@ -359,7 +382,7 @@ async def _write_full(
     texts: list[list[str]] = [[] for _ in range(k)]
     if req.echo:
         for index in range(k):
-            texts[index].append(req.prompts[index // n])
+            texts[index].append(req.echoed[index // n])
     reasons: list[str | None] = [None] * k
     completion_tokens = 0
     cached: dict[int, int] = {}
@@ -385,12 +408,34 @@ async def _write_full(
             completion_tokens += out.completion_tokens
             if out.cached_tokens is not None:
                 cached[out.index] = out.cached_tokens
+    joined = ["".join(t) for t in texts]
+    tokens = sum(map(len, entries)) + sum(len(p) for p in prompts if p)  # (prompt: echo)
+    values = tokens * ((req.logprobs or 0) + 1)
+    size = sum(map(len, joined)) + values * _BYTES_PER_LOGPROB
+    body = await off_loop(
+        size, _full_body, req, response_id, model, reasoning_parser, joined, reasons, entries,
+        prompts, _prompt_tokens(per_choice, n), completion_tokens, _cached_tokens(cached, n),
+    )
+    await answer.json(body)
+
+
+#: About what one logprob (a token and its value) adds to a chat answer, to tell a big one.
+_BYTES_PER_LOGPROB = 70
+
+
+def _full_body(
+    req, response_id: str, model: str, reasoning_parser: str | None, joined: list[str],
+    reasons: list, entries: list[list], prompts: list, prompt_tokens: int,
+    completion_tokens: int, cached_tokens: int | None,
+) -> bytes:
+    """The body of a non-streaming answer. Sans-IO: a big one (many logprobs) is built in
+    a worker thread (see :func:`server.http.post.off_loop`)."""
+    k = len(joined)
     logprobs = None
     if req.logprobs is not None:
         logprobs = [
             LogprobsFormatter(req.chat).format(entries[i], prompts[i]) for i in range(k)
         ]
-    joined = ["".join(t) for t in texts]
     reasoning = None
     if req.chat and reasoning_parser is not None:
         reasoning = []
@@ -402,21 +447,20 @@ async def _write_full(
         tool_calls = [
             _tool_calls(req.tools, joined, reasons, i) for i in range(k)
         ]
-    body = completion_body(
+    return completion_body(
         chat=req.chat,
         response_id=response_id,
         created=int(time.time()),
         model=model,
         texts=joined,
         finish_reasons=reasons,
-        prompt_tokens=_prompt_tokens(per_choice, n),
+        prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
-        cached_tokens=_cached_tokens(cached, n),
+        cached_tokens=cached_tokens,
         logprobs=logprobs,
         reasoning=reasoning,
         tool_calls=tool_calls,
     )
-    await answer.json(body)
 
 
 def _tool_calls(tools, texts: list, reasons: list, i: int) -> list:

@@ -4,6 +4,8 @@ things in the same order: API key, method, content type, then the body within it
 
 from __future__ import annotations
 
+import trio
+
 from ..errors import (
     BodyTimeout,
     MethodNotAllowed,
@@ -13,7 +15,9 @@ from ..errors import (
 )
 from .asgi import CLOSE, discard_body, header, is_json, read_body
 
-__all__ = ["BEFORE_BODY", "UNREAD_BODY", "read_json_post", "refusal_headers"]
+__all__ = [
+    "BEFORE_BODY", "BIG_BODY", "UNREAD_BODY", "off_loop", "read_json_post", "refusal_headers"
+]
 
 #: Refusals before the body is read (it is then read and dropped, to keep the connection).
 BEFORE_BODY = (Unauthorized, MethodNotAllowed, UnsupportedMediaType)
@@ -48,3 +52,32 @@ async def refusal_headers(exc: Exception, scope: dict, receive, config) -> list:
     if not await discard_body(scope, receive, config.max_body_bytes, config.read_timeout):
         extra.append(CLOSE)
     return extra
+
+
+#: Bodies (and answers) at least this large are parsed (built) in a worker thread:
+#: validating a body walks it in Python bytecode, during which the thread gives the event
+#: loop (every other stream) its turn every few milliseconds. Smaller ones take less than
+#: a millisecond, less than a thread's round trip.
+BIG_BODY = 256 * 1024
+#: Threads parsing or building at once, all requests together: a flood of big bodies
+#: waits its turn rather than taking every thread of Trio's pool.
+_THREADS = 2
+_LIMITER: trio.lowlevel.RunVar = trio.lowlevel.RunVar("parse_limiter")
+
+
+def _limiter() -> trio.CapacityLimiter:
+    """This Trio run's limiter (a limiter belongs to the run that made it)."""
+    try:
+        return _LIMITER.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(_THREADS)
+        _LIMITER.set(limiter)
+        return limiter
+
+
+async def off_loop(size: int, fn, *args):
+    """``fn(*args)``, in a worker thread when ``size`` (bytes of its input or output) is at
+    least :data:`BIG_BODY`, else here. ``fn`` must be sans-IO (it runs without the loop)."""
+    if size < BIG_BODY:
+        return fn(*args)
+    return await trio.to_thread.run_sync(fn, *args, limiter=_limiter())

@@ -104,7 +104,18 @@ def _read_head_strictly(reader, buf):
 
 
 class _StrictH11Connection(h11.Connection):
-    """An h11 server connection whose request-head reader refuses folded header lines."""
+    """An h11 server connection whose request-head reader refuses folded header lines, and
+    that ignores what a client sends after a request that closes the connection
+    (``Connection: close``, HTTP/1.0): that request is answered, then the connection
+    closes, as nginx does (h11 would call the extra bytes an error, and the request would
+    get a 400 instead of its answer)."""
+
+    def next_event(self):
+        if self.their_state is h11.MUST_CLOSE:
+            buffer = getattr(self, "_receive_buffer", None)
+            if buffer is not None and len(buffer):  # (private: FAST_PATHS checks it)
+                self._receive_buffer = type(buffer)()
+        return super().next_event()
 
     def _get_io_object(self, role, event, io_dict):
         io = super()._get_io_object(role, event, io_dict)
@@ -114,7 +125,10 @@ class _StrictH11Connection(h11.Connection):
 
 
 #: Whether the private h11 names the fast paths need were found (a test asserts it).
-FAST_PATHS = ChunkedWriter is not None and hasattr(h11.Connection, "_get_io_object")
+FAST_PATHS = (
+    ChunkedWriter is not None and hasattr(h11.Connection, "_get_io_object")
+    and hasattr(h11.Connection(h11.SERVER), "_receive_buffer")
+)
 
 
 class ServingH11Protocol(H11Protocol):

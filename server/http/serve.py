@@ -129,7 +129,10 @@ async def serve(
     ``wait_ready`` (the default) once every engine worker has loaded its engine, so that
     requests are served at once; without it as soon as the server listens (it answers 503
     until the workers are up, which is what a process behind a readiness probe wants). An
-    engine that cannot start raises :class:`~server.manager.worker.WorkerStartupError`.
+    engine that cannot start raises :class:`~server.manager.worker.WorkerStartupError`; an
+    error that ends the engine later (a bug: worker faults end only that worker's session)
+    stops the server at once, and serve() raises it: a server without its engine could only
+    answer 503.
 
     Options that reach beyond this server, for the CLI (or a program that wants them):
     ``handle_signals`` takes SIGTERM/SIGINT for the graceful drain (a second signal stops at
@@ -212,4 +215,4 @@ async def _shut_down(app, config: ServerConfig, hc, phases: ShutdownPhases, exit
     await app.stop_engine()
     if exit_when_stuck:
         logging.shutdown()
-        os._exit(1 if app.fatal_error is not None else 0)  # an engine that never started: 1
+        os._exit(1 if app.fatal_error is not None else 0)  # an engine that failed: 1

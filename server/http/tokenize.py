@@ -22,7 +22,7 @@ import logging
 from ..errors import ClientError, NotFound, ServerError, clip
 from .asgi import CLOSE, send_error, send_json
 from .encode import dumps
-from .post import BEFORE_BODY, UNREAD_BODY, read_json_post, refusal_headers
+from .post import BEFORE_BODY, UNREAD_BODY, off_loop, read_json_post, refusal_headers
 from .schema import decode_json, messages_of, template_kwargs_of
 from .tools import render_tools
 
@@ -121,7 +121,7 @@ async def handle_tokenize(app, scope: dict, receive, send, *, op: str, headers: 
             return  # the client went away
         engine = app.require_engine()
         parse = parse_tokenize if op == "tokenize" else parse_detokenize
-        result = await engine.tokenize(parse(body, engine.model_name))
+        result = await engine.tokenize(await off_loop(len(body), parse, body, engine.model_name))
     except BEFORE_BODY as exc:
         await send_error(send, exc, headers + await refusal_headers(exc, scope, receive, config))
         return

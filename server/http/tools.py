@@ -19,9 +19,11 @@ What each ``tool_choice`` does (docs/api.md, "Tool calls"):
   each ``arguments`` valid for its function's ``parameters`` schema; the writer parses that
   array into ``tool_calls`` (the ``forced`` format of :mod:`server.http.tool_parsers`).
 
-Served only when the server runs with ``--tool-call-parser`` and the engine declares
-``tools`` in its HELLO ``sampling`` (it renders them with its chat template); otherwise the
-fields are a 400 naming them, as are tool calls in the history.
+Served when the engine declares ``tools`` in its HELLO ``sampling`` (it renders them with
+its chat template); otherwise the fields are a 400 naming them, as are tool calls in the
+history. Only ``auto`` parses free text, so only ``auto`` needs ``--tool-call-parser``
+(as vLLM's needs ``--enable-auto-tool-choice``): without one it is a 400 naming the
+option; ``none``, ``required``, named functions and the history need none.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ import re
 from dataclasses import dataclass
 
 from ..errors import ClientError
-from .fields import UNSUPPORTED, _neutral
+from .json_schema import check_grammar_ints, check_refs, rebase
 
-__all__ = ["TOOL_FIELDS", "ToolChoice", "history_message", "read_tools", "refuse_tools"]
+__all__ = ["TOOL_FIELDS", "ToolChoice", "history_message", "read_tools"]
 
 #: The request fields of tool calling (an engine declares ``tools``; the others follow).
 TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
@@ -54,19 +56,6 @@ class ToolChoice:
     parallel: bool
     #: The JSON schema of the output (tool_choice required or named), else None.
     grammar: dict | None
-
-
-def refuse_tools(data: dict, by: str) -> None:
-    """A 400 for tool fields (and tool calls in the history, see :func:`history_message`)
-    when the server has no --tool-call-parser."""
-    for name in ("tools", "tool_choice"):
-        if name in data and not _neutral(data[name], UNSUPPORTED[name]):
-            raise ClientError(
-                f"'{name}' is not supported by {by} without a tool call parser: start the "
-                "server with --tool-call-parser (hermes, llama3_json or mistral) to serve tool "
-                "calls.",
-                param=name, code="unsupported_parameter",
-            )
 
 
 def _tool(tool, i: int, names: set) -> dict:
@@ -108,12 +97,29 @@ def _tool(tool, i: int, names: set) -> dict:
 
 
 def _call_schema(fn: dict) -> dict:
+    """The schema of one call of ``fn``; its arguments refer to the grammar's
+    ``$defs[name]`` (see :func:`_grammar`)."""
     return {
         "type": "object",
-        "properties": {"name": {"enum": [fn["name"]]}, "arguments": fn["parameters"]},
+        "properties": {"name": {"enum": [fn["name"]]},
+                       "arguments": {"$ref": f"#/$defs/{fn['name']}"}},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+def _grammar(fns: list, most_one: bool) -> dict:
+    """The JSON schema of the output of tool_choice required or named: an array of calls
+    of ``fns``. Each function's ``parameters`` sit under the root's ``$defs`` by the
+    function's name, their own references (``#/$defs/Item`` of a pydantic model, ``#``
+    for recursion) rebased there (:func:`server.http.json_schema.rebase`; xgrammar's
+    pointers cannot index into an ``anyOf`` list, so they may not sit inside one)."""
+    items = _call_schema(fns[0]) if len(fns) == 1 else {"anyOf": [_call_schema(f) for f in fns]}
+    grammar: dict = {"type": "array", "items": items, "minItems": 1}
+    if most_one:
+        grammar["maxItems"] = 1
+    grammar["$defs"] = {f["name"]: rebase(f["parameters"], f"#/$defs/{f['name']}") for f in fns}
+    return grammar
 
 
 def render_tools(data: dict) -> list:
@@ -128,9 +134,10 @@ def render_tools(data: dict) -> list:
     return [_tool(t, i, names) for i, t in enumerate(tools)]
 
 
-def read_tools(data: dict, parser: str) -> ToolChoice | None:
+def read_tools(data: dict, parser: str | None) -> ToolChoice | None:
     """The request's tools and tool_choice (None: no tools, nothing to parse); 400s naming
-    the field for a malformed tool, an unknown tool_choice, or a named function not given."""
+    the field for a malformed tool, an unknown tool_choice, a named function not given, or
+    ``auto`` when the server has no tool call ``parser``."""
     rendered = render_tools(data)
     names = {t["function"]["name"] for t in rendered}
     parallel = data.get("parallel_tool_calls")
@@ -166,12 +173,24 @@ def read_tools(data: dict, parser: str) -> ToolChoice | None:
     if choice == "none":
         return ToolChoice(rendered, None, parallel, None)
     if choice == "auto":
+        if parser is None:
+            given = data.get("tool_choice") is not None
+            raise ClientError(
+                "'tool_choice' 'auto'" + ("" if given else " (the default with 'tools')")
+                + " needs a server started with --tool-call-parser (hermes, llama3_json or "
+                "mistral) to find the calls in the answer; 'required', a named function and "
+                "'none' need none.",
+                param="tool_choice" if given else "tools", code="unsupported_parameter",
+            )
         return ToolChoice(rendered, parser, parallel, None)
-    fns = [t["function"] for t in rendered if named is None or t["function"]["name"] == named]
-    items = _call_schema(fns[0]) if len(fns) == 1 else {"anyOf": [_call_schema(f) for f in fns]}
-    grammar: dict = {"type": "array", "items": items, "minItems": 1}
-    if named is not None or not parallel:
-        grammar["maxItems"] = 1
+    fns = []
+    for i, t in enumerate(rendered):
+        if named is None or t["function"]["name"] == named:
+            # (checked when compiled: auto and none only render the schemas, as vLLM does)
+            check_refs(t["function"]["parameters"], f"tools[{i}].function.parameters")
+            check_grammar_ints(t["function"]["parameters"], f"tools[{i}].function.parameters")
+            fns.append(t["function"])
+    grammar = _grammar(fns, named is not None or not parallel)
     return ToolChoice(rendered, "forced", parallel, grammar)
 
 
@@ -184,8 +203,8 @@ def history_message(m: dict, i: int, role: str, text: str, tools_ok: bool) -> di
         return {"role": role, "content": text}
     if not tools_ok:
         raise ClientError(
-            "Tool calls and tool results in the conversation need a server started with "
-            "--tool-call-parser and an engine that renders tools.",
+            "Tool calls and tool results in the conversation need an engine that renders "
+            "tools.",
             param=f"messages[{i}]" + (".tool_calls" if calls else ""),
             code="unsupported_parameter",
         )

@@ -60,8 +60,9 @@ class Link:
         #: Decodes the worker's frames; holds what arrived after HELLO.
         self.decoder = wire.FrameDecoder()
 
-    async def _next_message(self, what: str) -> list:
-        """The next message (raises SessionEnded at end of stream or on garbage)."""
+    async def _next_message(self, what: str, *kinds: int) -> list:
+        """The next message, one of ``kinds`` in its shape (raises SessionEnded at end of
+        stream, on garbage, or on any other message)."""
         while True:
             try:
                 data = await self.receive.receive_some(1 << 16)
@@ -71,21 +72,18 @@ class Link:
                 raise SessionEnded(f"{self._ended_during} during {what}")
             try:
                 messages = self.decoder.feed(data)
+                if messages:
+                    if len(messages) > 1:
+                        raise wire.ProtocolError(f"sent {messages[1][0]!r} during {what}")
+                    return wire.check(messages[0], kinds)
             except wire.ProtocolError as exc:
                 raise SessionEnded(f"protocol violation: {exc}") from None
-            if messages:
-                if len(messages) > 1:
-                    raise SessionEnded(f"sent {messages[1][0]!r} during {what}")
-                return messages[0]
 
     _ended_during = "exited"
 
     async def handshake(self) -> dict:
         """Wait for HELLO; returns its info."""
-        msg = await self._next_message("startup")
-        if msg[0] == wire.HELLO and isinstance(msg[1], dict):
-            return msg[1]
-        raise SessionEnded(f"sent {msg[0]!r} before HELLO")
+        return (await self._next_message("startup", wire.HELLO))[1]
 
     async def aclose(self, grace: float) -> str:
         """Close the link; returns how it ended (for the log)."""
@@ -138,9 +136,7 @@ class _ConnectedLink(Link):
         self.secret = secret
 
     async def handshake(self) -> dict:
-        msg = await self._next_message("the handshake")
-        if msg[0] != wire.CHALLENGE or len(msg) != 4 or not isinstance(msg[2], bytes):
-            raise SessionEnded(f"protocol violation: expected CHALLENGE, got {msg[0]!r}")
+        msg = await self._next_message("the handshake", wire.CHALLENGE)
         if msg[1] != handshake.VERSION:
             raise SessionEnded(f"speaks handshake version {msg[1]!r}, not "
                                f"{handshake.VERSION}", refused=True)
@@ -157,11 +153,11 @@ class _ConnectedLink(Link):
             await self.send.send_all(wire.encode([wire.AUTH, cnonce, proof]))
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise SessionEnded(f"connection broke during the handshake: {exc}") from None
-        msg = await self._next_message("the handshake")
+        msg = await self._next_message("the handshake", wire.HELLO, wire.REFUSED)
         if msg[0] == wire.REFUSED:
-            raise SessionEnded(f"the worker refused us: {msg[1]!s:.200}", refused=True)
-        if msg[0] != wire.HELLO or len(msg) != 3 or not isinstance(msg[1], dict):
-            raise SessionEnded(f"protocol violation: expected HELLO, got {msg[0]!r}")
+            raise SessionEnded(f"the worker refused us: {msg[1]:.200}", refused=True)
+        if len(msg) != 3:
+            raise SessionEnded("protocol violation: a HELLO without its proof item")
         if secret is not None and not handshake.verify(
             handshake.worker_proof(secret, nonce, cnonce), msg[2]
         ):

@@ -336,7 +336,7 @@ class WorkerClient:
             self.last_heard = pacer.frame_time = trio.current_time()
             try:
                 self._route(decoder.feed(data))
-            except (wire.ProtocolError, ValueError, TypeError) as exc:
+            except wire.ProtocolError as exc:  # the worker's fault: it is treated as dead
                 raise _SessionEnded(f"protocol violation: {exc}") from None
             await self._wake_paced()
 
@@ -357,10 +357,13 @@ class WorkerClient:
 
     def _route(self, messages: list) -> None:
         """Hand each output to its choice. A plain function, so that nothing it touched
-        (the last choice, its waker) stays referenced by the router between frames."""
+        (the last choice, its waker) stays referenced by the router between frames. Each
+        message is checked first (wire.check_reply): a malformed one raises ProtocolError,
+        which ends the session, before anything of that message is applied."""
         states = self.states
+        check_reply = wire.check_reply
         for msg in messages:
-            kind = msg[0]
+            kind = check_reply(msg)[0]
             if kind == wire.STEP:
                 # Rows unpacked in the field order of wire.AcceptRow and wire.OutputRow.
                 for rid, prompt_tokens in msg[1]:
@@ -371,8 +374,6 @@ class WorkerClient:
                     for rid, note in msg[3]:
                         choice = states.get(rid)
                         if choice is not None:
-                            if not isinstance(note, dict):
-                                raise TypeError("a note must be a map")
                             choice.note(note)
                 for rid, text, ntok, finish, err in msg[2]:
                     choice = states.get(rid)
@@ -385,15 +386,13 @@ class WorkerClient:
                 answer = self._pings.get(msg[1])
                 if answer is not None:
                     answer.value = (msg[2], msg[3])
-            elif kind == wire.PONG:
+            else:  # PONG
                 self.running, self.waiting = msg[2], msg[3]
                 if len(msg) > 4:  # a listening worker: how many of them are ours
                     self.foreign = max(0, msg[2] + msg[3] - msg[4])
                 answer = self._pings.get(msg[1])
                 if answer is not None:
                     answer.value = (msg[2], msg[3])
-            else:
-                raise wire.ProtocolError(f"unexpected message type {kind!r}")
 
     async def _writer(self, link: Link) -> None:
         send_all = link.send.send_all

@@ -14,7 +14,7 @@ Frontend -> worker::
     [PING, seq]
     [TOKENIZE, seq, request]        {"op": "tokenize", "prompt": str | {"messages": [...]},
                                     "add_special_tokens": bool} or {"op": "detokenize",
-                                    "tokens": [int, ...]}
+                                    "tokens": [int, ...]} or {"op": "info"}
     [SHUTDOWN]
 
 Worker -> frontend::
@@ -39,14 +39,31 @@ one of stop/length/abort/error and ``err`` is None or ``[kind, message]`` (kinds
 ``finish="error"`` and no accept. An abort of a request the worker holds is answered by a
 terminal ``abort`` output in the worker's next frame; of any other rid, by nothing.
 
+Integers beyond msgpack's 64 bits (legal in JSON payloads the frontend passes on: tool-call
+arguments, schemas, template variables) travel as the extension type :data:`BIG_INT`, their
+decimal digits, and come out as the same ``int``.
+
 A peer that sends a frame over :data:`MAX_FRAME`, or bytes that are not msgpack, is broken:
 :class:`ProtocolError` is raised and the connection must be dropped.
+
+*Shapes.* Every message a side receives is checked against the table above before anything
+reads it: :func:`check_request` (what a worker accepts from a frontend),
+:func:`check_reply` (what a frontend accepts from a worker once it said HELLO) and
+:func:`check` (the handshake's messages). A message of a type the receiver does not expect
+there, with the wrong number of items, or an item of the wrong type (a rid that is not an
+integer, a row that is not ``[rid, text, ntok, finish, err]``, a count below zero, an
+``err`` that is not ``[kind, message]``...) raises :class:`ProtocolError`, whose text names
+the message and shows it clipped: the receiver ends that connection only. The *content* of a
+well-formed SUBMIT or TOKENIZE (the prompt's items, the params' values) is the engine's to
+judge: it answers a request it cannot take with an error output, as for any client fault.
 """
 
 from __future__ import annotations
 
+import reprlib
+import re
 import struct
-from typing import NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import msgpack
 
@@ -69,6 +86,12 @@ __all__ = [
     "ProtocolError",
     "FrameDecoder",
     "encode",
+    "FINISHES",
+    "REQUESTS",
+    "REPLIES",
+    "check",
+    "check_request",
+    "check_reply",
 ]
 
 
@@ -110,7 +133,33 @@ REFUSED = 11
 MAX_FRAME = 64 * 1024 * 1024
 
 _HEADER = struct.Struct(">I")
-_packb = msgpack.Packer(use_bin_type=True).pack
+
+#: msgpack extension type of an integer beyond 64 bits, as its decimal digits. Such
+#: integers are legal JSON and reach the engine only inside client payloads it passes on
+#: (tool-call arguments in the history, schemas, template variables): carried exactly.
+BIG_INT = 1
+#: A sign and Python's default int_max_str_digits (4,300): the most the frontend's JSON
+#: parser lets through, and the most ``int()`` turns back without raising.
+_MAX_BIG_INT_DIGITS = 4301
+
+
+def _pack_big_int(value):
+    """msgpack's ``default``: called for what it cannot pack itself (big ints only)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return msgpack.ExtType(BIG_INT, str(value).encode("ascii"))
+    raise TypeError(f"cannot send a {type(value).__name__} to a worker")
+
+
+def _unpack_ext(code: int, data: bytes):
+    if code != BIG_INT or len(data) > _MAX_BIG_INT_DIGITS or not _DIGITS.fullmatch(data):
+        raise ValueError(f"bad extension value (type {code})")
+    return int(data)
+
+
+_DIGITS = re.compile(rb"-?[0-9]+")
+
+
+_packb = msgpack.Packer(use_bin_type=True, default=_pack_big_int).pack
 
 
 class ProtocolError(Exception):
@@ -131,12 +180,15 @@ class FrameDecoder:
     """Turns the bytes of a pipe, in pieces of any size, into messages.
 
     ``feed`` returns the messages completed by the new bytes (often none, sometimes many).
+    With ``check`` (such as :func:`check_request`), each message must pass it too.
     """
 
-    __slots__ = ("_buf",)
+    __slots__ = ("_buf", "_check")
 
-    def __init__(self) -> None:
+    def __init__(self, check: Callable[[list], object] | None = None) -> None:
         self._buf = bytearray()
+        #: Applied to each message (raising ProtocolError), e.g. :func:`check_request`.
+        self._check = check
 
     def feed(self, data: bytes | bytearray) -> list[list]:
         buf = self._buf
@@ -152,11 +204,15 @@ class FrameDecoder:
                 break
             start = pos + 4
             try:
-                message = msgpack.unpackb(buf[start : start + length], use_list=True, raw=False)
+                message = msgpack.unpackb(
+                    buf[start : start + length], use_list=True, raw=False, ext_hook=_unpack_ext
+                )
             except Exception as exc:
                 raise ProtocolError(f"undecodable frame: {exc}") from None
-            if not isinstance(message, list) or not message or not isinstance(message[0], int):
-                raise ProtocolError(f"malformed message: {message!r:.80}")
+            if type(message) is not list or not message or type(message[0]) is not int:
+                raise ProtocolError(f"malformed message: {_clip(message)}")
+            if self._check is not None:
+                self._check(message)
             messages.append(message)
             pos = start + length
         if pos:
@@ -167,3 +223,167 @@ class FrameDecoder:
     def buffered(self) -> int:
         """Bytes received but not yet part of a complete frame."""
         return len(self._buf)
+
+
+# -- shapes ------------------------------------------------------------------------------------
+
+#: The ``finish`` of a terminal output row (None while the request runs).
+FINISHES = frozenset({"stop", "length", "abort", "error"})
+#: What a worker accepts from a frontend (after the handshake).
+REQUESTS = frozenset({SUBMIT, ABORT, PING, TOKENIZE, SHUTDOWN})
+#: What a frontend accepts from a worker after its HELLO.
+REPLIES = frozenset({STEP, PONG, TOKENIZED})
+
+_NAMES = {
+    HELLO: "HELLO", SUBMIT: "SUBMIT", ABORT: "ABORT", PING: "PING", PONG: "PONG",
+    SHUTDOWN: "SHUTDOWN", STEP: "STEP", TOKENIZE: "TOKENIZE", TOKENIZED: "TOKENIZED",
+    CHALLENGE: "CHALLENGE", AUTH: "AUTH", REFUSED: "REFUSED",
+}
+
+_repr = reprlib.Repr()
+_repr.maxlevel = 3
+_repr.maxlist = _repr.maxdict = 6
+_repr.maxstring = _repr.maxother = 40
+_repr.maxlong = 24
+
+
+def _clip(message: object) -> str:
+    """A bounded repr of a peer's message, for a log line (a 64 MiB frame stays short)."""
+    text = _repr.repr(message)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _count(x: object) -> bool:
+    return type(x) is int and x >= 0  # type(): a bool is not a count (nor a rid)
+
+
+def _error(x: object) -> bool:
+    """``[kind, message]``"""
+    return type(x) is list and len(x) == 2 and type(x[0]) is str and type(x[1]) is str
+
+
+def _all(rows: object, row_ok: Callable[[object], bool]) -> bool:
+    return type(rows) is list and all(map(row_ok, rows))
+
+
+def _accept_row(r: object) -> bool:
+    return type(r) is list and len(r) == 2 and type(r[0]) is int and _count(r[1])
+
+
+def _output_rows(rows: object) -> bool:
+    """Every row ``[rid, text, ntok, finish, err]`` (one loop: the hot path's check)."""
+    if type(rows) is not list:
+        return False
+    for r in rows:
+        if type(r) is not list or len(r) != 5:
+            return False
+        rid, text, ntok, finish, err = r
+        if type(rid) is not int or type(text) is not str or type(ntok) is not int or ntok < 0:
+            return False
+        if finish is None:
+            if err is not None:
+                return False
+        elif finish == "error":
+            if not _error(err):
+                return False
+        elif err is not None or type(finish) is not str or finish not in FINISHES:
+            return False
+    return True
+
+
+def _number(x: object) -> bool:
+    return x is None or type(x) is float or type(x) is int
+
+
+def _logprob_entry(e: object) -> bool:
+    """``[text, logprob or nil, [[alt_text, alt_logprob], ...]]``"""
+    return (
+        type(e) is list and len(e) == 3 and type(e[0]) is str and _number(e[1])
+        and _all(e[2], lambda a: type(a) is list and len(a) == 2 and type(a[0]) is str
+                 and _number(a[1]))
+    )
+
+
+_NOTE_ITEMS: dict[str, Callable[[object], bool]] = {
+    "cached_tokens": _count,
+    "logprobs": lambda v: _all(v, _logprob_entry),
+    "prompt_logprobs": lambda v: _all(v, _logprob_entry),
+}
+
+
+def _note_row(r: object) -> bool:
+    if type(r) is not list or len(r) != 2 or type(r[0]) is not int or type(r[1]) is not dict:
+        return False
+    for key, value in r[1].items():
+        item_ok = _NOTE_ITEMS.get(key) if type(key) is str else None
+        if item_ok is None or not item_ok(value):
+            return False
+    return True
+
+
+def _step(m: list) -> bool:
+    n = len(m)
+    return (
+        (n == 3 or n == 4) and _all(m[1], _accept_row) and _output_rows(m[2])
+        and (n == 3 or _all(m[3], _note_row))
+    )
+
+
+def _bytes_or_nil(x: object) -> bool:
+    return x is None or type(x) is bytes
+
+
+_SHAPES: dict[int, Callable[[list], bool]] = {
+    # HELLO: [HELLO, info] from a pipe worker, [HELLO, info, proof] from a listening one
+    HELLO: lambda m: (len(m) == 2 or (len(m) == 3 and _bytes_or_nil(m[2])))
+    and type(m[1]) is dict,
+    SUBMIT: lambda m: len(m) == 4 and type(m[1]) is int
+    and type(m[2]) in (str, list, dict) and type(m[3]) is dict,
+    ABORT: lambda m: len(m) == 2 and type(m[1]) is int,
+    PING: lambda m: len(m) == 2 and type(m[1]) is int,
+    # PONG: [PONG, seq, running, waiting] (+ mine, from a listening worker)
+    PONG: lambda m: (len(m) == 4 or len(m) == 5) and type(m[1]) is int
+    and all(map(_count, m[2:])),
+    SHUTDOWN: lambda m: len(m) == 1,
+    STEP: _step,
+    TOKENIZE: lambda m: len(m) == 3 and type(m[1]) is int and type(m[2]) is dict,
+    # TOKENIZED: a result or an error, not both
+    TOKENIZED: lambda m: len(m) == 4 and type(m[1]) is int and (
+        (type(m[2]) is dict and m[3] is None) or (m[2] is None and _error(m[3]))),
+    CHALLENGE: lambda m: len(m) == 4 and type(m[1]) is int and type(m[2]) is bytes
+    and type(m[3]) is bool,
+    AUTH: lambda m: len(m) == 3 and type(m[1]) is bytes and _bytes_or_nil(m[2]),
+    REFUSED: lambda m: len(m) == 2 and type(m[1]) is str,
+}
+
+
+def check(message: list, allowed: Iterable[int]) -> list:
+    """``message`` (a decoded message: a list starting with an int) if it is of one of the
+    ``allowed`` types and has that type's shape; else :class:`ProtocolError` saying which.
+
+    >>> check([PING, 7], REQUESTS)
+    [3, 7]
+    >>> check([PONG, 7], REPLIES)
+    Traceback (most recent call last):
+    ...
+    server.protocol.wire.ProtocolError: malformed PONG: [4, 7]
+    """
+    kind = message[0]
+    if kind not in allowed:
+        name = _NAMES.get(kind)
+        raise ProtocolError(
+            f"unexpected message type {kind!r}" if name is None else f"unexpected {name}"
+        )
+    if not _SHAPES[kind](message):
+        raise ProtocolError(f"malformed {_NAMES[kind]}: {_clip(message)}")
+    return message
+
+
+def check_request(message: list) -> list:
+    """A message from a frontend, once connected: one of :data:`REQUESTS`, well formed."""
+    return check(message, REQUESTS)
+
+
+def check_reply(message: list) -> list:
+    """A message from a worker after its HELLO: one of :data:`REPLIES`, well formed."""
+    return check(message, REPLIES)

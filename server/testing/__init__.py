@@ -240,7 +240,7 @@ class InMemoryWorkerProcess:
         log = self._spawner.received
         if self._start_fails:
             return 2  # "cannot start engine": exit before HELLO
-        decoder = wire.FrameDecoder()
+        decoder = wire.FrameDecoder(wire.check_request)
         await self._send([wire.HELLO, engine.info])
         accepts: list = []
         outputs: list = []

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from ..params import context_error
+
 __all__ = [
     "Engine", "EngineBroken", "HFTokenizing", "Rejected", "WorkerCrash", "WorkerGarbage",
     "WorkerHang",
@@ -83,21 +85,10 @@ def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int
     """
     if prompt_tokens < 1:
         raise Rejected("The prompt must contain at least one token.")
-    if max_tokens is None:
-        if prompt_tokens >= max_model_len:
-            raise Rejected(
-                f"This model's maximum context length is {max_model_len} tokens. However, "
-                f"your prompt has {prompt_tokens} tokens. Please reduce the length of the prompt."
-            )
-        return max_model_len - prompt_tokens
-    if prompt_tokens + max_tokens > max_model_len:
-        raise Rejected(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
-            f"{max_tokens} for the completion). Please reduce the length of the prompt or "
-            "max_tokens."
-        )
-    return max_tokens
+    error = context_error(prompt_tokens, max_tokens, max_model_len)
+    if error is not None:
+        raise Rejected(error)
+    return max_model_len - prompt_tokens if max_tokens is None else max_tokens
 
 
 def one_line(exc: BaseException) -> str:
@@ -154,8 +145,11 @@ def tokenize_request(
 ) -> dict:
     """Answer a TOKENIZE request (see server.protocol.wire) with a Hugging Face tokenizer:
     ``{"tokens", "max_model_len"}`` for ``tokenize`` (chat messages rendered as for
-    generation), ``{"prompt"}`` for ``detokenize``."""
+    generation), ``{"prompt"}`` for ``detokenize``, the tokenizer's configuration for
+    ``info`` (see :func:`tokenizer_info`)."""
     op = request.get("op")
+    if op == "info":
+        return tokenizer_info(tokenizer)
     if op == "detokenize":
         ids = request.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
@@ -178,6 +172,33 @@ def tokenize_request(
         ids = encode_prompt(prompt, tokenizer, vocab_size=vocab_size, chat=chat, model=model,
                             template_kwargs=template_kwargs, tools=tools)
     return {"tokens": ids, "max_model_len": max_model_len}
+
+
+def tokenizer_info(tokenizer) -> dict:
+    """``GET /tokenizer_info`` as vLLM answers it: the tokenizer's configuration (its
+    ``tokenizer_config.json`` as loaded: special tokens, ``chat_template``, ...) without
+    file paths, its ``tokenizer_class``. Plain JSON values: a special token as its text,
+    keys as strings, anything else as its ``str``."""
+    config = dict(getattr(tokenizer, "init_kwargs", None) or {})
+    for name in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path"):
+        config.pop(name, None)
+    config = _plain(config)
+    config["tokenizer_class"] = type(tokenizer).__name__
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and template:
+        config["chat_template"] = template
+    return config
+
+
+def _plain(value):
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    content = getattr(value, "content", None)  # tokenizers' AddedToken
+    return content if isinstance(content, str) else str(value)
 
 
 class HFTokenizing:

@@ -92,8 +92,9 @@ def _tokenize(engine, request: dict) -> list:
     tokenize = getattr(engine, "tokenize", None)
     if tokenize is None:
         name = engine.info.get("engine", "this")
-        message = (f"/tokenize and /detokenize are not supported by the {name} engine (it "
-                   "has no tokenizer); the transformers and vllm engines have one")
+        message = (f"Tokenizing is not supported by the {name} engine: it has no tokenizer "
+                   "(/tokenize, /detokenize, /tokenizer_info and echo of token-id prompts "
+                   "need one); the transformers and vllm engines have one")
         return [None, ["invalid_request", message]]
     try:
         return [tokenize(request), None]
@@ -118,7 +119,7 @@ def step_message(engine, accepts: list, outputs: list) -> list:
 def serve(engine, fd_in: int, fd_out: int) -> None:
     """Run the loop until the input ends or a SHUTDOWN arrives."""
     clock = time.monotonic
-    decoder = wire.FrameDecoder()
+    decoder = wire.FrameDecoder(wire.check_request)  # a malformed message ends the loop
     # select(2) takes a timeout in microseconds, epoll in whole milliseconds (rounded up): a
     # sim engine's first token would be up to 1 ms late. One descriptor: select is as cheap.
     selector = selectors.SelectSelector() if fd_in < 1024 else selectors.DefaultSelector()
@@ -215,7 +216,11 @@ def _main(argv: list[str]) -> None:
         _write_all(fd_out, b"\xff\xff\xff\xffthis is not a frame")
         while True:
             time.sleep(3600)
-    except (BrokenPipeError, wire.ProtocolError):
+    except BrokenPipeError:
+        raise SystemExit(1) from None
+    except wire.ProtocolError as exc:  # the frontend is broken: so is this pipe
+        print(f"trio-llm-server worker: protocol violation by the frontend, exiting: {exc}",
+              file=sys.stderr)
         raise SystemExit(1) from None
     finally:
         close = getattr(engine, "close", None)

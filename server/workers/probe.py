@@ -40,7 +40,7 @@ async def probe(address: handshake.WorkerAddress, secret: bytes | None,
             if not data:
                 raise SessionEnded("the worker closed the connection before its PONG")
             for msg in link.decoder.feed(data):
-                if msg[0] == wire.PONG and msg[1] == 1:
+                if wire.check_reply(msg)[0] == wire.PONG and msg[1] == 1:
                     return msg[2], msg[3]
     except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
         raise SessionEnded(f"the connection broke: {exc}") from None
