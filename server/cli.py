@@ -17,7 +17,7 @@ from .config import EngineConfig, Limits, ServerConfig
 from .http.tool_parsers import PARSERS as TOOL_PARSERS
 from .engine_args import ENGINE_DESTS, add_engine_arguments, engine_options
 from .protocol.handshake import SECRET_ENV, parse_address, read_secret
-from .observability.logs import configure_logging
+from .observability.logs import configure_logging, lean_log_records
 
 __all__ = ["main", "build_parser", "config_from_args", "API_KEY_ENV"]
 
@@ -312,10 +312,20 @@ def _worker_secret(args: argparse.Namespace) -> bytes | None:
         raise SystemExit(f"trio-llm-server: the workers' secret: {exc}") from None
 
 
+def _own_logging(args: argparse.Namespace) -> None:
+    """The CLI owns its process's logging: only our handler on the root logger, and lean
+    records (what a library call of configure_logging leaves alone)."""
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    lean_log_records()
+    configure_logging(args.log_level, args.log_format, sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
-    configure_logging(args.log_level, args.log_format, sys.stderr)
+    _own_logging(args)
     if args.api_servers > 1:
         from .supervisor import supervise
 
@@ -333,11 +343,11 @@ def main(argv: list[str] | None = None) -> None:
     from .manager.worker import WorkerStartupError
 
     app = create_app(config)
-    # The CLI owns the process: it takes the signals, tunes the collector, and listens at
-    # once (answering 503 until the workers are up, for readiness probes).
+    # The CLI owns the process: it takes the signals, tunes and watches the collector, and
+    # listens at once (answering 503 until the workers are up, for readiness probes).
     run = functools.partial(
-        serve, config, app=app, handle_signals=True, tune_gc=True, wait_ready=False,
-        exit_when_stuck=True,
+        serve, config, app=app, handle_signals=True, tune_gc=True, gc_metrics=True,
+        wait_ready=False, exit_when_stuck=True,
     )
     failures: list[BaseException] = []
     try:

@@ -235,22 +235,30 @@ async def test_routes_that_do_not_read_a_body_say_connection_close_only_when_the
 
 async def test_a_connection_in_use_outlives_its_keep_alive_timeout():
     # The keep-alive timer runs while the connection is idle between requests and is
-    # stopped by the next one: requests every 0.6 s (and a 1.5 s stream in the middle) on
-    # a connection with a 1 s keep-alive timeout keep it open; once idle, it is closed.
-    async with running_server(keep_alive_timeout=1.0) as url:
+    # stopped by the next one: requests every 0.25 s (and a 1.4 s stream in the middle) on
+    # a connection with a 2 s keep-alive timeout keep it open well past 2 s; once idle, it
+    # is closed. The bounds are causal, not timings: the timer cannot start before the
+    # last request was sent (the server runs on this test's clock), and the idle gaps are
+    # an eighth of the timeout (a stall of 1.75 s would be needed to break them).
+    timeout = 2.0
+    async with running_server(keep_alive_timeout=timeout) as url:
         sock = await trio.open_tcp_stream(*addr(url))
+        opened_at = trio.current_time()
         conn = h11.Connection(h11.CLIENT)
-        bodies = [{"prompt": "a", "max_tokens": 2}] * 3 + [
-            {"prompt": "a", "max_tokens": 700, "stream": True}] + [{"prompt": "a", "max_tokens": 2}] * 3
-        with trio.fail_after(30):
-            for body in bodies:
+        bodies = [{"prompt": "a", "max_tokens": 2}] * 5 + [
+            {"prompt": "a", "max_tokens": 700, "stream": True}] + [{"prompt": "a", "max_tokens": 2}] * 5
+        with trio.fail_after(60):
+            for i, body in enumerate(bodies):
+                if i:
+                    await trio.sleep(timeout / 8)
+                last_sent = trio.current_time()
                 await sock.send_all(request(conn, body))
                 response, _, _ = await read_response(sock, conn)
                 assert response.status_code == 200
                 conn.start_next_cycle()
-                await trio.sleep(0.6)
-            idle_from = trio.current_time()
             while await sock.receive_some(1 << 16):
                 pass
-            assert 0.3 < trio.current_time() - idle_from < 3.0
+            closed_at = trio.current_time()
+        assert closed_at - opened_at > timeout  # it outlived the timeout while in use
+        assert closed_at - last_sent >= timeout  # then closed once idle for the timeout
         await sock.aclose()

@@ -52,11 +52,12 @@ async def test_a_neighbour_hypercorn_app_keeps_checkpoints_and_cancellation():
                 if message["type"] == "lifespan.shutdown":
                     return
         await send({"type": "http.response.start", "status": 200, "headers": []})
-        start = trio.current_time()
-        with trio.move_on_after(0.5):
+        sent = 0
+        with trio.move_on_after(0.5) as scope:
             for _ in range(500_000):
                 await send({"type": "http.response.body", "body": b"x" * 64, "more_body": True})
-        result["elapsed"] = trio.current_time() - start
+                sent += 1
+        result["cut"], result["sent"] = scope.cancelled_caught, sent
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async with running_server() as url:  # our server, in this same trio.run
@@ -86,11 +87,12 @@ async def test_a_neighbour_hypercorn_app_keeps_checkpoints_and_cancellation():
         # Our server is up meanwhile, and serves.
         async with httpx.AsyncClient(base_url=url) as http:
             assert (await http.get("/health")).status_code == 200
-    # The deadline fired on time (0.5 s; a send path without checkpoints ran the whole
-    # loop, seconds), and the ticker ran between the app's sends (about 25,000 times here;
-    # under 1,000 without checkpoints).
-    assert result["elapsed"] < 0.9, result
-    assert ticks > 2000, ticks
+    # The deadline cut the loop (a send path without checkpoints runs all 500,000 sends:
+    # seconds), and the ticker ran between the app's sends (about once a send; without
+    # checkpoints only when a send waits for the socket). Counts, not durations: a busy
+    # machine sends fewer in the 0.5 s, in the same proportion.
+    assert result["cut"] and result["sent"] < 500_000, result
+    assert ticks > result["sent"] // 4, (ticks, result)
 
 
 async def test_the_fast_paths_are_used_on_this_servers_connections(monkeypatch):

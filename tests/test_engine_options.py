@@ -200,24 +200,26 @@ def test_a_broken_engine_sends_its_errors_then_the_loop_ends():
     assert messages[1] == [wire.STEP, [[5, 1]], [[5, "", 0, "error", ["engine_error", "it broke"]]]]
 
 
-def _engine_infos() -> dict:
-    """Each engine's HELLO declarations, from the engines' own constants."""
+def _engine_info(engine: str) -> dict:
+    """An engine's HELLO declarations, from the engine's own constants. The transformers
+    engine's need torch (its extra): skipped without it."""
     from server.workers.base import MAX_LOGPROBS
-    from server.workers.hf_logits import SAMPLING_FIELDS
-    from server.workers.vllm_engine import VLLM_SAMPLING
+    from server.workers.vllm_engine import VLLM_SAMPLING  # (imports vllm only when built)
 
-    return {
-        "sim": {"engine": "sim", "sampling": ["tools"]},
+    if engine == "sim":
+        return {"engine": "sim", "sampling": ["tools"]}
+    if engine == "transformers":
+        pytest.importorskip("torch", reason="the transformers extra is not installed")
+        from server.workers.hf_logits import SAMPLING_FIELDS
+
         # (the transformers engine declares response_format when xgrammar is installed)
-        "transformers": {"engine": "transformers",
-                         "sampling": [*SAMPLING_FIELDS, "response_format",
-                                      "chat_template_kwargs", "tools"],
-                         "logprobs": MAX_LOGPROBS},
-        "vllm": {"engine": "vllm",
-                 "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs",
-                              "tools"],
-                 "logprobs": MAX_LOGPROBS},
-    }
+        return {"engine": "transformers",
+                "sampling": [*SAMPLING_FIELDS, "response_format", "chat_template_kwargs",
+                             "tools"],
+                "logprobs": MAX_LOGPROBS}
+    return {"engine": "vllm",
+            "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs", "tools"],
+            "logprobs": MAX_LOGPROBS}
 
 
 @pytest.mark.parametrize("engine", ["sim", "transformers", "vllm"])
@@ -225,7 +227,7 @@ def test_every_field_an_engine_does_not_honour_is_a_400_naming_it(engine):
     from server.http.fields import UNSUPPORTED
     from server.http.tools import TOOL_FIELDS
 
-    info = _engine_infos()[engine]
+    info = _engine_info(engine)
     honoured = set(info.get("sampling", ())) | ({"top_logprobs"} if "logprobs" in info else set())
     if "tools" in honoured:  # tool_choice and parallel_tool_calls follow (server.http.tools)
         honoured |= TOOL_FIELDS

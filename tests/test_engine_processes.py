@@ -62,13 +62,11 @@ async def test_cancelling_the_consumer_sends_exactly_one_abort():
                     n += 1
                     if n == 3:
                         scope.cancel()
-                        cancelled_at = trio.current_time()
-            elapsed = trio.current_time() - cancelled_at
             [rid] = spawn.rids()
             assert spawn.aborts(rid) == 1
-            # ended by the worker's confirmation, well before the 5 s drain deadline
+            # ended by the worker's confirmation, not by the 5 s drain deadline (how soon is
+            # the machine's: no wall-clock bound)
             assert abort_confirmed(spawn, rid)
-            assert elapsed < 2.5
             assert stream.finished
             await trio.sleep(0.2)
             assert spawn.aborts() == 1
@@ -95,10 +93,10 @@ async def test_cleanup_is_shielded_and_bounded_even_when_cancelled_again():
                                 nursery.start_soon(cancel_later, outer)
                 elapsed = trio.current_time() - cancelled_at
             assert outer.cancelled_caught
-            # the worker cannot finish 248 more tokens in under 0.49 s, so only the drain
-            # deadline (0.2 s) can have ended the shielded cleanup, and not the outer cancel
-            # (0.1 s)
-            assert 0.2 - 0.01 <= elapsed < 0.2 + 2.0
+            # the worker did not confirm (it ignores aborts), so only the drain deadline
+            # (0.2 s) can have ended the shielded cleanup, and not the outer cancel (0.1 s):
+            # a causal lower bound (the deadline starts after the cancel); no upper one
+            assert elapsed >= 0.2 - 0.01
             rid = spawn.rids()[0]
             assert spawn.aborts(rid) == 1
             assert not abort_confirmed(spawn, rid)
@@ -140,7 +138,7 @@ async def test_server_abort_cuts_off_a_worker_that_ignores_it():
                         aborted_at = trio.current_time()
                 ended_at = trio.current_time()
             assert got[-1].finish_reason == "abort"
-            assert 0.2 - 0.01 <= ended_at - aborted_at < 0.2 + 2.0
+            assert ended_at - aborted_at >= 0.2 - 0.01  # the drain deadline, not before
             assert sum(o.num_tokens for o in got[3:]) >= 2  # output kept draining meanwhile
             stats = engine.statistics()
             assert (stats.open_streams, stats.outstanding) == (0, 0)
@@ -320,10 +318,9 @@ async def _check_died_and_restarted(engine, spawn, results, words: str):
 async def test_worker_crash_ends_every_request_and_the_worker_restarts():
     with trio.fail_after(LIMIT):
         async with open_real_engine(config()) as (engine, spawn):
-            started = trio.current_time()
             crash = SamplingParams(max_tokens=100, extra=fault("crash", 3))
             results = await _three_requests(engine, crash)
-            assert trio.current_time() - started < 3.0  # not LONG's 4 s: ended by the crash
+            # every request ended by the crash (worker_died), none by its length
             await _check_died_and_restarted(engine, spawn, results, "exited")
             assert spawn.processes[0].returncode == 17
 
@@ -335,9 +332,7 @@ async def test_sigkilled_worker_ends_every_request_and_the_worker_restarts():
                 await wait_for(lambda: len(spawn.outputs_for(1)) >= 3)
                 os.kill(engine.statistics().workers[0].pid, signal.SIGKILL)
 
-            started = trio.current_time()
             results = await _three_requests(engine, LONG, kill)
-            assert trio.current_time() - started < 3.0
             await _check_died_and_restarted(engine, spawn, results, "exited")
             assert spawn.processes[0].returncode == -signal.SIGKILL
 

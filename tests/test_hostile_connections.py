@@ -17,6 +17,7 @@ import sys
 import tempfile
 
 import httpx
+import pytest
 import trio
 
 from server.http.connection import ServingConfig, ServingConnection
@@ -191,7 +192,12 @@ def connection(stream: trio.SocketStream, send_timeout: float) -> ServingConnect
     return ServingConnection(None, hc, None, {}, stream)
 
 
-async def test_a_slow_but_steady_reader_is_never_cut():
+# Both run in virtual time (autojump_clock): the sockets are real, but the clocks that matter
+# (the reader's pace and the write's deadline) are the test's, so a loaded machine cannot
+# stretch one against the other.
+
+
+async def test_a_slow_but_steady_reader_is_never_cut(autojump_clock):
     stream, client = tight_pair()
     conn = connection(stream, send_timeout=0.5)
     data = b"x" * 200_000
@@ -216,12 +222,12 @@ async def test_a_slow_but_steady_reader_is_never_cut():
         if broken or scope.cancelled_caught:
             nursery.cancel_scope.cancel()  # cut: the rest will never come
     assert not broken and not scope.cancelled_caught and received == len(data)
-    assert elapsed > 2.0  # it did take many timeouts' worth of time
+    assert elapsed > 2.0  # it did take many timeouts' worth of (virtual) time
     client.close()
     await stream.aclose()
 
 
-async def test_a_reader_that_stops_is_cut_after_the_timeout():
+async def test_a_reader_that_stops_is_cut_after_the_timeout(autojump_clock):
     stream, client = tight_pair()
     conn = connection(stream, send_timeout=0.5)
     t = trio.current_time()
@@ -229,6 +235,7 @@ async def test_a_reader_that_stops_is_cut_after_the_timeout():
     with scope:
         await conn._send_all(b"x" * 1_000_000, scope)
     assert scope.cancelled_caught
-    assert 0.4 < trio.current_time() - t < 2.0
+    # cut the timeout after its last progress (filling the buffers, at once)
+    assert trio.current_time() - t == pytest.approx(0.5)
     client.close()
     await stream.aclose()

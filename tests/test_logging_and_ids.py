@@ -231,3 +231,28 @@ def test_cli_log_options():
         build_parser().parse_args(["--log-format", "xml"])
     with pytest.raises(ValueError):
         log_handler("xml")
+
+
+def test_configure_logging_changes_only_its_own_handler():
+    from server.observability import configure_logging
+
+    root = logging.getLogger()
+    other = logging.NullHandler()
+    root.addHandler(other)
+    level, srcfile = root.level, logging._srcfile
+    stream = io.StringIO()
+    added = []
+    try:
+        added.append(configure_logging("info", "text", stream))
+        added.append(configure_logging("warning", "json", stream))
+        assert other in root.handlers  # a handler of someone else's stays
+        assert added[0] not in root.handlers and added[1] in root.handlers  # ours: replaced
+        assert logging._srcfile == srcfile  # the logging module's settings too
+        logging.getLogger("server.test").warning("one line")
+        assert [json.loads(line)["message"] for line in stream.getvalue().splitlines()] == [
+            "one line"
+        ]
+    finally:
+        for handler in (other, *added):
+            root.removeHandler(handler)
+        root.setLevel(level)

@@ -217,6 +217,21 @@ async def test_each_app_has_its_own_registry():
     assert m.families["trio_llm:num_requests_running"].samples == []
 
 
+def test_gc_metrics_only_when_asked():
+    import gc
+
+    callbacks = list(gc.callbacks)
+    app = create_app(ServerConfig())
+    assert gc.callbacks == callbacks  # create_app changes nothing process-wide
+    text, _ = app.metrics.exposition()
+    assert "python_gc_collections" not in Scrape(text.decode()).families
+    app.metrics.watch_gc()  # as serve(gc_metrics=True) and the CLI do
+    app.metrics.watch_gc()  # (once)
+    gc.collect()
+    m = Scrape(app.metrics.exposition()[0].decode())
+    assert m.value("python_gc_collections_total", generation="2") >= 1
+
+
 async def test_openmetrics_when_asked():
     app = create_app(ServerConfig())
     body, content_type = app.metrics.exposition("application/openmetrics-text; version=1.0.0")

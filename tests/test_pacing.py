@@ -124,20 +124,15 @@ async def test_a_paced_stream_still_ends_promptly_on_abort_and_errors(autojump_c
             assert trio.current_time() - aborted_at < 0.1
 
 
-async def test_the_server_defaults_to_an_event_per_engine_step():
+async def test_the_server_defaults_to_an_event_per_engine_step(autojump_clock):
     """``python -m server`` without ``--stream-interval-ms``: a client that keeps up gets
-    one event per engine step (the anchors' granularity), not tokens held back."""
-    import httpx
+    one output per engine step (the anchors' granularity), not tokens held back. The CLI's
+    own engine config, on the in-memory sim in virtual time (a real process on a busy
+    machine merges steps whenever the consumer falls behind, which says nothing)."""
+    from server.cli import build_parser, config_from_args
 
-    from tests.test_shutdown import cli_server
-
-    async with cli_server("--sim-itl-ms", "10") as srv:
-        async with httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
-            body = {"model": "sim", "prompt": "a b", "max_tokens": 20, "stream": True}
-            async with http.stream("POST", "/v1/completions", json=body) as r:
-                events = [line async for line in r.aiter_lines() if line.startswith("data: {")]
-        srv.proc.send_signal(2)
-        assert await srv.wait_exit(10) == 0
-    # A step may merge into the next one when this machine is busy; at a 20 ms interval
-    # the same stream takes about 10 events.
-    assert len(events) >= 17, len(events)
+    cli = config_from_args(build_parser().parse_args(["--sim-itl-ms", "10"])).engine
+    assert cli.stream_interval == 0.0
+    async with open_fake_engine(cli) as (engine, _):
+        got = await collect(engine, 20)
+    assert [out.num_tokens for _, out in got] == [1] * 20

@@ -20,6 +20,7 @@ from server import SamplingParams
 from server.manager.worker import WorkerStartupError
 from server.protocol import wire
 from tests import fakes as scenarios
+from server.testing import open_in_memory_engine
 from tests import frames
 from tests.fakes import (
     all_outputs,
@@ -707,6 +708,63 @@ async def test_startup_failure_is_not_wrapped(autojump_clock):
                 pass  # pragma: no cover
 
 
+async def test_the_bodys_exception_comes_out_of_open_engine_unwrapped(autojump_clock):
+    # except ClientError around the block catches a request's rejection from inside it
+    async with open_fake_spawner() as spawn:
+        with pytest.raises(server.ClientError, match="maximum context length") as info:
+            async with server.open_engine(sim_config(max_model_len=16), spawn=spawn) as engine:
+                await engine.generate("one two three", SamplingParams(max_tokens=20)).wait_started()
+        assert type(info.value) is server.ClientError
+        spawn.assert_all_exited()
+    with pytest.raises(server.ClientError, match="maximum context length") as info:
+        async with open_in_memory_engine(max_model_len=16) as engine:
+            await engine.generate("one two three", SamplingParams(max_tokens=20)).wait_started()
+    assert type(info.value) is server.ClientError
+
+
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, ValueError])
+async def test_an_exception_in_the_body_is_not_grouped(autojump_clock, exc_type):
+    with pytest.raises(exc_type) as info:
+        async with open_in_memory_engine() as engine:
+            async with engine.generate("hi", LONG) as stream:
+                async for _ in stream:
+                    raise exc_type("from the body")
+    assert type(info.value) is exc_type and str(info.value) == "from the body"
+    # its context is what it had where it was raised, not the nursery's group
+    assert not isinstance(info.value.__context__, BaseExceptionGroup)
+
+
+async def test_a_background_failure_still_comes_out_grouped():
+    from contextlib import asynccontextmanager
+
+    from server.manager.unwrap import body_errors_unwrapped
+
+    @asynccontextmanager
+    async def open_service(fail: bool):
+        async def background():
+            if fail:
+                raise RuntimeError("background")
+            await trio.sleep_forever()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(background)
+            yield
+            nursery.cancel_scope.cancel()
+
+    with pytest.raises(BaseExceptionGroup) as info:  # the body was cancelled by the failure
+        async with body_errors_unwrapped(open_service(fail=True)):
+            await trio.sleep_forever()
+    assert [type(e) for e in info.value.exceptions] == [RuntimeError]
+    with pytest.raises(BaseExceptionGroup) as info:  # both failed: both come out
+        async with body_errors_unwrapped(open_service(fail=True)):
+            raise ValueError("body")
+    leaves = {type(e) for e in info.value.exceptions}
+    assert leaves == {RuntimeError, ValueError}
+    with pytest.raises(ValueError):  # only the body failed: itself
+        async with body_errors_unwrapped(open_service(fail=False)):
+            raise ValueError("body")
+
+
 async def test_leaving_the_engine_aborts_open_streams(autojump_clock):
     # As a graceful HTTP shutdown does: the workers confirm the aborts at once, and each
     # open choice ends with finish_reason "abort" (not an error).
@@ -782,6 +840,94 @@ async def test_iterating_a_closed_stream_ends(autojump_clock):
             outs = [o async for o in stream]
     assert not scope.cancelled_caught, "still waiting after 5 s"
     assert outs == []
+
+
+# ------------------------------------------------------------------------------------------
+# One consumer at a time; aclose from another task (trio's rules for streams)
+# ------------------------------------------------------------------------------------------
+
+
+async def test_aclose_from_another_task_wakes_the_parked_consumer(autojump_clock):
+    # a long TTFT: the consumer is parked when the other task closes the stream
+    async with open_fake_engine(ttft_ms=5000) as (engine, spawn):
+        stream = engine.generate("hi", LONG)
+        raised = []
+
+        async def consume():
+            try:
+                async for _ in stream:
+                    pass  # pragma: no cover
+            except trio.ClosedResourceError:
+                raised.append(trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consume)
+            await trio.sleep(0.5)
+            await stream.aclose()
+            closed_at = trio.current_time()
+        assert raised == [approx(closed_at)]
+        assert spawn.aborts() == 1
+        assert [o async for o in stream] == []  # closed: its iteration ends
+
+
+async def test_aclose_from_another_task_wakes_wait_started(autojump_clock):
+    async with open_fake_engine(ttft_ms=5000) as (engine, spawn):
+        stream = engine.generate("hi", LONG)
+        async with trio.open_nursery() as nursery:
+            async def close_later():
+                await trio.sleep(0.5)
+                await stream.aclose()
+
+            nursery.start_soon(close_later)
+            with pytest.raises(trio.ClosedResourceError):
+                await stream.wait_started()
+        assert trio.current_time() == approx(0.5)
+        assert spawn.aborts() == 1
+
+
+async def test_a_second_task_waiting_on_the_stream_is_busy(autojump_clock):
+    async with open_fake_engine(ttft_ms=1000) as (engine, spawn):
+        async with engine.generate("hi", SamplingParams(max_tokens=3)) as stream:
+            async with trio.open_nursery() as nursery:
+                got: list = []
+
+                async def consume():
+                    got.extend(await collect(stream))
+
+                nursery.start_soon(consume)
+                await trio.sleep(0.1)  # the first consumer is parked
+                with pytest.raises(trio.BusyResourceError):
+                    await stream.__anext__()
+                with pytest.raises(trio.BusyResourceError):
+                    await stream.wait_started()
+        # the first consumer was not disturbed: it got the whole answer
+        assert got[-1][1].finish_reason == "length"
+        assert sum(o.num_tokens for _, o in got) == 3
+        assert spawn.aborts() == 0
+
+
+@pytest.mark.parametrize("ignore_abort", [False, True])
+async def test_concurrent_acloses_both_end_with_the_close(autojump_clock, ignore_abort):
+    # both return when the worker confirms the abort (or at the drain deadline): neither
+    # waits in the other's place
+    params = SamplingParams(max_tokens=5000, extra=fault("ignore_abort") if ignore_abort else {})
+    async with open_fake_engine(drain_timeout=5.0) as (engine, spawn):
+        stream = engine.generate("hi", params)
+        await stream.wait_started()
+        start = trio.current_time()
+        done = []
+
+        async def close():
+            await stream.aclose()
+            done.append(trio.current_time() - start)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(close)
+            nursery.start_soon(close)
+        assert len(done) == 2 and done[0] == done[1]
+        assert done[0] == (approx(5.0) if ignore_abort else pytest.approx(0.0, abs=0.05))
+        assert spawn.aborts() == 1
+        await assert_engine_idle(engine, settle=60)  # a request that ignored its abort
 
 
 @settings(max_examples=60, deadline=None, database=None,

@@ -117,6 +117,7 @@ async def serve(
     shutdown_trigger: trio.Event | None = None,
     handle_signals: bool = False,
     tune_gc: bool = False,
+    gc_metrics: bool = False,
     wait_ready: bool = True,
     exit_when_stuck: bool = False,
     task_status=trio.TASK_STATUS_IGNORED,
@@ -136,11 +137,14 @@ async def serve(
     Options that reach beyond this server, for the CLI (or a program that wants them):
     ``handle_signals`` takes SIGTERM/SIGINT for the graceful drain (a second signal stops at
     once); ``tune_gc`` freezes what is alive after startup and raises the collector's
-    thresholds for the whole process (``server.observability.gcstats``); with
+    thresholds for the whole process (``server.observability.gcstats``); ``gc_metrics``
+    counts the collector's pauses for ``/metrics`` (a ``gc.callbacks`` entry); with
     ``exit_when_stuck``, a shutdown that connections of clients that stopped reading would
     hold up forever ends the process (``os._exit(0)``) once the engine's workers are stopped.
     """
     app = app or create_app(config)
+    if gc_metrics:
+        app.metrics.watch_gc()
     hc = hypercorn_config(config)
     phases = ShutdownPhases(shutdown_trigger)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
@@ -29,6 +29,7 @@ from ..protocol import wire
 from ..protocol.handshake import parse_address
 from .deadlines import DeadlineQueue
 from .stream import Choice, RequestStream, Waker
+from .unwrap import body_errors_unwrapped
 from .worker import WorkerClient, WorkerStartupError
 
 __all__ = ["Engine", "EngineStatistics", "WorkerStatistics", "open_engine", "run_engine"]
@@ -289,10 +290,9 @@ def _check_remote(config: EngineConfig) -> None:
                          "own: give them to 'python -m server.workers --listen'")
 
 
-@asynccontextmanager
-async def open_engine(
+def open_engine(
     config: EngineConfig | None = None, *, wait_ready: bool = True, spawn=None
-) -> AsyncIterator[Engine]:
+) -> AbstractAsyncContextManager[Engine]:
     """Start the engine's workers; stop them (shielded, bounded) when the block exits.
 
     With ``wait_ready`` (the default) the block starts once every worker has loaded its
@@ -301,7 +301,19 @@ async def open_engine(
     and the workers come up behind it (the HTTP server does this, answering 503 meanwhile).
     ``spawn`` replaces how a worker process is started (see
     :func:`~server.manager.worker.spawn_process`); tests pass in-memory fakes.
+
+    An exception raised in the block comes out as itself (``except ClientError`` around
+    the block works; Ctrl-C is a plain ``KeyboardInterrupt``). Only when one of the engine's
+    own background tasks failed does a ``BaseExceptionGroup`` come out: it holds that
+    failure (and the block's exception, unless that was the cancellation it caused).
     """
+    return body_errors_unwrapped(_open_engine(config, wait_ready=wait_ready, spawn=spawn))
+
+
+@asynccontextmanager
+async def _open_engine(
+    config: EngineConfig | None, *, wait_ready: bool, spawn
+) -> AsyncIterator[Engine]:
     engine = Engine(config or EngineConfig(), spawn=spawn)
     failed: list[WorkerStartupError] = []
 

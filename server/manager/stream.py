@@ -28,6 +28,12 @@ End of stream is a value: a choice's last output has ``finish_reason`` set, and 
 ends (``StopAsyncIteration``) when every choice has delivered its last output. Nothing here
 stores an exception, and nothing refers back to the stream, so a finished request is freed by
 reference counting alone.
+
+One consumer at a time, as with Trio's own streams: a second task that waits on a stream
+while another is waiting raises ``trio.BusyResourceError`` (the waker has one slot).
+:meth:`RequestStream.aclose` from another task evicts a parked consumer from that slot with
+``trio.ClosedResourceError`` before it parks there itself, and a second ``aclose`` meanwhile
+waits for the first.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import outcome
 import trio
 
 from ..errors import ServerError
@@ -305,6 +312,8 @@ class RequestStream:
         "_drain_timeout",
         "_drain_deadline",
         "_on_release",
+        "_busy",
+        "_closing",
         "abort_cause",
         "errors_as_outputs",
         "__weakref__",
@@ -325,6 +334,8 @@ class RequestStream:
         self._drain_timeout = drain_timeout
         self._drain_deadline: float | None = None
         self._on_release = on_release
+        self._busy = False  # a task is in __anext__ or wait_started (one consumer at a time)
+        self._closing: trio.Event | None = None  # set once the aclose in progress is done
         #: Why the server aborted this stream ("timeout", "shutdown", ...), or None.
         self.abort_cause: str | None = None
         #: Return an output with ``finish_reason == "error"`` instead of raising its error.
@@ -338,6 +349,9 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         waker = self._waker
         ready = waker.ready
+        if self._busy:
+            raise trio.BusyResourceError("another task is already waiting on this stream")
+        self._busy = True
         try:
             while True:
                 if ready:
@@ -355,6 +369,8 @@ class RequestStream:
             if not isinstance(exc, StopAsyncIteration):
                 await self.aclose()
             raise
+        finally:
+            self._busy = False
         waker.taken()
         out = ready.popleft().take()
         if out.finish_reason is not None:
@@ -448,6 +464,9 @@ class RequestStream:
         """
         choices = self._choices
         deadline = trio.current_time() + timeout
+        if self._busy:
+            raise trio.BusyResourceError("another task is already waiting on this stream")
+        self._busy = True
         try:
             while True:
                 for c in choices:
@@ -471,6 +490,8 @@ class RequestStream:
         except BaseException:
             await self.aclose()
             raise
+        finally:
+            self._busy = False
 
     # -- ending ------------------------------------------------------------------------------
 
@@ -490,7 +511,10 @@ class RequestStream:
         self._waker.wake()  # a consumer parked without a deadline re-parks with this one
 
     async def _park(self) -> None:
-        """Wait for news; once aborted, only until the drain deadline (then cut off)."""
+        """Wait for news; once aborted, only until the drain deadline (then cut off).
+        Raises ``trio.ClosedResourceError`` while another task closes the stream."""
+        if self._closing is not None:
+            raise trio.ClosedResourceError("another task closed this stream")
         if self._drain_deadline is None:
             await self._waker.park()
         else:
@@ -513,22 +537,42 @@ class RequestStream:
 
     async def aclose(self) -> None:
         """Abort what is unfinished and free the request; shielded, bounded by the drain
-        deadline. Safe to call more than once, and from a cancelled scope."""
+        deadline. Safe to call more than once, from a cancelled scope, and from another task
+        than the consumer's: a consumer waiting on the stream then raises
+        ``trio.ClosedResourceError``, and an ``aclose`` while one is in progress waits for
+        it. Iterating a closed stream ends at once."""
         if self._released:
             return
-        self._waker.sink = None  # what drains now is not written to the client
-        choices = self._choices
-        if any(not c.done for c in choices):
-            for c in choices:
-                c.worker.abort_nowait(c)
-            with trio.CancelScope(shield=True) as scope:
-                scope.deadline = trio.current_time() + self._drain_timeout
-                if self._drain_deadline is not None:
-                    scope.deadline = min(scope.deadline, self._drain_deadline)
-                while any(not c.done for c in choices):
-                    await self._waker.park()
-            self.cut_off()
-        self._release()
+        closing = self._closing
+        if closing is not None:  # another task is closing it: bounded there
+            with trio.CancelScope(shield=True):
+                await closing.wait()
+            return
+        self._closing = closing = trio.Event()
+        waker = self._waker
+        try:
+            waker.sink = None  # what drains now is not written to the client
+            parked = waker.task
+            if parked is not None:  # the consumer, in another task: its stream is closed
+                waker.task = None
+                _reschedule(parked, outcome.Error(
+                    trio.ClosedResourceError("another task closed this stream")))
+            choices = self._choices
+            if any(not c.done for c in choices):
+                for c in choices:
+                    c.worker.abort_nowait(c)
+                with trio.CancelScope(shield=True) as scope:
+                    scope.deadline = trio.current_time() + self._drain_timeout
+                    if self._drain_deadline is not None:
+                        scope.deadline = min(scope.deadline, self._drain_deadline)
+                    while any(not c.done for c in choices):
+                        await waker.park()
+                self.cut_off()
+            self._release()
+        finally:
+            if not self._released:  # (interrupted: a later aclose tries again)
+                self._closing = None
+            closing.set()
 
     def _release(self) -> None:
         if not self._released:

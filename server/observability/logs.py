@@ -42,6 +42,7 @@ __all__ = [
     "TextFormatter",
     "configure_logging",
     "current_request_id",
+    "lean_log_records",
     "log_handler",
     "log_request",
     "new_request_id",
@@ -185,25 +186,38 @@ def log_handler(fmt: str = "text", stream=None) -> logging.Handler:
     return handler
 
 
-def configure_logging(level: str = "info", fmt: str = "text", stream=None) -> logging.Handler:
-    """Make the root logger write ``fmt`` lines at ``level`` and above (for the CLI; an
-    embedding program configures logging itself and may add :func:`log_handler`).
+#: The root handler :func:`configure_logging` added last (the one it replaces).
+_configured: logging.Handler | None = None
 
-    Also turns off what no line of ours shows and every record pays for (the caller's file
-    and line, thread and process names), as the logging HOWTO's "Optimization" section
-    says: a third less CPU per line, and there is one line per request.
+
+def configure_logging(level: str = "info", fmt: str = "text", stream=None) -> logging.Handler:
+    """Make the root logger write ``fmt`` lines at ``level`` and above: adds a
+    :func:`log_handler` to it (replacing the one an earlier call added) and sets its level.
+    Other handlers and the ``logging`` module's settings stay as they are; an embedding
+    program may as well add :func:`log_handler` to a logger of its choice. The CLI, which
+    owns its process, also clears the root's handlers and calls :func:`lean_log_records`.
     """
+    global _configured
+    handler = log_handler(fmt, stream)
+    root = logging.getLogger()
+    if _configured is not None:
+        root.removeHandler(_configured)
+    _configured = handler
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    return handler
+
+
+def lean_log_records() -> None:
+    """Turn off, process-wide, what no line of ours shows and every record pays for (the
+    caller's file and line, thread and process names), as the logging HOWTO's
+    "Optimization" section says: a third less CPU per line, and there is one line per
+    request. For a program that owns its process (the CLI); it changes every logger's
+    records, not only ours."""
     logging._srcfile = None
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False
-    handler = log_handler(fmt, stream)
-    root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
-    root.addHandler(handler)
-    root.setLevel(level.upper())
-    return handler
 
 
 # -- the request line ------------------------------------------------------------------------

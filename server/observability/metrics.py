@@ -156,9 +156,18 @@ class Metrics:
         self._connections = None
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(self)
-        self.registry.register(gc_stats())
+        self._gc_watched = False
         if process_metrics:
             ProcessCollector(registry=self.registry)
+
+    def watch_gc(self) -> None:
+        """Also expose the collector's pauses (``python_gc_*``). Asked for, never by default:
+        it installs a ``gc.callbacks`` entry for the rest of the process
+        (:mod:`server.observability.gcstats`). ``serve(gc_metrics=True)`` calls this; the
+        CLI does."""
+        if not self._gc_watched:
+            self._gc_watched = True
+            self.registry.register(gc_stats())
 
     def watch_connections(self, pool) -> None:
         """Report ``pool.statistics()`` (a :class:`server.http.listen.ConnectionPool`)."""

@@ -34,6 +34,8 @@ The parts:
   :class:`InMemoryWorkerProcess` can crash, hang, be killed or break the protocol, and
   every frame that crossed its pipe is recorded (:class:`PipeLog`).
 * :func:`sim_engine_config`, :func:`fault`: configurations and sim fault injection.
+* :func:`open_asgi_client` (:mod:`server.testing.asgi`): the HTTP app on that engine, in
+  virtual time, without sockets.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import namedtuple
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import AsyncIterator
 
 import trio
@@ -49,18 +51,23 @@ import trio.testing
 
 from ..config import EngineConfig
 from ..manager.engine import Engine, open_engine
+from ..manager.unwrap import body_errors_unwrapped
 from ..protocol import wire
 from ..workers.base import WorkerCrash, WorkerGarbage, WorkerHang
 from ..workers.main import handle_message, step_message
 from ..workers.sim import SimEngine
+from .asgi import ASGIClient, ASGIResponse, open_asgi_client
 
 __all__ = [
+    "ASGIClient",
+    "ASGIResponse",
     "Frame",
     "InMemorySpawner",
     "InMemoryWorkerProcess",
     "PipeLog",
     "assert_engine_idle",
     "fault",
+    "open_asgi_client",
     "open_in_memory_engine",
     "open_in_memory_spawner",
     "sim_engine_config",
@@ -319,14 +326,13 @@ async def open_in_memory_spawner(**kw) -> AsyncIterator[InMemorySpawner]:
                 proc.die(-9)
 
 
-@asynccontextmanager
-async def open_in_memory_engine(
+def open_in_memory_engine(
     config: EngineConfig | None = None,
     *,
     spawner: InMemorySpawner | None = None,
     timeout: float = 600.0,
     **options,
-) -> AsyncIterator[Engine]:
+) -> AbstractAsyncContextManager[Engine]:
     """An :class:`~server.Engine` over in-memory sim workers, for the block's duration.
 
     ``config`` defaults to :func:`sim_engine_config` of ``options``. ``spawner``: one
@@ -334,9 +340,17 @@ async def open_in_memory_engine(
     On a clean exit the block checks that nothing is left in the manager or any worker,
     and that every worker exited with the engine. It fails after ``timeout`` seconds of
     Trio time: under ``autojump_clock`` a test that would wait forever (heartbeats keep the
-    clock jumping) fails at once instead.
+    clock jumping) fails at once instead. An exception raised in the block comes out as
+    itself, as from :func:`server.open_engine`.
     """
     config = config or sim_engine_config(**options)
+    return body_errors_unwrapped(_in_memory_engine(config, spawner, timeout))
+
+
+@asynccontextmanager
+async def _in_memory_engine(
+    config: EngineConfig, spawner: InMemorySpawner | None, timeout: float
+) -> AsyncIterator[Engine]:
     with trio.fail_after(timeout):
         if spawner is None:
             async with open_in_memory_spawner() as spawner:
