@@ -565,4 +565,6 @@ def _tools_to_engine(tools: ToolChoice, extra: dict, grammar_ok: bool, engine: s
             "'response_format' cannot be combined with 'tool_choice' 'required' or a named "
             "function: both constrain the whole output.", param="response_format",
         )
-    extra["response_format"] = {"type": "json_schema", "schema": tools.grammar}
+    # origin: the engine's errors about this grammar name the tool call, not response_format
+    extra["response_format"] = {
+        "type": "json_schema", "schema": tools.grammar, "origin": "tool_choice"}
