@@ -233,7 +233,8 @@ async def test_a_listening_worker_prepares_off_its_loop_too(model_dir, engine, t
     prompt = "a" * 3_500_000
     path = tmp_path / "w.sock"
     args = ["--engine", "transformers", "--model-path", str(model_dir), "--num-threads", "1"]
-    async with listening_worker(tmp_path, f"unix:{path}", *args, secret=None) as w:
+    async with listening_worker(tmp_path, f"unix:{path}", *args, secret=None,
+                                startup=LIMIT) as w:
         remote = server.EngineConfig(
             worker_addresses=(w.address,), workers=1, shutdown_grace=0.3,
             heartbeat_interval=0.1, heartbeat_timeout=HEARTBEAT)

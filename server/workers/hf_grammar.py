@@ -32,10 +32,11 @@ from __future__ import annotations
 import collections
 import json
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from .base import Rejected, one_line
+from .prepare import DaemonPool
 
 __all__ = ["Grammars", "COMPILE_THREADS", "MAX_SCHEMA_BYTES", "COMPILE_TIMEOUT", "describe"]
 
@@ -82,7 +83,7 @@ class Grammars:
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids)
         )
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
+        self._pool = DaemonPool(COMPILE_THREADS, "grammar")
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[str, Future] = collections.OrderedDict()
         self.vocab_size = vocab_size
@@ -130,7 +131,7 @@ class Grammars:
 
     def close(self) -> None:
         """Stop compiling: queued compilations are dropped, running ones not waited for."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
     def _future(self, key: str) -> Future:
         """The cached compilation of ``key`` ("" for any JSON), started if new."""

@@ -34,17 +34,66 @@ from __future__ import annotations
 import collections
 import functools
 import os
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+import queue
+import threading
+from concurrent.futures import CancelledError, Future
 
 from ..protocol import wire
 from ..protocol.wire import AcceptRow, OutputRow
 from .base import Rejected
 
-__all__ = ["Preparer", "PREPARE_THREADS", "admit", "tokenize_reply"]
+__all__ = ["DaemonPool", "Preparer", "PREPARE_THREADS", "admit", "tokenize_reply"]
 
 #: Threads preparing requests in a worker: a few, so that one huge prompt does not stall
 #: the others, and few, so that a flood of them cannot take the machine from the model.
 PREPARE_THREADS = 4
+
+
+class DaemonPool:
+    """A fixed pool of daemon threads running submitted calls, each with a Future.
+
+    Not ``concurrent.futures.ThreadPoolExecutor``: the interpreter joins its threads at
+    exit, so a worker told to stop would wait for a grammar that takes a minute to compile
+    (work that cannot be interrupted). A worker's process ends with its loop; these threads
+    end with it."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(threads):
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True).start()
+        self._threads = threads
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        """Queued calls are cancelled; running ones are not waited for."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in range(self._threads):
+            self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # the future carries it to whoever waits
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
 
 
 def admit(rid: int, add, accepts: list, outputs: list) -> None:
@@ -76,8 +125,10 @@ class Preparer:
 
     def __init__(self, engine, threads: int = PREPARE_THREADS) -> None:
         self.engine = engine
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="prepare")
+        self._pool = DaemonPool(threads, "prepare")
         self._wake_r, self._wake_w = os.pipe()
+        self._wake_lock = threading.Lock()  # no wake-up write once close() closed the pipe
+        self._closed = False
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         #: finished work, appended by the pool's threads: ("submit" | "tokenize", id, future)
@@ -149,19 +200,24 @@ class Preparer:
 
     def close(self) -> None:
         """Stop the pool: queued work is dropped; running work is not waited for."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._pool.shutdown()
+        with self._wake_lock:
+            self._closed = True
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
     def _finished(self, kind: str, key, future: Future) -> None:
         """In a pool thread (or the loop's, for a cancelled future): queue it, wake the loop."""
         if future.cancelled():
             return
         self._done.append((kind, key, future))
-        try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):  # the pipe is full (a wake-up is pending) or closed
-            pass
+        with self._wake_lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:  # the pipe is full: a wake-up is pending anyway
+                pass
 
 
 def _add_prepared(engine, rid: int, future: Future) -> int:
