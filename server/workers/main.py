@@ -17,7 +17,9 @@ One thread, one loop::
 
 A request's slow setup (tokenizing, a chat template, a grammar) runs in a few threads of
 :mod:`server.workers.prepare` for an engine that splits its ``add``: the loop never waits
-for it. End of input (the frontend closed the pipe or died) ends the worker: a worker never outlives
+for it.
+
+End of input (the frontend closed the pipe or died) ends the worker: a worker never outlives
 its frontend. SIGINT is ignored (a Ctrl-C in the terminal reaches the whole process group;
 the frontend decides how its workers stop); SIGTERM ends it, after the engine's cleanup.
 """
