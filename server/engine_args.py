@@ -35,8 +35,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, spawned: bool) -> None:
                    "use cores / workers)")
     if spawned:
         g.add_argument("--engine-workers", type=int, default=1,
-                       help="number of engine worker processes (requests go to the least "
-                       "loaded)")
+                       help="number of engine worker processes (requests are spread over "
+                       "them by --routing)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the engine's)")
     g.add_argument("--max-batch", type=int, default=None,

@@ -107,7 +107,7 @@ def brute_pick(router: Router, query: str, loads, exclude=()):
     st.sets(st.integers(0, 3), max_size=2),
 )
 def test_pick_follows_the_prefix_policy(history, query, loads, balance, exclude):
-    router = Router(4, "prefix", balance=balance, block_chars=B)
+    router = Router(4, "prefix", balance=balance, block_chars=B, window=0)
     for worker, p in history:
         router.routed(worker, router.blocks(p).hashes)
     decision = router.pick(router.blocks(query).hashes, loads, tuple(exclude))
@@ -129,7 +129,7 @@ def test_pick_follows_the_prefix_policy(history, query, loads, balance, exclude)
 
 
 def test_follow_up_goes_to_the_worker_holding_the_prefix_unless_it_is_too_loaded():
-    router = Router(3, "prefix", balance=2, block_chars=B)
+    router = Router(3, "prefix", balance=2, block_chars=B, window=0)
     conv = "system prompt. " * 4
     first = router.pick(router.blocks(conv).hashes, [0, 0, 0])
     assert first is not None and first.reason == "load"
@@ -146,6 +146,28 @@ def test_follow_up_goes_to_the_worker_holding_the_prefix_unless_it_is_too_loaded
     # excluded (e.g. the worker died): the best of the others
     gone = router.pick(router.blocks(follow).hashes, [1, 1, 1], exclude=(first.worker,))
     assert gone is not None and gone.worker != first.worker
+
+
+def test_recent_decisions_count_as_load():
+    """A prefix every conversation shares does not draw every new conversation to the
+    worker that holds it: its recent decisions count as load (window of 8 here)."""
+    router = Router(2, "prefix", balance=2, block_chars=B, window=8)
+    system = "shared system prompt " * 3
+    got = []
+    for k in range(8):
+        prompt = system + f"conversation {k:04d}" * 2
+        d = router.pick(router.blocks(prompt).hashes, [0, 0])  # nothing outstanding
+        assert d is not None
+        router.routed(d.worker, router.blocks(prompt).hashes)
+        got.append(d.worker)
+    assert abs(got.count(0) - got.count(1)) <= 3
+    # without the window, worker 0 would take them all
+    plain = Router(2, "prefix", balance=2, block_chars=B, window=0)
+    for k in range(8):
+        prompt = system + f"conversation {k:04d}" * 2
+        d = plain.pick(plain.blocks(prompt).hashes, [0, 0])
+        assert d is not None and d.worker == 0
+        plain.routed(0, plain.blocks(prompt).hashes)
 
 
 def test_round_robin_and_least_loaded():

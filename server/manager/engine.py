@@ -168,10 +168,11 @@ class Engine:
             choices, waker, self.config.drain_timeout, self._stream_released, errors_as_outputs
         )
         self._streams.add(stream)
-        if router.prefix_aware and choices:
-            router.routed(worker.index, blocks.hashes)
-            for prompt in prompts[1:]:
-                router.routed(worker.index, router.blocks(prompt).hashes)
+        if choices:  # (for the statistics of every policy, and the prefix index)
+            if router.prefix_aware:
+                router.routed(worker.index, blocks.hashes)
+                for prompt in prompts[1:]:
+                    router.routed(worker.index, router.blocks(prompt).hashes)
             self._routes[choices[0].rid] = (worker.index, blocks, decision.matched)
         if timeout is not None:
             self.deadlines.add(trio.current_time() + timeout, stream)

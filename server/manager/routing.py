@@ -19,9 +19,11 @@ docs/routing.md):
   evicts them).
 * :meth:`Router.pick` scores every candidate worker by its matched prefix (leading blocks
   found in its index: O(prompt blocks) per worker). The best match wins, ties going to the
-  least loaded, unless its load (requests outstanding, other frontends' included) exceeds
-  the least loaded worker's by more than ``balance``: then the least loaded worker takes
-  it (``balance`` is the trade-off knob; 0 is pure least-loaded where loads differ).
+  least loaded, unless its load exceeds the least loaded worker's by more than
+  ``balance``: then the least loaded worker takes it (``balance`` is the trade-off knob; 0
+  is pure least-loaded where loads differ). A worker's load is its outstanding requests
+  (other frontends' included) plus how many of this router's last ``window`` decisions
+  (32 per worker) went to it.
 * Corrections: a worker that restarted (or reconnected) has an empty cache, so its index is
   cleared (:meth:`Router.reset`). When a result reports ``cached_tokens`` and the worker
   had less of the prompt than predicted, it evicted faster than the index assumed: the
@@ -54,6 +56,8 @@ BLOCK_CHARS = 256
 BLOCK_TOKENS = 16
 #: Blocks each worker's index remembers by default (about 1 M tokens of text).
 DEFAULT_CAPACITY = 16384
+#: Decisions remembered for the load, per worker (see :meth:`Router.pick`).
+DEFAULT_WINDOW_PER_WORKER = 32
 #: The default of ``balance``: extra outstanding requests the best-matching worker may
 #: carry over the least loaded one (see docs/routing.md for how it was chosen).
 DEFAULT_BALANCE = 4
@@ -183,6 +187,8 @@ class RouterStatistics:
     cached_tokens: list[int]
     #: Per worker: results whose cached prefix fell short of the prediction.
     mispredicted: list[int]
+    #: Per worker: requests routed to it.
+    routed: list[int]
 
 
 class Router:
@@ -196,6 +202,7 @@ class Router:
         balance: int = DEFAULT_BALANCE,
         capacity: int = DEFAULT_CAPACITY,
         block_chars: int = BLOCK_CHARS,
+        window: int | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}")
@@ -206,9 +213,14 @@ class Router:
         self.block_chars = block_chars
         self.indexes = [PrefixIndex(capacity) for _ in range(workers)]
         self._rr = itertools.count()
+        #: The last ``window`` decisions (worker indexes), and each worker's count in them.
+        self._window: collections.deque[int] = collections.deque(
+            maxlen=DEFAULT_WINDOW_PER_WORKER * workers if window is None else window
+        )
+        self._recent = [0] * workers
         self.stats = RouterStatistics(
             {"prefix": 0, "load": 0, "balance": 0}, [0] * workers, [0] * workers,
-            [0] * workers,
+            [0] * workers, [0] * workers,
         )
 
     @property
@@ -229,9 +241,17 @@ class Router:
     ) -> Decision | None:
         """The worker for a prompt of ``blocks``. ``loads[i]`` is worker i's outstanding
         requests, None where it cannot take requests; ``exclude``: workers not to use.
-        None when no worker can take it. Counts the decision in the statistics."""
+        None when no worker can take it. Counts the decision in the statistics.
+
+        The load compared is the outstanding requests plus the worker's share of the last
+        ``window`` decisions: a chat between turns has nothing outstanding, yet its next
+        turn will follow its prefix; counting recent decisions keeps a worker that holds a
+        prefix every request shares (a common system prompt) from taking all the new
+        conversations while loads are low."""
+        recent = self._recent if self.policy == "prefix" else [0] * len(loads)
         candidates = [
-            (i, load) for i, load in enumerate(loads) if load is not None and i not in exclude
+            (i, load + recent[i])
+            for i, load in enumerate(loads) if load is not None and i not in exclude
         ]
         if not candidates:
             return None
@@ -254,6 +274,13 @@ class Router:
                             least_i, "balance", self.indexes[least_i].match(blocks)
                         )
         self.stats.decisions[decision.reason] += 1
+        self.stats.routed[decision.worker] += 1
+        window = self._window
+        if window.maxlen and self.policy == "prefix":
+            if len(window) == window.maxlen:
+                recent[window[0]] -= 1
+            window.append(decision.worker)
+            recent[decision.worker] += 1
         return decision
 
     def routed(self, worker: int, blocks: Sequence[bytes]) -> None:

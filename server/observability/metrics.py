@@ -330,6 +330,7 @@ def _routing_families(model: str, routing) -> Iterator[Metric]:
     )
     per_worker = ["model_name", "worker"]
     for name, doc, values in (
+        ("routed_requests", "Requests routed to each worker.", routing.routed),
         ("prefix_cache_queries",
          "Prompt tokens of the results that reported their cached prompt tokens, per worker.",
          routing.prompt_tokens),
