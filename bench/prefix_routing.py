@@ -152,7 +152,7 @@ def main() -> None:
     p.add_argument("--itl-ms", type=float, default=8.0)
     p.add_argument("--think", type=float, default=2.0, help="mean seconds between turns")
     p.add_argument("--ramp", type=float, default=4.0)
-    p.add_argument("--balance", type=int, default=4, help="--routing-balance")
+    p.add_argument("--balance", type=int, default=8, help="--routing-balance")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--policies", default="prefix,least-loaded,round-robin")
     args = p.parse_args()

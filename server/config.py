@@ -77,7 +77,7 @@ class EngineConfig:
     routing: str = "prefix"
     #: Prefix routing's trade-off: the most extra outstanding requests the best-matching
     #: worker may carry over the least loaded one before the least loaded one is used.
-    routing_balance: int = 4  # server.manager.routing.DEFAULT_BALANCE
+    routing_balance: int = 8  # server.manager.routing.DEFAULT_BALANCE
 
     def for_worker(self, index: int) -> EngineConfig:
         """This config, for worker ``index``."""

@@ -60,7 +60,7 @@ DEFAULT_CAPACITY = 16384
 DEFAULT_WINDOW_PER_WORKER = 32
 #: The default of ``balance``: extra outstanding requests the best-matching worker may
 #: carry over the least loaded one (see docs/routing.md for how it was chosen).
-DEFAULT_BALANCE = 4
+DEFAULT_BALANCE = 8
 
 
 def _chain(parts) -> list[bytes]:
