@@ -11,7 +11,7 @@ import trio
 
 from server import SamplingParams
 from tests.conftest import running_server
-from tests.fakes import all_outputs, open_real_engine, sim_config
+from tests.fakes import all_outputs, fault, open_real_engine, sim_config, wait_for
 
 SIM = dict(itl_ms=2.0, ttft_ms=2.0, prefill_us_per_token=0.0, faults=False,
            prefix_cache_tokens=100_000, prefix_block_size=4)
@@ -79,3 +79,41 @@ async def test_cached_tokens_in_usage_over_http_with_two_frontend_requests():
     assert second.usage.prompt_tokens_details is not None
     assert second.usage.prompt_tokens_details.cached_tokens >= 120
     assert 'trio_llm:routing_decisions_total{model_name="sim",reason="prefix"} 1.0' in metrics
+
+
+async def test_a_restarted_worker_is_known_to_have_an_empty_cache():
+    """The worker crashes and restarts between two turns: its cache is gone (the engine
+    reports 0 cached), and the router no longer predicts a match (routes by load)."""
+    params = SamplingParams(max_tokens=5, temperature=0)
+    with trio.fail_after(LIMIT):
+        async with open_real_engine(sim_config(**{**SIM, "faults": True})) as (engine, _):
+            assert await cached_of(engine.generate(conversation("Di", 1), params)) == 0
+            assert await cached_of(engine.generate(conversation("Di", 2), params)) >= 120
+            assert engine.statistics().routing.decisions["prefix"] == 1  # type: ignore[union-attr]
+            crash = SamplingParams(max_tokens=5, extra=fault("crash", 1))
+            await all_outputs(engine.generate("x", crash))
+            await wait_for(lambda: engine.statistics().workers[0].restarts == 1
+                           and engine.statistics().workers_alive == 1, timeout=20)
+            assert await cached_of(engine.generate(conversation("Di", 3), params)) == 0
+            stats = engine.statistics().routing
+            assert stats is not None and stats.decisions["prefix"] == 1
+
+
+async def test_a_cache_that_evicts_sooner_than_predicted_is_corrected():
+    """The sim's cache (128 tokens) is far smaller than the router's index: a turn the
+    router expected cached reports otherwise, and the index forgets its oldest blocks."""
+    params = SamplingParams(max_tokens=5, temperature=0)
+    small = {**SIM, "prefix_cache_tokens": 128}
+    with trio.fail_after(LIMIT):
+        async with open_real_engine(sim_config(**small)) as (engine, _):
+            await cached_of(engine.generate(conversation("Ed", 1), params))
+            await cached_of(engine.generate(conversation("Flo", 1), params))  # evicts Ed's
+            index = engine.router.indexes[0]
+            held = len(index)
+            new = [h for h in engine.router.blocks(conversation("Ed", 2)).hashes
+                   if h not in index]
+            assert await cached_of(engine.generate(conversation("Ed", 2), params)) == 0
+            stats = engine.statistics().routing
+            assert stats is not None and stats.mispredicted == [1]
+            # Ed's second turn added its new blocks, and the misprediction took old ones
+            assert len(index) < held + len(new)
