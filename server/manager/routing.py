@@ -298,15 +298,16 @@ class Router:
     ) -> None:
         """A result from ``worker`` reported ``cached_tokens`` of ``prompt_tokens`` for a
         prompt of ``blocks``, ``matched`` of them predicted cached. When the worker had
-        clearly less (by over a tenth and a block: tokens and characters do not map
-        evenly), its cache evicts faster than the index assumed: forget as many of the
-        oldest blocks as were mispredicted."""
+        clearly less (under half, and more than 4 blocks short: tokens and characters do
+        not map evenly, and an engine caches whole blocks of its own size, vLLM's 16 to
+        128 tokens), its cache evicts faster than the index assumed: forget as many of
+        the oldest blocks as were mispredicted."""
         stats = self.stats
         stats.prompt_tokens[worker] += prompt_tokens
         stats.cached_tokens[worker] += cached_tokens
         if not matched or prompt_tokens <= 0 or not blocks.units:
             return
         actual = cached_tokens / prompt_tokens * blocks.units / blocks.size  # in blocks
-        if actual < matched * 0.9 - 1:
+        if actual < matched * 0.5 and matched - actual > 4:
             stats.mispredicted[worker] += 1
             self.indexes[worker].forget_oldest(int(matched - actual))
