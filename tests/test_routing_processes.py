@@ -18,9 +18,10 @@ SIM = dict(itl_ms=2.0, ttft_ms=2.0, prefill_us_per_token=0.0, faults=False,
 LIMIT = 60
 
 
-def conversation(name: str, turns: int) -> dict:
+def conversation(name: str, turns: int, repeat: int = 60) -> dict:
     """A chat whose system prompt is its own (so that two conversations share nothing)."""
-    messages = [{"role": "system", "content": f"You are {name}. " + f"{name} knows. " * 60}]
+    messages = [{"role": "system",
+                 "content": f"You are {name}. " + f"{name} knows. " * repeat}]
     for t in range(turns):
         messages.append({"role": "user", "content": f"question {t} for {name}"})
         if t + 1 < turns:
@@ -106,13 +107,13 @@ async def test_a_cache_that_evicts_sooner_than_predicted_is_corrected():
     small = {**SIM, "prefix_cache_tokens": 128}
     with trio.fail_after(LIMIT):
         async with open_real_engine(sim_config(**small)) as (engine, _):
-            await cached_of(engine.generate(conversation("Ed", 1), params))
-            await cached_of(engine.generate(conversation("Flo", 1), params))  # evicts Ed's
+            await cached_of(engine.generate(conversation("Ed", 1, 200), params))
+            await cached_of(engine.generate(conversation("Flo", 1, 200), params))  # evicts Ed's
             index = engine.router.indexes[0]
             held = len(index)
-            new = [h for h in engine.router.blocks(conversation("Ed", 2)).hashes
+            new = [h for h in engine.router.blocks(conversation("Ed", 2, 200)).hashes
                    if h not in index]
-            assert await cached_of(engine.generate(conversation("Ed", 2), params)) == 0
+            assert await cached_of(engine.generate(conversation("Ed", 2, 200), params)) == 0
             stats = engine.statistics().routing
             assert stats is not None and stats.mispredicted == [1]
             # Ed's second turn added its new blocks, and the misprediction took old ones
