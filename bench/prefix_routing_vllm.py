@@ -67,19 +67,20 @@ def main() -> None:
                 raise RuntimeError("not ready in time:\n" + server.log_tail())
             url = server.url + "/v1/completions"
 
-            def ask(body: str, client: httpx.Client, url: str = url) -> dict:
-                r = client.post(url, json={"model": "tiny", "prompt": body, "max_tokens": 8,
-                                           "temperature": 0}, timeout=300)
+            def ask(body: str, client: httpx.Client, url: str = url, n: int = 8) -> dict:
+                r = client.post(url, json={"model": "tiny", "prompt": body, "max_tokens": n,
+                                           "temperature": 0, "ignore_eos": True}, timeout=300)
                 r.raise_for_status()
                 return r.json()["usage"]
 
             with httpx.Client() as client:
                 from concurrent.futures import ThreadPoolExecutor
 
-                with ThreadPoolExecutor(2) as pool:  # both first turns at once
-                    firsts = list(pool.map(lambda n: ask(prompt(n, 1), httpx.Client()),
+                with ThreadPoolExecutor(2) as pool:  # both first turns at once (long answers)
+                    firsts = list(pool.map(lambda n: ask(prompt(n, 1), httpx.Client(), n=400),
                                            ["Ann", "Bob"]))
                 follow = {n: ask(prompt(n, 2), client) for n in ("Bob", "Ann")}
+                metrics = client.get(server.url + "/metrics").text
             print(f"--routing {routing}")
             for n, u in zip(("Ann", "Bob"), firsts):
                 print(f"  {n} turn 1: prompt {u['prompt_tokens']}, cached "
@@ -87,6 +88,9 @@ def main() -> None:
             for n, u in follow.items():
                 print(f"  {n} turn 2: prompt {u['prompt_tokens']}, cached "
                       f"{(u.get('prompt_tokens_details') or {}).get('cached_tokens')}")
+            for line in metrics.splitlines():
+                if line.startswith("trio_llm:routed_requests_total"):
+                    print("  " + line)
         finally:
             server.stop()
 
