@@ -16,6 +16,7 @@ import trio
 from .config import EngineConfig, Limits, ServerConfig
 from .http.tool_parsers import PARSERS as TOOL_PARSERS
 from .engine_args import ENGINE_DESTS, add_engine_arguments, engine_options
+from .manager.routing import DEFAULT_BALANCE, POLICIES
 from .protocol.handshake import SECRET_ENV, parse_address, read_secret
 from .observability.logs import configure_logging, lean_log_records
 
@@ -99,6 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="connect to the remote workers over TLS, trusting the CA "
                    "certificate(s) in this PEM file (the workers' --tls-cert must be "
                    "issued for the host names or addresses given to --worker-address)")
+
+    g = p.add_argument_group("routing")
+    g.add_argument("--routing", default="prefix", choices=list(POLICIES),
+                   help="how each request's engine worker is chosen: 'prefix' sends it to "
+                   "the worker predicted to hold most of its prompt in its prefix (KV) cache, "
+                   "unless that worker is too loaded (--routing-balance); 'least-loaded'; "
+                   "'round-robin'. See docs/routing.md")
+    g.add_argument("--routing-balance", type=int, default=DEFAULT_BALANCE, metavar="N",
+                   help="prefix routing: the most extra outstanding requests the "
+                   "best-matching worker may carry over the least loaded one before the "
+                   "least loaded one gets the request (0: only an equally loaded worker)")
 
     g = p.add_argument_group("several frontends")
     g.add_argument("--api-servers", type=int, default=1, metavar="N",
@@ -198,7 +210,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         stream_interval=args.stream_interval_ms / 1000.0,
         heartbeat_timeout=args.heartbeat_timeout,
         max_restarts=args.max_restarts,
+        routing=args.routing,
+        routing_balance=args.routing_balance,
     )
+    if args.routing_balance < 0:
+        raise SystemExit("trio-llm-server: --routing-balance must be at least 0")
     if args.devices_per_worker is not None:
         if args.devices_per_worker < 1:
             raise SystemExit("trio-llm-server: --devices-per-worker must be at least 1")

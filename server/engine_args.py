@@ -35,8 +35,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, spawned: bool) -> None:
                    "use cores / workers)")
     if spawned:
         g.add_argument("--engine-workers", type=int, default=1,
-                       help="number of engine worker processes (requests go to the least "
-                       "loaded)")
+                       help="number of engine worker processes (requests are spread over "
+                       "them by --routing)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the engine's)")
     g.add_argument("--max-batch", type=int, default=None,
@@ -78,6 +78,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, spawned: bool) -> None:
     g.add_argument("--sim-reasoning-tokens", type=int, default=0,
                    help="emulate a reasoning model: each answer opens with <think>, this many "
                    "words, </think> (for --reasoning-parser qwen3)")
+    g.add_argument("--sim-prefix-cache-tokens", type=int, default=0,
+                   help="model a prefix cache of this many tokens per worker, as vLLM's "
+                   "automatic prefix caching (LRU blocks; prefill time only for the uncached "
+                   "part; usage.prompt_tokens_details.cached_tokens); 0: off")
+    g.add_argument("--sim-prefix-block-size", type=int, default=16,
+                   help="tokens (words) per block of the sim's prefix cache")
     g.add_argument("--sim-faults", action="store_true",
                    help="enable fault injection: a request's 'fault' field, e.g. "
                    '{"kind": "crash", "after": 3}, is honoured (for tests; never in production)')
@@ -90,7 +96,7 @@ ENGINE_DESTS = (
     "max_model_len", "max_batch", "worker_startup_timeout", "tensor_parallel_size",
     "gpu_memory_utilization", "enable_prefix_caching", "engine_arg", "devices_per_worker",
     "sim_itl_ms", "sim_ttft_ms", "sim_prefill_us_per_token", "sim_max_batch",
-    "sim_reasoning_tokens", "sim_faults",
+    "sim_reasoning_tokens", "sim_faults", "sim_prefix_cache_tokens", "sim_prefix_block_size",
 )
 
 #: Engine options, and the engines that honour them: given with another engine, they are
@@ -134,6 +140,15 @@ def engine_options(args: argparse.Namespace, prog: str) -> dict:
             "faults": args.sim_faults,
             "reasoning_tokens": args.sim_reasoning_tokens,
         }
+        if args.sim_prefix_cache_tokens:
+            if args.sim_prefix_cache_tokens < 0 or args.sim_prefix_block_size < 1:
+                raise SystemExit(f"{prog}: --sim-prefix-cache-tokens must be >= 0 and "
+                                 "--sim-prefix-block-size >= 1")
+            options["prefix_cache_tokens"] = args.sim_prefix_cache_tokens
+            options["prefix_block_size"] = args.sim_prefix_block_size
+        elif args.sim_prefix_block_size != 16:
+            raise SystemExit(f"{prog}: --sim-prefix-block-size needs "
+                             "--sim-prefix-cache-tokens")
     elif args.engine == "vllm":
         options = _vllm_options(args, prog)
     else:

@@ -13,6 +13,11 @@ It behaves like a real engine from the frontend's point of view:
   ``temperature == 0`` ignores the seed; no seed and ``temperature > 0`` is random.
 * **Token counts.** The sim tokenizer counts whitespace-separated words of the prompt (or the
   length of a token-id list). Chat messages are rendered with :data:`CHAT_TEMPLATE` first.
+* **Prefix cache** (only with ``prefix_cache_tokens > 0``): a model of vLLM's automatic
+  prefix caching (:class:`server.workers.sim_cache.PrefixCache`: blocks of
+  ``prefix_block_size`` words, chained hashes, LRU eviction). A request's first token then
+  comes ``prefill_us_per_token`` per *uncached* prompt token after ``ttft_ms``, and its
+  last output carries a note ``{"cached_tokens": n}`` as vLLM's does.
 * **Finishing.** ``length`` at ``max_tokens``; ``stop`` when a stop string appears in the
   text (text that could be the start of a stop string is held back until it is decided, and
   the stop string itself is never sent).
@@ -39,6 +44,7 @@ from collections.abc import ValuesView
 
 from ..protocol.wire import OutputRow
 from .base import Rejected, WorkerCrash, WorkerGarbage, WorkerHang, check_context
+from .sim_cache import PrefixCache
 from .stops import StopMatcher
 
 __all__ = ["SimEngine", "CHAT_TEMPLATE", "render_chat", "count_tokens"]
@@ -79,7 +85,7 @@ def count_tokens(text: str) -> int:
 class _Req:
     __slots__ = (
         "rid", "rng", "max_tokens", "stop", "produced", "ready_at",
-        "fault", "fault_after", "prompt_tokens", "started", "call",
+        "fault", "fault_after", "prompt_tokens", "started", "call", "blocks", "cached",
     )
     rid: int
     rng: int  # the state of a 32-bit xorshift generator
@@ -92,6 +98,8 @@ class _Req:
     prompt_tokens: int
     started: bool
     call: list[str] | None  # the tokens of a tool call, when the request has tools
+    blocks: list[int]  # the prompt's block hashes (prefix cache on)
+    cached: int  # prompt tokens found in the prefix cache
 
 
 class SimEngine:
@@ -110,6 +118,8 @@ class SimEngine:
         faults: bool = False,
         startup_delay_ms: float = 0.0,
         reasoning_tokens: int = 0,
+        prefix_cache_tokens: int = 0,
+        prefix_block_size: int = 16,
         clock=time.monotonic,
     ) -> None:
         if max_batch < 1 or max_model_len < 2:
@@ -140,6 +150,12 @@ class SimEngine:
         self._waiting: dict[int, _Req] = {}  # insertion order is FIFO order
         self._starting: dict[int, _Req] = {}  # running, first token not yet produced
         self._next_tick: float | None = None
+        #: The prefix cache (None: off, and no cached_tokens notes).
+        self.cache = (
+            PrefixCache(prefix_cache_tokens, prefix_block_size) if prefix_cache_tokens else None
+        )
+        #: [rid, {"cached_tokens": n}] of requests that finished (the worker loop sends them).
+        self.notes: list = []
 
     # -- the Engine interface ---------------------------------------------------------------
 
@@ -153,15 +169,16 @@ class SimEngine:
             except (KeyError, TypeError):
                 raise Rejected("each message needs a role and a content") from None
             seed_bytes = text.encode()
-            prompt_tokens = count_tokens(text)
+            tokens: list = text.split()
         elif isinstance(prompt, str):
             seed_bytes = prompt.encode()
-            prompt_tokens = count_tokens(prompt)
+            tokens = prompt.split()
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             seed_bytes = repr(prompt).encode()
-            prompt_tokens = len(prompt)
+            tokens = prompt
         else:
             raise Rejected("prompt must be a string or a list of token ids")
+        prompt_tokens = len(tokens)
         try:
             max_tokens = params.get("max_tokens", 16)
             max_tokens = None if max_tokens is None else int(max_tokens)
@@ -191,6 +208,8 @@ class SimEngine:
         req.fault = None
         req.fault_after = 0
         req.call = _tool_call(params.get("tools"), max_tokens, req.rng)
+        req.blocks = self.cache.hashes(tokens) if self.cache is not None else []
+        req.cached = 0
         fault = params.get("fault")
         if self.faults and isinstance(fault, dict):
             if fault.get("kind") not in FAULT_KINDS:
@@ -247,6 +266,8 @@ class SimEngine:
                 outputs.append(out)
                 if out.finish is not None:
                     finished.append(req.rid)
+                    if self.cache is not None and out.finish != "error":
+                        self.notes.append([req.rid, {"cached_tokens": req.cached}])
         for rid in finished:
             del running[rid]
             self._starting.pop(rid, None)
@@ -270,9 +291,12 @@ class SimEngine:
         if room <= 0:
             return
         waiting = self._waiting
+        cache = self.cache
         for rid in list(waiting)[:room]:
             req = waiting.pop(rid)
-            req.ready_at = now + self.ttft + self.prefill * req.prompt_tokens
+            if cache is not None:
+                req.cached = cache.admit(req.blocks, req.prompt_tokens)
+            req.ready_at = now + self.ttft + self.prefill * (req.prompt_tokens - req.cached)
             self._running[rid] = req
             self._starting[rid] = req
 
