@@ -140,9 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests in flight beyond which new ones get 503 with Retry-After")
     g.add_argument("--max-concurrent-sequences", type=int, default=None,
                    help="sequences (prompts x n) in flight beyond which new requests get 503 "
-                   "with Retry-After; a request asking for more than this alone is a 400 "
-                   "(default: twice what the workers run at once, their max batch summed; "
-                   "0: no limit)")
+                   "with Retry-After (default: twice what the workers run at once, their max batch "
+                   "summed; a request larger than that runs when nothing else is in flight); "
+                   "given, a request asking for more than this alone is a 400 (0: no limit)")
     g.add_argument("--queued-heartbeat-s", type=float, default=15.0,
                    help="a streaming request still queued after this many seconds starts its "
                    "response and sends an SSE comment this often until its first token, so "
