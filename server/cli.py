@@ -15,7 +15,7 @@ import trio
 
 from .config import EngineConfig, Limits, ServerConfig
 from .http.tool_parsers import PARSERS as TOOL_PARSERS
-from .engine_args import ENGINE_DESTS, add_engine_arguments, engine_options
+from .engine_args import ENGINE_DESTS, add_engine_arguments, engine_options, resolve_model_args
 from .protocol.handshake import SECRET_ENV, parse_address, read_secret
 from .observability.logs import configure_logging
 
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "issued for the host names or addresses given to --worker-address)")
 
     g = p.add_argument_group("several frontends")
-    g.add_argument("--api-servers", type=int, default=1, metavar="N",
+    g.add_argument("--api-servers", "--api-server-count", type=int, default=1, metavar="N",
                    help="run N frontend processes serving the same port (SO_REUSEPORT) and "
                    "sharing the engine workers, under a supervisor process (this one) that "
                    "starts, restarts and stops them all; 1: one process serves HTTP itself "
@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "off by default: it shows the template and configuration to any client "
                    "with a key")
 
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's switch for tool_choice auto: here --tool-call-parser alone "
+                   "serves it; accepted with one")
     g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
                    help="serve tool_choice auto: parse chat answers into tool_calls "
                    "(hermes: <tool_call>{json}</tool_call>; llama3_json: {\"name\": ..., "
@@ -177,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The server's configuration from its parsed command line (which this normalizes in
+    place: the model's names, see :func:`~server.engine_args.resolve_model_args`)."""
+    resolve_model_args(args, "trio-llm-server")
     _check_frontend_options(args)
     remote = _remote_workers(args)
     options = {} if remote else engine_options(args, "trio-llm-server")
@@ -185,7 +191,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         startup = 1800.0 if args.engine == "vllm" else 120.0
     engine = EngineConfig(
         engine=args.engine,
-        model=args.model,
+        model=args.served_model_name,
         workers=len(remote) if remote else args.engine_workers,
         worker_addresses=remote,
         worker_secret=_worker_secret(args) if remote else None,
@@ -266,6 +272,8 @@ def _check_frontend_options(args: argparse.Namespace) -> None:
             )
         if args.listen_fd < 0:
             raise SystemExit("trio-llm-server: --listen-fd must be a file descriptor")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("trio-llm-server: --enable-auto-tool-choice needs --tool-call-parser")
     if (args.frontend_dir is None) != (args.frontend_index is None):
         raise SystemExit("trio-llm-server: --frontend-dir and --frontend-index go together")
 
