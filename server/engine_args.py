@@ -145,9 +145,21 @@ def resolve_model_args(args: argparse.Namespace, prog: str) -> None:
     id) and ``args.served_model_name`` (a string or None), in place; idempotent.
 
     The positional MODEL, ``--model`` and ``--model-path`` name the same thing (vLLM's
-    positional and ``--model``; ours). The sim engine has no weights, and a server with
+    positional and ``--model``; ours), except that ``--model-path DIR --model NAME``
+    without ``--served-model-name`` keeps its old meaning (NAME is the served name) for
+    the command lines written before. The sim engine has no weights, and a server with
     remote workers loads none: there a MODEL or ``--model`` is the served name, as it was
     before vLLM's spelling was taken. SystemExit with one line for a conflict."""
+    served = args.served_model_name
+    if isinstance(served, list):
+        if len(served) != 1:
+            raise SystemExit(f"{prog}: --served-model-name takes one name here, not "
+                             f"{len(served)}")
+        served = served[0]
+    if (served is None and args.model is not None and args.model_path is not None
+            and args.model != args.model_path):
+        # A command line from before vLLM's spelling: --model was the served name.
+        served, args.model = args.model, None
     given = [(flag, value) for flag, value in (
         ("MODEL", args.model_tag), ("--model", args.model), ("--model-path", args.model_path)
     ) if value is not None]
@@ -156,12 +168,6 @@ def resolve_model_args(args: argparse.Namespace, prog: str) -> None:
             f"{prog}: {' and '.join(flag for flag, _ in given)} name different models (each "
             "is the model, a directory or hub id; the name clients give is --served-model-name)"
         )
-    served = args.served_model_name
-    if isinstance(served, list):
-        if len(served) != 1:
-            raise SystemExit(f"{prog}: --served-model-name takes one name here, not "
-                             f"{len(served)}")
-        served = served[0]
     weightless = args.engine == "sim" or getattr(args, "worker_address", None)
     if weightless and given and given[0][0] != "--model-path":
         if served is not None:

@@ -80,6 +80,9 @@ def test_vllm_serve_command_lines():
                  ["/m/x", "--model", "/m/x"]):
         options = config("--engine", "transformers", *argv).engine.engine_options
         assert options == {"model_path": "/m/x", "device": "cpu"}, argv
+    # Before vLLM's spelling, --model was the served name: with --model-path, it still is.
+    options = config("--engine", "vllm", "--model-path", "/d", "--model", "n").engine
+    assert options.engine_options == {"model_path": "/d", "model": "n"}
     # The sim engine has no weights: its model is its served name.
     assert config("--model", "m").engine.model == "m"
     assert config("m").engine.worker_argument()["options"]["model"] == "m"
@@ -116,7 +119,7 @@ def test_the_supervisor_passes_the_model_on():
         (["--engine", "transformers", "m", "--enforce-eager"],
          "--enforce-eager is an option of the vllm engine"),
         (["--engine", "vllm", "a", "--model", "b"], "MODEL and --model name different models"),
-        (["--engine", "vllm", "--model", "a", "--model-path", "b"],
+        (["--engine", "vllm", "--model", "a", "--model-path", "b", "--served-model-name", "c"],
          "--model and --model-path name different models"),
         (["--engine", "vllm", "m", "--served-model-name", "a", "b"], "takes one name"),
         (["--engine", "vllm", "m", "--seed", "1", "--engine-arg", "seed=2"], "both give it"),
