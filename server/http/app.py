@@ -225,23 +225,29 @@ class LLMServerApp(QuartTrio):
     def admission_error(self, engine: Engine, sequences: int) -> ServerError | None:
         """Why a request of ``sequences`` sequences (prompts x n) may not be admitted now:
         a 503 when it would take the server past its limits (decided before anything is
-        queued), a 400 when it could never fit; None when it may run."""
+        queued), a 400 when it could never fit; None when it may run.
+
+        A request larger than the default sequence limit (twice what the workers run at
+        once) runs when nothing else is in flight, as vLLM runs it: its sequences start as
+        batch slots free up, and other requests get 503 meanwhile. An explicit
+        ``--max-concurrent-sequences`` is a hard cap: larger is a 400."""
         limit = self.server_config.max_concurrent_requests
         if limit is not None and engine.open_streams >= limit:
             return ServiceUnavailable(
                 f"The server is at its limit of {limit} concurrent requests; retry later.",
                 code="server_overloaded",
             )
+        configured = self.server_config.max_concurrent_sequences
         limit = self.sequence_limit()
         if limit is None:
             return None
-        if sequences > limit:
+        if sequences > limit and configured is not None:
             return ClientError(
                 f"This request asks for {sequences} sequences (prompts x n); the server runs "
                 f"at most {limit} at once.",
                 param="n",
             )
-        if engine.open_sequences + sequences > limit:
+        if engine.open_streams and engine.open_sequences + sequences > limit:
             return ServiceUnavailable(
                 f"The server is at its limit of {limit} concurrent sequences; retry later.",
                 code="server_overloaded",

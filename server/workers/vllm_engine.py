@@ -50,6 +50,7 @@ from .base import (
     finite_logprob,
     one_line,
 )
+from .hub import model_files
 
 __all__ = ["VLLMEngine", "VLLM_SAMPLING"]
 
@@ -97,13 +98,13 @@ def _torchvision_guard() -> None:
             sys.modules[name] = None  # type: ignore[assignment]  # "not installed"
 
 
-def _build_engine(model_path: str | None, named: dict, engine_args: dict):
+def _build_engine(model_path: str | None, named: dict, engine_args: dict,
+                  revision: str | None = None):
     """vLLM's ``LLMEngine`` (engine core in this process); exceptions carry one clear line."""
     if not model_path:
         raise ValueError("the vllm engine needs model_path (--model-path DIR)")
-    path = Path(model_path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"model directory {path} does not exist")
+    # A hub id is resolved here (vLLM would download it too, but our errors are one line).
+    path, hub_id = model_files(model_path, revision=revision)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
     for name, default in ENVIRONMENT.items():
@@ -133,7 +134,7 @@ def _build_engine(model_path: str | None, named: dict, engine_args: dict):
             backend="xgrammar", disable_any_whitespace=True
         )
     kwargs["model"] = str(path)
-    kwargs.setdefault("served_model_name", path.resolve().name)
+    kwargs.setdefault("served_model_name", hub_id or path.resolve().name)
     try:
         return LLMEngine.from_engine_args(EngineArgs(**kwargs), enable_multiprocessing=False)
     except Exception as exc:
@@ -178,6 +179,7 @@ class VLLMEngine(HFTokenizing):
         gpu_memory_utilization: float | None = None,
         enable_prefix_caching: bool | None = None,
         engine_args: dict | None = None,
+        revision: str | None = None,
         warmup: bool = True,
         llm_engine=None,
     ) -> None:
@@ -193,7 +195,7 @@ class VLLMEngine(HFTokenizing):
                 "enable_prefix_caching": enable_prefix_caching,
                 "served_model_name": model,
             }
-            self._llm = _build_engine(model_path, named, engine_args or {})
+            self._llm = _build_engine(model_path, named, engine_args or {}, revision)
         import vllm
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
