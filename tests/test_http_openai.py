@@ -135,9 +135,25 @@ async def test_continuous_usage_stats_on_every_chunk(server_url):
         assert seen == sorted(seen) and seen[-1] == 12
         assert seen[0] == 0 if chat else seen[0] < 12  # (a chat opens with role chunks)
         assert len(seen) > 3
+    # vLLM's meaning: usage on every chunk when there is usage at all (here none)
     r = await httpx.AsyncClient(base_url=server_url).post("/v1/completions", json={
-        "prompt": "a", "stream": True, "stream_options": {"continuous_usage_stats": True}})
-    assert r.status_code == 400 and "needs 'include_usage'" in r.json()["error"]["message"]
+        "prompt": "a", "stream": True, "max_tokens": 3,
+        "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
+    assert r.status_code == 200 and '"usage"' not in r.text and "[DONE]" in r.text
+
+
+async def test_unknown_stream_options_are_refused_by_name(server_url):
+    http = httpx.AsyncClient(base_url=server_url)
+    for options, bad in (({"include_obfuscation": True}, ["include_obfuscation"]),
+                         ({"include_usage": True, "x_a": 1, "x_b": 2}, ["x_a", "x_b"])):
+        r = await http.post("/v1/completions", json={"prompt": "a", "stream": True,
+                                                     "stream_options": options})
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and all(f"stream_options.{b}'" in message for b in bad), r.text
+    r = await http.post("/v1/completions", json={  # what the openai SDK may send: no padding
+        "prompt": "a", "stream": True, "max_tokens": 2,
+        "stream_options": {"include_obfuscation": False}})
+    assert r.status_code == 200 and "[DONE]" in r.text
 
 
 async def test_batch_prompts_with_n_are_indexed(server_url):

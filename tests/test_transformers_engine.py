@@ -29,6 +29,7 @@ import trio  # noqa: E402
 
 import server  # noqa: E402
 from server import SamplingParams  # noqa: E402
+from server.errors import ClientError  # noqa: E402
 from server.workers.base import Rejected  # noqa: E402
 from server.workers.hf import TransformersEngine, load_model  # noqa: E402
 from server.workers.hf_sample import sample  # noqa: E402
@@ -142,6 +143,20 @@ def test_chat_template_kwargs_reach_the_template(engine):
     params = greedy(4, chat_template_kwargs={"enable_thinking": True})
     assert engine.add(1, chat, params) == len(ids)
     run(engine)
+
+
+def test_a_message_name_reaches_the_template(engine):
+    from server.config import Limits
+    from server.http.schema import parse_chat
+
+    body = json.dumps({"messages": [{"role": "user", "content": "hello", "name": "ada"}]})
+    req = parse_chat(body.encode(), Limits(), MODEL, engine.info)
+    rendered = engine.tokenizer.decode(engine.encode(req.prompts[0]))
+    assert "<|user|>ada: hello" in rendered, rendered
+    bad = json.dumps({"messages": [{"role": "user", "content": "hi", "name": 5}]}).encode()
+    with pytest.raises(ClientError) as info:
+        parse_chat(bad, Limits(), MODEL, engine.info)
+    assert info.value.param == "messages[0].name"
 
 
 def test_stop_string_across_token_boundaries(engine):

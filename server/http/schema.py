@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from ..config import Limits
-from ..errors import ClientError, NotFound, clip
+from ..errors import ClientError, NotFound, clip, printable
 from ..params import SamplingParams, context_error
 from .json_schema import check_grammar_ints, check_refs
 from .fields import HONOURED_CHAT, HONOURED_COMPLETION, KNOWN, UNSUPPORTED, check_fields
@@ -309,6 +309,11 @@ def messages_of(data: dict, tools_ok: bool = False) -> list:
             )
         text = "" if content is None else _utf8(_content(content, i), f"messages[{i}].content")
         rendered.append(history_message(m, i, role, text, tools_ok))
+        name = m.get("name")
+        if name is not None:  # the participant's name, for the template (as vLLM passes it)
+            if not isinstance(name, str):
+                raise ClientError("'name' must be a string.", param=f"messages[{i}].name")
+            rendered[-1]["name"] = _utf8(name, f"messages[{i}].name")
     return rendered
 
 
@@ -472,6 +477,19 @@ def _logprobs(data: dict, chat: bool, engine_info: dict | None) -> int | None:
     return top
 
 
+def _check_stream_options(options: dict) -> None:
+    """A 400 naming every key of ``stream_options`` the server does not honour
+    (``include_obfuscation`` only as false: the chunks carry no obfuscation padding)."""
+    honoured = ("include_usage", "continuous_usage_stats")
+    neutral = {"include_obfuscation": (None, False)}
+    bad = [k for k in options if k not in honoured
+           and not any(options[k] is v for v in neutral.get(k, ()))]
+    if bad:
+        names = ", ".join(f"'stream_options.{printable(k, 64)}'" for k in bad)
+        raise ClientError(f"{names}: not supported by this server.", param="stream_options",
+                          code="unsupported_parameter")
+
+
 def _common(
     data: dict,
     limits: Limits,
@@ -500,17 +518,15 @@ def _common(
             )
         if not isinstance(options, dict):
             raise ClientError("'stream_options' must be an object.", param="stream_options")
+        _check_stream_options(options)
         include_usage = _bool(options, "include_usage", False)
-        continuous_usage = _bool(options, "continuous_usage_stats", False)
-        if continuous_usage and not include_usage:
-            raise ClientError(
-                "'stream_options.continuous_usage_stats' needs 'include_usage': true.",
-                param="stream_options",
-            )
+        # vLLM's meaning: usage on every chunk when there is usage at all
+        continuous_usage = include_usage and _bool(options, "continuous_usage_stats", False)
     logprobs = _logprobs(data, chat, engine_info)
     user = data.get("user")
-    if user is not None and not isinstance(user, str):
-        raise ClientError("'user' must be a string.", param="user")
+    for name in ("user", "safety_identifier"):  # the end user, for you: nothing to generate
+        if data.get(name) is not None and not isinstance(data[name], str):
+            raise ClientError(f"'{name}' must be a string.", param=name)
     if chat:
         max_tokens = _int(data, "max_completion_tokens", None, 1, limits.max_tokens)
         if max_tokens is None:
