@@ -429,7 +429,38 @@ _ENGINE_SAMPLING = {
     ),
     "response_format": lambda d, lim: _response_format(d),
     "chat_template_kwargs": lambda d, lim: template_kwargs_of(d),
+    "allowed_token_ids": lambda d, lim: _allowed_token_ids(d),
+    "bad_words": lambda d, lim: _strings(d, "bad_words", 64, 256),
+    "cache_salt": lambda d, lim: _cache_salt(d),
 }
+
+
+def _allowed_token_ids(data: dict) -> list[int] | None:
+    ids = _token_id_list(data, "allowed_token_ids", 1 << 18)
+    if ids == []:
+        raise ClientError("'allowed_token_ids' may not be empty.", param="allowed_token_ids")
+    return ids
+
+
+def _strings(data: dict, name: str, most: int, longest: int) -> list[str] | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > most or not all(
+        isinstance(s, str) and 0 < len(s) <= longest for s in value
+    ):
+        raise ClientError(f"'{name}' must be a list of at most {most} non-empty strings of at "
+                          f"most {longest} characters.", param=name)
+    for s in value:
+        _utf8(s, name)
+    return value
+
+
+def _cache_salt(data: dict) -> str | None:
+    value = data.get("cache_salt")
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ClientError("'cache_salt' must be a non-empty string.", param="cache_salt")
+    return value if value is None else _utf8(value, "cache_salt")
 
 
 def _engine_sampling(data: dict, limits: Limits, engine_fields: frozenset) -> dict:
