@@ -9,6 +9,7 @@ import openai
 import pytest
 import trio
 
+import server
 from server.config import EngineConfig
 from tests.conftest import FAST_SIM, running_server
 
@@ -210,7 +211,11 @@ async def test_models_and_health(server_url):
         await client(server_url).models.retrieve("nope")
     async with httpx.AsyncClient() as http:
         r = await http.get(server_url + "/health")
+        assert r.status_code == 200
+        r = await http.get(server_url + "/version")  # vLLM's route
     assert r.status_code == 200
+    assert r.json() == {"version": server.__version__, "server_version": server.__version__,
+                        "engine": "sim"}
 
 
 async def test_served_model_name_and_unknown_model():
