@@ -32,6 +32,11 @@ async def test_completion_non_streaming_shape(server_url):
     assert r.usage.prompt_tokens == 3
     assert r.usage.completion_tokens == 7
     assert r.usage.total_tokens == 10
+    # vLLM's field, present as null (vLLM's own tests read it)
+    assert choice.model_extra["prompt_logprobs"] is None
+    r = await client(server_url).chat.completions.create(
+        model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert "prompt_logprobs" in r.model_extra and r.prompt_logprobs is None
 
 
 async def test_streaming_equals_non_streaming(server_url):
