@@ -249,7 +249,7 @@ REFUSED_BY_NAME = {
     "allowed_token_ids": [1, 2], "bad_words": ["a"], "cache_salt": "s", "priority": 5,
     "logits_processors": ["m.P"], "return_tokens_as_token_ids": True,
     "return_token_ids": True, "kv_transfer_params": {"do_remote_decode": True},
-    "vllm_xargs": {"k": 1}, "mm_processor_kwargs": {"k": 1}, "request_id": "abc",
+    "vllm_xargs": {"k": 1}, "mm_processor_kwargs": {"k": 1},
     "verbosity": "low", "prompt_cache_key": "k",
 }
 

@@ -223,6 +223,22 @@ async def test_models_and_health(server_url):
                         "engine": "sim"}
 
 
+async def test_request_id_names_the_response_unless_x_request_id_does(server_url):
+    # vLLM's order: the X-Request-Id header, then the body's request_id, then a new id
+    async with httpx.AsyncClient(base_url=server_url) as http:
+        body = {"prompt": "a", "max_tokens": 2, "request_id": "job-7"}
+        r = await http.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["id"] == "cmpl-job-7"
+        r = await http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "a"}], "max_tokens": 2, "stream": True,
+            "request_id": "job-8"})
+        assert r.status_code == 200 and '"id":"chatcmpl-job-8"' in r.text
+        r = await http.post("/v1/completions", json=body, headers={"X-Request-Id": "hdr-1"})
+        assert r.json()["id"] == "cmpl-hdr-1"
+        r = await http.post("/v1/completions", json={**body, "request_id": "a b"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+
+
 async def test_served_model_name_and_unknown_model():
     async with running_server(EngineConfig(model="my-model", engine_options=dict(FAST_SIM))) as url:
         c = client(url)

@@ -25,7 +25,7 @@ log = logging.getLogger("server.http")
 
 _SAMPLING = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
-    "seed", "user", "safety_identifier", "ignore_eos", "logprobs", "fault",
+    "seed", "user", "safety_identifier", "ignore_eos", "logprobs", "fault", "request_id",
 }
 #: The fields each route reads (``logprobs`` only when false or 0; ``fault`` only with
 #: --sim-faults).
@@ -86,7 +86,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "priority": (None, 0),
     "cache_salt": (None,),
     "prompt_cache_key": (None,),
-    "request_id": (None,),
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
     # other modalities and platform features (OpenAI)

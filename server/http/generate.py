@@ -45,10 +45,12 @@ from ..errors import (
     ServerError,
     ServiceUnavailable,
 )
+from ..observability.logs import request_id_from_header
 from ..observability.record import RequestRecord
 from . import schema
 from .asgi import (
     CLOSE,
+    header,
     send_error,
     send_json,
     watch_disconnect,
@@ -159,7 +161,11 @@ async def handle_generate(
         log.exception("internal error before the response started")
         await answer.error(ServerError("Internal server error."))
         return
-    response_id = ("chatcmpl-" if chat else "cmpl-") + record.request_id
+    # The client's X-Request-Id, else the body's request_id (vLLM's order), else ours.
+    base = record.request_id
+    if req.request_id is not None and not request_id_from_header(header(scope, b"x-request-id"))[1]:
+        base = req.request_id
+    response_id = ("chatcmpl-" if chat else "cmpl-") + base
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, record)

@@ -57,6 +57,8 @@ class GenerateRequest:
     #: With ``echo``, each prompt's text: a text prompt itself; a token-id prompt's None
     #: until the frontend has it detokenized (:func:`server.http.generate.echo_texts`).
     echoed: tuple = ()
+    #: vLLM's ``request_id``: the response id's base when the client sent no ``X-Request-Id``.
+    request_id: str | None = None
 
 
 def decode_json(body: bytes, known: bool = False) -> dict:
@@ -508,6 +510,10 @@ def _logprobs(data: dict, chat: bool, engine_info: dict | None) -> int | None:
     return top
 
 
+#: What ``request_id`` may be: as an ``X-Request-Id`` (server.observability.logs).
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
 def _check_stream_options(options: dict) -> None:
     """A 400 naming every key of ``stream_options`` the server does not honour
     (``include_obfuscation`` only as false: the chunks carry no obfuscation padding)."""
@@ -558,6 +564,12 @@ def _common(
     for name in ("user", "safety_identifier"):  # the end user, for you: nothing to generate
         if data.get(name) is not None and not isinstance(data[name], str):
             raise ClientError(f"'{name}' must be a string.", param=name)
+    request_id = data.get("request_id")
+    if request_id is not None and (
+        not isinstance(request_id, str) or not _REQUEST_ID.fullmatch(request_id)
+    ):
+        raise ClientError("'request_id' must be 1 to 128 characters of A-Z a-z 0-9 . _ : -.",
+                          param="request_id")
     if chat:
         max_tokens = _int(data, "max_completion_tokens", None, 1, limits.max_tokens)
         if max_tokens is None:
@@ -582,6 +594,7 @@ def _common(
     return {
         "model": model, "params": params, "stream": stream, "include_usage": include_usage,
         "user": user, "logprobs": logprobs, "continuous_usage": continuous_usage,
+        "request_id": request_id,
     }
 
 
