@@ -234,8 +234,6 @@ def test_every_field_an_engine_does_not_honour_is_a_400_naming_it(engine):
     for name in refused:
         for parse, extra in ((schema.parse_completion, {"prompt": "hi"}),
                              (schema.parse_chat, {"messages": [{"role": "user", "content": "hi"}]})):
-            if name == "echo" and parse is schema.parse_completion:
-                continue  # (chat's echo: completions honours it)
             body = json.dumps({**extra, name: {"not": "neutral"}}).encode()
             with pytest.raises(ClientError) as info_:
                 parse(body, Limits(), "m", info)

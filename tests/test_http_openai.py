@@ -239,6 +239,25 @@ async def test_request_id_names_the_response_unless_x_request_id_does(server_url
         assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
 
 
+async def test_chat_echo_puts_the_last_assistant_message_first(server_url):
+    # vLLM's echo: the last message's content, when it is an assistant's, before the answer
+    saying = "an apple a day keeps"
+    history = [{"role": "user", "content": "a saying"}, {"role": "assistant", "content": saying}]
+    c = client(server_url)
+    plain = await c.chat.completions.create(model="sim", messages=history, max_tokens=4, seed=2)
+    r = await c.chat.completions.create(model="sim", messages=history, max_tokens=4, seed=2,
+                                        extra_body={"echo": True})
+    assert r.choices[0].message.content == saying + plain.choices[0].message.content
+    stream = await c.chat.completions.create(model="sim", messages=history, max_tokens=4,
+                                             seed=2, stream=True, extra_body={"echo": True})
+    said = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+    assert said == r.choices[0].message.content
+    # the last message a user's: nothing to echo
+    r = await c.chat.completions.create(model="sim", messages=history[:1], max_tokens=4,
+                                        seed=2, extra_body={"echo": True})
+    assert not r.choices[0].message.content.startswith(saying)
+
+
 async def test_served_model_name_and_unknown_model():
     async with running_server(EngineConfig(model="my-model", engine_options=dict(FAST_SIM))) as url:
         c = client(url)

@@ -30,7 +30,7 @@ _SAMPLING = {
 #: The fields each route reads (``logprobs`` only when false or 0; ``fault`` only with
 #: --sim-faults).
 HONOURED_COMPLETION = frozenset(_SAMPLING | {"prompt", "echo"})
-HONOURED_CHAT = frozenset(_SAMPLING | {"messages", "max_completion_tokens"})
+HONOURED_CHAT = frozenset(_SAMPLING | {"messages", "max_completion_tokens", "echo"})
 
 #: Defined by OpenAI or vLLM, not honoured yet: field -> the values that mean "not used".
 UNSUPPORTED: dict[str, tuple] = {
@@ -80,7 +80,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "add_generation_prompt": (None, True),
     "continue_final_message": (None, False),
     "documents": (None,),
-    "echo": (None, False),  # chat (completions honours it)
     "mm_processor_kwargs": (None, {}),
     # scheduling, caching and disaggregation (vLLM, OpenAI)
     "priority": (None, 0),

@@ -689,8 +689,13 @@ def parse_chat(
     tools = read_tools(data, tool_parser) if tools_ok else None
     if tools is not None:
         _tools_to_engine(tools, common["params"].extra, "response_format" in fields, engine)
+    # vLLM's echo: the last message's content when it is the answer's role's (assistant)
+    echo = _bool(data, "echo", False)
+    last = messages[-1]
+    echoed = ((last.get("content") or "") if last["role"] == "assistant" else "",) if echo else ()
     return _check_answer_size(GenerateRequest(
-        chat=True, prompts=[{"messages": messages}], echo=False, tools=tools, **common
+        chat=True, prompts=[{"messages": messages}], echo=echo, echoed=echoed, tools=tools,
+        **common
     ), limits, engine_info)
 
 
