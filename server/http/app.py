@@ -30,6 +30,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from .. import __version__
 from ..config import ServerConfig
 from ..errors import (
     ClientError,
@@ -353,6 +354,17 @@ class LLMServerApp(QuartTrio):
                 # A worker's tokenizer, as for /tokenize (server.http.tokenize).
                 info = await self.require_engine().tokenize({"op": "info"})
                 return Response(dumps(info), content_type="application/json")
+
+        @self.get("/version")
+        async def version():
+            # vLLM's route: "version" is vLLM's with the vllm engine (clients read it to
+            # know what vLLM serves), else this server's; both named besides.
+            info = self.engine.info if self.engine is not None else {}
+            body = {"version": info.get("vllm_version") or __version__,
+                    "server_version": __version__, "engine": info.get("engine")}
+            if info.get("vllm_version"):
+                body["vllm_version"] = info["vllm_version"]
+            return Response(dumps(body), content_type="application/json")
 
         @self.get("/v1/models")
         async def models():

@@ -237,7 +237,8 @@ class TransformersEngine(HFTokenizing):
             seed = None if seed is None else int(seed)
             stop = tuple(s for s in params.get("stop") or () if s)
             ignore_eos = bool(params.get("ignore_eos", False))
-            rules = Rules.parse(params, ids, vocab_size=self.vocab_size, device=self.model.device)
+            rules = Rules.parse(params, ids, vocab_size=self.vocab_size, device=self.model.device,
+                                tokenizer=self.tokenizer)
             response_format = params.get("response_format")
             logprobs = _top(params.get("logprobs"))
             prompt_logprobs = _top(params.get("prompt_logprobs"))

@@ -69,7 +69,7 @@ ENVIRONMENT = {
 VLLM_SAMPLING = (
     "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "min_tokens", "stop_token_ids", "logit_bias", "include_stop_str_in_output",
-    "skip_special_tokens", "spaces_between_special_tokens",
+    "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids", "bad_words",
 )
 
 #: vLLM's finish reasons, in ours ("repetition": vLLM's repetition detection stopped it).
@@ -227,7 +227,8 @@ class VLLMEngine(HFTokenizing):
             "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
             "prefix_caching": self.prefix_caching,
             "max_batch": self.max_batch,
-            "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs", "tools"],
+            "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs", "tools",
+                         *(["cache_salt"] if self.prefix_caching else [])],
             "logprobs": MAX_LOGPROBS,
         }
         #: Requests vLLM holds for us (added, not finished or aborted).
@@ -247,7 +248,10 @@ class VLLMEngine(HFTokenizing):
         max_tokens = check_context(len(ids), params.get("max_tokens"), self.max_model_len)
         sampling = self.sampling_params(params, max_tokens)
         try:
-            self._llm.add_request(str(rid), {"prompt_token_ids": ids}, sampling)
+            prompt_in: dict = {"prompt_token_ids": ids}
+            if params.get("cache_salt") is not None:  # its own prefix-cache namespace
+                prompt_in["cache_salt"] = str(params["cache_salt"])
+            self._llm.add_request(str(rid), prompt_in, sampling)
         except self._client_errors as exc:  # vLLM's own validation: a client fault
             raise Rejected(one_line(exc)) from None
         self._held.add(rid)
