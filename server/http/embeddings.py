@@ -113,8 +113,8 @@ def _dimensions(data: dict, model: str, embedding: dict) -> int | None:
 
 def _not_an_embedding_model(model: str, info: dict) -> ClientError:
     engine = info.get("engine")
-    why = ("the vllm engine does not serve embeddings yet (see docs/api.md)"
-           if engine == "vllm" else "it is a generation model")
+    why = ("it is a generation model" if engine != "vllm" else "the vllm engine serves "
+           "embeddings with vLLM's pooling runner only (--engine-arg runner=pooling)")
     return ClientError(f"The model '{clip(model)}' does not serve /v1/embeddings: {why}.",
                        param="model", code="model_not_supported")
 

@@ -21,7 +21,8 @@ from array import array
 
 from .base import Rejected
 
-__all__ = ["embed_request", "check_embed_request", "MAX_INPUTS"]
+__all__ = ["embed_request", "check_embed_request", "token_rows", "matryoshka",
+           "MAX_INPUTS"]
 
 #: Most inputs in one request (OpenAI's limit).
 MAX_INPUTS = 2048
@@ -55,6 +56,36 @@ def check_embed_request(request: dict, info: dict) -> tuple[list, dict]:
             raise Rejected(f"model {info.get('model')!r} does not support dimensions "
                            f"{dimensions}")
     return inputs, {"dimensions": dimensions}
+
+
+def token_rows(inputs: list, tokenizer, *, vocab_size: int, max_model_len: int) -> list:
+    """The token ids of each input, with a Hugging Face tokenizer (strings encoded with
+    its special tokens, as sentence-transformers and vLLM do); :class:`Rejected` for an
+    id outside the vocabulary, an input with no tokens or over the context."""
+    rows = []
+    for i, item in enumerate(inputs):
+        if isinstance(item, str):
+            ids = list(tokenizer.encode(item))
+        else:
+            ids = list(item)
+            if any(not 0 <= t < vocab_size for t in ids):
+                raise Rejected(f"input[{i}]: token ids must be between 0 and {vocab_size - 1}")
+        if not ids:
+            raise Rejected(f"input[{i}] has no tokens")
+        if len(ids) > max_model_len:
+            raise Rejected(f"input[{i}] has {len(ids)} tokens; this model's maximum "
+                           f"context length is {max_model_len} tokens")
+        rows.append(ids)
+    return rows
+
+
+def matryoshka(config) -> list[int] | bool:
+    """The dimensions the model may be cut to (vLLM reads the same config fields): a list,
+    True for any, False for none."""
+    dims = getattr(config, "matryoshka_dimensions", None)
+    if isinstance(dims, list) and dims:
+        return [int(d) for d in dims]
+    return bool(getattr(config, "is_matryoshka", False))
 
 
 def _packed(vector) -> bytes:

@@ -35,6 +35,7 @@ import torch
 import transformers
 
 from .base import HFTokenizing, Rejected, one_line
+from .embed import matryoshka, token_rows
 from .hf import _DTYPES, _context_length
 
 __all__ = ["TransformersEmbedder", "is_embedding_model", "pooling_of", "pool"]
@@ -108,15 +109,6 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor
     return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
 
 
-def _matryoshka(config) -> list[int] | bool:
-    """The dimensions the model may be cut to (vLLM reads the same config fields): a list,
-    True for any, False for none."""
-    dims = getattr(config, "matryoshka_dimensions", None)
-    if isinstance(dims, list) and dims:
-        return [int(d) for d in dims]
-    return bool(getattr(config, "is_matryoshka", False))
-
-
 class TransformersEmbedder(HFTokenizing):
     """See the module docstring. Options as for the transformers engine (those about
     generation, ``max_batch`` and ``prefill_tokens``, are accepted and unused)."""
@@ -131,6 +123,7 @@ class TransformersEmbedder(HFTokenizing):
         model: str | None = None,
         num_threads: int | None = None,
         max_batch: int | None = None,
+        max_embed_tokens: int = 16384,
     ) -> None:
         if not model_path:
             raise ValueError("the transformers engine needs model_path (--model-path DIR)")
@@ -144,6 +137,9 @@ class TransformersEmbedder(HFTokenizing):
         elif not 0 < max_model_len <= limit:
             raise ValueError(f"max_model_len must be between 1 and the model's {limit}")
         self.max_model_len = max_model_len
+        #: Most padded tokens (inputs x the longest) one request may run: its one forward
+        #: holds the worker loop, whose silence past the heartbeat timeout reads as a hang.
+        self.max_embed_tokens = max(max_embed_tokens, max_model_len)
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.chat_template = None
         size = int(self.model.config.hidden_size)
@@ -155,7 +151,7 @@ class TransformersEmbedder(HFTokenizing):
             "device": str(self.model.device),
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "generate": False,
-            "embedding": {"size": size, "dimensions": _matryoshka(self.model.config),
+            "embedding": {"size": size, "dimensions": matryoshka(self.model.config),
                           "pooling": self.pooling},
         }
         #: Forward passes run (one per embed call, however many inputs it has).
@@ -188,22 +184,13 @@ class TransformersEmbedder(HFTokenizing):
         """(one L2-normalised vector per input, the prompt tokens of all): one forward
         pass for the whole batch. ``options``: ``dimensions`` (already checked against
         ``info["embedding"]`` by the caller) cuts the vectors first."""
-        rows = []
-        for i, item in enumerate(inputs):
-            if isinstance(item, str):
-                ids = list(self.tokenizer.encode(item))
-            else:
-                ids = list(item)
-                if any(not 0 <= t < self.vocab_size for t in ids):
-                    raise Rejected(f"input[{i}]: token ids must be between 0 and "
-                                   f"{self.vocab_size - 1}")
-            if not ids:
-                raise Rejected(f"input[{i}] has no tokens")
-            if len(ids) > self.max_model_len:
-                raise Rejected(f"input[{i}] has {len(ids)} tokens; this model's maximum "
-                               f"context length is {self.max_model_len} tokens")
-            rows.append(ids)
+        rows = token_rows(inputs, self.tokenizer, vocab_size=self.vocab_size,
+                          max_model_len=self.max_model_len)
         longest = max(len(r) for r in rows)
+        if longest * len(rows) > self.max_embed_tokens:
+            raise Rejected(f"input: {len(rows)} inputs of up to {longest} tokens are more than "
+                           f"the {self.max_embed_tokens} padded tokens one request may hold "
+                           "here; send fewer inputs per request")
         device = self.model.device
         batch = torch.zeros((len(rows), longest), dtype=torch.long)
         mask = torch.zeros((len(rows), longest), dtype=torch.long)
