@@ -52,6 +52,8 @@ from .asgi import CLOSE, HeaderSend, header, send_empty, send_error
 from .auth import APIKeys, is_protected
 from .cors import CORSPolicy
 from .encode import dumps
+from .embeddings import PATH as EMBEDDINGS_PATH
+from .embeddings import handle_embeddings
 from .tokenize import ROUTES as TOKENIZE_ROUTES
 from .tokenize import handle_tokenize
 from .generate import handle_generate
@@ -189,6 +191,9 @@ class LLMServerApp(QuartTrio):
                 log_request(record)
                 if self.tracing is not None:
                     self.tracing.export(record, self._served_model(), header(scope, b"traceparent"))
+            return
+        if path == EMBEDDINGS_PATH:
+            await handle_embeddings(self, scope, receive, send, headers=extra)
             return
         op = TOKENIZE_ROUTES.get(path)
         if op is not None:

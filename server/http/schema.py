@@ -629,6 +629,11 @@ def _check_answer_size(
 def _engine_fields(info: dict | None) -> tuple[frozenset, str]:
     if not info:
         return frozenset(), ""
+    if info.get("generate") is False:  # an embedding model
+        raise ClientError(
+            f"The model '{clip(str(info.get('model')))}' is an embedding model: it serves "
+            "/v1/embeddings, not completions.", param="model", code="model_not_supported",
+        )
     sampling = set(info.get("sampling") or ())
     if isinstance(info.get("logprobs"), int):
         sampling.add("top_logprobs")  # read by _logprobs

@@ -30,6 +30,7 @@ import time
 
 from ..protocol import wire
 from ..protocol.wire import AcceptRow, OutputRow
+from .embed import embed_request
 from .base import EngineBroken, Rejected, one_line, WorkerCrash, WorkerGarbage, WorkerHang
 
 __all__ = ["build_engine", "serve", "main", "run_as_worker", "step_message"]
@@ -44,6 +45,10 @@ def build_engine(config: dict):
 
         return SimEngine(**options)
     if kind == "transformers":
+        from .hf_embed import TransformersEmbedder, is_embedding_model
+
+        if is_embedding_model(options.get("model_path") or ""):
+            return TransformersEmbedder(**options)
         from .hf import TransformersEngine
 
         return TransformersEngine(**options)
@@ -83,7 +88,10 @@ def handle_message(engine, msg: list, accepts: list, outputs: list) -> list | No
     elif kind == wire.PING:
         return [wire.PONG, msg[1], engine.running(), engine.waiting()]
     elif kind == wire.TOKENIZE:
-        return [wire.TOKENIZED, msg[1], *_tokenize(engine, msg[2])]
+        request = msg[2]
+        if isinstance(request, dict) and request.get("op") == "embed":
+            return [wire.TOKENIZED, msg[1], *embed_request(engine, request)]
+        return [wire.TOKENIZED, msg[1], *_tokenize(engine, request)]
     return None
 
 

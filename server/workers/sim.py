@@ -36,7 +36,9 @@ It behaves like a real engine from the frontend's point of view:
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import random
 import time
 import zlib
@@ -65,6 +67,9 @@ _V = len(_VOCAB_SPACED)
 #: line, then ``<|assistant|>`` to prompt the answer.
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|> {{ m.content }}\n{% endfor %}<|assistant|>"
 
+#: The largest embedding_size of a sim engine.
+_MAX_EMBEDDING = 4096
+
 FAULT_KINDS = ("error", "crash", "hang", "garbage", "stall", "ignore_abort")
 
 
@@ -75,6 +80,13 @@ def render_chat(messages: list) -> str:
         parts.append(f"<|{m['role']}|> {m['content']}\n")
     parts.append("<|assistant|>")
     return "".join(parts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _token_vector(token: str | int, size: int) -> tuple[float, ...]:
+    """The sim's fixed random vector of a token (its first items do not depend on size)."""
+    rng = random.Random(zlib.crc32(repr(token).encode()))
+    return tuple(rng.gauss(0.0, 1.0) for _ in range(size))
 
 
 def count_tokens(text: str) -> int:
@@ -120,8 +132,11 @@ class SimEngine:
         reasoning_tokens: int = 0,
         prefix_cache_tokens: int = 0,
         prefix_block_size: int = 16,
+        embedding_size: int = 384,
         clock=time.monotonic,
     ) -> None:
+        if not 0 < embedding_size <= _MAX_EMBEDDING:
+            raise ValueError(f"embedding_size must be between 1 and {_MAX_EMBEDDING}")
         if max_batch < 1 or max_model_len < 2:
             raise ValueError("the sim engine needs max_batch >= 1 and max_model_len >= 2")
         if itl_ms < 0 or ttft_ms < 0 or prefill_us_per_token < 0:
@@ -129,6 +144,7 @@ class SimEngine:
         if startup_delay_ms:  # pretend to load weights (lets tests see a starting server)
             time.sleep(startup_delay_ms / 1000.0)
         self._clock = clock
+        self.embedding_size = embedding_size
         self.itl = itl_ms / 1000.0
         self.ttft = ttft_ms / 1000.0
         self.prefill = prefill_us_per_token / 1e6
@@ -145,7 +161,10 @@ class SimEngine:
             "max_batch": max_batch,
             "chat_template": CHAT_TEMPLATE,
             "sampling": ["tools"],
+            "embedding": {"size": embedding_size, "dimensions": True},
         }
+        #: Embedding batches computed (one per embed call, however many inputs it has).
+        self.forwards = 0
         self._running: dict[int, _Req] = {}
         self._waiting: dict[int, _Req] = {}  # insertion order is FIFO order
         self._starting: dict[int, _Req] = {}  # running, first token not yet produced
@@ -158,6 +177,28 @@ class SimEngine:
         self.notes: list = []
 
     # -- the Engine interface ---------------------------------------------------------------
+
+    def embed(self, inputs: list, options: dict) -> tuple[list, int]:
+        """Deterministic unit vectors, one per input (a string's words or a token-id list):
+        the normalised sum of a fixed random vector per token, so that inputs sharing
+        tokens are alike. ``dimensions`` cuts them first (any size: Matryoshka-style)."""
+        full = self.embedding_size
+        size = options.get("dimensions") or full
+        vectors = []
+        total = 0
+        for i, item in enumerate(inputs):
+            tokens = item.split() if isinstance(item, str) else item
+            if not tokens:
+                raise Rejected(f"input[{i}] has no tokens")
+            if len(tokens) > self.max_model_len:
+                raise Rejected(f"input[{i}] has {len(tokens)} tokens; this model's maximum "
+                               f"context length is {self.max_model_len} tokens")
+            total += len(tokens)
+            sums = [sum(col) for col in zip(*(_token_vector(t, full)[:size] for t in tokens))]
+            norm = math.sqrt(sum(x * x for x in sums)) or 1.0
+            vectors.append([x / norm for x in sums])
+        self.forwards += 1
+        return vectors, total
 
     def add(self, rid: int, prompt: object, params: dict) -> int:
         if isinstance(prompt, dict):

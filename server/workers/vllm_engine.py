@@ -238,12 +238,24 @@ class VLLMEngine(HFTokenizing):
         #: ``[rid, dict]`` details for the frontend, sent with the next STEP (the worker
         #: loop takes them).
         self.notes: list[list] = []
-        if warmup:
+        #: With vLLM's pooling runner: embeddings only (server.workers.vllm_pool).
+        self._pooling = None
+        if getattr(config.model_config, "runner_type", None) == "pooling":
+            from .vllm_pool import VLLMPooling
+
+            self._pooling = VLLMPooling(self._llm, self.tokenizer, vocab_size=self.vocab_size,
+                                        max_model_len=self.max_model_len)
+            self.info["generate"] = False
+            self.info["embedding"] = self._pooling.describe(config.model_config)
+        elif warmup:
             self._warm_up()
 
     # -- the Engine interface ---------------------------------------------------------------
 
     def add(self, rid: int, prompt: object, params: dict) -> int:
+        if self._pooling is not None:
+            raise Rejected(f"model {self.info['model']!r} runs on vLLM's pooling runner: it "
+                           "serves /v1/embeddings, not completions")
         ids = self.encode(prompt, params.get("chat_template_kwargs"), params.get("tools"))
         max_tokens = check_context(len(ids), params.get("max_tokens"), self.max_model_len)
         sampling = self.sampling_params(params, max_tokens)
@@ -310,6 +322,13 @@ class VLLMEngine(HFTokenizing):
                     self.notes.append([rid, {"cached_tokens": result.num_cached_tokens or 0}])
             rows.append(OutputRow(rid, out.text, len(out.token_ids), finish, error))
         return rows
+
+    def embed(self, inputs: list, options: dict) -> tuple[list, int]:
+        """/v1/embeddings, with the pooling runner (server.workers.embed checks first that
+        ``info`` has ``embedding``, which only the pooling runner sets)."""
+        if self._pooling is None:
+            raise Rejected(f"model {self.info['model']!r} is a generation model")
+        return self._pooling.embed(inputs, options)
 
     def close(self) -> None:
         """Stop vLLM's engine core (and the processes it started, if any)."""
