@@ -15,7 +15,8 @@ import trio
 
 from .config import EngineConfig, Limits, ServerConfig
 from .http.tool_parsers import PARSERS as TOOL_PARSERS
-from .engine_args import ENGINE_DESTS, add_engine_arguments, engine_options
+from .engine_args import ENGINE_DESTS, add_engine_arguments, engine_options, resolve_model_args
+from .manager.routing import DEFAULT_BALANCE, POLICIES
 from .protocol.handshake import SECRET_ENV, parse_address, read_secret
 from .observability.logs import configure_logging, lean_log_records
 
@@ -100,8 +101,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "certificate(s) in this PEM file (the workers' --tls-cert must be "
                    "issued for the host names or addresses given to --worker-address)")
 
+    g = p.add_argument_group("routing")
+    g.add_argument("--routing", default="prefix", choices=list(POLICIES),
+                   help="how each request's engine worker is chosen: 'prefix' sends it to "
+                   "the worker predicted to hold most of its prompt in its prefix (KV) cache, "
+                   "unless that worker is too loaded (--routing-balance); 'least-loaded'; "
+                   "'round-robin'. See docs/routing.md")
+    g.add_argument("--routing-balance", type=int, default=DEFAULT_BALANCE, metavar="N",
+                   help="prefix routing: the most extra outstanding requests the "
+                   "best-matching worker may carry over the least loaded one before the "
+                   "least loaded one gets the request (0: only an equally loaded worker)")
+
     g = p.add_argument_group("several frontends")
-    g.add_argument("--api-servers", type=int, default=1, metavar="N",
+    g.add_argument("--api-servers", "--api-server-count", type=int, default=1, metavar="N",
                    help="run N frontend processes serving the same port (SO_REUSEPORT) and "
                    "sharing the engine workers, under a supervisor process (this one) that "
                    "starts, restarts and stops them all; 1: one process serves HTTP itself "
@@ -129,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "off by default: it shows the template and configuration to any client "
                    "with a key")
 
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's switch for tool_choice auto: here --tool-call-parser alone "
+                   "serves it; accepted with one")
     g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
                    help="serve tool_choice auto: parse chat answers into tool_calls "
                    "(hermes: <tool_call>{json}</tool_call>; llama3_json: {\"name\": ..., "
@@ -141,9 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests in flight beyond which new ones get 503 with Retry-After")
     g.add_argument("--max-concurrent-sequences", type=int, default=None,
                    help="sequences (prompts x n) in flight beyond which new requests get 503 "
-                   "with Retry-After; a request asking for more than this alone is a 400 "
-                   "(default: twice what the workers run at once, their max batch summed; "
-                   "0: no limit)")
+                   "with Retry-After (default: twice what the workers run at once, their max batch "
+                   "summed; a request larger than that runs when nothing else is in flight); "
+                   "given, a request asking for more than this alone is a 400 (0: no limit)")
     g.add_argument("--queued-heartbeat-s", type=float, default=15.0,
                    help="a streaming request still queued after this many seconds starts its "
                    "response and sends an SSE comment this often until its first token, so "
@@ -178,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The server's configuration from its parsed command line (which this normalizes in
+    place: the model's names, see :func:`~server.engine_args.resolve_model_args`)."""
+    resolve_model_args(args, "trio-llm-server")
     _check_frontend_options(args)
     remote = _remote_workers(args)
     options = {} if remote else engine_options(args, "trio-llm-server")
@@ -186,7 +204,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         startup = 1800.0 if args.engine == "vllm" else 120.0
     engine = EngineConfig(
         engine=args.engine,
-        model=args.model,
+        model=args.served_model_name,
         workers=len(remote) if remote else args.engine_workers,
         worker_addresses=remote,
         worker_secret=_worker_secret(args) if remote else None,
@@ -198,7 +216,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         stream_interval=args.stream_interval_ms / 1000.0,
         heartbeat_timeout=args.heartbeat_timeout,
         max_restarts=args.max_restarts,
+        routing=args.routing,
+        routing_balance=args.routing_balance,
     )
+    if args.routing_balance < 0:
+        raise SystemExit("trio-llm-server: --routing-balance must be at least 0")
     if args.devices_per_worker is not None:
         if args.devices_per_worker < 1:
             raise SystemExit("trio-llm-server: --devices-per-worker must be at least 1")
@@ -267,6 +289,8 @@ def _check_frontend_options(args: argparse.Namespace) -> None:
             )
         if args.listen_fd < 0:
             raise SystemExit("trio-llm-server: --listen-fd must be a file descriptor")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("trio-llm-server: --enable-auto-tool-choice needs --tool-call-parser")
     if (args.frontend_dir is None) != (args.frontend_index is None):
         raise SystemExit("trio-llm-server: --frontend-dir and --frontend-index go together")
 

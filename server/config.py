@@ -71,6 +71,13 @@ class EngineConfig:
     worker_secret: bytes | None = field(default=None, repr=False)
     #: A PEM file of CA certificates: connect to the remote workers over TLS, trusting them.
     worker_tls_ca: str | None = None
+    #: How a request's worker is chosen (server.manager.routing.POLICIES): ``prefix`` (the
+    #: worker predicted to hold most of its prompt in its prefix cache, within
+    #: ``routing_balance``), ``least-loaded`` or ``round-robin``. See docs/routing.md.
+    routing: str = "prefix"
+    #: Prefix routing's trade-off: the most extra outstanding requests the best-matching
+    #: worker may carry over the least loaded one before the least loaded one is used.
+    routing_balance: int = 8  # server.manager.routing.DEFAULT_BALANCE
 
     def for_worker(self, index: int) -> EngineConfig:
         """This config, for worker ``index``."""

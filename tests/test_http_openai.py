@@ -9,6 +9,7 @@ import openai
 import pytest
 import trio
 
+import server
 from server.config import EngineConfig
 from tests.conftest import FAST_SIM, running_server
 
@@ -31,6 +32,11 @@ async def test_completion_non_streaming_shape(server_url):
     assert r.usage.prompt_tokens == 3
     assert r.usage.completion_tokens == 7
     assert r.usage.total_tokens == 10
+    # vLLM's field, present as null (vLLM's own tests read it)
+    assert choice.model_extra["prompt_logprobs"] is None
+    r = await client(server_url).chat.completions.create(
+        model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert "prompt_logprobs" in r.model_extra and r.prompt_logprobs is None
 
 
 async def test_streaming_equals_non_streaming(server_url):
@@ -135,9 +141,25 @@ async def test_continuous_usage_stats_on_every_chunk(server_url):
         assert seen == sorted(seen) and seen[-1] == 12
         assert seen[0] == 0 if chat else seen[0] < 12  # (a chat opens with role chunks)
         assert len(seen) > 3
+    # vLLM's meaning: usage on every chunk when there is usage at all (here none)
     r = await httpx.AsyncClient(base_url=server_url).post("/v1/completions", json={
-        "prompt": "a", "stream": True, "stream_options": {"continuous_usage_stats": True}})
-    assert r.status_code == 400 and "needs 'include_usage'" in r.json()["error"]["message"]
+        "prompt": "a", "stream": True, "max_tokens": 3,
+        "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
+    assert r.status_code == 200 and '"usage"' not in r.text and "[DONE]" in r.text
+
+
+async def test_unknown_stream_options_are_refused_by_name(server_url):
+    http = httpx.AsyncClient(base_url=server_url)
+    for options, bad in (({"include_obfuscation": True}, ["include_obfuscation"]),
+                         ({"include_usage": True, "x_a": 1, "x_b": 2}, ["x_a", "x_b"])):
+        r = await http.post("/v1/completions", json={"prompt": "a", "stream": True,
+                                                     "stream_options": options})
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and all(f"stream_options.{b}'" in message for b in bad), r.text
+    r = await http.post("/v1/completions", json={  # what the openai SDK may send: no padding
+        "prompt": "a", "stream": True, "max_tokens": 2,
+        "stream_options": {"include_obfuscation": False}})
+    assert r.status_code == 200 and "[DONE]" in r.text
 
 
 async def test_batch_prompts_with_n_are_indexed(server_url):
@@ -194,7 +216,46 @@ async def test_models_and_health(server_url):
         await client(server_url).models.retrieve("nope")
     async with httpx.AsyncClient() as http:
         r = await http.get(server_url + "/health")
+        assert r.status_code == 200
+        r = await http.get(server_url + "/version")  # vLLM's route
     assert r.status_code == 200
+    assert r.json() == {"version": server.__version__, "server_version": server.__version__,
+                        "engine": "sim"}
+
+
+async def test_request_id_names_the_response_unless_x_request_id_does(server_url):
+    # vLLM's order: the X-Request-Id header, then the body's request_id, then a new id
+    async with httpx.AsyncClient(base_url=server_url) as http:
+        body = {"prompt": "a", "max_tokens": 2, "request_id": "job-7"}
+        r = await http.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["id"] == "cmpl-job-7"
+        r = await http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "a"}], "max_tokens": 2, "stream": True,
+            "request_id": "job-8"})
+        assert r.status_code == 200 and '"id":"chatcmpl-job-8"' in r.text
+        r = await http.post("/v1/completions", json=body, headers={"X-Request-Id": "hdr-1"})
+        assert r.json()["id"] == "cmpl-hdr-1"
+        r = await http.post("/v1/completions", json={**body, "request_id": "a b"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+
+
+async def test_chat_echo_puts_the_last_assistant_message_first(server_url):
+    # vLLM's echo: the last message's content, when it is an assistant's, before the answer
+    saying = "an apple a day keeps"
+    history = [{"role": "user", "content": "a saying"}, {"role": "assistant", "content": saying}]
+    c = client(server_url)
+    plain = await c.chat.completions.create(model="sim", messages=history, max_tokens=4, seed=2)
+    r = await c.chat.completions.create(model="sim", messages=history, max_tokens=4, seed=2,
+                                        extra_body={"echo": True})
+    assert r.choices[0].message.content == saying + plain.choices[0].message.content
+    stream = await c.chat.completions.create(model="sim", messages=history, max_tokens=4,
+                                             seed=2, stream=True, extra_body={"echo": True})
+    said = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+    assert said == r.choices[0].message.content
+    # the last message a user's: nothing to echo
+    r = await c.chat.completions.create(model="sim", messages=history[:1], max_tokens=4,
+                                        seed=2, extra_body={"echo": True})
+    assert not r.choices[0].message.content.startswith(saying)
 
 
 async def test_served_model_name_and_unknown_model():

@@ -69,6 +69,7 @@ async def test_reasoning_content_over_http_streaming_and_not():
         r = await client.chat.completions.create(model="sim", messages=chat, max_tokens=8, seed=1)
         message = r.choices[0].message
         assert len(message.reasoning_content.split()) == 3  # the sim's three thinking words
+        assert message.reasoning == message.reasoning_content  # vLLM 0.32's name, the old one
         assert "<think>" not in message.content and "</think>" not in message.content
         assert len(message.content.split()) == 3  # 8 tokens: 2 tags, 3 thinking, 3 answer
         stream = await client.chat.completions.create(
@@ -77,7 +78,9 @@ async def test_reasoning_content_over_http_streaming_and_not():
         thought, said = "", ""
         async for chunk in stream:
             for choice in chunk.choices:
-                thought += getattr(choice.delta, "reasoning_content", None) or ""
+                thought += getattr(choice.delta, "reasoning", None) or ""
+                assert getattr(choice.delta, "reasoning", None) == getattr(
+                    choice.delta, "reasoning_content", None)
                 said += choice.delta.content or ""
         assert (thought, said) == (message.reasoning_content, message.content)
         # The completions route is not a chat: its text is the model's, tags and all.

@@ -122,8 +122,10 @@ def test_auto_tools_with_a_format_take_calls_or_the_document():
     req = parse_responses(json.dumps({"input": "hi", "tools": [WEATHER], "text": fmt}).encode(),
                           LIMITS, "m", HF_INFO, "hermes")
     assert req.chat.tools.parse == CALLS_OR_DOCUMENT
-    calls, document = req.params.extra["response_format"]["schema"]["anyOf"]
-    assert calls["type"] == "array" and document == {"type": "object"}
+    grammar = req.params.extra["response_format"]["schema"]
+    calls, document = grammar["anyOf"]
+    assert calls["type"] == "array" and "get_weather" in grammar["$defs"]
+    assert grammar["$defs"][document["$ref"].removeprefix("#/$defs/")] == {"type": "object"}
     call = '[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}]'
     for text, kinds in [(call, ["function_call"]), ('{"city": "Paris"}', ["message"]),
                         ("", ["message"])]:

@@ -29,8 +29,10 @@ import trio  # noqa: E402
 
 import server  # noqa: E402
 from server import SamplingParams  # noqa: E402
+from server.errors import ClientError  # noqa: E402
 from server.workers.base import Rejected  # noqa: E402
 from server.workers.hf import TransformersEngine, load_model  # noqa: E402
+from server.workers.hf_logits import Rules, bad_words_ids  # noqa: E402
 from server.workers.hf_sample import sample  # noqa: E402
 from server.workers.hf_text import RequestText  # noqa: E402
 from tests.tiny_model import WORDS, build_tiny_model  # noqa: E402
@@ -142,6 +144,20 @@ def test_chat_template_kwargs_reach_the_template(engine):
     params = greedy(4, chat_template_kwargs={"enable_thinking": True})
     assert engine.add(1, chat, params) == len(ids)
     run(engine)
+
+
+def test_a_message_name_reaches_the_template(engine):
+    from server.config import Limits
+    from server.http.schema import parse_chat
+
+    body = json.dumps({"messages": [{"role": "user", "content": "hello", "name": "ada"}]})
+    req = parse_chat(body.encode(), Limits(), MODEL, engine.info)
+    rendered = engine.tokenizer.decode(engine.encode(req.prompts[0]))
+    assert "<|user|>ada: hello" in rendered, rendered
+    bad = json.dumps({"messages": [{"role": "user", "content": "hi", "name": 5}]}).encode()
+    with pytest.raises(ClientError) as info:
+        parse_chat(bad, Limits(), MODEL, engine.info)
+    assert info.value.param == "messages[0].name"
 
 
 def test_stop_string_across_token_boundaries(engine):
@@ -270,6 +286,38 @@ def test_stop_token_ids_and_min_tokens(engine):
         with pytest.raises(Rejected, match="token ids"):
             engine.add(3, prompt, greedy(4, **params))
     assert engine.next_deadline() is None
+
+
+def test_allowed_token_ids_and_bad_words(engine):
+    prompt = prompts(1, seed=14)[0]
+    ids = _penalised_reference(engine, prompt, 8)  # plain greedy ids
+    # allowed_token_ids: only those can be picked (greedy among them)
+    allowed = engine.encode("dog cat")
+    engine.add(1, prompt, greedy(6, allowed_token_ids=allowed))
+    got = engine.tokenizer.encode(result(run(engine)[1])[0], add_special_tokens=False)
+    assert got and set(got) <= set(allowed), got
+    # bad_words: the greedy output's first word is never made
+    word = engine.tokenizer.decode(ids[:1]).strip()
+    assert word
+    engine.add(2, prompt, greedy(8, bad_words=[word]))
+    text = result(run(engine)[2])[0]
+    banned = [w[-1] for w in bad_words_ids([word], engine.tokenizer) if len(w) == 1]
+    assert banned and not set(banned) & set(engine.tokenizer.encode(text, add_special_tokens=False))
+    assert text != engine.tokenizer.decode(ids, skip_special_tokens=True)
+    with pytest.raises(Rejected, match="token ids"):
+        engine.add(3, prompt, greedy(4, allowed_token_ids=[10**6]))
+    assert engine.next_deadline() is None
+
+
+def test_bad_words_ban_the_last_token_after_the_others():
+    rules = Rules()
+    rules.bad = [[5, 6, 7], [9]]
+    assert rules.banned_words() == [9]
+    for token in (1, 5, 6):
+        rules.observe(token)
+    assert rules.banned_words() == [7, 9]
+    rules.observe(7)
+    assert rules.banned_words() == [9]
 
 
 def test_tokenize_and_detokenize_use_the_serving_tokenizer(engine):

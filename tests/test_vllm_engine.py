@@ -292,8 +292,20 @@ def test_vllm_sampling_fields_are_honoured(client, reference):
         model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logit_bias={str(token): 100}
     )
     assert r.choices[0].text == reference.decode([token] * 4)
+    # allowed_token_ids leaves one choice; bad_words bans a word; cache_salt is taken.
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+        extra_body={"allowed_token_ids": [token], "cache_salt": "tenant-1"},
+    )
+    assert r.choices[0].text == reference.decode([token] * 4)
+    word = greedy.split()[0]
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"bad_words": [word]}
+    )
+    assert r.choices[0].text != greedy and word not in r.choices[0].text.split()[:1]
     # Bad values are 400s naming the field (ours, then vLLM's own checks).
-    for field, value in (("top_k", "many"), ("min_p", 2), ("logit_bias", {"x": 1})):
+    for field, value in (("top_k", "many"), ("min_p", 2), ("logit_bias", {"x": 1}),
+                         ("allowed_token_ids", []), ("bad_words", [3]), ("cache_salt", "")):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
                                       extra_body={field: value})

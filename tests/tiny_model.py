@@ -41,7 +41,8 @@ CHAT_TEMPLATE = (
     "{% for c in m['tool_calls'] %}<tool_call>{\"name\": \"{{ c['function']['name'] }}\", "
     "\"arguments\": {{ c['function']['arguments'] | tojson }}}</tool_call>{% endfor %}"
     "{{ '\\n' }}"
-    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% else %}<|{{ m['role'] }}|>{% if m['name'] %}{{ m['name'] }}: {% endif %}"
+    "{{ m['content'] }}\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     "{% if enable_thinking %}<think>{% endif %}"
 )

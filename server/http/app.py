@@ -30,6 +30,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from .. import __version__
 from ..config import ServerConfig
 from ..errors import (
     ClientError,
@@ -51,6 +52,8 @@ from .asgi import CLOSE, HeaderSend, header, send_empty, send_error
 from .auth import APIKeys, is_protected
 from .cors import CORSPolicy
 from .encode import dumps
+from .embeddings import PATH as EMBEDDINGS_PATH
+from .embeddings import handle_embeddings
 from .tokenize import ROUTES as TOKENIZE_ROUTES
 from .tokenize import handle_tokenize
 from .generate import handle_generate
@@ -189,6 +192,9 @@ class LLMServerApp(QuartTrio):
                 if self.tracing is not None:
                     self.tracing.export(record, self._served_model(), header(scope, b"traceparent"))
             return
+        if path == EMBEDDINGS_PATH:
+            await handle_embeddings(self, scope, receive, send, headers=extra)
+            return
         op = TOKENIZE_ROUTES.get(path)
         if op is not None:
             await handle_tokenize(self, scope, receive, send, op=op, headers=extra)
@@ -225,23 +231,29 @@ class LLMServerApp(QuartTrio):
     def admission_error(self, engine: Engine, sequences: int) -> ServerError | None:
         """Why a request of ``sequences`` sequences (prompts x n) may not be admitted now:
         a 503 when it would take the server past its limits (decided before anything is
-        queued), a 400 when it could never fit; None when it may run."""
+        queued), a 400 when it could never fit; None when it may run.
+
+        A request larger than the default sequence limit (twice what the workers run at
+        once) runs when nothing else is in flight, as vLLM runs it: its sequences start as
+        batch slots free up, and other requests get 503 meanwhile. An explicit
+        ``--max-concurrent-sequences`` is a hard cap: larger is a 400."""
         limit = self.server_config.max_concurrent_requests
         if limit is not None and engine.open_streams >= limit:
             return ServiceUnavailable(
                 f"The server is at its limit of {limit} concurrent requests; retry later.",
                 code="server_overloaded",
             )
+        configured = self.server_config.max_concurrent_sequences
         limit = self.sequence_limit()
         if limit is None:
             return None
-        if sequences > limit:
+        if sequences > limit and configured is not None:
             return ClientError(
                 f"This request asks for {sequences} sequences (prompts x n); the server runs "
                 f"at most {limit} at once.",
                 param="n",
             )
-        if engine.open_sequences + sequences > limit:
+        if engine.open_streams and engine.open_sequences + sequences > limit:
             return ServiceUnavailable(
                 f"The server is at its limit of {limit} concurrent sequences; retry later.",
                 code="server_overloaded",
@@ -347,6 +359,17 @@ class LLMServerApp(QuartTrio):
                 # A worker's tokenizer, as for /tokenize (server.http.tokenize).
                 info = await self.require_engine().tokenize({"op": "info"})
                 return Response(dumps(info), content_type="application/json")
+
+        @self.get("/version")
+        async def version():
+            # vLLM's route: "version" is vLLM's with the vllm engine (clients read it to
+            # know what vLLM serves), else this server's; both named besides.
+            info = self.engine.info if self.engine is not None else {}
+            body = {"version": info.get("vllm_version") or __version__,
+                    "server_version": __version__, "engine": info.get("engine")}
+            if info.get("vllm_version"):
+                body["vllm_version"] = info["vllm_version"]
+            return Response(dumps(body), content_type="application/json")
 
         @self.get("/v1/models")
         async def models():

@@ -17,6 +17,8 @@ Shapes, field for field as OpenAI sends them::
 
 from __future__ import annotations
 
+from typing import Any
+
 import json
 
 import msgspec
@@ -115,11 +117,11 @@ class ChunkEncoder:
         logprobs: dict | None = None,
         tool_calls: list | None = None,
     ) -> bytes:
-        """A chat chunk with ``reasoning_content`` and/or ``content`` (--reasoning-parser),
-        and/or ``tool_calls`` deltas (--tool-call-parser)."""
+        """A chat chunk with ``reasoning`` (and ``reasoning_content``) and/or ``content``
+        (--reasoning-parser), and/or ``tool_calls`` deltas (--tool-call-parser)."""
         delta: dict = {}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
+        if reasoning:  # vLLM 0.32's name, and the older one
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
         if content or not (reasoning or finish_reason or tool_calls):
             delta["content"] = content
         if tool_calls:
@@ -181,7 +183,7 @@ def completion_body(
 ) -> bytes:
     """The body of a non-streaming completions or chat response (``logprobs``: each
     choice's logprobs object, for requests that asked; ``reasoning``: each chat choice's
-    ``reasoning_content``, with --reasoning-parser; ``tool_calls``: each chat choice's
+    ``reasoning`` (and ``reasoning_content``), with --reasoning-parser; ``tool_calls``: each chat choice's
     calls, for requests with tools)."""
     lps = logprobs or [None] * len(texts)
     if chat:
@@ -196,6 +198,8 @@ def completion_body(
         ]
         if reasoning is not None:
             for choice, thought in zip(choices, reasoning):
+                # vLLM 0.32's name, and the older one clients may still read
+                choice["message"]["reasoning"] = thought or None
                 choice["message"]["reasoning_content"] = thought or None
         if tool_calls is not None:
             for choice, calls in zip(choices, tool_calls):
@@ -203,16 +207,18 @@ def completion_body(
                     choice["message"]["tool_calls"] = calls
     else:
         choices = [
-            {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+            {"index": i, "text": text, "logprobs": lp, "finish_reason": reason,
+             "prompt_logprobs": None}  # (vLLM's field; prompt logprobs come with echo)
             for i, (text, reason, lp) in enumerate(zip(texts, finish_reasons, lps))
         ]
-    return dumps_document(
-        {
-            "id": response_id,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": created,
-            "model": model,
-            "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
-        }
-    )
+    body: dict[str, Any] = {
+        "id": response_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
+    }
+    if chat:
+        body["prompt_logprobs"] = None  # (vLLM's field, on the response)
+    return dumps_document(body)

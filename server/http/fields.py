@@ -25,12 +25,12 @@ log = logging.getLogger("server.http")
 
 _SAMPLING = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
-    "seed", "user", "ignore_eos", "logprobs", "fault",
+    "seed", "user", "safety_identifier", "ignore_eos", "logprobs", "fault", "request_id",
 }
 #: The fields each route reads (``logprobs`` only when false or 0; ``fault`` only with
 #: --sim-faults).
 HONOURED_COMPLETION = frozenset(_SAMPLING | {"prompt", "echo"})
-HONOURED_CHAT = frozenset(_SAMPLING | {"messages", "max_completion_tokens"})
+HONOURED_CHAT = frozenset(_SAMPLING | {"messages", "max_completion_tokens", "echo"})
 
 #: Defined by OpenAI or vLLM, not honoured yet: field -> the values that mean "not used".
 UNSUPPORTED: dict[str, tuple] = {
@@ -55,6 +55,11 @@ UNSUPPORTED: dict[str, tuple] = {
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "add_special_tokens": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
     # structured output, tools, reasoning (OpenAI, vLLM)
     "response_format": (None, {"type": "text"}),
     "tools": (None, []),
@@ -63,6 +68,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "reasoning_effort": (None,),
+    "verbosity": (None,),
     "guided_json": (None,),
     "guided_regex": (None,),
     "guided_choice": (None,),
@@ -74,6 +80,13 @@ UNSUPPORTED: dict[str, tuple] = {
     "add_generation_prompt": (None, True),
     "continue_final_message": (None, False),
     "documents": (None,),
+    "mm_processor_kwargs": (None, {}),
+    # scheduling, caching and disaggregation (vLLM, OpenAI)
+    "priority": (None, 0),
+    "cache_salt": (None,),
+    "prompt_cache_key": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
     # other modalities and platform features (OpenAI)
     "modalities": (None, ["text"]),
     "audio": (None,),
@@ -111,6 +124,7 @@ def check_fields(
     :data:`UNSUPPORTED` that the serving engine declared it honours (its HELLO's
     ``sampling``), read by the schema; ``engine`` names it in the refusal."""
     unknown = []
+    refused = []
     for name in data:
         if name in honoured or name in _NO_OP or name in engine_fields:
             continue
@@ -118,13 +132,17 @@ def check_fields(
         if neutral is None:
             unknown.append(name)
         elif not _neutral(data[name], neutral):
-            by = f"the {engine} engine" if engine else "this server"
-            raise ClientError(
-                f"'{name}' is not supported by {by}; leave it out (or at its default) to "
-                "generate without it.",
-                param=name,
-                code="unsupported_parameter",
-            )
+            refused.append(name)
+    if refused:
+        by = f"the {engine} engine" if engine else "this server"
+        names = ", ".join(f"'{name}'" for name in refused)
+        verb, it, its = ("is", "it", "its") if len(refused) == 1 else ("are", "them", "their")
+        raise ClientError(
+            f"{names} {verb} not supported by {by}; leave {it} out (or at {its} default) to "
+            f"generate without {it}.",
+            param=refused[0],
+            code="unsupported_parameter",
+        )
     if unknown and log.isEnabledFor(logging.DEBUG):
         log.debug("ignored request fields nobody defines: %s",
                   ", ".join(printable(name, 64) for name in unknown[:20]))

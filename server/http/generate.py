@@ -45,10 +45,12 @@ from ..errors import (
     ServerError,
     ServiceUnavailable,
 )
+from ..observability.logs import request_id_from_header
 from ..observability.record import RequestRecord
 from . import schema
 from .asgi import (
     CLOSE,
+    header,
     send_error,
     send_json,
     watch_disconnect,
@@ -164,8 +166,12 @@ async def handle_generate(
         log.exception("internal error before the response started")
         await answer.error(ServerError("Internal server error."))
         return
+    # The client's X-Request-Id, else the body's request_id (vLLM's order), else ours.
+    base = record.request_id
+    if req.request_id is not None and not request_id_from_header(header(scope, b"x-request-id"))[1]:
+        base = req.request_id
     prefix = route.id_prefix if route is not None else "chatcmpl-" if chat else "cmpl-"
-    response_id = prefix + record.request_id
+    response_id = prefix + base
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, record)
@@ -295,13 +301,16 @@ async def _write_stream(
     if RichEvents.wanted(chat=req.chat, logprobs=req.logprobs is not None,
                          reasoning_parser=reasoning_parser, tools=req.tools):
         # With echo and logprobs, the prompt goes out with its logprobs, in the first event.
-        echoed = [req.echoed[i // n] for i in range(choices)] if req.echo else None
+        echoed = [req.echoed[i // n] for i in range(choices)] if req.echo and not req.chat \
+            else None
         rich = RichEvents(enc, choices=choices, chat=req.chat, logprobs=req.logprobs is not None,
                           reasoning_parser=reasoning_parser, prompts=echoed, tools=req.tools)
     first = []
     for index in range(choices):
         if req.chat:
             first.append(enc.role(index))
+            if req.echo and req.echoed[0]:  # vLLM's chat echo: its own chunk, after the role
+                first.append(enc.delta(index, req.echoed[0]))
         elif req.echo and rich is None:
             first.append(enc.delta(index, req.echoed[index // n]))
     completion_tokens = 0
@@ -389,7 +398,7 @@ async def _write_full(
     k = len(per_choice)
     n = req.params.n
     texts: list[list[str]] = [[] for _ in range(k)]
-    if req.echo:
+    if req.echo and not req.chat:  # (chat: after the parsers, in _full_body)
         for index in range(k):
             texts[index].append(req.echoed[index // n])
     reasons: list[str | None] = [None] * k
@@ -456,6 +465,8 @@ def _full_body(
         tool_calls = [
             _tool_calls(req.tools, joined, reasons, i) for i in range(k)
         ]
+    if req.chat and req.echo:  # vLLM's chat echo: before the answer's content
+        joined = [req.echoed[0] + (text or "") for text in joined]
     return completion_body(
         chat=req.chat,
         response_id=response_id,

@@ -47,7 +47,7 @@ CALLS_OR_DOCUMENT = "calls_or_document"
 HONOURED = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
     "reasoning", "max_output_tokens", "temperature", "top_p", "stream", "user", "metadata",
-    "safety_identifier", "prompt_cache_key", "fault",
+    "safety_identifier", "fault",
 })
 
 #: OpenAI's fields this server does not honour: field -> (values that mean "not used", why).
@@ -64,6 +64,8 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "top_logprobs": ((None, 0), "logprobs are not served on this route"),
     "service_tier": ((None, "auto", "default"), "there is one tier"),
     "stream_options": ((None, {}, {"include_obfuscation": False}), "no obfuscation is added"),
+    "prompt_cache_key": ((None,), "the router places requests by their prompts' prefixes "
+                         "itself (docs/routing.md); a key is not used"),
     "prompt_cache_retention": ((None,), "the prefix cache is the engine's"),
     "context_management": ((None,), "the input is never compacted"),
 }
@@ -101,6 +103,10 @@ class ResponsesRequest:
     @property
     def stream(self) -> bool:
         return self.chat.stream
+
+    @property
+    def request_id(self) -> None:
+        return None  # not a field of this route (X-Request-Id is)
 
     @property
     def echoed(self) -> tuple:

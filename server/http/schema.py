@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from ..config import Limits
-from ..errors import ClientError, NotFound, clip
+from ..errors import ClientError, NotFound, clip, printable
 from ..params import SamplingParams, context_error
 from .json_schema import check_grammar_ints, check_refs
 from .fields import HONOURED_CHAT, HONOURED_COMPLETION, KNOWN, UNSUPPORTED, check_fields
@@ -57,6 +57,8 @@ class GenerateRequest:
     #: With ``echo``, each prompt's text: a text prompt itself; a token-id prompt's None
     #: until the frontend has it detokenized (:func:`server.http.generate.echo_texts`).
     echoed: tuple = ()
+    #: vLLM's ``request_id``: the response id's base when the client sent no ``X-Request-Id``.
+    request_id: str | None = None
 
 
 def decode_json(body: bytes, known: bool = False) -> dict:
@@ -309,6 +311,11 @@ def messages_of(data: dict, tools_ok: bool = False) -> list:
             )
         text = "" if content is None else _utf8(_content(content, i), f"messages[{i}].content")
         rendered.append(history_message(m, i, role, text, tools_ok))
+        name = m.get("name")
+        if name is not None:  # the participant's name, for the template (as vLLM passes it)
+            if not isinstance(name, str):
+                raise ClientError("'name' must be a string.", param=f"messages[{i}].name")
+            rendered[-1]["name"] = _utf8(name, f"messages[{i}].name")
     return rendered
 
 
@@ -424,7 +431,38 @@ _ENGINE_SAMPLING = {
     ),
     "response_format": lambda d, lim: _response_format(d),
     "chat_template_kwargs": lambda d, lim: template_kwargs_of(d),
+    "allowed_token_ids": lambda d, lim: _allowed_token_ids(d),
+    "bad_words": lambda d, lim: _strings(d, "bad_words", 64, 256),
+    "cache_salt": lambda d, lim: _cache_salt(d),
 }
+
+
+def _allowed_token_ids(data: dict) -> list[int] | None:
+    ids = _token_id_list(data, "allowed_token_ids", 1 << 18)
+    if ids == []:
+        raise ClientError("'allowed_token_ids' may not be empty.", param="allowed_token_ids")
+    return ids
+
+
+def _strings(data: dict, name: str, most: int, longest: int) -> list[str] | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > most or not all(
+        isinstance(s, str) and 0 < len(s) <= longest for s in value
+    ):
+        raise ClientError(f"'{name}' must be a list of at most {most} non-empty strings of at "
+                          f"most {longest} characters.", param=name)
+    for s in value:
+        _utf8(s, name)
+    return value
+
+
+def _cache_salt(data: dict) -> str | None:
+    value = data.get("cache_salt")
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ClientError("'cache_salt' must be a non-empty string.", param="cache_salt")
+    return value if value is None else _utf8(value, "cache_salt")
 
 
 def _engine_sampling(data: dict, limits: Limits, engine_fields: frozenset) -> dict:
@@ -472,6 +510,23 @@ def _logprobs(data: dict, chat: bool, engine_info: dict | None) -> int | None:
     return top
 
 
+#: What ``request_id`` may be: as an ``X-Request-Id`` (server.observability.logs).
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def _check_stream_options(options: dict) -> None:
+    """A 400 naming every key of ``stream_options`` the server does not honour
+    (``include_obfuscation`` only as false: the chunks carry no obfuscation padding)."""
+    honoured = ("include_usage", "continuous_usage_stats")
+    neutral = {"include_obfuscation": (None, False)}
+    bad = [k for k in options if k not in honoured
+           and not any(options[k] is v for v in neutral.get(k, ()))]
+    if bad:
+        names = ", ".join(f"'stream_options.{printable(k, 64)}'" for k in bad)
+        raise ClientError(f"{names}: not supported by this server.", param="stream_options",
+                          code="unsupported_parameter")
+
+
 def _common(
     data: dict,
     limits: Limits,
@@ -500,17 +555,21 @@ def _common(
             )
         if not isinstance(options, dict):
             raise ClientError("'stream_options' must be an object.", param="stream_options")
+        _check_stream_options(options)
         include_usage = _bool(options, "include_usage", False)
-        continuous_usage = _bool(options, "continuous_usage_stats", False)
-        if continuous_usage and not include_usage:
-            raise ClientError(
-                "'stream_options.continuous_usage_stats' needs 'include_usage': true.",
-                param="stream_options",
-            )
+        # vLLM's meaning: usage on every chunk when there is usage at all
+        continuous_usage = include_usage and _bool(options, "continuous_usage_stats", False)
     logprobs = _logprobs(data, chat, engine_info)
     user = data.get("user")
-    if user is not None and not isinstance(user, str):
-        raise ClientError("'user' must be a string.", param="user")
+    for name in ("user", "safety_identifier"):  # the end user, for you: nothing to generate
+        if data.get(name) is not None and not isinstance(data[name], str):
+            raise ClientError(f"'{name}' must be a string.", param=name)
+    request_id = data.get("request_id")
+    if request_id is not None and (
+        not isinstance(request_id, str) or not _REQUEST_ID.fullmatch(request_id)
+    ):
+        raise ClientError("'request_id' must be 1 to 128 characters of A-Z a-z 0-9 . _ : -.",
+                          param="request_id")
     if chat:
         max_tokens = _int(data, "max_completion_tokens", None, 1, limits.max_tokens)
         if max_tokens is None:
@@ -535,6 +594,7 @@ def _common(
     return {
         "model": model, "params": params, "stream": stream, "include_usage": include_usage,
         "user": user, "logprobs": logprobs, "continuous_usage": continuous_usage,
+        "request_id": request_id,
     }
 
 
@@ -569,6 +629,11 @@ def _check_answer_size(
 def _engine_fields(info: dict | None) -> tuple[frozenset, str]:
     if not info:
         return frozenset(), ""
+    if info.get("generate") is False:  # an embedding model
+        raise ClientError(
+            f"The model '{clip(str(info.get('model')))}' is an embedding model: it serves "
+            "/v1/embeddings, not completions.", param="model", code="model_not_supported",
+        )
     sampling = set(info.get("sampling") or ())
     if isinstance(info.get("logprobs"), int):
         sampling.add("top_logprobs")  # read by _logprobs
@@ -629,8 +694,13 @@ def parse_chat(
     tools = read_tools(data, tool_parser) if tools_ok else None
     if tools is not None:
         _tools_to_engine(tools, common["params"].extra, "response_format" in fields, engine)
+    # vLLM's echo: the last message's content when it is the answer's role's (assistant)
+    echo = _bool(data, "echo", False)
+    last = messages[-1]
+    echoed = ((last.get("content") or "") if last["role"] == "assistant" else "",) if echo else ()
     return _check_answer_size(GenerateRequest(
-        chat=True, prompts=[{"messages": messages}], echo=False, tools=tools, **common
+        chat=True, prompts=[{"messages": messages}], echo=echo, echoed=echoed, tools=tools,
+        **common
     ), limits, engine_info)
 
 

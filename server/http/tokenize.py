@@ -26,7 +26,7 @@ from .post import BEFORE_BODY, UNREAD_BODY, off_loop, read_json_post, refusal_he
 from .schema import decode_json, messages_of, template_kwargs_of
 from .tools import render_tools
 
-__all__ = ["handle_tokenize", "parse_tokenize", "parse_detokenize", "ROUTES"]
+__all__ = ["handle_tokenize", "parse_tokenize", "parse_detokenize", "serve_worker_op", "ROUTES"]
 
 log = logging.getLogger("server.http")
 
@@ -111,19 +111,25 @@ def parse_detokenize(body: bytes, served_model: str) -> dict:
     return {"op": "detokenize", "tokens": tokens}
 
 
-async def handle_tokenize(app, scope: dict, receive, send, *, op: str, headers: list) -> None:
-    """Serve one /tokenize or /detokenize request; never raises into the ASGI server (but
-    Cancelled)."""
-    config = app.server_config
+async def serve_worker_op(app, scope: dict, receive, send, headers: list, parse, answer) -> None:
+    """Serve one request answered by a worker round trip (/tokenize, /detokenize,
+    /v1/embeddings); never raises into the ASGI server (but Cancelled). ``parse(body,
+    model, info) -> (request, context)`` is sans-IO and raises the client's errors;
+    ``answer(context, result) -> bytes`` makes the JSON body from the worker's result. Both
+    run off the event loop when their input is big."""
     try:
         body = await read_json_post(app, scope, receive)
         if body is None:
             return  # the client went away
         engine = app.require_engine()
-        parse = parse_tokenize if op == "tokenize" else parse_detokenize
-        result = await engine.tokenize(await off_loop(len(body), parse, body, engine.model_name))
+        request, context = await off_loop(len(body), parse, body, engine.model_name,
+                                          engine.info)
+        result = await engine.tokenize(request)
+        size = sum(len(v) for v in result.get("data", ())) if isinstance(result, dict) else 0
+        data = await off_loop(size * 3, answer, context, result)
     except BEFORE_BODY as exc:
-        await send_error(send, exc, headers + await refusal_headers(exc, scope, receive, config))
+        await send_error(send, exc, headers + await refusal_headers(exc, scope, receive,
+                                                                    app.server_config))
         return
     except UNREAD_BODY as exc:
         await send_error(send, exc, headers + [CLOSE])
@@ -135,10 +141,27 @@ async def handle_tokenize(app, scope: dict, receive, send, *, op: str, headers: 
         log.exception("internal error in %s", scope["path"])
         await send_error(send, ServerError("Internal server error."), headers)
         return
+    await send_json(send, 200, data, headers)
+
+
+def _tokenize_answer(op: str, result: dict) -> bytes:
     if op == "tokenize":
         tokens = result["tokens"]
-        answer = {"count": len(tokens), "max_model_len": result["max_model_len"],
-                  "tokens": tokens, "token_strs": None}
-    else:
-        answer = {"prompt": result["prompt"]}
-    await send_json(send, 200, dumps(answer), headers)
+        return dumps({"count": len(tokens), "max_model_len": result["max_model_len"],
+                      "tokens": tokens, "token_strs": None})
+    return dumps({"prompt": result["prompt"]})
+
+
+def _parse_tokenize(body: bytes, model: str, info: dict) -> tuple[dict, str]:
+    return parse_tokenize(body, model), "tokenize"
+
+
+def _parse_detokenize(body: bytes, model: str, info: dict) -> tuple[dict, str]:
+    return parse_detokenize(body, model), "detokenize"
+
+
+async def handle_tokenize(app, scope: dict, receive, send, *, op: str, headers: list) -> None:
+    """Serve one /tokenize or /detokenize request; never raises into the ASGI server (but
+    Cancelled)."""
+    parse = _parse_tokenize if op == "tokenize" else _parse_detokenize
+    await serve_worker_op(app, scope, receive, send, headers, parse, _tokenize_answer)

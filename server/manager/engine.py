@@ -28,6 +28,7 @@ from ..params import SamplingParams
 from ..protocol import wire
 from ..protocol.handshake import parse_address
 from .deadlines import DeadlineQueue
+from .routing import Blocks, Decision, Router, RouterStatistics
 from .stream import Choice, RequestStream, Waker
 from .unwrap import body_errors_unwrapped
 from .worker import WorkerClient, WorkerStartupError
@@ -60,6 +61,8 @@ class EngineStatistics:
     workers: tuple[WorkerStatistics, ...]
     #: Sequences (prompts x n) of the open streams.
     open_sequences: int = 0
+    #: Routing decisions and per-worker prefix-cache hits (server.manager.routing).
+    routing: RouterStatistics | None = None
 
 
 class Engine:
@@ -78,6 +81,14 @@ class Engine:
             self.workers = [
                 WorkerClient(i, config.for_worker(i), spawn) for i in range(config.workers)
             ]
+        self.router = Router(
+            len(self.workers), config.routing, balance=config.routing_balance
+        )
+        #: Each worker's restarts as the router last saw them (a restart empties its cache).
+        self._generations = [0] * len(self.workers)
+        #: A stream's first rid -> (worker index, the first prompt's blocks, blocks
+        #: predicted cached), until the stream is released.
+        self._routes: dict[int, tuple[int, Blocks, int]] = {}
         self._rids = itertools.count(1)
         #: Streams open (dispatched, not yet released): observable, for wait_idle.
         self._open = AsyncValue(0)
@@ -138,7 +149,9 @@ class Engine:
         stream then ends each open choice with ``abort`` and ``abort_cause == "timeout"``.
         """
         params = params or SamplingParams()
-        worker = self._pick_worker()
+        router = self.router
+        blocks = router.blocks(prompts[0]) if prompts else router.blocks(None)
+        worker, decision = self._route(blocks.hashes)
         waker = Waker(worker.pacer)
         choices = []
         n = params.n
@@ -156,18 +169,25 @@ class Engine:
             choices, waker, self.config.drain_timeout, self._stream_released, errors_as_outputs
         )
         self._streams.add(stream)
+        if choices:  # (for the statistics of every policy, and the prefix index)
+            if router.prefix_aware:
+                router.routed(worker.index, blocks.hashes)
+                for prompt in prompts[1:]:
+                    router.routed(worker.index, router.blocks(prompt).hashes)
+            self._routes[choices[0].rid] = (worker.index, blocks, decision.matched)
         if timeout is not None:
             self.deadlines.add(trio.current_time() + timeout, stream)
         return stream
 
     async def tokenize(self, request: dict) -> dict:
-        """Answer a /tokenize or /detokenize request (a TOKENIZE round trip, see
+        """Answer a /tokenize, /detokenize or embed request (a TOKENIZE round trip, see
         server.protocol.wire) with the least loaded worker's tokenizer: the one requests
         are served with. Bounded like any worker round trip: a hung worker is stopped by
         the heartbeat, and its round trips fail with EngineError."""
         return await self._pick_worker().tokenize(request)
 
     def _pick_worker(self) -> WorkerClient:
+        """The least loaded live worker (for round trips that use no cache)."""
         if not self._accepting:
             raise ServiceUnavailable("the server is shutting down", code="shutting_down")
         best = None
@@ -181,8 +201,44 @@ class Engine:
             raise ServiceUnavailable("no engine worker is available", code="no_worker")
         return best
 
+    def pick_worker(
+        self, prompt: object, exclude: Sequence[int] = ()
+    ) -> tuple[WorkerClient, Decision]:
+        """The worker the routing policy picks for ``prompt``, never one of ``exclude``
+        (worker indexes), and why. Raises ServiceUnavailable when none can take it."""
+        return self._route(self.router.blocks(prompt).hashes, exclude)
+
+    def _route(
+        self, hashes: list[bytes], exclude: Sequence[int] = ()
+    ) -> tuple[WorkerClient, Decision]:
+        if not self._accepting:
+            raise ServiceUnavailable("the server is shutting down", code="shutting_down")
+        router = self.router
+        generations = self._generations
+        for w in self.workers:
+            if w.restarts != generations[w.index]:  # restarted: its cache is empty
+                generations[w.index] = w.restarts
+                router.reset(w.index)
+        # a shared worker's load counts the other frontends' requests (from its PONGs)
+        decision = router.pick(hashes, [w.load if w.alive else None for w in self.workers],
+                               exclude)
+        if decision is None:
+            raise ServiceUnavailable("no engine worker is available", code="no_worker")
+        return self.workers[decision.worker], decision
+
     def _stream_released(self, stream: RequestStream) -> None:
         self._streams.discard(stream)
+        states = stream.choice_states()
+        route = self._routes.pop(states[0].rid, None) if states else None
+        if route is not None:
+            index, blocks, matched = route
+            choice = states[0]
+            if (choice.cached_tokens is not None and choice.prompt_tokens
+                    and choice.worker is self.workers[index]
+                    and self._generations[index] == self.workers[index].restarts):
+                self.router.observed(
+                    index, blocks, matched, choice.prompt_tokens, choice.cached_tokens
+                )
         self._open.value -= 1
         self._open_sequences -= stream.choices
 
@@ -276,6 +332,7 @@ class Engine:
             workers_alive=sum(w.alive for w in workers),
             accepting=self._accepting,
             workers=workers,
+            routing=self.router.stats,
         )
 
 

@@ -322,6 +322,37 @@ class Metrics:
         )
         in_flight.add_metric([model], stats.open_streams if stats is not None else 0)
         yield in_flight
+        routing = stats.routing if stats is not None else None
+        if routing is not None:
+            yield from _routing_families(model, routing)
+
+
+def _routing_families(model: str, routing) -> Iterator[Metric]:
+    """Routing decisions and per-worker prefix-cache hits (server.manager.routing)."""
+    yield _counter(
+        "routing_decisions",
+        "Requests routed, by reason: prefix (to the worker predicted to hold most of the "
+        "prompt), load (no worker held any of it, or routing by load), balance (the best "
+        "match was too loaded).",
+        ["model_name", "reason"],
+        [([model, reason], n) for reason, n in routing.decisions.items()],
+    )
+    per_worker = ["model_name", "worker"]
+    for name, doc, values in (
+        ("routed_requests", "Requests routed to each worker.", routing.routed),
+        ("prefix_cache_queries",
+         "Prompt tokens of the results that reported their cached prompt tokens, per worker.",
+         routing.prompt_tokens),
+        ("prefix_cache_hits",
+         "Prompt tokens the worker found in its prefix cache (usage's cached_tokens).",
+         routing.cached_tokens),
+        ("routing_mispredictions",
+         "Results whose cached prefix fell short of the router's prediction (the router "
+         "then forgets that many of the worker's oldest blocks).",
+         routing.mispredicted),
+    ):
+        yield _counter(name, doc, per_worker,
+                       [([model, str(i)], v) for i, v in enumerate(values)])
 
 
 def _counter(name: str, doc: str, labels: list[str], samples) -> CounterMetricFamily:

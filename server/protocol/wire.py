@@ -14,7 +14,9 @@ Frontend -> worker::
     [PING, seq]
     [TOKENIZE, seq, request]        {"op": "tokenize", "prompt": str | {"messages": [...]},
                                     "add_special_tokens": bool} or {"op": "detokenize",
-                                    "tokens": [int, ...]} or {"op": "info"}
+                                    "tokens": [int, ...]} or {"op": "info"} or
+                                    {"op": "embed", "input": [str | [int, ...], ...],
+                                    "dimensions": int | None}
     [SHUTDOWN]
 
 Worker -> frontend::
@@ -25,8 +27,9 @@ Worker -> frontend::
     [STEP, accepts, outputs, notes] notes: [[rid, {"cached_tokens": n}], ...], only when
                                     the engine has any (they precede the outputs)
     [PONG, seq, running, waiting]   a listening worker adds the requests this connection holds
-    [TOKENIZED, seq, result, err]   result: {"tokens": [...], "max_model_len": n} or
-                                    {"prompt": str}; or err: [kind, message]
+    [TOKENIZED, seq, result, err]   result: {"tokens": [...], "max_model_len": n},
+                                    {"prompt": str} or {"data": [float32 LE bytes, ...],
+                                    "prompt_tokens": n}; or err: [kind, message]
 
 A worker started with ``--listen`` opens each connection with a handshake first
 (CHALLENGE, AUTH, then HELLO or REFUSED; see :mod:`server.protocol.handshake`).

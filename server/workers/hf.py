@@ -72,6 +72,7 @@ from .hf_grammar import COMPILE_TIMEOUT, MAX_SCHEMA_BYTES, Grammars
 from .hf_logits import SAMPLING_FIELDS, Rules, process
 from .hf_sample import sample
 from .hf_text import RequestText
+from .hub import model_files
 
 __all__ = ["TransformersEngine", "load_model"]
 
@@ -82,8 +83,11 @@ _DTYPES = {
 }
 
 
-def load_model(model_path: str, *, device: str = "cpu", dtype: str | None = None, attn=None):
-    """(model, tokenizer) from a local directory, offline; exceptions carry one clear line."""
+def load_model(model_path: str | Path, *, device: str = "cpu", dtype: str | None = None,
+               attn=None):
+    """(model, tokenizer) from a local directory, offline (a hub id is resolved to its
+    snapshot first: :func:`server.workers.hub.model_files`); exceptions carry one clear
+    line."""
     path = Path(model_path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model directory {path} does not exist")
@@ -166,15 +170,17 @@ class TransformersEngine(HFTokenizing):
         attn_implementation: str | None = None,
         grammar_max_bytes: int = MAX_SCHEMA_BYTES,
         grammar_timeout: float = COMPILE_TIMEOUT,
+        revision: str | None = None,
     ) -> None:
         if not model_path:
             raise ValueError("the transformers engine needs model_path (--model-path DIR)")
+        path, hub_id = model_files(model_path, revision=revision)
         if max_batch < 1 or prefill_tokens < 1:
             raise ValueError("max_batch and prefill_tokens must be at least 1")
         if num_threads:
             torch.set_num_threads(int(num_threads))
         self.model, self.tokenizer = load_model(
-            model_path, device=device, dtype=dtype, attn=attn_implementation
+            path, device=device, dtype=dtype, attn=attn_implementation
         )
         self._tok = self.tokenizer.backend_tokenizer
         limit = _context_length(self.model.config, self.tokenizer)
@@ -200,7 +206,7 @@ class TransformersEngine(HFTokenizing):
         self._grammar_budget = {"max_bytes": grammar_max_bytes, "timeout": grammar_timeout}
         self.info = {
             "engine": "transformers",
-            "model": model or Path(model_path).expanduser().resolve().name,
+            "model": model or hub_id or path.resolve().name,
             "max_model_len": max_model_len,
             "chat_template": self.chat_template,
             "device": str(self.model.device),
@@ -246,7 +252,8 @@ class TransformersEngine(HFTokenizing):
             seed = None if seed is None else int(seed)
             stop = tuple(s for s in params.get("stop") or () if s)
             ignore_eos = bool(params.get("ignore_eos", False))
-            rules = Rules.parse(params, ids, vocab_size=self.vocab_size, device=self.model.device)
+            rules = Rules.parse(params, ids, vocab_size=self.vocab_size, device=self.model.device,
+                                tokenizer=self.tokenizer)
             response_format = params.get("response_format")
             logprobs = _top(params.get("logprobs"))
             prompt_logprobs = _top(params.get("prompt_logprobs"))

@@ -18,7 +18,11 @@ sampler's top-k/min-p/top-p):
 - ``frequency_penalty`` (``f``) and ``presence_penalty`` (``p``): each token's logit loses
   ``f * count + p * (count > 0)``, its count in the output so far;
 - ``top_k`` and ``min_p`` act in :func:`server.workers.hf_sample.sample` (sampled rows);
-- ``stop_token_ids`` end the request (the engine checks :attr:`Rules.stop_ids`).
+- ``stop_token_ids`` end the request (the engine checks :attr:`Rules.stop_ids`);
+- ``allowed_token_ids``: every other token's logit is -inf;
+- ``bad_words``: each word's token ids (as :func:`bad_words_ids` tokenizes it, vLLM's way:
+  the word and, when it tokenizes to as many tokens, the word after a space); when the
+  output ends with all of a word's tokens but its last, that last token cannot be picked.
 
 A row with no such field costs nothing: :func:`process` touches only the rows that have
 rules, with one indexed write per kind of rule for the whole batch, never a Python loop over
@@ -37,7 +41,7 @@ __all__ = ["Rules", "process", "SAMPLING_FIELDS"]
 #: The request fields this module (with hf_sample's top_k and min_p) honours.
 SAMPLING_FIELDS = (
     "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "min_tokens", "stop_token_ids", "logit_bias",
+    "min_tokens", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words",
 )
 
 
@@ -45,7 +49,8 @@ SAMPLING_FIELDS = (
 NEUTRAL: dict[str, tuple] = {
     "top_k": (None, 0, -1), "min_p": (None, 0), "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0), "repetition_penalty": (None, 1), "min_tokens": (None, 0),
-    "stop_token_ids": (None, []), "logit_bias": (None, {}),
+    "stop_token_ids": (None, []), "logit_bias": (None, {}), "allowed_token_ids": (None,),
+    "bad_words": (None, []),
 }
 
 
@@ -58,7 +63,7 @@ class Rules:
 
     __slots__ = (
         "top_k", "min_p", "presence", "frequency", "repetition", "min_tokens", "stop_ids",
-        "bias_ids", "bias_values", "counts", "seen",
+        "bias_ids", "bias_values", "counts", "seen", "allowed", "bad", "output",
     )
 
     def __init__(self) -> None:
@@ -75,11 +80,19 @@ class Rules:
         self.counts: torch.Tensor | None = None
         #: Tokens of the prompt and the output (a bool tensor), for the repetition penalty.
         self.seen: torch.Tensor | None = None
+        #: The tokens ``allowed_token_ids`` leaves (a bool tensor), or None: all.
+        self.allowed: torch.Tensor | None = None
+        #: ``bad_words`` as token id sequences, and the output so far (kept only for them).
+        self.bad: list[list[int]] = []
+        self.output: list[int] = []
 
     @classmethod
-    def parse(cls, params: dict, prompt: list[int], *, vocab_size: int, device) -> Rules | None:
+    def parse(
+        cls, params: dict, prompt: list[int], *, vocab_size: int, device, tokenizer=None
+    ) -> Rules | None:
         """The rules of a request's wire params, or None when it has none (the usual case).
-        Values were validated by the HTTP layer; token ids are checked here (Rejected)."""
+        Values were validated by the HTTP layer; token ids are checked here (Rejected).
+        ``tokenizer`` tokenizes ``bad_words``."""
         if all(_neutral(params.get(name), NEUTRAL[name]) for name in SAMPLING_FIELDS):
             return None
         rules = cls()
@@ -96,6 +109,13 @@ class Rules:
         bias = params.get("logit_bias") or {}
         rules.bias_ids = _token_ids([int(k) for k in bias], vocab_size, "logit_bias")
         rules.bias_values = [float(v) for v in bias.values()]
+        allowed = params.get("allowed_token_ids")
+        if allowed is not None:
+            rules.allowed = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            rules.allowed[torch.tensor(_token_ids(allowed, vocab_size, "allowed_token_ids"),
+                                       dtype=torch.long, device=device)] = True
+        if params.get("bad_words"):
+            rules.bad = bad_words_ids(params["bad_words"], tokenizer)
         if rules.presence or rules.frequency:
             rules.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
         if rules.repetition != 1.0:
@@ -110,6 +130,28 @@ class Rules:
             self.counts[token] += 1
         if self.seen is not None:
             self.seen[token] = True
+        if self.bad:
+            self.output.append(token)
+
+    def banned_words(self) -> list[int]:
+        """The last tokens of the bad words whose other tokens end the output."""
+        out = self.output
+        return [w[-1] for w in self.bad
+                if len(w) - 1 <= len(out) and (len(w) == 1 or out[len(out) - len(w) + 1:] == w[:-1])]
+
+
+def bad_words_ids(words: list[str], tokenizer) -> list[list[int]]:
+    """Each word's token ids, and the word's after a space when they differ in their first
+    token only but not in number (vLLM's ``SamplingParams.update_from_tokenizer``)."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if plain:
+            out.append(plain)
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(spaced)
+    return out
 
 
 def _token_ids(ids, vocab_size: int, field: str) -> list[int]:
@@ -141,16 +183,23 @@ def process(
             at_rows += [i] * len(r.bias_ids)
             at_ids += r.bias_ids
             values += r.bias_values
+        banned = set(r.banned_words()) if r.bad else set()
         if produced < r.min_tokens:
-            banned = sorted(eos_ids | r.stop_ids)
-            ban_rows += [i] * len(banned)
-            ban_ids += banned
+            banned |= eos_ids | r.stop_ids
+        ban_rows += [i] * len(banned)
+        ban_ids += sorted(banned)
     if at_rows:
         at = (torch.tensor(at_rows, device=device), torch.tensor(at_ids, device=device))
         logits.index_put_(at, torch.tensor(values, device=device), accumulate=True)
     if ban_rows:
         at = (torch.tensor(ban_rows, device=device), torch.tensor(ban_ids, device=device))
         logits.index_put_(at, torch.tensor(float("-inf"), device=device))
+    masked = [(i, r.allowed) for i, r, _ in ruled if r.allowed is not None]
+    if masked:
+        index = torch.tensor([i for i, _ in masked], device=device)
+        keep = torch.stack([m for _, m in masked])
+        sub = logits.index_select(0, index).masked_fill(~keep, float("-inf"))
+        logits.index_copy_(0, index, sub)
     # Penalties: the penalised rows gathered, changed together, written back.
     rep = [(i, r.seen, r.repetition) for i, r, _ in ruled if r.seen is not None]
     if rep:

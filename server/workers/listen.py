@@ -585,8 +585,9 @@ def _main(argv: list[str]) -> None:
             tls.load_cert_chain(args.tls_cert, args.tls_key)
         except (OSError, ssl.SSLError) as exc:
             raise SystemExit(f"{PROG}: cannot load --tls-cert/--tls-key: {one_line(exc)}") from None
-    config = EngineConfig(engine=args.engine, model=args.model,
-                          engine_options=engine_options(args, PROG))
+    options = engine_options(args, PROG)  # (names the model: args.served_model_name)
+    config = EngineConfig(engine=args.engine, model=args.served_model_name,
+                          engine_options=options)
     try:
         engine = build_engine(config.worker_argument())
     except Exception as exc:

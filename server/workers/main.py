@@ -36,6 +36,7 @@ import time
 from ..protocol import wire
 from ..protocol.wire import OutputRow
 from .base import EngineBroken, one_line, WorkerCrash, WorkerGarbage, WorkerHang
+from .embed import embed_request
 from .prepare import Preparer, admit, tokenize_reply
 
 __all__ = ["build_engine", "handle_message", "main", "open_preparer", "run_as_worker", "serve",
@@ -51,6 +52,10 @@ def build_engine(config: dict):
 
         return SimEngine(**options)
     if kind == "transformers":
+        from .hf_embed import TransformersEmbedder, is_embedding_model
+
+        if is_embedding_model(options.get("model_path") or ""):
+            return TransformersEmbedder(**options)
         from .hf import TransformersEngine
 
         return TransformersEngine(**options)
@@ -92,6 +97,9 @@ def handle_message(engine, msg: list, accepts: list, outputs: list,
         preparing = preparer.preparing() if preparer is not None else 0
         return [wire.PONG, msg[1], engine.running(), engine.waiting() + preparing]
     elif kind == wire.TOKENIZE:
+        request = msg[2]
+        if isinstance(request, dict) and request.get("op") == "embed":
+            return [wire.TOKENIZED, msg[1], *embed_request(engine, request)]
         tokenize = getattr(engine, "tokenize", None)
         if tokenize is None:
             name = engine.info.get("engine", "this")
@@ -100,9 +108,9 @@ def handle_message(engine, msg: list, accepts: list, outputs: list,
                        "need one); the transformers and vllm engines have one")
             return [wire.TOKENIZED, msg[1], None, ["invalid_request", message]]
         if preparer is not None:
-            preparer.tokenize(msg[1], msg[2])
+            preparer.tokenize(msg[1], request)
             return None
-        return tokenize_reply(msg[1], tokenize, msg[2])
+        return tokenize_reply(msg[1], tokenize, request)
     return None
 
 

@@ -13,6 +13,11 @@ It behaves like a real engine from the frontend's point of view:
   ``temperature == 0`` ignores the seed; no seed and ``temperature > 0`` is random.
 * **Token counts.** The sim tokenizer counts whitespace-separated words of the prompt (or the
   length of a token-id list). Chat messages are rendered with :data:`CHAT_TEMPLATE` first.
+* **Prefix cache** (only with ``prefix_cache_tokens > 0``): a model of vLLM's automatic
+  prefix caching (:class:`server.workers.sim_cache.PrefixCache`: blocks of
+  ``prefix_block_size`` words, chained hashes, LRU eviction). A request's first token then
+  comes ``prefill_us_per_token`` per *uncached* prompt token after ``ttft_ms``, and its
+  last output carries a note ``{"cached_tokens": n}`` as vLLM's does.
 * **Finishing.** ``length`` at ``max_tokens``; ``stop`` when a stop string appears in the
   text (text that could be the start of a stop string is held back until it is decided, and
   the stop string itself is never sent).
@@ -31,7 +36,9 @@ It behaves like a real engine from the frontend's point of view:
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import random
 import time
 import zlib
@@ -39,6 +46,7 @@ from collections.abc import ValuesView
 
 from ..protocol.wire import OutputRow
 from .base import Rejected, WorkerCrash, WorkerGarbage, WorkerHang, check_context
+from .sim_cache import PrefixCache
 from .stops import StopMatcher
 
 __all__ = ["SimEngine", "CHAT_TEMPLATE", "render_chat", "count_tokens"]
@@ -59,6 +67,9 @@ _V = len(_VOCAB_SPACED)
 #: line, then ``<|assistant|>`` to prompt the answer.
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|> {{ m.content }}\n{% endfor %}<|assistant|>"
 
+#: The largest embedding_size of a sim engine.
+_MAX_EMBEDDING = 4096
+
 FAULT_KINDS = ("error", "crash", "hang", "garbage", "stall", "ignore_abort")
 
 
@@ -71,6 +82,13 @@ def render_chat(messages: list) -> str:
     return "".join(parts)
 
 
+@functools.lru_cache(maxsize=1024)
+def _token_vector(token: str | int, size: int) -> tuple[float, ...]:
+    """The sim's fixed random vector of a token (its first items do not depend on size)."""
+    rng = random.Random(zlib.crc32(repr(token).encode()))
+    return tuple(rng.gauss(0.0, 1.0) for _ in range(size))
+
+
 def count_tokens(text: str) -> int:
     """The sim tokenizer: one token per whitespace-separated word."""
     return len(text.split())
@@ -79,7 +97,7 @@ def count_tokens(text: str) -> int:
 class _Req:
     __slots__ = (
         "rid", "rng", "max_tokens", "stop", "produced", "ready_at",
-        "fault", "fault_after", "prompt_tokens", "started", "call",
+        "fault", "fault_after", "prompt_tokens", "started", "call", "blocks", "cached",
     )
     rid: int
     rng: int  # the state of a 32-bit xorshift generator
@@ -92,6 +110,8 @@ class _Req:
     prompt_tokens: int
     started: bool
     call: list[str] | None  # the tokens of a tool call, when the request has tools
+    blocks: list[int]  # the prompt's block hashes (prefix cache on)
+    cached: int  # prompt tokens found in the prefix cache
 
 
 class SimEngine:
@@ -110,8 +130,13 @@ class SimEngine:
         faults: bool = False,
         startup_delay_ms: float = 0.0,
         reasoning_tokens: int = 0,
+        prefix_cache_tokens: int = 0,
+        prefix_block_size: int = 16,
+        embedding_size: int = 384,
         clock=time.monotonic,
     ) -> None:
+        if not 0 < embedding_size <= _MAX_EMBEDDING:
+            raise ValueError(f"embedding_size must be between 1 and {_MAX_EMBEDDING}")
         if max_batch < 1 or max_model_len < 2:
             raise ValueError("the sim engine needs max_batch >= 1 and max_model_len >= 2")
         if itl_ms < 0 or ttft_ms < 0 or prefill_us_per_token < 0:
@@ -119,6 +144,7 @@ class SimEngine:
         if startup_delay_ms:  # pretend to load weights (lets tests see a starting server)
             time.sleep(startup_delay_ms / 1000.0)
         self._clock = clock
+        self.embedding_size = embedding_size
         self.itl = itl_ms / 1000.0
         self.ttft = ttft_ms / 1000.0
         self.prefill = prefill_us_per_token / 1e6
@@ -135,13 +161,44 @@ class SimEngine:
             "max_batch": max_batch,
             "chat_template": CHAT_TEMPLATE,
             "sampling": ["tools"],
+            "embedding": {"size": embedding_size, "dimensions": True},
         }
+        #: Embedding batches computed (one per embed call, however many inputs it has).
+        self.forwards = 0
         self._running: dict[int, _Req] = {}
         self._waiting: dict[int, _Req] = {}  # insertion order is FIFO order
         self._starting: dict[int, _Req] = {}  # running, first token not yet produced
         self._next_tick: float | None = None
+        #: The prefix cache (None: off, and no cached_tokens notes).
+        self.cache = (
+            PrefixCache(prefix_cache_tokens, prefix_block_size) if prefix_cache_tokens else None
+        )
+        #: [rid, {"cached_tokens": n}] of requests that finished (the worker loop sends them).
+        self.notes: list = []
 
     # -- the Engine interface ---------------------------------------------------------------
+
+    def embed(self, inputs: list, options: dict) -> tuple[list, int]:
+        """Deterministic unit vectors, one per input (a string's words or a token-id list):
+        the normalised sum of a fixed random vector per token, so that inputs sharing
+        tokens are alike. ``dimensions`` cuts them first (any size: Matryoshka-style)."""
+        full = self.embedding_size
+        size = options.get("dimensions") or full
+        vectors = []
+        total = 0
+        for i, item in enumerate(inputs):
+            tokens = item.split() if isinstance(item, str) else item
+            if not tokens:
+                raise Rejected(f"input[{i}] has no tokens")
+            if len(tokens) > self.max_model_len:
+                raise Rejected(f"input[{i}] has {len(tokens)} tokens; this model's maximum "
+                               f"context length is {self.max_model_len} tokens")
+            total += len(tokens)
+            sums = [sum(col) for col in zip(*(_token_vector(t, full)[:size] for t in tokens))]
+            norm = math.sqrt(sum(x * x for x in sums)) or 1.0
+            vectors.append([x / norm for x in sums])
+        self.forwards += 1
+        return vectors, total
 
     def add(self, rid: int, prompt: object, params: dict) -> int:
         if isinstance(prompt, dict):
@@ -153,15 +210,16 @@ class SimEngine:
             except (KeyError, TypeError):
                 raise Rejected("each message needs a role and a content") from None
             seed_bytes = text.encode()
-            prompt_tokens = count_tokens(text)
+            tokens: list = text.split()
         elif isinstance(prompt, str):
             seed_bytes = prompt.encode()
-            prompt_tokens = count_tokens(prompt)
+            tokens = prompt.split()
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             seed_bytes = repr(prompt).encode()
-            prompt_tokens = len(prompt)
+            tokens = prompt
         else:
             raise Rejected("prompt must be a string or a list of token ids")
+        prompt_tokens = len(tokens)
         try:
             max_tokens = params.get("max_tokens", 16)
             max_tokens = None if max_tokens is None else int(max_tokens)
@@ -191,6 +249,8 @@ class SimEngine:
         req.fault = None
         req.fault_after = 0
         req.call = _tool_call(params.get("tools"), max_tokens, req.rng)
+        req.blocks = self.cache.hashes(tokens) if self.cache is not None else []
+        req.cached = 0
         fault = params.get("fault")
         if self.faults and isinstance(fault, dict):
             if fault.get("kind") not in FAULT_KINDS:
@@ -247,6 +307,8 @@ class SimEngine:
                 outputs.append(out)
                 if out.finish is not None:
                     finished.append(req.rid)
+                    if self.cache is not None and out.finish != "error":
+                        self.notes.append([req.rid, {"cached_tokens": req.cached}])
         for rid in finished:
             del running[rid]
             self._starting.pop(rid, None)
@@ -270,9 +332,12 @@ class SimEngine:
         if room <= 0:
             return
         waiting = self._waiting
+        cache = self.cache
         for rid in list(waiting)[:room]:
             req = waiting.pop(rid)
-            req.ready_at = now + self.ttft + self.prefill * req.prompt_tokens
+            if cache is not None:
+                req.cached = cache.admit(req.blocks, req.prompt_tokens)
+            req.ready_at = now + self.ttft + self.prefill * (req.prompt_tokens - req.cached)
             self._running[rid] = req
             self._starting[rid] = req
 

@@ -52,6 +52,7 @@ from .base import (
     finite_logprob,
     one_line,
 )
+from .hub import model_files
 
 from .hf_grammar import MAX_SCHEMA_BYTES, schema_text
 
@@ -72,7 +73,7 @@ ENVIRONMENT = {
 VLLM_SAMPLING = (
     "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "min_tokens", "stop_token_ids", "logit_bias", "include_stop_str_in_output",
-    "skip_special_tokens", "spaces_between_special_tokens",
+    "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids", "bad_words",
 )
 
 #: vLLM's finish reasons, in ours ("repetition": vLLM's repetition detection stopped it).
@@ -101,13 +102,13 @@ def _torchvision_guard() -> None:
             sys.modules[name] = None  # type: ignore[assignment]  # "not installed"
 
 
-def _build_engine(model_path: str | None, named: dict, engine_args: dict):
+def _build_engine(model_path: str | None, named: dict, engine_args: dict,
+                  revision: str | None = None):
     """vLLM's ``LLMEngine`` (engine core in this process); exceptions carry one clear line."""
     if not model_path:
         raise ValueError("the vllm engine needs model_path (--model-path DIR)")
-    path = Path(model_path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"model directory {path} does not exist")
+    # A hub id is resolved here (vLLM would download it too, but our errors are one line).
+    path, hub_id = model_files(model_path, revision=revision)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
     for name, default in ENVIRONMENT.items():
@@ -137,7 +138,7 @@ def _build_engine(model_path: str | None, named: dict, engine_args: dict):
             backend="xgrammar", disable_any_whitespace=True
         )
     kwargs["model"] = str(path)
-    kwargs.setdefault("served_model_name", path.resolve().name)
+    kwargs.setdefault("served_model_name", hub_id or path.resolve().name)
     try:
         return LLMEngine.from_engine_args(EngineArgs(**kwargs), enable_multiprocessing=False)
     except Exception as exc:
@@ -182,6 +183,7 @@ class VLLMEngine(HFTokenizing):
         gpu_memory_utilization: float | None = None,
         enable_prefix_caching: bool | None = None,
         engine_args: dict | None = None,
+        revision: str | None = None,
         warmup: bool = True,
         llm_engine=None,
         grammar_max_bytes: int = MAX_SCHEMA_BYTES,
@@ -201,7 +203,7 @@ class VLLMEngine(HFTokenizing):
                 "enable_prefix_caching": enable_prefix_caching,
                 "served_model_name": model,
             }
-            self._llm = _build_engine(model_path, named, engine_args or {})
+            self._llm = _build_engine(model_path, named, engine_args or {}, revision)
         import vllm
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -233,7 +235,8 @@ class VLLMEngine(HFTokenizing):
             "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
             "prefix_caching": self.prefix_caching,
             "max_batch": self.max_batch,
-            "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs", "tools"],
+            "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs", "tools",
+                         *(["cache_salt"] if self.prefix_caching else [])],
             "logprobs": MAX_LOGPROBS,
         }
         #: Requests vLLM holds for us (added, not finished or aborted).
@@ -243,7 +246,16 @@ class VLLMEngine(HFTokenizing):
         #: ``[rid, dict]`` details for the frontend, sent with the next STEP (the worker
         #: loop takes them).
         self.notes: list[list] = []
-        if warmup:
+        #: With vLLM's pooling runner: embeddings only (server.workers.vllm_pool).
+        self._pooling = None
+        if getattr(config.model_config, "runner_type", None) == "pooling":
+            from .vllm_pool import VLLMPooling
+
+            self._pooling = VLLMPooling(self._llm, self.tokenizer, vocab_size=self.vocab_size,
+                                        max_model_len=self.max_model_len)
+            self.info["generate"] = False
+            self.info["embedding"] = self._pooling.describe(config.model_config)
+        elif warmup:
             self._warm_up()
 
     # -- the Engine interface ---------------------------------------------------------------
@@ -251,21 +263,28 @@ class VLLMEngine(HFTokenizing):
     def add(self, rid: int, prompt: object, params: dict) -> int:
         return self.add_prepared(rid, self.prepare(prompt, params))
 
-    def prepare(self, prompt: object, params: dict) -> tuple[list[int], Any]:
+    def prepare(self, prompt: object, params: dict) -> tuple[list[int], Any, str | None]:
         """A request's slow, stateless part (any thread: the worker runs it in a
         preparation thread, :mod:`server.workers.prepare`): tokenizing, the chat template,
         the context check, the sampling parameters. vLLM compiles the grammar itself,
         off its step (its StructuredOutputManager's threads; the request waits without a
         batch slot); a schema over ``grammar_max_bytes`` is refused here."""
+        if self._pooling is not None:
+            raise Rejected(f"model {self.info['model']!r} runs on vLLM's pooling runner: it "
+                           "serves /v1/embeddings, not completions")
         ids = self.encode(prompt, params.get("chat_template_kwargs"), params.get("tools"))
         max_tokens = check_context(len(ids), params.get("max_tokens"), self.max_model_len)
-        return ids, self.sampling_params(params, max_tokens)
+        salt = params.get("cache_salt")
+        return ids, self.sampling_params(params, max_tokens), None if salt is None else str(salt)
 
-    def add_prepared(self, rid: int, prepared: tuple[list[int], Any]) -> int:
+    def add_prepared(self, rid: int, prepared: tuple[list[int], Any, str | None]) -> int:
         """Hand a request :meth:`prepare` made to vLLM (the loop's thread)."""
-        ids, sampling = prepared
+        ids, sampling, salt = prepared
         try:
-            self._llm.add_request(str(rid), {"prompt_token_ids": ids}, sampling)
+            prompt_in: dict = {"prompt_token_ids": ids}
+            if salt is not None:  # its own prefix-cache namespace
+                prompt_in["cache_salt"] = salt
+            self._llm.add_request(str(rid), prompt_in, sampling)
         except self._client_errors as exc:  # vLLM's own validation: a client fault
             raise Rejected(one_line(exc)) from None
         self._held.add(rid)
@@ -324,6 +343,13 @@ class VLLMEngine(HFTokenizing):
                     self.notes.append([rid, {"cached_tokens": result.num_cached_tokens or 0}])
             rows.append(OutputRow(rid, out.text, len(out.token_ids), finish, error))
         return rows
+
+    def embed(self, inputs: list, options: dict) -> tuple[list, int]:
+        """/v1/embeddings, with the pooling runner (server.workers.embed checks first that
+        ``info`` has ``embedding``, which only the pooling runner sets)."""
+        if self._pooling is None:
+            raise Rejected(f"model {self.info['model']!r} is a generation model")
+        return self._pooling.embed(inputs, options)
 
     def close(self) -> None:
         """Stop vLLM's engine core (and the processes it started, if any)."""
