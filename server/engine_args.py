@@ -41,6 +41,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, spawned: bool) -> None:
     g.add_argument("--dtype", default=None, help="transformers, vllm: weights' dtype (auto, "
                    "float32, bfloat16, float16; default: transformers float32 on cpu and auto "
                    "on cuda, vllm auto)")
+    g.add_argument("--grammar-max-bytes", type=int, default=None,
+                   help="transformers, vllm: a response_format schema (or forced tool call) "
+                   "whose JSON is larger is a 400 (default 262144)")
+    g.add_argument("--grammar-timeout", type=float, default=None,
+                   help="transformers: seconds a response_format schema may take to compile; "
+                   "longer is a 400 (default 10)")
     g.add_argument("--num-threads", type=int, default=None,
                    help="transformers: torch CPU threads per worker (default: all cores; "
                    "use cores / workers)")
@@ -125,6 +131,7 @@ _VLLM_FLAG_DESTS = tuple(flag[2:].replace("-", "_") for flag, _, _ in VLLM_FLAGS
 #: workers listen elsewhere (``--worker-address``), they are refused; set them on the worker.
 ENGINE_DESTS = (
     "engine", "model_path", "device", "dtype", "num_threads", "engine_workers",
+    "grammar_max_bytes", "grammar_timeout",
     "max_model_len", "max_batch", "worker_startup_timeout", "tensor_parallel_size",
     "gpu_memory_utilization", "enable_prefix_caching", "engine_arg", "devices_per_worker",
     "sim_itl_ms", "sim_ttft_ms", "sim_prefill_us_per_token", "sim_max_batch",
@@ -138,6 +145,8 @@ _ENGINE_ONLY = {
     "model_path": ("transformers", "vllm"),
     "dtype": ("transformers", "vllm"),
     "num_threads": ("transformers",),
+    "grammar_max_bytes": ("transformers", "vllm"),
+    "grammar_timeout": ("transformers",),
     "tensor_parallel_size": ("vllm",),
     "gpu_memory_utilization": ("vllm",),
     "enable_prefix_caching": ("vllm",),
@@ -238,6 +247,9 @@ def engine_options(args: argparse.Namespace, prog: str) -> dict:
             options["dtype"] = args.dtype
         if args.num_threads:
             options["num_threads"] = args.num_threads
+        for name in ("grammar_max_bytes", "grammar_timeout"):
+            if getattr(args, name) is not None:
+                options[name] = getattr(args, name)
         if args.max_batch:
             options["max_batch"] = args.max_batch
         if args.served_model_name:
@@ -276,6 +288,7 @@ def _vllm_options(args: argparse.Namespace, prog: str) -> dict:
         ("tensor_parallel_size", args.tensor_parallel_size),
         ("gpu_memory_utilization", args.gpu_memory_utilization),
         ("enable_prefix_caching", args.enable_prefix_caching),
+        ("grammar_max_bytes", args.grammar_max_bytes),
     ):
         if value is not None:
             options[key] = value

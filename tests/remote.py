@@ -78,6 +78,7 @@ async def listening_worker(
     netns: str | None = None,
     name: str = "worker",
     prefix: tuple[str, ...] = (),
+    startup: float = 20.0,
 ):
     log = tmp_path / f"{name}.log"
     cmd = [*prefix, sys.executable, "-m", "server.workers", "--listen", listen, *FAST_ARGS, *args]
@@ -93,7 +94,7 @@ async def listening_worker(
         err.close()
     worker = Listening(proc, log)
     try:
-        with trio.fail_after(20):
+        with trio.fail_after(startup):  # a sim worker; one loading a model needs more
             while True:
                 found = re.search(r"listening on (\S+)", worker.text())
                 if found:

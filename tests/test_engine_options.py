@@ -43,14 +43,18 @@ def test_vllm_options_from_the_command_line():
         "--engine", "vllm", "--model-path", "/models/m", "--max-batch", "64",
         "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.8",
         "--no-enable-prefix-caching", "--dtype", "bfloat16", "--max-model-len", "4096",
-        "--engine-arg", "enforce_eager=true",
+        "--engine-arg", "enforce_eager=true", "--grammar-max-bytes", "1000",
     )
     assert cfg.engine.engine == "vllm"
     assert cfg.engine.engine_options == {
         "model_path": "/models/m", "max_batch": 64, "tensor_parallel_size": 2,
         "gpu_memory_utilization": 0.8, "enable_prefix_caching": False, "dtype": "bfloat16",
         "max_model_len": 4096, "engine_args": {"enforce_eager": True},
+        "grammar_max_bytes": 1000,
     }
+    hf = config("--engine", "transformers", "--model-path", "/m", "--grammar-timeout", "2.5",
+                "--grammar-max-bytes", "100").engine.engine_options
+    assert (hf["grammar_timeout"], hf["grammar_max_bytes"]) == (2.5, 100)
     assert cfg.engine.startup_timeout == 1800.0
     assert config().engine.startup_timeout == 120.0
     assert config("--worker-startup-timeout", "30").engine.startup_timeout == 30.0
@@ -136,6 +140,10 @@ def test_the_supervisor_passes_the_model_on():
          "--device is an option of the transformers engine"),
         (["--engine", "vllm", "--model-path", "m", "--num-threads", "2"],
          "--num-threads is an option of the transformers engine"),
+        (["--engine", "vllm", "--model-path", "m", "--grammar-timeout", "2"],
+         "--grammar-timeout is an option of the transformers engine"),
+        (["--grammar-max-bytes", "9"],
+         "--grammar-max-bytes is an option of the transformers and vllm engines"),
         (["--model-path", "m"], "--model-path is an option of the transformers and vllm engines"),
         (["--engine", "vllm", "--model-path", "m", "--engine-arg", "x"], "needs KEY=VALUE"),
     ],

@@ -138,8 +138,8 @@ def test_tool_choice_modes_and_history():
     req = parse({"messages": CHAT, "tools": TOOLS, "tool_choice": "required",
                  "parallel_tool_calls": False})
     assert req.tools.parse == "forced" and req.tools.grammar["maxItems"] == 1
-    assert req.params.to_wire()["response_format"] == {"type": "json_schema",
-                                                       "schema": req.tools.grammar}
+    assert req.params.to_wire()["response_format"] == {
+        "type": "json_schema", "schema": req.tools.grammar, "origin": "tool_choice"}
     named = parse({"messages": CHAT, "tools": TOOLS,
                    "tool_choice": {"type": "function", "function": {"name": "book"}}})
     assert named.tools.grammar["items"]["properties"]["name"] == {"enum": ["book"]}

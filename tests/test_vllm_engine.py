@@ -434,6 +434,52 @@ def test_prompt_over_the_context_is_a_400_before_any_byte(server, client):
         )
 
 
+def test_heavy_schemas_and_prompts_are_prepared_off_the_worker_loop(server, client):
+    """A 4,000-property schema (vLLM compiles it in its own threads) and a 3.5 MB prompt to
+    /tokenize (tokenized in a preparation thread) while a greedy request runs: the same
+    worker serves on, and the request's text is what it is alone."""
+    (worker,) = server.workers()
+
+    def greedy() -> str:
+        r = client.completions.create(model=MODEL, prompt="stream away", max_tokens=24,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        return r.choices[0].text
+
+    alone = greedy()
+    names = [f"p{i}" for i in range(4000)]
+    wide = {"type": "object", "properties": {k: {"type": "string"} for k in names},
+            "required": names}
+    heavy: dict = {}
+
+    def schema() -> None:
+        heavy["schema"] = httpx.post(server.url + "/v1/completions", timeout=300, json={
+            "model": MODEL, "prompt": "x", "max_tokens": 2, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "w", "schema": wide}}})
+
+    def tokenize() -> None:
+        heavy["tokenize"] = httpx.post(server.url + "/tokenize", timeout=300, json={
+            "model": MODEL, "prompt": "a" * 3_500_000})
+
+    threads = [threading.Thread(target=schema), threading.Thread(target=tokenize)]
+    for t in threads:
+        t.start()
+    assert greedy() == alone
+    for t in threads:
+        t.join()
+    assert heavy["schema"].status_code == 200, heavy["schema"].text
+    assert heavy["tokenize"].status_code == 200 and heavy["tokenize"].json()["count"] > CONTEXT
+    assert server.workers() == {worker}
+    # a schema over the size budget: a 400 that names response_format, before vLLM
+    names = [f"q{i}" for i in range(8000)]
+    huge = {"type": "object", "properties": {k: {"type": "string"} for k in names},
+            "required": names}  # 300 KB of JSON
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "x", "max_tokens": 2, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "h", "schema": huge}}})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        "response_format: the JSON schema is too large"), r.text
+
+
 def _open_stream(url: str, max_tokens: int) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps({"model": MODEL, "prompt": "stream away", "max_tokens": max_tokens,

@@ -719,4 +719,6 @@ def _tools_to_engine(tools: ToolChoice, extra: dict, grammar_ok: bool, engine: s
         )
     # A response_format too (openai-agents sends one with tools on every turn): the call
     # is forced, the format is for a later turn's answer, as OpenAI and vLLM take it.
-    extra["response_format"] = {"type": "json_schema", "schema": tools.grammar}
+    # origin: the engine's errors about this grammar name the tool call, not response_format
+    extra["response_format"] = {
+        "type": "json_schema", "schema": tools.grammar, "origin": "tool_choice"}

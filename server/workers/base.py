@@ -108,13 +108,17 @@ def encode_prompt(
     model: str,
     template_kwargs: dict | None = None,
     tools: list | None = None,
+    fits=None,
 ) -> list[int]:
     """Token ids of a prompt (a string, token ids, or ``{"messages": [...]}``) with a Hugging
     Face tokenizer: chat messages through its chat template (``chat``: whether it has one),
     as vLLM and transformers render them, with the request's ``chat_template_kwargs`` (such
     as ``enable_thinking``) as template variables and its ``tools`` (OpenAI's shape) as the
-    template's ``tools``. Client faults raise :class:`Rejected`."""
+    template's ``tools``. ``fits(text)``, when given, may refuse a text before it is
+    tokenized (see :meth:`HFTokenizing.fits`). Client faults raise :class:`Rejected`."""
     if isinstance(prompt, str):
+        if fits is not None:
+            fits(prompt)
         return list(tokenizer.encode(prompt))
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         if any(not 0 <= t < vocab_size for t in prompt):
@@ -136,6 +140,8 @@ def encode_prompt(
             )
         except Exception as exc:
             raise Rejected(f"cannot render the chat template: {one_line(exc)}") from None
+        if fits is not None:
+            fits(text)
         return list(tokenizer.encode(text, add_special_tokens=False))
     raise Rejected("prompt must be a string or a list of token ids")
 
@@ -211,6 +217,8 @@ class HFTokenizing:
     chat_template: str | None
     info: dict
     max_model_len: int
+    #: The UTF-8 length of the vocabulary's longest token string (added tokens included).
+    _longest_token: int | None = None
 
     def tokenize(self, request: dict) -> dict:
         """/tokenize and /detokenize, with the tokenizer requests are served with."""
@@ -228,8 +236,29 @@ class HFTokenizing:
         return encode_prompt(
             prompt, self.tokenizer, vocab_size=self.vocab_size,
             chat=self.chat_template is not None, model=self.info["model"],
-            template_kwargs=template_kwargs, tools=tools,
+            template_kwargs=template_kwargs, tools=tools, fits=self.fits,
         )
+
+    def fits(self, text: str) -> None:
+        """Refuse, before tokenizing it, a prompt text that cannot fit the context: one of
+        more UTF-8 bytes than ``max_model_len`` tokens of the vocabulary's longest token
+        can hold (a token's string in the vocabulary is at least as long as its text, for
+        byte-level BPE, SentencePiece and byte fallback alike; a normalizer that deletes
+        text, as BERT's, would break that). Tokenizing megabytes costs seconds of CPU and
+        hundreds of MB; this costs nothing."""
+        if self._longest_token is None:  # once (any preparation thread may compute it)
+            vocab = self.tokenizer.get_vocab()
+            self._longest_token = max((len(t.encode()) for t in vocab), default=1)
+        limit = self.max_model_len * self._longest_token
+        if len(text) * 4 <= limit:  # at most 4 bytes a character: it fits
+            return
+        size = len(text.encode())
+        if size > limit:
+            raise Rejected(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your prompt has {size} bytes of text, more than "
+                f"{self.max_model_len} tokens can hold. Please reduce the length of the prompt."
+            )
 
 
 #: The most alternatives per token a request may ask for (OpenAI: 5 for completions, 20 for

@@ -11,8 +11,10 @@ Example (what a worker process does with ``--engine transformers --model-path DI
 Theory of operation
 -------------------
 Sans-IO and synchronous, like every engine (:mod:`server.workers.base`): the worker loop
-reads its pipe between calls. :meth:`add` tokenizes and validates (a client fault raises
-:class:`~server.workers.base.Rejected`) and queues the request. Each :meth:`step` is one
+reads its pipe between calls. :meth:`prepare` tokenizes, validates (a client fault raises
+:class:`~server.workers.base.Rejected`) and compiles the request's grammar, in a preparation
+thread of the worker (:mod:`server.workers.prepare`); :meth:`add_prepared` queues it (``add``
+is both, in the caller's thread). Each :meth:`step` is one
 round of continuous batching:
 
 1. **decode**: one forward pass gives one token to every running request
@@ -38,6 +40,7 @@ import importlib.util
 import os
 import random
 import sys
+import threading
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -65,7 +68,7 @@ from .base import (
     one_line,
 )
 from .hf_batch import KVBatch, UnsupportedModel, sliding_window
-from .hf_grammar import Grammars
+from .hf_grammar import COMPILE_TIMEOUT, MAX_SCHEMA_BYTES, Grammars
 from .hf_logits import SAMPLING_FIELDS, Rules, process
 from .hf_sample import sample
 from .hf_text import RequestText
@@ -165,6 +168,8 @@ class TransformersEngine(HFTokenizing):
         model: str | None = None,
         num_threads: int | None = None,
         attn_implementation: str | None = None,
+        grammar_max_bytes: int = MAX_SCHEMA_BYTES,
+        grammar_timeout: float = COMPILE_TIMEOUT,
         revision: str | None = None,
     ) -> None:
         if not model_path:
@@ -195,6 +200,10 @@ class TransformersEngine(HFTokenizing):
         self.chat_template = template if isinstance(template, str) and template else None
         grammar_ok = importlib.util.find_spec("xgrammar") is not None
         self._grammars: Grammars | None = None
+        self._grammar_lock = threading.Lock()
+        if grammar_max_bytes < 1 or not grammar_timeout > 0:
+            raise ValueError("grammar_max_bytes and grammar_timeout must be positive")
+        self._grammar_budget = {"max_bytes": grammar_max_bytes, "timeout": grammar_timeout}
         self.info = {
             "engine": "transformers",
             "model": model or hub_id or path.resolve().name,
@@ -228,6 +237,12 @@ class TransformersEngine(HFTokenizing):
     # -- the Engine interface ---------------------------------------------------------------
 
     def add(self, rid: int, prompt: object, params: dict) -> int:
+        return self.add_prepared(rid, self.prepare(prompt, params))
+
+    def prepare(self, prompt: object, params: dict) -> _Req:
+        """A request's slow, stateless part (any thread: the worker runs it in a
+        preparation thread, :mod:`server.workers.prepare`): tokenizing, the chat template,
+        validation, the grammar's compilation. A client fault raises :class:`Rejected`."""
         ids = self.encode(prompt, params.get("chat_template_kwargs"), params.get("tools"))
         try:
             max_tokens = int(params.get("max_tokens", 16))
@@ -250,7 +265,6 @@ class TransformersEngine(HFTokenizing):
             raise Rejected("temperature must be >= 0 and top_p in (0, 1]")
         check_context(len(ids), max_tokens, self.max_model_len)
         req = _Req()
-        req.rid = rid
         req.prompt = ids
         req.max_tokens = max_tokens
         req.temperature = temperature
@@ -263,12 +277,20 @@ class TransformersEngine(HFTokenizing):
         req.rules = rules
         req.logprobs = logprobs
         req.prompt_logprobs = prompt_logprobs
-        req.matcher = None if not response_format else self._grammar().matcher(response_format)
+        req.matcher = None if not response_format else self._grammar().compile(response_format)
         req.text = RequestText(self._tok, ids, stop)
         req.produced = 0
         req.last = -1
+        return req
+
+    def add_prepared(self, rid: int, req: _Req) -> int:
+        """Queue a request :meth:`prepare` made (the loop's thread; quick)."""
+        req.rid = rid
+        if req.matcher is not None:  # its compiled grammar, until now
+            assert self._grammars is not None
+            req.matcher = self._grammars.matcher(req.matcher)
         self._waiting[rid] = req
-        return len(ids)
+        return len(req.prompt)
 
     def abort(self, rid: int) -> bool:
         if self._waiting.pop(rid, None) is not None:
@@ -391,13 +413,23 @@ class TransformersEngine(HFTokenizing):
     def _grammar(self) -> Grammars:
         """The grammars of this model's tokenizer, made on first use (xgrammar's import and
         tokenizer analysis cost seconds: only engines that serve response_format pay)."""
-        if self._grammars is None:
-            if importlib.util.find_spec("xgrammar") is None:
-                raise Rejected("response_format needs xgrammar, which is not installed")
-            self._grammars = Grammars(
-                self.tokenizer, vocab_size=self.vocab_size, stop_ids=self.eos_ids
-            )
-        return self._grammars
+        with self._grammar_lock:  # preparation threads: one makes it
+            if self._grammars is None:
+                if importlib.util.find_spec("xgrammar") is None:
+                    raise Rejected("response_format needs xgrammar, which is not installed")
+                self._grammars = Grammars(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_ids=self.eos_ids,
+                    **self._grammar_budget,
+                )
+            return self._grammars
+
+    def statistics(self) -> dict:
+        """The grammar cache's figures (:meth:`Grammars.statistics`), once one was used."""
+        return {"grammars": None if self._grammars is None else self._grammars.statistics()}
+
+    def close(self) -> None:
+        if self._grammars is not None:
+            self._grammars.close()
 
     def _logprob_entry(self, logprobs, token: int, top: int) -> list:
         """``[text, logprob, [[alt_text, alt_logprob], ...]]`` of a chosen token (the

@@ -9,53 +9,149 @@ Example::
     matcher.accept_token(token)                  # after the pick
     matcher.is_terminated()                      # the JSON is complete and EOS was taken
 
-Compiled grammars are cached per schema (xgrammar's compiler cache), so a schema sent with
-every request is compiled once. The mask is one bitmask for the rows that have a grammar,
-filled per row and applied to the logits in one call; rows without one are not touched.
-JSON is generated without free whitespace between tokens (as vLLM's
-``disable_any_whitespace``): a model may not pad a document forever with blanks.
+Compiling a schema can take seconds (thousands of properties, deep nesting, huge enums), so
+:meth:`Grammars.compile` runs in a preparation thread (:mod:`server.workers.prepare`), never
+on the engine loop, within two budgets: a schema's JSON of more than ``max_bytes`` is
+refused before compiling, and a compilation that takes longer than ``timeout`` seconds is
+refused (a 400 naming ``response_format`` or the forced tool call, with the reason). A
+compilation runs in one of ``COMPILE_THREADS`` threads of its own, which a preparation
+waits for at most ``timeout``: a thread cannot be killed, so an overlong one finishes in
+the background and its result goes to the cache, and at most ``COMPILE_THREADS`` of them
+run at once (others queue; their wait counts against their own budget). Compiled grammars
+(or their failures) are cached by the schema's compact JSON, in a bounded LRU: a schema sent
+with every request is compiled once, and one being compiled is shared.
+
+The mask is one bitmask for the rows that have a grammar, filled per row and applied to the
+logits in one call; rows without one are not touched. JSON is generated without free
+whitespace between tokens (as vLLM's ``disable_any_whitespace``): a model may not pad a
+document forever with blanks.
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from .base import Rejected, one_line
+from .prepare import DaemonPool
 
-__all__ = ["Grammars"]
+__all__ = ["Grammars", "COMPILE_THREADS", "MAX_SCHEMA_BYTES", "COMPILE_TIMEOUT", "describe"]
+
+#: Default budgets (engine options ``grammar_max_bytes`` and ``grammar_timeout``).
+MAX_SCHEMA_BYTES = 256 * 1024
+COMPILE_TIMEOUT = 10.0
+#: Grammar compilations that may run at once.
+COMPILE_THREADS = 2
+#: Compiled grammars kept.
+CACHE_SIZE = 64
+
+
+def describe(response_format: dict) -> str:
+    """What a client calls this constraint: the forced tool call, or response_format."""
+    if response_format.get("origin") == "tool_choice":
+        return "tool_choice (the forced tool call's grammar)"
+    return "response_format"
+
+
+def schema_text(response_format: dict, max_bytes: int) -> str:
+    """The compact JSON of a json_schema ``response_format``'s schema (the cache's key),
+    refused
+    (:class:`Rejected`, naming it) beyond ``max_bytes``."""
+    # Keys keep their order: a schema's property order is the order JSON is generated in.
+    schema = json.dumps(response_format.get("schema") or {}, separators=(",", ":"),
+                        ensure_ascii=False)
+    size = len(schema.encode())
+    if size > max_bytes:
+        raise Rejected(
+            f"{describe(response_format)}: the JSON schema is too large to compile: {size} "
+            f"bytes, more than this server's limit of {max_bytes}")
+    return schema
 
 
 class Grammars:
     """The grammars of one model's tokenizer (see the module docstring)."""
 
-    def __init__(self, tokenizer, *, vocab_size: int, stop_ids) -> None:
+    def __init__(self, tokenizer, *, vocab_size: int, stop_ids,
+                 max_bytes: int = MAX_SCHEMA_BYTES, timeout: float = COMPILE_TIMEOUT) -> None:
         import xgrammar
 
         self._xgr = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids)
         )
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._pool = DaemonPool(COMPILE_THREADS, "grammar")
+        self._lock = threading.Lock()
+        self._cache: collections.OrderedDict[str, Future] = collections.OrderedDict()
         self.vocab_size = vocab_size
+        self.max_bytes = max_bytes
+        self.timeout = timeout
+        self._hits = 0
+        self._misses = 0
+        self._timeouts = 0
 
-    def matcher(self, response_format: dict):
-        """A fresh matcher for a request's ``response_format`` (``{"type": "json_object"}``
-        or ``{"type": "json_schema", "schema": {...}}``); an invalid or unsupported schema
-        is :class:`Rejected` naming the problem."""
+    def statistics(self) -> dict:
+        """Cache hits and misses, compilations refused for time, grammars cached."""
+        with self._lock:
+            return {"hits": self._hits, "misses": self._misses, "timeouts": self._timeouts,
+                    "cached": len(self._cache)}
+
+    def compile(self, response_format: dict):
+        """The compiled grammar of a request's ``response_format`` (``{"type":
+        "json_object"}`` or ``{"type": "json_schema", "schema": {...}}``), from the cache
+        or compiled within the budgets. Any thread (blocks up to ``timeout``); an invalid,
+        unsupported, too large or too slow schema is :class:`Rejected` naming the problem."""
         kind = response_format.get("type")
+        name = describe(response_format)
+        if kind == "json_object":
+            key = ""
+        elif kind == "json_schema":
+            key = schema_text(response_format, self.max_bytes)
+        else:
+            raise Rejected(f"unknown response_format type {kind!r}")
+        future = self._future(key)
         try:
-            if kind == "json_object":
-                compiled = self._compiler.compile_builtin_json_grammar()
-            elif kind == "json_schema":
-                schema = json.dumps(response_format.get("schema") or {})
-                compiled = self._compiler.compile_json_schema(schema, any_whitespace=False)
-            else:
-                raise Rejected(f"unknown response_format type {kind!r}")
-        except Rejected:
-            raise
+            return future.result(timeout=self.timeout)
+        except FutureTimeout:
+            with self._lock:
+                self._timeouts += 1
+            raise Rejected(
+                f"{name}: the JSON schema did not compile within this server's limit of "
+                f"{self.timeout:g} s (simplify it: fewer properties, less nesting, shorter "
+                "enums)") from None
         except Exception as exc:
-            raise Rejected(f"response_format: unsupported JSON schema: {one_line(exc)}") from None
+            raise Rejected(f"{name}: unsupported JSON schema: {one_line(exc)}") from None
+
+    def matcher(self, compiled):
+        """A fresh matcher for a compiled grammar (quick: the loop's thread)."""
         return self._xgr.GrammarMatcher(compiled)
+
+    def close(self) -> None:
+        """Stop compiling: queued compilations are dropped, running ones not waited for."""
+        self._pool.shutdown()
+
+    def _future(self, key: str) -> Future:
+        """The cached compilation of ``key`` ("" for any JSON), started if new."""
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                self._hits += 1
+                return future
+            self._misses += 1
+            future = self._pool.submit(self._compile, key)
+            self._cache[key] = future
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return future
+
+    def _compile(self, key: str):
+        if not key:
+            return self._compiler.compile_builtin_json_grammar()
+        return self._compiler.compile_json_schema(key, any_whitespace=False)
 
     def mask(self, logits, rows: list) -> None:
         """Allow only each constrained row's grammatical next tokens: ``rows`` is

@@ -11,8 +11,10 @@ Theory of operation
 -------------------
 One thread, one loop, like the pipe worker, multiplexing sockets with :mod:`selectors`::
 
-    wait for the listener or a connection, at most until engine.next_deadline()
+    wait for the listener, a connection or a finished preparation, at most until
+    engine.next_deadline()
     accept new connections; read what the ready ones sent; handle complete messages
+    admit the requests prepared meanwhile (server.workers.prepare)
     if the deadline has passed: outputs += engine.step(now)
     route every accept, note and output of this iteration to the connection that owns
     its request, one STEP frame per connection; send what each socket takes now
@@ -52,7 +54,7 @@ from ..engine_args import add_engine_arguments, engine_options
 from ..protocol import handshake, wire
 from ..protocol.wire import OutputRow
 from .base import EngineBroken, one_line
-from .main import build_engine, handle_message, run_as_worker
+from .main import build_engine, handle_message, open_preparer, run_as_worker
 
 __all__ = ["main", "serve_listening", "open_listener"]
 
@@ -120,6 +122,13 @@ class Server:
         self.max_buffer = max_buffer
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, None)
+        #: the engine's preparation stage (server.workers.prepare), if it has one; its
+        #: wake-up descriptor is registered with the connection ``self``
+        self.preparer = open_preparer(engine)
+        if self.preparer is not None:
+            self.selector.register(self.preparer.fileno(), selectors.EVENT_READ, self)
+        #: TOKENIZE requests being prepared: internal seq -> (connection, its seq)
+        self.tokenizing: dict[int, tuple[_Conn, int]] = {}
         self.conns: set[_Conn] = set()
         #: accept() failed: not accepting until then (monotonic), or None
         self.accept_paused: float | None = None
@@ -146,6 +155,8 @@ class Server:
                 if conn is None:
                     self._accept()
                     continue
+                if conn is self:  # a preparation finished: collected below
+                    continue
                 try:
                     if mask & selectors.EVENT_READ:
                         self._readable(conn)
@@ -160,6 +171,8 @@ class Server:
                     # connection, not the worker that other frontends share.
                     traceback.print_exc(file=sys.stderr)
                     self._drop(conn, f"internal error: {one_line(exc)}")
+            if self.preparer is not None:
+                self._collect()
             deadline = engine.next_deadline()
             now = clock()
             if deadline is not None and now >= deadline:
@@ -313,16 +326,26 @@ class Server:
             conn.rids[rid] = internal
             self.owners[internal] = (conn, rid)
             msg[1] = internal
-            handle_message(self.engine, msg, self.accepts, self.outputs)
+            handle_message(self.engine, msg, self.accepts, self.outputs, self.preparer)
         elif kind == wire.ABORT:
             held = conn.rids.get(msg[1])
             if held is not None:
-                handle_message(self.engine, [wire.ABORT, held], self.accepts, self.outputs)
+                handle_message(self.engine, [wire.ABORT, held], self.accepts, self.outputs,
+                               self.preparer)
         elif kind == wire.PING or kind == wire.TOKENIZE:
-            reply = handle_message(self.engine, msg, self.accepts, self.outputs)
-            assert reply is not None
+            seq = msg[1]
+            if kind == wire.TOKENIZE and self.preparer is not None:
+                internal = next(self._ids)
+                self.tokenizing[internal] = (conn, seq)
+                msg = [kind, internal, *msg[2:]]
+            reply = handle_message(self.engine, msg, self.accepts, self.outputs, self.preparer)
+            if reply is None:  # answered by the preparer later: _collect
+                return
             if kind == wire.PING:
                 reply.append(len(conn.rids))
+            else:
+                self.tokenizing.pop(msg[1], None)
+                reply[1] = seq
             conn.out += wire.encode(reply)
         else:  # SHUTDOWN: one frontend does not stop a shared worker
             raise _Closed("the frontend said SHUTDOWN")
@@ -333,9 +356,11 @@ class Server:
             return
         self.conns.discard(conn)
         engine = self.engine
+        preparer = self.preparer
         for internal in conn.rids.values():
             del self.owners[internal]
-            engine.abort(internal)
+            if preparer is None or not preparer.abort(internal):
+                engine.abort(internal)
         aborted = len(conn.rids)
         conn.rids.clear()
         try:
@@ -347,6 +372,16 @@ class Server:
             say(f"frontend {conn.peer} disconnected ({reason}); aborted {aborted} request(s)")
         else:
             say(f"connection from {conn.peer} ended: {reason}")
+
+    def _collect(self) -> None:
+        """Admit the requests prepared since the last iteration; route TOKENIZED replies
+        to their connections (a reply for a connection that ended is dropped)."""
+        assert self.preparer is not None
+        for reply in self.preparer.collect(self.accepts, self.outputs):
+            owner = self.tokenizing.pop(reply[1], None)
+            if owner is not None and owner[0] in self.conns:
+                reply[1] = owner[1]
+                owner[0].out += wire.encode(reply)
 
     def _expire(self, now: float) -> None:
         if self.accept_paused is not None and now >= self.accept_paused:
@@ -432,6 +467,8 @@ class Server:
     def close(self) -> None:
         for conn in list(self.conns):
             self._drop(conn, "the worker is stopping")
+        if self.preparer is not None:
+            self.preparer.close()
         self.selector.close()
 
 

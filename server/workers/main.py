@@ -9,10 +9,15 @@ Theory of operation
 -------------------
 One thread, one loop::
 
-    wait for pipe input, at most until engine.next_deadline()
-    handle every complete message (submit, abort, ping, shutdown)
+    wait for pipe input or a finished preparation, at most until engine.next_deadline()
+    handle every complete message (submit, abort, ping, tokenize, shutdown)
+    admit the requests prepared meanwhile (server.workers.prepare)
     if the deadline has passed: outputs += engine.step(now)
     write one STEP frame with every accept and output gathered in this iteration
+
+A request's slow setup (tokenizing, a chat template, a grammar) runs in a few threads of
+:mod:`server.workers.prepare` for an engine that splits its ``add``: the loop never waits
+for it.
 
 End of input (the frontend closed the pipe or died) ends the worker: a worker never outlives
 its frontend. SIGINT is ignored (a Ctrl-C in the terminal reaches the whole process group;
@@ -29,11 +34,13 @@ import sys
 import time
 
 from ..protocol import wire
-from ..protocol.wire import AcceptRow, OutputRow
+from ..protocol.wire import OutputRow
+from .base import EngineBroken, one_line, WorkerCrash, WorkerGarbage, WorkerHang
 from .embed import embed_request
-from .base import EngineBroken, Rejected, one_line, WorkerCrash, WorkerGarbage, WorkerHang
+from .prepare import Preparer, admit, tokenize_reply
 
-__all__ = ["build_engine", "serve", "main", "run_as_worker", "step_message"]
+__all__ = ["build_engine", "handle_message", "main", "open_preparer", "run_as_worker", "serve",
+           "step_message"]
 
 
 def build_engine(config: dict):
@@ -66,50 +73,53 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-def handle_message(engine, msg: list, accepts: list, outputs: list) -> list | None:
+def handle_message(engine, msg: list, accepts: list, outputs: list,
+                   preparer: Preparer | None = None) -> list | None:
     """Apply one message from the frontend (not SHUTDOWN: the loop ends on that) to
     ``engine``. A SUBMIT adds its accept to ``accepts`` (or, refused, an error output to
     ``outputs``); an ABORT of a request the engine still had adds its abort output. Returns
-    the reply to send at once (the PONG of a PING), else None. Plain and sans-IO: the test
-    suite's in-memory workers (tests/fakes.py) run it too."""
+    the reply to send at once (the PONG of a PING; the TOKENIZED of a TOKENIZE), else None.
+    With a ``preparer`` (:mod:`server.workers.prepare`), a SUBMIT and a TOKENIZE are
+    prepared in its threads instead: their accept, error or reply comes from its
+    ``collect``. Plain and sans-IO: the test suite's in-memory workers (tests/fakes.py) run
+    it too."""
     kind = msg[0]
     if kind == wire.SUBMIT:
-        rid = msg[1]
-        try:
-            accepts.append(AcceptRow(rid, engine.add(rid, msg[2], msg[3])))
-        except Rejected as exc:
-            outputs.append(OutputRow(rid, "", 0, "error", [exc.kind, exc.message]))
-        except Exception as exc:  # a request the engine chokes on fails alone
-            message = f"the engine could not take this request: {exc!r:.200}"
-            outputs.append(OutputRow(rid, "", 0, "error", ["engine_error", message]))
+        rid, prompt, params = msg[1], msg[2], msg[3]
+        if preparer is not None:
+            preparer.submit(rid, prompt, params)
+        else:
+            admit(rid, lambda: engine.add(rid, prompt, params), accepts, outputs)
     elif kind == wire.ABORT:
-        if engine.abort(msg[1]):
+        if (preparer is not None and preparer.abort(msg[1])) or engine.abort(msg[1]):
             outputs.append(OutputRow(msg[1], "", 0, "abort", None))
     elif kind == wire.PING:
-        return [wire.PONG, msg[1], engine.running(), engine.waiting()]
+        preparing = preparer.preparing() if preparer is not None else 0
+        return [wire.PONG, msg[1], engine.running(), engine.waiting() + preparing]
     elif kind == wire.TOKENIZE:
         request = msg[2]
         if isinstance(request, dict) and request.get("op") == "embed":
             return [wire.TOKENIZED, msg[1], *embed_request(engine, request)]
-        return [wire.TOKENIZED, msg[1], *_tokenize(engine, request)]
+        tokenize = getattr(engine, "tokenize", None)
+        if tokenize is None:
+            name = engine.info.get("engine", "this")
+            message = (f"Tokenizing is not supported by the {name} engine: it has no tokenizer "
+                       "(/tokenize, /detokenize, /tokenizer_info and echo of token-id prompts "
+                       "need one); the transformers and vllm engines have one")
+            return [wire.TOKENIZED, msg[1], None, ["invalid_request", message]]
+        if preparer is not None:
+            preparer.tokenize(msg[1], request)
+            return None
+        return tokenize_reply(msg[1], tokenize, request)
     return None
 
 
-def _tokenize(engine, request: dict) -> list:
-    """``[result, None]`` or ``[None, [kind, message]]`` for a TOKENIZE request."""
-    tokenize = getattr(engine, "tokenize", None)
-    if tokenize is None:
-        name = engine.info.get("engine", "this")
-        message = (f"Tokenizing is not supported by the {name} engine: it has no tokenizer "
-                   "(/tokenize, /detokenize, /tokenizer_info and echo of token-id prompts "
-                   "need one); the transformers and vllm engines have one")
-        return [None, ["invalid_request", message]]
-    try:
-        return [tokenize(request), None]
-    except Rejected as exc:
-        return [None, [exc.kind, exc.message]]
-    except Exception as exc:
-        return [None, ["engine_error", f"the engine could not tokenize: {exc!r:.200}"]]
+def open_preparer(engine) -> Preparer | None:
+    """The preparation stage for ``engine``, if it splits its add (``prepare`` and
+    ``add_prepared``); None for an engine whose add is quick (sim)."""
+    if hasattr(engine, "prepare") and hasattr(engine, "add_prepared"):
+        return Preparer(engine)
+    return None
 
 
 def step_message(engine, accepts: list, outputs: list) -> list:
@@ -126,12 +136,24 @@ def step_message(engine, accepts: list, outputs: list) -> list:
 
 def serve(engine, fd_in: int, fd_out: int) -> None:
     """Run the loop until the input ends or a SHUTDOWN arrives."""
+    preparer = open_preparer(engine)
+    try:
+        _serve(engine, preparer, fd_in, fd_out)
+    finally:
+        if preparer is not None:
+            preparer.close()
+
+
+def _serve(engine, preparer: Preparer | None, fd_in: int, fd_out: int) -> None:
     clock = time.monotonic
     decoder = wire.FrameDecoder(wire.check_request)  # a malformed message ends the loop
     # select(2) takes a timeout in microseconds, epoll in whole milliseconds (rounded up): a
-    # sim engine's first token would be up to 1 ms late. One descriptor: select is as cheap.
-    selector = selectors.SelectSelector() if fd_in < 1024 else selectors.DefaultSelector()
-    selector.register(fd_in, selectors.EVENT_READ)
+    # sim engine's first token would be up to 1 ms late. Two descriptors: select is as cheap.
+    fds = [fd_in] if preparer is None else [fd_in, preparer.fileno()]
+    small = max(fds) < 1024
+    selector = selectors.SelectSelector() if small else selectors.DefaultSelector()
+    for fd in fds:
+        selector.register(fd, selectors.EVENT_READ)
     _write_all(fd_out, wire.encode([wire.HELLO, engine.info]))
     accepts: list = []
     outputs: list = []
@@ -143,19 +165,23 @@ def serve(engine, fd_in: int, fd_out: int) -> None:
             timeout = deadline - clock()
             if timeout < 0:
                 timeout = 0
-        if selector.select(timeout):
+        replies = []
+        for key, _ in selector.select(timeout):
+            if key.fd != fd_in:
+                continue
             data = os.read(fd_in, 1 << 20)
             if not data:
                 return
-            replies = []
             for msg in decoder.feed(data):
                 if msg[0] == wire.SHUTDOWN:
                     return
-                reply = handle_message(engine, msg, accepts, outputs)
+                reply = handle_message(engine, msg, accepts, outputs, preparer)
                 if reply is not None:
                     replies.append(wire.encode(reply))
-            if replies:
-                _write_all(fd_out, b"".join(replies))
+        if preparer is not None:  # requests prepared meanwhile join the engine now
+            replies.extend(wire.encode(r) for r in preparer.collect(accepts, outputs))
+        if replies:
+            _write_all(fd_out, b"".join(replies))
         deadline = engine.next_deadline()
         if deadline is not None and clock() >= deadline:
             try:

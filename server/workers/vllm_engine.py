@@ -21,9 +21,10 @@ worker: :meth:`close` shuts them down, and vLLM's workers also exit when this pr
 
 What the frontend sends, this module turns into vLLM's terms:
 
-- prompts are tokenized here (chat messages through the tokenizer's chat template), so the
-  prompt's token count is exact and known at :meth:`add`, and a prompt over the context is
-  refused there (a 400 before any byte of the response); vLLM gets token ids;
+- prompts are tokenized here, in a preparation thread of the worker (:meth:`prepare`; chat
+  messages through the tokenizer's chat template), so the prompt's token count is exact and
+  known at admission, and a prompt over the context is refused there (a 400 before any byte
+  of the response); vLLM gets token ids;
 - sampling fields become a ``vllm.SamplingParams`` with ``output_kind=DELTA``: every step
   gives each request its new text, detokenized and with stop strings applied by vLLM;
 - a request's prefix-cache hits reach the frontend as a note ``{"cached_tokens": n}`` with
@@ -39,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 from ..protocol.wire import OutputRow
 from .base import (
@@ -51,6 +53,8 @@ from .base import (
     one_line,
 )
 from .hub import model_files
+
+from .hf_grammar import MAX_SCHEMA_BYTES, schema_text
 
 __all__ = ["VLLMEngine", "VLLM_SAMPLING"]
 
@@ -182,7 +186,11 @@ class VLLMEngine(HFTokenizing):
         revision: str | None = None,
         warmup: bool = True,
         llm_engine=None,
+        grammar_max_bytes: int = MAX_SCHEMA_BYTES,
     ) -> None:
+        if grammar_max_bytes < 1:
+            raise ValueError("grammar_max_bytes must be positive")
+        self.grammar_max_bytes = grammar_max_bytes
         if llm_engine is not None:
             self._llm = llm_engine
         else:
@@ -253,16 +261,29 @@ class VLLMEngine(HFTokenizing):
     # -- the Engine interface ---------------------------------------------------------------
 
     def add(self, rid: int, prompt: object, params: dict) -> int:
+        return self.add_prepared(rid, self.prepare(prompt, params))
+
+    def prepare(self, prompt: object, params: dict) -> tuple[list[int], Any, str | None]:
+        """A request's slow, stateless part (any thread: the worker runs it in a
+        preparation thread, :mod:`server.workers.prepare`): tokenizing, the chat template,
+        the context check, the sampling parameters. vLLM compiles the grammar itself,
+        off its step (its StructuredOutputManager's threads; the request waits without a
+        batch slot); a schema over ``grammar_max_bytes`` is refused here."""
         if self._pooling is not None:
             raise Rejected(f"model {self.info['model']!r} runs on vLLM's pooling runner: it "
                            "serves /v1/embeddings, not completions")
         ids = self.encode(prompt, params.get("chat_template_kwargs"), params.get("tools"))
         max_tokens = check_context(len(ids), params.get("max_tokens"), self.max_model_len)
-        sampling = self.sampling_params(params, max_tokens)
+        salt = params.get("cache_salt")
+        return ids, self.sampling_params(params, max_tokens), None if salt is None else str(salt)
+
+    def add_prepared(self, rid: int, prepared: tuple[list[int], Any, str | None]) -> int:
+        """Hand a request :meth:`prepare` made to vLLM (the loop's thread)."""
+        ids, sampling, salt = prepared
         try:
             prompt_in: dict = {"prompt_token_ids": ids}
-            if params.get("cache_salt") is not None:  # its own prefix-cache namespace
-                prompt_in["cache_salt"] = str(params["cache_salt"])
+            if salt is not None:  # its own prefix-cache namespace
+                prompt_in["cache_salt"] = salt
             self._llm.add_request(str(rid), prompt_in, sampling)
         except self._client_errors as exc:  # vLLM's own validation: a client fault
             raise Rejected(one_line(exc)) from None
@@ -360,6 +381,7 @@ class VLLMEngine(HFTokenizing):
             if response_format.get("type") == "json_object":
                 kwargs["structured_outputs"] = StructuredOutputsParams(json_object=True)
             else:
+                schema_text(response_format, self.grammar_max_bytes)
                 kwargs["structured_outputs"] = StructuredOutputsParams(
                     json=response_format.get("schema") or {}
                 )
