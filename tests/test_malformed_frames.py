@@ -261,8 +261,9 @@ async def test_property_generated_frames_from_a_worker_end_at_most_its_session(t
                         await engine.ping_all()
                     assert worker.alive and worker.restarts == restarts
                     assert proxy.current is relay
-                else:  # the session ended; the frontend reconnected
-                    await wait_until(lambda: worker.restarts == restarts + 1 and worker.alive
+                else:  # the session ended; the frontend reconnected (a reconnection that
+                    # failed on a busy machine and was retried counts twice: at least one)
+                    await wait_until(lambda: worker.restarts > restarts and worker.alive
                                      and proxy.current not in (None, relay), 20)
                 seen[good] += 1
                 with trio.fail_after(20):

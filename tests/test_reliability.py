@@ -196,7 +196,7 @@ async def test_garbage_on_the_pipe_is_treated_as_death():
                 json={"prompt": "p", "max_tokens": 50, "fault": {"kind": "garbage", "after": 2}},
             )
         for one in (rec, bystander):
-            assert one.done
+            assert one.done, (one.status, one.body[-300:])
             assert one.error()["code"] == "worker_died"
             assert "protocol violation" in one.error()["message"]
         assert rec.tokens() == 3

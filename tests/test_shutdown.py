@@ -241,11 +241,15 @@ async def test_embedding_drain_with_the_engine_api_then_leaving_the_block():
     before = child_pids()
     ends = {}
 
+    short_done = trio.Event()
+
     async def consume(name, stream):
         async with stream:
             async for out in stream:
                 if out.finish_reason is not None:
                     ends[name] = (out.finish_reason, out.completion_tokens, stream.abort_cause)
+        if name == "short":
+            short_done.set()
 
     config = EngineConfig(engine_options=dict(FAST_SIM), workers=2)
     async with server.open_engine(config) as engine:
@@ -253,12 +257,14 @@ async def test_embedding_drain_with_the_engine_api_then_leaving_the_block():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(consume, "short", engine.generate("a", server.SamplingParams(max_tokens=300)))
             nursery.start_soon(consume, "long", engine.generate("b", server.SamplingParams(max_tokens=8000)))
-            await trio.sleep(0.1)
             engine.stop_accepting()
             with pytest.raises(server.ServiceUnavailable):
                 engine.generate("c")
-            with trio.move_on_after(1.5):
-                await engine.wait_idle()
+            # the drain's bounded wait for in-flight requests, here ended by its condition
+            # (the short one is done) rather than a time; the long one is still running
+            with trio.fail_after(60):
+                await short_done.wait()
+            assert "long" not in ends
             assert engine.abort_all() == 1
             with trio.fail_after(config.drain_timeout + 1):
                 await engine.wait_idle()

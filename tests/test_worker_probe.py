@@ -63,7 +63,7 @@ async def test_connections_that_never_authenticate_cannot_lock_out_frontends(tmp
 
     async with listening_worker(tmp_path) as w:
         socks = await open_many(w.address, 70)
-        with trio.fail_after(5):  # the first ones are closed by the worker
+        with trio.fail_after(30):  # (a hang guard) the first ones are closed by the worker
             assert await socks[0].receive_some(1 << 16)  # its CHALLENGE
             while await socks[0].receive_some(1 << 16):
                 pass
@@ -76,12 +76,14 @@ async def test_connections_that_never_authenticate_cannot_lock_out_frontends(tmp
     async with listening_worker(tmp_path, prefix=("prlimit", "--nofile=40:40"),
                                 name="few-fds") as w:
         socks = await open_many(w.address, 60)  # the kernel queues what is not accepted
-        with trio.fail_after(5):
+        with trio.fail_after(30):  # (a hang guard)
             while "pausing accepts" not in w.text():
                 await trio.sleep(0.05)
         before = _cpu_seconds(w.proc.pid)
         await trio.sleep(1.0)
-        assert _cpu_seconds(w.proc.pid) - before < 0.3  # no busy loop
+        # no busy loop: CPU time, not wall time, so a busy machine can only make a spinning
+        # worker look better, never an idle one worse
+        assert _cpu_seconds(w.proc.pid) - before < 0.3
         for s in socks:
             await s.aclose()
         ok = await run_probe(str(w.address), timeout=5)
