@@ -117,8 +117,8 @@ def test_a_forced_call_takes_precedence_over_response_format():
     fmt = {"type": "json_schema", "json_schema": {"name": "g", "schema": Guest.model_json_schema()}}
     for choice in ("required", {"type": "function", "function": {"name": "Node"}}):
         req = parse({"tools": [tool], "tool_choice": choice, "response_format": fmt})
-        assert req.params.extra["response_format"] == {"type": "json_schema",
-                                                       "schema": req.tools.grammar}
+        assert req.params.extra["response_format"] == {
+            "type": "json_schema", "schema": req.tools.grammar, "origin": "tool_choice"}
     req = parse({"tools": [tool], "response_format": fmt})  # auto: the format stays
     assert req.params.extra["response_format"]["schema"] == Guest.model_json_schema()
 

@@ -48,6 +48,7 @@ async def test_every_metric_the_dashboard_queries_is_exported():
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     async with running_server() as url:
+        url.app.metrics.watch_gc()  # as the CLI asks (serve(gc_metrics=True)) in deployments
         async with httpx.AsyncClient(base_url=url, timeout=10) as http:
             r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert r.status_code == 200
