@@ -70,6 +70,17 @@ log = logging.getLogger("server.http")
 
 _now = time.perf_counter
 
+
+def tokens_arrived(record, observe_itl, last: float) -> float:
+    """A batch with tokens went out: the request's first token, or an inter-token gap.
+    Returns the time to pass as ``last`` next (streamed routes, once per batch)."""
+    now = _now()
+    if last:
+        observe_itl(now - last)
+    else:
+        record.first_token = now
+    return now
+
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -335,12 +346,7 @@ async def _write_stream(
                     await direct.send_torn(rest)  # type: ignore[union-attr]
                 last = sink.last
             if outs[0].num_tokens:
-                now = _now()
-                if last:
-                    observe_itl(now - last)
-                else:
-                    record.first_token = now
-                last = now
+                last = tokens_arrived(record, observe_itl, last)
             parts = []
             for o in outs:
                 if o.finish_reason == "error":

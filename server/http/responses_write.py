@@ -76,12 +76,7 @@ async def _write_stream(answer, stream, events: ResponseEvents, observe_itl, hea
         await send({"type": "http.response.body", "body": events.start(), "more_body": True})
         while outs := await stream.next_batch():
             if outs[0].num_tokens:
-                now = _now()
-                if last:
-                    observe_itl(now - last)
-                else:
-                    record.first_token = now
-                last = now
+                last = generate.tokens_arrived(record, observe_itl, last)
             for o in outs:
                 ended = o.finish_reason is not None
                 body = events.feed(o.text, last=ended and o.finish_reason != "error")
