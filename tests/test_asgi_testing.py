@@ -39,3 +39,22 @@ async def test_errors_and_timeouts_have_their_status(autojump_clock):
             assert r.status == 400 and r.json()["error"]["param"] == "max_tokens"
             r = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 500})
             assert r.status == 504, r.body
+
+
+async def test_the_fault_hook_is_refused_by_name_unless_enabled(autojump_clock):
+    body = {"prompt": "a", "max_tokens": 3, "fault": {"kind": "error", "after": 0}}
+    chat = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 3,
+            "fault": {"kind": "error", "after": 0}}
+    async with open_in_memory_engine() as engine:
+        async with open_asgi_client(server.create_app(engine=engine)) as client:
+            for path, data in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+                r = await client.post(path, json=data)
+                assert r.status == 400 and r.json()["error"]["param"] == "fault", r.body
+    limits = server.Limits(allow_faults=True)
+    async with open_in_memory_engine() as engine:
+        app = server.create_app(server.ServerConfig(limits=limits), engine=engine)
+        async with open_asgi_client(app) as client:
+            r = await client.post("/v1/completions", json=body)
+            assert r.status == 500 and r.json()["error"]["type"] != "invalid_request_error", r.body
+            r = await client.post("/v1/completions", json={**body, "fault": "error"})
+            assert r.status == 400 and r.json()["error"]["param"] == "fault", r.body

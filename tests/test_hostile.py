@@ -388,7 +388,7 @@ FIELDS = {
     "echo": st.booleans() | json_values,
     "user": _texts | json_values,
     "ignore_eos": st.booleans() | json_values,
-    # fault injection is off on this server: the field must be ignored
+    # fault injection is off on this server: the field must be refused by name
     "fault": st.fixed_dictionaries(
         {"kind": st.sampled_from(FAULT_KINDS), "after": st.integers(0, 3)}
     ),

@@ -579,7 +579,13 @@ def _common(
     extra = _engine_sampling(data, limits, engine_fields)
     if logprobs is not None:
         extra["logprobs"] = logprobs
-    if limits.allow_faults and isinstance(data.get("fault"), dict):
+    if data.get("fault") is not None:
+        # A test hook (docs/testing.md): refused by name unless the operator enabled it.
+        if not limits.allow_faults:
+            raise ClientError("'fault' is a test hook that this server does not enable "
+                              "(start it with --sim-faults).", param="fault")
+        if not isinstance(data["fault"], dict):
+            raise ClientError("'fault' must be an object.", param="fault")
         extra["fault"] = data["fault"]
     params = SamplingParams(
         max_tokens=max_tokens,
