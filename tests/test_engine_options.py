@@ -33,9 +33,11 @@ def test_engine_arg_pairs():
         "enforce_eager": True, "kv_cache_memory_bytes": 1073741824, "quantization": "fp8",
         "override_generation_config": {"temperature": 0.5}, "note": "a=b",
     }
-    for bad in (["enforce_eager"], ["=1"], ["a=1", "a=2"]):
+    for bad in (["enforce_eager"], ["=1"]):
         with pytest.raises(ValueError):
             parse_engine_args(bad)
+    # a key given twice: the last wins, as a repeated flag does on vLLM's command line
+    assert parse_engine_args(["seed=1", "seed=2"]) == {"seed": 2}
 
 
 def test_vllm_options_from_the_command_line():
@@ -194,6 +196,12 @@ def test_sampling_fields_an_engine_declares_reach_it():
     with pytest.raises(ClientError, match="not supported by the sim engine"):
         _parse({"prompt": "hi", "top_k": 5}, SIM_INFO)
     assert "top_k" not in _parse({"prompt": "hi", "top_k": -1}, SIM_INFO).params.to_wire()
+
+
+def test_every_bad_logit_bias_key_is_named():
+    with pytest.raises(ClientError) as info:
+        _parse({"prompt": "hi", "logit_bias": {"bad1": 1, "7": 2, "bad2": 3}}, VLLM_INFO)
+    assert "'bad1'" in info.value.message and "'bad2'" in info.value.message
 
 
 @pytest.mark.parametrize(

@@ -339,12 +339,15 @@ def _logit_bias(data: dict) -> dict[str, float] | None:
             "'logit_bias' must be an object of at most 300 token ids to numbers.",
             param="logit_bias",
         )
+    bad = [key for key in value if not (key.isascii() and key.isdigit() and len(key) < 11)]
+    if bad:
+        named = ", ".join(repr(clip(key)) for key in bad[:10])
+        more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
+        raise ClientError(
+            f"'logit_bias' keys must be token ids, not {named}{more}.", param="logit_bias"
+        )
     out = {}
     for key, bias in value.items():
-        if not (key.isascii() and key.isdigit() and len(key) < 11):
-            raise ClientError(
-                f"'logit_bias' keys must be token ids, not {clip(key)!r}.", param="logit_bias"
-            )
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
             -100 <= bias <= 100
         ):
