@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "off by default: it shows the template and configuration to any client "
                    "with a key")
 
+    g.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="vLLM's switch for GET /load (requests in flight): always served "
+                   "here; accepted for vLLM's command lines")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's switch for tool_choice auto: here --tool-call-parser alone "
                    "serves it; accepted with one")

@@ -60,6 +60,8 @@ from .generate import handle_generate
 from .responses_write import PATH as RESPONSES_PATH
 from .responses_write import ROUTE as RESPONSES
 from .listen import connection_info
+from .orca import REQUEST_HEADER as ORCA_FORMAT
+from .orca import load_report, named_metrics
 
 __all__ = ["LLMServerApp", "create_app"]
 
@@ -179,6 +181,15 @@ class LLMServerApp(QuartTrio):
         path = scope["path"]
         chat = _GENERATE_ROUTES.get(path)
         if chat is not None:  # the hot path: its body messages go to hypercorn's send directly
+            orca = header(scope, ORCA_FORMAT)
+            if orca is not None:  # a load balancer asks for a load report (server.http.orca)
+                engine = self.engine
+                try:
+                    metrics = named_metrics(engine.statistics()) if engine is not None else {}
+                    extra = [*extra, load_report(orca, metrics)]
+                except ServerError as exc:
+                    await send_error(send, exc, [*extra, CLOSE])
+                    return
             record = RequestRecord(request_id, path)
             try:
                 await handle_generate(
@@ -359,6 +370,14 @@ class LLMServerApp(QuartTrio):
                 # A worker's tokenizer, as for /tokenize (server.http.tokenize).
                 info = await self.require_engine().tokenize({"op": "info"})
                 return Response(dumps(info), content_type="application/json")
+
+        @self.get("/load")
+        async def load():
+            # vLLM's --enable-server-load-tracking route, always on here (the count is kept
+            # anyway): generation requests in flight on this frontend.
+            engine = self.engine
+            body = {"server_load": engine.open_streams if engine is not None else 0}
+            return Response(dumps(body), content_type="application/json")
 
         @self.get("/version")
         async def version():
