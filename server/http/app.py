@@ -59,6 +59,8 @@ from .tokenize import handle_tokenize
 from .generate import handle_generate
 from .responses_write import PATH as RESPONSES_PATH
 from .responses_write import ROUTE as RESPONSES
+from .chat_batch import PATH as CHAT_BATCH_PATH
+from .chat_batch import ROUTE as CHAT_BATCH
 from .listen import connection_info
 from .orca import REQUEST_HEADER as ORCA_FORMAT
 from .orca import load_report, named_metrics
@@ -71,7 +73,10 @@ _GENERATE_ROUTES = {
     "/v1/completions": False,
     "/v1/chat/completions": True,
     RESPONSES_PATH: True,
+    CHAT_BATCH_PATH: True,
 }
+#: The generation routes with shapes of their own (handle_generate's ``route``).
+_ROUTE_SHAPES = {RESPONSES_PATH: RESPONSES, CHAT_BATCH_PATH: CHAT_BATCH}
 
 
 _now = time.perf_counter
@@ -182,7 +187,8 @@ class LLMServerApp(QuartTrio):
         chat = _GENERATE_ROUTES.get(path)
         if chat is not None:  # the hot path: its body messages go to hypercorn's send directly
             orca = header(scope, ORCA_FORMAT)
-            if orca is not None:  # a load balancer asks for a load report (server.http.orca)
+            if orca is not None and self._authorized(scope):
+                # a load balancer asks for a load report (server.http.orca)
                 engine = self.engine
                 try:
                     metrics = named_metrics(engine.statistics()) if engine is not None else {}
@@ -194,7 +200,7 @@ class LLMServerApp(QuartTrio):
             try:
                 await handle_generate(
                     self, scope, receive, send, chat=chat, record=record, headers=extra,
-                    route=RESPONSES if path == RESPONSES_PATH else None,
+                    route=_ROUTE_SHAPES.get(path),
                 )
             finally:
                 record.finish = _now()
@@ -223,6 +229,16 @@ class LLMServerApp(QuartTrio):
                 await send_error(send, exc, _WWW_AUTHENTICATE)
                 return
         await super().__call__(scope, receive, send)
+
+    def _authorized(self, scope: dict) -> bool:
+        """Whether the request may see what the server knows (its API key, if one is set)."""
+        if self.api_keys is None:
+            return True
+        try:
+            self.api_keys.check(header(scope, b"authorization"))
+        except Unauthorized:
+            return False
+        return True
 
     def watch_connections(self, pool) -> None:
         """Called by the HTTP server with its connection pool (statistics in ``/metrics``)."""

@@ -472,7 +472,8 @@ def _full_body(
             _tool_calls(req.tools, joined, reasons, i) for i in range(k)
         ]
     if req.chat and req.echo:  # vLLM's chat echo: before the answer's content
-        joined = [req.echoed[0] + (text or "") for text in joined]
+        n = req.params.n
+        joined = [req.echoed[i // n] + (text or "") for i, text in enumerate(joined)]
     return completion_body(
         chat=req.chat,
         response_id=response_id,

@@ -29,7 +29,9 @@ from .json_schema import check_grammar_ints, check_refs
 from .fields import HONOURED_CHAT, HONOURED_COMPLETION, KNOWN, UNSUPPORTED, check_fields
 from .tools import TOOL_FIELDS, ToolChoice, history_message, read_tools
 
-__all__ = ["GenerateRequest", "parse_completion", "parse_chat", "decode_json", "messages_of"]
+__all__ = [
+    "GenerateRequest", "chat_request", "decode_json", "messages_of", "parse_chat", "parse_completion",
+]
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 _MAX_TOKEN_ID = 2**31 - 1
@@ -691,7 +693,18 @@ def parse_chat(
     """Validate a ``/v1/chat/completions`` body (``engine_info``: see parse_completion;
     ``tool_parser``: the server's --tool-call-parser, without which tool_choice ``auto``
     is refused)."""
-    data = decode_json(body, known=True)
+    return chat_request(decode_json(body, known=True), limits, served_model, engine_info,
+                        tool_parser)
+
+
+def chat_request(
+    data: dict,
+    limits: Limits,
+    served_model: str,
+    engine_info: dict | None = None,
+    tool_parser: str | None = None,
+) -> GenerateRequest:
+    """:func:`parse_chat` of a body already decoded (``data``: a JSON object)."""
     fields, engine = _engine_fields(engine_info)
     tools_ok = "tools" in fields
     fields = fields | TOOL_FIELDS if tools_ok else fields - TOOL_FIELDS
