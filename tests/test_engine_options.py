@@ -315,6 +315,8 @@ def test_every_field_an_engine_does_not_honour_is_a_400_naming_it(engine):
     honoured = set(info.get("sampling", ())) | ({"top_logprobs"} if "logprobs" in info else set())
     if "tools" in honoured:  # tool_choice and parallel_tool_calls follow (server.http.tools)
         honoured |= TOOL_FIELDS
+    if "response_format" in honoured:  # vLLM's spelling follows (server.http.structured)
+        honoured.add("structured_outputs")
     refused = [name for name in UNSUPPORTED if name not in honoured]
     assert len(refused) >= 20
     for name in refused:
@@ -343,3 +345,47 @@ def test_response_format_shapes():
         with pytest.raises(ClientError) as info_:
             _parse({"prompt": "hi", "response_format": bad}, info)
         assert info_.value.param == "response_format"
+
+
+GRAMMAR_INFO = {"engine": "vllm", "model": "m", "sampling": ["response_format"]}
+
+
+@pytest.mark.parametrize("value, engine_value", [
+    ({"choice": ["a", "b"]}, {"type": "choice", "choice": ["a", "b"]}),
+    ({"regex": "[0-9]+"}, {"type": "regex", "regex": "[0-9]+"}),
+    ({"grammar": 'root ::= "x"'}, {"type": "grammar", "grammar": 'root ::= "x"'}),
+    ({"json": {"type": "object"}}, {"type": "json_schema", "schema": {"type": "object"}}),
+    ({"json": '{"type": "integer"}'}, {"type": "json_schema", "schema": {"type": "integer"}}),
+    ({"json_object": True, "regex": None}, {"type": "json_object"}),
+])
+def test_structured_outputs_become_the_engines_constraint(value, engine_value):
+    for parse in (_parse, _parse_chat):
+        req = parse({"prompt": "hi", "structured_outputs": value}, GRAMMAR_INFO)
+        assert req.params.to_wire()["response_format"] == {
+            **engine_value, "origin": "structured_outputs"}
+
+
+@pytest.mark.parametrize("value", [
+    "x", {}, {"choice": []}, {"choice": ["a", 1]}, {"regex": ""}, {"regex": "a", "choice": ["a"]},
+    {"json": "not json"}, {"json_object": 1}, {"grammar": 'root ::= "x"', "whitespace_pattern": " "},
+    {"json": {"$ref": "#/nowhere"}},
+])
+def test_bad_structured_outputs_are_refused_by_name(value):
+    with pytest.raises(ClientError) as info:
+        _parse({"prompt": "hi", "structured_outputs": value}, GRAMMAR_INFO)
+    assert info.value.param == "structured_outputs"
+
+
+def test_structured_outputs_need_an_engine_with_grammars_and_exclude_response_format():
+    with pytest.raises(ClientError, match="not supported by the sim engine"):
+        _parse({"prompt": "hi", "structured_outputs": {"regex": "a"}}, SIM_INFO)
+    with pytest.raises(ClientError) as info:
+        _parse_chat({"structured_outputs": {"regex": "a"},
+                     "response_format": {"type": "json_object"}}, GRAMMAR_INFO)
+    assert info.value.param == "structured_outputs"
+
+
+def _parse_chat(body: dict, info: dict):
+    body = {"messages": [{"role": "user", "content": "hi"}],
+            **{k: v for k, v in body.items() if k != "prompt"}}
+    return schema.parse_chat(json.dumps(body).encode(), Limits(), "m", info)

@@ -410,6 +410,37 @@ def test_json_schema_outputs_validate(engine):
     assert engine.next_deadline() is None
 
 
+def test_structured_outputs_regex_choice_and_grammar(engine):
+    # vLLM's structured_outputs kinds besides JSON (server.http.structured makes these)
+    import re
+
+    pytest.importorskip("xgrammar")
+    origin = {"origin": "structured_outputs"}
+    choices = ["alpha beta", "gamma", "delta \"quoted\""]
+    rid = 200
+    for seed in range(3):
+        sampling = {"max_tokens": 40, "temperature": 1.0, "seed": seed}
+        rid += 1
+        engine.add(rid, "pick one", {**sampling, "response_format": {
+            "type": "choice", "choice": choices, **origin}})
+        text, _, finish = result(run(engine)[rid])
+        assert finish == "stop" and text in choices, text
+        rid += 1
+        engine.add(rid, "a number", {**sampling, "response_format": {
+            "type": "regex", "regex": r"[a-c]{2}-[0-9]{1,3}", **origin}})
+        text, _, finish = result(run(engine)[rid])
+        assert finish == "stop" and re.fullmatch(r"[a-c]{2}-[0-9]{1,3}", text), text
+        rid += 1
+        engine.add(rid, "yes or no", {**sampling, "response_format": {
+            "type": "grammar", "grammar": 'root ::= ("yes" | "no") "!"', **origin}})
+        text, _, finish = result(run(engine)[rid])
+        assert finish == "stop" and text in ("yes!", "no!"), text
+    for bad in ({"type": "regex", "regex": "(unclosed"}, {"type": "grammar", "grammar": "x ::="}):
+        with pytest.raises(Rejected, match="structured_outputs"):
+            engine.add(rid + 1, "hello", greedy(4, response_format={**bad, **origin}))
+    assert engine.next_deadline() is None
+
+
 def test_streamed_multibyte_text_equals_the_full_decode(engine):
     # characters the tokenizer never saw whole: they are split into byte tokens
     text = "漢字かな 🦀🧪 Ωμέγα — ñandú 👩🏽‍🚀"

@@ -357,6 +357,28 @@ def test_json_schema_outputs_validate(client):
                                 "json_schema": {"name": "x", "schema": {"type": "nope"}}}})
 
 
+def test_structured_outputs_choice_regex_and_grammar(client):
+    # vLLM's own field (server.http.structured), on vLLM's own structured output
+    import re
+
+    choices = ["alpha beta", "gamma"]
+    for prompt in _prompts(2, seed=9):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                      extra_body={"structured_outputs": {"choice": choices}})
+        assert r.choices[0].text in choices, r.choices[0].text
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=20,
+            temperature=0, extra_body={"structured_outputs": {"regex": "[a-c]{2}-[0-9]{1,3}"}})
+        assert re.fullmatch("[a-c]{2}-[0-9]{1,3}", r.choices[0].message.content), r
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+            extra_body={"structured_outputs": {"grammar": 'root ::= ("yes" | "no") "!"'}})
+        assert r.choices[0].text in ("yes!", "no!"), r.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="structured_outputs"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body={
+            "structured_outputs": {"choice": ["a"], "regex": "a"}})
+
+
 def test_tool_choice_required_and_named_are_forced_valid(client):
     from tests.test_tools import CHAT, HISTORY, TOOLS, check_calls
 

@@ -26,6 +26,7 @@ from ..config import Limits
 from ..errors import ClientError, NotFound, clip, printable
 from ..params import SamplingParams, context_error
 from .json_schema import check_grammar_ints, check_refs
+from .structured import structured_outputs
 from .fields import HONOURED_CHAT, HONOURED_COMPLETION, KNOWN, UNSUPPORTED, check_fields
 from .tools import TOOL_FIELDS, ToolChoice, history_message, read_tools
 
@@ -435,6 +436,7 @@ _ENGINE_SAMPLING = {
         d, "spaces_between_special_tokens", None
     ),
     "response_format": lambda d, lim: _response_format(d),
+    "structured_outputs": lambda d, lim: structured_outputs(d),
     "chat_template_kwargs": lambda d, lim: template_kwargs_of(d),
     "allowed_token_ids": lambda d, lim: _allowed_token_ids(d),
     "bad_words": lambda d, lim: _strings(d, "bad_words", 64, 256),
@@ -482,6 +484,12 @@ def _engine_sampling(data: dict, limits: Limits, engine_fields: frozenset) -> di
             value = check(data, limits)
             if value is not None:
                 out[name] = value
+    constraint = out.pop("structured_outputs", None)
+    if constraint is not None:  # vLLM's spelling of response_format (server.http.structured)
+        if "response_format" in out:
+            raise ClientError("'structured_outputs' and 'response_format' may not both be "
+                              "given: choose one.", param="structured_outputs")
+        out["response_format"] = constraint
     return out
 
 
@@ -646,6 +654,8 @@ def _engine_fields(info: dict | None) -> tuple[frozenset, str]:
             "/v1/embeddings, not completions.", param="model", code="model_not_supported",
         )
     sampling = set(info.get("sampling") or ())
+    if "response_format" in sampling:  # an engine with grammars takes vLLM's spelling too
+        sampling.add("structured_outputs")
     if isinstance(info.get("logprobs"), int):
         sampling.add("top_logprobs")  # read by _logprobs
     return frozenset(n for n in sampling if n in UNSUPPORTED), str(info.get("engine") or "")

@@ -38,7 +38,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from .base import Rejected, one_line
 from .prepare import DaemonPool
 
-__all__ = ["Grammars", "COMPILE_THREADS", "MAX_SCHEMA_BYTES", "COMPILE_TIMEOUT", "describe"]
+__all__ = [
+    "Grammars", "COMPILE_THREADS", "MAX_SCHEMA_BYTES", "COMPILE_TIMEOUT", "constraint_key",
+    "describe",
+]
 
 #: Default budgets (engine options ``grammar_max_bytes`` and ``grammar_timeout``).
 MAX_SCHEMA_BYTES = 256 * 1024
@@ -53,7 +56,32 @@ def describe(response_format: dict) -> str:
     """What a client calls this constraint: the forced tool call, or response_format."""
     if response_format.get("origin") == "tool_choice":
         return "tool_choice (the forced tool call's grammar)"
+    if response_format.get("origin") == "structured_outputs":
+        return "structured_outputs"
     return "response_format"
+
+
+#: The constraint kinds besides JSON (vLLM's structured_outputs, server.http.structured):
+#: the cache key of each is the kind, a NUL, and its text (a JSON schema's key starts "{").
+TEXT_KINDS = ("regex", "grammar", "choice")
+
+
+def constraint_key(response_format: dict, max_bytes: int) -> str:
+    """The cache key of any constraint (:func:`schema_text` for a JSON schema, "" for any
+    JSON), refused (:class:`Rejected`, naming it) beyond ``max_bytes``."""
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return ""
+    if kind == "json_schema":
+        return schema_text(response_format, max_bytes)
+    if kind not in TEXT_KINDS:
+        raise Rejected(f"unknown response_format type {kind!r}")
+    value = response_format.get(kind)
+    text = "\x00".join(value) if kind == "choice" else str(value)
+    if len(text.encode()) > max_bytes:
+        raise Rejected(f"{describe(response_format)}: the {kind} is too large to compile: more "
+                       f"than this server's limit of {max_bytes} bytes")
+    return kind + "\x00" + text
 
 
 def schema_text(response_format: dict, max_bytes: int) -> str:
@@ -101,17 +129,13 @@ class Grammars:
 
     def compile(self, response_format: dict):
         """The compiled grammar of a request's ``response_format`` (``{"type":
-        "json_object"}`` or ``{"type": "json_schema", "schema": {...}}``), from the cache
+        "json_object"}``, ``{"type": "json_schema", "schema": {...}}``, or a regex, grammar
+        or choice of vLLM's ``structured_outputs``), from the cache
         or compiled within the budgets. Any thread (blocks up to ``timeout``); an invalid,
         unsupported, too large or too slow schema is :class:`Rejected` naming the problem."""
-        kind = response_format.get("type")
         name = describe(response_format)
-        if kind == "json_object":
-            key = ""
-        elif kind == "json_schema":
-            key = schema_text(response_format, self.max_bytes)
-        else:
-            raise Rejected(f"unknown response_format type {kind!r}")
+        key = constraint_key(response_format, self.max_bytes)
+        what = "JSON schema" if key[:1] in ("", "{") else key.partition("\x00")[0]
         future = self._future(key)
         try:
             return future.result(timeout=self.timeout)
@@ -119,11 +143,11 @@ class Grammars:
             with self._lock:
                 self._timeouts += 1
             raise Rejected(
-                f"{name}: the JSON schema did not compile within this server's limit of "
+                f"{name}: the {what} did not compile within this server's limit of "
                 f"{self.timeout:g} s (simplify it: fewer properties, less nesting, shorter "
                 "enums)") from None
         except Exception as exc:
-            raise Rejected(f"{name}: unsupported JSON schema: {one_line(exc)}") from None
+            raise Rejected(f"{name}: unsupported {what}: {one_line(exc)}") from None
 
     def matcher(self, compiled):
         """A fresh matcher for a compiled grammar (quick: the loop's thread)."""
@@ -151,7 +175,16 @@ class Grammars:
     def _compile(self, key: str):
         if not key:
             return self._compiler.compile_builtin_json_grammar()
-        return self._compiler.compile_json_schema(key, any_whitespace=False)
+        if key[0] == "{":
+            return self._compiler.compile_json_schema(key, any_whitespace=False)
+        kind, _, text = key.partition("\x00")
+        if kind == "regex":
+            return self._compiler.compile_regex(text)
+        if kind == "grammar":
+            return self._compiler.compile_grammar(text)
+        # choice: exactly one of the strings, as a grammar of string literals
+        literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in text.split("\x00"))
+        return self._compiler.compile_grammar("root ::= " + literals)
 
     def mask(self, logits, rows: list) -> None:
         """Allow only each constrained row's grammatical next tokens: ``rows`` is

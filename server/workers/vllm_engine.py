@@ -54,7 +54,7 @@ from .base import (
 )
 from .hub import model_files
 
-from .hf_grammar import MAX_SCHEMA_BYTES, schema_text
+from .hf_grammar import MAX_SCHEMA_BYTES, constraint_key
 
 __all__ = ["VLLMEngine", "VLLM_SAMPLING"]
 
@@ -378,12 +378,17 @@ class VLLMEngine(HFTokenizing):
         if response_format:  # structured output: vLLM's own (xgrammar by default)
             from vllm.sampling_params import StructuredOutputsParams
 
-            if response_format.get("type") == "json_object":
+            kind = response_format.get("type")
+            constraint_key(response_format, self.grammar_max_bytes)  # the size budget
+            if kind == "json_object":
                 kwargs["structured_outputs"] = StructuredOutputsParams(json_object=True)
-            else:
-                schema_text(response_format, self.grammar_max_bytes)
+            elif kind == "json_schema":
                 kwargs["structured_outputs"] = StructuredOutputsParams(
                     json=response_format.get("schema") or {}
+                )
+            else:  # vLLM's structured_outputs: regex, grammar, choice (server.http.structured)
+                kwargs["structured_outputs"] = StructuredOutputsParams(
+                    **{kind: response_format[kind]}
                 )
         for name in ("logprobs", "prompt_logprobs"):
             if params.get(name) is not None:
