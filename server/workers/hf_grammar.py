@@ -77,7 +77,7 @@ def constraint_key(response_format: dict, max_bytes: int) -> str:
     if kind not in TEXT_KINDS:
         raise Rejected(f"unknown response_format type {kind!r}")
     value = response_format.get(kind)
-    text = "\x00".join(value) if kind == "choice" else str(value)
+    text = "\x00".join(value or ()) if kind == "choice" else str(value)
     if len(text.encode()) > max_bytes:
         raise Rejected(f"{describe(response_format)}: the {kind} is too large to compile: more "
                        f"than this server's limit of {max_bytes} bytes")
