@@ -86,3 +86,31 @@ async def test_reasoning_content_over_http_streaming_and_not():
         # The completions route is not a chat: its text is the model's, tags and all.
         r = await client.completions.create(model="sim", prompt="why", max_tokens=8, seed=1)
         assert r.choices[0].text.startswith("<think>")
+
+
+async def test_include_reasoning_false_drops_the_reasoning_and_keeps_the_answer():
+    import openai
+
+    from server.config import EngineConfig
+    from tests.conftest import FAST_SIM, running_server
+
+    config = EngineConfig(engine_options={**FAST_SIM, "reasoning_tokens": 3})
+    async with running_server(config, reasoning_parser="qwen3") as url:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        chat = {"model": "sim", "messages": [{"role": "user", "content": "why"}],
+                "max_tokens": 8, "seed": 1}
+        full = (await client.chat.completions.create(**chat)).choices[0].message
+        r = await client.chat.completions.create(**chat, extra_body={"include_reasoning": False})
+        message = r.choices[0].message
+        assert full.reasoning and not message.reasoning and not message.reasoning_content
+        assert message.content == full.content
+        stream = await client.chat.completions.create(
+            **chat, stream=True, extra_body={"include_reasoning": False})
+        thought, said = "", ""
+        async for chunk in stream:
+            for choice in chunk.choices:
+                thought += getattr(choice.delta, "reasoning", None) or ""
+                said += choice.delta.content or ""
+        assert (thought, said) == ("", full.content)
+        with pytest.raises(openai.BadRequestError, match="include_reasoning"):
+            await client.chat.completions.create(**chat, extra_body={"include_reasoning": "no"})

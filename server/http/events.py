@@ -25,7 +25,7 @@ class RichEvents:
     the prompt's logprobs, in the choice's first event), else None.
     """
 
-    __slots__ = ("enc", "formatters", "splitters", "prompts", "tool_parsers")
+    __slots__ = ("enc", "formatters", "splitters", "prompts", "tool_parsers", "include_reasoning")
 
     def __init__(
         self,
@@ -37,8 +37,10 @@ class RichEvents:
         reasoning_parser: str | None,
         prompts: list[str] | None = None,
         tools: ToolChoice | None = None,
+        include_reasoning: bool = True,
     ) -> None:
         self.enc = enc
+        self.include_reasoning = include_reasoning
         self.formatters = [LogprobsFormatter(chat) for _ in range(choices)] if logprobs else None
         self.splitters = None
         if chat and reasoning_parser is not None:
@@ -77,6 +79,8 @@ class RichEvents:
         thought, said = "", o.text
         if self.splitters is not None:
             thought, said = _feed(self.splitters[o.index], said, finish is not None)
+            if not self.include_reasoning:  # (chat's include_reasoning: false)
+                thought = ""
         calls: list = []
         if self.tool_parsers is not None:
             parser = self.tool_parsers[o.index]

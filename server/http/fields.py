@@ -30,7 +30,9 @@ _SAMPLING = {
 #: The fields each route reads (``logprobs`` only when false or 0; ``fault`` only with
 #: --sim-faults).
 HONOURED_COMPLETION = frozenset(_SAMPLING | {"prompt", "echo"})
-HONOURED_CHAT = frozenset(_SAMPLING | {"messages", "max_completion_tokens", "echo"})
+HONOURED_CHAT = frozenset(
+    _SAMPLING | {"messages", "max_completion_tokens", "echo", "include_reasoning"}
+)
 
 #: Defined by OpenAI or vLLM, not honoured yet: field -> the values that mean "not used".
 UNSUPPORTED: dict[str, tuple] = {

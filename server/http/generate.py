@@ -315,7 +315,8 @@ async def _write_stream(
         echoed = [req.echoed[i // n] for i in range(choices)] if req.echo and not req.chat \
             else None
         rich = RichEvents(enc, choices=choices, chat=req.chat, logprobs=req.logprobs is not None,
-                          reasoning_parser=reasoning_parser, prompts=echoed, tools=req.tools)
+                          reasoning_parser=reasoning_parser, prompts=echoed, tools=req.tools,
+                          include_reasoning=req.include_reasoning)
     first = []
     for index in range(choices):
         if req.chat:
@@ -465,7 +466,7 @@ def _full_body(
         reasoning = []
         for i, text in enumerate(joined):
             thought, joined[i] = split_text(reasoning_parser, text)
-            reasoning.append(thought)
+            reasoning.append(thought if req.include_reasoning else None)
     tool_calls = None
     if req.tools is not None and req.tools.parse is not None:
         tool_calls = [

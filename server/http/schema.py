@@ -62,6 +62,9 @@ class GenerateRequest:
     echoed: tuple = ()
     #: vLLM's ``request_id``: the response id's base when the client sent no ``X-Request-Id``.
     request_id: str | None = None
+    #: vLLM's chat ``include_reasoning``: false drops what --reasoning-parser splits off as
+    #: reasoning (the answer's content stays as it is).
+    include_reasoning: bool = True
 
 
 def decode_json(body: bytes, known: bool = False) -> dict:
@@ -732,7 +735,7 @@ def chat_request(
     echoed = ((last.get("content") or "") if last["role"] == "assistant" else "",) if echo else ()
     return _check_answer_size(GenerateRequest(
         chat=True, prompts=[{"messages": messages}], echo=echo, echoed=echoed, tools=tools,
-        **common
+        include_reasoning=_bool(data, "include_reasoning", True), **common
     ), limits, engine_info)
 
 
