@@ -96,6 +96,22 @@ UNSUPPORTED: dict[str, tuple] = {
     "web_search_options": (None,),
     "store": (None, False),
     "service_tier": (None, "auto", "default"),
+    # vLLM 0.32's newer request fields
+    "logprob_token_ids": (None, []),
+    "repetition_detection": (None,),
+    "return_prompt_text": (None, False),
+    "return_token_offsets": (None, False),
+    "stream_interval": (None,),
+    "thinking_token_budget": (None,),
+    "truncation_side": (None,),
+    "watermarking": (None, False),
+    "session_id": (None,),
+    "ec_transfer_params": (None,),
+    "routed_experts_prompt_start": (None, 0),
+    "media_io_kwargs": (None, {}),
+    "mm_payload": (None, "tensors", "none"),
+    "return_mm_kwargs": (None, False),
+    "prompt_embeds": (None,),
 }
 
 #: Defined, and harmless to accept: they change nothing about the generation.
