@@ -25,7 +25,9 @@ Worker -> frontend::
     [STEP, accepts, outputs]        accepts: [[rid, prompt_tokens], ...]
                                     outputs: [[rid, text, ntok, finish, err], ...]
     [STEP, accepts, outputs, notes] notes: [[rid, {"cached_tokens": n}], ...], only when
-                                    the engine has any (they precede the outputs)
+                                    the engine has any (they precede the outputs); also
+                                    {"token_ids": [...]}: the ids of the row's new tokens,
+                                    for a request whose params ask (``token_ids: true``)
     [PONG, seq, running, waiting]   a listening worker adds the requests this connection holds
     [TOKENIZED, seq, result, err]   result: {"tokens": [...], "max_model_len": n},
                                     {"prompt": str} or {"data": [float32 LE bytes, ...],
@@ -318,7 +320,12 @@ def _logprob_entry(e: object) -> bool:
     )
 
 
+def _ids(v: object) -> bool:
+    return type(v) is list and all(type(t) is int for t in v)
+
+
 _NOTE_ITEMS: dict[str, Callable[[object], bool]] = {
+    "token_ids": _ids,
     "cached_tokens": _count,
     "logprobs": lambda v: _all(v, _logprob_entry),
     "prompt_logprobs": lambda v: _all(v, _logprob_entry),
