@@ -231,6 +231,40 @@ async def test_a_request_being_aborted_when_its_worker_dies_ends_without_moving(
             assert not resumes(spawn)
 
 
+async def test_a_listening_workers_end_moves_its_streams_to_the_other(tmp_path):
+    """Remote workers (``--listen``): the killed one's connection ends, its stream goes on
+    on the other with the uninterrupted text (token ids crossed the listening worker's
+    per-connection routing as notes)."""
+    from contextlib import AsyncExitStack
+
+    import server as server_pkg
+    from tests.remote import free_port, listening_worker, remote_config
+
+    params = SamplingParams(max_tokens=400, temperature=0)
+    expected = sim_reference("remote", params)[0]
+    with trio.fail_after(LIMIT):
+        async with AsyncExitStack() as stack:
+            workers = [await stack.enter_async_context(listening_worker(
+                tmp_path, f"127.0.0.1:{free_port()}", name=name)) for name in ("a", "b")]
+            config = remote_config(*workers, heartbeat_interval=0.2, restart_backoff=0.05,
+                                   restart_backoff_max=0.2)
+            async with server_pkg.open_engine(config) as engine:
+                async with engine.generate("remote", params) as stream:
+                    [choice] = stream.choice_states()
+                    text = ""
+                    async for out in stream:
+                        text += out.text
+                        if out.completion_tokens >= 3 and choice.migrations == 0:
+                            workers[choice.worker.index].proc.send_signal(signal.SIGKILL)
+                            with trio.fail_after(LIMIT):
+                                while choice.migrations == 0:
+                                    await trio.sleep(0.01)
+                stats = engine.statistics().migration
+    assert out.finish_reason == "length" and out.completion_tokens == 400
+    assert text == expected
+    assert stats is not None and stats.migrations["disconnected"] == 1
+
+
 # -- the sim's resume, sans-IO: every cut gives the uninterrupted run -------------------------
 
 
