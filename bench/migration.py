@@ -9,13 +9,13 @@ second runs them again and SIGKILLs one worker process once every stream has pas
 ``[DONE]`` and no error event; error events; streams whose text differs from the first
 round's; usage that does not count each token once; and the *added delay* of the migrated
 streams: the gap between the last token before the kill and the first after it, less the
-median such gap of the streams that did not move. The migrated streams are the ones with
-the largest gaps, as many as ``trio_llm:migrations_total`` counts. "One prefill" is the
+stream's own median gap. The migrated streams are the ones with the largest added delays,
+as many as ``trio_llm:migrations_total`` counts. "One prefill" is the
 sim's time to first token of the resumed prompt (``--sim-ttft-ms`` plus
 ``--sim-prefill-us-per-token`` per prompt and generated token), and the client's TTFT p50
 of the first round.
 
-    python bench/migration.py                      # 128 streams x 4 workers, ~1 min
+    python bench/migration.py                      # 128 streams x 4 workers, ~1.5 min
 """
 
 from __future__ import annotations
@@ -115,11 +115,11 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=128)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--prompt-words", type=int, default=200)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--kill-after", type=int, default=24, help="tokens every stream has")
-    p.add_argument("--itl-ms", type=float, default=40.0)
+    p.add_argument("--max-tokens", type=int, default=250)
+    p.add_argument("--kill-after", type=int, default=10, help="tokens every stream has")
+    p.add_argument("--itl-ms", type=float, default=100.0)
     p.add_argument("--ttft-ms", type=float, default=20.0)
-    p.add_argument("--prefill-us", type=float, default=200.0, help="per prompt token")
+    p.add_argument("--prefill-us", type=float, default=2000.0, help="per prompt token")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args()
     rng = random.Random(args.seed)
@@ -156,14 +156,17 @@ def main() -> None:
     trio.run(run_all)
 
 
-def gap_at(s: Stream, t: float) -> tuple[float, int] | None:
-    """The gap between the last chunk before ``t`` and the first after it, and the tokens
-    (chunks) before it."""
-    before = [c for c, _ in s.chunks if c <= t]
-    after = [c for c, _ in s.chunks if c > t]
-    if not before or not after:
+def added_at(s: Stream, t: float) -> tuple[float, int] | None:
+    """How much longer than its usual gap (its median) the stream waited across ``t``: the
+    gap between its last chunk before ``t`` and its first after, less that median; and the
+    chunks before ``t``."""
+    times = [c for c, _ in s.chunks]
+    before = [c for c in times if c <= t]
+    after = [c for c in times if c > t]
+    if not before or not after or len(times) < 3:
         return None
-    return after[0] - before[-1], len(before)
+    usual = percentile(sorted(b - a for a, b in zip(times, times[1:])), 50)
+    return after[0] - before[-1] - usual, len(before)
 
 
 def report(args, reference: list[Stream], run: list[Stream], killed_at: float,
@@ -177,12 +180,11 @@ def report(args, reference: list[Stream], run: list[Stream], killed_at: float,
                       or b.usage["prompt_tokens"] != a.usage["prompt_tokens"])
     moved = sum(int(float(m.group(1))) for m in re.finditer(
         r'^trio_llm:migrations_total\{[^}]*\} (\S+)$', metrics, re.M))
-    gaps = sorted((g for g in (gap_at(s, killed_at) for s in run) if g is not None),
-                  key=lambda g: g[0])
-    stayed = gaps[:len(gaps) - moved]
-    went = gaps[len(gaps) - moved:]
-    normal = percentile(sorted(g for g, _ in stayed), 50) if stayed else 0.0
-    added = sorted(g - normal for g, _ in went)
+    added_all = sorted((a for a in (added_at(s, killed_at) for s in run) if a is not None),
+                       key=lambda a: a[0])
+    went = added_all[len(added_all) - moved:]
+    stayed = sorted(a for a, _ in added_all[:len(added_all) - moved])
+    added = sorted(a for a, _ in went)
     prefill = sorted(args.ttft_ms + args.prefill_us / 1000 * (args.prompt_words + 2 + n)
                      for _, n in went)
     ttft = sorted(s.chunks[0][0] - s.sent for s in reference if s.chunks)
@@ -197,8 +199,9 @@ def report(args, reference: list[Stream], run: list[Stream], killed_at: float,
     print(f"streams migrated (trio_llm:migrations_total): {moved}")
     if added:
         print(f"added delay of the migrated streams: p50 {1000 * percentile(added, 50):.0f} ms, "
-              f"p99 {1000 * percentile(added, 99):.0f} ms (gap at the kill, less the "
-              f"{1000 * normal:.0f} ms median gap of the others)")
+              f"p99 {1000 * percentile(added, 99):.0f} ms (the gap across the kill less the "
+              f"stream's median gap; the other streams': p50 "
+              f"{1000 * percentile(stayed, 50):.0f} ms, p99 {1000 * percentile(stayed, 99):.0f} ms)")
         print(f"one prefill of the resumed prompt (sim): p50 {percentile(prefill, 50):.0f} ms; "
               f"client TTFT of the uninterrupted round: p50 {1000 * percentile(ttft, 50):.0f} ms,"
               f" p99 {1000 * percentile(ttft, 99):.0f} ms")

@@ -387,6 +387,11 @@ class WorkerClient:
                     for rid, note in msg[3]:
                         choice = states.get(rid)
                         if choice is not None:
+                            if len(note) == 1 and choice.token_ids is not None:
+                                ids = note.get("token_ids")  # (one per token: inlined)
+                                if ids is not None:
+                                    choice.token_ids += ids
+                                    continue
                             choice.note(note)
                 for rid, text, ntok, finish, err in msg[2]:
                     choice = states.get(rid)
