@@ -16,7 +16,8 @@ process it spawned, or one connection to a worker that listens (``address``; see
 
 A session ends when the process exits (end of its stdout) or the connection closes, the
 worker breaks the protocol, or it hangs (no answer to pings: a dead network link looks the
-same). Then every choice the worker held ends with an ``error`` output at once, the link is
+same). Then every choice the worker held moves to another worker (the engine's ``migrate``
+hook, :mod:`server.manager.migration`) or ends with an ``error`` output at once, the link is
 closed (a process: close the pipe, SIGTERM, SIGKILL, each after a grace period; shielded),
 and a new session starts after a backoff. A spawned worker is left down after too many
 restarts in a while; a remote one is reconnected to forever (the backoff is capped), since
