@@ -98,6 +98,25 @@ async def test_sigkilled_worker_streams_go_on_with_the_uninterrupted_text():
                 assert params["max_tokens"] == 300 - len(params["resume"]["token_ids"])
 
 
+async def test_a_paced_stream_moves_with_its_wakeups():
+    """With a stream interval, the moved stream's wakeups come from the new worker's
+    pacer (the dead one's router is gone), and its text is the uninterrupted run's."""
+    params = SamplingParams(max_tokens=200, temperature=0)
+    with trio.fail_after(LIMIT):
+        async with open_real_engine(config(workers=2, stream_interval=0.02)) as (engine, _):
+            async with engine.generate("paced", params) as stream:
+                [choice] = stream.choice_states()
+                first = choice.worker
+                text = ""
+                async for out in stream:
+                    text += out.text
+                    if choice.migrations == 0 and out.completion_tokens >= 3:
+                        kill_worker(engine, first.index)
+                        await wait_for(lambda: choice.migrations == 1, timeout=LIMIT)
+                        assert choice.waker.pacer is choice.worker.pacer is not first.pacer
+    assert text == sim_reference("paced", params)[0] and out.completion_tokens == 200
+
+
 async def test_usage_and_text_over_http_when_a_worker_is_killed():
     """Through hypercorn and the openai SDK: the stream ends normally, its text is the
     uninterrupted run's, usage counts each token once, and /metrics counts the migration."""
