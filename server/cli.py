@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix routing: the most extra outstanding requests the "
                    "best-matching worker may carry over the least loaded one before the "
                    "least loaded one gets the request (0: only an equally loaded worker)")
+    g.add_argument("--max-migrations", type=int, default=3, metavar="N",
+                   help="when an engine worker dies or its connection ends, move each of "
+                   "its unfinished requests to another worker, which resumes it where it "
+                   "stopped (the client's stream goes on), at most N times per request; 0: "
+                   "those streams end with an error event. See docs/routing.md")
 
     g = p.add_argument_group("several frontends")
     g.add_argument("--api-servers", "--api-server-count", type=int, default=1, metavar="N",
@@ -221,9 +226,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_restarts=args.max_restarts,
         routing=args.routing,
         routing_balance=args.routing_balance,
+        max_migrations=args.max_migrations,
     )
     if args.routing_balance < 0:
         raise SystemExit("trio-llm-server: --routing-balance must be at least 0")
+    if args.max_migrations < 0:
+        raise SystemExit("trio-llm-server: --max-migrations must be at least 0")
     if args.devices_per_worker is not None:
         if args.devices_per_worker < 1:
             raise SystemExit("trio-llm-server: --devices-per-worker must be at least 1")

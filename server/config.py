@@ -78,6 +78,10 @@ class EngineConfig:
     #: Prefix routing's trade-off: the most extra outstanding requests the best-matching
     #: worker may carry over the least loaded one before the least loaded one is used.
     routing_balance: int = 8  # server.manager.routing.DEFAULT_BALANCE
+    #: When a worker dies or its session ends, how many times one request may be moved to
+    #: another worker, resuming where it stopped (0: its stream ends with an error, as
+    #: before migration existed). See docs/routing.md, "Migration".
+    max_migrations: int = 3
 
     def for_worker(self, index: int) -> EngineConfig:
         """This config, for worker ``index``."""

@@ -60,7 +60,8 @@ LONG = 3000
 
 
 async def test_sigkill_ends_that_workers_streams_and_spares_the_other():
-    config = fault_config(workers=2)
+    # without migration (tests/test_migration.py: with it, those streams go on elsewhere)
+    config = fault_config(workers=2, max_migrations=0)
     async with running_server(config) as url:
         engine = url.engine
         await all_workers_up(engine)
@@ -113,7 +114,8 @@ async def test_sigkill_ends_that_workers_streams_and_spares_the_other():
 
 
 async def test_hung_worker_is_treated_as_dead_killed_and_restarted():
-    config = fault_config(workers=2, heartbeat_interval=0.2, heartbeat_timeout=1.0)
+    config = fault_config(workers=2, heartbeat_interval=0.2, heartbeat_timeout=1.0,
+                          max_migrations=0)  # (its streams end with the error: no migration)
     async with running_server(config) as url:
         engine = url.engine
         await all_workers_up(engine)

@@ -28,6 +28,7 @@ from ..params import SamplingParams
 from ..protocol import wire
 from ..protocol.handshake import parse_address
 from .deadlines import DeadlineQueue
+from .migration import MigrationStatistics, Migrator
 from .routing import Blocks, Decision, Router, RouterStatistics
 from .stream import Choice, RequestStream, Waker
 from .unwrap import body_errors_unwrapped
@@ -63,6 +64,8 @@ class EngineStatistics:
     open_sequences: int = 0
     #: Routing decisions and per-worker prefix-cache hits (server.manager.routing).
     routing: RouterStatistics | None = None
+    #: Requests moved off dead workers (server.manager.migration); None: migration is off.
+    migration: MigrationStatistics | None = None
 
 
 class Engine:
@@ -96,6 +99,11 @@ class Engine:
         self._streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()
         self.deadlines = DeadlineQueue()
         self._accepting = True
+        #: Moves a dead worker's requests to the others (None: --max-migrations 0).
+        self.migrator = Migrator(self, config.max_migrations) if config.max_migrations else None
+        if self.migrator is not None:
+            for w in self.workers:
+                w.migrate = self.migrator.migrate
 
     # -- generating --------------------------------------------------------------------------
 
@@ -156,10 +164,14 @@ class Engine:
         choices = []
         n = params.n
         wire_params = [params.to_wire(i) for i in range(n)]
+        if self.migrator is not None:  # the tokens' ids, to resume it elsewhere
+            for wp in wire_params:
+                wp["token_ids"] = True
         frames = []
         for p, prompt in enumerate(prompts):
             for i in range(n):
-                choice = Choice(next(self._rids), p * n + i, worker, waker)
+                choice = Choice(next(self._rids), p * n + i, worker, waker, prompt,
+                                wire_params[i])
                 frames.append(wire.encode([wire.SUBMIT, choice.rid, prompt, wire_params[i]]))
                 choices.append(choice)
         worker.submit_nowait(choices, frames)  # only once everything could be encoded
@@ -202,16 +214,22 @@ class Engine:
         return best
 
     def pick_worker(
-        self, prompt: object, exclude: Sequence[int] = ()
+        self, prompt: object, exclude: Sequence[int] = (), *, migrating: bool = False
     ) -> tuple[WorkerClient, Decision]:
         """The worker the routing policy picks for ``prompt``, never one of ``exclude``
-        (worker indexes), and why. Raises ServiceUnavailable when none can take it."""
-        return self._route(self.router.blocks(prompt).hashes, exclude)
+        (worker indexes), and why. Raises ServiceUnavailable when none can take it.
+        ``migrating``: for a request already accepted (server.manager.migration), also
+        while the server drains; the prompt's blocks are then noted as sent there."""
+        hashes = self.router.blocks(prompt).hashes
+        picked = self._route(hashes, exclude, draining_ok=migrating)
+        if migrating and self.router.prefix_aware:
+            self.router.routed(picked[0].index, hashes)
+        return picked
 
     def _route(
-        self, hashes: list[bytes], exclude: Sequence[int] = ()
+        self, hashes: list[bytes], exclude: Sequence[int] = (), *, draining_ok: bool = False
     ) -> tuple[WorkerClient, Decision]:
-        if not self._accepting:
+        if not self._accepting and not draining_ok:
             raise ServiceUnavailable("the server is shutting down", code="shutting_down")
         router = self.router
         generations = self._generations
@@ -333,6 +351,7 @@ class Engine:
             accepting=self._accepting,
             workers=workers,
             routing=self.router.stats,
+            migration=self.migrator.stats if self.migrator is not None else None,
         )
 
 

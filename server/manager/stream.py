@@ -162,13 +162,30 @@ class Choice:
         "cached_tokens",
         "logprobs",
         "prompt_logprobs",
+        "prompt",
+        "params",
+        "token_ids",
+        "text_chars",
+        "migrations",
     )
 
-    def __init__(self, rid: int, index: int, worker: WorkerClient, waker: Waker) -> None:
+    def __init__(self, rid: int, index: int, worker: WorkerClient, waker: Waker,
+                 prompt: object = None, params: dict | None = None) -> None:
         self.rid = rid
         self.index = index
+        #: The worker that holds it now (another one after a migration).
         self.worker = worker
         self.waker = waker
+        #: The prompt and wire params it was submitted with (to resume it elsewhere:
+        #: server.manager.migration), the ids of the tokens it produced (None: not asked
+        #: for), the characters of text pushed, and how many times it moved.
+        self.prompt = prompt
+        self.params = params
+        self.token_ids: list[int] | None = (
+            [] if params is not None and params.get("token_ids") else None
+        )
+        self.text_chars = 0
+        self.migrations = 0
         self.text = ""
         self.ntok = 0
         self.prompt_tokens = 0
@@ -192,16 +209,25 @@ class Choice:
     # -- router side -------------------------------------------------------------------------
 
     def accept(self, prompt_tokens: int) -> None:
-        self.accepted = True
-        self.accepted_at = _perf_counter()
-        self.prompt_tokens = prompt_tokens
+        if not self.accepted:  # (a resumed request's prompt counts its tokens too)
+            self.accepted = True
+            self.accepted_at = _perf_counter()
+            self.prompt_tokens = prompt_tokens
         self.waker.wake()
 
     def note(self, note: dict) -> None:
         """Details the engine sent about this choice (before its outputs of that step)."""
+        ids = note.get("token_ids")
+        if ids is not None:
+            if self.token_ids is not None:
+                self.token_ids.extend(ids)
+            if len(note) == 1:
+                return
         cached = note.get("cached_tokens")
         if isinstance(cached, int):
-            self.cached_tokens = cached
+            # resumed: of a prompt that holds the tokens generated before; usage counts
+            # the client's prompt
+            self.cached_tokens = min(cached, self.prompt_tokens) if self.migrations else cached
         entries = note.get("logprobs")
         if isinstance(entries, list):
             if self.logprobs is None:
@@ -218,6 +244,7 @@ class Choice:
             return
         if text:
             self.text += text
+            self.text_chars += len(text)
         if ntok:
             self.ntok += ntok
             self.completion_tokens += ntok

@@ -33,12 +33,14 @@ __all__ = ["Link", "SessionEnded", "open_connected", "open_spawned"]
 
 class SessionEnded(Exception):
     """The link cannot be opened or used any more; ``reason`` says why (for the log).
-    ``refused``: the worker refused our credentials (a configuration error)."""
+    ``refused``: the worker refused our credentials (a configuration error). ``cause``: the
+    kind of end, for metrics (``exited``, ``disconnected``, ``hung``, ``protocol_error``)."""
 
-    def __init__(self, reason: str, *, refused: bool = False) -> None:
+    def __init__(self, reason: str, *, refused: bool = False, cause: str = "exited") -> None:
         super().__init__(reason)
         self.reason = reason
         self.refused = refused
+        self.cause = cause
 
 
 class Link:
@@ -51,8 +53,9 @@ class Link:
     #: A descriptor that :meth:`WorkerClient._send_nowait` may write to directly (a pipe or
     #: a plain socket), or None (TLS, in-memory test streams).
     fd: int | None = None
-    #: What the router says when the stream ends.
+    #: What the router says when the stream ends, and its cause (see SessionEnded).
     eof_reason = "the worker process exited"
+    eof_cause = "exited"
 
     def __init__(self, send: trio.abc.SendStream, receive: trio.abc.ReceiveStream) -> None:
         self.send = send
@@ -125,6 +128,7 @@ async def open_spawned(config: EngineConfig, spawn) -> Link:
 
 class _ConnectedLink(Link):
     eof_reason = "the worker closed the connection"
+    eof_cause = "disconnected"
     _ended_during = "the worker closed the connection"
 
     def __init__(self, stream: trio.abc.HalfCloseableStream | trio.SSLStream, fd: int | None,

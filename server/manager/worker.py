@@ -16,7 +16,8 @@ process it spawned, or one connection to a worker that listens (``address``; see
 
 A session ends when the process exits (end of its stdout) or the connection closes, the
 worker breaks the protocol, or it hangs (no answer to pings: a dead network link looks the
-same). Then every choice the worker held ends with an ``error`` output at once, the link is
+same). Then every choice the worker held moves to another worker (the engine's ``migrate``
+hook, :mod:`server.manager.migration`) or ends with an ``error`` output at once, the link is
 closed (a process: close the pipe, SIGTERM, SIGKILL, each after a grace period; shielded),
 and a new session starts after a backoff. A spawned worker is left down after too many
 restarts in a while; a remote one is reconnected to forever (the backoff is capped), since
@@ -31,6 +32,7 @@ import logging
 import math
 import os
 import subprocess
+from collections.abc import Callable
 
 import trio
 from trio_util import AsyncValue
@@ -112,6 +114,9 @@ class WorkerClient:
         self._stdin_fd: int | None = None  # the pipe to the worker, while _writer runs
         self._writing = False  # _writer is in a write
         self._ready = trio.Event()
+        #: Called as ``migrate(self, choices, cause)`` when a session ends with choices
+        #: unfinished (not at a shutdown); returns those it could not move elsewhere.
+        self.migrate: Callable[[WorkerClient, list[Choice], str], list[Choice]] | None = None
 
     # -- used by the request manager (plain def: never blocks) -------------------------------
 
@@ -273,6 +278,7 @@ class WorkerClient:
         self.pid = link.pid
         self._outbox.clear()
         reason = "stopped"
+        cause = "stopped"
         try:
             try:
                 with trio.fail_after(config.startup_timeout):
@@ -299,11 +305,12 @@ class WorkerClient:
                 first_end = ended.exceptions[0]
                 assert isinstance(first_end, _SessionEnded)
                 reason = first_end.reason
+                cause = first_end.cause
             return reason
         finally:
             self.alive = False
             self.running = self.waiting = self.foreign = 0
-            self._fail_all(reason)
+            self._fail_all(reason, cause)
             with trio.CancelScope(shield=True):
                 try:
                     how = await link.aclose(config.shutdown_grace)
@@ -325,14 +332,15 @@ class WorkerClient:
                 try:
                     data = await receive_some(1 << 20)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                    raise _SessionEnded(f"the connection broke ({exc})") from None
+                    raise _SessionEnded(f"the connection broke ({exc})",
+                                        cause="disconnected") from None
                 finally:
                     pacer.router_scope = None
             if data is None:
                 pacer.wake_due(trio.current_time())
                 continue
             if not data:
-                raise _SessionEnded(link.eof_reason)
+                raise _SessionEnded(link.eof_reason, cause=link.eof_cause)
             self.last_heard = pacer.frame_time = trio.current_time()
             try:
                 try:
@@ -342,7 +350,8 @@ class WorkerClient:
                     raise
                 self._route(messages)
             except wire.ProtocolError as exc:  # the worker's fault: it is treated as dead
-                raise _SessionEnded(f"protocol violation: {exc}") from None
+                raise _SessionEnded(f"protocol violation: {exc}",
+                                    cause="protocol_error") from None
             await self._wake_paced()
 
     async def _wake_paced(self) -> None:
@@ -379,6 +388,11 @@ class WorkerClient:
                     for rid, note in msg[3]:
                         choice = states.get(rid)
                         if choice is not None:
+                            if len(note) == 1 and choice.token_ids is not None:
+                                ids = note.get("token_ids")  # (one per token: inlined)
+                                if ids is not None:
+                                    choice.token_ids += ids
+                                    continue
                             choice.note(note)
                 for rid, text, ntok, finish, err in msg[2]:
                     choice = states.get(rid)
@@ -415,7 +429,8 @@ class WorkerClient:
                 try:
                     await send_all(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    raise _SessionEnded("the link to the worker broke") from None
+                    raise _SessionEnded("the link to the worker broke",
+                                        cause="disconnected") from None
                 finally:
                     self._writing = False
         finally:
@@ -427,26 +442,31 @@ class WorkerClient:
             await trio.sleep(config.heartbeat_interval)
             if trio.current_time() - self.last_heard > config.heartbeat_timeout:
                 raise _SessionEnded(
-                    f"no answer for {config.heartbeat_timeout:.1f} s (hung)"
+                    f"no answer for {config.heartbeat_timeout:.1f} s (hung)", cause="hung"
                 )
             self._ping_seq += 1
             self._queue(wire.encode([wire.PING, self._ping_seq]))
 
-    def _fail_all(self, reason: str) -> None:
-        """End every choice this worker held with an error output (the worker is gone)."""
+    def _fail_all(self, reason: str, cause: str) -> None:
+        """End every choice this worker held (the worker is gone): each one the engine's
+        ``migrate`` hook moves to another worker goes on there (server.manager.migration);
+        the others end with an error output (``abort`` for one whose abort was sent)."""
         states, self.states = self.states, {}
+        self.pacer.clear()
         kind = "unavailable" if reason == "stopped" else "worker_died"
         message = (
             "the engine is shutting down"
             if reason == "stopped"
             else f"engine worker {self.index} failed: {reason}"
         )
-        for choice in states.values():
+        left = list(states.values())
+        if self.migrate is not None and reason != "stopped" and left:
+            left = self.migrate(self, left, cause)
+        for choice in left:
             choice.end("error", kind, message)
         for answer in self._pings.values():
             answer.value = _GONE
         self._pings.clear()
-        self.pacer.clear()
 
     # -- introspection -----------------------------------------------------------------------
 

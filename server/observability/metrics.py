@@ -325,6 +325,28 @@ class Metrics:
         routing = stats.routing if stats is not None else None
         if routing is not None:
             yield from _routing_families(model, routing)
+        migration = stats.migration if stats is not None else None
+        if migration is not None:
+            yield from _migration_families(model, migration)
+
+
+def _migration_families(model: str, migration) -> Iterator[Metric]:
+    """Sequences moved off a dead worker, and those that could not be (server.manager.migration)."""
+    yield _counter(
+        "migrations",
+        "Sequences moved to another worker when theirs ended, by cause: exited (the process "
+        "died), disconnected (a listening worker's connection ended), hung, protocol_error.",
+        ["model_name", "cause"],
+        [([model, cause], n) for cause, n in migration.migrations.items()],
+    )
+    yield _counter(
+        "migrations_failed",
+        "Sequences of a dead worker that could not be moved (their stream ends with an error "
+        "event), by reason: limit (--max-migrations), not_resumable (the engine did not say "
+        "its tokens, or none can resume), no_worker.",
+        ["model_name", "reason"],
+        [([model, reason], n) for reason, n in migration.failed.items()],
+    )
 
 
 def _routing_families(model: str, routing) -> Iterator[Metric]:

@@ -25,7 +25,9 @@ Worker -> frontend::
     [STEP, accepts, outputs]        accepts: [[rid, prompt_tokens], ...]
                                     outputs: [[rid, text, ntok, finish, err], ...]
     [STEP, accepts, outputs, notes] notes: [[rid, {"cached_tokens": n}], ...], only when
-                                    the engine has any (they precede the outputs)
+                                    the engine has any (they precede the outputs); also
+                                    {"token_ids": [...]}: the ids of the row's new tokens,
+                                    for a request whose params ask (``token_ids: true``)
     [PONG, seq, running, waiting]   a listening worker adds the requests this connection holds
     [TOKENIZED, seq, result, err]   result: {"tokens": [...], "max_model_len": n},
                                     {"prompt": str} or {"data": [float32 LE bytes, ...],
@@ -63,6 +65,8 @@ judge: it answers a request it cannot take with an error output, as for any clie
 
 from __future__ import annotations
 
+import functools
+import operator
 import reprlib
 import re
 import struct
@@ -318,20 +322,43 @@ def _logprob_entry(e: object) -> bool:
     )
 
 
+_is_int_type = functools.partial(operator.is_, int)
+
+
+def _ids(v: object) -> bool:
+    """A list of ints (no bools). All in C: this runs for every token when ids are asked."""
+    return type(v) is list and all(map(_is_int_type, map(type, v)))
+
+
 _NOTE_ITEMS: dict[str, Callable[[object], bool]] = {
+    "token_ids": _ids,
     "cached_tokens": _count,
     "logprobs": lambda v: _all(v, _logprob_entry),
     "prompt_logprobs": lambda v: _all(v, _logprob_entry),
 }
 
 
-def _note_row(r: object) -> bool:
-    if type(r) is not list or len(r) != 2 or type(r[0]) is not int or type(r[1]) is not dict:
+def _note_rows(rows: object) -> bool:
+    """Every row ``[rid, {...}]`` with known items (one loop: with token ids asked for,
+    there is a note per token)."""
+    if type(rows) is not list:
         return False
-    for key, value in r[1].items():
-        item_ok = _NOTE_ITEMS.get(key) if type(key) is str else None
-        if item_ok is None or not item_ok(value):
+    for r in rows:
+        if type(r) is not list or len(r) != 2 or type(r[0]) is not int:
             return False
+        note = r[1]
+        if type(note) is not dict:
+            return False
+        if len(note) == 1:  # the common note: a token's id
+            ids = note.get("token_ids")
+            if ids is not None:
+                if type(ids) is not list or not all(map(_is_int_type, map(type, ids))):
+                    return False
+                continue
+        for key, value in note.items():
+            item_ok = _NOTE_ITEMS.get(key) if type(key) is str else None
+            if item_ok is None or not item_ok(value):
+                return False
     return True
 
 
@@ -339,7 +366,7 @@ def _step(m: list) -> bool:
     n = len(m)
     return (
         (n == 3 or n == 4) and _all(m[1], _accept_row) and _output_rows(m[2])
-        and (n == 3 or _all(m[3], _note_row))
+        and (n == 3 or _note_rows(m[3]))
     )
 
 

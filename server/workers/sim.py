@@ -26,6 +26,16 @@ It behaves like a real engine from the frontend's point of view:
   property>": "<words>"}}</tool_call>``, the tags split across tokens), ``max_tokens``
   tokens in all, then ``stop`` (``length`` when ``max_tokens`` is too short for the call).
   The arguments follow no schema: the sim serves ``tool_choice: auto`` only.
+* **Token ids and resuming** (see docs/routing.md, "Migration"): a request whose params
+  ask (``"token_ids": true``) gets a note ``{"token_ids": [id]}`` with each token (the word's
+  index in the vocabulary; the reasoning tags and a tool call's pieces have ids of their
+  own, :func:`token_text`). A request whose params carry ``"resume": {"token_ids": [...],
+  "text_chars": k}`` continues one whose worker died: its prompt counts the generated
+  tokens too (one prefill of them all), its generator is replayed through them (so a
+  greedy or seeded request goes on exactly as it would have; an unseeded one goes on with
+  fresh randomness), ``max_tokens`` is what is left, and the text of those tokens beyond
+  the ``k`` characters the client already has (held back for a stop string) is fed to the
+  stop matcher first.
 * **Fault injection** (only when built with ``faults=True``): a request may carry
   ``{"fault": {"kind": K, "after": k}}`` where K is ``error`` (fail with an engine error
   after k tokens), ``crash`` (the worker process dies after k tokens), ``hang`` (the whole
@@ -49,7 +59,7 @@ from .base import Rejected, WorkerCrash, WorkerGarbage, WorkerHang, check_contex
 from .sim_cache import PrefixCache
 from .stops import StopMatcher
 
-__all__ = ["SimEngine", "CHAT_TEMPLATE", "render_chat", "count_tokens"]
+__all__ = ["SimEngine", "CHAT_TEMPLATE", "render_chat", "count_tokens", "token_text"]
 
 _VOCAB = (
     "the", "a", "model", "token", "stream", "trio", "nursery", "cancel", "scope", "worker",
@@ -62,6 +72,11 @@ _VOCAB = (
 )
 _VOCAB_SPACED = tuple(" " + w for w in _VOCAB)
 _V = len(_VOCAB_SPACED)
+#: Token ids beyond the vocabulary's: the reasoning tags, then a tool call's pieces (by
+#: their position in the call).
+_THINK = _V
+_THINK_END = _V + 1
+_CALL = _V + 2
 
 #: The sim engine's chat template: each message as ``<|role|>`` then its content on one
 #: line, then ``<|assistant|>`` to prompt the answer.
@@ -98,6 +113,7 @@ class _Req:
     __slots__ = (
         "rid", "rng", "max_tokens", "stop", "produced", "ready_at",
         "fault", "fault_after", "prompt_tokens", "started", "call", "blocks", "cached",
+        "ids", "pending",
     )
     rid: int
     rng: int  # the state of a 32-bit xorshift generator
@@ -112,6 +128,8 @@ class _Req:
     call: list[str] | None  # the tokens of a tool call, when the request has tools
     blocks: list[int]  # the prompt's block hashes (prefix cache on)
     cached: int  # prompt tokens found in the prefix cache
+    ids: bool  # send each token's id (a note)
+    pending: str  # text released by a resume, sent with the first output
 
 
 class SimEngine:
@@ -161,6 +179,7 @@ class SimEngine:
             "max_batch": max_batch,
             "chat_template": CHAT_TEMPLATE,
             "sampling": ["tools"],
+            "resume": True,
             "embedding": {"size": embedding_size, "dimensions": True},
         }
         #: Embedding batches computed (one per embed call, however many inputs it has).
@@ -230,7 +249,10 @@ class SimEngine:
             raise Rejected("malformed sampling parameters") from None
         if max_tokens is not None and max_tokens < 1:
             raise Rejected("max_tokens must be at least 1")
-        max_tokens = check_context(prompt_tokens, max_tokens, self.max_model_len)
+        resumed = _resume_of(params.get("resume"))
+        generated = resumed[0] if resumed is not None else []
+        max_tokens = check_context(prompt_tokens + len(generated), max_tokens,
+                                   self.max_model_len) + len(generated)
 
         req = _Req()
         req.rid = rid
@@ -249,6 +271,12 @@ class SimEngine:
         req.fault = None
         req.fault_after = 0
         req.call = _tool_call(params.get("tools"), max_tokens, req.rng)
+        req.ids = bool(params.get("token_ids"))
+        req.pending = ""
+        if resumed is not None:
+            self._replay(req, *resumed)
+            tokens = [*tokens, *generated]
+            req.prompt_tokens = prompt_tokens = len(tokens)
         req.blocks = self.cache.hashes(tokens) if self.cache is not None else []
         req.cached = 0
         fault = params.get("fault")
@@ -341,6 +369,42 @@ class SimEngine:
             self._running[rid] = req
             self._starting[rid] = req
 
+    def _next_token(self, req: _Req) -> tuple[str, int]:
+        """Draw the next token of ``req``: its text and id (does not count it produced)."""
+        x = (req.rng * 1103515245 + 12345) & 0xFFFFFFFF
+        req.rng = x
+        token = (x >> 16) % _V
+        word = _VOCAB_SPACED[token]
+        if self.reasoning_tokens:
+            if req.produced == 0:
+                word, token = "<think>", _THINK
+            elif req.produced == self.reasoning_tokens + 1:
+                word, token = "</think>", _THINK_END
+        if req.call is not None:
+            word, token = req.call[req.produced], _CALL + req.produced
+        return word, token
+
+    def _replay(self, req: _Req, generated: list[int], text_chars: int) -> None:
+        """Bring a resumed request to where its first run stopped (see the module
+        docstring): the generator replayed through ``generated``, and the text of those
+        tokens past the client's ``text_chars`` fed to the stop matcher."""
+        texts = []
+        for token in generated:
+            word, mine = self._next_token(req)
+            if mine != token:  # unseeded sampling: the first run drew other tokens
+                word = token_text(token, req.call)
+            texts.append(word)
+            req.produced += 1
+        if req.produced >= req.max_tokens:
+            raise Rejected("resume: no tokens left to generate", "engine_error")
+        held = "".join(texts)[text_chars:]
+        if req.stop is not None:
+            held, stopped = req.stop.feed(held)
+            if stopped:
+                raise Rejected("resume: the generated text already holds a stop string",
+                               "engine_error")
+        req.pending = held
+
     def _advance(self, req: _Req) -> OutputRow | None:
         fault = req.fault
         if fault is not None and req.produced >= req.fault_after:
@@ -354,16 +418,12 @@ class SimEngine:
                 raise WorkerGarbage()
             if fault == "stall":
                 return None
-        x = (req.rng * 1103515245 + 12345) & 0xFFFFFFFF
-        req.rng = x
-        word = _VOCAB_SPACED[(x >> 16) % _V]
-        if self.reasoning_tokens:
-            if req.produced == 0:
-                word = "<think>"
-            elif req.produced == self.reasoning_tokens + 1:
-                word = "</think>"
+        word, token = self._next_token(req)
+        if req.ids:
+            self.notes.append([req.rid, {"token_ids": [token]}])
+        if req.pending:  # released by a resume: goes first
+            word, req.pending = req.pending + word, ""
         if req.call is not None:
-            word = req.call[req.produced]
             if req.produced + 1 == len(req.call) < req.max_tokens + 1:
                 req.produced += 1
                 return OutputRow(req.rid, word, 1, "stop", None)
@@ -377,6 +437,32 @@ class SimEngine:
         if done:
             return OutputRow(req.rid, text + req.stop.flush(), 1, "length", None)
         return OutputRow(req.rid, text, 1, None, None)
+
+
+def token_text(token: int, call: list[str] | None = None) -> str:
+    """The text of one of the sim's token ids (a tool call's pieces: of ``call``)."""
+    if 0 <= token < _V:
+        return _VOCAB_SPACED[token]
+    if token == _THINK:
+        return "<think>"
+    if token == _THINK_END:
+        return "</think>"
+    if call is not None and 0 <= token - _CALL < len(call):
+        return call[token - _CALL]
+    raise Rejected(f"resume: token id {token} is not the sim's", "engine_error")
+
+
+def _resume_of(resume: object) -> tuple[list[int], int] | None:
+    """``(token_ids, text_chars)`` of a request's ``resume`` param (None: a new request)."""
+    if resume is None:
+        return None
+    ids = resume.get("token_ids") if isinstance(resume, dict) else None
+    chars = resume.get("text_chars") if isinstance(resume, dict) else None
+    if (not isinstance(ids, list) or not all(type(t) is int for t in ids)
+            or type(chars) is not int or chars < 0):
+        raise Rejected("resume must be {\"token_ids\": [int, ...], \"text_chars\": int}",
+                       "engine_error")
+    return ids, chars
 
 
 def _tool_call(tools, max_tokens: int, rng: int) -> list[str] | None:
