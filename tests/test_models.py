@@ -6,6 +6,7 @@ as the client; real time, each ``fail_after`` a guard against a hang, never the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 
@@ -211,3 +212,51 @@ async def test_each_pool_admits_by_its_own_limit():
                 assert r.status_code == 200
                 assert r.json()["models"] == {"a": "saturated", "b": "ready"}
                 nursery.cancel_scope.cancel()  # (the client goes away: the stream aborts)
+
+
+async def test_an_embedder_serves_its_own_engines_as_models(autojump_clock):
+    """``create_app(engines=[...])``: engines the program runs, each its config's model."""
+    import server
+    from server.testing import open_in_memory_engine, sim_engine_config
+    from server.testing.asgi import open_asgi_client
+
+    def named(name: str, length: int) -> EngineConfig:
+        return dataclasses.replace(sim_engine_config(max_model_len=length), model=name)
+
+    async with open_in_memory_engine(named("a", 100)) as a:
+        async with open_in_memory_engine(named("b", 200)) as b:
+            app = server.create_app(server.ServerConfig(), engines=[a, b])
+            async with open_asgi_client(app) as http:
+                r = await http.get("/v1/models")
+                assert [(m["id"], m["max_model_len"]) for m in r.json()["data"]] == [
+                    ("a", 100), ("b", 200)]
+                r = await http.post("/v1/completions",
+                                    json={"model": "b", "prompt": "x", "max_tokens": 2})
+                assert r.status == 200 and r.json()["model"] == "b"
+                assert (a.statistics().routing.routed, b.statistics().routing.routed) == (
+                    [0], [1])
+                r = await http.post("/v1/completions", json={"model": "c", "prompt": "x"})
+                assert r.status == 404 and r.json()["error"]["code"] == "model_not_found"
+            assert a.accepting and b.accepting  # the app neither started nor stopped them
+
+
+async def test_a_drain_ends_every_pools_streams():
+    from server.http.serve import drain
+
+    async with running_server(models=(model("a"), model("b"))) as url:
+        streams = {"a": SSE(), "b": SSE()}
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            async with trio.open_nursery() as nursery:
+                for name, rec in streams.items():
+                    nursery.start_soon(stream_into, http,
+                                       {"model": name, "prompt": "p", "max_tokens": LONG}, rec)
+                with trio.fail_after(20):
+                    for rec in streams.values():
+                        await rec.started.wait()
+                await drain(url.app, 0)
+        for rec in streams.values():
+            assert rec.done and rec.finish_reasons() == ["abort"], rec.body[-300:]
+        async with httpx.AsyncClient(base_url=url) as http:
+            for name in ("a", "b"):
+                r = await http.post("/v1/completions", json={"model": name, "prompt": "x"})
+                assert r.status_code == 503  # both stopped accepting
