@@ -17,6 +17,7 @@ import trio
 from server.config import EngineConfig, ModelConfig
 from tests.conftest import FAST_SIM, pid_exists, running_server
 from tests.sse_record import SSE, stream_into
+from tests.test_logging_and_ids import by_request, captured_log, json_lines, wait_for_line
 from tests.test_metrics import scrape
 
 #: Tokens of a stream that must outlive the other pool's worker's death (about 6 s at the
@@ -183,9 +184,13 @@ async def test_health_says_which_pool_is_down_and_the_other_serves():
                                     "models": {"a": "unavailable", "b": "ready"}}
             r = await http.post("/v1/completions", json={"model": "a", "prompt": "x"})
             assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker"
-            r = await http.post("/v1/completions",
-                                json={"model": "b", "prompt": "x", "max_tokens": 2})
-            assert r.status_code == 200 and r.json()["model"] == "b"
+            with captured_log("json") as log:
+                r = await http.post("/v1/completions",
+                                    json={"model": "b", "prompt": "x", "max_tokens": 2},
+                                    headers={"X-Request-Id": "to-b"})
+                assert r.status_code == 200 and r.json()["model"] == "b"
+                await wait_for_line(log, "to-b")
+            assert by_request(json_lines(log), "to-b")[-1]["model"] == "b"
         m = await scrape(url)
         assert m.value("trio_llm:workers_alive", model_name="a") == 0
         assert m.value("trio_llm:workers_alive", model_name="b") == 1

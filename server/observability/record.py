@@ -184,6 +184,7 @@ class RequestRecord:
         fields = {
             "request_id": self.request_id,
             "route": self.route,
+            "model": self.model,
             "status": self.logged_status,
             "stream": self.stream,
             "finish_reason": self.finish_reason,
