@@ -176,3 +176,14 @@ def test_the_example_of_docs_cli_md(tmp_path):
     assert qwen.engine.engine_options["max_batch"] == 32  # (--max-num-seqs)
     assert qwen.engine.engine_options["engine_args"] == {"enforce_eager": True}
     assert len(shared.engine.worker_addresses) == 2
+
+
+async def test_pool_for_resolves_a_big_body_as_a_small_one():
+    from server.http.post import BIG_BODY
+
+    table = ModelTable(two())
+    big = json.dumps({"prompt": "w " * BIG_BODY, "model": "b"}).encode()
+    assert await table.pool_for(big) is table.pools[1]
+    with pytest.raises(NotFound):
+        await table.pool_for(big.replace(b'"b"', b'"c"'))
+    assert await table.pool_for(b'{"model": "a"}') is table.pools[0]

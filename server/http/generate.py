@@ -145,7 +145,7 @@ async def handle_generate(
         if body is None:
             record.client_disconnected = True
             return
-        engine = app.models.for_body(body).require_engine()
+        engine = (await app.models.pool_for(body)).require_engine()
         record.model = engine.model_name
         if route is not None:
             req = await off_loop(len(body), route.parse, body, config, engine.model_name,

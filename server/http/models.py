@@ -2,10 +2,11 @@
 
 A server serves one model (``ServerConfig.engine``) or several (``ServerConfig.models``),
 each its own :class:`Pool`: an engine with its workers (spawned or remote) and its own
-admission limits. :meth:`ModelTable.for_body` is the one place a request's ``model`` is
-resolved to a pool (the generation routes, ``/tokenize``, ``/detokenize`` and
-``/v1/embeddings``; ``GET /v1/models/{id}`` through :meth:`ModelTable.resolve`). Names that
-map to a pool in another way (an adapter over a base model) join the table here.
+admission limits. :meth:`ModelTable.resolve` is the one place a request's ``model`` is
+resolved to a pool: for the generation routes, ``/tokenize``, ``/detokenize`` and
+``/v1/embeddings`` through :meth:`ModelTable.pool_for` (off the event loop for a big body),
+for ``GET /v1/models/{id}`` directly. Names that map to a pool in another way (an adapter
+over a base model) join the table here.
 
 With one model nothing is looked up: the request's ``model``, when given, is checked by the
 body's parser against the served name, as it always was (a 404 ``model_not_found``
@@ -23,6 +24,7 @@ import msgspec
 from ..config import ModelConfig, ServerConfig
 from ..errors import ClientError, NotFound, ServiceUnavailable, clip
 from ..manager.engine import Engine
+from .post import off_loop
 
 __all__ = ["ModelTable", "Pool", "requested_model"]
 
@@ -109,6 +111,12 @@ class ModelTable:
     @property
     def several(self) -> bool:
         return len(self.pools) > 1
+
+    async def pool_for(self, body: bytes) -> Pool:
+        """:meth:`for_body`, off the event loop for a big body (as its parse is)."""
+        if not self._by_name:
+            return self.default
+        return await off_loop(len(body), self.for_body, body)
 
     def for_body(self, body: bytes) -> Pool:
         """The pool a request body's ``model`` names (see the module docstring): 404
