@@ -27,6 +27,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "EngineConfig": ".config",
     "ServerConfig": ".config",
+    "ModelConfig": ".config",
     "Limits": ".config",
     "SamplingParams": ".params",
     "RequestOutput": ".outputs",
@@ -69,7 +70,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from .config import EngineConfig, Limits, ServerConfig
+    from .config import EngineConfig, Limits, ModelConfig, ServerConfig
     from .errors import (
         BodyTimeout,
         ClientError,

@@ -13,10 +13,11 @@ import sys
 
 import trio
 
-from .config import EngineConfig, Limits, ServerConfig
+from .config import EngineConfig, Limits, ModelConfig, ServerConfig
 from .http.tool_parsers import PARSERS as TOOL_PARSERS
 from .engine_args import ENGINE_DESTS, add_engine_arguments, engine_options, resolve_model_args
 from .manager.routing import DEFAULT_BALANCE, POLICIES
+from .model_config import MODEL_DESTS, model_argvs
 from .protocol.handshake import SECRET_ENV, parse_address, read_secret
 from .observability.logs import configure_logging, lean_log_records
 
@@ -117,6 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "stopped (the client's stream goes on), at most N times per request; 0: "
                    "those streams end with an error event. See docs/routing.md")
 
+    g = p.add_argument_group("several models")
+    g.add_argument("--model-config", default=None, metavar="FILE",
+                   help="serve several models, each its own worker pool and engine, from "
+                   "this YAML (or JSON) file: 'models:', a list of mappings, each a 'name' "
+                   "and that model's options as keys (engine, model, sim-itl-ms, "
+                   "worker-address, max-concurrent-requests, ...). A request's 'model' picks "
+                   "its pool. The pool options given here (--routing, --max-restarts, "
+                   "--max-concurrent-*) are every model's default; the engine's are refused "
+                   "with it. See docs/operations.md")
+
     g = p.add_argument_group("several frontends")
     g.add_argument("--api-servers", "--api-server-count", type=int, default=1, metavar="N",
                    help="run N frontend processes serving the same port (SO_REUSEPORT) and "
@@ -203,54 +214,30 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The server's configuration from its parsed command line (which this normalizes in
     place: the model's names, see :func:`~server.engine_args.resolve_model_args`)."""
-    resolve_model_args(args, "trio-llm-server")
-    _check_frontend_options(args)
-    remote = _remote_workers(args)
-    options = {} if remote else engine_options(args, "trio-llm-server")
-    startup = args.worker_startup_timeout
-    if startup is None:
-        startup = 1800.0 if args.engine == "vllm" else 120.0
-    engine = EngineConfig(
-        engine=args.engine,
-        model=args.served_model_name,
-        workers=len(remote) if remote else args.engine_workers,
-        worker_addresses=remote,
-        worker_secret=_worker_secret(args) if remote else None,
-        worker_tls_ca=args.worker_tls_ca,
-        startup_timeout=startup,
-        devices_per_worker=args.devices_per_worker,
-        engine_options=options,
-        drain_timeout=args.drain_timeout,
-        stream_interval=args.stream_interval_ms / 1000.0,
-        heartbeat_timeout=args.heartbeat_timeout,
-        max_restarts=args.max_restarts,
-        routing=args.routing,
-        routing_balance=args.routing_balance,
-        max_migrations=args.max_migrations,
-    )
-    if args.routing_balance < 0:
-        raise SystemExit("trio-llm-server: --routing-balance must be at least 0")
-    if args.max_migrations < 0:
-        raise SystemExit("trio-llm-server: --max-migrations must be at least 0")
-    if args.devices_per_worker is not None:
-        if args.devices_per_worker < 1:
-            raise SystemExit("trio-llm-server: --devices-per-worker must be at least 1")
-        try:
-            engine.for_worker(engine.workers - 1).visible_devices()
-        except ValueError as exc:
-            raise SystemExit(f"trio-llm-server: --devices-per-worker: {exc}") from None
+    models: tuple[ModelConfig, ...] = ()
+    allow_faults = args.sim_faults
+    if args.model_config is not None:
+        _check_frontend_options(args)
+        models = _models_from_file(args)
+        engine = EngineConfig()
+        allow_faults = any(m.engine.engine_options.get("faults") for m in models)
+    else:
+        resolve_model_args(args, "trio-llm-server")
+        _check_frontend_options(args)
+        engine = _engine_config(args, "trio-llm-server")
     limits = Limits(
         max_n=args.max_n,
         max_tokens=args.max_tokens_cap,
         max_prompts=args.max_prompts,
         max_answer_logprobs=args.max_answer_logprobs,
-        allow_faults=args.sim_faults,
+        allow_faults=allow_faults,
     )
     api_keys = _split_commas(args.api_key)
     if not api_keys:
         api_keys = _split_commas([os.environ.get(API_KEY_ENV, "")])
     return ServerConfig(
         engine=engine,
+        models=models,
         host=args.host,
         port=args.port,
         limits=limits,
@@ -277,12 +264,99 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
+def _models_from_file(args: argparse.Namespace) -> tuple[ModelConfig, ...]:
+    """Each model of ``--model-config``: its options parsed over the command line's (its
+    pool options the defaults; its model options refused there), checked as the command
+    line's are; SystemExit with one line naming the file, the model and the option."""
+    prog = f"trio-llm-server: {args.model_config}"
+    parser = build_parser()
+    given = ["--" + d.replace("_", "-") for d in (*MODEL_DESTS, "served_model_name")
+             if getattr(args, d) != parser.get_default(d)]
+    if args.model_tag is not None:
+        given.insert(0, "MODEL")
+    if given:
+        raise SystemExit(f"trio-llm-server: {', '.join(given)}: not with --model-config: "
+                         "give each model's in its entry of the file")
+    try:
+        with open(args.model_config, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise SystemExit(f"{prog}: {exc.strerror}") from None
+
+    def refuse(message: str):
+        raise ValueError(message)
+
+    parser.error = refuse  # type: ignore[method-assign]  # (a one-line error, not usage)
+    try:
+        entries = model_argvs(text, parser)
+    except ValueError as exc:
+        raise SystemExit(f"{prog}: {exc}") from None
+    models = []
+    for i, (name, argv) in enumerate(entries):
+        where = f"{prog}: models[{i}] ({name})"
+        ns = argparse.Namespace(**vars(args))
+        for dest in (*MODEL_DESTS, "served_model_name", "model_tag"):
+            delattr(ns, dest)  # (the parser's defaults, then the entry's)
+        try:
+            parser.parse_args(argv, namespace=ns)
+        except ValueError as exc:
+            raise SystemExit(f"{where}: {exc}") from None
+        if ns.worker_address and not any(o.startswith("--max-restarts=") for o in argv):
+            ns.max_restarts = parser.get_default("max_restarts")  # (a spawned pool's default)
+        resolve_model_args(ns, where)
+        models.append(ModelConfig(_engine_config(ns, where), ns.max_concurrent_requests,
+                                  ns.max_concurrent_sequences))
+    return tuple(models)
+
+
+def _engine_config(args: argparse.Namespace, prog: str) -> EngineConfig:
+    """One model's engine and worker pool from its (resolved) options."""
+    remote = _remote_workers(args, prog)
+    options = {} if remote else engine_options(args, prog)
+    startup = args.worker_startup_timeout
+    if startup is None:
+        startup = 1800.0 if args.engine == "vllm" else 120.0
+    engine = EngineConfig(
+        engine=args.engine,
+        model=args.served_model_name,
+        workers=len(remote) if remote else args.engine_workers,
+        worker_addresses=remote,
+        worker_secret=_worker_secret(args, prog) if remote else None,
+        worker_tls_ca=args.worker_tls_ca,
+        startup_timeout=startup,
+        devices_per_worker=args.devices_per_worker,
+        engine_options=options,
+        drain_timeout=args.drain_timeout,
+        stream_interval=args.stream_interval_ms / 1000.0,
+        heartbeat_timeout=args.heartbeat_timeout,
+        max_restarts=args.max_restarts,
+        routing=args.routing,
+        routing_balance=args.routing_balance,
+        max_migrations=args.max_migrations,
+    )
+    if args.routing_balance < 0:
+        raise SystemExit(f"{prog}: --routing-balance must be at least 0")
+    if args.max_migrations < 0:
+        raise SystemExit(f"{prog}: --max-migrations must be at least 0")
+    if args.devices_per_worker is not None:
+        if args.devices_per_worker < 1:
+            raise SystemExit(f"{prog}: --devices-per-worker must be at least 1")
+        try:
+            engine.for_worker(engine.workers - 1).visible_devices()
+        except ValueError as exc:
+            raise SystemExit(f"{prog}: --devices-per-worker: {exc}") from None
+    return engine
+
+
 def _check_frontend_options(args: argparse.Namespace) -> None:
     """Refuse the combinations of --api-servers, --listen-fd and the group options that
     could not be honoured (one line each)."""
     parser = build_parser()
     if args.api_servers < 1:
         raise SystemExit("trio-llm-server: --api-servers must be at least 1")
+    if args.api_servers > 1 and args.model_config is not None:
+        raise SystemExit("trio-llm-server: --model-config: not with --api-servers (yet): "
+                         "its frontends share one model's workers")
     if args.api_servers > 1:
         for name in ("listen_fd", "frontend_dir", "frontend_index"):
             if getattr(args, name) is not None:
@@ -310,7 +384,7 @@ def _check_frontend_options(args: argparse.Namespace) -> None:
 _SPAWNED_ONLY = ("max_restarts",)
 
 
-def _remote_workers(args: argparse.Namespace) -> tuple:
+def _remote_workers(args: argparse.Namespace, prog: str) -> tuple:
     """The parsed ``--worker-address`` list (empty: spawn the workers). With remote
     workers, an option that configures the engine or spawned workers is refused (named),
     rather than ignored: it belongs on the worker's command line."""
@@ -318,7 +392,7 @@ def _remote_workers(args: argparse.Namespace) -> tuple:
         for name in ("worker_secret_file", "worker_tls_ca"):
             if getattr(args, name) is not None:
                 raise SystemExit(
-                    f"trio-llm-server: --{name.replace('_', '-')} is an option of remote "
+                    f"{prog}: --{name.replace('_', '-')} is an option of remote "
                     "workers: give --worker-address too"
                 )
         return ()
@@ -330,21 +404,21 @@ def _remote_workers(args: argparse.Namespace) -> tuple:
     ]
     if given:
         raise SystemExit(
-            f"trio-llm-server: {', '.join(given)}: not with --worker-address: these "
+            f"{prog}: {', '.join(given)}: not with --worker-address: these "
             "configure the engine or spawned workers, and the engine runs in the remote "
             "workers (give its options to 'python -m server.workers --listen')"
         )
     try:
         return tuple(parse_address(a) for a in _split_commas(args.worker_address))
     except ValueError as exc:
-        raise SystemExit(f"trio-llm-server: --worker-address {exc}") from None
+        raise SystemExit(f"{prog}: --worker-address {exc}") from None
 
 
-def _worker_secret(args: argparse.Namespace) -> bytes | None:
+def _worker_secret(args: argparse.Namespace, prog: str) -> bytes | None:
     try:
         return read_secret(args.worker_secret_file)
     except ValueError as exc:
-        raise SystemExit(f"trio-llm-server: the workers' secret: {exc}") from None
+        raise SystemExit(f"{prog}: the workers' secret: {exc}") from None
 
 
 def _own_logging(args: argparse.Namespace) -> None:

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-__all__ = ["EngineConfig", "Limits", "ServerConfig"]
+__all__ = ["EngineConfig", "Limits", "ModelConfig", "ServerConfig"]
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,20 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class ModelConfig:
+    """One model of a server that serves several (:attr:`ServerConfig.models`): its worker
+    pool (``engine``, whose ``model`` is the name clients give) and that pool's admission
+    limits. A limit left None is the server's (``ServerConfig.max_concurrent_*``)."""
+
+    engine: EngineConfig
+    #: This pool's requests in flight beyond which new ones get a 503.
+    max_concurrent_requests: int | None = None
+    #: This pool's sequences in flight beyond which new ones get a 503 (0: no limit; the
+    #: server's default: twice what this pool's workers run at once).
+    max_concurrent_sequences: int | None = None
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """Settings of the HTTP server (the CLI builds one from its options)."""
 
@@ -202,3 +216,43 @@ class ServerConfig:
     #: them all), and this frontend's number. None: a server on its own.
     frontend_dir: str | None = None
     frontend_index: int = 0
+    #: Several models, each its own worker pool and engine, chosen by a request's ``model``
+    #: (docs/operations.md). Each needs a distinct ``engine.model``; ``engine`` is then left
+    #: at its default (one model is ``engine``, the limits above its own).
+    models: tuple[ModelConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            return
+        if self.engine != EngineConfig():
+            raise ValueError("ServerConfig: 'engine' and 'models' both configure the models: "
+                             "give each model's engine in 'models' only")
+        names = [m.engine.model for m in self.models]
+        for i, name in enumerate(names):
+            if not name:
+                raise ValueError(f"ServerConfig: models[{i}].engine.model: each model of "
+                                 "several needs its name")
+            if name in names[:i]:
+                raise ValueError(f"ServerConfig: models[{i}].engine.model: '{name}' is "
+                                 "served twice")
+
+    def pools(self) -> tuple[ModelConfig, ...]:
+        """The models served, each a pool with its own limits: ``models``, or the one of
+        ``engine`` with the server's limits."""
+        if self.models:
+            return tuple(
+                replace(
+                    m,
+                    max_concurrent_requests=_given(m.max_concurrent_requests,
+                                                   self.max_concurrent_requests),
+                    max_concurrent_sequences=_given(m.max_concurrent_sequences,
+                                                    self.max_concurrent_sequences),
+                )
+                for m in self.models
+            )
+        return (ModelConfig(self.engine, self.max_concurrent_requests,
+                            self.max_concurrent_sequences),)
+
+
+def _given(value: int | None, default: int | None) -> int | None:
+    return default if value is None else value

@@ -102,12 +102,15 @@ async def assert_engine_idle(engine, timeout: float = 5.0) -> None:
 async def running_server(config: EngineConfig | None = None, *, not_ours=frozenset(),
                          **server_options):
     """(``not_ours``: pids of processes a test starts meanwhile, that the server does not
-    own: a set it may fill while the server runs.)"""
-    engine_config = config or EngineConfig(engine_options=dict(FAST_SIM))
+    own: a set it may fill while the server runs. ``models=``: several models, each its
+    own pool; then no ``config``.)"""
+    models = [m.engine for m in server_options.get("models", ())]
+    engine_config = config or (EngineConfig() if models else
+                               EngineConfig(engine_options=dict(FAST_SIM)))
     server_options.setdefault("shutdown_timeout", 0)
     server_options.setdefault("close_timeout", 0.2)
     if "limits" not in server_options:
-        faults = bool(engine_config.engine_options.get("faults"))
+        faults = any(e.engine_options.get("faults") for e in [engine_config, *models])
         server_options["limits"] = Limits(allow_faults=faults)
     cfg = ServerConfig(engine=engine_config, host="127.0.0.1", port=0, **server_options)
     app = create_app(cfg)
@@ -122,8 +125,8 @@ async def running_server(config: EngineConfig | None = None, *, not_ours=frozens
         try:
             await wait_http_ok(url + "/health")
             yield url
-            if app.engine is not None:
-                await assert_engine_idle(app.engine)
+            for engine in app.models.engines():
+                await assert_engine_idle(engine)
         finally:
             shutdown.set()
     with trio.fail_after(10):

@@ -148,6 +148,7 @@ async def test_json_log_lines_one_per_request_with_the_lifecycle(monkeypatch):
     assert line["status"] == 200 and line["stream"] is False
     assert line["finish_reason"] == "length" and line["finish_reasons"] == ["length"]
     assert line["prompt_tokens"] == 3 and line["completion_tokens"] == 4
+    assert line["model"] == "sim"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line["arrival"])
     times = [line[k] for k in ("dispatch_ms", "accepted_ms", "first_token_ms", "finish_ms")]
     assert all(isinstance(t, float) for t in times)
@@ -163,6 +164,7 @@ async def test_json_log_lines_one_per_request_with_the_lifecycle(monkeypatch):
     bad = by_request(records, "bad-1")[-1]
     assert bad["message"] == "request rejected" and bad["status"] == 400
     assert bad["dispatch_ms"] is None and bad["error_type"] == "invalid_request_error"
+    assert bad["model"] == "sim"  # (refused by the parser, after its model was known)
     assert "'n'" in bad["error"]
     # Lines that are about no request have no request id.
     assert any(r["logger"] == "server.worker" and "request_id" not in r for r in records)

@@ -15,15 +15,20 @@ Before any route, :meth:`LLMServerApp.__call__` does what every HTTP request nee
 4. a generation request gets a :class:`~server.observability.RequestRecord`, recorded in the
    metrics and logged in one line when it ends, whatever the outcome.
 
-Embedding in a Trio program that already has an engine::
+Embedding in a Trio program that already has an engine (or several, one per model)::
 
     app = create_app(ServerConfig(), engine=engine)   # the app will not start or stop it
+    app = create_app(ServerConfig(), engines=[small, large])   # each config names its model
+
+Several models (``ServerConfig.models``, or several engines) are several pools, each its own
+engine; :mod:`server.http.models` resolves a request's ``model`` to its pool.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Sequence
 
 import trio
 from quart import Response, request
@@ -39,7 +44,6 @@ from ..errors import (
     ServerError,
     ServiceUnavailable,
     Unauthorized,
-    clip,
     error_body,
 )
 from ..manager.engine import Engine, run_engine
@@ -62,6 +66,7 @@ from .responses_write import ROUTE as RESPONSES
 from .chat_batch import PATH as CHAT_BATCH_PATH
 from .chat_batch import ROUTE as CHAT_BATCH
 from .listen import connection_info
+from .models import ModelTable, Pool
 from .orca import REQUEST_HEADER as ORCA_FORMAT
 from .orca import load_report, named_metrics
 
@@ -97,12 +102,14 @@ def _json_error(exc: ServerError) -> Response:
     return response
 
 
-def _status_json(status: str, code: int = 200) -> Response:
-    """``{"status": ...}``, with ``Retry-After: 1`` on a 503 (the probes' answers)."""
+def _status_json(status: str, code: int = 200, models: dict | None = None) -> Response:
+    """``{"status": ...}`` (and each model's, when several are served), with
+    ``Retry-After: 1`` on a 503 (the probes' answers)."""
     headers = {"Retry-After": "1"} if code == 503 else None
-    return Response(
-        dumps({"status": status}), status=code, content_type="application/json", headers=headers
-    )
+    body: dict = {"status": status}
+    if models is not None:
+        body["models"] = models
+    return Response(dumps(body), status=code, content_type="application/json", headers=headers)
 
 
 def _has_body(scope: dict) -> bool:
@@ -117,13 +124,19 @@ class LLMServerApp(QuartTrio):
     """The server's ASGI app. ``engine`` is None until the lifespan has started it."""
 
     def __init__(
-        self, config: ServerConfig, *, engine: Engine | None = None, tracer_provider=None
+        self, config: ServerConfig, *, engine: Engine | None = None, tracer_provider=None,
+        engines: Sequence[Engine] = (),
     ) -> None:
         super().__init__("trio_llm_server")
         self.server_config = config
-        self.engine = engine
+        if engine is not None:
+            if engines:
+                raise ValueError("create_app: 'engine' or 'engines', not both")
+            engines = (engine,)
+        #: The served models, each a pool with its engine (server.http.models).
+        self.models = ModelTable(config, engines)
         self.started_at = time.time()
-        self._owns_engine = engine is None
+        self._owns_engine = not engines
         self._engine_shutdown = trio.Event()
         self._engine_started = trio.Event()
         self._engine_stopped = trio.Event()
@@ -136,7 +149,10 @@ class LLMServerApp(QuartTrio):
         #: The HTTP server's :class:`~server.http.listen.ConnectionPool` while it serves.
         self.connections = None
         #: The ``/metrics`` families, in a registry of this app's own.
-        self.metrics = Metrics(lambda: self.engine, self._served_model)
+        self.metrics = Metrics(
+            lambda: [(p.name, p.engine) for p in self.models.pools],
+            more_models=[p.name for p in self.models.pools[1:]],
+        )
         #: A span per generation request (OpenTelemetry), when asked; else None.
         self.tracing: Tracing | None = None
         if tracer_provider is not None:
@@ -145,12 +161,14 @@ class LLMServerApp(QuartTrio):
             self.tracing = Tracing.from_endpoint(config.otlp_traces_endpoint)
         self._routes()
 
+    @property
+    def engine(self) -> Engine | None:
+        """The engine of the (first) model, None until the lifespan has started it."""
+        return self.models.default.engine
+
     def require_engine(self) -> Engine:
-        """The engine, or ServiceUnavailable while it is not running."""
-        engine = self.engine
-        if engine is None:
-            raise ServiceUnavailable("The engine is not running (starting or stopping).", code="no_engine")
-        return engine
+        """The (first) model's engine, or ServiceUnavailable while it is not running."""
+        return self.models.default.require_engine()
 
     async def __call__(self, scope, receive, send) -> None:
         """Every HTTP request: request id, CORS, API key, then the route (module docstring)."""
@@ -189,9 +207,8 @@ class LLMServerApp(QuartTrio):
             orca = header(scope, ORCA_FORMAT)
             if orca is not None and self._authorized(scope):
                 # a load balancer asks for a load report (server.http.orca)
-                engine = self.engine
-                try:
-                    metrics = named_metrics(engine.statistics()) if engine is not None else {}
+                try:  # (every model's pool: the report comes before the body names one)
+                    metrics = named_metrics([e.statistics() for e in self.models.engines()])
                     extra = [*extra, load_report(orca, metrics)]
                 except ServerError as exc:
                     await send_error(send, exc, [*extra, CLOSE])
@@ -204,10 +221,11 @@ class LLMServerApp(QuartTrio):
                 )
             finally:
                 record.finish = _now()
-                self.metrics.observe(record)
+                self.metrics.of(record.model).observe(record)
                 log_request(record)
                 if self.tracing is not None:
-                    self.tracing.export(record, self._served_model(), header(scope, b"traceparent"))
+                    self.tracing.export(record, record.model or self._served_model(),
+                                        header(scope, b"traceparent"))
             return
         if path == EMBEDDINGS_PATH:
             await handle_embeddings(self, scope, receive, send, headers=extra)
@@ -245,13 +263,15 @@ class LLMServerApp(QuartTrio):
         self.connections = pool
         self.metrics.watch_connections(pool)
 
-    def sequence_limit(self) -> int | None:
-        """Sequences admitted at once (``max_concurrent_sequences``, or twice the engine's
-        capacity by default), or None for no limit."""
-        configured = self.server_config.max_concurrent_sequences
+    def sequence_limit(self, pool: Pool | None = None) -> int | None:
+        """Sequences admitted at once into ``pool`` (default: the first model's):
+        ``max_concurrent_sequences``, or twice its engine's capacity by default; None for
+        no limit."""
+        pool = pool or self.models.default
+        configured = pool.max_sequences
         if configured is not None:
             return configured or None
-        engine = self.engine
+        engine = pool.engine
         capacity = engine.capacity if engine is not None else None
         return None if capacity is None else 2 * capacity
 
@@ -263,15 +283,17 @@ class LLMServerApp(QuartTrio):
         A request larger than the default sequence limit (twice what the workers run at
         once) runs when nothing else is in flight, as vLLM runs it: its sequences start as
         batch slots free up, and other requests get 503 meanwhile. An explicit
-        ``--max-concurrent-sequences`` is a hard cap: larger is a 400."""
-        limit = self.server_config.max_concurrent_requests
+        ``--max-concurrent-sequences`` is a hard cap: larger is a 400. The limits are those
+        of ``engine``'s model (each model's pool has its own)."""
+        pool = self.models.of_engine(engine)
+        limit = pool.max_requests
         if limit is not None and engine.open_streams >= limit:
             return ServiceUnavailable(
                 f"The server is at its limit of {limit} concurrent requests; retry later.",
                 code="server_overloaded",
             )
-        configured = self.server_config.max_concurrent_sequences
-        limit = self.sequence_limit()
+        configured = pool.max_sequences
+        limit = self.sequence_limit(pool)
         if limit is None:
             return None
         if sequences > limit and configured is not None:
@@ -287,9 +309,10 @@ class LLMServerApp(QuartTrio):
             )
         return None
 
-    def saturated(self) -> bool:
-        """Whether a one-sequence request would be refused for want of capacity now."""
-        engine = self.engine
+    def saturated(self, pool: Pool | None = None) -> bool:
+        """Whether a one-sequence request to ``pool`` (default: the first model's) would be
+        refused for want of capacity now."""
+        engine = (pool or self.models.default).engine
         return engine is not None and self.admission_error(engine, 1) is not None
 
     # -- lifespan ----------------------------------------------------------------------------
@@ -297,13 +320,17 @@ class LLMServerApp(QuartTrio):
     async def _start_engine(self) -> None:
         if not self._owns_engine:
             return
-        self.engine = await self.nursery.start(self._run_engine)
+        for pool in self.models.pools:
+            pool.engine = await self.nursery.start(self._run_engine, pool)
         self._engine_started.set()
 
-    async def _run_engine(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _run_engine(self, pool: Pool, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        # Each model's engine is a service of its own: one pool's workers dying or
+        # restarting touch nothing of the others'. One that cannot start, or fails, stops
+        # the server (a configuration error, or a bug), as the only one would.
         try:
             await run_engine(
-                self.server_config.engine, shutdown=self._engine_shutdown, task_status=task_status
+                pool.config.engine, shutdown=self._engine_shutdown, task_status=task_status
             )
         except* WorkerStartupError as group:  # (it comes grouped out of the engine's nursery)
             exc = _first_leaf(group)
@@ -317,8 +344,9 @@ class LLMServerApp(QuartTrio):
             log.critical("the engine failed: %r; stopping the server", exc, exc_info=exc)
             self._fail(exc)
         finally:
-            self.engine = None
-            self._engine_stopped.set()
+            pool.engine = None
+            if not self.models.engines():
+                self._engine_stopped.set()
 
     def _fail(self, exc: BaseException) -> None:
         if self.fatal_error is None:
@@ -326,17 +354,16 @@ class LLMServerApp(QuartTrio):
         self.fatal.set()
 
     async def wait_engine_ready(self) -> None:
-        """Wait until the engine runs and every worker has loaded (returns at once for an
-        engine the caller passed in, which is ready by construction)."""
+        """Wait until every model's engine runs and every worker has loaded (returns at
+        once for engines the caller passed in, which are ready by construction)."""
         if self._owns_engine:
             await self._engine_started.wait()
-        engine = self.engine
-        if engine is not None:
+        for engine in self.models.engines():
             await engine.wait_ready()
 
     async def stop_engine(self) -> None:
-        """Stop the engine this app started (shielded); nothing for a caller's engine."""
-        if not self._owns_engine or self.engine is None:
+        """Stop the engines this app started (shielded); nothing for a caller's engines."""
+        if not self._owns_engine or not self.models.engines():
             return
         self._engine_shutdown.set()
         with trio.CancelScope(shield=True):
@@ -350,21 +377,29 @@ class LLMServerApp(QuartTrio):
 
         @self.get("/health")
         async def health():
-            engine = self.engine
-            if engine is None or not engine.healthy():
-                return _status_json("unavailable", 503)
-            return _status_json("ok")
+            # Several models: 200 only while every model's pool is up; the body says which.
+            up = {p.name: "ok" if p.healthy() else "unavailable" for p in self.models.pools}
+            models = up if self.models.several else None
+            if "unavailable" in up.values():
+                return _status_json("unavailable", 503, models)
+            return _status_json("ok", models=models)
 
         @self.get("/ready")
         async def ready():
             # Readiness, distinct from liveness (/health): 503 also while saturated, so that
-            # a load balancer sends new requests elsewhere while this server is full.
-            engine = self.engine
-            if engine is None or not engine.healthy():
-                return _status_json("unavailable", 503)
-            if self.saturated():
-                return _status_json("saturated", 503)
-            return _status_json("ready")
+            # a load balancer sends new requests elsewhere while this server is full. Several
+            # models: 503 while any pool is down, or while every pool is saturated.
+            state = {
+                p.name: "unavailable" if not p.healthy() else
+                "saturated" if self.saturated(p) else "ready"
+                for p in self.models.pools
+            }
+            models = state if self.models.several else None
+            if "unavailable" in state.values():
+                return _status_json("unavailable", 503, models)
+            if "ready" not in state.values():
+                return _status_json("saturated", 503, models)
+            return _status_json("ready", models=models)
 
         @self.get("/metrics")
         async def metrics():
@@ -391,8 +426,7 @@ class LLMServerApp(QuartTrio):
         async def load():
             # vLLM's --enable-server-load-tracking route, always on here (the count is kept
             # anyway): generation requests in flight on this frontend.
-            engine = self.engine
-            body = {"server_load": engine.open_streams if engine is not None else 0}
+            body = {"server_load": sum(e.open_streams for e in self.models.engines())}
             return Response(dumps(body), content_type="application/json")
 
         @self.get("/version")
@@ -408,18 +442,13 @@ class LLMServerApp(QuartTrio):
 
         @self.get("/v1/models")
         async def models():
-            body = {"object": "list", "data": [self._model_card()]}
+            body = {"object": "list", "data": [self._model_card(p) for p in self.models.pools]}
             return Response(dumps(body), content_type="application/json")
 
         @self.get("/v1/models/<path:model_id>")
         async def model(model_id: str):
-            if model_id != self._served_model():
-                raise NotFound(
-                    f"The model '{clip(model_id)}' does not exist.",
-                    param="model",
-                    code="model_not_found",
-                )
-            return Response(dumps(self._model_card()), content_type="application/json")
+            pool = self.models.resolve(model_id)
+            return Response(dumps(self._model_card(pool)), content_type="application/json")
 
         @self.errorhandler(ServerError)
         async def server_error(exc: ServerError):
@@ -442,19 +471,18 @@ class LLMServerApp(QuartTrio):
             return _json_error(ServerError("Internal server error."))
 
     def _served_model(self) -> str:
-        if self.engine is not None:
-            return self.engine.model_name
-        return self.server_config.engine.model or self.server_config.engine.engine
+        return self.models.default.name
 
-    def _model_card(self) -> dict:
+    def _model_card(self, pool: Pool) -> dict:
         card = {
-            "id": self._served_model(),
+            "id": pool.name,
             "object": "model",
             "created": int(self.started_at),
             "owned_by": "trio-llm-server",
         }
-        if self.engine is not None and self.engine.info.get("max_model_len"):
-            card["max_model_len"] = self.engine.info["max_model_len"]
+        engine = pool.engine
+        if engine is not None and engine.info.get("max_model_len"):
+            card["max_model_len"] = engine.info["max_model_len"]
         return card
 
 
@@ -474,9 +502,14 @@ def _only_leaf(group: BaseExceptionGroup) -> BaseException:
 
 
 def create_app(
-    config: ServerConfig | None = None, *, engine: Engine | None = None, tracer_provider=None
+    config: ServerConfig | None = None, *, engine: Engine | None = None, tracer_provider=None,
+    engines: Sequence[Engine] = (),
 ) -> LLMServerApp:
-    """Build the ASGI app. Without ``engine`` the app starts its own in its lifespan.
-    ``tracer_provider`` (an OpenTelemetry one): a span per generation request through it
-    (else through ``config.otlp_traces_endpoint``, if set; else no tracing)."""
-    return LLMServerApp(config or ServerConfig(), engine=engine, tracer_provider=tracer_provider)
+    """Build the ASGI app. Without ``engine`` or ``engines`` the app starts its own in its
+    lifespan (one per model of ``config``). ``engines``: several running engines, one per
+    model, each named by its ``config.model`` (the first is the default); the app neither
+    starts nor stops them, and the server's limits apply to each. ``tracer_provider`` (an
+    OpenTelemetry one): a span per generation request through it (else through
+    ``config.otlp_traces_endpoint``, if set; else no tracing)."""
+    return LLMServerApp(config or ServerConfig(), engine=engine, engines=engines,
+                        tracer_provider=tracer_provider)

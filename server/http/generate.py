@@ -145,7 +145,8 @@ async def handle_generate(
         if body is None:
             record.client_disconnected = True
             return
-        engine = app.require_engine()
+        engine = (await app.models.pool_for(body)).require_engine()
+        record.model = engine.model_name
         if route is not None:
             req = await off_loop(len(body), route.parse, body, config, engine.model_name,
                                  engine.info)
@@ -192,7 +193,7 @@ async def handle_generate(
                         await route.write(app, answer, stream, req, response_id,
                                           engine.model_name)
                     elif req.stream:
-                        observe_itl = app.metrics.itl.observe
+                        observe_itl = app.metrics.of(record.model).itl.observe
                         await _write_stream(
                             answer, stream, req, response_id, engine.model_name, observe_itl,
                             config.queued_heartbeat, config.reasoning_parser,

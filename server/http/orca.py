@@ -27,16 +27,17 @@ REQUEST_HEADER = b"endpoint-load-metrics-format"
 RESPONSE_HEADER = b"endpoint-load-metrics"
 
 
-def named_metrics(stats) -> dict[str, float]:
-    """The report's metrics from an :class:`~server.manager.engine.EngineStatistics`."""
-    live = [w for w in stats.workers if w.alive]
+def named_metrics(stats: list) -> dict[str, float]:
+    """The report's metrics from the :class:`~server.manager.engine.EngineStatistics` of
+    each engine (each model's pool): their sums."""
+    live = [w for s in stats for w in s.workers if w.alive]
     metrics = {
         "num_requests_waiting": float(sum(w.waiting for w in live)),
         "num_requests_running": float(sum(w.running for w in live)),
     }
-    usage = getattr(stats, "kv_cache_usage", None)
-    if usage is not None:
-        metrics["kv_cache_usage_perc"] = float(usage)
+    usage = [u for s in stats if (u := getattr(s, "kv_cache_usage", None)) is not None]
+    if usage:  # the fullest cache
+        metrics["kv_cache_usage_perc"] = float(max(usage))
     return metrics
 
 

@@ -52,8 +52,8 @@ class ResponsesRoute:
             reasoning_parser=config.reasoning_parser, tools=req.chat.tools,
         )
         if req.stream:
-            await _write_stream(answer, stream, events, app.metrics.itl.observe,
-                                config.queued_heartbeat)
+            observe_itl = app.metrics.of(answer.record.model).itl.observe
+            await _write_stream(answer, stream, events, observe_itl, config.queued_heartbeat)
         else:
             await _write_full(answer, stream, events)
 

@@ -60,12 +60,14 @@ def hypercorn_config(config: ServerConfig) -> ServingConfig:
 
 
 async def drain(app: LLMServerApp, timeout: float, *, hurry: trio.Event | None = None) -> None:
-    """Stop accepting, let in-flight requests finish for ``timeout`` s, then abort the rest."""
-    engine = app.engine
-    if engine is None:
+    """Stop accepting, let in-flight requests finish for ``timeout`` s, then abort the rest
+    (every model's engine at once)."""
+    engines = app.models.engines()
+    if not engines:
         return
-    engine.stop_accepting()
-    open_now = engine.statistics().open_streams
+    for engine in engines:
+        engine.stop_accepting()
+    open_now = sum(engine.statistics().open_streams for engine in engines)
     log.info("draining: %d request(s) in flight, up to %.1f s", open_now, timeout)
     with trio.move_on_after(timeout):
         async with trio.open_nursery() as nursery:
@@ -74,13 +76,15 @@ async def drain(app: LLMServerApp, timeout: float, *, hurry: trio.Event | None =
                     await hurry.wait()
                     nursery.cancel_scope.cancel()
             nursery.start_soon(_hurry)
-            await engine.wait_idle()
+            for engine in engines:
+                await engine.wait_idle()
             nursery.cancel_scope.cancel()
-    aborted = engine.abort_all()
+    aborted = sum(engine.abort_all() for engine in engines)
     if aborted:
         log.info("draining: aborting %d request(s)", aborted)
-        with trio.move_on_after(engine.config.drain_timeout + 1.0):
-            await engine.wait_idle()
+        with trio.move_on_after(max(e.config.drain_timeout for e in engines) + 1.0):
+            for engine in engines:
+                await engine.wait_idle()
 
 
 class ShutdownPhases:
@@ -177,7 +181,11 @@ async def serve(
             await wait_any(app.wait_engine_ready, app.fatal.wait, phases.begin.wait)
         if not app.fatal.is_set():
             for url in binds:
-                log.info("serving on %s (engine %s)", url, config.engine.engine)
+                if config.models:
+                    log.info("serving on %s (models %s)", url,
+                             ", ".join(p.name for p in app.models.pools))
+                else:
+                    log.info("serving on %s (engine %s)", url, config.engine.engine)
             if tune_gc:
                 freeze_after_startup()
             task_status.started(binds)

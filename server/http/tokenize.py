@@ -121,7 +121,7 @@ async def serve_worker_op(app, scope: dict, receive, send, headers: list, parse,
         body = await read_json_post(app, scope, receive)
         if body is None:
             return  # the client went away
-        engine = app.require_engine()
+        engine = (await app.models.pool_for(body)).require_engine()
         request, context = await off_loop(len(body), parse, body, engine.model_name,
                                           engine.info)
         result = await engine.tokenize(request)

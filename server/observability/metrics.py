@@ -2,10 +2,14 @@
 
 Usage (the app does this; ``GET /metrics`` serves :meth:`Metrics.exposition`)::
 
-    metrics = Metrics(lambda: app.engine, lambda: "sim")
+    metrics = Metrics(lambda: [("sim", app.engine)])
     metrics.observe(record)              # once per request, at its end
     observe_itl = metrics.itl.observe    # per write of new tokens, from the request's writer
     body, content_type = metrics.exposition(accept_header)
+
+Several models: ``Metrics(pools, more_models=["large"])``; ``metrics.of("large")`` is that
+model's :class:`RequestMetrics` (``metrics`` itself is the first model's), and every family
+has a sample per model (its ``model_name`` label).
 
 Theory of operation
 -------------------
@@ -21,7 +25,8 @@ since the previous one).
 do not collide). At scrape time :meth:`Metrics.collect` turns the values into metric
 families, and reads the gauges that describe the engine (requests running and waiting per
 worker, workers alive, restarts) from ``engine.statistics()``: nothing is kept up to date
-for them between scrapes.
+for them between scrapes. The families about connections are the server's, not a
+model's: their ``model_name`` is the first model's.
 
 Names follow vLLM's (``vllm:`` -> ``trio_llm:``); see docs/metrics.md for each metric.
 """
@@ -49,7 +54,7 @@ from .record import ABORT_CAUSES, FINISHED_REASONS, RequestRecord
 if TYPE_CHECKING:
     from ..manager.engine import Engine
 
-__all__ = ["Metrics", "Histogram", "PREFIX"]
+__all__ = ["Metrics", "RequestMetrics", "Histogram", "PREFIX"]
 
 PREFIX = "trio_llm:"
 
@@ -123,23 +128,10 @@ _HISTOGRAMS = (
 )
 
 
-class Metrics:
-    """The server's metrics; see the module docstring. Touch it only from the Trio thread.
+class RequestMetrics:
+    """One model's request metrics (recorded once per request, at its end)."""
 
-    ``engine`` returns the running engine or None (starting, stopped); ``model_name`` the
-    served model name, the ``model_name`` label of every metric (as in vLLM).
-    """
-
-    def __init__(
-        self,
-        engine: Callable[[], Engine | None],
-        model_name: Callable[[], str],
-        *,
-        registry: CollectorRegistry | None = None,
-        process_metrics: bool = True,
-    ) -> None:
-        self._engine = engine
-        self._model_name = model_name
+    def __init__(self) -> None:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
@@ -152,28 +144,6 @@ class Metrics:
         self.aborts = dict.fromkeys(ABORT_CAUSES, 0)
         self.rejections: dict[int, int] = {}
         self.client_disconnects = 0
-        #: The HTTP server's connection pool (``statistics()``), once it is serving.
-        self._connections = None
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self.registry.register(self)
-        self._gc_watched = False
-        if process_metrics:
-            ProcessCollector(registry=self.registry)
-
-    def watch_gc(self) -> None:
-        """Also expose the collector's pauses (``python_gc_*``). Asked for, never by default:
-        it installs a ``gc.callbacks`` entry for the rest of the process
-        (:mod:`server.observability.gcstats`). ``serve(gc_metrics=True)`` calls this; the
-        CLI does."""
-        if not self._gc_watched:
-            self._gc_watched = True
-            self.registry.register(gc_stats())
-
-    def watch_connections(self, pool) -> None:
-        """Report ``pool.statistics()`` (a :class:`server.http.listen.ConnectionPool`)."""
-        self._connections = pool
-
-    # -- recording ---------------------------------------------------------------------------
 
     def observe(self, r: RequestRecord) -> None:
         """Record one generation request at its end (whatever the outcome)."""
@@ -201,6 +171,53 @@ class Metrics:
         if r.first_token is not None:
             self.ttft.observe(r.first_token - arrival)
 
+
+class Metrics(RequestMetrics):
+    """The server's metrics; see the module docstring. Touch it only from the Trio thread.
+
+    ``pools`` returns each served model's name (the ``model_name`` label, as in vLLM) and
+    its running engine or None (starting, stopped), the first model first: this object's
+    own request metrics are that model's; ``more_models`` names the others, whose request
+    metrics are ``of(name)``.
+    """
+
+    def __init__(
+        self,
+        pools: Callable[[], Sequence[tuple[str, Engine | None]]],
+        *,
+        more_models: Sequence[str] = (),
+        registry: CollectorRegistry | None = None,
+        process_metrics: bool = True,
+    ) -> None:
+        super().__init__()
+        self._pools = pools
+        self._more = {name: RequestMetrics() for name in more_models}
+        #: The HTTP server's connection pool (``statistics()``), once it is serving.
+        self._connections = None
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.registry.register(self)
+        self._gc_watched = False
+        if process_metrics:
+            ProcessCollector(registry=self.registry)
+
+    def watch_gc(self) -> None:
+        """Also expose the collector's pauses (``python_gc_*``). Asked for, never by default:
+        it installs a ``gc.callbacks`` entry for the rest of the process
+        (:mod:`server.observability.gcstats`). ``serve(gc_metrics=True)`` calls this; the
+        CLI does."""
+        if not self._gc_watched:
+            self._gc_watched = True
+            self.registry.register(gc_stats())
+
+    def watch_connections(self, pool) -> None:
+        """Report ``pool.statistics()`` (a :class:`server.http.listen.ConnectionPool`)."""
+        self._connections = pool
+
+    def of(self, model: str | None) -> RequestMetrics:
+        """The request metrics of ``model`` (the first model's, this object, for None or a
+        name no other model has: a request refused before its model was known)."""
+        return self._more.get(model, self) if model is not None else self
+
     # -- exposition --------------------------------------------------------------------------
 
     def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
@@ -214,43 +231,45 @@ class Metrics:
 
     def collect(self) -> Iterator[Metric]:
         """Called by the registry at scrape time."""
-        model = self._model_name()
+        pools = list(self._pools())
+        models = [(name, self.of(name) if i else self) for i, (name, _) in enumerate(pools)]
         labels = ["model_name"]
         for attr, name, doc in _HISTOGRAMS:
-            hist: Histogram = getattr(self, attr)
             family = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
-            family.add_metric([model], hist.buckets(), hist.sum)
+            for model, values in models:
+                hist: Histogram = getattr(values, attr)
+                family.add_metric([model], hist.buckets(), hist.sum)
             yield family
         yield _counter("prompt_tokens", "Prompt tokens of requests that ran on the engine.",
-                       labels, [([model], self.prompt_tokens_total)])
+                       labels, [([m], v.prompt_tokens_total) for m, v in models])
         yield _counter("generation_tokens", "Tokens generated for requests (sent or not).",
-                       labels, [([model], self.generation_tokens_total)])
+                       labels, [([m], v.generation_tokens_total) for m, v in models])
         yield _counter(
             "request_success",
             "Requests that ran on the engine, by how they ended (the worst of their choices).",
             ["model_name", "finished_reason"],
-            [([model, k], v) for k, v in self.finished.items()],
+            [([m, k], n) for m, v in models for k, n in v.finished.items()],
         )
         yield _counter(
             "request_aborts",
             "Requests whose work was given up, by cause.",
             ["model_name", "cause"],
-            [([model, k], v) for k, v in self.aborts.items()],
+            [([m, k], n) for m, v in models for k, n in v.aborts.items()],
         )
         yield _counter(
             "request_rejections",
             "Generation requests answered with an error status without running on the "
             "engine (invalid, unauthorized, overloaded, ...), by status.",
             ["model_name", "status"],
-            [([model, str(k)], v) for k, v in sorted(self.rejections.items())],
+            [([m, str(k)], n) for m, v in models for k, n in sorted(v.rejections.items())],
         )
         yield _counter(
             "client_disconnects",
             "Generation requests whose client went away before the response ended.",
-            labels, [([model], self.client_disconnects)],
+            labels, [([m], v.client_disconnects) for m, v in models],
         )
-        yield from self._engine_families(model)
-        yield from self._connection_families(model)
+        yield from self._engine_families(pools)
+        yield from self._connection_families(pools[0][0])
 
     def _connection_families(self, model: str) -> Iterator[Metric]:
         pool = self._connections
@@ -283,10 +302,8 @@ class Metrics:
         ):
             yield _counter(name, doc, labels, [(values, value)])
 
-    def _engine_families(self, model: str) -> Iterator[Metric]:
-        engine = self._engine()
-        stats = engine.statistics() if engine is not None else None
-        workers = stats.workers if stats is not None else ()
+    def _engine_families(self, pools: list[tuple[str, Engine | None]]) -> Iterator[Metric]:
+        stats = [(model, engine.statistics()) for model, engine in pools if engine is not None]
         labels = ["model_name"]
         per_worker = ["model_name", "worker"]
         running = GaugeMetricFamily(
@@ -299,45 +316,51 @@ class Metrics:
             "Requests waiting in each engine worker's queue (its latest heartbeat answer).",
             labels=per_worker,
         )
-        for w in workers:
-            running.add_metric([model, str(w.index)], w.running if w.alive else 0)
-            waiting.add_metric([model, str(w.index)], w.waiting if w.alive else 0)
+        for model, s in stats:
+            for w in s.workers:
+                running.add_metric([model, str(w.index)], w.running if w.alive else 0)
+                waiting.add_metric([model, str(w.index)], w.waiting if w.alive else 0)
         yield running
         yield waiting
         yield _counter(
             "worker_restarts",
             "Engine worker processes restarted after a failure, per worker.",
             per_worker,
-            [([model, str(w.index)], w.restarts) for w in workers],
+            [([model, str(w.index)], w.restarts) for model, s in stats for w in s.workers],
         )
+        running_now = dict(stats)
         alive = GaugeMetricFamily(
             PREFIX + "workers_alive", "Engine worker processes up and serving.", labels=labels
         )
-        alive.add_metric([model], stats.workers_alive if stats is not None else 0)
-        yield alive
         in_flight = GaugeMetricFamily(
             PREFIX + "num_requests_in_flight",
             "Generation requests dispatched to the engine whose streams are still open.",
             labels=labels,
         )
-        in_flight.add_metric([model], stats.open_streams if stats is not None else 0)
+        for model, _ in pools:
+            now = running_now.get(model)
+            alive.add_metric([model], now.workers_alive if now is not None else 0)
+            in_flight.add_metric([model], now.open_streams if now is not None else 0)
+        yield alive
         yield in_flight
-        routing = stats.routing if stats is not None else None
-        if routing is not None:
-            yield from _routing_families(model, routing)
-        migration = stats.migration if stats is not None else None
-        if migration is not None:
-            yield from _migration_families(model, migration)
+        routed = [(model, s.routing) for model, s in stats if s.routing is not None]
+        if routed:
+            yield from _routing_families(routed)
+        migrated = [(model, s.migration) for model, s in stats if s.migration is not None]
+        if migrated:
+            yield from _migration_families(migrated)
 
 
-def _migration_families(model: str, migration) -> Iterator[Metric]:
-    """Sequences moved off a dead worker, and those that could not be (server.manager.migration)."""
+def _migration_families(migrated: list) -> Iterator[Metric]:
+    """Sequences moved off a dead worker, and those that could not be
+    (server.manager.migration), per model: ``migrated`` holds (model name,
+    MigrationStatistics) pairs."""
     yield _counter(
         "migrations",
         "Sequences moved to another worker when theirs ended, by cause: exited (the process "
         "died), disconnected (a listening worker's connection ended), hung, protocol_error.",
         ["model_name", "cause"],
-        [([model, cause], n) for cause, n in migration.migrations.items()],
+        [([model, cause], n) for model, m in migrated for cause, n in m.migrations.items()],
     )
     yield _counter(
         "migrations_failed",
@@ -345,36 +368,39 @@ def _migration_families(model: str, migration) -> Iterator[Metric]:
         "event), by reason: limit (--max-migrations), not_resumable (the engine did not say "
         "its tokens, or none can resume), no_worker.",
         ["model_name", "reason"],
-        [([model, reason], n) for reason, n in migration.failed.items()],
+        [([model, reason], n) for model, m in migrated for reason, n in m.failed.items()],
     )
 
 
-def _routing_families(model: str, routing) -> Iterator[Metric]:
-    """Routing decisions and per-worker prefix-cache hits (server.manager.routing)."""
+def _routing_families(routed: list) -> Iterator[Metric]:
+    """Routing decisions and per-worker prefix-cache hits (server.manager.routing), per
+    model: ``routed`` holds (model name, RouterStatistics) pairs."""
     yield _counter(
         "routing_decisions",
         "Requests routed, by reason: prefix (to the worker predicted to hold most of the "
         "prompt), load (no worker held any of it, or routing by load), balance (the best "
         "match was too loaded).",
         ["model_name", "reason"],
-        [([model, reason], n) for reason, n in routing.decisions.items()],
+        [([model, reason], n) for model, routing in routed
+         for reason, n in routing.decisions.items()],
     )
     per_worker = ["model_name", "worker"]
-    for name, doc, values in (
-        ("routed_requests", "Requests routed to each worker.", routing.routed),
+    for name, doc, field in (
+        ("routed_requests", "Requests routed to each worker.", "routed"),
         ("prefix_cache_queries",
          "Prompt tokens of the results that reported their cached prompt tokens, per worker.",
-         routing.prompt_tokens),
+         "prompt_tokens"),
         ("prefix_cache_hits",
          "Prompt tokens the worker found in its prefix cache (usage's cached_tokens).",
-         routing.cached_tokens),
+         "cached_tokens"),
         ("routing_mispredictions",
          "Results whose cached prefix fell short of the router's prediction (the router "
          "then forgets that many of the worker's oldest blocks).",
-         routing.mispredicted),
+         "mispredicted"),
     ):
         yield _counter(name, doc, per_worker,
-                       [([model, str(i)], v) for i, v in enumerate(values)])
+                       [([model, str(i)], v) for model, routing in routed
+                        for i, v in enumerate(getattr(routing, field))])
 
 
 def _counter(name: str, doc: str, labels: list[str], samples) -> CounterMetricFamily:

@@ -49,6 +49,7 @@ class RequestRecord:
     __slots__ = (
         "request_id",
         "route",
+        "model",
         "arrival",
         "arrival_wall",
         "dispatch",
@@ -70,6 +71,8 @@ class RequestRecord:
     def __init__(self, request_id: str, route: str) -> None:
         self.request_id = request_id
         self.route = route
+        #: The served model that took the request (None until its model is resolved).
+        self.model: str | None = None
         self.arrival = _now()
         self.arrival_wall = time.time()
         self.dispatch: float | None = None
@@ -181,6 +184,7 @@ class RequestRecord:
         fields = {
             "request_id": self.request_id,
             "route": self.route,
+            "model": self.model,
             "status": self.logged_status,
             "stream": self.stream,
             "finish_reason": self.finish_reason,
