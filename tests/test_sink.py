@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 import trio
 
 import server
@@ -65,6 +66,7 @@ def _what_the_task_writes(chunk: dict) -> bytes:
     return enc.delta(choice["index"], choice["text"], choice["finish_reason"])
 
 
+@pytest.mark.direct_http
 async def test_plain_text_events_are_written_by_the_router_byte_for_byte(monkeypatch):
     # Real processes on real time: how the engine's steps fall into events depends on the
     # load (a busy consumer merges steps), so what is compared is the text, the usage and
@@ -177,6 +179,7 @@ async def test_with_pacing_the_sink_takes_merged_text_once_per_interval(autojump
     assert first[0].num_tokens + 3 * len(taken) + woken[0][0].num_tokens == 31
 
 
+@pytest.mark.direct_http
 async def test_chunks_the_kernel_takes_in_part_go_out_whole_and_in_order(monkeypatch):
     """A socket buffer that takes only part of a chunk (the kernel's choice): the rest goes
     out first, from the request's task; the stream and the next response on the same
