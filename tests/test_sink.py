@@ -67,7 +67,8 @@ def _what_the_task_writes(chunk: dict) -> bytes:
 
 
 @pytest.mark.direct_http
-async def test_plain_text_events_are_written_by_the_router_byte_for_byte(monkeypatch):
+@pytest.mark.parametrize("interval", [0.0, 0.02])
+async def test_plain_text_events_are_written_by_the_router_byte_for_byte(monkeypatch, interval):
     # Real processes on real time: how the engine's steps fall into events depends on the
     # load (a busy consumer merges steps), so what is compared is the text, the usage and
     # the bytes of each event, never where the events split.
@@ -84,7 +85,8 @@ async def test_plain_text_events_are_written_by_the_router_byte_for_byte(monkeyp
             "stream_options": {"include_usage": True}}
     # 10 ms per token: the request's task parks between steps (so the router writes) unless
     # the frontend stalls for the whole 400 ms of the answer
-    config = EngineConfig(engine_options={**FAST_SIM, "itl_ms": 10.0})
+    # (and with a 20 ms stream interval: two steps per event, written by the router too)
+    config = EngineConfig(engine_options={**FAST_SIM, "itl_ms": 10.0}, stream_interval=interval)
     async with running_server(config) as url:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             monkeypatch.setattr(DirectBody, "write_nowait", recording)
