@@ -5,6 +5,11 @@
 an ``app`` attribute for tests that look inside). When the block exits it checks the
 invariants: no stream left in the manager, no request left in any worker, and, once the
 server is down, no worker process left.
+
+With ``TRIO_LLM_HTTP_FALLBACK=1`` every server here serves through hypercorn's public
+``serve()`` (:mod:`server.http.private_api`), and the tests marked ``direct_http`` (what
+only the direct path does: connection limits, bounded writes, request-head refusals) are
+skipped: ``.ci/run`` runs the HTTP test files that way too.
 """
 
 from __future__ import annotations
@@ -19,12 +24,22 @@ import trio
 
 from server.config import EngineConfig, Limits, ServerConfig
 from server.http.app import create_app
+from server.http.private_api import FALLBACK_ENV
 from server.http.serve import serve
 
 FAST_SIM = {"itl_ms": 2.0, "ttft_ms": 5.0, "prefill_us_per_token": 0.0}
 
 #: The header a generation request's body needs (a body sent with ``content=``).
 JSON = {"Content-Type": "application/json"}
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get(FALLBACK_ENV, "") in ("", "0"):
+        return
+    skip = pytest.mark.skip(reason=f"needs the direct HTTP path ({FALLBACK_ENV} is set)")
+    for item in items:
+        if item.get_closest_marker("direct_http") is not None:
+            item.add_marker(skip)
 
 
 class ServerURL(str):

@@ -18,6 +18,7 @@ import string
 from urllib.parse import urlsplit
 
 import httpx
+import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -288,6 +289,7 @@ RAW_REQUESTS = {
 }
 
 
+@pytest.mark.direct_http
 async def test_bad_headers_routes_and_methods_are_4xx_never_5xx():
     async with running_server() as url:
         async with trio.open_nursery() as nursery:
@@ -794,6 +796,7 @@ async def test_idle_keep_alive_after_a_quart_route_is_closed():
         await sock.aclose()
 
 
+@pytest.mark.direct_http
 async def test_clients_that_stop_reading_do_not_keep_their_slots():
     from server.config import ServerConfig
 
@@ -821,6 +824,7 @@ async def test_clients_that_stop_reading_do_not_keep_their_slots():
                 await sock.aclose()
 
 
+@pytest.mark.direct_http
 async def test_connections_closed_by_their_clients_are_released_at_once():
     import os
 

@@ -245,6 +245,7 @@ async def test_a_huge_or_forging_key_is_echoed_and_logged_bounded_and_escaped(ca
 # -- item 6: framing ---------------------------------------------------------------------------
 
 
+@pytest.mark.direct_http
 async def test_transfer_encoding_in_http_1_0_is_a_400_and_the_connection_closes():
     from tests.test_hostile import raw_exchange
     from tests.test_hostile_framing import error_of, statuses
@@ -275,6 +276,7 @@ async def test_transfer_encoding_in_http_1_0_is_a_400_and_the_connection_closes(
     b"garbage that is no request at all\r\n\r\n",
     b"\x00" * 70000,
 ])
+@pytest.mark.direct_http
 async def test_bytes_after_a_connection_close_request_are_ignored_and_it_is_answered(after):
     from tests.test_hostile import raw_exchange, split_response
     from tests.test_hostile_framing import post, statuses

@@ -26,6 +26,9 @@ from tests.sse_record import SSE, stream_into
 from tests.test_hostile import addr, split_response
 from tests.test_shutdown import REPO, free_port
 
+#: Connection limits, descriptors and bounded writes: the direct path's (server.http.listen).
+pytestmark = pytest.mark.direct_http
+
 
 async def open_idle(url: str) -> trio.SocketStream:
     """A kept-alive connection that has been served one request and is now idle."""

@@ -21,9 +21,12 @@ import re
 import pytest
 import trio
 
-from server.http import protocol
+from server.http import private_api
 from tests.conftest import running_server
 from tests.test_hostile import raw_exchange, split_response
+
+#: Request-head refusals: the direct path's (server.http.framing, protocol).
+pytestmark = pytest.mark.direct_http
 
 BODY = b'{"prompt": "x", "max_tokens": 2}'
 
@@ -108,8 +111,8 @@ async def test_content_length_with_transfer_encoding_is_refused_and_nothing_foll
     ],
 )
 async def test_obs_folded_header_lines_are_refused(head):
-    # Also the proof that the hook into h11's request reader applies (FAST_PATHS).
-    assert protocol.FAST_PATHS
+    # Also the proof that the hook into h11's request reader applies (the direct path).
+    assert private_api.direct_path_problem() is None
     async with running_server() as url:
         raw = await raw_exchange(url, head)
         status, headers, error = error_of(raw)
@@ -191,7 +194,7 @@ async def test_refused_heads_leave_nothing_behind():
     # A refusal raised again and again as one shared exception object kept every
     # traceback it had, and with them every refused connection (its buffers, protocol,
     # task group): memory any client could fill with folded headers.
-    from server.http.protocol import _StrictH11Connection
+    from server.http.private_api import StrictH11Connection
 
     head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\r\n b\r\nX-Pad: %b\r\n\r\n" % (b"p" * 8000)
     async with running_server() as url:
@@ -202,5 +205,5 @@ async def test_refused_heads_leave_nothing_behind():
             while url.app.connections.statistics().open:
                 await trio.sleep(0.02)
         gc.collect()
-        alive = [o for o in gc.get_objects() if type(o) is _StrictH11Connection]
+        alive = [o for o in gc.get_objects() if type(o) is StrictH11Connection]
         assert len(alive) <= 1, len(alive)

@@ -22,12 +22,16 @@ import h2.connection
 import h2.events
 import h2.settings
 import httpx
+import pytest
 import trio
 
 from server.http.protocol import ServingH11Protocol
 from tests.conftest import running_server
 from tests.sse_record import SSE, stream_into
 from tests.test_hostile import addr, raw_exchange, split_response
+
+#: HTTP/1.1 only and the per-connection boundary: the direct path's.
+pytestmark = pytest.mark.direct_http
 
 
 def h2_client() -> h2.connection.H2Connection:

@@ -136,3 +136,33 @@ async def test_the_server_defaults_to_an_event_per_engine_step(autojump_clock):
     async with open_fake_engine(cli) as (engine, _):
         got = await collect(engine, 20)
     assert [out.num_tokens for _, out in got] == [1] * 20
+
+
+async def first_outputs(interval: float, streams: int = 48) -> list[float]:
+    """When each of ``streams`` requests, started 3 ms apart while the earlier ones stream
+    (paced or not), got its first output, from its own start."""
+    firsts = [0.0] * streams
+    async with open_fake_engine(config(interval, max_batch=streams)) as (engine, _):
+
+        async def one(i: int) -> None:
+            await trio.sleep(0.003 * i)
+            start = trio.current_time()
+            params = server.SamplingParams(max_tokens=60)
+            async with engine.generate(f"p{i}", params) as stream:
+                async for _ in stream:
+                    if not firsts[i]:
+                        firsts[i] = round(trio.current_time() - start, 6)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(streams):
+                nursery.start_soon(one, i)
+    return firsts
+
+
+async def test_pacing_never_holds_a_first_output(autojump_clock):
+    # Issue 25 item 7: with 47 other streams paced around it, every stream's first output
+    # comes exactly when it does without pacing (the engine's own time to first token).
+    paced = await first_outputs(0.020)
+    unpaced = await first_outputs(0.0)
+    assert all(t > 0 for t in paced)
+    assert paced == unpaced, (paced, unpaced)

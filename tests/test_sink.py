@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 import trio
 
 import server
 from server.config import EngineConfig
 from server.http.encode import ChunkEncoder
 from server.http.protocol import DirectBody
-from server.manager.stream import RequestStream
 from tests.conftest import FAST_SIM, running_server
 from tests.fakes import open_fake_engine, sim_config
 
@@ -66,7 +66,9 @@ def _what_the_task_writes(chunk: dict) -> bytes:
     return enc.delta(choice["index"], choice["text"], choice["finish_reason"])
 
 
-async def test_plain_text_events_are_written_by_the_router_byte_for_byte(monkeypatch):
+@pytest.mark.direct_http
+@pytest.mark.parametrize("interval", [0.0, 0.02])
+async def test_plain_text_events_are_written_by_the_router_byte_for_byte(monkeypatch, interval):
     # Real processes on real time: how the engine's steps fall into events depends on the
     # load (a busy consumer merges steps), so what is compared is the text, the usage and
     # the bytes of each event, never where the events split.
@@ -83,7 +85,8 @@ async def test_plain_text_events_are_written_by_the_router_byte_for_byte(monkeyp
             "stream_options": {"include_usage": True}}
     # 10 ms per token: the request's task parks between steps (so the router writes) unless
     # the frontend stalls for the whole 400 ms of the answer
-    config = EngineConfig(engine_options={**FAST_SIM, "itl_ms": 10.0})
+    # (and with a 20 ms stream interval: two steps per event, written by the router too)
+    config = EngineConfig(engine_options={**FAST_SIM, "itl_ms": 10.0}, stream_interval=interval)
     async with running_server(config) as url:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             monkeypatch.setattr(DirectBody, "write_nowait", recording)
@@ -157,18 +160,28 @@ async def test_a_sink_that_declines_or_fails_leaves_the_text_to_the_consumer(aut
     assert outs[-1].finish_reason == "length"
 
 
-async def test_no_sink_with_pacing(autojump_clock):
+async def test_with_pacing_the_sink_takes_merged_text_once_per_interval(autojump_clock):
+    # 20 ms interval, 8 ms steps: the sink (not the consumer) gets the steps in between, 3
+    # tokens at a time, at least an interval apart; the consumer wakes for the end only.
+    taken = []
+
+    def sink(choice) -> bool:
+        taken.append((trio.current_time(), choice.ntok))
+        choice.text, choice.ntok = "", 0
+        return True
+
     config = sim_config(itl_ms=8.0, ttft_ms=20.0, prefill_us_per_token=0.0)
     paced = server.EngineConfig(engine_options=config.engine_options, stream_interval=0.02)
     async with open_fake_engine(paced) as (engine, _):
-        async with engine.generate("a b", server.SamplingParams(max_tokens=3)) as stream:
-            assert isinstance(stream, RequestStream)
-            stream.set_sink(lambda choice: True)
-            assert stream._waker.sink is None
-            async for _ in stream:
-                pass
+        first, woken = await _first_then_rest(engine, sink, 1 + 3 * 10)
+    assert len(woken) == 1 and woken[0][0].finish_reason == "length"
+    assert len(taken) >= 8 and all(n == 3 for _, n in taken), taken
+    times = [t for t, _ in taken]
+    assert all(b - a >= 0.02 - 1e-9 for a, b in zip(times, times[1:])), times
+    assert first[0].num_tokens + 3 * len(taken) + woken[0][0].num_tokens == 31
 
 
+@pytest.mark.direct_http
 async def test_chunks_the_kernel_takes_in_part_go_out_whole_and_in_order(monkeypatch):
     """A socket buffer that takes only part of a chunk (the kernel's choice): the rest goes
     out first, from the request's task; the stream and the next response on the same

@@ -140,6 +140,7 @@ class LLMServerApp(QuartTrio):
         self._engine_shutdown = trio.Event()
         self._engine_started = trio.Event()
         self._engine_stopped = trio.Event()
+        self._engine_nursery: trio.Nursery | None = None
         #: Set (with ``fatal_error``) when the engine cannot start, or stopped by an error:
         #: serve() then stops, and raises it.
         self.fatal = trio.Event()
@@ -173,7 +174,10 @@ class LLMServerApp(QuartTrio):
     async def __call__(self, scope, receive, send) -> None:
         """Every HTTP request: request id, CORS, API key, then the route (module docstring)."""
         if scope["type"] != "http":
-            await super().__call__(scope, receive, send)
+            if scope["type"] == "lifespan":
+                await self._lifespan(scope, receive, send)
+            else:
+                await super().__call__(scope, receive, send)
             return
         request_id, _ = request_id_from_header(header(scope, b"x-request-id"))
         token = request_id_var.set(request_id)
@@ -317,11 +321,24 @@ class LLMServerApp(QuartTrio):
 
     # -- lifespan ----------------------------------------------------------------------------
 
+    async def _lifespan(self, scope, receive, send) -> None:
+        """Quart's ASGI lifespan, inside the nursery the engine runs in (Quart's startup
+        starts it, its shutdown stops it); the nursery ends with the lifespan."""
+        async with trio.open_nursery() as nursery:
+            self._engine_nursery = nursery
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self._engine_nursery = None
+                nursery.cancel_scope.cancel()  # an engine that outlived the lifespan
+
     async def _start_engine(self) -> None:
         if not self._owns_engine:
             return
+        nursery = self._engine_nursery
+        assert nursery is not None, "the engine starts in the ASGI lifespan"
         for pool in self.models.pools:
-            pool.engine = await self.nursery.start(self._run_engine, pool)
+            pool.engine = await nursery.start(self._run_engine, pool)
         self._engine_started.set()
 
     async def _run_engine(self, pool: Pool, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -13,6 +13,7 @@ import trio
 
 from ..errors import BodyTimeout, PayloadTooLarge, ServerError, ServiceUnavailable, error_body
 from .encode import dumps
+from .private_api import queued_receive
 
 __all__ = [
     "CLOSE",
@@ -89,8 +90,7 @@ async def _read_body(receive, limit: int, keep: bool) -> bytes | None:
     # Hypercorn's receive is a Trio memory channel's: what is already queued (usually the
     # whole body, read with the request's head) is taken without a trip through the
     # scheduler per message, a trip that under load waits behind other streams' events.
-    channel = getattr(receive, "__self__", None)
-    receive_nowait = channel.receive_nowait if isinstance(channel, trio.MemoryReceiveChannel) else None
+    receive_nowait = queued_receive(receive)
     chunks = []
     size = 0
     while True:

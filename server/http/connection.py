@@ -11,7 +11,9 @@ context managers per write. For a server whose responses are thousands of small 
 a second, that was a third of the frontend's CPU (``docs/benchmarks.md``).
 
 :class:`ServingConnection` is used only by :mod:`server.http.listen` for this server's own
-listeners (no hypercorn module is changed), and differs from upstream in these ways:
+listeners (no hypercorn module is changed). It overrides the public hooks that
+:class:`~server.http.private_api.ConnectionHooks` gives hypercorn's private ones (that
+module lists every private name relied on), and differs from upstream in these ways:
 
 * **HTTP/1.1 only**, through :class:`~server.http.protocol.ServingProtocolWrapper`.
 * **Direct writes.** When no other write is in progress on the connection (the lock is
@@ -48,12 +50,16 @@ import os
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.events import Closed, RawData
-from hypercorn.trio.task_group import TaskGroup
-from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
-from hypercorn.typing import ConnectionState
-from hypercorn.utils import parse_socket_addr
 
+from .private_api import (
+    MAX_RECV,
+    Closed,
+    ConnectionHooks,
+    ConnectionState,
+    RawData,
+    TaskGroup,
+    parse_socket_addr,
+)
 from .protocol import ServingProtocolWrapper
 
 __all__ = ["KeepAliveTask", "ServingConfig", "ServingConnection", "cut_stalled_writes"]
@@ -111,7 +117,7 @@ class ServingConfig(HypercornConfig):
         self.active_writes: set[trio.CancelScope] = set()
 
 
-class ServingConnection(TCPServer):
+class ServingConnection(ConnectionHooks):
     """One connection of this server (see the module docstring). ``idle`` is the pool's set
     of idle connections (insertion-ordered: oldest first), or None."""
 
@@ -135,7 +141,7 @@ class ServingConnection(TCPServer):
             client = parse_socket_addr(socket.family, socket.getpeername())
             server = parse_socket_addr(socket.family, socket.getsockname())
             async with TaskGroup() as task_group:
-                self._task_group = task_group
+                self.task_group = task_group
                 self.protocol = ServingProtocolWrapper(
                     self.app,
                     self.config,
@@ -149,20 +155,20 @@ class ServingConnection(TCPServer):
                     writer=self,
                 )
                 await self.protocol.initiate()
-                await self.idle_task.restart(self._task_group, self._idle_timeout)
-                await self._read_data()
+                await self.idle_task.restart(self.task_group, self.idle_timeout)
+                await self.read_requests()
         except OSError:
             pass
         finally:
-            await self._close()
+            await self.close_connection()
 
-    async def _close(self) -> None:
+    async def close_connection(self) -> None:
         with trio.CancelScope(shield=True):  # nothing here blocks: shielded, and bounded
-            await super()._close()
+            await super().close_connection()
 
-    async def _read_data(self) -> None:
+    async def read_requests(self) -> None:
         if self.config.read_timeout is not None:  # not this server's settings: upstream's
-            await super()._read_data()
+            await super().read_requests()
         else:
             # Hypercorn's loop, less the cancel scope it opens around every read for a
             # timeout this server never sets (serve.hypercorn_config): one scope less per
@@ -185,7 +191,7 @@ class ServingConnection(TCPServer):
 
     # -- keep-alive ---------------------------------------------------------------------------
 
-    async def _idle_timeout(self) -> None:
+    async def idle_timeout(self) -> None:
         scope = self._idle_scope = trio.move_on_after(self.config.keep_alive_timeout)
         idle = self._idle
         if idle is not None:
@@ -200,7 +206,7 @@ class ServingConnection(TCPServer):
             if self._idle_scope is scope:
                 self._idle_scope = None
         with trio.CancelScope(shield=True):
-            await self._initiate_server_close()
+            await self.initiate_server_close()
 
     def close_if_idle(self) -> bool:
         """End the connection now if it is between requests; returns whether it was."""

@@ -23,6 +23,10 @@ protocols) and owns the loop itself, so that it can hold these by construction:
   ``net.core.somaxconn``). Hypercorn's default of 100 made connects wait for seconds
   under bursts.
 
+All this relies on hypercorn's internals (:mod:`server.http.private_api`). When the
+installed hypercorn or h11 is not the version it was written for, :func:`serve_public`
+serves through hypercorn's public ``serve()`` instead, without these guarantees.
+
 Shutdown follows hypercorn's: stop accepting, mark the worker context terminated (idle
 keep-alive connections close, busy ones close after their response), give connections
 ``graceful_timeout`` seconds, then cancel them; then the ASGI lifespan shutdown.
@@ -45,14 +49,13 @@ import time
 from dataclasses import dataclass
 
 import trio
+import hypercorn.trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio.lifespan import Lifespan
-from hypercorn.trio.worker_context import WorkerContext
-from hypercorn.utils import repr_socket_addr, wrap_app
 
 from ..errors import ServiceUnavailable, error_body
 from .connection import ServingConnection
 from .encode import dumps
+from .private_api import Lifespan, WorkerContext, repr_socket_addr, wrap_app
 
 __all__ = [
     "ConnectionInfo",
@@ -62,6 +65,7 @@ __all__ = [
     "connection_info",
     "default_max_connections",
     "serve_app",
+    "serve_public",
 ]
 
 log = logging.getLogger("server")
@@ -319,3 +323,33 @@ async def serve_app(
                 )
         await lifespan.wait_for_shutdown()
         lifespan_nursery.cancel_scope.cancel()
+
+
+async def serve_public(
+    app, hc: HypercornConfig, *, backlog: int = 2048, shutdown_trigger,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The fallback of :func:`serve_app`: hypercorn's public ``serve()``, with its own
+    connections (no connection limit, no per-connection boundary, HTTP/2 cleartext served,
+    hypercorn's writes and request parsing). Same arguments, same ``started(urls)``; a
+    socket that cannot be bound is a :class:`ListenError` as there."""
+    hc.backlog = backlog
+    listening = False
+
+    class _Status:
+        def started(self, value=None) -> None:
+            nonlocal listening
+            listening = True
+            task_status.started(value)
+
+    try:
+        await hypercorn.trio.serve(app, hc, shutdown_trigger=shutdown_trigger, task_status=_Status())
+    except* OSError as group:
+        if listening:
+            raise
+        exc = group.exceptions[0]
+        while isinstance(exc, BaseExceptionGroup):
+            exc = exc.exceptions[0]
+        where = ", ".join(hc.bind)
+        message = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ListenError(f"cannot listen on {where}: {message}") from None

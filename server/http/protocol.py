@@ -19,42 +19,45 @@ server; nothing here changes hypercorn for other apps in the process.
 * :class:`ServingHTTPStream` passes the body messages of a response in progress straight to
   the protocol (one call instead of hypercorn's state checks per SSE event).
 
-The fast paths depend on private names of h11 (``_writers.ChunkedWriter``, the
-``_get_io_object`` hook): :data:`FAST_PATHS` says whether they are in use, and a test fails
-when they are not (hypercorn and h11 are pinned in pyproject.toml for the same reason).
+The private names of hypercorn and h11 these classes rely on are all in
+:mod:`server.http.private_api` (its table says which and why); the classes here override
+the public hooks its adapters give them. When the installed versions are not the ones it
+was written for, none of this is used: the server serves through hypercorn's public
+``serve()`` instead.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from http import HTTPStatus
 
 import h11
-from hypercorn.events import Closed, RawData
-from hypercorn.protocol.events import Body, Request, Response
-from hypercorn.protocol.h11 import STREAM_ID, H11Protocol
-from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
-from hypercorn.utils import suppress_body
 
 from ..errors import ClientError, error_body
 from ..observability.logs import request_id_from_header
 from .encode import dumps
-from .framing import Refusal, check_request_head, find_obs_fold, head_end, obs_fold
-
-ChunkedWriter: type | None
-try:  # h11's chunked writer (private): without it, every chunk goes through h11 as usual
-    from h11._writers import ChunkedWriter
-except ImportError:  # pragma: no cover
-    ChunkedWriter = None
+from .framing import Refusal, check_request_head
+from .private_api import (
+    STREAM_ID,
+    ASGIHTTPState,
+    Body,
+    Closed,
+    H11Hooks,
+    HTTPStreamHooks,
+    RawData,
+    Request,
+    Response,
+    StrictH11Connection,
+    suppress_body,
+)
 
 __all__ = [
     "DIRECT_BODY",
-    "FAST_PATHS",
     "DirectBody",
     "ServingH11Protocol",
     "ServingHTTPStream",
     "ServingProtocolWrapper",
+    "chunk",
     "refusal_events",
 ]
 
@@ -93,55 +96,23 @@ _PARSE_ERRORS = {
 }
 
 
-def _read_head_strictly(reader, buf):
-    """h11's reader of a request head, refusing obs-fold (see :mod:`server.http.framing`).
-    ``bytes(buf)`` is what h11 itself exposes as trailing data."""
-    data = bytes(buf)
-    end = head_end(data)
-    if end != -1 and find_obs_fold(data[:end]):
-        raise obs_fold()
-    return reader(buf)
+def chunk(data: bytes) -> bytes:
+    """``data`` as one chunk of a chunked body: ``<size in hex>\\r\\n<bytes>\\r\\n``,
+    exactly what h11 writes (not for empty data: that would end the body)."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
-class _StrictH11Connection(h11.Connection):
-    """An h11 server connection whose request-head reader refuses folded header lines, and
-    that ignores what a client sends after a request that closes the connection
-    (``Connection: close``, HTTP/1.0): that request is answered, then the connection
-    closes, as nginx does (h11 would call the extra bytes an error, and the request would
-    get a 400 instead of its answer)."""
-
-    def next_event(self):
-        if self.their_state is h11.MUST_CLOSE:
-            buffer = getattr(self, "_receive_buffer", None)
-            if buffer is not None and len(buffer):  # (private: FAST_PATHS checks it)
-                self._receive_buffer = type(buffer)()
-        return super().next_event()
-
-    def _get_io_object(self, role, event, io_dict):
-        io = super()._get_io_object(role, event, io_dict)
-        if io is not None and role is h11.CLIENT and self._cstate.states[role] is h11.IDLE:
-            return functools.partial(_read_head_strictly, io)
-        return io
-
-
-#: Whether the private h11 names the fast paths need were found (a test asserts it).
-FAST_PATHS = (
-    ChunkedWriter is not None and hasattr(h11.Connection, "_get_io_object")
-    and hasattr(h11.Connection(h11.SERVER), "_receive_buffer")
-)
-
-
-class ServingH11Protocol(H11Protocol):
+class ServingH11Protocol(H11Hooks):
     """Hypercorn's HTTP/1.1 protocol with strict request heads and our own chunk framing."""
 
     #: The response head went out and h11 chose chunked framing for its body.
-    _chunked = False
+    chunked = False
 
     def __init__(self, *args, writer=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         #: The connection's direct writer (``write_nowait``, ``send_torn``), if it has one.
         self.writer = writer
-        self.connection = _StrictH11Connection(
+        self.connection = StrictH11Connection(
             h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
         )
 
@@ -157,7 +128,7 @@ class ServingH11Protocol(H11Protocol):
         log.info("refused a request (%s) from %s: %s", refusal.code, _peer(self.client), refusal)
         await self.send(Closed())
 
-    async def _send_error_response(self, status_code: int) -> None:
+    async def send_error_response(self, status_code: int) -> None:
         # A request h11 could not parse: hypercorn's bodiless answer, with an OpenAI body.
         message, code = _PARSE_ERRORS.get(status_code, _PARSE_ERRORS[400])
         await self._answer(Refusal(status_code, message, code))
@@ -168,9 +139,9 @@ class ServingH11Protocol(H11Protocol):
         request_id, _ = request_id_from_header(None)
         extra = self.config.response_headers("h11")
         for event in refusal_events(refusal, request_id, extra):
-            await self._send_h11_event(event)
+            await self.send_h11_event(event)
 
-    async def _check_protocol(self, event: h11.Request) -> None:
+    async def check_protocol(self, event: h11.Request) -> None:
         refusal = check_request_head(event.http_version, event.headers)
         if refusal is not None:
             try:
@@ -178,7 +149,7 @@ class ServingH11Protocol(H11Protocol):
             finally:  # no local may hold it: exception, traceback and frame would cycle
                 del refusal
 
-    async def _create_stream(self, request: h11.Request) -> None:
+    async def create_stream(self, request: h11.Request) -> None:
         # Hypercorn's, less the WebSocket upgrade (an Upgrade header is ignored), with our
         # stream class.
         self.stream = ServingHTTPStream(
@@ -211,19 +182,15 @@ class ServingH11Protocol(H11Protocol):
         await self.context.mark_request()
 
     async def stream_send(self, event) -> None:
-        if type(event) is Body and self._chunked:
+        if type(event) is Body and self.chunked:
             data = event.data
             if data:  # h11 writes nothing for an empty chunk (it would end the body)
-                await self.send(RawData(data=b"%x\r\n%b\r\n" % (len(data), data)))
+                await self.send(RawData(data=chunk(data)))
             return
-        self._chunked = False
+        self.chunked = False
         await super().stream_send(event)
         if type(event) is Response:
-            connection = self.connection
-            self._chunked = ChunkedWriter is not None and (
-                type(getattr(connection, "_writer", None)) is ChunkedWriter
-                and connection.our_state is h11.SEND_BODY
-            )
+            self.chunked = self.chunked_body()
 
 
 def _peer(client) -> str:
@@ -259,7 +226,7 @@ class DirectBody:
         not before the head or after the last chunk): only then can it write."""
         stream = self._stream
         return (
-            stream._body_ok and self._protocol._chunked and not stream.closed
+            stream.body_ok and self._protocol.chunked and not stream.closed
             and stream.state == ASGIHTTPState.RESPONSE
         )
 
@@ -270,7 +237,7 @@ class DirectBody:
         chunk, which must go next, with :meth:`send_torn`."""
         if not body or not self.usable():
             return None
-        data = b"%x\r\n%b\r\n" % (len(body), body)
+        data = chunk(body)
         sent = self._connection.write_nowait(data)
         if sent <= 0:
             return None
@@ -281,36 +248,33 @@ class DirectBody:
         await self._connection.send_torn(rest)
 
 
-class ServingHTTPStream(HTTPStream):
+class ServingHTTPStream(HTTPStreamHooks):
     """Hypercorn's ASGI side of one HTTP request, passing body messages of a response in
     progress (more to come, bytes, a response that has a body) straight to the protocol;
     everything else is hypercorn's own ``app_send``. Its scope offers :class:`DirectBody`
     when the connection is one of this server's."""
 
     #: The response started and its body is sent (not a HEAD, a 204 or a 304).
-    _body_ok = False
+    body_ok = False
     #: Set by the protocol that creates it.
     direct_body: DirectBody | None = None
 
     async def handle(self, event) -> None:
         await super().handle(event)
         # The app was spawned, not yet run: it finds the extension in its scope.
-        if (
-            type(event) is Request and self.direct_body is not None
-            and getattr(self, "app_put", None) is not None
-        ):
+        if type(event) is Request and self.direct_body is not None and self.app_spawned():
             extensions: dict = self.scope["extensions"]  # type: ignore[typeddict-item]
             extensions[DIRECT_BODY] = self.direct_body
 
     async def app_send(self, message) -> None:
-        if message is not None and self._body_ok and message.get("more_body", False):
+        if message is not None and self.body_ok and message.get("more_body", False):
             body = message.get("body", b"")
             if message["type"] == "http.response.body" and type(body) is bytes:
                 if body:
                     await self.send(Body(stream_id=self.stream_id, data=body))
                 return
         await super().app_send(message)
-        self._body_ok = self.state == ASGIHTTPState.RESPONSE and not suppress_body(
+        self.body_ok = self.state == ASGIHTTPState.RESPONSE and not suppress_body(
             self.scope["method"], int(self.response["status"])
         )
 

@@ -29,7 +29,8 @@ from ..observability.gcstats import freeze_after_startup
 from ..observability.group import peer_socket, serve_peer_scrapes
 from .app import LLMServerApp, create_app
 from .connection import ServingConfig, cut_stalled_writes
-from .listen import serve_app
+from .listen import serve_app, serve_public
+from .private_api import use_direct_path
 
 __all__ = ["ShutdownPhases", "serve", "hypercorn_config"]
 
@@ -124,6 +125,7 @@ async def serve(
     gc_metrics: bool = False,
     wait_ready: bool = True,
     exit_when_stuck: bool = False,
+    direct_http: bool | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``config`` until ``shutdown_trigger`` is set (or the caller's scope is
@@ -145,25 +147,37 @@ async def serve(
     counts the collector's pauses for ``/metrics`` (a ``gc.callbacks`` entry); with
     ``exit_when_stuck``, a shutdown that connections of clients that stopped reading would
     hold up forever ends the process (``os._exit(0)``) once the engine's workers are stopped.
+
+    ``direct_http``: serve through this server's own HTTP/1.1 path (True) or hypercorn's
+    public ``serve()`` (False); None (the default) takes the direct path when the installed
+    hypercorn and h11 are the versions it was written for and ``TRIO_LLM_HTTP_FALLBACK`` is
+    not set (:mod:`server.http.private_api`).
     """
     app = app or create_app(config)
     if gc_metrics:
         app.metrics.watch_gc()
     hc = hypercorn_config(config)
     phases = ShutdownPhases(shutdown_trigger)
+    direct = use_direct_path(direct_http)
 
     async with trio.open_nursery() as nursery:
 
         async def run_http(*, task_status):
-            await serve_app(
-                app,
-                hc,
-                backlog=config.backlog,
-                max_connections=config.max_connections,
-                shutdown_trigger=phases.stop_listening.wait,
-                on_pool=app.watch_connections,
-                task_status=task_status,
-            )
+            if direct:
+                await serve_app(
+                    app,
+                    hc,
+                    backlog=config.backlog,
+                    max_connections=config.max_connections,
+                    shutdown_trigger=phases.stop_listening.wait,
+                    on_pool=app.watch_connections,
+                    task_status=task_status,
+                )
+            else:
+                await serve_public(
+                    app, hc, backlog=config.backlog, shutdown_trigger=phases.stop_listening.wait,
+                    task_status=task_status,
+                )
             nursery.cancel_scope.cancel()  # the other tasks only existed to end it
 
         if handle_signals:

@@ -95,7 +95,7 @@ class Pacer:
                 heapq.heappush(heap, (waker.not_before, self._seq, waker))
             else:
                 waker.deferred = False
-                waker.wake()
+                waker.wake_paced()
         self.due = heap[0][0] if heap else math.inf
 
     def clear(self) -> None:

@@ -114,6 +114,28 @@ class Waker:
         self.task = None
         _reschedule(task)
 
+    def wake_paced(self) -> None:
+        """A paced wakeup whose time has come (the pacer calls it): with a sink, the sink
+        writes what is ready and the consumer sleeps on; else (or for an end, or what the
+        sink did not take) the consumer is woken."""
+        sink = self.sink
+        if sink is not None and self.task is not None:
+            ready = self.ready
+            try:
+                while ready:
+                    choice = ready[0]
+                    if choice.done or not choice.text or not sink(choice):
+                        break  # the consumer's: an end, or what the sink did not take (all)
+                    ready.popleft()
+                    choice.queued = False
+                else:
+                    self.not_before = _current_time() + self.interval
+                    return
+            except Exception:  # a sink must not raise; if one does, the router goes on
+                self.sink = None
+                log.exception("a stream's sink failed; its consumer takes over")
+        self.wake()
+
     def defer(self) -> None:
         """Wait for ``not_before`` (once: a waker is deferred at most once at a time)."""
         if not self.deferred:
@@ -257,10 +279,16 @@ class Choice:
         if not self.queued and not waker.closed:
             # A consumer parked with nothing ready, that gave its stream a sink: the sink
             # writes the text now (to the client's socket), and the consumer sleeps on.
+            # Paced: only once its time has come (else the text waits, merged, for it).
             sink = waker.sink
-            if sink is not None and finish is None and waker.task is not None and self.text:
+            if (
+                sink is not None and finish is None and waker.task is not None and self.text
+                and (not waker.interval or waker.pacer.frame_time >= waker.not_before)
+            ):
                 try:
                     if sink(self):
+                        if waker.interval:
+                            waker.not_before = waker.pacer.frame_time + waker.interval
                         return
                 except Exception:  # a sink must not raise; if one does, the router goes on
                     waker.sink = None
@@ -457,11 +485,12 @@ class RequestStream:
         as it found it, or with less (returns False: the choice goes to the consumer as
         usual). It runs in the router: it must never block, raise or wait. Ends, errors and
         everything while the stream closes go to the consumer; :meth:`aclose` drops the sink.
-        Not with pacing (a stream interval): the sink is never called then. Returns whether
+        With pacing (a stream interval), the sink is called when the consumer would have
+        been woken: at most once per interval, with what merged meanwhile. Returns whether
         the sink was installed.
         """
         waker = self._waker
-        waker.sink = sink if not waker.interval and not self._released else None
+        waker.sink = sink if not self._released else None
         return waker.sink is not None
 
     def take_ready_nowait(self) -> list[RequestOutput]:

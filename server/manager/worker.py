@@ -366,7 +366,7 @@ class WorkerClient:
             await trio.lowlevel.checkpoint()
         finally:
             for waker in pacer.take_soon():
-                waker.wake()
+                waker.wake_paced()
             pacer.wake_due(trio.current_time())
 
     def _route(self, messages: list) -> None:

@@ -1,0 +1,340 @@
+"""Every private name of hypercorn and h11 that this server relies on, in one module.
+
+Theory of operation
+-------------------
+The HTTP layer's direct path (:mod:`server.http.listen`, :mod:`server.http.connection`,
+:mod:`server.http.protocol`, :mod:`server.http.sink`) subclasses hypercorn's connection,
+HTTP/1.1 protocol and request stream, and hooks into h11's reader and chunked writer. That
+saves about 40 % of the frontend's CPU per streamed token (docs/benchmarks.md, "The
+direct path and the fallback") and gives the server its connection limit, per-connection
+error boundary, progress-bounded writes and request-head refusals. It also depends on
+names the libraries may change in any release. So:
+
+* **Only this module names them.** The classes of the other modules subclass the adapters
+  below (:class:`ConnectionHooks`, :class:`H11Hooks`, :class:`HTTPStreamHooks`), which give
+  the private hooks public names of ours, and import hypercorn's internal modules from here.
+* **The exact versions are checked.** :data:`WRITTEN_FOR` names the versions this was
+  written and tested against. At the first :func:`use_direct_path`, a different installed
+  version, or a name below that is missing, makes the server serve through hypercorn's
+  public :func:`hypercorn.trio.serve` instead (``server.http.listen.serve_public``), logged
+  once with the reason. That path is slower and lacks what the direct path adds (see
+  ``docs/operations.md``, "The HTTP path"), but it is hypercorn's own, correct code.
+* **The fallback can be forced**, to test it: ``TRIO_LLM_HTTP_FALLBACK=1`` in the
+  environment, or ``serve(..., direct_http=False)``. ``.ci/run`` runs the HTTP test files
+  a second time with the variable set (docs/testing.md).
+
+What is relied on, and why (every entry is checked by :func:`missing_names`, except the
+behaviour in the last column, which the version check covers):
+
+=============================================  ================================================
+name                                           relied on for
+=============================================  ================================================
+hypercorn ``trio.run.worker_serve``            not used, replaced: ``listen.serve_app`` is its
+(internals: ``Lifespan``, ``WorkerContext``,   loop with a per-connection boundary, a
+``Config.create_sockets``, ``wrap_app``)       connection limit and a backlog; it builds the
+                                               lifespan, the worker context and the sockets
+                                               as ``worker_serve`` does
+``trio.tcp_server.TCPServer`` (its             ``connection.ServingConnection``: direct writes
+constructor, ``stream``, ``send_lock``,        under ``send_lock``, bounded writes;
+``protocol``, ``idle_task``, ``context``)      ``protocol_send`` is the public hook it
+                                               overrides
+``TCPServer._read_data``                       the read loop, without a cancel scope per read
+``TCPServer._close``                           closing, shielded
+``TCPServer._idle_timeout``,                   the keep-alive timer the pool may end early
+``TCPServer._initiate_server_close``,          (``protocol_send`` restarts ``_idle_timeout``
+``TCPServer._task_group``                      in ``_task_group``)
+``protocol.h11.H11Protocol`` (constructor,     ``protocol.ServingH11Protocol``: HTTP/1.1
+``connection``, ``stream``, ``stream_send``)   only, strict heads, its own chunk framing
+``H11Protocol._create_stream``                 our request stream class, no WebSocket upgrade
+``H11Protocol._check_protocol``                the request-head refusals (``framing``)
+``H11Protocol._send_error_response``,          answers to unparseable requests, with an
+``H11Protocol._send_h11_event``                OpenAI-style body
+``protocol.http_stream.HTTPStream``            ``protocol.ServingHTTPStream``: body messages
+(``app_send``, ``state``, ``response``,        straight to the protocol; ``app_put`` is set
+``closed``, ``scope``, ``app_put``)            once the app task is spawned (the extension
+                                               :data:`~server.http.protocol.DIRECT_BODY` is
+                                               put in its scope then)
+hypercorn's ASGI ``receive`` is a Trio         ``asgi.read_body`` takes queued body messages
+``MemoryReceiveChannel.receive``               without a scheduler trip (``receive.__self__``)
+h11 ``_writers.ChunkedWriter``,                whether h11 chose chunked framing for the
+``Connection._writer``                         response: only then are chunks framed here
+``Connection._get_io_object``,                 the request-head reader, wrapped to refuse
+``Connection._cstate``                         obs-fold before h11 unfolds it
+``Connection._receive_buffer``                 dropping what a client sends after a request
+                                               that closes the connection
+=============================================  ================================================
+
+quart-trio: nothing private (the engine runs in a nursery the app opens around Quart's
+ASGI lifespan, not in ``QuartTrio.nursery``), so its version is not checked here.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+import os
+
+import h11
+import trio
+
+from .framing import find_obs_fold, head_end, obs_fold
+
+try:  # hypercorn's internal modules (names without an underscore, in undocumented modules)
+    from hypercorn.events import Closed, RawData
+    from hypercorn.protocol.events import Body, Request, Response
+    from hypercorn.protocol.h11 import STREAM_ID, H11Protocol
+    from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
+    from hypercorn.trio.lifespan import Lifespan
+    from hypercorn.trio.task_group import TaskGroup
+    from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
+    from hypercorn.trio.worker_context import WorkerContext
+    from hypercorn.typing import ConnectionState
+    from hypercorn.utils import parse_socket_addr, repr_socket_addr, suppress_body, wrap_app
+except ImportError as exc:  # pragma: no cover - a hypercorn this was not written for
+    _IMPORT_ERROR: str | None = f"hypercorn: {exc}"
+    # Placeholders, so that the modules that subclass them still import; nothing of the
+    # direct path runs (use_direct_path() is False).
+    TCPServer = H11Protocol = HTTPStream = object  # type: ignore[misc,assignment]
+    MAX_RECV = 2**16
+    STREAM_ID = 1
+    Closed = RawData = Body = Request = Response = Lifespan = TaskGroup = None  # type: ignore[misc,assignment]
+    WorkerContext = ConnectionState = ASGIHTTPState = None  # type: ignore[misc,assignment]
+    parse_socket_addr = repr_socket_addr = suppress_body = wrap_app = None  # type: ignore[assignment]
+else:
+    _IMPORT_ERROR = None
+
+ChunkedWriter: type | None
+try:
+    from h11._writers import ChunkedWriter
+except ImportError:  # pragma: no cover
+    ChunkedWriter = None
+
+__all__ = [
+    "FALLBACK_ENV",
+    "WRITTEN_FOR",
+    "ConnectionHooks",
+    "H11Hooks",
+    "HTTPStreamHooks",
+    "StrictH11Connection",
+    "direct_path_problem",
+    "missing_names",
+    "queued_receive",
+    "use_direct_path",
+    "version_mismatch",
+]
+
+log = logging.getLogger("server.http")
+
+#: The versions this module's names were written and tested against (pyproject.toml pins
+#: the same ranges; the check here is exact).
+WRITTEN_FOR = {"hypercorn": "0.18.0", "h11": "0.16.0"}
+
+#: Set to ``1`` to serve through hypercorn's public ``serve()`` (tests of the fallback).
+FALLBACK_ENV = "TRIO_LLM_HTTP_FALLBACK"
+
+
+def version_mismatch(installed: dict[str, str | None], written_for=WRITTEN_FOR) -> str | None:
+    """Why ``installed`` (package name to version, None: not installed) is not what the
+    direct path was written for, or None. Sans-IO."""
+    wrong = [
+        f"{name} {installed.get(name) or 'not installed'} (written for {version})"
+        for name, version in written_for.items()
+        if installed.get(name) != version
+    ]
+    return ", ".join(wrong) or None
+
+
+def _installed(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def missing_names() -> list[str]:
+    """The private names of the table above that the installed libraries lack."""
+    if _IMPORT_ERROR is not None:
+        return [_IMPORT_ERROR]
+    wanted = [
+        (TCPServer, ("_read_data", "_close", "_idle_timeout", "_initiate_server_close",
+                     "protocol_send")),
+        (H11Protocol, ("_create_stream", "_check_protocol", "_send_error_response",
+                       "_send_h11_event", "stream_send", "handle")),
+        (HTTPStream, ("app_send", "handle")),
+        (h11.Connection, ("_get_io_object",)),
+    ]
+    missing = [
+        f"{cls.__module__}.{cls.__qualname__}.{name}"
+        for cls, names in wanted for name in names if not hasattr(cls, name)
+    ]
+    if ChunkedWriter is None:
+        missing.append("h11._writers.ChunkedWriter")
+    probe = h11.Connection(h11.SERVER)
+    missing.extend(
+        f"h11.Connection.{name}" for name in ("_cstate", "_writer", "_receive_buffer")
+        if not hasattr(probe, name)
+    )
+    return missing
+
+
+@functools.cache
+def direct_path_problem() -> str | None:
+    """Why the direct path cannot be used with the installed libraries, or None (checked
+    once per process)."""
+    problem = version_mismatch({name: _installed(name) for name in WRITTEN_FOR})
+    missing = missing_names()
+    if missing:
+        problem = ", ".join(filter(None, [problem, "missing: " + ", ".join(missing)]))
+    return problem
+
+
+_fallback_logged = False
+
+
+def use_direct_path(direct: bool | None = None) -> bool:
+    """Whether to serve through the direct path. ``direct``: None (the default) when the
+    installed libraries allow it and :data:`FALLBACK_ENV` is not set; False forces the
+    fallback; True requires the direct path (ValueError when it cannot be used). The
+    fallback is logged once per process."""
+    global _fallback_logged
+    problem = direct_path_problem()
+    if direct and problem is not None:
+        raise ValueError(f"the direct HTTP path cannot be used: {problem}")
+    if direct is None:
+        forced = os.environ.get(FALLBACK_ENV, "") not in ("", "0")
+        direct = problem is None and not forced
+        reason = f"{FALLBACK_ENV} is set" if forced else problem
+    else:
+        reason = "asked for (direct_http=False)"
+    if not direct and not _fallback_logged:
+        _fallback_logged = True
+        log.warning(
+            "serving HTTP through hypercorn's public serve() (%s): slower, and without the "
+            "connection limit, bounded writes and request-head checks (docs/operations.md, "
+            "'The HTTP path')", reason,
+        )
+    return direct
+
+
+# -- the adapters: private hooks under public names ----------------------------------------
+
+
+class ConnectionHooks(TCPServer):
+    """Hypercorn's ``TCPServer``, whose private hooks call the public ones of a subclass:
+    :meth:`read_requests`, :meth:`close_connection`, :meth:`idle_timeout` (each upstream's
+    own by default), and :attr:`task_group`, :meth:`initiate_server_close`."""
+
+    async def _read_data(self) -> None:
+        await self.read_requests()
+
+    async def _close(self) -> None:
+        await self.close_connection()
+
+    async def _idle_timeout(self) -> None:
+        await self.idle_timeout()
+
+    async def read_requests(self) -> None:
+        await TCPServer._read_data(self)  # type: ignore[attr-defined]
+
+    async def close_connection(self) -> None:
+        await TCPServer._close(self)  # type: ignore[attr-defined]
+
+    async def idle_timeout(self) -> None:
+        await TCPServer._idle_timeout(self)  # type: ignore[attr-defined]
+
+    async def initiate_server_close(self) -> None:
+        await self._initiate_server_close()  # type: ignore[attr-defined]
+
+    @property
+    def task_group(self):
+        """The connection's task group (hypercorn spawns the keep-alive timer in it)."""
+        return self._task_group  # type: ignore[attr-defined]
+
+    @task_group.setter
+    def task_group(self, value) -> None:
+        self._task_group = value
+
+
+class H11Hooks(H11Protocol):
+    """Hypercorn's HTTP/1.1 protocol, whose private hooks call the public ones of a
+    subclass: :meth:`create_stream`, :meth:`check_protocol`, :meth:`send_error_response`
+    (upstream's by default); :meth:`send_h11_event` and :meth:`chunked_body` for it to use."""
+
+    async def _create_stream(self, request: h11.Request) -> None:
+        await self.create_stream(request)
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        await self.check_protocol(event)
+
+    async def _send_error_response(self, status_code: int) -> None:
+        await self.send_error_response(status_code)
+
+    async def create_stream(self, request: h11.Request) -> None:
+        await H11Protocol._create_stream(self, request)  # type: ignore[attr-defined]
+
+    async def check_protocol(self, event: h11.Request) -> None:
+        await H11Protocol._check_protocol(self, event)  # type: ignore[attr-defined]
+
+    async def send_error_response(self, status_code: int) -> None:
+        await H11Protocol._send_error_response(self, status_code)  # type: ignore[attr-defined]
+
+    async def send_h11_event(self, event) -> None:
+        await self._send_h11_event(event)  # type: ignore[attr-defined]
+
+    def chunked_body(self) -> bool:
+        """Whether h11 sends the response body in progress with chunked framing (its
+        writer), so that chunks framed alike may bypass it."""
+        connection = self.connection  # type: ignore[has-type]
+        return ChunkedWriter is not None and (
+            type(getattr(connection, "_writer", None)) is ChunkedWriter
+            and connection.our_state is h11.SEND_BODY
+        )
+
+
+class HTTPStreamHooks(HTTPStream):
+    """Hypercorn's ASGI request stream, with :meth:`app_spawned`."""
+
+    def app_spawned(self) -> bool:
+        """Whether the request's app task was spawned (hypercorn sets ``app_put`` then)."""
+        return getattr(self, "app_put", None) is not None
+
+
+def _read_head_strictly(reader, buf):
+    """h11's reader of a request head, refusing obs-fold (see :mod:`server.http.framing`).
+    ``bytes(buf)`` is what h11 itself exposes as trailing data."""
+    data = bytes(buf)
+    end = head_end(data)
+    if end != -1 and find_obs_fold(data[:end]):
+        raise obs_fold()
+    return reader(buf)
+
+
+class StrictH11Connection(h11.Connection):
+    """An h11 server connection whose request-head reader refuses folded header lines, and
+    that ignores what a client sends after a request that closes the connection
+    (``Connection: close``, HTTP/1.0): that request is answered, then the connection
+    closes, as nginx does (h11 would call the extra bytes an error, and the request would
+    get a 400 instead of its answer)."""
+
+    def next_event(self):
+        if self.their_state is h11.MUST_CLOSE:
+            buffer = getattr(self, "_receive_buffer", None)
+            if buffer is not None and len(buffer):
+                self._receive_buffer = type(buffer)()
+        return super().next_event()
+
+    def _get_io_object(self, role, event, io_dict):
+        io = super()._get_io_object(role, event, io_dict)  # type: ignore[misc]
+        if io is not None and role is h11.CLIENT and self._cstate.states[role] is h11.IDLE:
+            return functools.partial(_read_head_strictly, io)
+        return io
+
+
+def queued_receive(receive):
+    """The ``receive_nowait`` behind an ASGI ``receive`` that is hypercorn's (a Trio memory
+    channel's ``receive``), to take queued messages without a scheduler trip; else None."""
+    channel = getattr(receive, "__self__", None)
+    if isinstance(channel, trio.MemoryReceiveChannel):
+        return channel.receive_nowait
+    return None

@@ -1,0 +1,82 @@
+"""Issue 25 item 3: the private names of hypercorn and h11 in one module, checked.
+
+* The version check is exact, and names what differs (sans-IO).
+* The installed libraries are the ones it was written for, so the direct path is in use
+  (a test that fails when a dependency update silently turns it off).
+* A server whose libraries differ serves through hypercorn's public ``serve()``, says so
+  once in the log, and streams the same answers; forcing the direct path then is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import pytest
+
+from server.http import private_api
+from server.http.private_api import WRITTEN_FOR, use_direct_path, version_mismatch
+from tests.conftest import JSON, running_server
+
+
+def test_the_version_check_is_exact_and_names_what_differs():
+    assert version_mismatch(dict(WRITTEN_FOR)) is None
+    newer = {**WRITTEN_FOR, "hypercorn": "0.18.1"}
+    problem = version_mismatch(newer)
+    assert problem == f"hypercorn 0.18.1 (written for {WRITTEN_FOR['hypercorn']})"
+    gone = {"hypercorn": WRITTEN_FOR["hypercorn"], "h11": None}
+    assert version_mismatch(gone) == f"h11 not installed (written for {WRITTEN_FOR['h11']})"
+
+
+def test_the_installed_libraries_are_the_ones_it_was_written_for(monkeypatch):
+    monkeypatch.delenv(private_api.FALLBACK_ENV, raising=False)
+    assert private_api.direct_path_problem() is None
+    assert private_api.missing_names() == []
+    assert use_direct_path() is True
+
+
+async def _stream_one(url: str) -> tuple[str, str | None]:
+    """The text and finish reason of one streamed completion (not where events split: that
+    depends on the load)."""
+    body = {"prompt": "hi", "max_tokens": 12, "stream": True, "seed": 7}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        async with http.stream("POST", "/v1/completions", json=body, headers=JSON) as r:
+            assert r.status_code == 200
+            assert r.headers["transfer-encoding"] == "chunked"
+            raw = "".join([chunk async for chunk in r.aiter_text()])
+    assert raw.endswith("data: [DONE]\n\n")
+    chunks = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    return text, chunks[-1]["choices"][0]["finish_reason"]
+
+
+async def test_other_versions_serve_through_hypercorns_public_serve(monkeypatch, caplog):
+    monkeypatch.delenv(private_api.FALLBACK_ENV, raising=False)
+    monkeypatch.setattr(private_api, "direct_path_problem", lambda: "hypercorn 9.9 (written for x)")
+    monkeypatch.setattr(private_api, "_fallback_logged", False)
+    with pytest.raises(ValueError, match="hypercorn 9.9"):
+        use_direct_path(True)
+    caplog.set_level(logging.WARNING, logger="server.http")
+    for _ in range(2):
+        async with running_server() as url:
+            text, finish = await _stream_one(url)
+            assert len(text.split()) == 12 and finish == "length"
+            # hypercorn's own connections: the listener's pool never saw one.
+            assert url.app.connections is None
+    lines = [r.getMessage() for r in caplog.records if "public serve()" in r.getMessage()]
+    assert len(lines) == 1 and "hypercorn 9.9" in lines[0], lines
+
+
+async def test_the_direct_path_answers_the_same_stream(monkeypatch):
+    monkeypatch.delenv(private_api.FALLBACK_ENV, raising=False)
+    async with running_server() as url:
+        direct = await _stream_one(url)
+        assert url.app.connections is not None
+    monkeypatch.setattr(private_api, "_fallback_logged", True)
+    monkeypatch.setenv(private_api.FALLBACK_ENV, "1")
+    async with running_server() as url:
+        public = await _stream_one(url)
+        assert url.app.connections is None
+
+    assert direct == public and len(direct[0].split()) == 12
