@@ -23,7 +23,7 @@ from array import array
 
 from ..errors import ClientError, NotFound, clip
 from .encode import dumps_document
-from .fields import _neutral
+from .fields import is_neutral
 from .schema import decode_json
 from .tokenize import serve_worker_op
 
@@ -130,7 +130,7 @@ def parse_embeddings(body: bytes, served_model: str, info: dict) -> tuple[dict, 
         if neutral is None:
             raise ClientError(f"Unrecognized request argument supplied: '{clip(name)}'.",
                               param=clip(name), code="unknown_parameter")
-        if not _neutral(value, neutral):
+        if not is_neutral(value, neutral):
             raise ClientError(f"'{name}' is not supported by this server's /v1/embeddings; "
                               "leave it out (or at its default).", param=name,
                               code="unsupported_parameter")

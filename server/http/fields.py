@@ -19,7 +19,9 @@ import logging
 
 from ..errors import ClientError, printable
 
-__all__ = ["HONOURED_CHAT", "HONOURED_COMPLETION", "KNOWN", "UNSUPPORTED", "check_fields"]
+__all__ = [
+    "HONOURED_CHAT", "HONOURED_COMPLETION", "KNOWN", "UNSUPPORTED", "check_fields", "is_neutral"
+]
 
 log = logging.getLogger("server.http")
 
@@ -104,9 +106,10 @@ _NO_OP = frozenset({"metadata"})
 KNOWN = HONOURED_CHAT | HONOURED_COMPLETION | frozenset(UNSUPPORTED) | _NO_OP
 
 
-def _neutral(value, neutral: tuple) -> bool:
-    """Whether ``value`` is one of the ``neutral`` ones; a bool only as itself (in Python
-    ``True == 1``: ``best_of: true`` is not ``best_of: 1``)."""
+def is_neutral(value, neutral: tuple) -> bool:
+    """Whether ``value`` is one of the ``neutral`` ones (the values of a field that mean
+    "not used"); a bool only as itself (in Python ``True == 1``: ``best_of: true`` is not
+    ``best_of: 1``). Every route's refusal of a field it does not honour asks this."""
     for n in neutral:
         if isinstance(value, bool) or isinstance(n, bool):
             if value is n:
@@ -131,7 +134,7 @@ def check_fields(
         neutral = UNSUPPORTED.get(name)
         if neutral is None:
             unknown.append(name)
-        elif not _neutral(data[name], neutral):
+        elif not is_neutral(data[name], neutral):
             refused.append(name)
     if refused:
         by = f"the {engine} engine" if engine else "this server"

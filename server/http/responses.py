@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from ..config import Limits
 from ..errors import ClientError, printable
 from .encode import dumps
-from .fields import _neutral
+from .fields import is_neutral
 from .schema import GenerateRequest, decode_json, parse_chat
 from .json_schema import rebase
 from .tools import ToolChoice, read_tools
@@ -127,7 +127,7 @@ def check_fields(data: dict) -> None:
         if refused is None:
             raise ClientError(f"Unknown parameter: '{printable(name)}'.", param=name,
                               code="unknown_parameter")
-        if not _neutral(value, refused[0]):
+        if not is_neutral(value, refused[0]):
             raise _refuse(name, refused[1])
 
 

@@ -26,7 +26,9 @@ from ..config import Limits
 from ..errors import ClientError, NotFound, clip, printable
 from ..params import SamplingParams, context_error
 from .json_schema import check_grammar_ints, check_refs
-from .fields import HONOURED_CHAT, HONOURED_COMPLETION, KNOWN, UNSUPPORTED, check_fields
+from .fields import (
+    HONOURED_CHAT, HONOURED_COMPLETION, KNOWN, UNSUPPORTED, check_fields, is_neutral,
+)
 from .tools import TOOL_FIELDS, ToolChoice, history_message, read_tools
 
 __all__ = ["GenerateRequest", "parse_completion", "parse_chat", "decode_json", "messages_of"]
@@ -520,7 +522,7 @@ def _check_stream_options(options: dict) -> None:
     honoured = ("include_usage", "continuous_usage_stats")
     neutral = {"include_obfuscation": (None, False)}
     bad = [k for k in options if k not in honoured
-           and not any(options[k] is v for v in neutral.get(k, ()))]
+           and not is_neutral(options[k], neutral.get(k, ()))]
     if bad:
         names = ", ".join(f"'stream_options.{printable(k, 64)}'" for k in bad)
         raise ClientError(f"{names}: not supported by this server.", param="stream_options",

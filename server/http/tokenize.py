@@ -22,6 +22,7 @@ import logging
 from ..errors import ClientError, NotFound, ServerError, clip
 from .asgi import CLOSE, send_error, send_json
 from .encode import dumps
+from .fields import is_neutral
 from .post import BEFORE_BODY, UNREAD_BODY, off_loop, read_json_post, refusal_headers
 from .schema import decode_json, messages_of, template_kwargs_of
 from .tools import render_tools
@@ -60,9 +61,7 @@ def parse_tokenize(body: bytes, served_model: str) -> dict:
     data = decode_json(body)
     _model(data, served_model)
     for name, neutral in _REFUSED.items():
-        value = data.get(name)
-        if not any(value is n if n is None or isinstance(n, bool) else value == n
-                   for n in neutral):
+        if not is_neutral(data.get(name), neutral):
             raise ClientError(
                 f"'{name}' is not supported by this server's /tokenize.", param=name,
                 code="unsupported_parameter",
