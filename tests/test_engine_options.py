@@ -202,6 +202,8 @@ def test_sampling_fields_an_engine_declares_reach_it():
         ("top_k", "five"), ("top_k", -2), ("min_p", 1.5), ("min_tokens", -1),
         ("logit_bias", {"x": 1}), ("logit_bias", {"1": 101}), ("logit_bias", [1]),
         ("logit_bias", {"1": True}), ("stop_token_ids", [1, "2"]), ("stop_token_ids", 3),
+        # one bound for every token id: server.params.MAX_TOKEN_ID
+        ("logit_bias", {str(2**31): 1}), ("stop_token_ids", [2**31]),
     ],
 )
 def test_declared_fields_are_validated(field, value):

@@ -22,6 +22,7 @@ import sys
 from array import array
 
 from ..errors import ClientError, NotFound, clip
+from ..params import is_token_ids
 from .encode import dumps_document
 from .fields import is_neutral
 from .schema import decode_json
@@ -54,11 +55,6 @@ REFUSED: dict[str, tuple] = {
 MAX_INPUTS = 2048
 
 
-def _ids(value: object) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value)
-
-
 def _inputs(data: dict) -> list:
     """The inputs as a list of strings and token-id lists (OpenAI's four shapes)."""
     value = data.get("input")
@@ -76,7 +72,7 @@ def _inputs(data: dict) -> list:
         raise ClientError(f"'input' may hold at most {MAX_INPUTS} inputs.", param="input")
     kind = str if isinstance(value[0], str) else list
     for i, item in enumerate(value):
-        if not isinstance(item, kind) or (kind is list and not _ids(item)):
+        if not isinstance(item, kind) or (kind is list and not is_token_ids(item)):
             raise ClientError("'input' must be all strings or all lists of token ids "
                               "(integers from 0 to 2**31 - 1).", param=f"input[{i}]")
         if not item:

@@ -24,7 +24,7 @@ import msgspec
 
 from ..config import Limits
 from ..errors import ClientError, NotFound, clip, printable
-from ..params import SamplingParams, context_error
+from ..params import MAX_TOKEN_ID, SamplingParams, context_error, is_token_ids
 from .json_schema import check_grammar_ints, check_refs
 from .fields import (
     HONOURED_CHAT, HONOURED_COMPLETION, KNOWN, UNSUPPORTED, check_fields, is_neutral,
@@ -34,7 +34,6 @@ from .tools import TOOL_FIELDS, ToolChoice, history_message, read_tools
 __all__ = ["GenerateRequest", "parse_completion", "parse_chat", "decode_json", "messages_of"]
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
-_MAX_TOKEN_ID = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -197,12 +196,6 @@ def _stop(data: dict, limits: Limits) -> tuple[str, ...]:
     return tuple(_utf8(s, "stop") for s in stop if s)
 
 
-def _token_ids(value: list) -> bool:
-    return all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _MAX_TOKEN_ID for t in value
-    )
-
-
 def _fits(prompt: list, max_tokens: int | None, max_model_len: int | None) -> list:
     """``prompt`` (a list), refused with the worker's own 400 when as token ids it could
     not fit the context: checked on its length, before the walk over its items, so that a
@@ -233,10 +226,10 @@ def _prompts(
     elif isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             prompts = list(prompt)
-        elif _token_ids(_fits(prompt, max_tokens, max_model_len)):
+        elif is_token_ids(_fits(prompt, max_tokens, max_model_len)):
             prompts = [prompt]
         elif all(
-            isinstance(p, list) and p and _token_ids(_fits(p, max_tokens, max_model_len))
+            isinstance(p, list) and p and is_token_ids(_fits(p, max_tokens, max_model_len))
             for p in prompt
         ):
             prompts = list(prompt)
@@ -325,9 +318,7 @@ def _token_id_list(data: dict, name: str, most: int) -> list[int] | None:
     value = data.get(name)
     if value is None:
         return None
-    if not isinstance(value, list) or len(value) > most or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value
-    ):
+    if not isinstance(value, list) or len(value) > most or not is_token_ids(value):
         raise ClientError(f"'{name}' must be a list of at most {most} token ids.", param=name)
     return value
 
@@ -343,7 +334,7 @@ def _logit_bias(data: dict) -> dict[str, float] | None:
         )
     out = {}
     for key, bias in value.items():
-        if not (key.isascii() and key.isdigit() and len(key) < 11):
+        if not (key.isascii() and key.isdigit() and len(key) < 11 and int(key) <= MAX_TOKEN_ID):
             raise ClientError(
                 f"'logit_bias' keys must be token ids, not {clip(key)!r}.", param="logit_bias"
             )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 
 from ..errors import ClientError, NotFound, ServerError, clip
+from ..params import is_token_ids
 from .asgi import CLOSE, send_error, send_json
 from .encode import dumps
 from .fields import is_neutral
@@ -103,9 +104,7 @@ def parse_detokenize(body: bytes, served_model: str) -> dict:
     data = decode_json(body)
     _model(data, served_model)
     tokens = data.get("tokens")
-    if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in tokens
-    ):
+    if not is_token_ids(tokens):
         raise ClientError("'tokens' must be a list of token ids.", param="tokens")
     return {"op": "detokenize", "tokens": tokens}
 
