@@ -49,7 +49,6 @@ from ..observability.logs import request_id_from_header
 from ..observability.record import RequestRecord
 from . import schema
 from .asgi import (
-    CLOSE,
     header,
     send_error,
     send_json,
@@ -60,7 +59,7 @@ from .events import RichEvents
 from .logprobs import LogprobsFormatter
 from .reasoning import split_text
 from .tool_parsers import parse_text as parse_tool_text
-from .post import BEFORE_BODY, UNREAD_BODY, off_loop, read_json_post, refusal_headers
+from .post import off_loop, read_json_post, refusal
 from .protocol import DIRECT_BODY, DirectBody
 from .sink import TextSink
 
@@ -155,27 +154,18 @@ async def handle_generate(
         else:
             req = await off_loop(len(body), schema.parse_completion, body, config.limits,
                                  engine.model_name, engine.info)
-        refusal = app.admission_error(engine, len(req.prompts) * req.params.n)
-        if refusal is not None:
-            raise refusal
+        refused = app.admission_error(engine, len(req.prompts) * req.params.n)
+        if refused is not None:
+            raise refused
         if None in req.echoed:
             req = await echo_texts(engine, req)
         stream = engine.generate_many(
             req.prompts, req.params, timeout=config.request_timeout, errors_as_outputs=True
         )
         record.dispatched(req.stream, stream.choices)
-    except BEFORE_BODY as exc:
-        await answer.error(exc, await refusal_headers(exc, scope, receive, config))
-        return
-    except UNREAD_BODY as exc:  # the rest of the body is not read
-        await answer.error(exc, [CLOSE])
-        return
-    except ServerError as exc:
-        await answer.error(exc)
-        return
-    except Exception:
-        log.exception("internal error before the response started")
-        await answer.error(ServerError("Internal server error."))
+    except Exception as exc:
+        await answer.error(*await refusal(exc, scope, receive, config,
+                                          "before the response started"))
         return
     # The client's X-Request-Id, else the body's request_id (vLLM's order), else ours.
     base = record.request_id

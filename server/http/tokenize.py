@@ -17,20 +17,16 @@ a tokenizer (the sim engine) answers 400. Parsing is sans-IO (:func:`parse_token
 
 from __future__ import annotations
 
-import logging
-
-from ..errors import ClientError, NotFound, ServerError, clip
+from ..errors import ClientError, NotFound, clip
 from ..params import is_token_ids
-from .asgi import CLOSE, send_error, send_json
+from .asgi import send_error, send_json
 from .encode import dumps
 from .fields import is_neutral
-from .post import BEFORE_BODY, UNREAD_BODY, off_loop, read_json_post, refusal_headers
+from .post import off_loop, read_json_post, refusal
 from .schema import decode_json, messages_of, template_kwargs_of
 from .tools import render_tools
 
 __all__ = ["handle_tokenize", "parse_tokenize", "parse_detokenize", "serve_worker_op", "ROUTES"]
-
-log = logging.getLogger("server.http")
 
 #: Path -> operation.
 ROUTES = {"/tokenize": "tokenize", "/detokenize": "detokenize"}
@@ -125,19 +121,10 @@ async def serve_worker_op(app, scope: dict, receive, send, headers: list, parse,
         result = await engine.tokenize(request)
         size = sum(len(v) for v in result.get("data", ())) if isinstance(result, dict) else 0
         data = await off_loop(size * 3, answer, context, result)
-    except BEFORE_BODY as exc:
-        await send_error(send, exc, headers + await refusal_headers(exc, scope, receive,
-                                                                    app.server_config))
-        return
-    except UNREAD_BODY as exc:
-        await send_error(send, exc, headers + [CLOSE])
-        return
-    except ServerError as exc:
-        await send_error(send, exc, headers)
-        return
-    except Exception:
-        log.exception("internal error in %s", scope["path"])
-        await send_error(send, ServerError("Internal server error."), headers)
+    except Exception as exc:
+        error, extra = await refusal(exc, scope, receive, app.server_config,
+                                     f"in {scope['path']}")
+        await send_error(send, error, headers + extra)
         return
     await send_json(send, 200, data, headers)
 
