@@ -60,22 +60,17 @@ def hypercorn_config(config: ServerConfig) -> ServingConfig:
 
 
 async def drain(app: LLMServerApp, timeout: float, *, hurry: trio.Event | None = None) -> None:
-    """Stop accepting, let in-flight requests finish for ``timeout`` s, then abort the rest."""
+    """Stop accepting, let in-flight requests finish for ``timeout`` s (or until ``hurry``
+    is set), then abort the rest."""
     engine = app.engine
     if engine is None:
         return
     engine.stop_accepting()
     open_now = engine.statistics().open_streams
     log.info("draining: %d request(s) in flight, up to %.1f s", open_now, timeout)
+    waits = [engine.wait_idle] if hurry is None else [engine.wait_idle, hurry.wait]
     with trio.move_on_after(timeout):
-        async with trio.open_nursery() as nursery:
-            async def _hurry():
-                if hurry is not None:
-                    await hurry.wait()
-                    nursery.cancel_scope.cancel()
-            nursery.start_soon(_hurry)
-            await engine.wait_idle()
-            nursery.cancel_scope.cancel()
+        await wait_any(*waits)
     aborted = engine.abort_all()
     if aborted:
         log.info("draining: aborting %d request(s)", aborted)
