@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 import trio
-from trio_util import AsyncValue
+from trio_util import AsyncValue, wait_all
 
 from ..config import EngineConfig
 from ..errors import ServiceUnavailable
@@ -293,9 +293,7 @@ class Engine:
         for stream in streams:
             stream.abort("shutdown")
         with trio.move_on_after(self.config.drain_timeout):
-            # shutdown only: a bounded poll beats a new event
-            while any(w.states for w in self.workers if w.alive):  # noqa: ASYNC110
-                await trio.sleep(0.01)
+            await wait_all(*(w.wait_released for w in self.workers))
         for stream in streams:
             stream.cut_off()
 

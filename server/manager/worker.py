@@ -90,6 +90,8 @@ class WorkerClient:
         )
         #: rid -> Choice for every choice the worker holds (registered at dispatch).
         self.states: dict[int, Choice] = {}
+        #: len(states), kept where it changes, to wait on (wait_released).
+        self._held = AsyncValue(0)
         self.info: dict = {}
         #: Whether a worker process is up (said HELLO) and serving.
         self.alive = False
@@ -130,6 +132,7 @@ class WorkerClient:
         states = self.states
         for choice in choices:
             states[choice.rid] = choice
+        self._held.value = len(states)
         self._send_nowait(frames)
 
     def abort_nowait(self, choice: Choice) -> None:
@@ -144,6 +147,7 @@ class WorkerClient:
         """Stop routing output to ``choice``; what the worker still sends for it is dropped."""
         if self.states.get(choice.rid) is choice:
             del self.states[choice.rid]
+            self._held.value = len(self.states)
 
     def _queue(self, frame: bytes) -> None:
         self._send_nowait([frame])
@@ -195,6 +199,11 @@ class WorkerClient:
         if reply is _GONE:
             raise EngineError(f"worker {self.index} went away before answering")
         return reply
+
+    async def wait_released(self) -> None:
+        """Wait until this worker holds no choice (each ended or forgotten), or is not
+        alive (then it holds none: a worker that goes away ends its choices)."""
+        await self._held.wait_value(lambda held: held == 0 or not self.alive)
 
     async def wait_ready(self) -> None:
         """Wait until a process of this worker has said HELLO (once ever)."""
@@ -386,6 +395,7 @@ class WorkerClient:
                         continue  # finished, aborted, or cut off: drop
                     if finish is not None:
                         del states[rid]
+                        self._held.value = len(states)
                     choice.push(text, ntok, finish, err)
             elif kind == wire.TOKENIZED:
                 answer = self._pings.get(msg[1])
@@ -435,6 +445,7 @@ class WorkerClient:
     def _fail_all(self, reason: str) -> None:
         """End every choice this worker held with an error output (the worker is gone)."""
         states, self.states = self.states, {}
+        self._held.value = 0
         kind = "unavailable" if reason == "stopped" else "worker_died"
         message = (
             "the engine is shutting down"
