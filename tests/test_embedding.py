@@ -23,8 +23,8 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from server.config import EngineConfig, ServerConfig
-from server.http import protocol
-from server.http.connection import ServingConnection
+from server.connections import http11
+from server.connections.connection import ServingConnection
 from server.http.app import create_app
 from server.http.serve import serve
 from tests.conftest import FAST_SIM, child_pids, running_server
@@ -96,7 +96,7 @@ async def test_a_neighbour_hypercorn_app_keeps_checkpoints_and_cancellation():
 
 
 async def test_the_fast_paths_are_used_on_this_servers_connections(monkeypatch):
-    assert protocol.FAST_PATHS  # h11's private names were found
+    assert http11.FAST_PATHS  # h11's private names were found
     counts = {"h11 Data": 0, "send_all": 0, "slow path": 0}
     real_send = h11.Connection.send
     real_send_all = trio.SocketStream.send_all

@@ -11,8 +11,8 @@ import pytest
 from server.cli import build_parser, config_from_args
 from server.config import EngineConfig, Limits
 from server.errors import ClientError
-from server.http import schema
-from server.protocol import wire
+from server.openai import schema
+from server.worker_protocol import wire
 from server.workers.main import step_message
 from server.workers.vllm_args import parse_engine_args
 
@@ -102,7 +102,7 @@ def test_vllm_serve_command_lines():
 
 
 def test_the_supervisor_passes_the_model_on():
-    from server.supervision import plan
+    from server.supervisor_plan import plan
 
     parser = build_parser()
     args = parser.parse_args(["--engine", "transformers", "org/m", "--served-model-name", "s",
@@ -245,7 +245,7 @@ class _BrokenEngine:
         return 0.0 if self.held else None
 
     def step(self, now):
-        from server.protocol.wire import OutputRow
+        from server.worker_protocol.wire import OutputRow
         from server.workers.base import EngineBroken
 
         rows = [OutputRow(r, "", 0, "error", ["engine_error", "it broke"]) for r in self.held]
@@ -302,12 +302,12 @@ def _engine_info(engine: str) -> dict:
 
 @pytest.mark.parametrize("engine", ["sim", "transformers", "vllm"])
 def test_every_field_an_engine_does_not_honour_is_a_400_naming_it(engine):
-    from server.http.fields import UNSUPPORTED
-    from server.http.tools import TOOL_FIELDS
+    from server.openai.fields import UNSUPPORTED
+    from server.openai.tools import TOOL_FIELDS
 
     info = _engine_info(engine)
     honoured = set(info.get("sampling", ())) | ({"top_logprobs"} if "logprobs" in info else set())
-    if "tools" in honoured:  # tool_choice and parallel_tool_calls follow (server.http.tools)
+    if "tools" in honoured:  # tool_choice and parallel_tool_calls follow (server.openai.tools)
         honoured |= TOOL_FIELDS
     refused = [name for name in UNSUPPORTED if name not in honoured]
     assert len(refused) >= 20

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import trio
 
-from server.http.connection import ServingConfig, ServingConnection
+from server.connections.connection import ServingConfig, ServingConnection
 from tests.conftest import running_server, wait_http_ok
 from tests.sse_record import SSE, stream_into
 from tests.test_hostile import addr, split_response

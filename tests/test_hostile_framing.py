@@ -21,7 +21,7 @@ import re
 import pytest
 import trio
 
-from server.http import protocol
+from server.connections import http11
 from tests.conftest import running_server
 from tests.test_hostile import raw_exchange, split_response
 
@@ -109,7 +109,7 @@ async def test_content_length_with_transfer_encoding_is_refused_and_nothing_foll
 )
 async def test_obs_folded_header_lines_are_refused(head):
     # Also the proof that the hook into h11's request reader applies (FAST_PATHS).
-    assert protocol.FAST_PATHS
+    assert http11.FAST_PATHS
     async with running_server() as url:
         raw = await raw_exchange(url, head)
         status, headers, error = error_of(raw)
@@ -191,7 +191,7 @@ async def test_refused_heads_leave_nothing_behind():
     # A refusal raised again and again as one shared exception object kept every
     # traceback it had, and with them every refused connection (its buffers, protocol,
     # task group): memory any client could fill with folded headers.
-    from server.http.protocol import _StrictH11Connection
+    from server.connections.http11 import _StrictH11Connection
 
     head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\r\n b\r\nX-Pad: %b\r\n\r\n" % (b"p" * 8000)
     async with running_server() as url:

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 import server
 from server import SamplingParams
 from server.manager.worker import WorkerStartupError
-from server.protocol import wire
+from server.worker_protocol import wire
 from tests import fakes as scenarios
 from server.testing import open_in_memory_engine
 from tests import frames

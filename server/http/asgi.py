@@ -12,7 +12,7 @@ import math
 import trio
 
 from ..errors import BodyTimeout, PayloadTooLarge, ServerError, ServiceUnavailable, error_body
-from .encode import dumps
+from ..openai.encode import dumps
 
 __all__ = [
     "CLOSE",

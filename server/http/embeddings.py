@@ -23,9 +23,9 @@ from array import array
 
 from ..errors import ClientError, NotFound, clip
 from ..params import is_token_ids
-from .encode import dumps_document
-from .fields import is_neutral
-from .schema import decode_json
+from ..openai.encode import dumps_document
+from ..openai.fields import is_neutral
+from ..openai.schema import decode_json
 from .tokenize import serve_worker_op
 
 __all__ = ["handle_embeddings", "parse_embeddings", "embeddings_answer", "HONOURED", "REFUSED",

@@ -47,21 +47,21 @@ from ..errors import (
 )
 from ..observability.logs import request_id_from_header
 from ..observability.record import RequestRecord
-from . import schema
+from ..openai import schema
 from .asgi import (
     header,
     send_error,
     send_json,
     watch_disconnect,
 )
-from .encode import DONE, ChunkEncoder, completion_body, error_event, usage
-from .events import RichEvents
-from .logprobs import LogprobsFormatter
-from .reasoning import split_text
-from .tool_parsers import parse_text as parse_tool_text
+from ..openai.encode import DONE, ChunkEncoder, completion_body, error_event, usage
+from ..openai.events import RichEvents
+from ..openai.logprobs import LogprobsFormatter
+from ..openai.reasoning import split_text
+from ..openai.tool_parsers import parse_text as parse_tool_text
 from .post import off_loop, read_json_post, refusal
-from .protocol import DIRECT_BODY, DirectBody
-from .sink import TextSink
+from ..connections.http11 import DIRECT_BODY, DirectBody
+from ..connections.sink import TextSink
 
 __all__ = ["handle_generate"]
 
@@ -329,7 +329,7 @@ class _StreamWriter:
     chunks (roles, echo), one send per batch of ready outputs, usage (in a last chunk, or
     on every chunk with ``continuous_usage_stats``), and the end (``data: [DONE]``, or an
     error event). A plain stream's text events are written by the router once the first
-    went out (:mod:`server.http.sink`); this still writes the first, the last, errors and
+    went out (:mod:`server.connections.sink`); this still writes the first, the last, errors and
     the rest."""
 
     __slots__ = (

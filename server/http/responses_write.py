@@ -4,7 +4,7 @@
 The request's life is the chat route's (generate.py's theory of operation): one nursery,
 the disconnect monitor, the stream's shielded aclose; a rejection before the first output
 is a status code. Only the shape differs: a Response object
-(:mod:`server.http.responses_events`), or its event stream. After the first byte an engine
+(:mod:`server.openai.responses_events`), or its event stream. After the first byte an engine
 failure or a server-side abort (timeout, shutdown) ends the stream with
 ``response.failed`` (its ``error`` says why); a failure while a queued stream sends
 heartbeats, before ``response.created``, is chat's ``data: {"error": ...}`` (the openai SDK
@@ -18,10 +18,10 @@ import time
 
 from ..errors import EngineError
 from . import generate
-from .encode import dumps
+from ..openai.encode import dumps
 from .post import off_loop
-from .responses import ResponsesRequest, parse_responses
-from .responses_events import ResponseEvents, new_response, response_usage
+from ..openai.responses import ResponsesRequest, parse_responses
+from ..openai.responses_events import ResponseEvents, new_response, response_usage
 
 __all__ = ["ROUTE", "PATH"]
 

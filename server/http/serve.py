@@ -1,4 +1,4 @@
-"""Serving the app over HTTP (server.http.listen) with a graceful drain.
+"""Serving the app over HTTP (server.connections.accept) with a graceful drain.
 
 The shutdown begins when the caller's ``shutdown_trigger`` is set, or, when the CLI asks
 for signal handling, at SIGTERM/SIGINT. Then, in order (see docs/operations.md):
@@ -28,8 +28,8 @@ from ..config import ServerConfig
 from ..observability.gcstats import freeze_after_startup
 from ..observability.group import peer_socket, serve_peer_scrapes
 from .app import LLMServerApp, create_app
-from .connection import ServingConfig, cut_stalled_writes
-from .listen import serve_app
+from ..connections.connection import ServingConfig, cut_stalled_writes
+from ..connections.accept import serve_app
 
 __all__ = ["ShutdownPhases", "serve", "hypercorn_config"]
 

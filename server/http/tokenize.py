@@ -20,11 +20,11 @@ from __future__ import annotations
 from ..errors import ClientError, NotFound, clip
 from ..params import is_token_ids
 from .asgi import send_error, send_json
-from .encode import dumps
-from .fields import is_neutral
+from ..openai.encode import dumps
+from ..openai.fields import is_neutral
 from .post import off_loop, read_json_post, refusal
-from .schema import decode_json, messages_of, template_kwargs_of
-from .tools import render_tools
+from ..openai.schema import decode_json, messages_of, template_kwargs_of
+from ..openai.tools import render_tools
 
 __all__ = ["handle_tokenize", "parse_tokenize", "parse_detokenize", "serve_worker_op", "ROUTES"]
 

@@ -25,8 +25,8 @@ from trio_util import AsyncValue, wait_all
 from ..config import EngineConfig
 from ..errors import ServiceUnavailable
 from ..params import SamplingParams
-from ..protocol import wire
-from ..protocol.handshake import parse_address
+from ..worker_protocol import wire
+from ..worker_protocol.handshake import parse_address
 from .deadlines import DeadlineQueue
 from .routing import Blocks, Decision, Router, RouterStatistics
 from .stream import Choice, RequestStream, Waker
@@ -181,7 +181,7 @@ class Engine:
 
     async def tokenize(self, request: dict) -> dict:
         """Answer a /tokenize, /detokenize or embed request (a TOKENIZE round trip, see
-        server.protocol.wire) with the least loaded worker's tokenizer: the one requests
+        server.worker_protocol.wire) with the least loaded worker's tokenizer: the one requests
         are served with. Bounded like any worker round trip: a hung worker is stopped by
         the heartbeat, and its round trips fail with EngineError."""
         return await self._pick_worker().tokenize(request)

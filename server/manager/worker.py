@@ -37,7 +37,7 @@ from trio_util import AsyncValue
 
 from ..config import EngineConfig
 from ..errors import EngineError, error_from_wire
-from ..protocol import wire
+from ..worker_protocol import wire
 from .pacing import Pacer
 from .stream import Choice
 from .transport import Link, SessionEnded, open_connected, open_spawned, tls_context
@@ -77,7 +77,7 @@ _SessionEnded = SessionEnded
 class WorkerClient:
     """The frontend's handle on one worker (and its successors after restarts): a process
     it spawns, or the worker listening at ``address`` (a
-    :class:`~server.protocol.handshake.WorkerAddress`)."""
+    :class:`~server.worker_protocol.handshake.WorkerAddress`)."""
 
     def __init__(self, index: int, config: EngineConfig, spawn=None, address=None) -> None:
         self.index = index
@@ -176,7 +176,7 @@ class WorkerClient:
         return await self._round_trip(lambda seq: [wire.PING, seq])
 
     async def tokenize(self, request: dict) -> dict:
-        """Round-trip a TOKENIZE request (see server.protocol.wire); the worker answers
+        """Round-trip a TOKENIZE request (see server.worker_protocol.wire); the worker answers
         between engine steps. Raises the worker's error (a client fault is a ClientError)."""
         result, err = await self._round_trip(lambda seq: [wire.TOKENIZE, seq, request])
         if err is not None:

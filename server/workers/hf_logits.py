@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ..http.fields import UNSUPPORTED, is_neutral
+from ..openai.fields import UNSUPPORTED, is_neutral
 from .base import Rejected
 
 __all__ = ["Rules", "process", "SAMPLING_FIELDS"]

@@ -42,7 +42,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..protocol.wire import OutputRow
+from ..worker_protocol.wire import OutputRow
 from .base import (
     HFTokenizing,
     MAX_LOGPROBS,

@@ -52,7 +52,7 @@ from hypercorn.utils import repr_socket_addr, wrap_app
 
 from ..errors import ServiceUnavailable, error_body
 from .connection import ServingConnection
-from .encode import dumps
+from ..openai.encode import dumps
 
 __all__ = [
     "ConnectionInfo",

@@ -3,7 +3,7 @@
 Everything a client can get wrong is decided here, before a response starts, so that it is
 answered with a 400 (or 404 for an unknown model) and never surfaces as a broken stream.
 Fields with a meaning the server does not honour (penalties, logprobs, tools, response
-formats, ...) are refused with a 400 naming them (:mod:`server.http.fields`); fields nobody
+formats, ...) are refused with a 400 naming them (:mod:`server.openai.fields`); fields nobody
 defines are ignored, as OpenAI clients send extras.
 
 Example::
@@ -53,7 +53,7 @@ class GenerateRequest:
     logprobs: int | None = None
     #: ``stream_options.continuous_usage_stats``: usage on every chunk (vLLM).
     continuous_usage: bool = False
-    #: Tools, when the request has some (server.http.tools).
+    #: Tools, when the request has some (server.openai.tools).
     tools: ToolChoice | None = None
     #: With ``echo``, each prompt's text: a text prompt itself; a token-id prompt's None
     #: until the frontend has it detokenized (:func:`server.http.generate.echo_texts`).
@@ -66,7 +66,7 @@ def decode_json(body: bytes, known: bool = False) -> dict:
     """The body as a JSON object, or a ClientError that says what is wrong with it.
 
     ``known``: a body of :data:`SKIP_UNKNOWN_FROM` bytes or more keeps only the fields of
-    :data:`~server.http.fields.KNOWN`: msgspec skips the others without building them (a
+    :data:`~server.openai.fields.KNOWN`: msgspec skips the others without building them (a
     body of 350k keys nobody defines: 25 ms instead of 170-220 ms of the loop's time), and
     they are not logged.
 
@@ -462,7 +462,7 @@ def _engine_sampling(data: dict, limits: Limits, engine_fields: frozenset) -> di
     """The engine-honoured sampling fields of a request, validated (None values dropped)."""
     out = {}
     for name in engine_fields:
-        # (top_logprobs: read by _logprobs; tools: by server.http.tools)
+        # (top_logprobs: read by _logprobs; tools: by server.openai.tools)
         if name in data and name != "top_logprobs" and name not in TOOL_FIELDS:
             check = _ENGINE_SAMPLING.get(name)
             if check is None:  # an engine declared a field this server cannot validate

@@ -2,7 +2,7 @@
 
 Hypercorn picks HTTP/1.1 or HTTP/2 per connection (``ProtocolWrapper``), parses with h11
 (``H11Protocol``) and runs one ASGI request at a time (``HTTPStream``). This module's
-subclasses are used only by connections that :mod:`server.http.connection` serves for this
+subclasses are used only by connections that :mod:`server.connections.connection` serves for this
 server; nothing here changes hypercorn for other apps in the process.
 
 * :class:`ServingProtocolWrapper` speaks HTTP/1.1 only. Cleartext HTTP/2 (prior knowledge
@@ -11,7 +11,7 @@ server; nothing here changes hypercorn for other apps in the process.
   preface is answered 505, an ``Upgrade`` header is ignored (the request is served as
   HTTP/1.1). See docs/operations.md, "Security".
 * :class:`ServingH11Protocol` refuses, before the app, the request heads of
-  :mod:`server.http.framing` (400/505 with an OpenAI-style body and ``Connection: close``),
+  :mod:`server.connections.framing` (400/505 with an OpenAI-style body and ``Connection: close``),
   and frames the chunks of a response h11 already sends chunked itself:
   ``<size in hex>\\r\\n<bytes>\\r\\n``, exactly what h11 writes. A ``Data`` event changes no
   h11 state, so h11 is still right about everything else (the head, the last chunk,
@@ -39,7 +39,7 @@ from hypercorn.utils import suppress_body
 
 from ..errors import ClientError, error_body
 from ..observability.logs import request_id_from_header
-from .encode import dumps
+from ..openai.encode import dumps
 from .framing import Refusal, check_request_head, find_obs_fold, head_end, obs_fold
 
 ChunkedWriter: type | None
@@ -94,7 +94,7 @@ _PARSE_ERRORS = {
 
 
 def _read_head_strictly(reader, buf):
-    """h11's reader of a request head, refusing obs-fold (see :mod:`server.http.framing`).
+    """h11's reader of a request head, refusing obs-fold (see :mod:`server.connections.framing`).
     ``bytes(buf)`` is what h11 itself exposes as trailing data."""
     data = bytes(buf)
     end = head_end(data)

@@ -40,7 +40,7 @@ from .tools import ToolChoice, read_tools
 __all__ = ["CALLS_OR_DOCUMENT", "HONOURED", "REFUSED", "ResponsesRequest", "parse_responses"]
 
 #: How the answer is parsed with ``tool_choice: auto`` and a ``text.format``: the calls
-#: array of the forced format, or the document (server.http.responses_events).
+#: array of the forced format, or the document (server.openai.responses_events).
 CALLS_OR_DOCUMENT = "calls_or_document"
 
 #: The fields this route reads (``fault`` only with --sim-faults).
