@@ -10,7 +10,7 @@ What it measures
 does not depend on how busy the machine is. Each request's consumer writes every event it
 takes (its text, encoded) with one ``os.write`` to ``/dev/null``, as the HTTP layer writes
 to a socket; with ``sink`` it first gives its stream a sink that does the same from the
-router (``RequestStream.set_sink``, as ``server.http.sink`` does), and is woken only for
+router (``RequestStream.set_sink``, as ``server.connections.sink`` does), and is woken only for
 the first output and the end.
 
 Variants (``--variants``): ``task-0`` (an event per step, every event a task wakeup),

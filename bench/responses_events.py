@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from server.http.encode import ChunkEncoder  # noqa: E402
-from server.http.responses_events import ResponseEvents, new_response, response_usage  # noqa: E402
+from server.openai.encode import ChunkEncoder  # noqa: E402
+from server.openai.responses_events import ResponseEvents, new_response, response_usage  # noqa: E402
 
 
 def whole(events: int) -> None:

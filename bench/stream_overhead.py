@@ -45,7 +45,7 @@ import trio
 import trio.testing
 
 import server
-from server.protocol import wire
+from server.worker_protocol import wire
 
 # ------------------------------------------------------------------------------------------
 # Pacing, shared by both variants

@@ -30,7 +30,7 @@ import trio  # noqa: E402
 
 import server  # noqa: E402
 from bench.loadgen_lib.spawn import SpawnedServer  # noqa: E402
-from server.protocol import wire  # noqa: E402
+from server.worker_protocol import wire  # noqa: E402
 
 SIM = {"itl_ms": 8.0, "ttft_ms": 20.0, "prefill_us_per_token": 20.0}
 

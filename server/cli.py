@@ -14,11 +14,11 @@ import sys
 import trio
 
 from .config import EngineConfig, Limits, ModelConfig, ServerConfig
-from .http.tool_parsers import PARSERS as TOOL_PARSERS
+from .openai.tool_parsers import PARSERS as TOOL_PARSERS
 from .engine_args import ENGINE_DESTS, add_engine_arguments, engine_options, resolve_model_args
 from .manager.routing import DEFAULT_BALANCE, POLICIES
 from .model_config import MODEL_DESTS, model_argvs
-from .protocol.handshake import SECRET_ENV, parse_address, read_secret
+from .worker_protocol.handshake import SECRET_ENV, parse_address, read_secret
 from .observability.logs import configure_logging, lean_log_records
 
 __all__ = ["main", "build_parser", "config_from_args", "API_KEY_ENV"]
@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     from .http.app import create_app
     from .http.serve import serve
-    from .http.listen import ListenError
+    from .connections.accept import ListenError
     from .manager.worker import WorkerStartupError
 
     app = create_app(config)

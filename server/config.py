@@ -61,7 +61,7 @@ class EngineConfig:
     #: Which worker a config is for (set by the request manager, for devices_per_worker).
     worker_index: int = 0
     #: Workers that listen elsewhere (``python -m server.workers --listen``), one
-    #: :class:`~server.protocol.handshake.WorkerAddress` or its text (``"HOST:PORT"``,
+    #: :class:`~server.worker_protocol.handshake.WorkerAddress` or its text (``"HOST:PORT"``,
     #: ``"unix:/path"``) each: connected to instead of spawned. ``workers`` must then be
     #: 1 (the default) or their number, and ``engine_options`` empty: they are the
     #: workers' own (the Engine raises ValueError otherwise).
@@ -186,7 +186,7 @@ class ServerConfig:
     backlog: int = 2048
     #: Open connections beyond which a new one first ends the oldest idle keep-alive
     #: connection, else gets a 503 and is closed (None: the file-descriptor limit less a
-    #: reserve, see server.http.listen.default_max_connections).
+    #: reserve, see server.connections.accept.default_max_connections).
     max_connections: int | None = None
     #: After the drain, seconds open connections (idle keep-alives) get before they are cut.
     close_timeout: float = 2.0
@@ -197,9 +197,9 @@ class ServerConfig:
     #: ``http://collector:4318/v1/traces``); None: no tracing. Needs the ``otel`` extra.
     otlp_traces_endpoint: str | None = None
     #: How chat answers are split into ``reasoning_content`` and ``content``
-    #: (server.http.reasoning.PARSERS: "qwen3", "deepseek_r1"); None: not split.
+    #: (server.openai.reasoning.PARSERS: "qwen3", "deepseek_r1"); None: not split.
     reasoning_parser: str | None = None
-    #: How chat answers are parsed into ``tool_calls`` (server.http.tool_parsers.PARSERS:
+    #: How chat answers are parsed into ``tool_calls`` (server.openai.tool_parsers.PARSERS:
     #: "hermes", "llama3_json", "mistral") with tool_choice auto; None: auto is refused
     #: (required, named and none are grammar-forced or unparsed: they need no parser).
     tool_call_parser: str | None = None

@@ -9,7 +9,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["SamplingParams", "context_error"]
+__all__ = ["MAX_TOKEN_ID", "SamplingParams", "context_error", "is_token_ids"]
+
+#: The largest token id a request may carry: int32's, what engines index vocabularies with.
+#: The frontend refuses a larger one before it reaches a worker (every route, and the
+#: worker again for embeddings); the worker then checks each id against its model's
+#: vocabulary, the bound that matters (a 400 too).
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def is_token_ids(value: object) -> bool:
+    """Whether ``value`` is a list of token ids: ints (not bools) from 0 to
+    :data:`MAX_TOKEN_ID` (an empty list is; callers that need one refuse it themselves)."""
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in value
+    )
 
 
 def _wrap64(seed: int) -> int:

@@ -27,7 +27,7 @@ Theory of operation
    (:mod:`server.observability.group`). ``DIR`` is locked as long as the supervisor
    lives; at start, the directories of supervisors that were killed are removed
    (:mod:`server.private_dir`).
-3. Supervision: a child that exits is restarted (:class:`~server.supervision.Restarts`:
+3. Supervision: a child that exits is restarted (:class:`~server.supervisor_plan.Restarts`:
    backoff from 0.1 s, doubling to 5 s), a worker on the same socket path, so that the
    frontends reconnect by themselves. A dead frontend's connections to the workers end,
    and the workers abort its requests; the other frontends are not touched. A child that
@@ -64,11 +64,11 @@ from pathlib import Path
 import trio
 
 from .config import ServerConfig
-from .http.listen import ListenError, open_sockets
+from .connections.accept import ListenError, open_sockets
 from .http.serve import hypercorn_config
 from .observability.group import peer_socket
 from .private_dir import make_private_directory, remove_stale_directories
-from .supervision import Plan, Restarts, plan
+from .supervisor_plan import Plan, Restarts, plan
 
 __all__ = ["supervise"]
 

@@ -7,7 +7,7 @@ invariants: no stream left in the manager, no request left in any worker, and, o
 server is down, no worker process left.
 
 With ``TRIO_LLM_HTTP_FALLBACK=1`` every server here serves through hypercorn's public
-``serve()`` (:mod:`server.http.private_api`), and the tests marked ``direct_http`` (what
+``serve()`` (:mod:`server.connections.private_api`), and the tests marked ``direct_http`` (what
 only the direct path does: connection limits, bounded writes, request-head refusals) are
 skipped: ``.ci/run`` runs the HTTP test files that way too.
 """
@@ -24,7 +24,7 @@ import trio
 
 from server.config import EngineConfig, Limits, ServerConfig
 from server.http.app import create_app
-from server.http.private_api import FALLBACK_ENV
+from server.connections.private_api import FALLBACK_ENV
 from server.http.serve import serve
 
 FAST_SIM = {"itl_ms": 2.0, "ttft_ms": 5.0, "prefill_us_per_token": 0.0}

@@ -29,7 +29,7 @@ import server
 from server.manager import engine as engine_module
 from server.manager import stream as stream_module
 from server.manager.worker import spawn_process
-from server.protocol import wire
+from server.worker_protocol import wire
 from server.testing import (
     Frame,
     InMemorySpawner as FakeSpawner,

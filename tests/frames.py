@@ -1,7 +1,7 @@
 """Hypothesis strategies for worker-protocol messages: well-formed ones of every type, the
 same with one item dropped, added or replaced (nested rows included), and arbitrary
 msgpack-able lists of any type. What each side must do with them is the sans-IO check's
-verdict (:func:`server.protocol.wire.check_request` / ``check_reply``); the tests that feed
+verdict (:func:`server.worker_protocol.wire.check_request` / ``check_reply``); the tests that feed
 them to real processes compare what the process did with that verdict.
 """
 
@@ -11,7 +11,7 @@ import os
 
 from hypothesis import strategies as st
 
-from server.protocol import wire
+from server.worker_protocol import wire
 
 #: Examples per end-to-end property test (each is a round trip to a real process).
 EXAMPLES = int(os.environ.get("TRIO_LLM_FRAME_EXAMPLES", "40"))

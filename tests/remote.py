@@ -23,8 +23,8 @@ from pathlib import Path
 import trio
 
 from server.config import EngineConfig
-from server.protocol.handshake import SECRET_ENV, WorkerAddress, parse_address
-from server.protocol.wire import HELLO, FrameDecoder, ProtocolError, encode
+from server.worker_protocol.handshake import SECRET_ENV, WorkerAddress, parse_address
+from server.worker_protocol.wire import HELLO, FrameDecoder, ProtocolError, encode
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "correct horse battery staple 42"

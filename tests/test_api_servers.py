@@ -22,7 +22,7 @@ import trio
 
 from server.cli import build_parser, config_from_args
 from server.observability.merge import merge_expositions
-from server.supervision import Restarts, plan
+from server.supervisor_plan import Restarts, plan
 from tests.conftest import pid_exists
 from tests.remote import local_metrics, parse_samples, supervised, worker_counts
 from tests.sse_record import SSE, stream_into

@@ -15,8 +15,8 @@ from pydantic import BaseModel, Field
 
 from server.config import Limits
 from server.errors import ClientError
-from server.http import schema
-from server.http.tools import read_tools
+from server.openai import schema
+from server.openai.tools import read_tools
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")

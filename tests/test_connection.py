@@ -1,4 +1,4 @@
-"""The connection layer under hypercorn (server/http/connection.py): direct socket writes,
+"""The connection layer under hypercorn (server/connections/connection.py): direct socket writes,
 chunks framed without h11, keep-alive after early answers, writes larger than the socket
 buffer. Real server on a loopback port; responses parsed by h11 as a strict client."""
 

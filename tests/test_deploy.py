@@ -139,7 +139,7 @@ def test_read_only_pods_have_a_writable_tmp():
 
 
 def test_the_remote_layout_connects_frontends_to_each_worker_with_the_secret():
-    from server.protocol.handshake import SECRET_ENV, parse_address
+    from server.worker_protocol.handshake import SECRET_ENV, parse_address
     from server.workers.listen import build_parser as worker_parser
 
     yaml = pytest.importorskip("yaml")

@@ -24,8 +24,8 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from server.config import EngineConfig, ServerConfig
-from server.http import private_api
-from server.http.connection import ServingConnection
+from server.connections import private_api
+from server.connections.connection import ServingConnection
 from server.http.app import create_app
 from server.http.serve import serve
 from tests.conftest import FAST_SIM, child_pids, running_server

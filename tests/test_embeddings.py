@@ -20,7 +20,7 @@ import trio
 from server.config import EngineConfig
 from server.errors import ClientError, NotFound
 from server.http.embeddings import parse_embeddings
-from server.protocol import wire
+from server.worker_protocol import wire
 from server.workers.main import handle_message
 from server.workers.sim import SimEngine
 from tests.conftest import JSON, running_server

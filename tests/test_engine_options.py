@@ -11,8 +11,8 @@ import pytest
 from server.cli import build_parser, config_from_args
 from server.config import EngineConfig, Limits
 from server.errors import ClientError
-from server.http import schema
-from server.protocol import wire
+from server.openai import schema
+from server.worker_protocol import wire
 from server.workers.main import step_message
 from server.workers.vllm_args import parse_engine_args
 
@@ -104,7 +104,7 @@ def test_vllm_serve_command_lines():
 
 
 def test_the_supervisor_passes_the_model_on():
-    from server.supervision import plan
+    from server.supervisor_plan import plan
 
     parser = build_parser()
     args = parser.parse_args(["--engine", "transformers", "org/m", "--served-model-name", "s",
@@ -210,6 +210,8 @@ def test_every_bad_logit_bias_key_is_named():
         ("top_k", "five"), ("top_k", -2), ("min_p", 1.5), ("min_tokens", -1),
         ("logit_bias", {"x": 1}), ("logit_bias", {"1": 101}), ("logit_bias", [1]),
         ("logit_bias", {"1": True}), ("stop_token_ids", [1, "2"]), ("stop_token_ids", 3),
+        # one bound for every token id: server.params.MAX_TOKEN_ID
+        ("logit_bias", {str(2**31): 1}), ("stop_token_ids", [2**31]),
     ],
 )
 def test_declared_fields_are_validated(field, value):
@@ -251,7 +253,7 @@ class _BrokenEngine:
         return 0.0 if self.held else None
 
     def step(self, now):
-        from server.protocol.wire import OutputRow
+        from server.worker_protocol.wire import OutputRow
         from server.workers.base import EngineBroken
 
         rows = [OutputRow(r, "", 0, "error", ["engine_error", "it broke"]) for r in self.held]
@@ -308,14 +310,14 @@ def _engine_info(engine: str) -> dict:
 
 @pytest.mark.parametrize("engine", ["sim", "transformers", "vllm"])
 def test_every_field_an_engine_does_not_honour_is_a_400_naming_it(engine):
-    from server.http.fields import UNSUPPORTED
-    from server.http.tools import TOOL_FIELDS
+    from server.openai.fields import UNSUPPORTED
+    from server.openai.tools import TOOL_FIELDS
 
     info = _engine_info(engine)
     honoured = set(info.get("sampling", ())) | ({"top_logprobs"} if "logprobs" in info else set())
-    if "tools" in honoured:  # tool_choice and parallel_tool_calls follow (server.http.tools)
+    if "tools" in honoured:  # tool_choice and parallel_tool_calls follow (server.openai.tools)
         honoured |= TOOL_FIELDS
-    if "response_format" in honoured:  # vLLM's spelling follows (server.http.structured)
+    if "response_format" in honoured:  # vLLM's spelling follows (server.openai.structured)
         honoured.add("structured_outputs")
     refused = [name for name in UNSUPPORTED if name not in honoured]
     assert len(refused) >= 20
@@ -397,7 +399,7 @@ def test_every_field_of_vllms_requests_is_honoured_or_refused_by_name():
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    from server.http.fields import KNOWN
+    from server.openai.fields import KNOWN
 
     for request in (ChatCompletionRequest, CompletionRequest):
         assert not set(request.model_fields) - KNOWN, request.__name__

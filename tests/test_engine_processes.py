@@ -21,7 +21,7 @@ import trio
 
 import server
 from server import SamplingParams
-from server.protocol import wire
+from server.worker_protocol import wire
 from tests import fakes as scenarios
 from tests.fakes import (
     all_outputs,

@@ -5,7 +5,7 @@ What must hold (issue 5): a 4xx with an OpenAI-style body for anything malformed
 5xx, never a traceback), the server keeps serving, and afterwards nothing is left in the
 manager or in any worker (``running_server`` checks that when each test's server stops).
 Protocol-level garbage that h11 rejects before the app sees it is answered by the server's
-protocol layer (server/http/protocol.py), with the same OpenAI-style body.
+protocol layer (server/connections/http11.py), with the same OpenAI-style body.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import pytest
 
 from server.config import EngineConfig, Limits
 from server.errors import ClientError
-from server.http import schema
+from server.openai import schema
 from server.http.post import BIG_BODY
 from server.params import context_error
 from tests.conftest import FAST_SIM, JSON, running_server
@@ -125,7 +125,7 @@ def test_the_parse_takes_and_refuses_what_json_loads_does(body):
 
 
 def test_a_big_body_keeps_the_known_fields_and_refuses_what_a_small_one_does():
-    from server.http.fields import KNOWN
+    from server.openai.fields import KNOWN
 
     unknown = {f"{i:x}": [i, {"x": None}] for i in range(40_000)}
     body = {"prompt": [1, 2], "n": 2, "metadata": {"k": "v"}, "temperature": 0.5, **unknown,

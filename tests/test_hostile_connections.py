@@ -20,13 +20,13 @@ import httpx
 import pytest
 import trio
 
-from server.http.connection import ServingConfig, ServingConnection
+from server.connections.connection import ServingConfig, ServingConnection
 from tests.conftest import running_server, wait_http_ok
 from tests.sse_record import SSE, stream_into
 from tests.test_hostile import addr, split_response
 from tests.test_shutdown import REPO, free_port
 
-#: Connection limits, descriptors and bounded writes: the direct path's (server.http.listen).
+#: Connection limits, descriptors and bounded writes: the direct path's (server.connections.accept).
 pytestmark = pytest.mark.direct_http
 
 

@@ -21,11 +21,11 @@ import re
 import pytest
 import trio
 
-from server.http import private_api
+from server.connections import private_api
 from tests.conftest import running_server
 from tests.test_hostile import raw_exchange, split_response
 
-#: Request-head refusals: the direct path's (server.http.framing, protocol).
+#: Request-head refusals: the direct path's (server.connections.framing, protocol).
 pytestmark = pytest.mark.direct_http
 
 BODY = b'{"prompt": "x", "max_tokens": 2}'
@@ -194,7 +194,7 @@ async def test_refused_heads_leave_nothing_behind():
     # A refusal raised again and again as one shared exception object kept every
     # traceback it had, and with them every refused connection (its buffers, protocol,
     # task group): memory any client could fill with folded headers.
-    from server.http.private_api import StrictH11Connection
+    from server.connections.private_api import StrictH11Connection
 
     head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\r\n b\r\nX-Pad: %b\r\n\r\n" % (b"p" * 8000)
     async with running_server() as url:

@@ -151,7 +151,7 @@ def exchange(url: str, chunks: list[bytes], pause: float = 0.0) -> bytes:
     return out
 
 
-#: The codes of heads refused by the protocol layer (server/http/protocol.py): after one,
+#: The codes of heads refused by the protocol layer (server/connections/http11.py): after one,
 #: the connection is closed and nothing else on it may run.
 REFUSED = {"ambiguous_framing", "obs_fold", "invalid_http", "http_version_not_supported",
            "request_header_fields_too_large", "not_implemented"}

@@ -25,7 +25,7 @@ import httpx
 import pytest
 import trio
 
-from server.http.protocol import ServingH11Protocol
+from server.connections.http11 import ServingH11Protocol
 from tests.conftest import running_server
 from tests.sse_record import SSE, stream_into
 from tests.test_hostile import addr, raw_exchange, split_response

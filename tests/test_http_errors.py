@@ -194,7 +194,7 @@ async def test_a_bug_of_ours_mid_stream_ends_the_stream_with_an_error_event(monk
     # Seed (a): an exception raised by the server's own code into a started stream must not
     # crash it or the server: the stream ends with an error event and data: [DONE], the
     # request is aborted on the engine, and the next request is served.
-    from server.http.encode import ChunkEncoder
+    from server.openai.encode import ChunkEncoder
     from tests.sse_record import SSE, stream_into
 
     real = ChunkEncoder.delta
@@ -204,7 +204,7 @@ async def test_a_bug_of_ours_mid_stream_ends_the_stream_with_an_error_event(monk
         nonlocal calls
         calls += 1
         # A test-only fault, a few events into the stream, there to stay: the router
-        # meets it first (server.http.sink writes plain text events) and must go on
+        # meets it first (server.connections.sink writes plain text events) and must go on
         # routing; the request's task meets it next and ends the stream.
         if calls >= 5:
             raise RuntimeError("a bug in the encoder")

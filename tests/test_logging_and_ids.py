@@ -15,7 +15,7 @@ import trio
 
 from server.cli import build_parser
 from server.config import EngineConfig
-from server.http import schema
+from server.openai import schema
 from server.observability import log_handler, request_id_from_header
 from tests.conftest import FAST_SIM, running_server
 

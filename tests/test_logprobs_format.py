@@ -9,8 +9,8 @@ import pytest
 
 from server.config import Limits
 from server.errors import ClientError
-from server.http import schema
-from server.http.logprobs import LogprobsFormatter
+from server.openai import schema
+from server.openai.logprobs import LogprobsFormatter
 
 HF = {"engine": "transformers", "logprobs": 20}
 SIM = {"engine": "sim"}

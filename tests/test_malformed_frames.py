@@ -33,7 +33,7 @@ from server import EngineConfig, SamplingParams, open_engine
 from server.config import ServerConfig
 from server.http.serve import serve
 from server.manager.worker import WorkerClient
-from server.protocol import handshake, wire
+from server.worker_protocol import handshake, wire
 from tests import frames
 from tests.conftest import FAST_SIM, assert_engine_idle, child_pids, pid_exists, wait_http_ok
 from tests.remote import (

@@ -14,7 +14,7 @@ import openai
 import trio
 
 from server import SamplingParams
-from server.protocol import wire
+from server.worker_protocol import wire
 from tests.conftest import running_server
 from tests.fakes import (
     all_outputs,

@@ -15,8 +15,8 @@ import logging
 import httpx
 import pytest
 
-from server.http import private_api
-from server.http.private_api import WRITTEN_FOR, use_direct_path, version_mismatch
+from server.connections import private_api
+from server.connections.private_api import WRITTEN_FOR, use_direct_path, version_mismatch
 from tests.conftest import JSON, running_server
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from server.http.reasoning import ReasoningSplitter
+from server.openai.reasoning import ReasoningSplitter
 
 #: (parser, model output, expected reasoning, expected content)
 CASES = [

@@ -20,7 +20,7 @@ import trio
 
 from server.config import EngineConfig
 from server.manager.worker import WorkerClient
-from server.protocol import wire
+from server.worker_protocol import wire
 from tests.fakes import all_outputs
 from tests.conftest import FAST_SIM, assert_engine_idle, pid_exists, running_server
 from tests.sse_record import SSE, stream_into

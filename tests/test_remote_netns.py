@@ -23,7 +23,7 @@ import trio
 
 from server import EngineConfig, open_engine
 from server.manager.worker import WorkerStartupError
-from server.protocol.handshake import parse_address
+from server.worker_protocol.handshake import parse_address
 from tests.conftest import running_server, wait_http_ok
 from tests.remote import SECRET, listening_worker
 from tests.sse_record import SSE, stream_into

@@ -25,8 +25,8 @@ from server import Engine, EngineConfig, SamplingParams, open_engine
 from server.cli import build_parser, config_from_args
 from server.manager.transport import open_connected
 from server.manager.worker import WorkerStartupError
-from server.protocol import wire
-from server.protocol.handshake import SECRET_ENV
+from server.worker_protocol import wire
+from server.worker_protocol.handshake import SECRET_ENV
 from tests.conftest import child_pids, running_server, wait_http_ok
 from tests.remote import (
     SECRET, free_port, listening_worker, make_certificate, remote_config, wait_until, worker_env,
@@ -341,7 +341,7 @@ async def test_an_engine_with_remote_workers_refuses_what_only_spawned_ones_hono
 def test_the_secret_reads_the_same_from_a_file_and_the_environment(tmp_path):
     # kustomize makes the Secret from a file, newline included, and hands it to the pods'
     # environment; a frontend given the file must agree with a worker given the variable.
-    from server.protocol.handshake import SECRET_ENV, read_secret
+    from server.worker_protocol.handshake import SECRET_ENV, read_secret
 
     path = tmp_path / "secret"
     path.write_text(SECRET + "\n")
@@ -356,7 +356,7 @@ async def test_connecting_to_a_host_that_does_not_answer_gives_up_at_the_heartbe
 
     from server.config import EngineConfig
     from server.manager.transport import SessionEnded, open_connected
-    from server.protocol.handshake import parse_address
+    from server.worker_protocol.handshake import parse_address
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

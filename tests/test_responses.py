@@ -16,8 +16,8 @@ import trio
 
 from server.config import EngineConfig, Limits
 from server.errors import ClientError
-from server.http.responses import CALLS_OR_DOCUMENT, parse_responses
-from server.http.responses_events import ResponseEvents, new_response, response_usage
+from server.openai.responses import CALLS_OR_DOCUMENT, parse_responses
+from server.openai.responses_events import ResponseEvents, new_response, response_usage
 from tests.conftest import FAST_SIM, assert_engine_idle, running_server
 from tests.test_http_cancellation import open_request, read_until
 

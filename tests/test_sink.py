@@ -1,4 +1,4 @@
-"""The router writes a plain stream's text events (server.http.sink): same bytes, no wakeups.
+"""The router writes a plain stream's text events (server.connections.sink): same bytes, no wakeups.
 
 End to end through hypercorn with a real worker process, and at the manager level with
 in-memory workers under autojump_clock.
@@ -14,8 +14,8 @@ import trio
 
 import server
 from server.config import EngineConfig
-from server.http.encode import ChunkEncoder
-from server.http.protocol import DirectBody
+from server.openai.encode import ChunkEncoder
+from server.connections.http11 import DirectBody
 from tests.conftest import FAST_SIM, running_server
 from tests.fakes import open_fake_engine, sim_config
 
@@ -186,7 +186,7 @@ async def test_chunks_the_kernel_takes_in_part_go_out_whole_and_in_order(monkeyp
     """A socket buffer that takes only part of a chunk (the kernel's choice): the rest goes
     out first, from the request's task; the stream and the next response on the same
     connection are byte for byte those of a socket that takes everything."""
-    from server.http.connection import ServingConnection
+    from server.connections.connection import ServingConnection
 
     real = ServingConnection.write_nowait
     writes = torn = 0

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 import server
 from server import SamplingParams
 from server.manager.worker import WorkerStartupError
-from server.protocol import wire
+from server.worker_protocol import wire
 from tests import fakes as scenarios
 from server.testing import open_in_memory_engine
 from tests import frames
@@ -779,8 +779,11 @@ async def test_leaving_the_engine_aborts_open_streams(autojump_clock):
             async with server.open_engine(sim_config(), spawn=spawn) as engine:
                 nursery.start_soon(consume, engine.generate("a", LONG))
                 await trio.sleep(0.5)
+            left = trio.current_time()
         assert got[-1][1].finish_reason == "abort" and got[-1][1].error_kind is None
         assert got[-1][0] == approx(0.5)
+        # The engine left once the worker confirmed, not at its drain timeout (1 s).
+        assert left < 0.5 + sim_config().drain_timeout / 2
         assert engine.statistics().open_streams == 0
         spawn.assert_all_exited()
 

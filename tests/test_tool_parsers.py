@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from server.http.tool_parsers import ToolCallParser, accumulate, parse_text
+from server.openai.tool_parsers import ToolCallParser, accumulate, parse_text
 
 W = '{"city": "Pa}ris \\"x\\" 日本 🙂", "days": [1, {"n": 2}], "ok": true}'
 
@@ -137,9 +137,9 @@ def test_unknown_format():
 def test_reasoning_then_tool_calls_in_the_events_of_a_stream():
     """With --reasoning-parser and tools, the thinking is split off first and the parser
     sees only the content; the events' deltas add up to the whole answer's split."""
-    from server.http.encode import ChunkEncoder
-    from server.http.events import RichEvents
-    from server.http.tools import read_tools
+    from server.openai.encode import ChunkEncoder
+    from server.openai.events import RichEvents
+    from server.openai.tools import read_tools
     from server.outputs import RequestOutput
 
     tools = read_tools({"tools": [{"type": "function", "function": {"name": "f"}}]}, "hermes")
@@ -178,7 +178,7 @@ def test_text_that_keeps_a_call_undecided_costs_linear_time(fmt, opening, filler
     """One token at a time, a model can keep a call's head undecided for ever; the parser
     must not scan the whole of it again at every delta (that was seconds of event loop
     for 8,000 tokens). Past MAX_HEAD the text is content, for any split."""
-    from server.http.tool_parsers import MAX_HEAD
+    from server.openai.tool_parsers import MAX_HEAD
 
     pieces = [opening] + [filler] * 8000 + ["done"]
     content, calls = parse_pieces(fmt, pieces)

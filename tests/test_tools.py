@@ -12,8 +12,8 @@ import pytest
 
 from server.config import EngineConfig, Limits
 from server.errors import ClientError
-from server.http import schema
-from server.http.tool_parsers import accumulate, parse_text
+from server.openai import schema
+from server.openai.tool_parsers import accumulate, parse_text
 from tests.conftest import FAST_SIM, running_server
 
 WEATHER = {
@@ -229,7 +229,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_forced_calls_are_always_valid_in_the_engine(model_dir):
-    from server.http.tools import read_tools
+    from server.openai.tools import read_tools
     from server.workers.hf import TransformersEngine
 
     engine = TransformersEngine(model_path=str(model_dir), max_batch=8)

@@ -148,7 +148,7 @@ def test_chat_template_kwargs_reach_the_template(engine):
 
 def test_a_message_name_reaches_the_template(engine):
     from server.config import Limits
-    from server.http.schema import parse_chat
+    from server.openai.schema import parse_chat
 
     body = json.dumps({"messages": [{"role": "user", "content": "hello", "name": "ada"}]})
     req = parse_chat(body.encode(), Limits(), MODEL, engine.info)
@@ -411,7 +411,7 @@ def test_json_schema_outputs_validate(engine):
 
 
 def test_structured_outputs_regex_choice_and_grammar(engine):
-    # vLLM's structured_outputs kinds besides JSON (server.http.structured makes these)
+    # vLLM's structured_outputs kinds besides JSON (server.openai.structured makes these)
     import re
 
     pytest.importorskip("xgrammar")

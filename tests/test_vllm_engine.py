@@ -358,7 +358,7 @@ def test_json_schema_outputs_validate(client):
 
 
 def test_structured_outputs_choice_regex_and_grammar(client):
-    # vLLM's own field (server.http.structured), on vLLM's own structured output
+    # vLLM's own field (server.openai.structured), on vLLM's own structured output
     import re
 
     choices = ["alpha beta", "gamma"]

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.protocol import wire
+from server.worker_protocol import wire
 from tests import frames
 
 MESSAGES = [

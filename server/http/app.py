@@ -55,7 +55,7 @@ from ..observability.tracing import Tracing
 from .asgi import CLOSE, HeaderSend, header, send_empty, send_error
 from .auth import APIKeys, is_protected
 from .cors import CORSPolicy
-from .encode import dumps
+from ..openai.encode import dumps
 from .embeddings import PATH as EMBEDDINGS_PATH
 from .embeddings import handle_embeddings
 from .tokenize import ROUTES as TOKENIZE_ROUTES
@@ -65,7 +65,7 @@ from .responses_write import PATH as RESPONSES_PATH
 from .responses_write import ROUTE as RESPONSES
 from .chat_batch import PATH as CHAT_BATCH_PATH
 from .chat_batch import ROUTE as CHAT_BATCH
-from .listen import connection_info
+from ..connections.accept import connection_info
 from .models import ModelTable, Pool
 from .orca import REQUEST_HEADER as ORCA_FORMAT
 from .orca import load_report, named_metrics
@@ -147,7 +147,7 @@ class LLMServerApp(QuartTrio):
         self.fatal_error: BaseException | None = None
         self.api_keys = APIKeys(config.api_keys) if config.api_keys else None
         self.cors = CORSPolicy(config.allowed_origins) if config.allowed_origins else None
-        #: The HTTP server's :class:`~server.http.listen.ConnectionPool` while it serves.
+        #: The HTTP server's :class:`~server.connections.accept.ConnectionPool` while it serves.
         self.connections = None
         #: The ``/metrics`` families, in a registry of this app's own.
         self.metrics = Metrics(

@@ -12,8 +12,8 @@ import math
 import trio
 
 from ..errors import BodyTimeout, PayloadTooLarge, ServerError, ServiceUnavailable, error_body
-from .encode import dumps
-from .private_api import queued_receive
+from ..openai.encode import dumps
+from ..connections.private_api import queued_receive
 
 __all__ = [
     "CLOSE",

@@ -19,7 +19,7 @@ import dataclasses
 
 from ..errors import ClientError
 from . import generate
-from .schema import GenerateRequest, chat_request, decode_json
+from ..openai.schema import GenerateRequest, chat_request, decode_json
 
 __all__ = ["PATH", "ROUTE", "parse_chat_batch"]
 

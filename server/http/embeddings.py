@@ -22,9 +22,10 @@ import sys
 from array import array
 
 from ..errors import ClientError, NotFound, clip
-from .encode import dumps_document
-from .fields import _neutral
-from .schema import decode_json
+from ..params import is_token_ids
+from ..openai.encode import dumps_document
+from ..openai.fields import is_neutral
+from ..openai.schema import decode_json
 from .tokenize import serve_worker_op
 
 __all__ = ["handle_embeddings", "parse_embeddings", "embeddings_answer", "HONOURED", "REFUSED",
@@ -54,11 +55,6 @@ REFUSED: dict[str, tuple] = {
 MAX_INPUTS = 2048
 
 
-def _ids(value: object) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value)
-
-
 def _inputs(data: dict) -> list:
     """The inputs as a list of strings and token-id lists (OpenAI's four shapes)."""
     value = data.get("input")
@@ -76,7 +72,7 @@ def _inputs(data: dict) -> list:
         raise ClientError(f"'input' may hold at most {MAX_INPUTS} inputs.", param="input")
     kind = str if isinstance(value[0], str) else list
     for i, item in enumerate(value):
-        if not isinstance(item, kind) or (kind is list and not _ids(item)):
+        if not isinstance(item, kind) or (kind is list and not is_token_ids(item)):
             raise ClientError("'input' must be all strings or all lists of token ids "
                               "(integers from 0 to 2**31 - 1).", param=f"input[{i}]")
         if not item:
@@ -130,7 +126,7 @@ def parse_embeddings(body: bytes, served_model: str, info: dict) -> tuple[dict, 
         if neutral is None:
             raise ClientError(f"Unrecognized request argument supplied: '{clip(name)}'.",
                               param=clip(name), code="unknown_parameter")
-        if not _neutral(value, neutral):
+        if not is_neutral(value, neutral):
             raise ClientError(f"'{name}' is not supported by this server's /v1/embeddings; "
                               "leave it out (or at its default).", param=name,
                               code="unsupported_parameter")

@@ -47,22 +47,21 @@ from ..errors import (
 )
 from ..observability.logs import request_id_from_header
 from ..observability.record import RequestRecord
-from . import schema
+from ..openai import schema
 from .asgi import (
-    CLOSE,
     header,
     send_error,
     send_json,
     watch_disconnect,
 )
-from .encode import DONE, ChunkEncoder, completion_body, error_event, usage
-from .events import RichEvents
-from .logprobs import LogprobsFormatter
-from .reasoning import split_text
-from .tool_parsers import parse_text as parse_tool_text
-from .post import BEFORE_BODY, UNREAD_BODY, off_loop, read_json_post, refusal_headers
-from .protocol import DIRECT_BODY, DirectBody
-from .sink import TextSink
+from ..openai.encode import DONE, ChunkEncoder, completion_body, error_event, usage
+from ..openai.events import RichEvents
+from ..openai.logprobs import LogprobsFormatter
+from ..openai.reasoning import split_text
+from ..openai.tool_parsers import parse_text as parse_tool_text
+from .post import off_loop, read_json_post, refusal
+from ..connections.http11 import DIRECT_BODY, DirectBody
+from ..connections.sink import TextSink
 
 __all__ = ["handle_generate"]
 
@@ -156,27 +155,18 @@ async def handle_generate(
         else:
             req = await off_loop(len(body), schema.parse_completion, body, config.limits,
                                  engine.model_name, engine.info)
-        refusal = app.admission_error(engine, len(req.prompts) * req.params.n)
-        if refusal is not None:
-            raise refusal
+        refused = app.admission_error(engine, len(req.prompts) * req.params.n)
+        if refused is not None:
+            raise refused
         if None in req.echoed:
             req = await echo_texts(engine, req)
         stream = engine.generate_many(
             req.prompts, req.params, timeout=config.request_timeout, errors_as_outputs=True
         )
         record.dispatched(req.stream, stream.choices)
-    except BEFORE_BODY as exc:
-        await answer.error(exc, await refusal_headers(exc, scope, receive, config))
-        return
-    except UNREAD_BODY as exc:  # the rest of the body is not read
-        await answer.error(exc, [CLOSE])
-        return
-    except ServerError as exc:
-        await answer.error(exc)
-        return
-    except Exception:
-        log.exception("internal error before the response started")
-        await answer.error(ServerError("Internal server error."))
+    except Exception as exc:
+        await answer.error(*await refusal(exc, scope, receive, config,
+                                          "before the response started"))
         return
     # The client's X-Request-Id, else the body's request_id (vLLM's order), else ours.
     base = record.request_id
@@ -193,12 +183,15 @@ async def handle_generate(
                         await route.write(app, answer, stream, req, response_id,
                                           engine.model_name)
                     elif req.stream:
-                        observe_itl = app.metrics.of(record.model).itl.observe
-                        await _write_stream(
-                            answer, stream, req, response_id, engine.model_name, observe_itl,
-                            config.queued_heartbeat, config.reasoning_parser,
-                            scope["extensions"].get(DIRECT_BODY),
-                        )
+                        per_choice = await _stream_started(answer, stream,
+                                                           config.queued_heartbeat)
+                        if per_choice is not None:
+                            await _StreamWriter(
+                                answer, stream, req, response_id, engine.model_name,
+                                per_choice, observe_itl=app.metrics.of(record.model).itl.observe,
+                                reasoning_parser=config.reasoning_parser,
+                                direct=scope["extensions"].get(DIRECT_BODY),
+                            ).write()
                     else:
                         await _write_full(
                             answer, stream, req, response_id, engine.model_name,
@@ -284,115 +277,197 @@ def _abort_error(cause: str) -> ServerError:
     return ServiceUnavailable("The server is shutting down.", code="shutting_down")
 
 
-def _prompt_tokens(per_choice: list[int], n: int) -> int:
-    """Usage counts each prompt once, not once per sample."""
-    return sum(per_choice[::n])
+def failure(stream, out) -> ServerError | None:
+    """Why an answer fails at ``out``, or None: the engine's error that ended its choice,
+    or a server-side abort (a timeout, the shutdown: :func:`_abort_error`). A client's own
+    abort is not a failure."""
+    if out.finish_reason == "error":
+        return out.exception()
+    if out.finish_reason == "abort" and stream.abort_cause is not None:
+        return _abort_error(stream.abort_cause)
+    return None
 
 
-def _cached_tokens(cached: dict[int, int], n: int) -> int | None:
-    """Prefix-cache hits of each prompt's first sample (counted once per prompt, as its
-    prompt tokens are); None when the engine reports none."""
-    if not cached:
-        return None
-    return sum(v for index, v in cached.items() if index % n == 0)
+def whole_failure(record: RequestRecord, stream, out) -> ServerError | None:
+    """:func:`failure`, for an answer written whole at the end: notes the request's first
+    token on the way (no inter-token latency: nothing is written until the end)."""
+    if record.first_token is None and out.num_tokens:
+        record.first_token = _now()
+    return failure(stream, out)
 
 
-async def _write_stream(
-    answer: _Answer, stream, req, response_id: str, model: str, observe_itl, heartbeat,
-    reasoning_parser: str | None = None, direct: DirectBody | None = None,
-) -> None:
-    per_choice = await _stream_started(answer, stream, heartbeat)
-    if per_choice is None:
-        return
-    send = answer.send
-    record = answer.record
-    enc = ChunkEncoder(chat=req.chat, response_id=response_id, created=int(time.time()), model=model)
-    n = req.params.n
-    choices = len(per_choice)
-    rich = None  # logprobs, a reasoning split or tools: richer events (else plain text)
-    if RichEvents.wanted(chat=req.chat, logprobs=req.logprobs is not None,
-                         reasoning_parser=reasoning_parser, tools=req.tools):
-        # With echo and logprobs, the prompt goes out with its logprobs, in the first event.
-        echoed = [req.echoed[i // n] for i in range(choices)] if req.echo and not req.chat \
-            else None
-        rich = RichEvents(enc, choices=choices, chat=req.chat, logprobs=req.logprobs is not None,
-                          reasoning_parser=reasoning_parser, prompts=echoed, tools=req.tools,
-                          include_reasoning=req.include_reasoning)
-    first = []
-    for index in range(choices):
-        if req.chat:
-            first.append(enc.role(index))
-            if req.echo and req.echoed[0]:  # vLLM's chat echo: its own chunk, after the role
-                first.append(enc.delta(index, req.echoed[0]))
-        elif req.echo and rich is None:
-            first.append(enc.delta(index, req.echoed[index // n]))
-    completion_tokens = 0
-    cached: dict[int, int] = {}
-    continuous = req.continuous_usage
-    prompt_tokens = _prompt_tokens(per_choice, n)
-    so_far = [0] * choices  # completion tokens per choice (continuous usage)
-    if continuous:
-        first = [enc.with_usage(c, usage(prompt_tokens, 0)) for c in first]
-    last = 0.0  # when the previous write with new tokens happened
-    # A plain stream's text events are written by the router once the first went out
-    # (server.http.sink); this task still writes the first, the last, errors and the rest.
-    plain = direct is not None and rich is None and not continuous and choices == 1
-    sink: TextSink | None = None
-    try:
-        if first:
-            await send({"type": "http.response.body", "body": b"".join(first), "more_body": True})
-        while outs := await stream.next_batch():
-            if sink is not None:
-                if sink.torn:
-                    rest, sink.torn = sink.torn, b""
-                    await direct.send_torn(rest)  # type: ignore[union-attr]
-                last = sink.last
-            if outs[0].num_tokens:
-                last = tokens_arrived(record, observe_itl, last)
-            parts = []
-            for o in outs:
-                if o.finish_reason == "error":
-                    if o.text:  # text merged in before the failure still goes out
-                        parts.append(enc.delta(o.index, o.text))
-                    await answer.fail_stream(o.exception(), b"".join(parts))
+class _Usage:
+    """A request's token usage, counted as its choices end: prompt tokens once per prompt
+    (not once per sample), completion tokens of every choice, and the prefix-cache hits of
+    each prompt's first sample (counted once per prompt, as its prompt tokens are). Shared
+    by the streamed and whole answers."""
+
+    __slots__ = ("n", "prompt_tokens", "completion_tokens", "_cached")
+
+    def __init__(self, per_choice: list[int], n: int) -> None:
+        self.n = n
+        self.prompt_tokens = sum(per_choice[::n])
+        self.completion_tokens = 0
+        self._cached: dict[int, int] = {}
+
+    def ended(self, out) -> None:
+        """``out`` ended its choice."""
+        self.completion_tokens += out.completion_tokens
+        if out.cached_tokens is not None:
+            self._cached[out.index] = out.cached_tokens
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prefix-cache hits; None when the engine reports none."""
+        if not self._cached:
+            return None
+        n = self.n
+        return sum(v for index, v in self._cached.items() if index % n == 0)
+
+
+class _StreamWriter:
+    """One streamed completions or chat answer, after the engine started it: the first
+    chunks (roles, echo), one send per batch of ready outputs, usage (in a last chunk, or
+    on every chunk with ``continuous_usage_stats``), and the end (``data: [DONE]``, or an
+    error event). A plain stream's text events are written by the router once the first
+    went out (:mod:`server.connections.sink`); this still writes the first, the last, errors and
+    the rest."""
+
+    __slots__ = (
+        "answer", "stream", "req", "response_id", "enc", "choices", "rich", "observe_itl",
+        "direct", "usage", "so_far", "sink", "plain", "last",
+    )
+
+    def __init__(
+        self, answer: _Answer, stream, req, response_id: str, model: str, per_choice: list[int],
+        *, observe_itl, reasoning_parser: str | None, direct: DirectBody | None,
+    ) -> None:
+        self.answer = answer
+        self.stream = stream
+        self.req = req
+        self.response_id = response_id
+        self.enc = enc = ChunkEncoder(chat=req.chat, response_id=response_id,
+                                      created=int(time.time()), model=model)
+        self.observe_itl = observe_itl
+        self.direct = direct
+        self.choices = choices = len(per_choice)
+        n = req.params.n
+        self.rich = None  # logprobs, a reasoning split or tools: richer events (else plain text)
+        if RichEvents.wanted(chat=req.chat, logprobs=req.logprobs is not None,
+                             reasoning_parser=reasoning_parser, tools=req.tools):
+            # With echo and logprobs, the prompt goes out with its logprobs, in the first event.
+            echoed = [req.echoed[i // n] for i in range(choices)] if req.echo and not req.chat \
+                else None
+            self.rich = RichEvents(enc, choices=choices, chat=req.chat,
+                                   logprobs=req.logprobs is not None,
+                                   reasoning_parser=reasoning_parser, prompts=echoed,
+                                   tools=req.tools, include_reasoning=req.include_reasoning)
+        self.usage = _Usage(per_choice, n)
+        #: Completion tokens per choice so far (continuous usage only).
+        self.so_far = [0] * choices if req.continuous_usage else None
+        self.sink: TextSink | None = None
+        #: Whether the router may write its text events, once the first went out (one try;
+        #: only for a chunked body, HTTP/1.1).
+        self.plain = direct is not None and self.rich is None and not req.continuous_usage \
+            and choices == 1
+        self.last = 0.0  # when the previous write with new tokens happened
+
+    def _first(self) -> list[bytes]:
+        """The chunks before the first output: each chat choice's role (and vLLM's chat
+        echo, its own chunk after the role), or a plain completion's echo."""
+        req = self.req
+        enc = self.enc
+        n = req.params.n
+        first = []
+        for index in range(self.choices):
+            if req.chat:
+                first.append(enc.role(index))
+                if req.echo and req.echoed[0]:
+                    first.append(enc.delta(index, req.echoed[0]))
+            elif req.echo and self.rich is None:
+                first.append(enc.delta(index, req.echoed[index // n]))
+        if self.so_far is not None:
+            first = [enc.with_usage(c, usage(self.usage.prompt_tokens, 0)) for c in first]
+        return first
+
+    async def write(self) -> None:
+        answer = self.answer
+        stream = self.stream
+        first = self._first()
+        try:
+            if first:
+                await answer.send(
+                    {"type": "http.response.body", "body": b"".join(first), "more_body": True}
+                )
+            while outs := await stream.next_batch():
+                if not await self._batch(outs):
                     return
-                if o.finish_reason is not None:
-                    completion_tokens += o.completion_tokens
-                    if o.cached_tokens is not None:
-                        cached[o.index] = o.cached_tokens
-                if rich is None:
-                    if (sink is not None and not o.text and not o.num_tokens
-                            and o.finish_reason is None):
-                        continue  # the sink wrote its text (and sent the rest above)
-                    parts.append(enc.delta(o.index, o.text, o.finish_reason))
-                else:
-                    event = rich.event(o)
-                    if event is not None:
-                        parts.append(event)
-            if continuous:
-                for o in outs:
-                    so_far[o.index] = o.completion_tokens
-                now_usage = usage(prompt_tokens, sum(so_far))
-                parts = [enc.with_usage(part, now_usage) for part in parts]
-            if parts:  # (none when a reasoning split holds a partial tag back)
-                await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
-            if sink is not None:
-                sink.last = last
-            elif plain and last:
-                plain = False  # one try; only for a chunked body (HTTP/1.1)
-                if direct is not None and direct.usable():
-                    sink = TextSink(direct, enc, observe_itl, last)
-                    if not stream.set_sink(sink):
-                        sink = None
-        stream.set_sink(None)
-        tail = DONE
-        if req.include_usage:
-            tail = enc.usage(prompt_tokens, completion_tokens, _cached_tokens(cached, n)) + DONE
-        await answer.last(tail)
-    except Exception:
-        stream.set_sink(None)
-        log.exception("internal error while streaming %s", response_id)
-        await answer.fail_stream(EngineError("Internal server error while streaming."))
+            stream.set_sink(None)
+            tail = DONE
+            if self.req.include_usage:
+                u = self.usage
+                tail = self.enc.usage(u.prompt_tokens, u.completion_tokens,
+                                      u.cached_tokens) + DONE
+            await answer.last(tail)
+        except Exception:
+            stream.set_sink(None)
+            log.exception("internal error while streaming %s", self.response_id)
+            await answer.fail_stream(EngineError("Internal server error while streaming."))
+
+    async def _batch(self, outs: list) -> bool:
+        """Write one batch of outputs; False when it ended the stream with an error."""
+        sink = self.sink
+        if sink is not None:
+            if sink.torn:
+                rest, sink.torn = sink.torn, b""
+                await self.direct.send_torn(rest)  # type: ignore[union-attr]
+            self.last = sink.last
+        if outs[0].num_tokens:
+            self.last = tokens_arrived(self.answer.record, self.observe_itl, self.last)
+        enc = self.enc
+        rich = self.rich
+        parts = []
+        for o in outs:
+            if o.finish_reason == "error":
+                if o.text:  # text merged in before the failure still goes out
+                    parts.append(enc.delta(o.index, o.text))
+                await self.answer.fail_stream(o.exception(), b"".join(parts))
+                return False
+            if o.finish_reason is not None:
+                self.usage.ended(o)
+            if rich is None:
+                if (sink is not None and not o.text and not o.num_tokens
+                        and o.finish_reason is None):
+                    continue  # the sink wrote its text (and sent the rest above)
+                parts.append(enc.delta(o.index, o.text, o.finish_reason))
+            else:
+                event = rich.event(o)
+                if event is not None:
+                    parts.append(event)
+        so_far = self.so_far
+        if so_far is not None:
+            for o in outs:
+                so_far[o.index] = o.completion_tokens
+            now_usage = usage(self.usage.prompt_tokens, sum(so_far))
+            parts = [enc.with_usage(part, now_usage) for part in parts]
+        if parts:  # (none when a reasoning split holds a partial tag back)
+            await self.answer.send(
+                {"type": "http.response.body", "body": b"".join(parts), "more_body": True}
+            )
+        if sink is not None:
+            sink.last = self.last
+        elif self.plain and self.last:
+            self._hand_over()
+        return True
+
+    def _hand_over(self) -> None:
+        """Let the router write this plain stream's text events from now on (one try)."""
+        self.plain = False
+        direct = self.direct
+        if direct is not None and direct.usable():
+            sink = TextSink(direct, self.enc, self.observe_itl, self.last)
+            if self.stream.set_sink(sink):
+                self.sink = sink
 
 
 async def _write_full(
@@ -410,19 +485,13 @@ async def _write_full(
         for index in range(k):
             texts[index].append(req.echoed[index // n])
     reasons: list[str | None] = [None] * k
-    completion_tokens = 0
-    cached: dict[int, int] = {}
+    counted = _Usage(per_choice, n)
     entries: list[list] = [[] for _ in range(k)]  # logprobs, for requests that asked
     prompts: list = [None] * k
     async for out in stream:
-        if record.first_token is None and out.num_tokens:
-            # No inter-token latency here: nothing is written until the end.
-            record.first_token = _now()
-        if out.finish_reason == "error":
-            await answer.error(out.exception())
-            return
-        if out.finish_reason == "abort" and stream.abort_cause is not None:
-            await answer.error(_abort_error(stream.abort_cause))
+        exc = whole_failure(record, stream, out)
+        if exc is not None:
+            await answer.error(exc)
             return
         texts[out.index].append(out.text)
         if out.logprobs is not None:
@@ -431,16 +500,14 @@ async def _write_full(
             prompts[out.index] = out.prompt_logprobs
         if out.finish_reason is not None:
             reasons[out.index] = out.finish_reason
-            completion_tokens += out.completion_tokens
-            if out.cached_tokens is not None:
-                cached[out.index] = out.cached_tokens
+            counted.ended(out)
     joined = ["".join(t) for t in texts]
     tokens = sum(map(len, entries)) + sum(len(p) for p in prompts if p)  # (prompt: echo)
     values = tokens * ((req.logprobs or 0) + 1)
     size = sum(map(len, joined)) + values * _BYTES_PER_LOGPROB
     body = await off_loop(
         size, _full_body, req, response_id, model, reasoning_parser, joined, reasons, entries,
-        prompts, _prompt_tokens(per_choice, n), completion_tokens, _cached_tokens(cached, n),
+        prompts, counted.prompt_tokens, counted.completion_tokens, counted.cached_tokens,
     )
     await answer.json(body)
 

@@ -1,8 +1,11 @@
-"""Reading the JSON body of a POST to one of the raw-ASGI routes (generation, tokenize), and
-the headers of a refusal before the body. Shared so that every such route checks the same
-things in the same order: API key, method, content type, then the body within its limits."""
+"""Reading the JSON body of a POST to one of the raw-ASGI routes (generation, tokenize,
+embeddings), and what a refusal before the response answers. Shared so that every such route
+checks the same things in the same order (API key, method, content type, then the body
+within its limits) and answers each failure the same way (:func:`refusal`)."""
 
 from __future__ import annotations
+
+import logging
 
 import trio
 
@@ -10,14 +13,18 @@ from ..errors import (
     BodyTimeout,
     MethodNotAllowed,
     PayloadTooLarge,
+    ServerError,
     Unauthorized,
     UnsupportedMediaType,
 )
 from .asgi import CLOSE, discard_body, header, is_json, read_body
 
 __all__ = [
-    "BEFORE_BODY", "BIG_BODY", "UNREAD_BODY", "off_loop", "read_json_post", "refusal_headers"
+    "BEFORE_BODY", "BIG_BODY", "UNREAD_BODY", "off_loop", "read_json_post", "refusal",
+    "refusal_headers",
 ]
+
+log = logging.getLogger("server.http")
 
 #: Refusals before the body is read (it is then read and dropped, to keep the connection).
 BEFORE_BODY = (Unauthorized, MethodNotAllowed, UnsupportedMediaType)
@@ -52,6 +59,25 @@ async def refusal_headers(exc: Exception, scope: dict, receive, config) -> list:
     if not await discard_body(scope, receive, config.max_body_bytes, config.read_timeout):
         extra.append(CLOSE)
     return extra
+
+
+async def refusal(
+    exc: Exception, scope: dict, receive, config, where: str
+) -> tuple[ServerError, list]:
+    """What to answer for ``exc``, raised while a route read, checked or dispatched a
+    request, before its response started: the error, and the headers it adds. A refusal of
+    :data:`BEFORE_BODY` reads the body away first (:func:`refusal_headers`); one of
+    :data:`UNREAD_BODY` closes the connection; another :class:`~server.errors.ServerError`
+    is answered as itself; anything else is a bug of ours, logged (``where`` it happened)
+    and answered as a 500 without its details."""
+    if isinstance(exc, BEFORE_BODY):
+        return exc, await refusal_headers(exc, scope, receive, config)
+    if isinstance(exc, UNREAD_BODY):  # the rest of the body is not read
+        return exc, [CLOSE]
+    if isinstance(exc, ServerError):
+        return exc, []
+    log.error("internal error %s", where, exc_info=exc)
+    return ServerError("Internal server error."), []
 
 
 #: Bodies (and answers) at least this large are parsed (built) in a worker thread:

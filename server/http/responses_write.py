@@ -4,7 +4,7 @@
 The request's life is the chat route's (generate.py's theory of operation): one nursery,
 the disconnect monitor, the stream's shielded aclose; a rejection before the first output
 is a status code. Only the shape differs: a Response object
-(:mod:`server.http.responses_events`), or its event stream. After the first byte an engine
+(:mod:`server.openai.responses_events`), or its event stream. After the first byte an engine
 failure or a server-side abort (timeout, shutdown) ends the stream with
 ``response.failed`` (its ``error`` says why); a failure while a queued stream sends
 heartbeats, before ``response.created``, is chat's ``data: {"error": ...}`` (the openai SDK
@@ -18,18 +18,16 @@ import time
 
 from ..errors import EngineError
 from . import generate
-from .encode import dumps
+from ..openai.encode import dumps
 from .post import off_loop
-from .responses import ResponsesRequest, parse_responses
-from .responses_events import ResponseEvents, new_response, response_usage
+from ..openai.responses import ResponsesRequest, parse_responses
+from ..openai.responses_events import ResponseEvents, new_response, response_usage
 
 __all__ = ["ROUTE", "PATH"]
 
 log = logging.getLogger("server.http")
 
 PATH = "/v1/responses"
-
-_now = time.perf_counter
 
 
 class ResponsesRoute:
@@ -62,6 +60,7 @@ ROUTE = ResponsesRoute()
 
 
 def _usage(per_choice: list[int], out) -> dict:
+    """The usage of the route's one choice (one prompt, n = 1), ended by ``out``."""
     return response_usage(per_choice[0], out.completion_tokens, out.cached_tokens)
 
 
@@ -80,10 +79,8 @@ async def _write_stream(answer, stream, events: ResponseEvents, observe_itl, hea
             for o in outs:
                 ended = o.finish_reason is not None
                 body = events.feed(o.text, last=ended and o.finish_reason != "error")
-                if o.finish_reason == "error" or (
-                    o.finish_reason == "abort" and stream.abort_cause is not None
-                ):
-                    exc = o.exception() or generate._abort_error(stream.abort_cause)
+                exc = generate.failure(stream, o)
+                if exc is not None:
                     record.failed(exc)
                     await answer.last(body + events.fail(exc))
                     return
@@ -107,13 +104,9 @@ async def _write_full(answer, stream, events: ResponseEvents) -> None:
     texts = []
     final = None
     async for out in stream:
-        if record.first_token is None and out.num_tokens:
-            record.first_token = _now()
-        if out.finish_reason == "error":
-            await answer.error(out.exception())
-            return
-        if out.finish_reason == "abort" and stream.abort_cause is not None:
-            await answer.error(generate._abort_error(stream.abort_cause))
+        exc = generate.whole_failure(record, stream, out)
+        if exc is not None:
+            await answer.error(exc)
             return
         texts.append(out.text)
         if out.finish_reason is not None:

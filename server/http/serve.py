@@ -1,4 +1,4 @@
-"""Serving the app over HTTP (server.http.listen) with a graceful drain.
+"""Serving the app over HTTP (server.connections.accept) with a graceful drain.
 
 The shutdown begins when the caller's ``shutdown_trigger`` is set, or, when the CLI asks
 for signal handling, at SIGTERM/SIGINT. Then, in order (see docs/operations.md):
@@ -28,9 +28,9 @@ from ..config import ServerConfig
 from ..observability.gcstats import freeze_after_startup
 from ..observability.group import peer_socket, serve_peer_scrapes
 from .app import LLMServerApp, create_app
-from .connection import ServingConfig, cut_stalled_writes
-from .listen import serve_app, serve_public
-from .private_api import use_direct_path
+from ..connections.connection import ServingConfig, cut_stalled_writes
+from ..connections.accept import serve_app, serve_public
+from ..connections.private_api import use_direct_path
 
 __all__ = ["ShutdownPhases", "serve", "hypercorn_config"]
 
@@ -61,8 +61,8 @@ def hypercorn_config(config: ServerConfig) -> ServingConfig:
 
 
 async def drain(app: LLMServerApp, timeout: float, *, hurry: trio.Event | None = None) -> None:
-    """Stop accepting, let in-flight requests finish for ``timeout`` s, then abort the rest
-    (every model's engine at once)."""
+    """Stop accepting, let in-flight requests finish for ``timeout`` s (or until ``hurry``
+    is set), then abort the rest (every model's engine at once)."""
     engines = app.models.engines()
     if not engines:
         return
@@ -70,16 +70,14 @@ async def drain(app: LLMServerApp, timeout: float, *, hurry: trio.Event | None =
         engine.stop_accepting()
     open_now = sum(engine.statistics().open_streams for engine in engines)
     log.info("draining: %d request(s) in flight, up to %.1f s", open_now, timeout)
+
+    async def all_idle() -> None:
+        for engine in engines:
+            await engine.wait_idle()
+
+    waits = [all_idle] if hurry is None else [all_idle, hurry.wait]
     with trio.move_on_after(timeout):
-        async with trio.open_nursery() as nursery:
-            async def _hurry():
-                if hurry is not None:
-                    await hurry.wait()
-                    nursery.cancel_scope.cancel()
-            nursery.start_soon(_hurry)
-            for engine in engines:
-                await engine.wait_idle()
-            nursery.cancel_scope.cancel()
+        await wait_any(*waits)
     aborted = sum(engine.abort_all() for engine in engines)
     if aborted:
         log.info("draining: aborting %d request(s)", aborted)
@@ -151,7 +149,7 @@ async def serve(
     ``direct_http``: serve through this server's own HTTP/1.1 path (True) or hypercorn's
     public ``serve()`` (False); None (the default) takes the direct path when the installed
     hypercorn and h11 are the versions it was written for and ``TRIO_LLM_HTTP_FALLBACK`` is
-    not set (:mod:`server.http.private_api`).
+    not set (:mod:`server.connections.private_api`).
     """
     app = app or create_app(config)
     if gc_metrics:

@@ -17,18 +17,16 @@ a tokenizer (the sim engine) answers 400. Parsing is sans-IO (:func:`parse_token
 
 from __future__ import annotations
 
-import logging
-
-from ..errors import ClientError, NotFound, ServerError, clip
-from .asgi import CLOSE, send_error, send_json
-from .encode import dumps
-from .post import BEFORE_BODY, UNREAD_BODY, off_loop, read_json_post, refusal_headers
-from .schema import decode_json, messages_of, template_kwargs_of
-from .tools import render_tools
+from ..errors import ClientError, NotFound, clip
+from ..params import is_token_ids
+from .asgi import send_error, send_json
+from ..openai.encode import dumps
+from ..openai.fields import is_neutral
+from .post import off_loop, read_json_post, refusal
+from ..openai.schema import decode_json, messages_of, template_kwargs_of
+from ..openai.tools import render_tools
 
 __all__ = ["handle_tokenize", "parse_tokenize", "parse_detokenize", "serve_worker_op", "ROUTES"]
-
-log = logging.getLogger("server.http")
 
 #: Path -> operation.
 ROUTES = {"/tokenize": "tokenize", "/detokenize": "detokenize"}
@@ -60,9 +58,7 @@ def parse_tokenize(body: bytes, served_model: str) -> dict:
     data = decode_json(body)
     _model(data, served_model)
     for name, neutral in _REFUSED.items():
-        value = data.get(name)
-        if not any(value is n if n is None or isinstance(n, bool) else value == n
-                   for n in neutral):
+        if not is_neutral(data.get(name), neutral):
             raise ClientError(
                 f"'{name}' is not supported by this server's /tokenize.", param=name,
                 code="unsupported_parameter",
@@ -104,9 +100,7 @@ def parse_detokenize(body: bytes, served_model: str) -> dict:
     data = decode_json(body)
     _model(data, served_model)
     tokens = data.get("tokens")
-    if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in tokens
-    ):
+    if not is_token_ids(tokens):
         raise ClientError("'tokens' must be a list of token ids.", param="tokens")
     return {"op": "detokenize", "tokens": tokens}
 
@@ -127,19 +121,10 @@ async def serve_worker_op(app, scope: dict, receive, send, headers: list, parse,
         result = await engine.tokenize(request)
         size = sum(len(v) for v in result.get("data", ())) if isinstance(result, dict) else 0
         data = await off_loop(size * 3, answer, context, result)
-    except BEFORE_BODY as exc:
-        await send_error(send, exc, headers + await refusal_headers(exc, scope, receive,
-                                                                    app.server_config))
-        return
-    except UNREAD_BODY as exc:
-        await send_error(send, exc, headers + [CLOSE])
-        return
-    except ServerError as exc:
-        await send_error(send, exc, headers)
-        return
-    except Exception:
-        log.exception("internal error in %s", scope["path"])
-        await send_error(send, ServerError("Internal server error."), headers)
+    except Exception as exc:
+        error, extra = await refusal(exc, scope, receive, app.server_config,
+                                     f"in {scope['path']}")
+        await send_error(send, error, headers + extra)
         return
     await send_json(send, 200, data, headers)
 

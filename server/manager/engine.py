@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 import trio
-from trio_util import AsyncValue
+from trio_util import AsyncValue, wait_all
 
 from ..config import EngineConfig
 from ..errors import ServiceUnavailable
 from ..params import SamplingParams
-from ..protocol import wire
-from ..protocol.handshake import parse_address
+from ..worker_protocol import wire
+from ..worker_protocol.handshake import parse_address
 from .deadlines import DeadlineQueue
 from .migration import MigrationStatistics, Migrator
 from .routing import Blocks, Decision, Router, RouterStatistics
@@ -193,7 +193,7 @@ class Engine:
 
     async def tokenize(self, request: dict) -> dict:
         """Answer a /tokenize, /detokenize or embed request (a TOKENIZE round trip, see
-        server.protocol.wire) with the least loaded worker's tokenizer: the one requests
+        server.worker_protocol.wire) with the least loaded worker's tokenizer: the one requests
         are served with. Bounded like any worker round trip: a hung worker is stopped by
         the heartbeat, and its round trips fail with EngineError."""
         return await self._pick_worker().tokenize(request)
@@ -311,9 +311,7 @@ class Engine:
         for stream in streams:
             stream.abort("shutdown")
         with trio.move_on_after(self.config.drain_timeout):
-            # shutdown only: a bounded poll beats a new event
-            while any(w.states for w in self.workers if w.alive):  # noqa: ASYNC110
-                await trio.sleep(0.01)
+            await wait_all(*(w.wait_released for w in self.workers))
         for stream in streams:
             stream.cut_off()
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import ServiceUnavailable
-from ..protocol import wire
+from ..worker_protocol import wire
 
 if TYPE_CHECKING:
     from .engine import Engine

@@ -14,7 +14,7 @@ A session (see :mod:`server.manager.worker`) does, whatever the transport::
 *Spawned*: the process's stdout/stdin; the handshake waits for HELLO; closing closes the
 pipe, then SIGTERM, then SIGKILL, each after ``shutdown_grace`` (the worker exits when its
 pipe closes). *Connected*: a TCP or unix socket, TLS when ``worker_tls_ca`` is set; the
-handshake is the challenge-response of :mod:`server.protocol.handshake`, then HELLO;
+handshake is the challenge-response of :mod:`server.worker_protocol.handshake`, then HELLO;
 closing closes the socket at once (the worker aborts this connection's requests). A
 connected worker is not ours to stop.
 """
@@ -26,7 +26,7 @@ import ssl
 import trio
 
 from ..config import EngineConfig
-from ..protocol import handshake, wire
+from ..worker_protocol import handshake, wire
 
 __all__ = ["Link", "SessionEnded", "open_connected", "open_spawned"]
 

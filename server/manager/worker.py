@@ -39,7 +39,7 @@ from trio_util import AsyncValue
 
 from ..config import EngineConfig
 from ..errors import EngineError, error_from_wire
-from ..protocol import wire
+from ..worker_protocol import wire
 from .pacing import Pacer
 from .stream import Choice
 from .transport import Link, SessionEnded, open_connected, open_spawned, tls_context
@@ -79,7 +79,7 @@ _SessionEnded = SessionEnded
 class WorkerClient:
     """The frontend's handle on one worker (and its successors after restarts): a process
     it spawns, or the worker listening at ``address`` (a
-    :class:`~server.protocol.handshake.WorkerAddress`)."""
+    :class:`~server.worker_protocol.handshake.WorkerAddress`)."""
 
     def __init__(self, index: int, config: EngineConfig, spawn=None, address=None) -> None:
         self.index = index
@@ -92,6 +92,8 @@ class WorkerClient:
         )
         #: rid -> Choice for every choice the worker holds (registered at dispatch).
         self.states: dict[int, Choice] = {}
+        #: len(states), kept where it changes, to wait on (wait_released).
+        self._held = AsyncValue(0)
         self.info: dict = {}
         #: Whether a worker process is up (said HELLO) and serving.
         self.alive = False
@@ -135,6 +137,7 @@ class WorkerClient:
         states = self.states
         for choice in choices:
             states[choice.rid] = choice
+        self._held.value = len(states)
         self._send_nowait(frames)
 
     def abort_nowait(self, choice: Choice) -> None:
@@ -149,6 +152,7 @@ class WorkerClient:
         """Stop routing output to ``choice``; what the worker still sends for it is dropped."""
         if self.states.get(choice.rid) is choice:
             del self.states[choice.rid]
+            self._held.value = len(self.states)
 
     def _queue(self, frame: bytes) -> None:
         self._send_nowait([frame])
@@ -177,7 +181,7 @@ class WorkerClient:
         return await self._round_trip(lambda seq: [wire.PING, seq])
 
     async def tokenize(self, request: dict) -> dict:
-        """Round-trip a TOKENIZE request (see server.protocol.wire); the worker answers
+        """Round-trip a TOKENIZE request (see server.worker_protocol.wire); the worker answers
         between engine steps. Raises the worker's error (a client fault is a ClientError)."""
         result, err = await self._round_trip(lambda seq: [wire.TOKENIZE, seq, request])
         if err is not None:
@@ -200,6 +204,11 @@ class WorkerClient:
         if reply is _GONE:
             raise EngineError(f"worker {self.index} went away before answering")
         return reply
+
+    async def wait_released(self) -> None:
+        """Wait until this worker holds no choice (each ended or forgotten), or is not
+        alive (then it holds none: a worker that goes away ends its choices)."""
+        await self._held.wait_value(lambda held: held == 0 or not self.alive)
 
     async def wait_ready(self) -> None:
         """Wait until a process of this worker has said HELLO (once ever)."""
@@ -400,6 +409,7 @@ class WorkerClient:
                         continue  # finished, aborted, or cut off: drop
                     if finish is not None:
                         del states[rid]
+                        self._held.value = len(states)
                     choice.push(text, ntok, finish, err)
             elif kind == wire.TOKENIZED:
                 answer = self._pings.get(msg[1])
@@ -453,6 +463,7 @@ class WorkerClient:
         the others end with an error output (``abort`` for one whose abort was sent)."""
         states, self.states = self.states, {}
         self.pacer.clear()
+        self._held.value = 0
         kind = "unavailable" if reason == "stopped" else "worker_died"
         message = (
             "the engine is shutting down"

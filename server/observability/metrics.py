@@ -210,7 +210,7 @@ class Metrics(RequestMetrics):
             self.registry.register(gc_stats())
 
     def watch_connections(self, pool) -> None:
-        """Report ``pool.statistics()`` (a :class:`server.http.listen.ConnectionPool`)."""
+        """Report ``pool.statistics()`` (a :class:`server.connections.accept.ConnectionPool`)."""
         self._connections = pool
 
     def of(self, model: str | None) -> RequestMetrics:

@@ -52,7 +52,7 @@ import trio.testing
 from ..config import EngineConfig
 from ..manager.engine import Engine, open_engine
 from ..manager.unwrap import body_errors_unwrapped
-from ..protocol import wire
+from ..worker_protocol import wire
 from ..workers.base import WorkerCrash, WorkerGarbage, WorkerHang
 from ..workers.main import handle_message, step_message
 from ..workers.sim import SimEngine

@@ -15,7 +15,7 @@ The app runs its lifespan (startup and shutdown) around the block, and each requ
 ASGI call: the body is sent at once, and the client "disconnects" (``http.disconnect``)
 once the response is complete, or when the request's scope is cancelled (the app sees a
 client that went away). What hypercorn adds on real sockets (framing, keep-alive, the
-direct writes of :mod:`server.http.sink`) is not here: test those on port 0.
+direct writes of :mod:`server.connections.sink`) is not here: test those on port 0.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ answers calls. An engine is a class with::
     add(rid, prompt, params) -> int         prompt_tokens; raise Rejected for client faults
     abort(rid) -> bool                      True when it held rid (it then forgets it)
     next_deadline() -> float | None         monotonic time to call step() next; None when idle
-    step(now) -> list[OutputRow]            outputs (server.protocol.wire.OutputRow)
+    step(now) -> list[OutputRow]            outputs (server.worker_protocol.wire.OutputRow)
     running() -> int, waiting() -> int
 
 and optionally::
@@ -149,7 +149,7 @@ def encode_prompt(
 def tokenize_request(
     request: dict, tokenizer, *, vocab_size: int, chat: bool, model: str, max_model_len: int
 ) -> dict:
-    """Answer a TOKENIZE request (see server.protocol.wire) with a Hugging Face tokenizer:
+    """Answer a TOKENIZE request (see server.worker_protocol.wire) with a Hugging Face tokenizer:
     ``{"tokens", "max_model_len"}`` for ``tokenize`` (chat messages rendered as for
     generation), ``{"prompt"}`` for ``detokenize``, the tokenizer's configuration for
     ``info`` (see :func:`tokenizer_info`)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 from array import array
 
+from ..params import is_token_ids
 from .base import Rejected
 
 __all__ = ["embed_request", "check_embed_request", "token_rows", "matryoshka",
@@ -26,11 +27,6 @@ __all__ = ["embed_request", "check_embed_request", "token_rows", "matryoshka",
 
 #: Most inputs in one request (OpenAI's limit).
 MAX_INPUTS = 2048
-
-
-def _token_ids(item: object) -> bool:
-    return isinstance(item, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in item)
 
 
 def check_embed_request(request: dict, info: dict) -> tuple[list, dict]:
@@ -43,7 +39,7 @@ def check_embed_request(request: dict, info: dict) -> tuple[list, dict]:
                        f"{info.get('engine', 'this')} engine serves it for generation only")
     inputs = request.get("input")
     if (not isinstance(inputs, list) or not 0 < len(inputs) <= MAX_INPUTS
-            or not all(isinstance(i, str) or _token_ids(i) for i in inputs)):
+            or not all(isinstance(i, str) or is_token_ids(i) for i in inputs)):
         raise Rejected(f"input must be 1 to {MAX_INPUTS} strings or lists of token ids")
     dimensions = request.get("dimensions")
     if dimensions is not None:

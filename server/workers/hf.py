@@ -58,7 +58,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
         "install them with: pip install -e '.[transformers]'"
     ) from None
 
-from ..protocol.wire import OutputRow
+from ..worker_protocol.wire import OutputRow
 from .base import (
     HFTokenizing,
     MAX_LOGPROBS,

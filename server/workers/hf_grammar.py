@@ -61,7 +61,7 @@ def describe(response_format: dict) -> str:
     return "response_format"
 
 
-#: The constraint kinds besides JSON (vLLM's structured_outputs, server.http.structured):
+#: The constraint kinds besides JSON (vLLM's structured_outputs, server.openai.structured):
 #: the cache key of each is the kind, a NUL, and its text (a JSON schema's key starts "{").
 TEXT_KINDS = ("regex", "grammar", "choice")
 

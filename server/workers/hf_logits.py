@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from ..openai.fields import UNSUPPORTED, is_neutral
 from .base import Rejected
 
 __all__ = ["Rules", "process", "SAMPLING_FIELDS"]
@@ -45,17 +46,9 @@ SAMPLING_FIELDS = (
 )
 
 
-#: The values of each field that mean "not used".
-NEUTRAL: dict[str, tuple] = {
-    "top_k": (None, 0, -1), "min_p": (None, 0), "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0), "repetition_penalty": (None, 1), "min_tokens": (None, 0),
-    "stop_token_ids": (None, []), "logit_bias": (None, {}), "allowed_token_ids": (None,),
-    "bad_words": (None, []),
-}
-
-
-def _neutral(value, neutral: tuple) -> bool:
-    return any(value is n if n is None else value == n for n in neutral)
+#: The values of each field that mean "not used": the HTTP layer's (a request with only
+#: these has no rules).
+NEUTRAL: dict[str, tuple] = {name: UNSUPPORTED[name] for name in SAMPLING_FIELDS}
 
 
 class Rules:
@@ -93,7 +86,7 @@ class Rules:
         """The rules of a request's wire params, or None when it has none (the usual case).
         Values were validated by the HTTP layer; token ids are checked here (Rejected).
         ``tokenizer`` tokenizes ``bad_words``."""
-        if all(_neutral(params.get(name), NEUTRAL[name]) for name in SAMPLING_FIELDS):
+        if all(is_neutral(params.get(name), NEUTRAL[name]) for name in SAMPLING_FIELDS):
             return None
         rules = cls()
         rules.top_k = int(params.get("top_k") or 0)

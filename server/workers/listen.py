@@ -4,7 +4,7 @@ No trio here.
 Several frontends (``trio-llm-server --worker-address ADDRESS``, or the processes of one
 server) connect to one worker and share its engine. Each connection speaks the wire
 protocol of the pipe worker (:mod:`server.workers.main`), after a handshake
-(:mod:`server.protocol.handshake`): the worker challenges, the frontend proves it knows the
+(:mod:`server.worker_protocol.handshake`): the worker challenges, the frontend proves it knows the
 shared secret, the worker answers HELLO (with its own proof) or REFUSED.
 
 Theory of operation
@@ -51,8 +51,8 @@ import time
 import traceback
 
 from ..engine_args import add_engine_arguments, engine_options
-from ..protocol import handshake, wire
-from ..protocol.wire import OutputRow
+from ..worker_protocol import handshake, wire
+from ..worker_protocol.wire import OutputRow
 from .base import EngineBroken, one_line
 from .main import build_engine, handle_message, open_preparer, run_as_worker
 

@@ -33,8 +33,8 @@ import signal
 import sys
 import time
 
-from ..protocol import wire
-from ..protocol.wire import OutputRow
+from ..worker_protocol import wire
+from ..worker_protocol.wire import OutputRow
 from .base import EngineBroken, one_line, WorkerCrash, WorkerGarbage, WorkerHang
 from .embed import embed_request
 from .prepare import Preparer, admit, tokenize_reply

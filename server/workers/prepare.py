@@ -38,8 +38,8 @@ import queue
 import threading
 from concurrent.futures import CancelledError, Future
 
-from ..protocol import wire
-from ..protocol.wire import AcceptRow, OutputRow
+from ..worker_protocol import wire
+from ..worker_protocol.wire import AcceptRow, OutputRow
 from .base import Rejected
 
 __all__ = ["DaemonPool", "Preparer", "PREPARE_THREADS", "admit", "tokenize_reply"]

@@ -20,7 +20,7 @@ import trio
 
 from ..config import EngineConfig
 from ..manager.transport import SessionEnded, open_connected, tls_context
-from ..protocol import handshake, wire
+from ..worker_protocol import handshake, wire
 
 __all__ = ["main", "probe"]
 

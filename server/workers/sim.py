@@ -54,7 +54,7 @@ import time
 import zlib
 from collections.abc import ValuesView
 
-from ..protocol.wire import OutputRow
+from ..worker_protocol.wire import OutputRow
 from .base import Rejected, WorkerCrash, WorkerGarbage, WorkerHang, check_context
 from .sim_cache import PrefixCache
 from .stops import StopMatcher

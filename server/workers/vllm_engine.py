@@ -42,7 +42,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..protocol.wire import OutputRow
+from ..worker_protocol.wire import OutputRow
 from .base import (
     HFTokenizing,
     MAX_LOGPROBS,
@@ -386,7 +386,7 @@ class VLLMEngine(HFTokenizing):
                 kwargs["structured_outputs"] = StructuredOutputsParams(
                     json=response_format.get("schema") or {}
                 )
-            else:  # vLLM's structured_outputs: regex, grammar, choice (server.http.structured)
+            else:  # vLLM's structured_outputs: regex, grammar, choice (server.openai.structured)
                 kwargs["structured_outputs"] = StructuredOutputsParams(
                     **{kind: response_format[kind]}
                 )

@@ -34,7 +34,7 @@ Worker -> frontend::
                                     "prompt_tokens": n}; or err: [kind, message]
 
 A worker started with ``--listen`` opens each connection with a handshake first
-(CHALLENGE, AUTH, then HELLO or REFUSED; see :mod:`server.protocol.handshake`).
+(CHALLENGE, AUTH, then HELLO or REFUSED; see :mod:`server.worker_protocol.handshake`).
 
 The rows of a STEP are :class:`AcceptRow` and :class:`OutputRow` (sent as arrays in their
 field order; the frontend unpacks them in that order). In an output, ``finish`` is None or
@@ -131,7 +131,7 @@ SHUTDOWN = 5
 STEP = 6
 TOKENIZE = 7
 TOKENIZED = 8
-# The handshake of a connection to a listening worker (server.protocol.handshake).
+# The handshake of a connection to a listening worker (server.worker_protocol.handshake).
 CHALLENGE = 9
 AUTH = 10
 REFUSED = 11
@@ -407,7 +407,7 @@ def check(message: list, allowed: Iterable[int]) -> list:
     >>> check([PONG, 7], REPLIES)
     Traceback (most recent call last):
     ...
-    server.protocol.wire.ProtocolError: malformed PONG: [4, 7]
+    server.worker_protocol.wire.ProtocolError: malformed PONG: [4, 7]
     """
     kind = message[0]
     if kind not in allowed:

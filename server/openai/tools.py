@@ -17,7 +17,7 @@ What each ``tool_choice`` does (docs/api.md, "Tool calls"):
   by a grammar to be the JSON array ``[{"name": ..., "arguments": {...}}, ...]`` (one call of
   that function for a named one; one call at most with ``parallel_tool_calls: false``),
   each ``arguments`` valid for its function's ``parameters`` schema; the writer parses that
-  array into ``tool_calls`` (the ``forced`` format of :mod:`server.http.tool_parsers`).
+  array into ``tool_calls`` (the ``forced`` format of :mod:`server.openai.tool_parsers`).
 
 Served when the engine declares ``tools`` in its HELLO ``sampling`` (it renders them with
 its chat template); otherwise the fields are a 400 naming them, as are tool calls in the
@@ -112,7 +112,7 @@ def _grammar(fns: list, most_one: bool) -> dict:
     """The JSON schema of the output of tool_choice required or named: an array of calls
     of ``fns``. Each function's ``parameters`` sit under the root's ``$defs`` by the
     function's name, their own references (``#/$defs/Item`` of a pydantic model, ``#``
-    for recursion) rebased there (:func:`server.http.json_schema.rebase`; xgrammar's
+    for recursion) rebased there (:func:`server.openai.json_schema.rebase`; xgrammar's
     pointers cannot index into an ``anyOf`` list, so they may not sit inside one)."""
     items = _call_schema(fns[0]) if len(fns) == 1 else {"anyOf": [_call_schema(f) for f in fns]}
     grammar: dict = {"type": "array", "items": items, "minItems": 1}

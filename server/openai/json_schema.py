@@ -5,7 +5,7 @@ Theory of operation
 Clients rarely write schemas by hand: pydantic, zod and the SDKs built on them emit every
 nested model once under ``$defs`` (or the older ``definitions``) and point at it with
 ``{"$ref": "#/$defs/Item"}``, a JSON pointer from the root of the schema they sent. The
-grammar of a forced tool call (:mod:`server.http.tools`) puts each tool's ``parameters``
+grammar of a forced tool call (:mod:`server.openai.tools`) puts each tool's ``parameters``
 inside a larger schema (``#/items/properties/arguments``), where such a pointer would name
 the wrong place. :func:`rebase` returns a copy whose local references point where the
 schema now sits, so any pointer (``$defs``, ``definitions``, a chain of references, ``#``

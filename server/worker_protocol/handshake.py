@@ -3,7 +3,7 @@ challenge-response that opens every connection. Sans-IO; no trio here.
 
 Theory of operation
 -------------------
-A worker started with ``--listen`` speaks the wire protocol (:mod:`server.protocol.wire`)
+A worker started with ``--listen`` speaks the wire protocol (:mod:`server.worker_protocol.wire`)
 to each frontend connection, after this exchange::
 
     worker   -> frontend   [CHALLENGE, version, nonce, secret_required]

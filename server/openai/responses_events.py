@@ -6,7 +6,7 @@ Theory of operation
 The text of the one choice is fed in as it comes (:meth:`ResponseEvents.feed`). It goes
 through the reasoning splitter (``--reasoning-parser``), then the tool call parser (for a
 request with tools, ``tool_choice`` auto, required or named), exactly as chat's
-:class:`~server.http.events.RichEvents`; each piece lands in an output item:
+:class:`~server.openai.events.RichEvents`; each piece lands in an output item:
 
 - thinking in a ``reasoning`` item (``content: [{"type": "reasoning_text"}]``);
 - content in a ``message`` item (``content: [{"type": "output_text"}]``);

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from ..config import Limits
 from ..errors import ClientError, printable
 from .encode import dumps
-from .fields import _neutral
+from .fields import is_neutral
 from .schema import GenerateRequest, decode_json, parse_chat
 from .json_schema import rebase
 from .tools import ToolChoice, read_tools
@@ -40,7 +40,7 @@ from .tools import ToolChoice, read_tools
 __all__ = ["CALLS_OR_DOCUMENT", "HONOURED", "REFUSED", "ResponsesRequest", "parse_responses"]
 
 #: How the answer is parsed with ``tool_choice: auto`` and a ``text.format``: the calls
-#: array of the forced format, or the document (server.http.responses_events).
+#: array of the forced format, or the document (server.openai.responses_events).
 CALLS_OR_DOCUMENT = "calls_or_document"
 
 #: The fields this route reads (``fault`` only with --sim-faults).
@@ -127,7 +127,7 @@ def check_fields(data: dict) -> None:
         if refused is None:
             raise ClientError(f"Unknown parameter: '{printable(name)}'.", param=name,
                               code="unknown_parameter")
-        if not _neutral(value, refused[0]):
+        if not is_neutral(value, refused[0]):
             raise _refuse(name, refused[1])
 
 

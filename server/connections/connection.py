@@ -10,12 +10,12 @@ through ``SocketStream.send_all``: two trips through Trio's scheduler and a hand
 context managers per write. For a server whose responses are thousands of small SSE writes
 a second, that was a third of the frontend's CPU (``docs/benchmarks.md``).
 
-:class:`ServingConnection` is used only by :mod:`server.http.listen` for this server's own
+:class:`ServingConnection` is used only by :mod:`server.connections.accept` for this server's own
 listeners (no hypercorn module is changed). It overrides the public hooks that
-:class:`~server.http.private_api.ConnectionHooks` gives hypercorn's private ones (that
+:class:`~server.connections.private_api.ConnectionHooks` gives hypercorn's private ones (that
 module lists every private name relied on), and differs from upstream in these ways:
 
-* **HTTP/1.1 only**, through :class:`~server.http.protocol.ServingProtocolWrapper`.
+* **HTTP/1.1 only**, through :class:`~server.connections.http11.ServingProtocolWrapper`.
 * **Direct writes.** When no other write is in progress on the connection (the lock is
   free), the bytes are handed to the kernel with one non-blocking ``write``. Nothing awaits
   in between, so no other task can start a write on the connection meanwhile, and the order
@@ -60,7 +60,7 @@ from .private_api import (
     TaskGroup,
     parse_socket_addr,
 )
-from .protocol import ServingProtocolWrapper
+from .http11 import ServingProtocolWrapper
 
 __all__ = ["KeepAliveTask", "ServingConfig", "ServingConnection", "cut_stalled_writes"]
 

@@ -3,7 +3,7 @@
 Everything a client can get wrong is decided here, before a response starts, so that it is
 answered with a 400 (or 404 for an unknown model) and never surfaces as a broken stream.
 Fields with a meaning the server does not honour (penalties, logprobs, tools, response
-formats, ...) are refused with a 400 naming them (:mod:`server.http.fields`); fields nobody
+formats, ...) are refused with a 400 naming them (:mod:`server.openai.fields`); fields nobody
 defines are ignored, as OpenAI clients send extras.
 
 Example::
@@ -24,10 +24,12 @@ import msgspec
 
 from ..config import Limits
 from ..errors import ClientError, NotFound, clip, printable
-from ..params import SamplingParams, context_error
+from ..params import MAX_TOKEN_ID, SamplingParams, context_error, is_token_ids
 from .json_schema import check_grammar_ints, check_refs
+from .fields import (
+    HONOURED_CHAT, HONOURED_COMPLETION, KNOWN, UNSUPPORTED, check_fields, is_neutral,
+)
 from .structured import structured_outputs
-from .fields import HONOURED_CHAT, HONOURED_COMPLETION, KNOWN, UNSUPPORTED, check_fields
 from .tools import TOOL_FIELDS, ToolChoice, history_message, read_tools
 
 __all__ = [
@@ -35,7 +37,6 @@ __all__ = [
 ]
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
-_MAX_TOKEN_ID = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class GenerateRequest:
     logprobs: int | None = None
     #: ``stream_options.continuous_usage_stats``: usage on every chunk (vLLM).
     continuous_usage: bool = False
-    #: Tools, when the request has some (server.http.tools).
+    #: Tools, when the request has some (server.openai.tools).
     tools: ToolChoice | None = None
     #: With ``echo``, each prompt's text: a text prompt itself; a token-id prompt's None
     #: until the frontend has it detokenized (:func:`server.http.generate.echo_texts`).
@@ -71,7 +72,7 @@ def decode_json(body: bytes, known: bool = False) -> dict:
     """The body as a JSON object, or a ClientError that says what is wrong with it.
 
     ``known``: a body of :data:`SKIP_UNKNOWN_FROM` bytes or more keeps only the fields of
-    :data:`~server.http.fields.KNOWN`: msgspec skips the others without building them (a
+    :data:`~server.openai.fields.KNOWN`: msgspec skips the others without building them (a
     body of 350k keys nobody defines: 25 ms instead of 170-220 ms of the loop's time), and
     they are not logged.
 
@@ -201,12 +202,6 @@ def _stop(data: dict, limits: Limits) -> tuple[str, ...]:
     return tuple(_utf8(s, "stop") for s in stop if s)
 
 
-def _token_ids(value: list) -> bool:
-    return all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _MAX_TOKEN_ID for t in value
-    )
-
-
 def _fits(prompt: list, max_tokens: int | None, max_model_len: int | None) -> list:
     """``prompt`` (a list), refused with the worker's own 400 when as token ids it could
     not fit the context: checked on its length, before the walk over its items, so that a
@@ -237,10 +232,10 @@ def _prompts(
     elif isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             prompts = list(prompt)
-        elif _token_ids(_fits(prompt, max_tokens, max_model_len)):
+        elif is_token_ids(_fits(prompt, max_tokens, max_model_len)):
             prompts = [prompt]
         elif all(
-            isinstance(p, list) and p and _token_ids(_fits(p, max_tokens, max_model_len))
+            isinstance(p, list) and p and is_token_ids(_fits(p, max_tokens, max_model_len))
             for p in prompt
         ):
             prompts = list(prompt)
@@ -329,9 +324,7 @@ def _token_id_list(data: dict, name: str, most: int) -> list[int] | None:
     value = data.get(name)
     if value is None:
         return None
-    if not isinstance(value, list) or len(value) > most or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value
-    ):
+    if not isinstance(value, list) or len(value) > most or not is_token_ids(value):
         raise ClientError(f"'{name}' must be a list of at most {most} token ids.", param=name)
     return value
 
@@ -345,7 +338,8 @@ def _logit_bias(data: dict) -> dict[str, float] | None:
             "'logit_bias' must be an object of at most 300 token ids to numbers.",
             param="logit_bias",
         )
-    bad = [key for key in value if not (key.isascii() and key.isdigit() and len(key) < 11)]
+    bad = [key for key in value
+           if not (key.isascii() and key.isdigit() and len(key) < 11 and int(key) <= MAX_TOKEN_ID)]
     if bad:
         named = ", ".join(repr(clip(key)) for key in bad[:10])
         more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
@@ -479,7 +473,7 @@ def _engine_sampling(data: dict, limits: Limits, engine_fields: frozenset) -> di
     """The engine-honoured sampling fields of a request, validated (None values dropped)."""
     out = {}
     for name in engine_fields:
-        # (top_logprobs: read by _logprobs; tools: by server.http.tools)
+        # (top_logprobs: read by _logprobs; tools: by server.openai.tools)
         if name in data and name != "top_logprobs" and name not in TOOL_FIELDS:
             check = _ENGINE_SAMPLING.get(name)
             if check is None:  # an engine declared a field this server cannot validate
@@ -488,7 +482,7 @@ def _engine_sampling(data: dict, limits: Limits, engine_fields: frozenset) -> di
             if value is not None:
                 out[name] = value
     constraint = out.pop("structured_outputs", None)
-    if constraint is not None:  # vLLM's spelling of response_format (server.http.structured)
+    if constraint is not None:  # vLLM's spelling of response_format (server.openai.structured)
         if "response_format" in out:
             raise ClientError("'structured_outputs' and 'response_format' may not both be "
                               "given: choose one.", param="structured_outputs")
@@ -536,7 +530,7 @@ def _check_stream_options(options: dict) -> None:
     honoured = ("include_usage", "continuous_usage_stats")
     neutral = {"include_obfuscation": (None, False)}
     bad = [k for k in options if k not in honoured
-           and not any(options[k] is v for v in neutral.get(k, ()))]
+           and not is_neutral(options[k], neutral.get(k, ()))]
     if bad:
         names = ", ".join(f"'stream_options.{printable(k, 64)}'" for k in bad)
         raise ClientError(f"{names}: not supported by this server.", param="stream_options",

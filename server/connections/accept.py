@@ -23,7 +23,7 @@ protocols) and owns the loop itself, so that it can hold these by construction:
   ``net.core.somaxconn``). Hypercorn's default of 100 made connects wait for seconds
   under bursts.
 
-All this relies on hypercorn's internals (:mod:`server.http.private_api`). When the
+All this relies on hypercorn's internals (:mod:`server.connections.private_api`). When the
 installed hypercorn or h11 is not the version it was written for, :func:`serve_public`
 serves through hypercorn's public ``serve()`` instead, without these guarantees.
 
@@ -54,7 +54,7 @@ from hypercorn.config import Config as HypercornConfig
 
 from ..errors import ServiceUnavailable, error_body
 from .connection import ServingConnection
-from .encode import dumps
+from ..openai.encode import dumps
 from .private_api import Lifespan, WorkerContext, repr_socket_addr, wrap_app
 
 __all__ = [

@@ -7,7 +7,7 @@ engine step's text into the request's :class:`~server.manager.stream.Choice` and
 request's task, which encodes one SSE event and writes it. For the most common stream (one
 choice, plain text: no logprobs, reasoning split, tools or continuous usage) the router can
 write the event itself: when the request's task is parked waiting for news and the
-connection offers :class:`~server.http.protocol.DirectBody`, :class:`TextSink` encodes the
+connection offers :class:`~server.connections.http11.DirectBody`, :class:`TextSink` encodes the
 text and hands the chunk to the kernel right there. The task sleeps on, and is woken only
 for what only it does: the end of the stream, an error, an abort, a client that stopped
 reading (a socket buffer that does not take the chunk at once), and the rest of a chunk the
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import time
 
-from .encode import ChunkEncoder
-from .protocol import DirectBody
+from ..openai.encode import ChunkEncoder
+from .http11 import DirectBody
 
 __all__ = ["TextSink"]
 

@@ -3,14 +3,14 @@
 A client that asks for a penalty, a JSON answer or a tool call and silently gets plain
 sampled text with a 200 is worse off than with a 400. So every field of OpenAI's request
 schema for ``/v1/completions`` and ``/v1/chat/completions``, and the common vLLM
-extensions, is either honoured (read by :mod:`server.http.schema`) or listed here in
+extensions, is either honoured (read by :mod:`server.openai.schema`) or listed here in
 :data:`UNSUPPORTED` with the values that mean "not used" (what clients send by default):
 any other value is a 400 naming the field. Fields nobody defines are ignored, as vLLM and
 OpenAI do, with a debug log line (clients send extras).
 
 An engine may honour some of them: it lists them in its HELLO info (``"sampling"``, e.g. the
 vllm engine's top_k, penalties, logit_bias); those are then validated by
-:mod:`server.http.schema` and passed to it. ``docs/api.md`` has the table, per engine.
+:mod:`server.openai.schema` and passed to it. ``docs/api.md`` has the table, per engine.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import logging
 
 from ..errors import ClientError, printable
 
-__all__ = ["HONOURED_CHAT", "HONOURED_COMPLETION", "KNOWN", "UNSUPPORTED", "check_fields"]
+__all__ = [
+    "HONOURED_CHAT", "HONOURED_COMPLETION", "KNOWN", "UNSUPPORTED", "check_fields", "is_neutral"
+]
 
 log = logging.getLogger("server.http")
 
@@ -118,13 +120,14 @@ UNSUPPORTED: dict[str, tuple] = {
 _NO_OP = frozenset({"metadata"})
 
 #: Every field name either route knows (read, refused, or accepted as a no-op): a big body
-#: is parsed skipping the others (:func:`server.http.schema.decode_json`).
+#: is parsed skipping the others (:func:`server.openai.schema.decode_json`).
 KNOWN = HONOURED_CHAT | HONOURED_COMPLETION | frozenset(UNSUPPORTED) | _NO_OP
 
 
-def _neutral(value, neutral: tuple) -> bool:
-    """Whether ``value`` is one of the ``neutral`` ones; a bool only as itself (in Python
-    ``True == 1``: ``best_of: true`` is not ``best_of: 1``)."""
+def is_neutral(value, neutral: tuple) -> bool:
+    """Whether ``value`` is one of the ``neutral`` ones (the values of a field that mean
+    "not used"); a bool only as itself (in Python ``True == 1``: ``best_of: true`` is not
+    ``best_of: 1``). Every route's refusal of a field it does not honour asks this."""
     for n in neutral:
         if isinstance(value, bool) or isinstance(n, bool):
             if value is n:
@@ -149,7 +152,7 @@ def check_fields(
         neutral = UNSUPPORTED.get(name)
         if neutral is None:
             unknown.append(name)
-        elif not _neutral(data[name], neutral):
+        elif not is_neutral(data[name], neutral):
             refused.append(name)
     if refused:
         by = f"the {engine} engine" if engine else "this server"

@@ -2,7 +2,7 @@
 
 Hypercorn picks HTTP/1.1 or HTTP/2 per connection (``ProtocolWrapper``), parses with h11
 (``H11Protocol``) and runs one ASGI request at a time (``HTTPStream``). This module's
-subclasses are used only by connections that :mod:`server.http.connection` serves for this
+subclasses are used only by connections that :mod:`server.connections.connection` serves for this
 server; nothing here changes hypercorn for other apps in the process.
 
 * :class:`ServingProtocolWrapper` speaks HTTP/1.1 only. Cleartext HTTP/2 (prior knowledge
@@ -11,7 +11,7 @@ server; nothing here changes hypercorn for other apps in the process.
   preface is answered 505, an ``Upgrade`` header is ignored (the request is served as
   HTTP/1.1). See docs/operations.md, "Security".
 * :class:`ServingH11Protocol` refuses, before the app, the request heads of
-  :mod:`server.http.framing` (400/505 with an OpenAI-style body and ``Connection: close``),
+  :mod:`server.connections.framing` (400/505 with an OpenAI-style body and ``Connection: close``),
   and frames the chunks of a response h11 already sends chunked itself:
   ``<size in hex>\\r\\n<bytes>\\r\\n``, exactly what h11 writes. A ``Data`` event changes no
   h11 state, so h11 is still right about everything else (the head, the last chunk,
@@ -20,7 +20,7 @@ server; nothing here changes hypercorn for other apps in the process.
   the protocol (one call instead of hypercorn's state checks per SSE event).
 
 The private names of hypercorn and h11 these classes rely on are all in
-:mod:`server.http.private_api` (its table says which and why); the classes here override
+:mod:`server.connections.private_api` (its table says which and why); the classes here override
 the public hooks its adapters give them. When the installed versions are not the ones it
 was written for, none of this is used: the server serves through hypercorn's public
 ``serve()`` instead.
@@ -35,7 +35,7 @@ import h11
 
 from ..errors import ClientError, error_body
 from ..observability.logs import request_id_from_header
-from .encode import dumps
+from ..openai.encode import dumps
 from .framing import Refusal, check_request_head
 from .private_api import (
     STREAM_ID,

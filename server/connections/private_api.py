@@ -2,8 +2,8 @@
 
 Theory of operation
 -------------------
-The HTTP layer's direct path (:mod:`server.http.listen`, :mod:`server.http.connection`,
-:mod:`server.http.protocol`, :mod:`server.http.sink`) subclasses hypercorn's connection,
+The HTTP layer's direct path (:mod:`server.connections.accept`, :mod:`server.connections.connection`,
+:mod:`server.connections.http11`, :mod:`server.connections.sink`) subclasses hypercorn's connection,
 HTTP/1.1 protocol and request stream, and hooks into h11's reader and chunked writer. That
 saves about 40 % of the frontend's CPU per streamed token (docs/benchmarks.md, "The
 direct path and the fallback") and gives the server its connection limit, per-connection
@@ -16,7 +16,7 @@ names the libraries may change in any release. So:
 * **The exact versions are checked.** :data:`WRITTEN_FOR` names the versions this was
   written and tested against. At the first :func:`use_direct_path`, a different installed
   version, or a name below that is missing, makes the server serve through hypercorn's
-  public :func:`hypercorn.trio.serve` instead (``server.http.listen.serve_public``), logged
+  public :func:`hypercorn.trio.serve` instead (``server.connections.accept.serve_public``), logged
   once with the reason. That path is slower and lacks what the direct path adds (see
   ``docs/operations.md``, "The HTTP path"), but it is hypercorn's own, correct code.
 * **The fallback can be forced**, to test it: ``TRIO_LLM_HTTP_FALLBACK=1`` in the
@@ -52,7 +52,7 @@ constructor, ``stream``, ``send_lock``,        under ``send_lock``, bounded writ
 ``protocol.http_stream.HTTPStream``            ``protocol.ServingHTTPStream``: body messages
 (``app_send``, ``state``, ``response``,        straight to the protocol; ``app_put`` is set
 ``closed``, ``scope``, ``app_put``)            once the app task is spawned (the extension
-                                               :data:`~server.http.protocol.DIRECT_BODY` is
+                                               :data:`~server.connections.http11.DIRECT_BODY` is
                                                put in its scope then)
 hypercorn's ASGI ``receive`` is a Trio         ``asgi.read_body`` takes queued body messages
 ``MemoryReceiveChannel.receive``               without a scheduler trip (``receive.__self__``)
@@ -301,7 +301,7 @@ class HTTPStreamHooks(HTTPStream):
 
 
 def _read_head_strictly(reader, buf):
-    """h11's reader of a request head, refusing obs-fold (see :mod:`server.http.framing`).
+    """h11's reader of a request head, refusing obs-fold (see :mod:`server.connections.framing`).
     ``bytes(buf)`` is what h11 itself exposes as trailing data."""
     data = bytes(buf)
     end = head_end(data)

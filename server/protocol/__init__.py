@@ -1,1 +1,0 @@
-"""The frontend <-> worker wire protocol (sans-IO). See :mod:`server.protocol.wire`."""

@@ -1,0 +1,1 @@
+"""The frontend <-> worker wire protocol (sans-IO). See :mod:`server.worker_protocol.wire`."""
