@@ -54,6 +54,8 @@ from .cors import CORSPolicy
 from .encode import dumps
 from .embeddings import PATH as EMBEDDINGS_PATH
 from .embeddings import handle_embeddings
+from .adapters import ROUTES as LORA_ROUTES
+from .adapters import adapter_cards, handle_lora
 from .tokenize import ROUTES as TOKENIZE_ROUTES
 from .tokenize import handle_tokenize
 from .generate import handle_generate
@@ -198,6 +200,10 @@ class LLMServerApp(QuartTrio):
         op = TOKENIZE_ROUTES.get(path)
         if op is not None:
             await handle_tokenize(self, scope, receive, send, op=op, headers=extra)
+            return
+        op = LORA_ROUTES.get(path)
+        if op is not None:
+            await handle_lora(self, scope, receive, send, op=op, headers=extra)
             return
         if _has_body(scope):
             # No route served from here reads a request body: the answer (404, 405, 401) may
@@ -373,18 +379,26 @@ class LLMServerApp(QuartTrio):
 
         @self.get("/v1/models")
         async def models():
-            body = {"object": "list", "data": [self._model_card()]}
+            card = self._model_card()
+            data = [card]
+            if self.engine is not None:
+                data += adapter_cards(self.engine, card)
+            body = {"object": "list", "data": data}
             return Response(dumps(body), content_type="application/json")
 
         @self.get("/v1/models/<path:model_id>")
         async def model(model_id: str):
-            if model_id != self._served_model():
+            cards = [self._model_card()]
+            if self.engine is not None:
+                cards += adapter_cards(self.engine, cards[0])
+            card = next((c for c in cards if c["id"] == model_id), None)
+            if card is None:
                 raise NotFound(
                     f"The model '{clip(model_id)}' does not exist.",
                     param="model",
                     code="model_not_found",
                 )
-            return Response(dumps(self._model_card()), content_type="application/json")
+            return Response(dumps(card), content_type="application/json")
 
         @self.errorhandler(ServerError)
         async def server_error(exc: ServerError):

@@ -48,6 +48,7 @@ from ..errors import (
 from ..observability.logs import request_id_from_header
 from ..observability.record import RequestRecord
 from . import schema
+from .adapters import resolve_model
 from .asgi import (
     CLOSE,
     header,
@@ -147,21 +148,23 @@ async def handle_generate(
             return
         engine = app.require_engine()
         if route is not None:
-            req = await off_loop(len(body), route.parse, body, config, engine.model_name,
-                                 engine.info)
+            req = await off_loop(len(body), route.parse, body, config, None, engine.info)
         elif chat:
             req = await off_loop(len(body), schema.parse_chat, body, config.limits,
-                                 engine.model_name, engine.info, config.tool_call_parser)
+                                 None, engine.info, config.tool_call_parser)
         else:
             req = await off_loop(len(body), schema.parse_completion, body, config.limits,
-                                 engine.model_name, engine.info)
+                                 None, engine.info)
+        engine, adapter = resolve_model(app, req.model)
+        model_name = adapter or engine.model_name  # the name responses carry
         refusal = app.admission_error(engine, len(req.prompts) * req.params.n)
         if refusal is not None:
             raise refusal
         if None in req.echoed:
             req = await echo_texts(engine, req)
         stream = engine.generate_many(
-            req.prompts, req.params, timeout=config.request_timeout, errors_as_outputs=True
+            req.prompts, req.params, timeout=config.request_timeout, errors_as_outputs=True,
+            adapter=adapter,
         )
         record.dispatched(req.stream, stream.choices)
     except BEFORE_BODY as exc:
@@ -190,17 +193,17 @@ async def handle_generate(
                 async with stream:
                     if route is not None:
                         await route.write(app, answer, stream, req, response_id,
-                                          engine.model_name)
+                                          model_name)
                     elif req.stream:
                         observe_itl = app.metrics.itl.observe
                         await _write_stream(
-                            answer, stream, req, response_id, engine.model_name, observe_itl,
+                            answer, stream, req, response_id, model_name, observe_itl,
                             config.queued_heartbeat, config.reasoning_parser,
                             scope["extensions"].get(DIRECT_BODY),
                         )
                     else:
                         await _write_full(
-                            answer, stream, req, response_id, engine.model_name,
+                            answer, stream, req, response_id, model_name,
                             config.reasoning_parser,
                         )
             finally:
