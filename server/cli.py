@@ -365,6 +365,12 @@ def _check_frontend_options(args: argparse.Namespace) -> None:
                     "--api-servers: the supervisor opens the listening sockets and starts "
                     "the frontends itself"
                 )
+        if getattr(args, "allow_runtime_lora", None):
+            raise SystemExit(
+                "trio-llm-server: --allow-runtime-lora is not an option of --api-servers: "
+                "each frontend keeps its own table of adapters loaded at run time (give the "
+                "adapters with --lora-modules)"
+            )
     if args.listen_fd is not None:
         given = [f"--{n}" for n in ("host", "port") if getattr(args, n) != parser.get_default(n)]
         if given:

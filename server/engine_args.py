@@ -10,6 +10,7 @@ holds), refusing an option of another engine with a one-line error.
 from __future__ import annotations
 
 import argparse
+import os
 
 __all__ = ["ENGINE_DESTS", "VLLM_FLAGS", "add_engine_arguments", "engine_options", "resolve_model_args"]
 
@@ -81,6 +82,18 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, spawned: bool) -> None:
                    help="any other vLLM engine argument (repeatable; the EngineArgs field "
                    "name, dashes or underscores; VALUE read as JSON when it parses, e.g. "
                    "enforce_eager=true, kv_cache_memory_bytes=1073741824)")
+    g.add_argument("--lora-modules", nargs="+", action="extend", default=None,
+                   metavar="NAME=PATH",
+                   help="with --enable-lora: LoRA adapters served from the start, each a "
+                   "model name of its own (vLLM's form: name=path, or JSON "
+                   '\'{"name": ..., "path": ..., "base_model_name": ...}\')')
+    g.add_argument("--allow-runtime-lora", action="store_true", default=None,
+                   help="with --enable-lora and --lora-dir: let clients load and unload "
+                   "adapters (POST /v1/load_lora_adapter, /v1/unload_lora_adapter); loading "
+                   "reads files, so only adapters inside --lora-dir (see docs/lora.md)")
+    g.add_argument("--lora-dir", default=None, metavar="DIR",
+                   help="the directory adapters loaded at run time are read from (every "
+                   "lora_path must resolve inside it)")
     if spawned:
         g.add_argument("--devices-per-worker", type=int, default=None,
                        help="with several --engine-workers: give each worker its own "
@@ -122,6 +135,9 @@ VLLM_FLAGS: tuple[tuple[str, dict, str], ...] = (
     ("--block-size", {"type": int}, "tokens per KV cache block"),
     ("--kv-cache-dtype", {}, "the KV cache's dtype (auto, fp8, ...)"),
     ("--swap-space", {"type": float}, "CPU swap space per device, GiB"),
+    ("--enable-lora", {"action": "store_true"}, "serve LoRA adapters (docs/lora.md)"),
+    ("--max-loras", {"type": int}, "most LoRA adapters in one batch"),
+    ("--max-lora-rank", {"type": int}, "the largest LoRA rank an adapter may have"),
 )
 
 #: Their argparse dests.
@@ -136,7 +152,7 @@ ENGINE_DESTS = (
     "gpu_memory_utilization", "enable_prefix_caching", "engine_arg", "devices_per_worker",
     "sim_itl_ms", "sim_ttft_ms", "sim_prefill_us_per_token", "sim_max_batch",
     "sim_reasoning_tokens", "sim_faults", "sim_prefix_cache_tokens", "sim_prefix_block_size",
-    "revision", *_VLLM_FLAG_DESTS,
+    "revision", "lora_modules", "allow_runtime_lora", "lora_dir", *_VLLM_FLAG_DESTS,
 )
 
 #: Engine options, and the engines that honour them: given with another engine, they are
@@ -152,6 +168,9 @@ _ENGINE_ONLY = {
     "enable_prefix_caching": ("vllm",),
     "engine_arg": ("vllm",),
     "revision": ("transformers", "vllm"),
+    "lora_modules": ("vllm",),
+    "allow_runtime_lora": ("vllm",),
+    "lora_dir": ("vllm",),
     **{dest: ("vllm",) for dest in _VLLM_FLAG_DESTS},
 }
 
@@ -292,6 +311,36 @@ def _vllm_options(args: argparse.Namespace, prog: str) -> dict:
     ):
         if value is not None:
             options[key] = value
+    options.update(_lora_options(args, engine_args, prog))
     if engine_args:
         options["engine_args"] = engine_args
+    return options
+
+
+def _lora_options(args: argparse.Namespace, engine_args: dict, prog: str) -> dict:
+    """The vllm engine's LoRA options (server.workers.vllm_lora), checked for form."""
+    from .workers.lora import parse_lora_modules
+
+    options: dict = {}
+    try:
+        if args.lora_modules:
+            options["lora_modules"] = parse_lora_modules(args.lora_modules)
+    except ValueError as exc:
+        raise SystemExit(f"{prog}: {exc}") from None
+    if args.allow_runtime_lora:
+        if not args.lora_dir:
+            raise SystemExit(f"{prog}: --allow-runtime-lora needs --lora-dir DIR: the "
+                             "directory adapters may be loaded from")
+        options["allow_runtime_lora"] = True
+    if args.lora_dir:
+        if not os.path.isdir(args.lora_dir):
+            raise SystemExit(f"{prog}: --lora-dir {args.lora_dir}: no such directory")
+        if not args.allow_runtime_lora:
+            raise SystemExit(f"{prog}: --lora-dir is for adapters loaded at run time: "
+                             "give --allow-runtime-lora too")
+        options["lora_dir"] = os.path.abspath(args.lora_dir)
+    given = [k for k in ("lora_modules", "allow_runtime_lora") if k in options] + [
+        k for k in ("max_loras", "max_lora_rank") if k in engine_args]
+    if given and not engine_args.get("enable_lora"):
+        raise SystemExit(f"{prog}: --{given[0].replace('_', '-')} needs --enable-lora")
     return options

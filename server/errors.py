@@ -2,7 +2,8 @@
 
     ServerError                 base; status 500
     ├── ClientError             the request is wrong; status 400 unless a subclass says otherwise
-    │   ├── NotFound            404 (unknown model or route)
+    │   ├── NotFound            404 (unknown route, LoRA adapter)
+    │   │   └── ModelNotFound   404, code model_not_found (a model or adapter not served)
     │   ├── MethodNotAllowed    405
     │   ├── PayloadTooLarge     413
     │   ├── UnsupportedMediaType 415 (a generation body not declared application/json)
@@ -28,6 +29,7 @@ __all__ = [
     "ServerError",
     "ClientError",
     "NotFound",
+    "ModelNotFound",
     "MethodNotAllowed",
     "PayloadTooLarge",
     "UnsupportedMediaType",
@@ -103,6 +105,12 @@ class NotFound(ClientError):
     code = "not_found"
 
 
+class ModelNotFound(NotFound):
+    """The request names a model (or LoRA adapter) this server does not serve."""
+
+    code = "model_not_found"
+
+
 class MethodNotAllowed(ClientError):
     status = 405
     code = "method_not_allowed"
@@ -168,6 +176,8 @@ class ServiceUnavailable(ServerError):
 # Error kinds as they travel on the worker pipe: [kind, message].
 WIRE_KINDS: dict[str, type[ServerError]] = {
     "invalid_request": ClientError,
+    "not_found": NotFound,
+    "model_not_found": ModelNotFound,
     "engine_error": EngineError,
     "worker_died": WorkerDied,
     "unavailable": ServiceUnavailable,

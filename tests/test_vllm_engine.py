@@ -61,8 +61,8 @@ def model_dir(tmp_path_factory):
 class Reference:
     """``vllm.LLM`` on the model in a process of its own (tests/vllm_reference.py)."""
 
-    def __init__(self, model_dir) -> None:
-        options = {"model": str(model_dir), "seed": 0, **ENGINE_ARGS}
+    def __init__(self, model_dir, **extra) -> None:
+        options = {"model": str(model_dir), "seed": 0, **ENGINE_ARGS, **extra}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.vllm_reference", json.dumps(options)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -79,9 +79,12 @@ class Reference:
         self.proc.stdin.flush()
         return self.read()
 
-    def generate(self, prompts, max_tokens: int, **params) -> list[tuple[str, int]]:
+    def generate(self, prompts, max_tokens: int, lora=None, **params) -> list[tuple[str, int]]:
+        """``lora``: ``[name, int_id, path]``, vLLM's LoRARequest, for every prompt; or a
+        list of one such (or None) per prompt."""
         params.setdefault("temperature", 0)
-        out = self.ask(op="generate", prompts=prompts, max_tokens=max_tokens, params=params)
+        out = self.ask(op="generate", prompts=prompts, max_tokens=max_tokens, params=params,
+                       lora=lora)
         return [tuple(x) for x in out]
 
     def encode(self, text: str) -> list[int]:

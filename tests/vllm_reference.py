@@ -7,7 +7,8 @@ RuntimeError from it. It also runs the checks of :class:`server.workers.vllm_eng
 that need vLLM in process (wrapping this LLM's engine, no second model load).
 
 Requests: ``{"op": "generate", "prompts": [...], "max_tokens": n, "params": {...}}`` ->
-``[[text, tokens], ...]``; ``{"op": "logprobs", "prompt": s, "max_tokens": n, "k": k}`` ->
+``[[text, tokens], ...]`` (with ``"lora": [name, int_id, path]``: with that
+``LoRARequest``); ``{"op": "logprobs", "prompt": s, "max_tokens": n, "k": k}`` ->
 the chosen tokens' and the prompt's logprobs; ``{"op": "encode", "text": s}`` -> ids; ``{"op": "decode",
 "ids": [...]}`` -> text; ``{"op": "engine_failure"}`` and ``{"op": "engine_abort"}`` -> what
 the engine did.
@@ -39,7 +40,14 @@ def main() -> None:
         op = req["op"]
         if op == "generate":
             params = vllm.SamplingParams(max_tokens=req["max_tokens"], **req.get("params", {}))
-            outs = llm.generate(req["prompts"], params, use_tqdm=False)
+            from vllm.lora.request import LoRARequest
+
+            lora = req.get("lora")  # one [name, id, path] for all, or one (or None) each
+            if lora and isinstance(lora[0], str):
+                lora = LoRARequest(*lora)
+            elif lora:
+                lora = [None if x is None else LoRARequest(*x) for x in lora]
+            outs = llm.generate(req["prompts"], params, use_tqdm=False, lora_request=lora)
             answer: object = [[o.outputs[0].text, len(o.outputs[0].token_ids)] for o in outs]
         elif op == "logprobs":
             params = vllm.SamplingParams(max_tokens=req["max_tokens"], temperature=0,

@@ -58,6 +58,8 @@ from .cors import CORSPolicy
 from ..openai.encode import dumps
 from .embeddings import PATH as EMBEDDINGS_PATH
 from .embeddings import handle_embeddings
+from .adapters import ROUTES as LORA_ROUTES
+from .adapters import adapter_cards, handle_lora
 from .tokenize import ROUTES as TOKENIZE_ROUTES
 from .tokenize import handle_tokenize
 from .generate import handle_generate
@@ -237,6 +239,10 @@ class LLMServerApp(QuartTrio):
         op = TOKENIZE_ROUTES.get(path)
         if op is not None:
             await handle_tokenize(self, scope, receive, send, op=op, headers=extra)
+            return
+        op = LORA_ROUTES.get(path)
+        if op is not None:
+            await handle_lora(self, scope, receive, send, op=op, headers=extra)
             return
         if _has_body(scope):
             # No route served from here reads a request body: the answer (404, 405, 401) may
@@ -459,13 +465,22 @@ class LLMServerApp(QuartTrio):
 
         @self.get("/v1/models")
         async def models():
-            body = {"object": "list", "data": [self._model_card(p) for p in self.models.pools]}
+            data = []
+            for pool in self.models.pools:
+                card = self._model_card(pool)
+                data.append(card)
+                if pool.engine is not None:  # its LoRA adapters, as vLLM lists them
+                    data += adapter_cards(pool.engine, card)
+            body = {"object": "list", "data": data}
             return Response(dumps(body), content_type="application/json")
 
         @self.get("/v1/models/<path:model_id>")
         async def model(model_id: str):
-            pool = self.models.resolve(model_id)
-            return Response(dumps(self._model_card(pool)), content_type="application/json")
+            pool = self.models.resolve(model_id)  # (a 404 for a name nothing serves)
+            card = self._model_card(pool)
+            if card["id"] != model_id and pool.engine is not None:  # a LoRA adapter
+                card = next(c for c in adapter_cards(pool.engine, card) if c["id"] == model_id)
+            return Response(dumps(card), content_type="application/json")
 
         @self.errorhandler(ServerError)
         async def server_error(exc: ServerError):

@@ -114,9 +114,10 @@ async def _read_body(receive, limit: int, keep: bool) -> bytes | None:
             return b"".join(chunks)
 
 
-async def send_json(send, status: int, body: bytes, headers: list | None = None) -> None:
+async def send_json(send, status: int, body: bytes, headers: list | None = None, *,
+                    content_type: bytes = b"application/json") -> None:
     start_headers = [
-        (b"content-type", b"application/json"),
+        (b"content-type", content_type),
         (b"content-length", str(len(body)).encode()),
     ]
     if headers:

@@ -35,7 +35,7 @@ _NOT_IN_A_BATCH = {
 }
 
 
-def parse_chat_batch(body: bytes, limits, served_model: str, engine_info: dict | None = None,
+def parse_chat_batch(body: bytes, limits, served_model: str | None, engine_info: dict | None = None,
                      tool_parser: str | None = None) -> GenerateRequest:
     """Validate a batch body: each conversation as a chat request of its own (the first
     error names the conversation), then one request with a prompt per conversation."""

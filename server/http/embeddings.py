@@ -24,7 +24,7 @@ from array import array
 from ..errors import ClientError, NotFound, clip
 from ..params import is_token_ids
 from ..openai.encode import dumps_document
-from ..openai.fields import is_neutral
+from ..openai.fields import check_route_fields
 from ..openai.schema import decode_json
 from .tokenize import serve_worker_op
 
@@ -119,17 +119,7 @@ def parse_embeddings(body: bytes, served_model: str, info: dict) -> tuple[dict, 
     """(the worker's ``embed`` request, (encoding_format, model)) of a body; 400/404 on bad
     input. ``info``: the engine's HELLO info (its ``embedding`` entry, if it has one)."""
     data = decode_json(body)
-    for name, value in data.items():
-        if name in HONOURED:
-            continue
-        neutral = REFUSED.get(name)
-        if neutral is None:
-            raise ClientError(f"Unrecognized request argument supplied: '{clip(name)}'.",
-                              param=clip(name), code="unknown_parameter")
-        if not is_neutral(value, neutral):
-            raise ClientError(f"'{name}' is not supported by this server's /v1/embeddings; "
-                              "leave it out (or at its default).", param=name,
-                              code="unsupported_parameter")
+    check_route_fields(data, HONOURED, REFUSED, "/v1/embeddings")
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise ClientError("'model' must be a string.", param="model")

@@ -48,6 +48,7 @@ from ..errors import (
 from ..observability.logs import request_id_from_header
 from ..observability.record import RequestRecord
 from ..openai import schema
+from .adapters import resolve_model
 from .asgi import (
     header,
     send_error,
@@ -147,21 +148,23 @@ async def handle_generate(
         engine = (await app.models.pool_for(body)).require_engine()
         record.model = engine.model_name
         if route is not None:
-            req = await off_loop(len(body), route.parse, body, config, engine.model_name,
-                                 engine.info)
+            req = await off_loop(len(body), route.parse, body, config, None, engine.info)
         elif chat:
             req = await off_loop(len(body), schema.parse_chat, body, config.limits,
-                                 engine.model_name, engine.info, config.tool_call_parser)
+                                 None, engine.info, config.tool_call_parser)
         else:
             req = await off_loop(len(body), schema.parse_completion, body, config.limits,
-                                 engine.model_name, engine.info)
+                                 None, engine.info)
+        engine, adapter = resolve_model(app, req.model)
+        model_name = adapter or engine.model_name  # the name responses carry
         refused = app.admission_error(engine, len(req.prompts) * req.params.n)
         if refused is not None:
             raise refused
         if None in req.echoed:
             req = await echo_texts(engine, req)
         stream = engine.generate_many(
-            req.prompts, req.params, timeout=config.request_timeout, errors_as_outputs=True
+            req.prompts, req.params, timeout=config.request_timeout, errors_as_outputs=True,
+            adapter=adapter,
         )
         record.dispatched(req.stream, stream.choices)
     except Exception as exc:
@@ -181,20 +184,20 @@ async def handle_generate(
                 async with stream:
                     if route is not None:
                         await route.write(app, answer, stream, req, response_id,
-                                          engine.model_name)
+                                          model_name)
                     elif req.stream:
                         per_choice = await _stream_started(answer, stream,
                                                            config.queued_heartbeat)
                         if per_choice is not None:
                             await _StreamWriter(
-                                answer, stream, req, response_id, engine.model_name,
+                                answer, stream, req, response_id, model_name,
                                 per_choice, observe_itl=app.metrics.of(record.model).itl.observe,
                                 reasoning_parser=config.reasoning_parser,
                                 direct=scope["extensions"].get(DIRECT_BODY),
                             ).write()
                     else:
                         await _write_full(
-                            answer, stream, req, response_id, engine.model_name,
+                            answer, stream, req, response_id, model_name,
                             config.reasoning_parser,
                         )
             finally:

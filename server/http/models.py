@@ -123,7 +123,7 @@ class ModelTable:
         ``model_not_found`` for a name no pool serves, 400 for a model that is not a
         string."""
         if not self._by_name:
-            return self.default  # one model: the body's parser checks the name
+            return self.default  # one model: generate.resolve_model checks the name
         return self.resolve(requested_model(body))
 
     def resolve(self, model: object) -> Pool:
@@ -134,6 +134,9 @@ class ModelTable:
             raise ClientError("'model' must be a string.", param="model")
         pool = self._by_name.get(model) if self._by_name else (
             self.default if model == self.default.name else None)
+        if pool is None:  # a LoRA adapter's name: the pool whose engine serves it
+            pool = next((p for p in self.pools
+                         if p.engine is not None and p.engine.adapters.served(model)), None)
         if pool is None:
             raise NotFound(f"The model '{clip(model)}' does not exist.", param="model",
                            code="model_not_found")

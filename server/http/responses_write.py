@@ -36,7 +36,7 @@ class ResponsesRoute:
     id_prefix = "resp_"
 
     @staticmethod
-    def parse(body: bytes, config, model: str, engine_info: dict) -> ResponsesRequest:
+    def parse(body: bytes, config, model: str | None, engine_info: dict) -> ResponsesRequest:
         """Sans-IO (a big body is parsed in a worker thread: post.off_loop)."""
         return parse_responses(body, config.limits, model, engine_info,
                                config.tool_call_parser)

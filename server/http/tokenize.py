@@ -105,12 +105,14 @@ def parse_detokenize(body: bytes, served_model: str) -> dict:
     return {"op": "detokenize", "tokens": tokens}
 
 
-async def serve_worker_op(app, scope: dict, receive, send, headers: list, parse, answer) -> None:
+async def serve_worker_op(app, scope: dict, receive, send, headers: list, parse, answer, *,
+                          call=None, content_type: bytes = b"application/json") -> None:
     """Serve one request answered by a worker round trip (/tokenize, /detokenize,
     /v1/embeddings); never raises into the ASGI server (but Cancelled). ``parse(body,
     model, info) -> (request, context)`` is sans-IO and raises the client's errors;
     ``answer(context, result) -> bytes`` makes the JSON body from the worker's result. Both
-    run off the event loop when their input is big."""
+    run off the event loop when their input is big. ``call(engine, request)``: what
+    answers instead of one worker's round trip (the LoRA endpoints: every worker's)."""
     try:
         body = await read_json_post(app, scope, receive)
         if body is None:
@@ -118,7 +120,7 @@ async def serve_worker_op(app, scope: dict, receive, send, headers: list, parse,
         engine = (await app.models.pool_for(body)).require_engine()
         request, context = await off_loop(len(body), parse, body, engine.model_name,
                                           engine.info)
-        result = await engine.tokenize(request)
+        result = await (engine.tokenize(request) if call is None else call(engine, request))
         size = sum(len(v) for v in result.get("data", ())) if isinstance(result, dict) else 0
         data = await off_loop(size * 3, answer, context, result)
     except Exception as exc:
@@ -126,7 +128,7 @@ async def serve_worker_op(app, scope: dict, receive, send, headers: list, parse,
                                      f"in {scope['path']}")
         await send_error(send, error, headers + extra)
         return
-    await send_json(send, 200, data, headers)
+    await send_json(send, 200, data, headers, content_type=content_type)
 
 
 def _tokenize_answer(op: str, result: dict) -> bytes:

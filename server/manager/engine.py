@@ -27,6 +27,7 @@ from ..errors import ServiceUnavailable
 from ..params import SamplingParams
 from ..worker_protocol import wire
 from ..worker_protocol.handshake import parse_address
+from .adapters import AdapterRegistry
 from .deadlines import DeadlineQueue
 from .migration import MigrationStatistics, Migrator
 from .routing import Blocks, Decision, Router, RouterStatistics
@@ -84,6 +85,10 @@ class Engine:
             self.workers = [
                 WorkerClient(i, config.for_worker(i), spawn) for i in range(config.workers)
             ]
+        #: LoRA adapters: what each name means, on every worker (server.manager.adapters).
+        self.adapters = AdapterRegistry(self.workers)
+        for w in self.workers:
+            w.replay = self.adapters.replay
         self.router = Router(
             len(self.workers), config.routing, balance=config.routing_balance
         )
@@ -149,12 +154,15 @@ class Engine:
         *,
         timeout: float | None = None,
         errors_as_outputs: bool = False,
+        adapter: str | None = None,
     ) -> RequestStream:
         """Start all prompts at once (``n`` choices each, index ``p * n + i``); never blocks.
 
         Every sub-request is registered before this returns, so none can finish unseen.
         With ``timeout`` (seconds), the server aborts the request when it runs longer: the
         stream then ends each open choice with ``abort`` and ``abort_cause == "timeout"``.
+        With ``adapter``, the prompts run with that LoRA adapter (:attr:`adapters`; a
+        worker that does not have it ends them with a 404, ``model_not_found``).
         """
         params = params or SamplingParams()
         router = self.router
@@ -171,8 +179,11 @@ class Engine:
         for p, prompt in enumerate(prompts):
             for i in range(n):
                 choice = Choice(next(self._rids), p * n + i, worker, waker, prompt,
-                                wire_params[i])
-                frames.append(wire.encode([wire.SUBMIT, choice.rid, prompt, wire_params[i]]))
+                                wire_params[i], adapter)
+                message = [wire.SUBMIT, choice.rid, prompt, wire_params[i]]
+                if adapter is not None:
+                    message.append(adapter)
+                frames.append(wire.encode(message))
                 choices.append(choice)
         worker.submit_nowait(choices, frames)  # only once everything could be encoded
         self._open.value += 1

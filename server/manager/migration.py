@@ -131,8 +131,10 @@ class Migrator:
             return left + movable
         frames = []
         for choice in movable:
-            frames.append(wire.encode([wire.SUBMIT, choice.rid, choice.prompt,
-                                       continuation(choice)]))
+            message = [wire.SUBMIT, choice.rid, choice.prompt, continuation(choice)]
+            if choice.adapter is not None:  # (a LoRA adapter: every worker of the pool has it)
+                message.append(choice.adapter)
+            frames.append(wire.encode(message))
         for choice in movable:
             choice.worker = worker
             choice.abort_sent = False

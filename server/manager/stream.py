@@ -189,10 +189,12 @@ class Choice:
         "token_ids",
         "text_chars",
         "migrations",
+        "adapter",
     )
 
     def __init__(self, rid: int, index: int, worker: WorkerClient, waker: Waker,
-                 prompt: object = None, params: dict | None = None) -> None:
+                 prompt: object = None, params: dict | None = None,
+                 adapter: str | None = None) -> None:
         self.rid = rid
         self.index = index
         #: The worker that holds it now (another one after a migration).
@@ -208,6 +210,8 @@ class Choice:
         )
         self.text_chars = 0
         self.migrations = 0
+        #: The LoRA adapter it runs with (None: the base model), for a resubmission too.
+        self.adapter = adapter
         self.text = ""
         self.ntok = 0
         self.prompt_tokens = 0

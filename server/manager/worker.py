@@ -119,6 +119,9 @@ class WorkerClient:
         #: Called as ``migrate(self, choices, cause)`` when a session ends with choices
         #: unfinished (not at a shutdown); returns those it could not move elsewhere.
         self.migrate: Callable[[WorkerClient, list[Choice], str], list[Choice]] | None = None
+        #: The ops (LoRA adapters loaded and unloaded at run time) a fresh worker gets
+        #: before any request: server.manager.adapters.AdapterRegistry.replay.
+        self.replay: Callable[[], list[dict]] = list
 
     # -- used by the request manager (plain def: never blocks) -------------------------------
 
@@ -210,6 +213,31 @@ class WorkerClient:
         alive (then it holds none: a worker that goes away ends its choices)."""
         await self._held.wait_value(lambda held: held == 0 or not self.alive)
 
+    def _replay(self) -> list[tuple[dict, int, AsyncValue]]:
+        """Queue the ops of :attr:`replay` (before the session is alive: ahead of any
+        SUBMIT, so the worker applies them first); their answers come to
+        :meth:`_replayed`."""
+        pending = []
+        for op in self.replay():
+            self._ping_seq += 1
+            seq = self._ping_seq
+            pending.append((op, seq, AsyncValue(None)))
+            self._pings[seq] = pending[-1][2]
+            self._queue(wire.encode([wire.TOKENIZE, seq, op]))
+        return pending
+
+    async def _replayed(self, pending: list[tuple[dict, int, AsyncValue]]) -> None:
+        """Log each replayed op the worker refused (its requests for that adapter get
+        the worker's 404)."""
+        for op, seq, answer in pending:
+            try:
+                reply = await answer.wait_value(_answered)
+            finally:
+                self._pings.pop(seq, None)
+            if reply is not _GONE and reply[1] is not None:
+                log.warning("worker %d: LoRA adapter %r: %s again failed: %s", self.index,
+                            op.get("name"), op["op"], reply[1][1])
+
     async def wait_ready(self) -> None:
         """Wait until a process of this worker has said HELLO (once ever)."""
         await self._ready.wait()
@@ -295,6 +323,7 @@ class WorkerClient:
             except (_SessionEnded, trio.TooSlowError) as exc:
                 reason = self._startup_failed(first, exc)
                 return reason
+            replaying = self._replay()  # queued ahead of any request
             self.alive = True
             self.last_heard = trio.current_time()
             self._ready.set()
@@ -306,6 +335,8 @@ class WorkerClient:
                     nursery.start_soon(self._router, link)
                     nursery.start_soon(self._writer, link)
                     nursery.start_soon(self._heartbeat)
+                    if replaying:
+                        nursery.start_soon(self._replayed, replaying)
             except BaseExceptionGroup as group:  # a nursery's errors always come grouped
                 ended, rest = group.split(_SessionEnded)
                 if rest is not None:

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import logging
 
-from ..errors import ClientError, printable
+from ..errors import ClientError, clip, printable
 
 __all__ = [
-    "HONOURED_CHAT", "HONOURED_COMPLETION", "KNOWN", "UNSUPPORTED", "check_fields", "is_neutral"
+    "HONOURED_CHAT", "HONOURED_COMPLETION", "KNOWN", "UNSUPPORTED", "check_fields",
+    "check_route_fields", "is_neutral",
 ]
 
 log = logging.getLogger("server.http")
@@ -135,6 +136,23 @@ def is_neutral(value, neutral: tuple) -> bool:
         elif value == n:
             return True
     return False
+
+
+def check_route_fields(data: dict, honoured: frozenset, refused: dict, route: str) -> None:
+    """The fields of a body outside generation (``route``: its path, for the message): a
+    name not ``honoured`` is a 400, ``unknown_parameter``, unless ``refused`` has it and
+    its value is one of the neutral ones there (else a 400, ``unsupported_parameter``)."""
+    for name, value in data.items():
+        if name in honoured:
+            continue
+        neutral = refused.get(name)
+        if neutral is None:
+            raise ClientError(f"Unrecognized request argument supplied: '{clip(name)}'.",
+                              param=clip(name), code="unknown_parameter")
+        if not is_neutral(value, neutral):
+            raise ClientError(f"'{name}' is not supported by this server's {route}; leave "
+                              "it out (or at its default).", param=name,
+                              code="unsupported_parameter")
 
 
 def check_fields(

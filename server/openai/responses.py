@@ -105,6 +105,10 @@ class ResponsesRequest:
         return self.chat.stream
 
     @property
+    def model(self) -> str | None:
+        return self.chat.model
+
+    @property
     def request_id(self) -> None:
         return None  # not a field of this route (X-Request-Id is)
 
@@ -376,7 +380,7 @@ def _rename(exc: ClientError, where: list) -> ClientError:
 def parse_responses(
     body: bytes,
     limits: Limits,
-    served_model: str,
+    served_model: str | None,
     engine_info: dict | None = None,
     tool_parser: str | None = None,
 ) -> ResponsesRequest:

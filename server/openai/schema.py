@@ -540,7 +540,7 @@ def _check_stream_options(options: dict) -> None:
 def _common(
     data: dict,
     limits: Limits,
-    served_model: str,
+    served_model: str | None,
     *,
     chat: bool,
     engine_fields: frozenset,
@@ -551,7 +551,7 @@ def _common(
         raise ClientError("'model' must be a string.", param="model")
     if model is not None:
         _utf8(model, "model")
-    if model is not None and model != served_model:
+    if model is not None and served_model is not None and model != served_model:
         raise NotFound(
             f"The model '{clip(model)}' does not exist.", param="model", code="model_not_found"
         )
@@ -659,10 +659,12 @@ def _engine_fields(info: dict | None) -> tuple[frozenset, str]:
 
 
 def parse_completion(
-    body: bytes, limits: Limits, served_model: str, engine_info: dict | None = None
+    body: bytes, limits: Limits, served_model: str | None, engine_info: dict | None = None
 ) -> GenerateRequest:
     """Validate a ``/v1/completions`` body. ``engine_info``: the engine's HELLO info (its
-    ``sampling`` fields are accepted, its ``engine`` named when a field is refused)."""
+    ``sampling`` fields are accepted, its ``engine`` named when a field is refused).
+    ``served_model``: the one ``model`` allowed (404 for another); None: any, the caller
+    resolves ``model`` (:func:`server.http.adapters.resolve_model`)."""
     data = decode_json(body, known=True)
     fields, engine = _engine_fields(engine_info)
     check_fields(data, HONOURED_COMPLETION, fields - TOOL_FIELDS, engine)
@@ -693,7 +695,7 @@ def parse_completion(
 def parse_chat(
     body: bytes,
     limits: Limits,
-    served_model: str,
+    served_model: str | None,
     engine_info: dict | None = None,
     tool_parser: str | None = None,
 ) -> GenerateRequest:
@@ -707,7 +709,7 @@ def parse_chat(
 def chat_request(
     data: dict,
     limits: Limits,
-    served_model: str,
+    served_model: str | None,
     engine_info: dict | None = None,
     tool_parser: str | None = None,
 ) -> GenerateRequest:

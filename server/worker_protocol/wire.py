@@ -10,13 +10,16 @@ per loop iteration, however many requests advanced in it. See ``docs/protocol.md
 Frontend -> worker::
 
     [SUBMIT, rid, prompt, params]   prompt: str, list[int], or {"messages": [...]} for chat
+    [SUBMIT, rid, prompt, params, adapter]   run with the LoRA adapter of that name
     [ABORT, rid]                    unknown or finished rid: a no-op
     [PING, seq]
     [TOKENIZE, seq, request]        {"op": "tokenize", "prompt": str | {"messages": [...]},
                                     "add_special_tokens": bool} or {"op": "detokenize",
                                     "tokens": [int, ...]} or {"op": "info"} or
                                     {"op": "embed", "input": [str | [int, ...], ...],
-                                    "dimensions": int | None}
+                                    "dimensions": int | None} or {"op": "load_lora",
+                                    "name": str, "path": str} or {"op": "unload_lora",
+                                    "name": str} (server.workers.lora)
     [SHUTDOWN]
 
 Worker -> frontend::
@@ -378,8 +381,9 @@ _SHAPES: dict[int, Callable[[list], bool]] = {
     # HELLO: [HELLO, info] from a pipe worker, [HELLO, info, proof] from a listening one
     HELLO: lambda m: (len(m) == 2 or (len(m) == 3 and _bytes_or_nil(m[2])))
     and type(m[1]) is dict,
-    SUBMIT: lambda m: len(m) == 4 and type(m[1]) is int
-    and type(m[2]) in (str, list, dict) and type(m[3]) is dict,
+    # SUBMIT: [SUBMIT, rid, prompt, params] (+ adapter: a LoRA adapter's name)
+    SUBMIT: lambda m: (len(m) == 4 or (len(m) == 5 and type(m[4]) is str))
+    and type(m[1]) is int and type(m[2]) in (str, list, dict) and type(m[3]) is dict,
     ABORT: lambda m: len(m) == 2 and type(m[1]) is int,
     PING: lambda m: len(m) == 2 and type(m[1]) is int,
     # PONG: [PONG, seq, running, waiting] (+ mine, from a listening worker)

@@ -37,6 +37,7 @@ from ..worker_protocol import wire
 from ..worker_protocol.wire import OutputRow
 from .base import EngineBroken, one_line, WorkerCrash, WorkerGarbage, WorkerHang
 from .embed import embed_request
+from .lora import LORA_OPS, lora_request
 from .prepare import Preparer, admit, tokenize_reply
 
 __all__ = ["build_engine", "handle_message", "main", "open_preparer", "run_as_worker", "serve",
@@ -86,6 +87,12 @@ def handle_message(engine, msg: list, accepts: list, outputs: list,
     kind = msg[0]
     if kind == wire.SUBMIT:
         rid, prompt, params = msg[1], msg[2], msg[3]
+        if len(msg) > 4:  # a LoRA adapter: the engine's, or this request's 404
+            if not engine.info.get("lora"):
+                outputs.append(OutputRow(rid, "", 0, "error", [
+                    "model_not_found", f"The model '{msg[4]:.256}' does not exist."]))
+                return None
+            params = {**params, "lora": msg[4]}
         if preparer is not None:
             preparer.submit(rid, prompt, params)
         else:
@@ -100,6 +107,8 @@ def handle_message(engine, msg: list, accepts: list, outputs: list,
         request = msg[2]
         if isinstance(request, dict) and request.get("op") == "embed":
             return [wire.TOKENIZED, msg[1], *embed_request(engine, request)]
+        if isinstance(request, dict) and request.get("op") in LORA_OPS:  # between steps
+            return [wire.TOKENIZED, msg[1], *lora_request(engine, request)]
         tokenize = getattr(engine, "tokenize", None)
         if tokenize is None:
             name = engine.info.get("engine", "this")

@@ -28,7 +28,10 @@ What the frontend sends, this module turns into vLLM's terms:
 - sampling fields become a ``vllm.SamplingParams`` with ``output_kind=DELTA``: every step
   gives each request its new text, detokenized and with stop strings applied by vLLM;
 - a request's prefix-cache hits reach the frontend as a note ``{"cached_tokens": n}`` with
-  its last output (``usage.prompt_tokens_details.cached_tokens``).
+  its last output (``usage.prompt_tokens_details.cached_tokens``);
+- a request for a LoRA adapter (vLLM built with ``enable_lora``) gets its ``LoRARequest``
+  from the adapter table (:mod:`server.workers.vllm_lora`), which also serves the
+  ``load_lora`` and ``unload_lora`` ops.
 
 A failure inside ``LLMEngine.step`` fails every request this engine holds and raises
 :class:`~server.workers.base.EngineBroken`: the worker sends those errors, then exits, and the
@@ -187,6 +190,9 @@ class VLLMEngine(HFTokenizing):
         warmup: bool = True,
         llm_engine=None,
         grammar_max_bytes: int = MAX_SCHEMA_BYTES,
+        lora_modules: dict | None = None,
+        allow_runtime_lora: bool = False,
+        lora_dir: str | None = None,
     ) -> None:
         if grammar_max_bytes < 1:
             raise ValueError("grammar_max_bytes must be positive")
@@ -255,7 +261,21 @@ class VLLMEngine(HFTokenizing):
                                         max_model_len=self.max_model_len)
             self.info["generate"] = False
             self.info["embedding"] = self._pooling.describe(config.model_config)
-        elif warmup:
+        #: LoRA adapters (vLLM built with enable_lora): server.workers.vllm_lora.
+        self._adapters = None
+        if config.lora_config is not None:
+            from .vllm_lora import VLLMAdapters
+
+            self._adapters = VLLMAdapters(
+                self._llm, lora_modules or {}, lora_dir=lora_dir,
+                allow_runtime=allow_runtime_lora, served_model=self.info["model"],
+                client_errors=self._client_errors)
+            self.info["lora"] = self._adapters.describe(config.lora_config)
+            self.load_lora = self._adapters.load_lora
+            self.unload_lora = self._adapters.unload_lora
+        elif lora_modules or allow_runtime_lora or lora_dir:
+            raise ValueError("LoRA adapters need vLLM's enable_lora (--enable-lora)")
+        if warmup and self._pooling is None:
             self._warm_up()
 
     # -- the Engine interface ---------------------------------------------------------------
@@ -263,7 +283,7 @@ class VLLMEngine(HFTokenizing):
     def add(self, rid: int, prompt: object, params: dict) -> int:
         return self.add_prepared(rid, self.prepare(prompt, params))
 
-    def prepare(self, prompt: object, params: dict) -> tuple[list[int], Any, str | None]:
+    def prepare(self, prompt: object, params: dict) -> tuple[list[int], Any, str | None, Any]:
         """A request's slow, stateless part (any thread: the worker runs it in a
         preparation thread, :mod:`server.workers.prepare`): tokenizing, the chat template,
         the context check, the sampling parameters. vLLM compiles the grammar itself,
@@ -275,18 +295,28 @@ class VLLMEngine(HFTokenizing):
         ids = self.encode(prompt, params.get("chat_template_kwargs"), params.get("tools"))
         max_tokens = check_context(len(ids), params.get("max_tokens"), self.max_model_len)
         salt = params.get("cache_salt")
-        return ids, self.sampling_params(params, max_tokens), None if salt is None else str(salt)
+        return (ids, self.sampling_params(params, max_tokens),
+                None if salt is None else str(salt), params.get("lora"))
 
-    def add_prepared(self, rid: int, prepared: tuple[list[int], Any, str | None]) -> int:
-        """Hand a request :meth:`prepare` made to vLLM (the loop's thread)."""
-        ids, sampling, salt = prepared
+    def add_prepared(self, rid: int, prepared: tuple[list[int], Any, str | None, Any]) -> int:
+        """Hand a request :meth:`prepare` made to vLLM (the loop's thread); with a LoRA
+        adapter's name, with that adapter (a 404 if it is not served now)."""
+        ids, sampling, salt, adapter = prepared
+        lora = None
+        if adapter is not None:  # (only where info["lora"]: server.workers.main)
+            assert self._adapters is not None
+            lora = self._adapters.use(rid, adapter)
         try:
             prompt_in: dict = {"prompt_token_ids": ids}
             if salt is not None:  # its own prefix-cache namespace
                 prompt_in["cache_salt"] = salt
-            self._llm.add_request(str(rid), prompt_in, sampling)
+            self._llm.add_request(str(rid), prompt_in, sampling, lora_request=lora)
         except self._client_errors as exc:  # vLLM's own validation: a client fault
+            self._release(rid)
             raise Rejected(one_line(exc)) from None
+        except Exception:
+            self._release(rid)
+            raise
         self._held.add(rid)
         if sampling.logprobs is not None:
             self._logprobs[rid] = sampling.logprobs
@@ -298,6 +328,7 @@ class VLLMEngine(HFTokenizing):
         self._held.discard(rid)
         self._logprobs.pop(rid, None)
         self._llm.abort_request([str(rid)])
+        self._release(rid)
         return True
 
     def next_deadline(self) -> float | None:
@@ -335,6 +366,7 @@ class VLLMEngine(HFTokenizing):
             if result.finished:
                 held.discard(rid)
                 self._logprobs.pop(rid, None)
+                self._release(rid)
                 if out.finish_reason == "error":
                     finish, error = "error", ["engine_error", "vLLM failed this request"]
                 else:
@@ -426,6 +458,12 @@ class VLLMEngine(HFTokenizing):
         if note:
             self.notes.append([rid, note])
 
+    def _release(self, rid: int) -> None:
+        """Request ``rid`` has left vLLM: its adapter's hold ends (an adapter unloaded
+        meanwhile leaves vLLM with its last request)."""
+        if self._adapters is not None:
+            self._adapters.release(rid)
+
     def _scheduler(self):
         core = getattr(getattr(self._llm, "engine_core", None), "engine_core", None)
         return getattr(core, "scheduler", None)
@@ -444,5 +482,13 @@ class VLLMEngine(HFTokenizing):
         for i, probe in enumerate(probes):
             self._llm.add_request(f"warmup-{i}", {"prompt_token_ids": ids},
                                   self.sampling_params(probe, 2))
+        adapters = self._adapters
+        names = list(adapters.table.names()) if adapters is not None else []
+        if adapters is not None and names:  # the LoRA path too, with a start-up adapter
+            self._llm.add_request("warmup-lora", {"prompt_token_ids": ids},
+                                  self.sampling_params(probes[0], 2),
+                                  lora_request=adapters.use(-1, names[0]))
         while self._llm.has_unfinished_requests():
             self._llm.step()
+        if adapters is not None and names:
+            adapters.release(-1)
