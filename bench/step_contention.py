@@ -4,8 +4,7 @@
 In process, no server: the transformers engine on the tiny model of tests/tiny_model.py
 (the size bench/isolation.py uses) steps ``--rows`` streams back to back on this thread, the
 way the worker's loop does, while one heavy preparation runs in the worker's real
-preparation stage (:class:`server.workers.prepare.Preparer`, its threads and their
-priority). Each step's wall time is split, for the loop's thread, with the kernel's
+preparation stage (:class:`server.workers.prepare.Preparer` and its threads). Each step's wall time is split, for the loop's thread, with the kernel's
 per-thread scheduler counters (``/proc/thread-self/schedstat``) into:
 
 * ``cpu``: on a CPU, running;
@@ -19,8 +18,8 @@ a chat prompt of 20,000 messages rendered by the Jinja template, pure Python) it
 steps' p50 and largest wall time and the sums of the three parts over the phase. Run it
 pinned to one core to see what the 1-core figures of docs/benchmarks.md saw::
 
-    taskset -c 1 python bench/step_contention.py                    # the default priority
-    taskset -c 1 python bench/step_contention.py --prepare-nice 0   # as before (no nice)
+    taskset -c 1 python bench/step_contention.py                     # as the worker runs
+    taskset -c 1 python bench/step_contention.py --prepare-nice 10   # niced preparation
     python bench/step_contention.py --switch-interval 0.001
 
 Output: a table, then one JSON line.
