@@ -4,8 +4,9 @@
 In process, no server: the transformers engine on the tiny model of tests/tiny_model.py
 (the size bench/isolation.py uses) steps ``--rows`` streams back to back on this thread, the
 way the worker's loop does, while one heavy preparation runs in the worker's real
-preparation stage (:class:`server.workers.prepare.Preparer` and its threads). Each step's wall time is split, for the loop's thread, with the kernel's
-per-thread scheduler counters (``/proc/thread-self/schedstat``) into:
+preparation stage (:class:`server.workers.prepare.Preparer` and its threads). Each step's
+wall time is split, for the loop's thread, with the kernel's per-thread scheduler counters
+(``/proc/thread-self/schedstat``) into:
 
 * ``cpu``: on a CPU, running;
 * ``runq``: runnable but waiting for a CPU (another thread or process had the core);
