@@ -947,3 +947,21 @@ async def test_property_a_frame_from_the_worker_ends_at_most_its_session(autojum
         else:  # the worker is treated as dead: stopped (escalating) and restarted
             await _assert_restarted(engine, spawn)
             assert spawn.processes[0].exited
+
+
+async def test_rows_before_a_malformed_row_are_delivered_then_the_session_ends(autojump_clock):
+    """The router checks a STEP's output rows as it routes them (one pass): the rows before
+    a malformed one count, as the messages before a malformed one do; the rest of the
+    worker's requests end with worker_died and the worker restarts."""
+    async with open_fake_engine() as (engine, spawn):
+        async with engine.generate("a", LONG) as a, engine.generate("b", LONG) as b:
+            await a.__anext__()
+            await b.__anext__()
+            rid_a, rid_b = spawn.rids()
+            await spawn.processes[0].inject(wire.encode(
+                [wire.STEP, [], [[rid_b, "!", 1, "length", None], [rid_a, "?", -1, None, None]]]))
+            outs_b = await all_outputs(b)
+            outs_a = await all_outputs(a)
+        assert (outs_b[-1].finish_reason, outs_b[-1].text.endswith("!")) == ("length", True)
+        assert (outs_a[-1].finish_reason, outs_a[-1].error_kind) == ("error", "worker_died")
+        await _assert_restarted(engine, spawn)

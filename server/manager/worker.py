@@ -413,11 +413,15 @@ class WorkerClient:
         """Hand each output to its choice. A plain function, so that nothing it touched
         (the last choice, its waker) stays referenced by the router between frames. Each
         message is checked first (wire.check_reply): a malformed one raises ProtocolError,
-        which ends the session, before anything of that message is applied."""
+        which ends the session, before anything of that message is applied; except a STEP's
+        output rows, each checked as it is routed (one pass over the rows, not two: the hot
+        path), so that the rows before a malformed one are delivered, as the messages
+        before a malformed one are (``ProtocolError.messages``)."""
         states = self.states
         check_reply = wire.check_reply
+        final_ok = wire.final_ok
         for msg in messages:
-            kind = check_reply(msg)[0]
+            kind = check_reply(msg, rows=False)[0]
             if kind == wire.STEP:
                 # Rows unpacked in the field order of wire.AcceptRow and wire.OutputRow.
                 for rid, prompt_tokens in msg[1]:
@@ -434,7 +438,14 @@ class WorkerClient:
                                     choice.token_ids += ids
                                     continue
                             choice.note(note)
-                for rid, text, ntok, finish, err in msg[2]:
+                for row in msg[2]:  # wire.check_reply's test of a row, inline
+                    if type(row) is not list or len(row) != 5:
+                        raise wire.malformed(msg)
+                    rid, text, ntok, finish, err = row
+                    if (type(rid) is not int or type(text) is not str or type(ntok) is not int
+                            or ntok < 0 or (err is not None if finish is None
+                                            else not final_ok(finish, err))):
+                        raise wire.malformed(msg)
                     choice = states.get(rid)
                     if choice is None:
                         continue  # finished, aborted, or cut off: drop

@@ -291,8 +291,17 @@ def _accept_row(r: object) -> bool:
     return type(r) is list and len(r) == 2 and type(r[0]) is int and _count(r[1])
 
 
+def final_ok(finish: object, err: object) -> bool:
+    """A terminal output row's ``finish`` and ``err`` (``finish`` is not None)."""
+    if finish == "error":
+        return _error(err)
+    return err is None and type(finish) is str and finish in FINISHES
+
+
 def _output_rows(rows: object) -> bool:
-    """Every row ``[rid, text, ntok, finish, err]`` (one loop: the hot path's check)."""
+    """Every row ``[rid, text, ntok, finish, err]``. The frontend's router does not call
+    this: it checks each row as it routes it, with the same tests (see
+    ``server.manager.worker``), and :func:`check_reply` with ``rows=False``."""
     if type(rows) is not list:
         return False
     for r in rows:
@@ -301,13 +310,7 @@ def _output_rows(rows: object) -> bool:
         rid, text, ntok, finish, err = r
         if type(rid) is not int or type(text) is not str or type(ntok) is not int or ntok < 0:
             return False
-        if finish is None:
-            if err is not None:
-                return False
-        elif finish == "error":
-            if not _error(err):
-                return False
-        elif err is not None or type(finish) is not str or finish not in FINISHES:
+        if err is not None if finish is None else not final_ok(finish, err):
             return False
     return True
 
@@ -373,6 +376,15 @@ def _step(m: list) -> bool:
     )
 
 
+def _step_but_outputs(m: list) -> bool:
+    """A STEP's shape, its output rows aside (a list): see :func:`check_reply`."""
+    n = len(m)
+    return (
+        (n == 3 or n == 4) and _all(m[1], _accept_row) and type(m[2]) is list
+        and (n == 3 or _note_rows(m[3]))
+    )
+
+
 def _bytes_or_nil(x: object) -> bool:
     return x is None or type(x) is bytes
 
@@ -402,7 +414,8 @@ _SHAPES: dict[int, Callable[[list], bool]] = {
 }
 
 
-def check(message: list, allowed: Iterable[int]) -> list:
+def check(message: list, allowed: Iterable[int],
+          shapes: dict[int, Callable[[list], bool]] | None = None) -> list:
     """``message`` (a decoded message: a list starting with an int) if it is of one of the
     ``allowed`` types and has that type's shape; else :class:`ProtocolError` saying which.
 
@@ -419,9 +432,14 @@ def check(message: list, allowed: Iterable[int]) -> list:
         raise ProtocolError(
             f"unexpected message type {kind!r}" if name is None else f"unexpected {name}"
         )
-    if not _SHAPES[kind](message):
-        raise ProtocolError(f"malformed {_NAMES[kind]}: {_clip(message)}")
+    if not (shapes or _SHAPES)[kind](message):
+        raise malformed(message)
     return message
+
+
+def malformed(message: list) -> ProtocolError:
+    """The error for a ``message`` of a known type with a wrong shape."""
+    return ProtocolError(f"malformed {_NAMES[message[0]]}: {_clip(message)}")
 
 
 def check_request(message: list) -> list:
@@ -429,6 +447,15 @@ def check_request(message: list) -> list:
     return check(message, REQUESTS)
 
 
-def check_reply(message: list) -> list:
-    """A message from a worker after its HELLO: one of :data:`REPLIES`, well formed."""
-    return check(message, REPLIES)
+#: As _SHAPES, a STEP's output rows unchecked (the router checks each as it routes it).
+_SHAPES_BUT_OUTPUTS = {**_SHAPES, STEP: _step_but_outputs}
+
+
+def check_reply(message: list, *, rows: bool = True) -> list:
+    """A message from a worker after its HELLO: one of :data:`REPLIES`, well formed.
+
+    With ``rows=False`` a STEP's output rows are only checked to be a list: the caller
+    checks each row (``[rid, text, ntok, finish, err]``: types, ``ntok >= 0``, ``err`` None
+    unless ``finish`` is, then :func:`final_ok`) while it reads them, raising
+    :func:`malformed` for a bad one, so that a hot path walks the rows once, not twice."""
+    return check(message, REPLIES, None if rows else _SHAPES_BUT_OUTPUTS)

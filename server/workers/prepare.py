@@ -35,6 +35,7 @@ import collections
 import functools
 import os
 import queue
+import sys
 import threading
 from concurrent.futures import CancelledError, Future
 
@@ -57,8 +58,9 @@ class DaemonPool:
     (work that cannot be interrupted). A worker's process ends with its loop; these threads
     end with it."""
 
-    def __init__(self, threads: int, name: str) -> None:
+    def __init__(self, threads: int, name: str, nice: int = 0) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._nice = nice
         for i in range(threads):
             threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True).start()
         self._threads = threads
@@ -81,6 +83,8 @@ class DaemonPool:
             self._queue.put(None)
 
     def _run(self) -> None:
+        if self._nice:
+            lower_priority(self._nice)
         while True:
             item = self._queue.get()
             if item is None:
@@ -94,6 +98,26 @@ class DaemonPool:
                 future.set_exception(exc)
             else:
                 future.set_result(result)
+
+
+def lower_priority(nice: int) -> bool:
+    """Add ``nice`` to the calling thread's nice value (Linux, where it is a thread's own;
+    elsewhere nothing: True when done). The kernel then gives this thread's CPU time to
+    the others of the process first when a core is contended; it cannot be undone without
+    privileges, so only threads made for it call this.
+
+    Not used by the worker (``Preparer``'s ``nice`` is 0): a niced thread that holds the
+    GIL while other processes saturate the core is scheduled rarely, and the loop waits
+    for the GIL that long (measured: a worker declared hung, docs/benchmarks.md,
+    "isolation"). ``bench/step_contention.py --prepare-nice`` measures it."""
+    if sys.platform != "linux" or nice <= 0:
+        return False
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:  # a sandbox that forbids it: run at the same priority
+        return False
+    return True
 
 
 def admit(rid: int, add, accepts: list, outputs: list) -> None:
@@ -123,9 +147,9 @@ class Preparer:
     """The preparation stage of one engine (see the module docstring). Made by the loop
     for an engine that has ``prepare``; :meth:`close` when the loop ends."""
 
-    def __init__(self, engine, threads: int = PREPARE_THREADS) -> None:
+    def __init__(self, engine, threads: int = PREPARE_THREADS, nice: int = 0) -> None:
         self.engine = engine
-        self._pool = DaemonPool(threads, "prepare")
+        self._pool = DaemonPool(threads, "prepare", nice)
         self._wake_r, self._wake_w = os.pipe()
         self._wake_lock = threading.Lock()  # no wake-up write once close() closed the pipe
         self._closed = False
