@@ -8,7 +8,7 @@ The request-side checks run without a model; the end-to-end ones start one serve
 from __future__ import annotations
 
 import json
-from typing import Literal, Optional
+from typing import Literal
 
 import pytest
 from pydantic import BaseModel, Field
@@ -17,26 +17,13 @@ from server.config import Limits
 from server.errors import ClientError
 from server.openai import schema
 from server.openai.tools import read_tools
+from tests.client_models import Booking, Guest
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
 CHAT = [{"role": "user", "content": "Book a room for Ann."}]
 HF_INFO = {"engine": "transformers", "sampling": ["response_format", "tools"]}
-
-
-class Guest(BaseModel):
-    name: Literal["Ann", "Bob"]
-    vip: bool
-
-
-class Booking(BaseModel):
-    """Nested models: pydantic emits ``$defs`` and ``$ref: "#/$defs/Guest"``."""
-
-    nights: int = Field(ge=1, le=9)
-    lead: Guest
-    guests: list[Guest] = Field(max_length=2)
-    extra: Optional[Guest]  # noqa: UP045 (as clients write it)
 
 
 class Node(BaseModel):
@@ -305,38 +292,4 @@ async def test_tokenizer_info_is_off_by_default(server_url):
         assert (await http.get("/tokenizer_info")).status_code == 404
 
 
-# -- the client libraries themselves, where installed (a ``clients`` test extra) ---------------
-# (Written against their documented APIs; skipped where they are not installed.)
-
-
-async def test_instructor_tools_mode_and_langchain_history(model_dir):  # noqa: F811
-    """instructor's TOOLS mode (a named forced call of a nested model) and LangChain's
-    ``bind_tools`` with the model's call sent back on the next turn (item 2's path)."""
-    instructor = pytest.importorskip("instructor")
-    langchain_openai = pytest.importorskip("langchain_openai")
-    from langchain_core.messages import HumanMessage, ToolMessage
-    import trio
-
-    from tests.conftest import running_server
-
-    with trio.fail_after(180):
-        async with running_server(hf_config(model_dir)) as url:
-
-            def clients() -> None:
-                raw = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-                patched = instructor.from_openai(raw, mode=instructor.Mode.TOOLS)
-                booking = patched.chat.completions.create(
-                    model="tiny-tools", messages=CHAT, response_model=Booking, max_retries=1,
-                    max_tokens=300, temperature=0)
-                assert isinstance(booking, Booking)
-                chat = langchain_openai.ChatOpenAI(
-                    base_url=url + "/v1", api_key="x", model="tiny-tools", max_tokens=300,
-                    temperature=0, max_retries=0).bind_tools([Booking], tool_choice="Booking")
-                first = chat.invoke([HumanMessage(CHAT[0]["content"])])
-                (call,) = first.tool_calls
-                call["args"]["nights"] = BIG  # as if the model had written it
-                again = chat.invoke([HumanMessage(CHAT[0]["content"]), first,
-                                     ToolMessage("booked", tool_call_id=call["id"])])
-                assert again.tool_calls[0]["name"] == "Booking"
-
-            await trio.to_thread.run_sync(clients)
+# The client libraries themselves (instructor, LangChain, ...): tests/clients.

@@ -23,8 +23,6 @@ WEATHER = {
         "description": "The weather in a city.",
         "parameters": {
             "type": "object", "additionalProperties": False, "required": ["city", "unit"],
-            # (a string's maxLength would let xgrammar 0.2.9 emit raw control characters:
-            # its bounded-string rule lacks the [^\0-\x1f] of its plain strings)
             "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"},
                            "unit": {"enum": ["C", "F"]}},
         },

@@ -441,6 +441,32 @@ def test_structured_outputs_regex_choice_and_grammar(engine):
     assert engine.next_deadline() is None
 
 
+def test_length_bounded_strings_are_strict_json(engine):
+    """Strings bounded by ``minLength``/``maxLength`` hold no raw control characters (issue
+    29, item 7: xgrammar 0.2.8's bounded-string rule lets them through, and every client's
+    JSON parser refuses them): the control characters' tokens pushed to the top by
+    ``logit_bias``, the grammar still keeps them out, and every answer parses strictly."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    tok = engine.tokenizer
+    controls = {t for c in range(32) for t in tok.encode(chr(c), add_special_tokens=False)}
+    schema = {"type": "object", "additionalProperties": False, "required": ["a", "b", "c"],
+              "properties": {"a": {"type": "string", "maxLength": 6},
+                             "b": {"type": "string", "minLength": 2, "maxLength": 4},
+                             "c": {"type": "array", "maxItems": 2,
+                                   "items": {"type": "string", "minLength": 1, "maxLength": 3}}}}
+    fmt = {"type": "json_schema", "schema": schema}
+    bias = {str(t): 100 for t in controls}
+    for seed in range(4):
+        engine.add(seed, "hello", {"max_tokens": 60, "temperature": 1.0, "seed": seed,
+                                   "logit_bias": bias, "response_format": fmt})
+    out = run(engine)
+    for seed in range(4):
+        text, _, finish = result(out[seed])
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text, strict=True), schema)
+
+
 def test_streamed_multibyte_text_equals_the_full_decode(engine):
     # characters the tokenizer never saw whole: they are split into byte tokens
     text = "漢字かな 🦀🧪 Ωμέγα — ñandú 👩🏽‍🚀"

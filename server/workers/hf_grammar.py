@@ -25,6 +25,13 @@ The mask is one bitmask for the rows that have a grammar, filled per row and app
 logits in one call; rows without one are not touched. JSON is generated without free
 whitespace between tokens (as vLLM's ``disable_any_whitespace``): a model may not pad a
 document forever with blanks.
+
+xgrammar 0.2.8 writes a string bounded by ``minLength``/``maxLength`` as a repetition of
+"any character but a quote, a backslash, CR or LF": raw control characters (U+0000 to
+U+001F) pass, and strict JSON parsers (every client's) refuse them. :func:`_json_strings`
+narrows that character class in the grammar's text, before it is compiled, to "any
+character but a quote, a backslash or a control character" (a bounded string still has no
+escapes, as in xgrammar: only characters that JSON takes as they are).
 """
 
 from __future__ import annotations
@@ -97,6 +104,20 @@ def schema_text(response_format: dict, max_bytes: int) -> str:
             f"{describe(response_format)}: the JSON schema is too large to compile: {size} "
             f"bytes, more than this server's limit of {max_bytes}")
     return schema
+
+
+#: xgrammar 0.2's character of a length-bounded JSON string, and the strict one.
+_LOOSE_CHARACTER = r'[^\"\\\r\n]'
+_JSON_CHARACTER = r'[^\0-\x1f\"\\]'
+
+
+def _json_strings(xgr, grammar):
+    """``grammar`` with every length-bounded string's characters valid JSON (see the
+    module docstring); ``grammar`` itself when it has none."""
+    text = str(grammar)
+    if _LOOSE_CHARACTER not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARACTER, _JSON_CHARACTER))
 
 
 class Grammars:
@@ -176,7 +197,8 @@ class Grammars:
         if not key:
             return self._compiler.compile_builtin_json_grammar()
         if key[0] == "{":
-            return self._compiler.compile_json_schema(key, any_whitespace=False)
+            grammar = self._xgr.Grammar.from_json_schema(key, any_whitespace=False)
+            return self._compiler.compile_grammar(_json_strings(self._xgr, grammar))
         kind, _, text = key.partition("\x00")
         if kind == "regex":
             return self._compiler.compile_regex(text)
