@@ -37,6 +37,7 @@ from trio_util import AsyncValue
 
 from ..config import EngineConfig
 from ..errors import EngineError, error_from_wire
+from ..observability.engine_metrics import EngineReport
 from ..protocol import wire
 from .pacing import Pacer
 from .stream import Choice
@@ -102,6 +103,8 @@ class WorkerClient:
         self.waiting = 0
         #: A shared (remote) worker's requests from other frontends, as of its latest PONG.
         self.foreign = 0
+        #: What the engine reports of itself (vLLM's statistics), for metrics.
+        self.report = EngineReport()
         self._outbox: list[bytes] = []
         self._outbox_ready = trio.Event()
         self._ping_seq = 0
@@ -281,6 +284,7 @@ class WorkerClient:
                 reason = self._startup_failed(first, exc)
                 return reason
             self.alive = True
+            self.report.hello(self.info)
             self.last_heard = trio.current_time()
             self._ready.set()
             if task_status is not None:
@@ -303,6 +307,7 @@ class WorkerClient:
         finally:
             self.alive = False
             self.running = self.waiting = self.foreign = 0
+            self.report.down()
             self._fail_all(reason)
             with trio.CancelScope(shield=True):
                 try:
@@ -393,7 +398,9 @@ class WorkerClient:
                     answer.value = (msg[2], msg[3])
             else:  # PONG
                 self.running, self.waiting = msg[2], msg[3]
-                if len(msg) > 4:  # a listening worker: how many of them are ours
+                stats = msg[-1] if type(msg[-1]) is dict else None  # the engine's own
+                self.report.pong(msg[3], stats)
+                if len(msg) > 4 + (stats is not None):  # a listening worker: ours of them
                     self.foreign = max(0, msg[2] + msg[3] - msg[4])
                 answer = self._pings.get(msg[1])
                 if answer is not None:
