@@ -61,12 +61,16 @@ def _server_cmd(kind: str, model: str, port: int, engine: dict) -> list[str]:
                "--port", str(port), "--host", "127.0.0.1", "--served-model-name", "m",
                "--disable-uvicorn-access-log"]
         for key, value in engine.items():
-            cmd += [f"--{key.replace('_', '-')}", str(value)]
+            flag = key.replace("_", "-")
+            if isinstance(value, bool):  # vLLM's boolean flags take no value
+                cmd.append(f"--{flag}" if value else f"--no-{flag}")
+            else:
+                cmd += [f"--{flag}", str(value)]
         return cmd
     cmd = [sys.executable, "-m", "server", "--engine", "vllm", "--model-path", model,
            "--model", "m", "--port", str(port), "--disable-log-requests"]
     for key, value in engine.items():
-        cmd += ["--engine-arg", f"{key}={value}"]
+        cmd += ["--engine-arg", f"{key}={json.dumps(value) if isinstance(value, bool) else value}"]
     if kind == "ours-20":
         cmd += ["--stream-interval-ms", "20"]
     return cmd

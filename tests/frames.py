@@ -49,9 +49,16 @@ _output = st.one_of(
 _entry = st.tuples(_small_text, st.floats(-20, 0) | st.none(),
                    st.lists(st.tuples(_small_text, st.floats(-20, 0)).map(list), max_size=2)
                    ).map(list)
+_seconds = st.floats(0, 1e6) | st.integers(0, 10**6)
 _note = st.tuples(_ints, st.fixed_dictionaries({}, optional={
     "cached_tokens": _counts, "logprobs": st.lists(_entry, max_size=2),
-    "prompt_logprobs": st.lists(_entry, max_size=2)})).map(list)
+    "prompt_logprobs": st.lists(_entry, max_size=2),
+    "times": st.fixed_dictionaries(dict.fromkeys(("queue", "prefill", "decode", "inference"),
+                                                 _seconds))})).map(list)
+_engine_stats = st.fixed_dictionaries({}, optional={
+    "kv_cache_usage": st.floats(0, 1), "deferred": _counts, "preemptions": _counts,
+    "iteration_tokens": st.lists(_counts, min_size=len(wire.ITERATION_TOKEN_BUCKETS) + 2,
+                                 max_size=len(wire.ITERATION_TOKEN_BUCKETS) + 2)})
 _rows = st.lists(st.tuples(_ints, _counts).map(list), max_size=3)
 _nonce = st.binary(min_size=32, max_size=32)
 
@@ -62,7 +69,9 @@ WELL_FORMED = {
     wire.ABORT: st.tuples(st.just(wire.ABORT), _ints),
     wire.PING: st.tuples(st.just(wire.PING), _ints),
     wire.PONG: st.tuples(st.just(wire.PONG), _ints, _counts, _counts)
-    | st.tuples(st.just(wire.PONG), _ints, _counts, _counts, _counts),
+    | st.tuples(st.just(wire.PONG), _ints, _counts, _counts, _counts)
+    | st.tuples(st.just(wire.PONG), _ints, _counts, _counts, _counts, _engine_stats)
+    | st.tuples(st.just(wire.PONG), _ints, _counts, _counts, _engine_stats),
     wire.SHUTDOWN: st.tuples(st.just(wire.SHUTDOWN)),
     wire.STEP: st.tuples(st.just(wire.STEP), _rows, st.lists(_output, max_size=3))
     | st.tuples(st.just(wire.STEP), _rows, st.lists(_output, max_size=3),

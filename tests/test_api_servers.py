@@ -305,3 +305,25 @@ async def test_a_killed_supervisors_directory_is_removed_by_the_next_one(tmp_pat
                     assert (await http.get("/health")).status_code == 200
     finally:
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_metrics_merge_takes_the_engines_own_counters_once():
+    """A shared worker reports its engine's counters alike to every frontend: merged by
+    maximum (the freshest), where the frontends' own counters are summed."""
+    def text(preemptions: int, steps: int, prefills: int) -> str:
+        return (
+            "# TYPE trio_llm:num_preemptions_total counter\n"
+            f'trio_llm:num_preemptions_total{{worker="0"}} {preemptions}\n'
+            "# TYPE trio_llm:iteration_tokens_total histogram\n"
+            f'trio_llm:iteration_tokens_total_bucket{{le="+Inf",worker="0"}} {steps}\n'
+            f'trio_llm:iteration_tokens_total_count{{worker="0"}} {steps}\n'
+            f'trio_llm:iteration_tokens_total_sum{{worker="0"}} {steps * 3}\n'
+            "# TYPE trio_llm:request_prefill_time_seconds histogram\n"
+            f'trio_llm:request_prefill_time_seconds_count{{worker="0"}} {prefills}\n'
+        )
+    merged = merge_expositions({"0": text(5, 100, 2), "1": text(6, 104, 3)})
+    values = {s.name: s.value for f in merged for s in f.samples}
+    assert values["trio_llm:num_preemptions_total"] == 6
+    assert values["trio_llm:iteration_tokens_total_count"] == 104
+    assert values["trio_llm:iteration_tokens_total_sum"] == 312
+    assert values["trio_llm:request_prefill_time_seconds_count"] == 5  # each request once

@@ -106,6 +106,11 @@ async def test_metrics_after_a_known_sequence_of_requests():
         assert m.bucket(hist, "2.0") == 1 and m.bucket(hist, "5.0") == 3
         assert m.value("trio_llm:request_prompt_tokens_sum") == 7
         assert m.bucket("trio_llm:request_prompt_tokens", "1.0") == 2
+        # The requests' own parameters, as vLLM's request_params_*.
+        assert m.value("trio_llm:request_params_n_count") == 4
+        assert m.value("trio_llm:request_params_n_sum") == 4
+        assert m.value("trio_llm:request_params_max_tokens_sum") == 5 + 4 + 20 + 5000
+        assert m.bucket("trio_llm:request_params_max_tokens", "5.0") == 2
 
         # Every request that ran got a first token, was accepted, and ended.
         for name in ("time_to_first_token_seconds", "request_queue_time_seconds",
@@ -245,3 +250,54 @@ def test_histogram_buckets_are_upper_bounds():
         h.observe(v)
     assert h.buckets() == [("0.1", 2), ("1.0", 4), ("+Inf", 5)]
     assert h.count == 5 and h.sum == pytest.approx(4.65)
+
+
+def test_engine_reported_families_follow_the_workers_reports():
+    """What a worker's engine reports of itself (the vllm engine: HELLO's cache config, each
+    PONG's map, each request's times note) as families; nothing from an engine that
+    reports nothing, and no gauges from a worker that is down."""
+    from prometheus_client import generate_latest
+
+    from server.observability.engine_metrics import EngineReport, engine_families
+    from server.observability.merge import Families
+    from server.worker_protocol.wire import ITERATION_TOKEN_BUCKETS
+
+    def families(*reports: EngineReport) -> Scrape:
+        return Scrape(generate_latest(Families(
+            engine_families(("m", i, r) for i, r in enumerate(reports)))).decode())
+
+    silent = EngineReport()
+    silent.hello({"engine": "sim"})
+    silent.pong(3, None)
+    assert families(silent).samples == []
+
+    vllm = EngineReport()
+    vllm.hello({"engine": "vllm", "cache_config": {"block_size": "16",
+                                                   "kv_cache_size_tokens": "4096"}})
+    steps = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+    steps[0], steps[3] = 4, 1  # four steps of 1 token, one of 17 to 32
+    vllm.pong(5, {"kv_cache_usage": 0.25, "deferred": 2, "preemptions": 7,
+                  "iteration_tokens": [*steps, 4 + 30]})
+    vllm.finished({"queue": 0.002, "prefill": 0.2, "decode": 1.0, "inference": 1.2})
+    m = families(silent, vllm)
+    assert m.value("trio_llm:kv_cache_usage_perc", worker="1") == 0.25
+    assert m.value("trio_llm:num_requests_waiting_by_reason", worker="1", reason="capacity") == 3
+    assert m.value("trio_llm:num_requests_waiting_by_reason", worker="1", reason="deferred") == 2
+    assert m.value("trio_llm:num_preemptions_total", worker="1") == 7
+    assert m.bucket("trio_llm:iteration_tokens_total", "1.0") == 4
+    assert m.bucket("trio_llm:iteration_tokens_total", "16.0") == 4
+    assert m.bucket("trio_llm:iteration_tokens_total", "32.0") == 5
+    assert m.value("trio_llm:iteration_tokens_total_sum") == 34
+    assert m.value("trio_llm:cache_config_info", worker="1", block_size="16",
+                   kv_cache_size_tokens="4096") == 1
+    assert m.value("trio_llm:request_prefill_time_seconds_count", worker="1") == 1
+    assert m.value("trio_llm:request_decode_time_seconds_sum", worker="1") == 1.0
+    assert m.value("trio_llm:request_engine_queue_time_seconds_count") == 1
+    assert m.value("trio_llm:request_inference_time_seconds_count", worker="0") == 0
+    assert "trio_llm:kv_cache_usage_perc" not in {s.name for s in m.samples
+                                                 if s.labels.get("worker") == "0"}
+
+    vllm.down()  # its session ended: no gauge, the histograms keep their counts
+    m = families(silent, vllm)
+    assert "trio_llm:kv_cache_usage_perc" not in m.families
+    assert m.value("trio_llm:request_prefill_time_seconds_count") == 1

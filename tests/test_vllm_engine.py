@@ -152,7 +152,8 @@ class Server:
         scheduler's queues), and the frontend's open streams."""
         text = httpx.get(self.url + "/metrics").text
         out: dict[str, float] = {}
-        for name in ("num_requests_running", "num_requests_waiting", "open_streams"):
+        for name in ("num_requests_running", "num_requests_waiting", "open_streams",
+                     "kv_cache_usage_perc"):
             values = re.findall(rf"^trio_llm:{name}\{{[^}}]*\}} (\S+)$", text, re.M)
             values += re.findall(rf"^trio_llm:{name} (\S+)$", text, re.M)
             out[name] = sum(float(v) for v in values)
@@ -164,7 +165,7 @@ class Server:
             g = self.gauges()
             if g["num_requests_running"] == 0 and g["num_requests_waiting"] == 0 and not g[
                 "open_streams"
-            ]:
+            ] and not g["kv_cache_usage_perc"]:
                 return
             time.sleep(0.1)
         raise AssertionError(f"vLLM still holds requests: {self.gauges()}")
@@ -196,6 +197,96 @@ def client(server):
 
 
 # -- through the server ----------------------------------------------------------------------
+
+
+#: vLLM's own metrics test (tests/entrypoints/serve/instrumentator/test_metrics.py of its
+#: repository, EXPECTED_METRICS_V1): every series it expects, by vLLM's name.
+VLLM_EXPECTED = [
+    "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:num_requests_waiting_by_reason", "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:iteration_tokens_total",
+    "vllm:cache_config_info", "vllm:request_success_total",
+    *(f"vllm:{h}_{suffix}" for h in (
+        "request_prompt_tokens", "request_generation_tokens", "request_params_n",
+        "request_params_max_tokens", "time_to_first_token_seconds",
+        "inter_token_latency_seconds", "e2e_request_latency_seconds",
+        "request_queue_time_seconds", "request_inference_time_seconds",
+        "request_prefill_time_seconds", "request_decode_time_seconds",
+    ) for suffix in ("sum", "bucket", "count")),
+]
+
+
+def _ours(name: str) -> str:
+    """Our counterpart of a vLLM series: the same name with our prefix, but for the
+    engine's queue time (our request_queue_time_seconds is the frontend's)."""
+    name = name.replace("vllm:", "trio_llm:")
+    return name.replace("request_queue_time", "request_engine_queue_time")
+
+
+def _totals(text: str) -> dict[str, float]:
+    """Each sample name's value, summed over its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def test_vllms_own_metrics_are_exported_under_our_prefix(server, client):
+    """vLLM's statistics (its stat-logger interface, forwarded on the worker's frames) give
+    every series of vLLM's own metrics test, with the counts that test expects."""
+    prompt = list(range(5, 25))  # token ids: 20 prompt tokens, under one cache block
+    n, max_tokens = 3, 10
+    steps = "trio_llm:iteration_tokens_total_count"
+    # The engine's counters come with each heartbeat answer (every second): the baseline is
+    # one that two answers agree on. (This test runs first: nothing ran before it.)
+    before = _totals(httpx.get(server.url + "/metrics").text)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        time.sleep(2.5)
+        again = _totals(httpx.get(server.url + "/metrics").text)
+        if again.get(steps) == before.get(steps):
+            break
+        before = again
+    for _ in range(n):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == max_tokens
+
+    def grown(totals: dict, name: str) -> float:
+        return totals.get(name, 0.0) - before.get(name, 0.0)
+
+    deadline = time.monotonic() + 30
+    while True:
+        text = httpx.get(server.url + "/metrics").text
+        after = _totals(text)
+        if grown(after, steps) >= n * max_tokens or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    missing = [name for name in VLLM_EXPECTED if _ours(name) not in text]
+    assert not missing
+    # The dashboard's engine panels (KV cache, preemptions) have their series too.
+    from tests.test_deploy import dashboard_metrics, engine_reported
+
+    exported = set(re.findall(r"^([A-Za-z_:][A-Za-z0-9_:]*)", text, re.M))
+    assert {m for m in dashboard_metrics() if engine_reported(m)} - exported == set()
+    # As vLLM's test counts them: one step per token, prefill and decode.
+    assert grown(after, steps) == n * max_tokens
+    assert grown(after, "trio_llm:iteration_tokens_total_sum") == n * (len(prompt) + max_tokens)
+    for name in ("request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_inference_time_seconds", "request_engine_queue_time_seconds"):
+        assert grown(after, f"trio_llm:{name}_count") == n, name
+    assert grown(after, "trio_llm:request_params_max_tokens_sum") == n * max_tokens
+    assert after["trio_llm:num_preemptions_total"] == 0
+    info = re.search(r"^trio_llm:cache_config_info\{([^}]*)\} 1\.0$", text, re.M)
+    assert info, text
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1)))
+    assert labels["kv_cache_size_tokens"] not in ("None", "")
+    assert labels["kv_cache_max_concurrency"] not in ("None", "")
+    assert labels["enable_prefix_caching"] == "True"
 
 
 def test_greedy_equals_llm_generate_for_concurrent_requests(server, client, reference):
@@ -524,13 +615,15 @@ def test_a_client_disconnect_leaves_nothing_in_vllm(server):
         data = b""
         while data.count(b"data: ") < 3:
             data += sock.recv(65536)
-    # vLLM's own count (its scheduler's, in each heartbeat answer) shows them running...
+    # vLLM's own count (its scheduler's, in each heartbeat answer) shows them running, in
+    # its KV cache...
     deadline = time.monotonic() + 10
-    while server.gauges()["num_requests_running"] < 1:
+    while (server.gauges()["num_requests_running"] < 1
+           or not server.gauges()["kv_cache_usage_perc"]):
         assert time.monotonic() < deadline, server.gauges()
         time.sleep(0.05)
-    # ... and none soon after their clients are gone (left to run, they would take several
-    # seconds more: thousands of steps each).
+    # ... and none soon after their clients are gone, their cache blocks freed (left to run,
+    # they would take several seconds more: thousands of steps each).
     for sock in socks:
         sock.close()
     server.wait_idle(timeout=2.5)

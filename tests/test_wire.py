@@ -192,6 +192,12 @@ GOOD_REQUESTS = [m for m in MESSAGES if m[0] in wire.REQUESTS] + [
 ]
 GOOD_REPLIES = [m for m in MESSAGES if m[0] in wire.REPLIES] + [
     [wire.PONG, 7, 3, 1, 2],  # a listening worker's: with this connection's count
+    # an engine that reports its own statistics (vllm): a map last
+    [wire.PONG, 7, 3, 1, {"kv_cache_usage": 0.25, "deferred": 1, "preemptions": 0,
+                          "iteration_tokens": [0, 2] + [0] * 12 + [9]}],
+    [wire.PONG, 7, 3, 1, 2, {"kv_cache_usage": 1}],
+    [wire.STEP, [], [[1, "x", 1, "stop", None]], [[1, {"cached_tokens": 0, "times": {
+        "queue": 0.5, "prefill": 0, "decode": 1.5, "inference": 1.5}}]]],
     [wire.STEP, [], [[1, "x", 1, "stop", None]], [[1, {"cached_tokens": 3}], [1, {
         "logprobs": [["x", -0.5, [["y", -1.0]]]], "prompt_logprobs": [["a", None, []]]}]]],
     [wire.TOKENIZED, 1, {"tokens": [1], "max_model_len": 8}, None],
@@ -225,6 +231,12 @@ def test_malformed_requests_are_protocol_errors(message):
 
 @pytest.mark.parametrize("message", [
     [wire.PONG], [wire.PONG, 1, 2], [wire.PONG, 1, -1, 0], [wire.PONG, 1, 0, 0, 0, 0],
+    [wire.PONG, 1, 0, 0, {}, 0], [wire.PONG, 1, 0, 0, {"kv_cache_usage": 1.5}],
+    [wire.PONG, 1, 0, 0, {"preemptions": -1}], [wire.PONG, 1, 0, 0, {"running": 1}],
+    [wire.PONG, 1, 0, 0, {"iteration_tokens": [0, 1]}], [wire.PONG, 1, 0, 0, 1, 1, {}],
+    [wire.STEP, [], [], [[1, {"times": {"queue": 1.0}}]]],
+    [wire.STEP, [], [], [[1, {"times": {"queue": -1, "prefill": 0, "decode": 0,
+                                        "inference": 0}}]]],
     [wire.STEP], [wire.STEP, [], None], [wire.STEP, [[1]], []], [wire.STEP, [], [[1, "x"]]],
     [wire.STEP, [], [[1, b"x", 1, None, None]]], [wire.STEP, [], [[1, "x", -1, None, None]]],
     [wire.STEP, [], [[1, "x", 1, "done", None]]], [wire.STEP, [], [[1, "x", 1, [], None]]],

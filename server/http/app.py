@@ -214,7 +214,11 @@ class LLMServerApp(QuartTrio):
             if orca is not None and self._authorized(scope):
                 # a load balancer asks for a load report (server.http.orca)
                 try:  # (every model's pool: the report comes before the body names one)
-                    metrics = named_metrics([e.statistics() for e in self.models.engines()])
+                    engines = self.models.engines()
+                    latest = [w.report.latest or {} for e in engines for w in e.workers
+                              if w.alive]
+                    usage = [r["kv_cache_usage"] for r in latest if "kv_cache_usage" in r]
+                    metrics = named_metrics([e.statistics() for e in engines], usage)
                     extra = [*extra, load_report(orca, metrics)]
                 except ServerError as exc:
                     await send_error(send, exc, [*extra, CLOSE])

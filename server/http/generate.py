@@ -203,7 +203,7 @@ async def handle_generate(
             finally:
                 nursery.cancel_scope.cancel()
     finally:
-        record.ended(stream, req.params.n)
+        record.ended(stream, req.params.n, req.params.max_tokens)
 
 
 async def echo_texts(engine, req):

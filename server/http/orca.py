@@ -18,6 +18,7 @@ reports it (the vllm engine), the KV cache's usage as a fraction.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from ..errors import ClientError
 
@@ -27,17 +28,17 @@ REQUEST_HEADER = b"endpoint-load-metrics-format"
 RESPONSE_HEADER = b"endpoint-load-metrics"
 
 
-def named_metrics(stats: list) -> dict[str, float]:
+def named_metrics(stats: list, kv_cache_usage: Sequence[float] = ()) -> dict[str, float]:
     """The report's metrics from the :class:`~server.manager.engine.EngineStatistics` of
-    each engine (each model's pool): their sums."""
+    each engine (each model's pool): their sums; and the fullest of the workers' KV caches
+    (``kv_cache_usage``: each worker's latest report, where its engine reports one)."""
     live = [w for s in stats for w in s.workers if w.alive]
     metrics = {
         "num_requests_waiting": float(sum(w.waiting for w in live)),
         "num_requests_running": float(sum(w.running for w in live)),
     }
-    usage = [u for s in stats if (u := getattr(s, "kv_cache_usage", None)) is not None]
-    if usage:  # the fullest cache
-        metrics["kv_cache_usage_perc"] = float(max(usage))
+    if kv_cache_usage:
+        metrics["kv_cache_usage_perc"] = float(max(kv_cache_usage))
     return metrics
 
 

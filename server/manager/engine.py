@@ -24,6 +24,7 @@ from trio_util import AsyncValue, wait_all
 
 from ..config import EngineConfig
 from ..errors import ServiceUnavailable
+from ..observability.engine_metrics import EngineReport
 from ..params import SamplingParams
 from ..worker_protocol import wire
 from ..worker_protocol.handshake import parse_address
@@ -50,6 +51,8 @@ class WorkerStatistics:
     #: Requests running and waiting in the worker, from its latest heartbeat answer.
     running: int = 0
     waiting: int = 0
+    #: What the engine reports of itself (server.observability.engine_metrics).
+    report: EngineReport | None = None
 
 
 @dataclass(frozen=True)
@@ -348,7 +351,7 @@ class Engine:
         workers = tuple(
             WorkerStatistics(
                 w.index, w.alive, w.healthy(), w.pid, w.outstanding, w.restarts, w.gave_up,
-                w.running, w.waiting,
+                w.running, w.waiting, w.report,
             )
             for w in self.workers
         )

@@ -263,6 +263,9 @@ class Choice:
         prompt = note.get("prompt_logprobs")
         if isinstance(prompt, list):
             self.prompt_logprobs = prompt
+        times = note.get("times")
+        if times is not None:  # the engine's own times of the finished request (checked)
+            self.worker.report.finished(times)
 
     def push(self, text: str, ntok: int, finish: str | None, err: list | None) -> None:
         """Merge one engine step's output into the pending slot and wake the consumer."""

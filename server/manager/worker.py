@@ -39,6 +39,7 @@ from trio_util import AsyncValue
 
 from ..config import EngineConfig
 from ..errors import EngineError, error_from_wire
+from ..observability.engine_metrics import EngineReport
 from ..worker_protocol import wire
 from .pacing import Pacer
 from .stream import Choice
@@ -106,6 +107,8 @@ class WorkerClient:
         self.waiting = 0
         #: A shared (remote) worker's requests from other frontends, as of its latest PONG.
         self.foreign = 0
+        #: What the engine reports of itself (vLLM's statistics), for metrics.
+        self.report = EngineReport()
         self._outbox: list[bytes] = []
         self._outbox_ready = trio.Event()
         self._ping_seq = 0
@@ -325,6 +328,7 @@ class WorkerClient:
                 return reason
             replaying = self._replay()  # queued ahead of any request
             self.alive = True
+            self.report.hello(self.info)
             self.last_heard = trio.current_time()
             self._ready.set()
             if task_status is not None:
@@ -350,6 +354,7 @@ class WorkerClient:
         finally:
             self.alive = False
             self.running = self.waiting = self.foreign = 0
+            self.report.down()
             self._fail_all(reason, cause)
             with trio.CancelScope(shield=True):
                 try:
@@ -459,7 +464,9 @@ class WorkerClient:
                     answer.value = (msg[2], msg[3])
             else:  # PONG
                 self.running, self.waiting = msg[2], msg[3]
-                if len(msg) > 4:  # a listening worker: how many of them are ours
+                stats = msg[-1] if type(msg[-1]) is dict else None  # the engine's own
+                self.report.pong(msg[3], stats)
+                if len(msg) > 4 + (stats is not None):  # a listening worker: ours of them
                     self.foreign = max(0, msg[2] + msg[3] - msg[4])
                 answer = self._pings.get(msg[1])
                 if answer is not None:

@@ -6,6 +6,8 @@ The rule, by the type each family declares:
 * **counters, histograms and summaries are summed** over the frontends, sample by sample
   (same name, same labels): requests, tokens, aborts, rejections, connections, the latency
   histograms, ``process_cpu_seconds_total`` (all frontends' CPU), garbage collections.
+  Except the engine's own counters and histograms that a shared worker reports alike to
+  every frontend (``ENGINE_WIDE``: preemptions, tokens per step): their maximum.
 * **gauges (and untyped or info families) stay per process**, with a ``frontend`` label
   naming the frontend they came from: requests in flight, open connections, each worker's
   running and waiting counts as that frontend last heard them, memory, descriptors, and
@@ -27,6 +29,8 @@ from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+
+from .engine_metrics import ENGINE_WIDE
 
 __all__ = ["Families", "SUMMED_TYPES", "merge_expositions"]
 
@@ -51,9 +55,10 @@ def merge_expositions(texts: Mapping[str, str]) -> list[Metric]:
                 families[family.name] = merged
             if family.type in SUMMED_TYPES and merged.type in SUMMED_TYPES:
                 acc = sums.setdefault(family.name, {})
+                combine = max if family.name in ENGINE_WIDE else float.__add__
                 for s in family.samples:
                     key = (s.name, tuple(s.labels.items()))
-                    acc[key] = acc.get(key, 0.0) + s.value
+                    acc[key] = combine(acc.get(key, 0.0), float(s.value))
             else:
                 for s in family.samples:
                     merged.add_sample(s.name, {**s.labels, FRONTEND_LABEL: frontend}, s.value)

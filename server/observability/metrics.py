@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bisect import bisect_left
 from typing import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -46,9 +45,10 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.utils import floatToGoString
 
+from .engine_metrics import engine_families
 from .gcstats import gc_stats
+from .histogram import Histogram
 from .record import ABORT_CAUSES, FINISHED_REASONS, RequestRecord
 
 if TYPE_CHECKING:
@@ -77,39 +77,8 @@ QUEUE_BUCKETS = (
 )
 #: Tokens per request: 1, 2, 5, 10, 20, 50, ... 1,000,000.
 TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
-
-
-class Histogram:
-    """A histogram for one thread: :meth:`observe` is a bisect and two additions, no lock.
-
-    ``counts[i]`` counts the values in ``(bounds[i-1], bounds[i]]``; the last slot counts
-    those above every bound (the ``+Inf`` bucket).
-    """
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(sorted(float(b) for b in bounds))
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def buckets(self) -> list[tuple[str, float]]:
-        """Cumulative ``(le, count)`` pairs, as the exposition format wants them."""
-        out: list[tuple[str, float]] = []
-        total = 0
-        for bound, n in zip(self.bounds, self.counts):
-            total += n
-            out.append((floatToGoString(bound), total))
-        out.append(("+Inf", total + self.counts[-1]))
-        return out
+#: Samples per prompt (vLLM's bounds).
+N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
 
 
 _HISTOGRAMS = (
@@ -125,6 +94,9 @@ _HISTOGRAMS = (
      "into the engine's scheduler), in seconds."),
     ("prompt_tokens", "request_prompt_tokens", "Prompt tokens per request."),
     ("generation_tokens", "request_generation_tokens", "Generated tokens per request."),
+    ("params_n", "request_params_n", "The n (samples per prompt) of each request."),
+    ("params_max_tokens", "request_params_max_tokens",
+     "The max_tokens of each request that set one."),
 )
 
 
@@ -138,6 +110,8 @@ class RequestMetrics:
         self.queue = Histogram(QUEUE_BUCKETS)
         self.prompt_tokens = Histogram(TOKEN_BUCKETS)
         self.generation_tokens = Histogram(TOKEN_BUCKETS)
+        self.params_n = Histogram(N_BUCKETS)
+        self.params_max_tokens = Histogram(TOKEN_BUCKETS)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.finished = dict.fromkeys(FINISHED_REASONS, 0)
@@ -163,6 +137,9 @@ class RequestMetrics:
         self.generation_tokens_total += r.completion_tokens
         self.prompt_tokens.observe(r.prompt_tokens)
         self.generation_tokens.observe(r.completion_tokens)
+        self.params_n.observe(r.n)
+        if r.max_tokens is not None:
+            self.params_max_tokens.observe(r.max_tokens)
         arrival = r.arrival
         if r.finish is not None:
             self.e2e.observe(r.finish - arrival)
@@ -349,6 +326,9 @@ class Metrics(RequestMetrics):
         migrated = [(model, s.migration) for model, s in stats if s.migration is not None]
         if migrated:
             yield from _migration_families(migrated)
+        yield from engine_families(
+            (model, w.index, w.report) for model, engine in pools if engine is not None
+            for w in engine.workers if w.report is not None)
 
 
 def _migration_families(migrated: list) -> Iterator[Metric]:

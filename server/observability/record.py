@@ -66,6 +66,8 @@ class RequestRecord:
         "abort_cause",
         "error",
         "client_disconnected",
+        "n",
+        "max_tokens",
     )
 
     def __init__(self, request_id: str, route: str) -> None:
@@ -92,6 +94,9 @@ class RequestRecord:
         #: ``(status, type, code, message)`` of the first error answered, or None.
         self.error: tuple[int, str, str | None, str] | None = None
         self.client_disconnected = False
+        #: The request's ``n`` and ``max_tokens`` (None: as many as fit), once it ended.
+        self.n = 1
+        self.max_tokens: int | None = None
 
     # -- filled in by the HTTP layer ---------------------------------------------------------
 
@@ -109,13 +114,15 @@ class RequestRecord:
         if self.error is None:
             self.error = (exc.status, exc.type, exc.code, exc.message)
 
-    def ended(self, stream, n: int) -> None:
+    def ended(self, stream, n: int, max_tokens: int | None = None) -> None:
         """Read how each choice of ``stream`` ended, once it is closed.
 
         ``n`` is the request's samples per prompt: prompt tokens are counted once per prompt,
         as in the response's usage. Called after the stream's ``aclose``, so that choices the
         server or the client gave up on are final (``abort``, or ``error``).
         """
+        self.n = n
+        self.max_tokens = max_tokens
         states = stream.choice_states()
         self.finish_reasons = reasons = [c.finish_reason for c in states]
         self.completion_tokens = sum(c.completion_tokens for c in states)

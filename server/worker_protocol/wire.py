@@ -31,7 +31,9 @@ Worker -> frontend::
                                     the engine has any (they precede the outputs); also
                                     {"token_ids": [...]}: the ids of the row's new tokens,
                                     for a request whose params ask (``token_ids: true``)
-    [PONG, seq, running, waiting]   a listening worker adds the requests this connection holds
+    [PONG, seq, running, waiting]   a listening worker adds the requests this connection holds;
+                                    an engine that reports its own statistics (vllm) adds
+                                    a map last: ENGINE_STATS
     [TOKENIZED, seq, result, err]   result: {"tokens": [...], "max_model_len": n},
                                     {"prompt": str} or {"data": [float32 LE bytes, ...],
                                     "prompt_tokens": n}; or err: [kind, message]
@@ -93,6 +95,8 @@ __all__ = [
     "AUTH",
     "REFUSED",
     "MAX_FRAME",
+    "ENGINE_STATS",
+    "ITERATION_TOKEN_BUCKETS",
     "ProtocolError",
     "FrameDecoder",
     "encode",
@@ -336,11 +340,51 @@ def _ids(v: object) -> bool:
     return type(v) is list and all(map(_is_int_type, map(type, v)))
 
 
+def _nonnegative(x: object) -> bool:
+    return (type(x) is float or type(x) is int) and x >= 0
+
+
+def _map_of(items: dict[str, Callable[[object], bool]], x: object, every: bool = False) -> bool:
+    """A map whose keys are all ``items``'s (all of them, with ``every``), each value as
+    its check says."""
+    if type(x) is not dict or (every and len(x) != len(items)):
+        return False
+    for key, value in x.items():
+        ok = items.get(key) if type(key) is str else None
+        if ok is None or not ok(value):
+            return False
+    return True
+
+
+#: A note's ``times``: the engine's own times of a finished request, in seconds.
+_TIMES: dict[str, Callable[[object], bool]] = dict.fromkeys(
+    ("queue", "prefill", "decode", "inference"), _nonnegative
+)
+
 _NOTE_ITEMS: dict[str, Callable[[object], bool]] = {
     "token_ids": _ids,
     "cached_tokens": _count,
     "logprobs": lambda v: _all(v, _logprob_entry),
     "prompt_logprobs": lambda v: _all(v, _logprob_entry),
+    "times": lambda v: _map_of(_TIMES, v, every=True),
+}
+
+#: Upper bounds of the tokens-per-engine-step histogram of a PONG's ``iteration_tokens``
+#: (vLLM's ``iteration_tokens`` buckets).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+#: The keys of a PONG's engine statistics (the engine's own, vllm only; every key optional):
+#: ``kv_cache_usage`` (0..1, after the latest step), ``deferred`` (of the waiting requests,
+#: those waiting for something other than a batch slot), ``preemptions`` (since the
+#: engine started), ``iteration_tokens`` (since the engine started: how many steps
+#: processed up to each bound of ITERATION_TOKEN_BUCKETS, one more slot for those above,
+#: then the sum of all their tokens).
+ENGINE_STATS: dict[str, Callable[[object], bool]] = {
+    "kv_cache_usage": lambda v: _nonnegative(v) and v <= 1,  # type: ignore[operator]
+    "deferred": _count,
+    "preemptions": _count,
+    "iteration_tokens": lambda v: type(v) is list
+    and len(v) == len(ITERATION_TOKEN_BUCKETS) + 2 and all(map(_count, v)),
 }
 
 
@@ -366,6 +410,17 @@ def _note_rows(rows: object) -> bool:
             if item_ok is None or not item_ok(value):
                 return False
     return True
+
+
+def _pong(m: list) -> bool:
+    """``[PONG, seq, running, waiting]``, then ``mine`` from a listening worker, then the
+    engine's statistics (a map) from an engine that reports them."""
+    rest = m[4:]
+    if rest and type(rest[-1]) is dict:
+        if not _map_of(ENGINE_STATS, rest.pop()):
+            return False
+    return 4 <= len(m) <= 6 and len(rest) <= 1 and type(m[1]) is int and all(
+        map(_count, [*m[2:4], *rest]))
 
 
 def _step(m: list) -> bool:
@@ -398,9 +453,7 @@ _SHAPES: dict[int, Callable[[list], bool]] = {
     and type(m[1]) is int and type(m[2]) in (str, list, dict) and type(m[3]) is dict,
     ABORT: lambda m: len(m) == 2 and type(m[1]) is int,
     PING: lambda m: len(m) == 2 and type(m[1]) is int,
-    # PONG: [PONG, seq, running, waiting] (+ mine, from a listening worker)
-    PONG: lambda m: (len(m) == 4 or len(m) == 5) and type(m[1]) is int
-    and all(map(_count, m[2:])),
+    PONG: _pong,
     SHUTDOWN: lambda m: len(m) == 1,
     STEP: _step,
     TOKENIZE: lambda m: len(m) == 3 and type(m[1]) is int and type(m[2]) is dict,

@@ -16,6 +16,9 @@ and optionally::
                                             loop sends with the next STEP, then clears
     close() -> None                         called once when the worker ends
     tokenize(request) -> dict               /tokenize and /detokenize (wire.TOKENIZE)
+    engine_stats() -> dict | None           the engine's own statistics, sent with each PONG
+                                            (wire.ENGINE_STATS: the vllm engine's KV-cache
+                                            usage, preemptions, tokens per step)
 
 ``prompt`` is a string, a list of token ids, or ``{"messages": [...]}`` for chat. ``step`` may
 take as long as the engine's real work takes: the loop reads the pipe between steps.

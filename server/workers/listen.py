@@ -341,8 +341,8 @@ class Server:
             reply = handle_message(self.engine, msg, self.accepts, self.outputs, self.preparer)
             if reply is None:  # answered by the preparer later: _collect
                 return
-            if kind == wire.PING:
-                reply.append(len(conn.rids))
+            if kind == wire.PING:  # this connection's share, before the engine's stats
+                reply.insert(4, len(conn.rids))
             else:
                 self.tokenizing.pop(msg[1], None)
                 reply[1] = seq

@@ -102,7 +102,12 @@ def handle_message(engine, msg: list, accepts: list, outputs: list,
             outputs.append(OutputRow(msg[1], "", 0, "abort", None))
     elif kind == wire.PING:
         preparing = preparer.preparing() if preparer is not None else 0
-        return [wire.PONG, msg[1], engine.running(), engine.waiting() + preparing]
+        pong = [wire.PONG, msg[1], engine.running(), engine.waiting() + preparing]
+        engine_stats = getattr(engine, "engine_stats", None)
+        stats = engine_stats() if engine_stats is not None else None
+        if stats:  # the engine's own statistics (wire.ENGINE_STATS), last
+            pong.append(stats)
+        return pong
     elif kind == wire.TOKENIZE:
         request = msg[2]
         if isinstance(request, dict) and request.get("op") == "embed":

@@ -28,7 +28,12 @@ What the frontend sends, this module turns into vLLM's terms:
 - sampling fields become a ``vllm.SamplingParams`` with ``output_kind=DELTA``: every step
   gives each request its new text, detokenized and with stop strings applied by vLLM;
 - a request's prefix-cache hits reach the frontend as a note ``{"cached_tokens": n}`` with
-  its last output (``usage.prompt_tokens_details.cached_tokens``);
+  its last output (``usage.prompt_tokens_details.cached_tokens``), and vLLM's own times of
+  the request (queue, prefill, decode, inference) as ``{"times": {...}}``;
+- vLLM's statistics come through its public stat-logger interface
+  (:mod:`server.workers.vllm_stats`): the scheduler's running and waiting counts for PONGs,
+  and the engine's own gauges and counters (KV-cache usage, preemptions, tokens per step)
+  with each PONG (:meth:`engine_stats`);
 - a request for a LoRA adapter (vLLM built with ``enable_lora``) gets its ``LoRARequest``
   from the adapter table (:mod:`server.workers.vllm_lora`), which also serves the
   ``load_lora`` and ``unload_lora`` ops.
@@ -56,6 +61,7 @@ from .base import (
     one_line,
 )
 from .hub import model_files
+from .vllm_stats import VLLMStats, cache_config_info
 
 from .hf_grammar import MAX_SCHEMA_BYTES, constraint_key
 
@@ -106,7 +112,7 @@ def _torchvision_guard() -> None:
 
 
 def _build_engine(model_path: str | None, named: dict, engine_args: dict,
-                  revision: str | None = None):
+                  revision: str | None = None, stat_loggers: list | None = None):
     """vLLM's ``LLMEngine`` (engine core in this process); exceptions carry one clear line."""
     if not model_path:
         raise ValueError("the vllm engine needs model_path (--model-path DIR)")
@@ -143,7 +149,8 @@ def _build_engine(model_path: str | None, named: dict, engine_args: dict,
     kwargs["model"] = str(path)
     kwargs.setdefault("served_model_name", hub_id or path.resolve().name)
     try:
-        return LLMEngine.from_engine_args(EngineArgs(**kwargs), enable_multiprocessing=False)
+        return LLMEngine.from_engine_args(EngineArgs(**kwargs), enable_multiprocessing=False,
+                                          stat_loggers=stat_loggers)
     except Exception as exc:
         raise RuntimeError(f"vLLM could not start: {one_line(exc)}") from None
 
@@ -197,6 +204,8 @@ class VLLMEngine(HFTokenizing):
         if grammar_max_bytes < 1:
             raise ValueError("grammar_max_bytes must be positive")
         self.grammar_max_bytes = grammar_max_bytes
+        #: What vLLM's stat loggers are told (not with a caller's ``llm_engine``).
+        self._stats = VLLMStats()
         if llm_engine is not None:
             self._llm = llm_engine
         else:
@@ -209,7 +218,8 @@ class VLLMEngine(HFTokenizing):
                 "enable_prefix_caching": enable_prefix_caching,
                 "served_model_name": model,
             }
-            self._llm = _build_engine(model_path, named, engine_args or {}, revision)
+            self._llm = _build_engine(model_path, named, engine_args or {}, revision,
+                                      [self._stats.logger_factory()])
         import vllm
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -244,6 +254,7 @@ class VLLMEngine(HFTokenizing):
             "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs", "tools",
                          *(["cache_salt"] if self.prefix_caching else [])],
             "logprobs": MAX_LOGPROBS,
+            "cache_config": cache_config_info(config),
         }
         #: Requests vLLM holds for us (added, not finished or aborted).
         self._held: set[int] = set()
@@ -335,12 +346,23 @@ class VLLMEngine(HFTokenizing):
         return 0.0 if self._held else None
 
     def running(self) -> int:
-        scheduler = self._scheduler()
-        return len(self._held) if scheduler is None else len(scheduler.running)
+        """As of vLLM's latest step (without its statistics: every request held)."""
+        stats = self._stats
+        if not self._held:
+            stats.idle()
+        return stats.running if stats.active else len(self._held)
 
     def waiting(self) -> int:
-        scheduler = self._scheduler()
-        return 0 if scheduler is None else len(scheduler.waiting)
+        stats = self._stats
+        return stats.waiting + stats.deferred if stats.active and self._held else 0
+
+    def engine_stats(self) -> dict | None:
+        """vLLM's own statistics for a PONG (None with its stat logging off)."""
+        if not self._stats.active:
+            return None
+        if not self._held:
+            self._stats.idle()
+        return self._stats.statistics()
 
     def step(self, now: float) -> list[OutputRow]:
         try:
@@ -353,6 +375,7 @@ class VLLMEngine(HFTokenizing):
             raise EngineBroken(message, failed) from exc
         rows: list[OutputRow] = []
         held = self._held
+        times = self._stats.take_finished()
         for result in results:
             rid = int(result.request_id)
             if rid not in held:
@@ -371,8 +394,13 @@ class VLLMEngine(HFTokenizing):
                     finish, error = "error", ["engine_error", "vLLM failed this request"]
                 else:
                     finish = _FINISH.get(out.finish_reason or "stop", "stop")
+                note: dict = {}
+                if result.request_id in times:  # vLLM's own times of the request
+                    note["times"] = times[result.request_id]
                 if self.prefix_caching:
-                    self.notes.append([rid, {"cached_tokens": result.num_cached_tokens or 0}])
+                    note["cached_tokens"] = result.num_cached_tokens or 0
+                if note:
+                    self.notes.append([rid, note])
             rows.append(OutputRow(rid, out.text, len(out.token_ids), finish, error))
         return rows
 
@@ -464,10 +492,6 @@ class VLLMEngine(HFTokenizing):
         if self._adapters is not None:
             self._adapters.release(rid)
 
-    def _scheduler(self):
-        core = getattr(getattr(self._llm, "engine_core", None), "engine_core", None)
-        return getattr(core, "scheduler", None)
-
     def _warm_up(self) -> None:
         """Run every sampling path once before HELLO: on first use some of them compile
         kernels (minutes on a small CPU), which must not happen inside a client's request
@@ -492,3 +516,4 @@ class VLLMEngine(HFTokenizing):
             self._llm.step()
         if adapters is not None and names:
             adapters.release(-1)
+        self._stats.reset()
