@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "off by default: it shows the template and configuration to any client "
                    "with a key")
 
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="end every stream with a usage chunk, as if it asked with "
+                   "stream_options.include_usage (vLLM's option)")
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="vLLM's switch for GET /load (requests in flight): always served "
                    "here; accepted for vLLM's command lines")
@@ -231,6 +234,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_prompts=args.max_prompts,
         max_answer_logprobs=args.max_answer_logprobs,
         allow_faults=allow_faults,
+        force_include_usage=args.enable_force_include_usage,
     )
     api_keys = _split_commas(args.api_key)
     if not api_keys:

@@ -132,6 +132,9 @@ class Limits:
     max_answer_logprobs: int = 2**19
     #: Whether a request's ``fault`` field (sim engine fault injection) reaches the engine.
     allow_faults: bool = False
+    #: vLLM's ``--enable-force-include-usage``: every stream ends with a usage chunk, as
+    #: if it had asked with ``stream_options.include_usage`` (whatever it asked).
+    force_include_usage: bool = False
 
 
 @dataclass(frozen=True)

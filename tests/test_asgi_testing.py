@@ -58,3 +58,22 @@ async def test_the_fault_hook_is_refused_by_name_unless_enabled(autojump_clock):
             assert r.status == 500 and r.json()["error"]["type"] != "invalid_request_error", r.body
             r = await client.post("/v1/completions", json={**body, "fault": "error"})
             assert r.status == 400 and r.json()["error"]["param"] == "fault", r.body
+
+
+async def test_force_include_usage_ends_every_stream_with_usage(autojump_clock):
+    # vLLM's --enable-force-include-usage: a usage chunk whatever stream_options say
+    body = {"prompt": "a b", "max_tokens": 4, "stream": True}
+    async with open_in_memory_engine() as engine:
+        for force in (False, True):
+            config = server.ServerConfig(limits=server.Limits(force_include_usage=force))
+            async with open_asgi_client(server.create_app(config, engine=engine)) as client:
+                for options in (None, {"include_usage": False}, {"include_usage": True}):
+                    data = body if options is None else {**body, "stream_options": options}
+                    events = (await client.post("/v1/completions", json=data)).sse()
+                    assert events[-1] == "[DONE]"
+                    last = events[-2]
+                    asked = bool(options and options["include_usage"])
+                    if force or asked:
+                        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+                    else:
+                        assert "usage" not in last or last["usage"] is None, last
