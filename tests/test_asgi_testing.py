@@ -77,3 +77,20 @@ async def test_force_include_usage_ends_every_stream_with_usage(autojump_clock):
                         assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
                     else:
                         assert "usage" not in last or last["usage"] is None, last
+
+
+async def test_a_custom_role_is_accepted_with_text_or_parts_alike(autojump_clock):
+    # vLLM's custom roles: the role goes to the chat template as it is
+    base = {"max_tokens": 5, "temperature": 0, "seed": 0}
+    async with open_in_memory_engine() as engine:
+        async with open_asgi_client(server.create_app(engine=engine)) as client:
+            texts = []
+            for content in ("what is 1+1?", [{"type": "text", "text": "what is 1+1?"}]):
+                r = await client.post("/v1/chat/completions", json={
+                    **base, "messages": [{"role": "my-custom-role", "content": content}]})
+                assert r.status == 200, r.body
+                texts.append(r.json()["choices"][0]["message"]["content"])
+            r = await client.post("/v1/chat/completions", json={
+                **base, "messages": [{"role": "x" * 65, "content": "a"}]})
+    assert texts[0] == texts[1]
+    assert r.status == 400 and r.json()["error"]["param"] == "messages[0].role"

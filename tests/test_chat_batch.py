@@ -62,7 +62,7 @@ async def test_messages_must_be_conversations(autojump_clock, messages):
 
 
 async def test_a_bad_conversation_is_named(autojump_clock):
-    bad = [CONVERSATIONS[0], [{"role": "wizard", "content": "x"}]]
+    bad = [CONVERSATIONS[0], [{"role": "user"}]]
     async with open_in_memory_engine() as engine:
         async with open_asgi_client(server.create_app(engine=engine)) as client:
             r = await client.post("/v1/chat/completions/batch", json={"messages": bad})

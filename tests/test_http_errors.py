@@ -53,7 +53,8 @@ BAD_COMPLETIONS = [
 BAD_CHAT = [
     (b'{"messages": []}', 400, "messages"),
     (b'{"messages": "hi"}', 400, "messages"),
-    (b'{"messages": [{"role": "wizard", "content": "x"}]}', 400, "messages[0].role"),
+    (b'{"messages": [{"role": 7, "content": "x"}]}', 400, "messages[0].role"),
+    (b'{"messages": [{"role": "", "content": "x"}]}', 400, "messages[0].role"),
     (b'{"messages": [{"role": "user", "content": 5}]}', 400, "messages[0].content"),
     (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
      "messages[0].content[0]"),

@@ -283,8 +283,9 @@ def _content(content, index: int) -> str:
 
 
 def messages_of(data: dict, tools_ok: bool = False) -> list:
-    """OpenAI's rules: a known role; ``content`` required for system, developer, user and
-    tool messages; a tool message needs ``tool_call_id``; an assistant message may carry
+    """OpenAI's rules: a known role (or a custom one, which the chat template gets as it
+    is, as in vLLM); ``content`` required for system, developer, user, tool and custom
+    messages; a tool message needs ``tool_call_id``; an assistant message may carry
     ``tool_calls`` instead of content. Tool calls and tool results in the history are
     refused unless the engine renders tools (``tools_ok``: they would otherwise be
     dropped)."""
@@ -296,9 +297,12 @@ def messages_of(data: dict, tools_ok: bool = False) -> list:
         if not isinstance(m, dict):
             raise ClientError("Each message must be an object.", param=f"messages[{i}]")
         role = m.get("role")
-        if role not in _ROLES:
+        if role not in _ROLES and not (
+            isinstance(role, str) and 0 < len(role) <= 64 and role.isprintable()
+        ):  # a custom role goes to the chat template as it is, as vLLM passes it
             raise ClientError(
-                f"'role' must be one of {', '.join(_ROLES)}.", param=f"messages[{i}].role"
+                f"'role' must be one of {', '.join(_ROLES)}, or a custom role's name (1 to 64 "
+                "printable characters).", param=f"messages[{i}].role"
             )
         content = m.get("content")
         if role == "tool" and not isinstance(m.get("tool_call_id"), str):
