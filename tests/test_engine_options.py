@@ -321,9 +321,16 @@ def test_every_field_an_engine_does_not_honour_is_a_400_naming_it(engine):
         honoured.add("structured_outputs")
     refused = [name for name in UNSUPPORTED if name not in honoured]
     assert len(refused) >= 20
+    routes = ((schema.parse_completion, {"prompt": "hi"}),
+              (schema.parse_chat, {"messages": [{"role": "user", "content": "hi"}]}))
+    if "chat_template_kwargs" in honoured:  # the template options: chat only
+        for name in schema.TEMPLATE_OPTIONS:
+            body = json.dumps({"prompt": "hi", name: {"not": "neutral"}}).encode()
+            with pytest.raises(ClientError, match=f"by the {engine} engine"):
+                schema.parse_completion(body, Limits(), "m", info)
+        refused = [name for name in refused if name not in schema.TEMPLATE_OPTIONS]
     for name in refused:
-        for parse, extra in ((schema.parse_completion, {"prompt": "hi"}),
-                             (schema.parse_chat, {"messages": [{"role": "user", "content": "hi"}]})):
+        for parse, extra in routes:
             body = json.dumps({**extra, name: {"not": "neutral"}}).encode()
             with pytest.raises(ClientError) as info_:
                 parse(body, Limits(), "m", info)
@@ -403,3 +410,32 @@ def test_every_field_of_vllms_requests_is_honoured_or_refused_by_name():
 
     for request in (ChatCompletionRequest, CompletionRequest):
         assert not set(request.model_fields) - KNOWN, request.__name__
+
+
+TEMPLATE_INFO = {"engine": "transformers", "model": "m", "sampling": ["chat_template_kwargs"]}
+
+
+def test_continue_final_message_and_add_generation_prompt_reach_the_template():
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, I"}]
+
+    def prompt(**fields):
+        body = {"messages": fields.pop("messages", history), **fields}
+        return schema.parse_chat(json.dumps(body).encode(), Limits(), "m", TEMPLATE_INFO
+                                 ).prompts[0]
+
+    assert prompt() == {"messages": history}
+    assert prompt(continue_final_message=True, add_generation_prompt=False) == {
+        "messages": history, "continue_final_message": True, "add_generation_prompt": False}
+    assert prompt(continue_final_message=True)["add_generation_prompt"] is False
+    assert prompt(add_generation_prompt=False) == {"messages": history,
+                                                   "add_generation_prompt": False}
+    for fields in ({"continue_final_message": True, "add_generation_prompt": True},
+                   {"continue_final_message": True, "messages": history[:1]},
+                   {"continue_final_message": "yes"}):
+        with pytest.raises(ClientError):
+            prompt(**fields)
+    # an engine without chat templates (sim), and completions, refuse them by name
+    with pytest.raises(ClientError, match="continue_final_message"):
+        _parse_chat({"continue_final_message": True}, SIM_INFO)
+    with pytest.raises(ClientError, match="add_generation_prompt"):
+        _parse({"prompt": "hi", "add_generation_prompt": False}, TEMPLATE_INFO)

@@ -887,3 +887,22 @@ async def test_http_end_to_end(model_dir, engine):
                 await client.completions.create(
                     model=MODEL, prompt="hello", max_tokens=1000, stream=True
                 )
+
+
+def test_continue_final_message_leaves_the_last_message_open(engine):
+    # vLLM's continue_final_message: the template renders the final assistant message
+    # without its end of turn (and no generation prompt), so the answer continues it
+    from server.workers.base import encode_prompt
+
+    messages = [{"role": "user", "content": "tell me a saying"},
+                {"role": "assistant", "content": "An apple a day keeps"}]
+
+    def rendered(**options) -> str:
+        ids = encode_prompt({"messages": messages, **options}, engine.tokenizer,
+                            vocab_size=engine.vocab_size, chat=True, model="m")
+        return engine.tokenizer.decode(ids)
+
+    assert rendered(continue_final_message=True, add_generation_prompt=False).endswith(
+        "An apple a day keeps")
+    assert not rendered().endswith("An apple a day keeps")
+    assert len(rendered(add_generation_prompt=False)) < len(rendered())

@@ -478,7 +478,8 @@ def _engine_sampling(data: dict, limits: Limits, engine_fields: frozenset) -> di
     out = {}
     for name in engine_fields:
         # (top_logprobs: read by _logprobs; tools: by server.openai.tools)
-        if name in data and name != "top_logprobs" and name not in TOOL_FIELDS:
+        if (name in data and name != "top_logprobs" and name not in TOOL_FIELDS
+                and name not in TEMPLATE_OPTIONS):
             check = _ENGINE_SAMPLING.get(name)
             if check is None:  # an engine declared a field this server cannot validate
                 raise ClientError(f"'{name}' is not supported by this server.", param=name)
@@ -657,6 +658,8 @@ def _engine_fields(info: dict | None) -> tuple[frozenset, str]:
             "/v1/embeddings, not completions.", param="model", code="model_not_supported",
         )
     sampling = set(info.get("sampling") or ())
+    if "chat_template_kwargs" in sampling:  # an engine with chat templates: vLLM's options
+        sampling |= TEMPLATE_OPTIONS
     if "response_format" in sampling:  # an engine with grammars takes vLLM's spelling too
         sampling.add("structured_outputs")
     if isinstance(info.get("logprobs"), int):
@@ -673,7 +676,7 @@ def parse_completion(
     resolves ``model`` (:func:`server.http.adapters.resolve_model`)."""
     data = decode_json(body, known=True)
     fields, engine = _engine_fields(engine_info)
-    check_fields(data, HONOURED_COMPLETION, fields - TOOL_FIELDS, engine)
+    check_fields(data, HONOURED_COMPLETION, fields - TOOL_FIELDS - TEMPLATE_OPTIONS, engine)
     common = _common(
         data, limits, served_model, chat=False, engine_fields=fields, engine_info=engine_info
     )
@@ -736,9 +739,32 @@ def chat_request(
     last = messages[-1]
     echoed = ((last.get("content") or "") if last["role"] == "assistant" else "",) if echo else ()
     return _check_answer_size(GenerateRequest(
-        chat=True, prompts=[{"messages": messages}], echo=echo, echoed=echoed, tools=tools,
+        chat=True, prompts=[{"messages": messages, **_template_options(data, messages)}],
+        echo=echo, echoed=echoed, tools=tools,
         include_reasoning=_bool(data, "include_reasoning", True), **common
     ), limits, engine_info)
+
+
+#: vLLM's chat template options, read by :func:`_template_options` (engines with chat
+#: templates only: their HELLO declares ``chat_template_kwargs``).
+TEMPLATE_OPTIONS = frozenset({"continue_final_message", "add_generation_prompt"})
+
+
+def _template_options(data: dict, messages: list) -> dict:
+    """vLLM's ``continue_final_message`` (the answer continues the last, assistant, message
+    instead of starting a new one) and ``add_generation_prompt``, for the chat template;
+    only what differs from the defaults goes to the engine."""
+    proceed = _bool(data, "continue_final_message", False)
+    open_turn = _bool(data, "add_generation_prompt", True)
+    if proceed and open_turn and data.get("add_generation_prompt") is not None:
+        raise ClientError("'continue_final_message' and 'add_generation_prompt' may not both "
+                          "be true.", param="continue_final_message")
+    if proceed and messages[-1]["role"] != "assistant":
+        raise ClientError("'continue_final_message' needs a final assistant message to "
+                          "continue.", param="continue_final_message")
+    if proceed:  # (vLLM's meaning: the generation prompt is then left out)
+        return {"continue_final_message": True, "add_generation_prompt": False}
+    return {} if open_turn else {"add_generation_prompt": False}
 
 
 def _tools_to_engine(tools: ToolChoice, extra: dict, grammar_ok: bool, engine: str) -> None:

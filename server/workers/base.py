@@ -138,7 +138,9 @@ def encode_prompt(
             )
         try:
             text = tokenizer.apply_chat_template(
-                messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
+                messages, tools=tools or None, tokenize=False,
+                add_generation_prompt=prompt.get("add_generation_prompt", True) is not False,
+                continue_final_message=prompt.get("continue_final_message") is True,
                 **(template_kwargs or {}),
             )
         except Exception as exc:
