@@ -138,6 +138,9 @@ VLLM_FLAGS: tuple[tuple[str, dict, str], ...] = (
     ("--enable-lora", {"action": "store_true"}, "serve LoRA adapters (docs/lora.md)"),
     ("--max-loras", {"type": int}, "most LoRA adapters in one batch"),
     ("--max-lora-rank", {"type": int}, "the largest LoRA rank an adapter may have"),
+    ("--scheduling-policy", {"choices": ["fcfs", "priority"]},
+     "the order waiting requests run in: fcfs, or priority (a request's 'priority' field: "
+     "lower first, then arrival)"),
 )
 
 #: Their argparse dests.

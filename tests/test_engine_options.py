@@ -439,3 +439,17 @@ def test_continue_final_message_and_add_generation_prompt_reach_the_template():
         _parse_chat({"continue_final_message": True}, SIM_INFO)
     with pytest.raises(ClientError, match="add_generation_prompt"):
         _parse({"prompt": "hi", "add_generation_prompt": False}, TEMPLATE_INFO)
+
+
+def test_priority_reaches_an_engine_with_priority_scheduling():
+    info = {"engine": "vllm", "model": "m", "sampling": ["priority"]}
+    assert _parse({"prompt": "hi", "priority": -5}, info).params.to_wire()["priority"] == -5
+    with pytest.raises(ClientError) as bad:
+        _parse({"prompt": "hi", "priority": "high"}, info)
+    assert bad.value.param == "priority"
+    # without --scheduling-policy priority (or on the sim engine) only 0 is accepted
+    assert "priority" not in _parse({"prompt": "hi", "priority": 0}, VLLM_INFO).params.to_wire()
+    with pytest.raises(ClientError, match="'priority' is not supported by the vllm engine"):
+        _parse({"prompt": "hi", "priority": 1}, VLLM_INFO)
+    assert config("--engine", "vllm", "--model-path", "/m", "--scheduling-policy", "priority"
+                  ).engine.engine_options["engine_args"]["scheduling_policy"] == "priority"

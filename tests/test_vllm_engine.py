@@ -186,7 +186,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = Server(model_dir, "--tool-call-parser", "hermes")
+    # (priority scheduling with every request at priority 0 is arrival order, as fcfs)
+    s = Server(model_dir, "--tool-call-parser", "hermes", "--scheduling-policy", "priority")
     yield s
     s.stop()
 
@@ -449,6 +450,19 @@ def test_json_schema_outputs_validate(client):
         client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body={
             "response_format": {"type": "json_schema",
                                 "json_schema": {"name": "x", "schema": {"type": "nope"}}}})
+
+
+def test_a_requests_priority_reaches_vllms_priority_scheduler(client):
+    # --scheduling-policy priority: the field is honoured (vLLM orders its waiting queue
+    # by it); one request alone gives the same greedy text at any priority
+    texts = {p: client.completions.create(model=MODEL, prompt="the order of things",
+                                          max_tokens=8, temperature=0,
+                                          extra_body={"priority": p}).choices[0].text
+             for p in (0, -3, 7)}
+    assert len(set(texts.values())) == 1, texts
+    with pytest.raises(openai.BadRequestError, match="priority"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                  extra_body={"priority": 1.5})
 
 
 def test_structured_outputs_choice_regex_and_grammar(client):

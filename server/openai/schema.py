@@ -442,6 +442,7 @@ _ENGINE_SAMPLING = {
     "allowed_token_ids": lambda d, lim: _allowed_token_ids(d),
     "bad_words": lambda d, lim: _strings(d, "bad_words", 64, 256),
     "cache_salt": lambda d, lim: _cache_salt(d),
+    "priority": lambda d, lim: _int(d, "priority", None, -(2**63), 2**63 - 1),
 }
 
 

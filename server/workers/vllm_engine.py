@@ -236,6 +236,8 @@ class VLLMEngine(HFTokenizing):
         self.max_model_len = config.model_config.max_model_len
         self.max_batch = config.scheduler_config.max_num_seqs
         self.prefix_caching = bool(config.cache_config.enable_prefix_caching)
+        #: vLLM's priority scheduling: a request's ``priority`` orders the waiting queue.
+        self.priority_policy = str(config.scheduler_config.policy) == "priority"
         self.tokenizer = self._llm.get_tokenizer()
         self.vocab_size = config.model_config.get_vocab_size()
         template = getattr(self.tokenizer, "chat_template", None)
@@ -252,7 +254,8 @@ class VLLMEngine(HFTokenizing):
             "prefix_caching": self.prefix_caching,
             "max_batch": self.max_batch,
             "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs", "tools",
-                         *(["cache_salt"] if self.prefix_caching else [])],
+                         *(["cache_salt"] if self.prefix_caching else []),
+                         *(["priority"] if self.priority_policy else [])],
             "logprobs": MAX_LOGPROBS,
             "cache_config": cache_config_info(config),
         }
@@ -294,7 +297,8 @@ class VLLMEngine(HFTokenizing):
     def add(self, rid: int, prompt: object, params: dict) -> int:
         return self.add_prepared(rid, self.prepare(prompt, params))
 
-    def prepare(self, prompt: object, params: dict) -> tuple[list[int], Any, str | None, Any]:
+    def prepare(self, prompt: object,
+                params: dict) -> tuple[list[int], Any, str | None, Any, int]:
         """A request's slow, stateless part (any thread: the worker runs it in a
         preparation thread, :mod:`server.workers.prepare`): tokenizing, the chat template,
         the context check, the sampling parameters. vLLM compiles the grammar itself,
@@ -307,12 +311,14 @@ class VLLMEngine(HFTokenizing):
         max_tokens = check_context(len(ids), params.get("max_tokens"), self.max_model_len)
         salt = params.get("cache_salt")
         return (ids, self.sampling_params(params, max_tokens),
-                None if salt is None else str(salt), params.get("lora"))
+                None if salt is None else str(salt), params.get("lora"),
+                int(params.get("priority") or 0))
 
-    def add_prepared(self, rid: int, prepared: tuple[list[int], Any, str | None, Any]) -> int:
+    def add_prepared(self, rid: int,
+                     prepared: tuple[list[int], Any, str | None, Any, int]) -> int:
         """Hand a request :meth:`prepare` made to vLLM (the loop's thread); with a LoRA
         adapter's name, with that adapter (a 404 if it is not served now)."""
-        ids, sampling, salt, adapter = prepared
+        ids, sampling, salt, adapter, priority = prepared
         lora = None
         if adapter is not None:  # (only where info["lora"]: server.workers.main)
             assert self._adapters is not None
@@ -321,7 +327,8 @@ class VLLMEngine(HFTokenizing):
             prompt_in: dict = {"prompt_token_ids": ids}
             if salt is not None:  # its own prefix-cache namespace
                 prompt_in["cache_salt"] = salt
-            self._llm.add_request(str(rid), prompt_in, sampling, lora_request=lora)
+            self._llm.add_request(str(rid), prompt_in, sampling, lora_request=lora,
+                                  priority=priority)
         except self._client_errors as exc:  # vLLM's own validation: a client fault
             self._release(rid)
             raise Rejected(one_line(exc)) from None
