@@ -15,6 +15,7 @@ import re
 import socket
 
 import hpack
+import pytest
 import httpx
 import trio
 from hyperframe import frame as hf
@@ -196,6 +197,7 @@ async def fuzz_server(strategy, one_example) -> None:
         assert pool.statistics().errors == 0
 
 
+@pytest.mark.direct_http  # (the refusals and pool statistics of the direct path)
 async def test_fuzzed_http2_frames_end_no_more_than_their_connection():
     def one(url, case):
         preface, frames, pause = case
@@ -207,6 +209,7 @@ async def test_fuzzed_http2_frames_end_no_more_than_their_connection():
     await fuzz_server(h2_connections, one)
 
 
+@pytest.mark.direct_http  # (the refusals and pool statistics of the direct path)
 async def test_fuzzed_request_heads_are_answered_or_refused_never_smuggled():
     def one(url, head):
         check_responses(exchange(url, [head]))
