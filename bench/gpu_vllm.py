@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -52,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from vllm_frontend import _free_port, _server_cmd, _wait_up  # noqa: E402
+from vllm_frontend import _free_port, _server_cmd, _wait_up, stop_server  # noqa: E402
 
 #: The configs of the real models (their config.json's sizes), for random weights.
 SHAPES = {
@@ -211,12 +210,7 @@ def run_server(kind: str, model: str, args) -> list[dict]:
                              **{k: summary.get(k) for k in _KEYS}, **gpu})
                 print(_row(rows[-1]), flush=True)
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_server(proc)
     return rows
 
 

@@ -125,13 +125,19 @@ def run_server(kind: str, model: str, args) -> list[dict]:
                 "frontend_cpu_us_per_token", "worker_cpu_us_per_token", "ttft_p50_ms")}})
             print(_row(rows[-1]), flush=True)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
         log.close()
     return rows
+
+
+def stop_server(proc) -> None:
+    """Stop a server as Ctrl-C would (its graceful path), killing it after 60 s."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _row(r: dict) -> str:
