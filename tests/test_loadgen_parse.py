@@ -820,3 +820,30 @@ def test_server_ttft_reads_first_token_times_of_successful_requests(tmp_path):
     times = sorted(first_token_times(str(log)))
     assert times == [24.0, 25.0, 26.0]
     assert percentile(times, 50) == 25.0 and percentile(times, 90) == 26.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The tracker against the server's own streams (in-memory engine, virtual time)
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat", "responses"])
+async def test_tracker_reads_the_servers_own_streams(autojump_clock, endpoint):
+    import server
+    from bench.loadgen_lib.openai_api import BodyMaker
+    from server.testing import open_in_memory_engine
+    from server.testing.asgi import open_asgi_client
+
+    maker = BodyMaker(chat=endpoint == "chat", responses=endpoint == "responses", model="sim",
+                      prompt_tokens=8, max_tokens=6, include_usage=True)
+    path = {"chat": "/v1/chat/completions"}.get(endpoint, f"/v1/{endpoint}")
+    async with open_in_memory_engine(itl_ms=10) as engine:
+        async with open_asgi_client(server.create_app(engine=engine)) as client:
+            r = await client.post(path, json=json.loads(maker.body(7)))
+    assert r.status == 200, r.body
+    sse = SSEParser()
+    tracker = StreamTracker(chat=endpoint == "chat", responses=endpoint == "responses")
+    for t, data in r.chunks:
+        for ev, d in sse.feed(data):
+            tracker.on_event(ev, d, t)
+    assert tracker.error is None and tracker.done
+    assert tracker.usage_tokens == 6 and tracker.content_events == 6
+    assert len(tracker.gaps) == 5 and tracker.first is not None

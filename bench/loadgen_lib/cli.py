@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--url", default="http://127.0.0.1:8000",
                    help="base URL of the server (loopback hosts only; '/v1' is added unless "
                         "the path already ends with it)")
-    g.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                   help="POST /v1/completions or /v1/chat/completions")
+    g.add_argument("--endpoint", choices=("completions", "chat", "responses"),
+                   default="completions",
+                   help="POST /v1/completions, /v1/chat/completions or /v1/responses")
     g.add_argument("--model", default=None,
                    help="model name (default: the first id of GET /v1/models, else 'sim')")
     g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")

@@ -42,7 +42,9 @@ class Context:
         self.args = args
         self.target = target
         self.chat = args.endpoint == "chat"
-        path = api_path(target.base_path, "chat/completions" if self.chat else "completions")
+        self.responses = args.endpoint == "responses"
+        path = api_path(target.base_path, {"chat": "chat/completions"}.get(args.endpoint,
+                                                                           args.endpoint))
         headers = [("Content-Type", "application/json"), ("Accept", "text/event-stream")]
         if args.api_key:
             headers.append(("Authorization", f"Bearer {args.api_key}"))
@@ -51,7 +53,7 @@ class Context:
         self.head_pre, self.head_post = self.head.split(b"Content-Length: 0\r\n", 1)
         self.bodies = BodyMaker(chat=self.chat, model=model, prompt_tokens=args.prompt_tokens,
                                 max_tokens=args.max_tokens, include_usage=args.include_usage,
-                                extra=args.extra_body)
+                                extra=args.extra_body, responses=self.responses)
         self.clients = [Client() for _ in range(args.concurrency)]
         self.ticket = 0
         self.max_errors = args.max_errors

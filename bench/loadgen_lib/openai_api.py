@@ -1,4 +1,4 @@
-"""The OpenAI completions API as the load generator speaks it (sans-IO).
+"""The OpenAI completions, chat and Responses APIs as the load generator speaks them (sans-IO).
 
 Request bodies (:class:`BodyMaker`), the reading of a streamed response's events
 (:class:`StreamTracker`: timings, tokens, ``[DONE]``, errors) and error messages.
@@ -30,16 +30,21 @@ class BodyMaker:
     _MARK = "QQLOADGENMARKQQ"
 
     def __init__(self, *, chat: bool, model: str, prompt_tokens: int, max_tokens: int,
-                 include_usage: bool, extra: dict | None = None) -> None:
+                 include_usage: bool, extra: dict | None = None,
+                 responses: bool = False) -> None:
         prompt = self._MARK + prompt_tail(prompt_tokens)
         body: dict = {"model": model}
-        if chat:
-            body["messages"] = [{"role": "user", "content": prompt}]
+        if responses:  # /v1/responses: usage always comes in response.completed
+            body["input"] = prompt
+            body["max_output_tokens"] = max_tokens
         else:
-            body["prompt"] = prompt
-        body["max_tokens"] = max_tokens
+            if chat:
+                body["messages"] = [{"role": "user", "content": prompt}]
+            else:
+                body["prompt"] = prompt
+            body["max_tokens"] = max_tokens
         body["stream"] = True
-        if include_usage:
+        if include_usage and not responses:
             body["stream_options"] = {"include_usage": True}
         if extra:
             body.update(extra)
@@ -59,13 +64,19 @@ class StreamTracker:
     (``usage.completion_tokens`` of the last chunk that had one), ``done`` (saw ``[DONE]``),
     ``error`` (message of the first error event, or None) and ``error_code`` (its
     ``error.code``, e.g. ``"worker_died"``, when it had one).
+
+    With ``responses=True`` it reads the Responses API's typed events instead: content is
+    ``response.output_text.delta``, the end is ``response.completed`` (that API sends no
+    ``[DONE]``), usage is its ``response.usage.output_tokens``, and ``response.failed`` or
+    ``error`` is an error.
     """
 
-    __slots__ = ("chat", "first", "last", "gaps", "content_events", "usage_tokens", "done",
+    __slots__ = ("chat", "responses", "first", "last", "gaps", "content_events", "usage_tokens", "done",
                  "error", "error_code", "events")
 
-    def __init__(self, *, chat: bool) -> None:
+    def __init__(self, *, chat: bool, responses: bool = False) -> None:
         self.chat = chat
+        self.responses = responses
         self.first: float | None = None
         self.last = 0.0
         self.gaps: list[float] = []
@@ -88,6 +99,9 @@ class StreamTracker:
             return
         if event_type == "error":
             self._set_error(error_message(data))
+            return
+        if self.responses:
+            self._on_responses_event(event_type, data, now)
             return
         try:
             obj = _json_loads(data)
@@ -124,12 +138,37 @@ class StreamTracker:
                     has_text = True
                     break
         if has_text:
-            self.content_events += 1
-            if self.first is None:
-                self.first = now
-            else:
-                self.gaps.append(now - self.last)
-            self.last = now
+            self._content(now)
+
+    def _content(self, now: float) -> None:
+        self.content_events += 1
+        if self.first is None:
+            self.first = now
+        else:
+            self.gaps.append(now - self.last)
+        self.last = now
+
+    def _on_responses_event(self, event_type: str, data: str, now: float) -> None:
+        if event_type == "response.output_text.delta":
+            self._content(now)
+            return
+        if event_type not in ("response.completed", "response.failed", "response.incomplete"):
+            return
+        try:
+            obj = _json_loads(data)
+        except ValueError:
+            self._set_error(f"event data is not JSON: {data[:80]!r}")
+            return
+        response = obj.get("response") if type(obj) is dict else None
+        if type(response) is not dict:
+            self._set_error(f"{event_type} without a response object")
+            return
+        if event_type == "response.failed":
+            self._set_error(error_message({"error": response.get("error") or "failed"}))
+        usage = response.get("usage")
+        if type(usage) is dict and type(usage.get("output_tokens")) is int:
+            self.usage_tokens = usage["output_tokens"]
+        self.done = True
 
     def _set_error(self, message: str) -> None:
         if self.error is None:

@@ -146,7 +146,8 @@ class ResponseReader:
         status = self.parser.head.status
         self.res.status = status
         if status == 200:
-            self.tracker = self.res.tracker = StreamTracker(chat=self.ctx.chat)
+            self.tracker = self.res.tracker = StreamTracker(chat=self.ctx.chat,
+                                                          responses=self.ctx.responses)
             self.sse = SSEParser()
         else:
             self.sse = self.errbody = ErrorBody()
