@@ -13,6 +13,9 @@ own time:
 * ``idle``: the same with connections that send nothing (held open until the probe is
   answered).
 
+With ``--health-port``, the server also serves its probe port (``--health-port 0``) and
+the burst cases probe it too, at the same moment as the API port.
+
 Usage: ``python bench/loop_stalls.py [--cases ids,keys,burst] [--connections 2000]``.
 Figures vary with the machine's load; compare runs on the same machine.
 """
@@ -137,23 +140,35 @@ def listen_overflows() -> int:
     return 0
 
 
-async def burst(port: int, connections: int, idle: bool) -> None:
+async def burst(port: int, connections: int, idle: bool, probe_port: int | None) -> None:
     cmd = [sys.executable, __file__, "--burst-to", str(port), "--connections", str(connections)]
     before = listen_overflows()
+    took: dict[int, float] = {}
+
+    async def health(at: int) -> None:
+        took[at] = await exchange(at, b"GET /health HTTP/1.1\r\nHost: x\r\n"
+                                  b"Connection: close\r\n\r\n")
+
     async with trio.open_nursery() as nursery:
         nursery.start_soon(functools.partial(trio.run_process, cmd + ["--idle"] * idle))
         await trio.sleep(0.3)  # the burst is under way
-        took = await exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\n"
-                              b"Connection: close\r\n\r\n")
-    print(f"  /health on a new connection 0.3 s into it: {took * 1000:7.1f} ms"
-          f"  connects dropped (accept queue full): {listen_overflows() - before}")
+        async with trio.open_nursery() as probes:
+            for at in (port, probe_port):
+                if at is not None:
+                    probes.start_soon(health, at)
+    on_probe_port = (f"  probe port: {took[probe_port] * 1000:7.1f} ms"
+                     if probe_port is not None else "")
+    print(f"  /health on a new connection 0.3 s into it: {took[port] * 1000:7.1f} ms"
+          f"{on_probe_port}  connects dropped (accept queue full): "
+          f"{listen_overflows() - before}")
 
 
 async def main(args) -> None:
     log = tempfile.NamedTemporaryFile("w+", suffix=".log")  # (a pipe unread would block it)
     proc = subprocess.Popen(  # noqa: ASYNC220 (once, before anything is measured)
         [sys.executable, "-m", "server", "--port", "0", "--sim-itl-ms", "2",
-         "--max-model-len", "4096", "--backlog", str(args.backlog)],
+         "--max-model-len", "4096", "--backlog", str(args.backlog),
+         *(["--health-port", "0"] if args.health_port else [])],
         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
     )
     try:
@@ -165,9 +180,11 @@ async def main(args) -> None:
                 assert proc.poll() is None, text
                 found = re.search(r"serving on http://[\d.]+:(\d+)", text)
                 port = int(found.group(1)) if found else None
+        probes = re.search(r"probes \(/health, /ready\) on http://[\d.]+:(\d+)", text)
+        probe_port = int(probes.group(1)) if probes else None
         for case in args.cases.split(","):
             if case in ("burst", "idle"):
-                await burst(port, args.connections, case == "idle")
+                await burst(port, args.connections, case == "idle", probe_port)
             else:
                 await big_body(port, case)
     finally:
@@ -181,6 +198,8 @@ if __name__ == "__main__":
     parser.add_argument("--cases", default="ids,keys,burst,idle")
     parser.add_argument("--connections", type=int, default=2000)
     parser.add_argument("--backlog", type=int, default=2048, help="the server's --backlog")
+    parser.add_argument("--health-port", action="store_true",
+                        help="serve and probe the server's probe port too")
     parser.add_argument("--burst-to", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--idle", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()

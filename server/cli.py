@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backlog", type=int, default=2048,
                    help="listen backlog: connections the kernel queues before they are "
                    "accepted (capped by net.core.somaxconn)")
+    g.add_argument("--health-port", type=int, default=None, metavar="PORT",
+                   help="also answer /health and /ready on this port (same --host), on a "
+                   "listener of its own, so that probes never wait behind a burst of "
+                   "connects on the API port (0: a free port; default: none)")
     g.add_argument("--max-connections", type=int, default=None,
                    help="open connections beyond which a new one first closes the oldest "
                    "idle keep-alive connection, else is answered 503 and closed (default: "
@@ -251,6 +255,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_concurrent_sequences=args.max_concurrent_sequences,
         queued_heartbeat=args.queued_heartbeat_s or None,
         backlog=args.backlog,
+        health_port=args.health_port,
         max_connections=args.max_connections,
         shutdown_timeout=args.shutdown_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
@@ -358,6 +363,10 @@ def _check_frontend_options(args: argparse.Namespace) -> None:
     parser = build_parser()
     if args.api_servers < 1:
         raise SystemExit("trio-llm-server: --api-servers must be at least 1")
+    if args.api_servers > 1 and args.health_port is not None:
+        raise SystemExit("trio-llm-server: --health-port: not with --api-servers (yet): "
+                         "the supervisor would have to share the probe port among its "
+                         "frontends")
     if args.api_servers > 1 and args.model_config is not None:
         raise SystemExit("trio-llm-server: --model-config: not with --api-servers (yet): "
                          "its frontends share one model's workers")

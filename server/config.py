@@ -187,6 +187,9 @@ class ServerConfig:
     send_timeout: float | None = 30.0
     #: The listen backlog (the kernel caps it at net.core.somaxconn).
     backlog: int = 2048
+    #: A second port (same host) answering only ``/health`` and ``/ready``, on a listener
+    #: of its own (:mod:`server.connections.probes`); 0 picks a free one; None: none.
+    health_port: int | None = None
     #: Open connections beyond which a new one first ends the oldest idle keep-alive
     #: connection, else gets a 503 and is closed (None: the file-descriptor limit less a
     #: reserve, see server.connections.accept.default_max_connections).

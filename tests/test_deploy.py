@@ -129,6 +129,14 @@ def test_the_servers_arguments_probes_and_grace_period():
             assert container["livenessProbe"]["httpGet"]["path"] == alive
             assert container["startupProbe"]["httpGet"]["path"] == alive
             assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+            # --health-port: the probes of /health and /ready go to the probe port
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+                probe = container[kind]["httpGet"]
+                if probe["path"] in ("/health", "/ready") and config.health_port is not None:
+                    assert ports[probe["port"]] == config.health_port, (layout, kind)
+                else:
+                    assert ports[probe["port"]] == config.port, (layout, kind)
             startup = container["startupProbe"]
             if not config.engine.worker_addresses:
                 assert startup["periodSeconds"] * startup["failureThreshold"] >= min(

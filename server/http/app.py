@@ -104,13 +104,14 @@ def _json_error(exc: ServerError) -> Response:
     return response
 
 
-def _status_json(status: str, code: int = 200, models: dict | None = None) -> Response:
-    """``{"status": ...}`` (and each model's, when several are served), with
-    ``Retry-After: 1`` on a 503 (the probes' answers)."""
+def _status_body(status: str, models: dict | None) -> dict:
+    """``{"status": ...}``, and each model's when several are served."""
+    return {"status": status} if models is None else {"status": status, "models": models}
+
+
+def _status_json(code: int, body: dict) -> Response:
+    """A probe's answer, with ``Retry-After: 1`` on a 503."""
     headers = {"Retry-After": "1"} if code == 503 else None
-    body: dict = {"status": status}
-    if models is not None:
-        body["models"] = models
     return Response(dumps(body), status=code, content_type="application/json", headers=headers)
 
 
@@ -396,6 +397,32 @@ class LLMServerApp(QuartTrio):
         with trio.CancelScope(shield=True):
             await self._engine_stopped.wait()
 
+    def probe_answer(self, path: str) -> tuple[int, dict]:
+        """The status and JSON body of ``/health`` or ``/ready``, for the API port's routes
+        and the probe port (:mod:`server.connections.probes`) alike.
+
+        ``/health`` is liveness: 200 while every model's pool is up (several models: the
+        body says which). ``/ready`` is readiness: 503 also while saturated, so that a load
+        balancer sends new requests elsewhere while this server is full; with several
+        models, 503 while any pool is down or while every pool is saturated."""
+        several = self.models.several
+        if path == "/health":
+            up = {p.name: "ok" if p.healthy() else "unavailable" for p in self.models.pools}
+            if "unavailable" in up.values():
+                return 503, _status_body("unavailable", up if several else None)
+            return 200, _status_body("ok", up if several else None)
+        state = {
+            p.name: "unavailable" if not p.healthy() else
+            "saturated" if self.saturated(p) else "ready"
+            for p in self.models.pools
+        }
+        models = state if several else None
+        if "unavailable" in state.values():
+            return 503, _status_body("unavailable", models)
+        if "ready" not in state.values():
+            return 503, _status_body("saturated", models)
+        return 200, _status_body("ready", models)
+
     # -- the small routes --------------------------------------------------------------------
 
     def _routes(self) -> None:
@@ -404,29 +431,11 @@ class LLMServerApp(QuartTrio):
 
         @self.get("/health")
         async def health():
-            # Several models: 200 only while every model's pool is up; the body says which.
-            up = {p.name: "ok" if p.healthy() else "unavailable" for p in self.models.pools}
-            models = up if self.models.several else None
-            if "unavailable" in up.values():
-                return _status_json("unavailable", 503, models)
-            return _status_json("ok", models=models)
+            return _status_json(*self.probe_answer("/health"))
 
         @self.get("/ready")
         async def ready():
-            # Readiness, distinct from liveness (/health): 503 also while saturated, so that
-            # a load balancer sends new requests elsewhere while this server is full. Several
-            # models: 503 while any pool is down, or while every pool is saturated.
-            state = {
-                p.name: "unavailable" if not p.healthy() else
-                "saturated" if self.saturated(p) else "ready"
-                for p in self.models.pools
-            }
-            models = state if self.models.several else None
-            if "unavailable" in state.values():
-                return _status_json("unavailable", 503, models)
-            if "ready" not in state.values():
-                return _status_json("saturated", 503, models)
-            return _status_json("ready", models=models)
+            return _status_json(*self.probe_answer("/ready"))
 
         @self.get("/metrics")
         async def metrics():

@@ -29,7 +29,8 @@ from ..observability.gcstats import freeze_after_startup
 from ..observability.group import peer_socket, serve_peer_scrapes
 from .app import LLMServerApp, create_app
 from ..connections.connection import ServingConfig, cut_stalled_writes
-from ..connections.accept import serve_app, serve_public
+from ..connections.accept import ListenError, serve_app, serve_public
+from ..connections.probes import serve_probes
 from ..connections.private_api import use_direct_path
 
 __all__ = ["ShutdownPhases", "serve", "hypercorn_config"]
@@ -183,6 +184,8 @@ async def serve(
         nursery.start_soon(_shut_down, app, config, hc, phases, exit_when_stuck)
         nursery.start_soon(_stop_on_fatal, app, phases)
         binds = await nursery.start(run_http)
+        if config.health_port is not None:
+            await nursery.start(_serve_probes, app, config)
         if config.frontend_dir is not None:  # one of --api-servers' frontends
             await nursery.start(
                 serve_peer_scrapes,
@@ -203,6 +206,27 @@ async def serve(
             task_status.started(binds)
     if app.fatal_error is not None:
         raise app.fatal_error
+
+
+async def _serve_probes(app: LLMServerApp, config: ServerConfig, *, task_status) -> None:
+    """The probe port (``--health-port``), until the server's nursery ends."""
+    port = config.health_port
+    assert port is not None
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=config.host)
+    except OSError as exc:
+        raise ListenError(f"--health-port {port}: cannot listen on {config.host}: "
+                          f"{exc.strerror or exc}") from None
+    try:
+        for listener in listeners:
+            host, port = listener.socket.getsockname()[:2]
+            log.info("probes (/health, /ready) on http://%s:%d",
+                     f"[{host}]" if ":" in host else host, port)
+        await serve_probes(listeners, app.probe_answer, task_status=task_status)
+    finally:
+        for listener in listeners:
+            with trio.CancelScope(shield=True):
+                await listener.aclose()
 
 
 async def _watch_signals(phases: ShutdownPhases) -> None:
