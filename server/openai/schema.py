@@ -66,6 +66,9 @@ class GenerateRequest:
     #: vLLM's chat ``include_reasoning``: false drops what --reasoning-parser splits off as
     #: reasoning (the answer's content stays as it is).
     include_reasoning: bool = True
+    #: vLLM's ``return_token_ids``: the prompt's ids and each choice's token ids go out
+    #: (the worker sends them only then: the params' ``token_ids`` and ``prompt_token_ids``).
+    return_token_ids: bool = False
 
 
 def decode_json(body: bytes, known: bool = False) -> dict:
@@ -443,6 +446,7 @@ _ENGINE_SAMPLING = {
     "bad_words": lambda d, lim: _strings(d, "bad_words", 64, 256),
     "cache_salt": lambda d, lim: _cache_salt(d),
     "priority": lambda d, lim: _int(d, "priority", None, -(2**63), 2**63 - 1),
+    "return_token_ids": lambda d, lim: _bool(d, "return_token_ids", None),
 }
 
 
@@ -595,6 +599,9 @@ def _common(
     else:
         max_tokens = _int(data, "max_tokens", min(16, limits.max_tokens), 1, limits.max_tokens)
     extra = _engine_sampling(data, limits, engine_fields)
+    return_token_ids = bool(extra.pop("return_token_ids", False))
+    if return_token_ids:
+        extra["token_ids"] = extra["prompt_token_ids"] = True
     if logprobs is not None:
         extra["logprobs"] = logprobs
     if data.get("fault") is not None:
@@ -618,7 +625,7 @@ def _common(
     return {
         "model": model, "params": params, "stream": stream, "include_usage": include_usage,
         "user": user, "logprobs": logprobs, "continuous_usage": continuous_usage,
-        "request_id": request_id,
+        "request_id": request_id, "return_token_ids": return_token_ids,
     }
 
 

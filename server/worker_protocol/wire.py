@@ -30,7 +30,9 @@ Worker -> frontend::
     [STEP, accepts, outputs, notes] notes: [[rid, {"cached_tokens": n}], ...], only when
                                     the engine has any (they precede the outputs); also
                                     {"token_ids": [...]}: the ids of the row's new tokens,
-                                    for a request whose params ask (``token_ids: true``)
+                                    for a request whose params ask (``token_ids: true``);
+                                    {"prompt_token_ids": [...]}: the prompt's, once, for a
+                                    request whose params ask (``prompt_token_ids: true``)
     [PONG, seq, running, waiting]   a listening worker adds the requests this connection holds;
                                     an engine that reports its own statistics (vllm) adds
                                     a map last: ENGINE_STATS
@@ -363,6 +365,7 @@ _TIMES: dict[str, Callable[[object], bool]] = dict.fromkeys(
 
 _NOTE_ITEMS: dict[str, Callable[[object], bool]] = {
     "token_ids": _ids,
+    "prompt_token_ids": _ids,
     "cached_tokens": _count,
     "logprobs": lambda v: _all(v, _logprob_entry),
     "prompt_logprobs": lambda v: _all(v, _logprob_entry),

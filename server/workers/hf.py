@@ -149,7 +149,8 @@ def _context_length(config, tokenizer) -> int:
 class _Req:
     __slots__ = (
         "rid", "prompt", "max_tokens", "temperature", "top_p", "rng", "ignore_eos", "text",
-        "produced", "last", "rules", "logprobs", "prompt_logprobs", "matcher",
+        "produced", "last", "rules", "logprobs", "prompt_logprobs", "matcher", "ids",
+        "prompt_ids",
     )
 
 
@@ -213,7 +214,7 @@ class TransformersEngine(HFTokenizing):
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "max_batch": max_batch,
             "sampling": [
-                *SAMPLING_FIELDS, "chat_template_kwargs", "tools",
+                *SAMPLING_FIELDS, "chat_template_kwargs", "tools", "return_token_ids",
                 *(["response_format"] if grammar_ok else []),
             ],
             "logprobs": MAX_LOGPROBS,
@@ -281,6 +282,8 @@ class TransformersEngine(HFTokenizing):
         req.text = RequestText(self._tok, ids, stop)
         req.produced = 0
         req.last = -1
+        req.ids = bool(params.get("token_ids"))  # a note per token (only when asked)
+        req.prompt_ids = bool(params.get("prompt_token_ids"))
         return req
 
     def add_prepared(self, rid: int, req: _Req) -> int:
@@ -290,6 +293,8 @@ class TransformersEngine(HFTokenizing):
             assert self._grammars is not None
             req.matcher = self._grammars.matcher(req.matcher)
         self._waiting[rid] = req
+        if req.prompt_ids:  # (in the frame of its accept, before any output)
+            self.notes.append([rid, {"prompt_token_ids": list(req.prompt)}])
         return len(req.prompt)
 
     def abort(self, rid: int) -> bool:
@@ -379,6 +384,8 @@ class TransformersEngine(HFTokenizing):
                 self.notes.append([reqs[i].rid, {"logprobs": [entry]}])
         finished = []
         for req, tok in zip(reqs, tokens):
+            if req.ids:  # every token, the EOS one included (as vLLM's token_ids)
+                self.notes.append([req.rid, {"token_ids": [tok]}])
             req.produced += 1
             req.last = tok
             rules = req.rules

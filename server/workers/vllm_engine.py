@@ -155,6 +155,10 @@ def _build_engine(model_path: str | None, named: dict, engine_args: dict,
         raise RuntimeError(f"vLLM could not start: {one_line(exc)}") from None
 
 
+#: What a request's params ask the engine to send: its tokens' ids, its prompt's ids.
+_TOKEN_IDS, _PROMPT_IDS = 1, 2
+
+
 def _entry(by_id: dict, token: int, top: int) -> list:
     """Our logprob entry from vLLM's ``{token_id: Logprob}`` of one position."""
     chosen = by_id[token]
@@ -254,6 +258,7 @@ class VLLMEngine(HFTokenizing):
             "prefix_caching": self.prefix_caching,
             "max_batch": self.max_batch,
             "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs", "tools",
+                         "return_token_ids",
                          *(["cache_salt"] if self.prefix_caching else []),
                          *(["priority"] if self.priority_policy else [])],
             "logprobs": MAX_LOGPROBS,
@@ -263,6 +268,8 @@ class VLLMEngine(HFTokenizing):
         self._held: set[int] = set()
         #: Of those, the ones that asked for logprobs: rid -> alternatives per token.
         self._logprobs: dict[int, int] = {}
+        #: The requests that asked for their tokens' ids (``token_ids``: a note a step).
+        self._ids: set[int] = set()
         #: ``[rid, dict]`` details for the frontend, sent with the next STEP (the worker
         #: loop takes them).
         self.notes: list[list] = []
@@ -298,7 +305,7 @@ class VLLMEngine(HFTokenizing):
         return self.add_prepared(rid, self.prepare(prompt, params))
 
     def prepare(self, prompt: object,
-                params: dict) -> tuple[list[int], Any, str | None, Any, int]:
+                params: dict) -> tuple[list[int], Any, str | None, Any, int, int]:
         """A request's slow, stateless part (any thread: the worker runs it in a
         preparation thread, :mod:`server.workers.prepare`): tokenizing, the chat template,
         the context check, the sampling parameters. vLLM compiles the grammar itself,
@@ -310,15 +317,17 @@ class VLLMEngine(HFTokenizing):
         ids = self.encode(prompt, params.get("chat_template_kwargs"), params.get("tools"))
         max_tokens = check_context(len(ids), params.get("max_tokens"), self.max_model_len)
         salt = params.get("cache_salt")
+        asks = (_TOKEN_IDS if params.get("token_ids") else 0) | (
+            _PROMPT_IDS if params.get("prompt_token_ids") else 0)
         return (ids, self.sampling_params(params, max_tokens),
                 None if salt is None else str(salt), params.get("lora"),
-                int(params.get("priority") or 0))
+                int(params.get("priority") or 0), asks)
 
     def add_prepared(self, rid: int,
-                     prepared: tuple[list[int], Any, str | None, Any, int]) -> int:
+                     prepared: tuple[list[int], Any, str | None, Any, int, int]) -> int:
         """Hand a request :meth:`prepare` made to vLLM (the loop's thread); with a LoRA
         adapter's name, with that adapter (a 404 if it is not served now)."""
-        ids, sampling, salt, adapter, priority = prepared
+        ids, sampling, salt, adapter, priority, asks = prepared
         lora = None
         if adapter is not None:  # (only where info["lora"]: server.workers.main)
             assert self._adapters is not None
@@ -336,6 +345,10 @@ class VLLMEngine(HFTokenizing):
             self._release(rid)
             raise
         self._held.add(rid)
+        if asks & _TOKEN_IDS:
+            self._ids.add(rid)
+        if asks & _PROMPT_IDS:  # (in the frame of its accept, before any output)
+            self.notes.append([rid, {"prompt_token_ids": list(ids)}])
         if sampling.logprobs is not None:
             self._logprobs[rid] = sampling.logprobs
         return len(ids)
@@ -345,6 +358,7 @@ class VLLMEngine(HFTokenizing):
             return False
         self._held.discard(rid)
         self._logprobs.pop(rid, None)
+        self._ids.discard(rid)
         self._llm.abort_request([str(rid)])
         self._release(rid)
         return True
@@ -379,6 +393,7 @@ class VLLMEngine(HFTokenizing):
             failed = [OutputRow(r, "", 0, "error", ["engine_error", message]) for r in self._held]
             self._held.clear()
             self._logprobs.clear()
+            self._ids.clear()
             raise EngineBroken(message, failed) from exc
         rows: list[OutputRow] = []
         held = self._held
@@ -388,6 +403,8 @@ class VLLMEngine(HFTokenizing):
             if rid not in held:
                 continue  # aborted meanwhile
             out = result.outputs[0]
+            if rid in self._ids and out.token_ids:  # (DELTA: this step's new tokens)
+                self.notes.append([rid, {"token_ids": list(out.token_ids)}])
             top = self._logprobs.get(rid)
             if top is not None:
                 self._note_logprobs(rid, result, out, top)
@@ -396,6 +413,7 @@ class VLLMEngine(HFTokenizing):
             if result.finished:
                 held.discard(rid)
                 self._logprobs.pop(rid, None)
+                self._ids.discard(rid)
                 self._release(rid)
                 if out.finish_reason == "error":
                     finish, error = "error", ["engine_error", "vLLM failed this request"]
