@@ -17,7 +17,7 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 import torch  # noqa: E402
 import trio  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from server import EngineConfig  # noqa: E402
 from tests.conftest import FAST_SIM, JSON, running_server  # noqa: E402
@@ -114,6 +114,63 @@ async def test_return_token_ids_completions_and_chat(model_dir, tokenizer):
                 assert ids == answer.choices[index].token_ids
             assert all("prompt_token_ids" not in e.model_dump()
                        for e in events if e not in firsts)
+
+
+def reference_rows(model_dir, ids: list[int]):
+    """Each position's log-probabilities, the tiny model run directly in transformers."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def check_prompt_logprobs(got: list, ids: list[int], rows, k: int) -> None:
+    """vLLM's shape: the first null, then {id: {logprob, rank, decoded_token}}: the
+    prompt's token and the k most likely, against the model's own values."""
+    assert len(got) == len(ids) and got[0] is None
+    for i in range(1, len(ids)):
+        row = rows[i - 1]
+        position = got[i]
+        chosen = position[str(ids[i])]
+        assert chosen["logprob"] == pytest.approx(float(row[ids[i]]), abs=1e-3)
+        assert chosen["rank"] == int((row > row[ids[i]]).sum()) + 1
+        values, top = row.topk(k)
+        for rank, (value, token) in enumerate(zip(values.tolist(), top.tolist()), 1):
+            assert position[str(token)]["logprob"] == pytest.approx(value, abs=1e-3)
+            assert position[str(token)]["rank"] == rank
+        assert len(position) in (k, k + 1)
+
+
+async def test_prompt_logprobs_are_the_models_own(model_dir, tokenizer):
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    chat_ids = tokenizer(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True,
+                                                       tokenize=False),
+                         add_special_tokens=False)["input_ids"]
+    with trio.fail_after(LIMIT):
+        async with running_server(hf_config(model_dir)) as url:
+            client = client_of(url)
+            done = await client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"prompt_logprobs": 2})
+            check_prompt_logprobs(done.choices[0].model_dump()["prompt_logprobs"], prompt_ids,
+                                  reference_rows(model_dir, prompt_ids), 2)
+            assert done.choices[0].logprobs is None  # (not asked)
+            # chat: on the response; 0: the prompt's tokens alone
+            answer = await client.chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=2, extra_body={"prompt_logprobs": 0})
+            check_prompt_logprobs(answer.model_dump()["prompt_logprobs"], chat_ids,
+                                  reference_rows(model_dir, chat_ids), 0)
+            # with echo and logprobs: both shapes, from the same entries
+            both = await client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1,
+                extra_body={"prompt_logprobs": 1})
+            got = both.choices[0].model_dump()["prompt_logprobs"]
+            assert [p and p[str(t)]["logprob"] for p, t in zip(got, prompt_ids)] \
+                == both.choices[0].logprobs.token_logprobs[:len(prompt_ids)]
+            # vLLM's refusals: streamed, the whole vocabulary
+            for body, stream in (({"prompt_logprobs": 1}, True), ({"prompt_logprobs": -1}, False)):
+                with pytest.raises(openai.BadRequestError) as info:
+                    await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                                    stream=stream, extra_body=body)
+                assert info.value.body["param"] == "prompt_logprobs"
 
 
 async def test_the_sim_refuses_return_token_ids_by_name():

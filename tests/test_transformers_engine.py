@@ -354,18 +354,22 @@ def test_logprobs_are_the_models_own(engine):
     decode = engine.tokenizer.decode
     entries = notes[(1, "logprobs")]
     assert [e[0] for e in entries] == [decode([t]) for t in out]
-    for j, (text, lp, alts) in enumerate(entries):
+    for j, (text, lp, alts, token, rank) in enumerate(entries):
         row = rows[len(ids) - 1 + j]
         assert lp == pytest.approx(float(row[out[j]]), abs=1e-4)
+        assert token == out[j] and rank == 1  # greedy: the best one
         values, top = row.topk(3)
         assert [a[0] for a in alts] == [decode([t]) for t in top.tolist()]
+        assert [a[2] for a in alts] == top.tolist()
         assert [a[1] for a in alts] == pytest.approx(values.tolist(), abs=1e-4)
-        assert alts[0] == [text, pytest.approx(lp, abs=1e-6)]  # greedy: the best one
+        assert alts[0] == [text, pytest.approx(lp, abs=1e-6), token]
     prompt_entries = notes[(1, "prompt_logprobs")]
-    assert prompt_entries[0] == [decode([ids[0]]), None, []]
+    assert prompt_entries[0] == [decode([ids[0]]), None, [], ids[0], None]
     for i in range(1, len(ids)):
-        assert prompt_entries[i][1] == pytest.approx(float(rows[i - 1][ids[i]]), abs=1e-4)
-        assert len(prompt_entries[i][2]) == 2
+        text, lp, alts, token, rank = prompt_entries[i]
+        assert lp == pytest.approx(float(rows[i - 1][ids[i]]), abs=1e-4)
+        assert token == ids[i] and rank == int((rows[i - 1] > rows[i - 1][ids[i]]).sum()) + 1
+        assert len(alts) == 2
     assert result(outputs[1])[:2] == result(outputs[2])[:2]
 
 

@@ -77,3 +77,19 @@ def test_return_token_ids(client, tokenizer):
     assert events[0].prompt_token_ids == chat_ids
     assert [t for e in events if e.choices
             for t in (e.choices[0].model_dump().get("token_ids") or ())] == ids
+
+
+def test_prompt_logprobs(client, tokenizer, model_dir):
+    from tests.test_token_ids import check_prompt_logprobs, reference_rows
+
+    ids = tokenizer(PROMPT)["input_ids"]
+    done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                     extra_body={"prompt_logprobs": 2})
+    check_prompt_logprobs(done.choices[0].model_dump()["prompt_logprobs"], ids,
+                          reference_rows(model_dir, ids), 2)
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert plain.choices[0].model_dump()["prompt_logprobs"] is None
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert info.value.body["param"] == "prompt_logprobs"

@@ -58,6 +58,7 @@ from .asgi import (
 from ..openai.encode import DONE, ChunkEncoder, completion_body, error_event, usage
 from ..openai.events import RichEvents
 from ..openai.logprobs import LogprobsFormatter
+from ..openai.logprobs import prompt_logprobs as vllm_prompt_logprobs
 from ..openai.reasoning import split_text
 from ..openai.token_ids import IdsOfChoices, StreamIds
 from ..openai.tool_parsers import parse_text as parse_tool_text
@@ -545,7 +546,8 @@ def _full_body(
     logprobs = None
     if req.logprobs is not None:
         logprobs = [
-            LogprobsFormatter(req.chat).format(entries[i], prompts[i]) for i in range(k)
+            LogprobsFormatter(req.chat).format(entries[i], prompts[i] if req.echo else None)
+            for i in range(k)
         ]
     reasoning = None
     if req.chat and reasoning_parser is not None:
@@ -576,6 +578,8 @@ def _full_body(
         tool_calls=tool_calls,
         token_ids=None if ids is None else ids.tokens,
         prompt_token_ids=None if ids is None else ids.prompts,
+        prompt_logprobs=None if req.prompt_logprobs is None else [
+            vllm_prompt_logprobs(p) for p in prompts],
     )
 
 

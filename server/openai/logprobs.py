@@ -20,7 +20,7 @@ Only requests that asked pay for any of this: the others never reach this module
 
 from __future__ import annotations
 
-__all__ = ["LogprobsFormatter"]
+__all__ = ["LogprobsFormatter", "prompt_logprobs"]
 
 
 class LogprobsFormatter:
@@ -43,13 +43,13 @@ class LogprobsFormatter:
             return None
         out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for entry in (prompt or []) + (entries or []):
-            text, logprob, alts = entry
+            text, logprob, alts = entry[0], entry[1], entry[2]
             out["tokens"].append(text)
             out["token_logprobs"].append(logprob)
             if logprob is None:
                 out["top_logprobs"].append(None)
             else:
-                top = {alt: lp for alt, lp in alts}
+                top = {alt[0]: alt[1] for alt in alts}
                 top.setdefault(text, logprob)
                 out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
@@ -57,13 +57,35 @@ class LogprobsFormatter:
         return out
 
 
+def prompt_logprobs(entries: list | None) -> list | None:
+    """vLLM's ``prompt_logprobs`` of a prompt's entries (with their ids: see
+    :func:`server.worker_protocol.wire._logprob_entry`): the first token's null, then for
+    each token ``{token_id: {"logprob", "rank", "decoded_token"}}``, the prompt's token
+    first, then its most likely alternatives (ranked 1, 2, ...)."""
+    if entries is None:
+        return None
+    out: list = []
+    for entry in entries:
+        if entry[1] is None:
+            out.append(None)
+            continue
+        text, logprob, alts, token, rank = entry
+        position = {str(token): {"logprob": logprob, "rank": rank, "decoded_token": text}}
+        for place, (alt, lp, alt_id) in enumerate(alts, 1):
+            position.setdefault(str(alt_id), {"logprob": lp, "rank": place,
+                                              "decoded_token": alt})
+        out.append(position)
+    return out
+
+
 def _chat_entry(entry: list) -> dict:
-    text, logprob, alts = entry
+    text, logprob, alts = entry[0], entry[1], entry[2]
     return {
         "token": text,
         "logprob": logprob,
         "bytes": list(text.encode("utf-8")),
         "top_logprobs": [
-            {"token": alt, "logprob": lp, "bytes": list(alt.encode("utf-8"))} for alt, lp in alts
+            {"token": alt[0], "logprob": alt[1], "bytes": list(alt[0].encode("utf-8"))}
+            for alt in alts
         ],
     }

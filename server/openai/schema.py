@@ -69,6 +69,9 @@ class GenerateRequest:
     #: vLLM's ``return_token_ids``: the prompt's ids and each choice's token ids go out
     #: (the worker sends them only then: the params' ``token_ids`` and ``prompt_token_ids``).
     return_token_ids: bool = False
+    #: vLLM's ``prompt_logprobs``: the prompt's logprobs in vLLM's shape go out (a
+    #: completion choice's ``prompt_logprobs``, a chat answer's); None: not asked.
+    prompt_logprobs: int | None = None
 
 
 def decode_json(body: bytes, known: bool = False) -> dict:
@@ -447,7 +450,25 @@ _ENGINE_SAMPLING = {
     "cache_salt": lambda d, lim: _cache_salt(d),
     "priority": lambda d, lim: _int(d, "priority", None, -(2**63), 2**63 - 1),
     "return_token_ids": lambda d, lim: _bool(d, "return_token_ids", None),
+    "prompt_logprobs": lambda d, lim: _prompt_logprobs(d),
 }
+
+
+def _prompt_logprobs(data: dict) -> int | None:
+    """vLLM's ``prompt_logprobs``: the prompt's logprobs (each token's, and its ``k`` most
+    likely alternatives), in a whole answer only (vLLM's rule, and its words)."""
+    k = data.get("prompt_logprobs")
+    if k is None:
+        return None
+    if k == -1 and not isinstance(k, bool):
+        raise ClientError("'prompt_logprobs' -1 (the whole vocabulary) is not supported by "
+                          "this server: ask for at most 20.", param="prompt_logprobs",
+                          code="unsupported_parameter")
+    k = _int(data, "prompt_logprobs", None, 0, 20)
+    if data.get("stream"):
+        raise ClientError("`prompt_logprobs` are not available when `stream=True`.",
+                          param="prompt_logprobs")
+    return k
 
 
 def _allowed_token_ids(data: dict) -> list[int] | None:
@@ -626,6 +647,7 @@ def _common(
         "model": model, "params": params, "stream": stream, "include_usage": include_usage,
         "user": user, "logprobs": logprobs, "continuous_usage": continuous_usage,
         "request_id": request_id, "return_token_ids": return_token_ids,
+        "prompt_logprobs": extra.get("prompt_logprobs"),
     }
 
 
@@ -699,8 +721,9 @@ def parse_completion(
             "rendered with a template.", param="chat_template_kwargs",
             code="unsupported_parameter",
         )
-    if echo and common["logprobs"] is not None:  # the prompt's logprobs too
-        common["params"].extra["prompt_logprobs"] = common["logprobs"]
+    if echo and common["logprobs"] is not None:  # the prompt's logprobs too (vLLM's
+        # prompt_logprobs, when given, says how many alternatives)
+        common["params"].extra.setdefault("prompt_logprobs", common["logprobs"])
     if len(prompts) * common["params"].n > limits.max_n * limits.max_prompts:
         raise ClientError("Too many choices in one request.", param="n")
     return _check_answer_size(

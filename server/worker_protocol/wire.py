@@ -326,11 +326,20 @@ def _number(x: object) -> bool:
 
 
 def _logprob_entry(e: object) -> bool:
-    """``[text, logprob or nil, [[alt_text, alt_logprob], ...]]``"""
+    """``[text, logprob or nil, [[alt_text, alt_logprob], ...]]``, or with the ids (and the
+    chosen token's rank): ``[text, logprob, [[alt_text, alt_logprob, alt_id], ...], id,
+    rank]`` (alternatives best first: their ranks are 1, 2, ...)."""
+    if type(e) is not list:
+        return False
+    if len(e) == 3:
+        return type(e[0]) is str and _number(e[1]) and _all(
+            e[2], lambda a: type(a) is list and len(a) == 2 and type(a[0]) is str
+            and _number(a[1]))
     return (
-        type(e) is list and len(e) == 3 and type(e[0]) is str and _number(e[1])
-        and _all(e[2], lambda a: type(a) is list and len(a) == 2 and type(a[0]) is str
-                 and _number(a[1]))
+        len(e) == 5 and type(e[0]) is str and _number(e[1]) and _count(e[3])
+        and (e[4] is None or _count(e[4]))
+        and _all(e[2], lambda a: type(a) is list and len(a) == 3 and type(a[0]) is str
+                 and _number(a[1]) and _count(a[2]))
     )
 
 

@@ -162,10 +162,11 @@ _TOKEN_IDS, _PROMPT_IDS = 1, 2
 def _entry(by_id: dict, token: int, top: int) -> list:
     """Our logprob entry from vLLM's ``{token_id: Logprob}`` of one position."""
     chosen = by_id[token]
-    ranked = sorted((lp for t, lp in by_id.items() if lp.rank is not None and lp.rank <= top),
-                    key=lambda lp: lp.rank)
+    ranked = sorted(((t, lp) for t, lp in by_id.items()
+                     if lp.rank is not None and lp.rank <= top), key=lambda p: p[1].rank)
     return [chosen.decoded_token or "", finite_logprob(chosen.logprob),
-            [[lp.decoded_token or "", finite_logprob(lp.logprob)] for lp in ranked]]
+            [[lp.decoded_token or "", finite_logprob(lp.logprob), t] for t, lp in ranked],
+            token, chosen.rank]
 
 
 
@@ -258,7 +259,7 @@ class VLLMEngine(HFTokenizing):
             "prefix_caching": self.prefix_caching,
             "max_batch": self.max_batch,
             "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs", "tools",
-                         "return_token_ids",
+                         "return_token_ids", "prompt_logprobs",
                          *(["cache_salt"] if self.prefix_caching else []),
                          *(["priority"] if self.priority_policy else [])],
             "logprobs": MAX_LOGPROBS,
@@ -267,7 +268,7 @@ class VLLMEngine(HFTokenizing):
         #: Requests vLLM holds for us (added, not finished or aborted).
         self._held: set[int] = set()
         #: Of those, the ones that asked for logprobs: rid -> alternatives per token.
-        self._logprobs: dict[int, int] = {}
+        self._logprobs: dict[int, tuple[int | None, int | None]] = {}
         #: The requests that asked for their tokens' ids (``token_ids``: a note a step).
         self._ids: set[int] = set()
         #: ``[rid, dict]`` details for the frontend, sent with the next STEP (the worker
@@ -349,8 +350,8 @@ class VLLMEngine(HFTokenizing):
             self._ids.add(rid)
         if asks & _PROMPT_IDS:  # (in the frame of its accept, before any output)
             self.notes.append([rid, {"prompt_token_ids": list(ids)}])
-        if sampling.logprobs is not None:
-            self._logprobs[rid] = sampling.logprobs
+        if sampling.logprobs is not None or sampling.prompt_logprobs is not None:
+            self._logprobs[rid] = (sampling.logprobs, sampling.prompt_logprobs)
         return len(ids)
 
     def abort(self, rid: int) -> bool:
@@ -491,11 +492,13 @@ class VLLMEngine(HFTokenizing):
 
     # -- internals --------------------------------------------------------------------------
 
-    def _note_logprobs(self, rid: int, result, out, top: int) -> None:
+    def _note_logprobs(self, rid: int, result, out, tops: tuple[int | None, int | None]) -> None:
         """The logprobs of a request's new tokens (and, on its first output, of its prompt)
-        as notes: entries ``[text, logprob, [[alt_text, alt_logprob], ...]]``."""
+        as notes: entries ``[text, logprob, [[alt_text, alt_logprob, alt_id], ...], id,
+        rank]``."""
         note: dict = {}
-        if out.logprobs:
+        top, prompt_top = tops
+        if out.logprobs and top is not None:
             note["logprobs"] = [
                 _entry(by_id, token, top) for token, by_id in zip(out.token_ids, out.logprobs)
             ]
@@ -504,9 +507,9 @@ class VLLMEngine(HFTokenizing):
             prompt: list = []
             for token, by_id in zip(ids, result.prompt_logprobs):
                 if by_id is None:
-                    prompt.append([self.tokenizer.decode([token]), None, []])
+                    prompt.append([self.tokenizer.decode([token]), None, [], token, None])
                 else:
-                    prompt.append(_entry(by_id, token, top))
+                    prompt.append(_entry(by_id, token, prompt_top or 0))
             note["prompt_logprobs"] = prompt
         if note:
             self.notes.append([rid, note])
