@@ -165,12 +165,40 @@ async def test_prompt_logprobs_are_the_models_own(model_dir, tokenizer):
             got = both.choices[0].model_dump()["prompt_logprobs"]
             assert [p and p[str(t)]["logprob"] for p, t in zip(got, prompt_ids)] \
                 == both.choices[0].logprobs.token_logprobs[:len(prompt_ids)]
+            await check_tokens_as_ids(client, prompt_ids)
             # vLLM's refusals: streamed, the whole vocabulary
             for body, stream in (({"prompt_logprobs": 1}, True), ({"prompt_logprobs": -1}, False)):
                 with pytest.raises(openai.BadRequestError) as info:
                     await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
                                                     stream=stream, extra_body=body)
                 assert info.value.body["param"] == "prompt_logprobs"
+
+
+async def check_tokens_as_ids(client, prompt_ids: list[int], model: str = MODEL) -> None:
+    """return_tokens_as_token_ids: logprobs' tokens are ``token_id:N``, the ids of the
+    prompt (echo) and of the answer (as vLLM's test_return_token_ids checks them)."""
+    body = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    done = await client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, logprobs=2,
+        extra_body={**body, "prompt_logprobs": 1})
+    choice = done.choices[0]
+    spelled = [f"token_id:{t}" for t in choice.prompt_token_ids + choice.token_ids]
+    assert choice.prompt_token_ids == prompt_ids and choice.logprobs.tokens == spelled
+    for token, top in zip(spelled[1:], choice.logprobs.top_logprobs[1:]):
+        assert token in top and all(key.startswith("token_id:") for key in top)
+    chunks = [c async for c in await client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=1, stream=True, extra_body=body)]
+    ids = [t for c in chunks if c.choices for t in (c.choices[0].model_dump().get("token_ids")
+                                                    or ())]
+    content = [e for c in chunks if c.choices and c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content]
+    assert ids and [e.token for e in content] == [f"token_id:{t}" for t in ids]
+    assert all(e.bytes == list(e.token.encode()) for e in content)
+    assert all(a.token.startswith("token_id:") for e in content for a in e.top_logprobs)
+    plain = await client.completions.create(model=model, prompt=PROMPT, max_tokens=2,
+                                            logprobs=0)
+    assert not any(t.startswith("token_id:") for t in plain.choices[0].logprobs.tokens)
 
 
 async def test_the_sim_refuses_return_token_ids_by_name():

@@ -93,3 +93,10 @@ def test_prompt_logprobs(client, tokenizer, model_dir):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True,
                                   extra_body={"prompt_logprobs": 1})
     assert info.value.body["param"] == "prompt_logprobs"
+
+
+async def test_return_tokens_as_token_ids(server, tokenizer):
+    from tests.test_token_ids import check_tokens_as_ids
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    await check_tokens_as_ids(client, tokenizer(PROMPT)["input_ids"], MODEL)

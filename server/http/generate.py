@@ -366,7 +366,8 @@ class _StreamWriter:
             self.rich = RichEvents(enc, choices=choices, chat=req.chat,
                                    logprobs=req.logprobs is not None,
                                    reasoning_parser=reasoning_parser, prompts=echoed,
-                                   tools=req.tools, include_reasoning=req.include_reasoning)
+                                   tools=req.tools, include_reasoning=req.include_reasoning,
+                                   tokens_as_ids=req.tokens_as_ids)
         self.usage = _Usage(per_choice, n)
         #: Completion tokens per choice so far (continuous usage only).
         self.so_far = [0] * choices if req.continuous_usage else None
@@ -546,7 +547,8 @@ def _full_body(
     logprobs = None
     if req.logprobs is not None:
         logprobs = [
-            LogprobsFormatter(req.chat).format(entries[i], prompts[i] if req.echo else None)
+            LogprobsFormatter(req.chat, req.tokens_as_ids).format(
+                entries[i], prompts[i] if req.echo else None)
             for i in range(k)
         ]
     reasoning = None

@@ -72,6 +72,8 @@ class GenerateRequest:
     #: vLLM's ``prompt_logprobs``: the prompt's logprobs in vLLM's shape go out (a
     #: completion choice's ``prompt_logprobs``, a chat answer's); None: not asked.
     prompt_logprobs: int | None = None
+    #: vLLM's ``return_tokens_as_token_ids``: logprobs' tokens spelled ``token_id:N``.
+    tokens_as_ids: bool = False
 
 
 def decode_json(body: bytes, known: bool = False) -> dict:
@@ -450,6 +452,7 @@ _ENGINE_SAMPLING = {
     "cache_salt": lambda d, lim: _cache_salt(d),
     "priority": lambda d, lim: _int(d, "priority", None, -(2**63), 2**63 - 1),
     "return_token_ids": lambda d, lim: _bool(d, "return_token_ids", None),
+    "return_tokens_as_token_ids": lambda d, lim: _bool(d, "return_tokens_as_token_ids", None),
     "prompt_logprobs": lambda d, lim: _prompt_logprobs(d),
 }
 
@@ -621,6 +624,7 @@ def _common(
         max_tokens = _int(data, "max_tokens", min(16, limits.max_tokens), 1, limits.max_tokens)
     extra = _engine_sampling(data, limits, engine_fields)
     return_token_ids = bool(extra.pop("return_token_ids", False))
+    tokens_as_ids = bool(extra.pop("return_tokens_as_token_ids", False))
     if return_token_ids:
         extra["token_ids"] = extra["prompt_token_ids"] = True
     if logprobs is not None:
@@ -647,7 +651,7 @@ def _common(
         "model": model, "params": params, "stream": stream, "include_usage": include_usage,
         "user": user, "logprobs": logprobs, "continuous_usage": continuous_usage,
         "request_id": request_id, "return_token_ids": return_token_ids,
-        "prompt_logprobs": extra.get("prompt_logprobs"),
+        "prompt_logprobs": extra.get("prompt_logprobs"), "tokens_as_ids": tokens_as_ids,
     }
 
 

@@ -215,7 +215,7 @@ class TransformersEngine(HFTokenizing):
             "max_batch": max_batch,
             "sampling": [
                 *SAMPLING_FIELDS, "chat_template_kwargs", "tools", "return_token_ids",
-                "prompt_logprobs",
+                "prompt_logprobs", "return_tokens_as_token_ids",
                 *(["response_format"] if grammar_ok else []),
             ],
             "logprobs": MAX_LOGPROBS,

@@ -260,6 +260,7 @@ class VLLMEngine(HFTokenizing):
             "max_batch": self.max_batch,
             "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs", "tools",
                          "return_token_ids", "prompt_logprobs",
+                         "return_tokens_as_token_ids",
                          *(["cache_salt"] if self.prefix_caching else []),
                          *(["priority"] if self.priority_policy else [])],
             "logprobs": MAX_LOGPROBS,
