@@ -332,6 +332,29 @@ def test_tokenize_and_detokenize_use_the_serving_tokenizer(engine):
         engine.tokenize({"op": "detokenize", "tokens": [10**6]})
 
 
+def test_vllms_tokenize_options(engine):
+    """/tokenize's vLLM options, from the body (parsed as the frontend does) to the
+    worker's answer: the template's options, special tokens, the tokens' strings."""
+    from server.http.tokenize import _tokenize_answer, parse_tokenize
+
+    tok = engine.tokenizer
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "wor"}]
+    body = {"messages": messages, "continue_final_message": True,
+            "add_generation_prompt": False, "add_special_tokens": True,
+            "return_token_strs": True}
+    request = parse_tokenize(json.dumps(body).encode(), MODEL)
+    answer = json.loads(_tokenize_answer("tokenize", engine.tokenize(request)))
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                       continue_final_message=True)
+    assert rendered.endswith("wor")  # the answer goes on from the last message
+    assert answer["tokens"] == tok(rendered, add_special_tokens=True)["input_ids"]
+    assert answer["token_strs"] == tok.convert_ids_to_tokens(answer["tokens"])
+    assert answer["count"] == len(answer["tokens"])
+    plain = json.loads(_tokenize_answer("tokenize", engine.tokenize(
+        parse_tokenize(b'{"prompt": "hello"}', MODEL))))
+    assert plain["token_strs"] is None
+
+
 def test_logprobs_are_the_models_own(engine):
     prompt = prompts(1, seed=13)[0]
     engine.add(1, prompt, greedy(6, logprobs=3, prompt_logprobs=2))

@@ -34,6 +34,7 @@ from .tools import TOOL_FIELDS, ToolChoice, history_message, read_tools
 
 __all__ = [
     "GenerateRequest", "chat_request", "decode_json", "messages_of", "parse_chat", "parse_completion",
+    "template_options",
 ]
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -774,18 +775,18 @@ def chat_request(
     last = messages[-1]
     echoed = ((last.get("content") or "") if last["role"] == "assistant" else "",) if echo else ()
     return _check_answer_size(GenerateRequest(
-        chat=True, prompts=[{"messages": messages, **_template_options(data, messages)}],
+        chat=True, prompts=[{"messages": messages, **template_options(data, messages)}],
         echo=echo, echoed=echoed, tools=tools,
         include_reasoning=_bool(data, "include_reasoning", True), **common
     ), limits, engine_info)
 
 
-#: vLLM's chat template options, read by :func:`_template_options` (engines with chat
+#: vLLM's chat template options, read by :func:`template_options` (engines with chat
 #: templates only: their HELLO declares ``chat_template_kwargs``).
 TEMPLATE_OPTIONS = frozenset({"continue_final_message", "add_generation_prompt"})
 
 
-def _template_options(data: dict, messages: list) -> dict:
+def template_options(data: dict, messages: list) -> dict:
     """vLLM's ``continue_final_message`` (the answer continues the last, assistant, message
     instead of starting a new one) and ``add_generation_prompt``, for the chat template;
     only what differs from the defaults goes to the engine."""
