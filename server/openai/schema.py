@@ -172,7 +172,11 @@ def _int(data: dict, name: str, default, lo: int, hi: int):
             return int(value)
         raise ClientError(f"'{name}' must be an integer.", param=name)
     if not lo <= value <= hi:
-        raise ClientError(f"'{name}' must be between {lo} and {hi}, got {value}.", param=name)
+        # pydantic's words too, which vLLM answers with (clients and vLLM's tests match them)
+        kind, bound = ("greater", lo) if value < lo else ("less", hi)
+        raise ClientError(f"'{name}' must be between {lo} and {hi}, got {clip(str(value))}: "
+                          f"Input should be {kind} than or equal to {bound} "
+                          f"[type={kind}_than_equal].", param=name)
     return value
 
 
