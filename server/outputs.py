@@ -36,6 +36,8 @@ class RequestOutput:
         "cached_tokens",
         "logprobs",
         "prompt_logprobs",
+        "token_ids",
+        "prompt_token_ids",
     )
 
     def __init__(
@@ -68,6 +70,11 @@ class RequestOutput:
         #: With ``echo`` and logprobs, on the first output: one entry per prompt token (the
         #: first one's logprob is None).
         self.prompt_logprobs: list | None = None
+        #: Only for requests that asked for token ids (``return_token_ids``): the ids of
+        #: the tokens this output adds (its text's, and a stop's or EOS that has none),
+        #: and, on a choice's first output, the prompt's ids; else None.
+        self.token_ids: list | None = None
+        self.prompt_token_ids: list | None = None
 
     @property
     def finished(self) -> bool:

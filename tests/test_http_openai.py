@@ -39,6 +39,15 @@ async def test_completion_non_streaming_shape(server_url):
     assert "prompt_logprobs" in r.model_extra and r.prompt_logprobs is None
 
 
+async def test_a_seed_out_of_range_is_a_400_in_pydantics_words_too(server_url):
+    """vLLM's test_long_seed: the message names the bound's kind as pydantic does."""
+    for seed, kind in ((-(2**63) - 1, "greater_than_equal"), (2**63, "less_than_equal")):
+        with pytest.raises(openai.BadRequestError) as info:
+            await client(server_url).chat.completions.create(
+                model="sim", messages=[{"role": "user", "content": "hi"}], seed=seed)
+        assert kind in info.value.message and info.value.body["param"] == "seed"
+
+
 async def test_streaming_equals_non_streaming(server_url):
     c = client(server_url)
     full = await c.completions.create(model="sim", prompt="a b c d", max_tokens=12, seed=5)

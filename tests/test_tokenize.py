@@ -30,6 +30,15 @@ def test_tokenize_requests():
                       "chat_template_kwargs": {"enable_thinking": False}})
     assert with_tools["tools"][0]["function"]["name"] == "f"
     assert with_tools["template_kwargs"] == {"enable_thinking": False}
+    # vLLM's options: the template's, the tokenizer's special tokens, the token strings
+    options = tok({"messages": [{"role": "user", "content": "a"},
+                                {"role": "assistant", "content": "b"}],
+                   "continue_final_message": True, "add_generation_prompt": False,
+                   "add_special_tokens": True, "return_token_strs": True})
+    assert options["prompt"]["continue_final_message"] is True
+    assert options["prompt"]["add_generation_prompt"] is False
+    assert options["add_special_tokens"] is True and options["token_strs"] is True
+    assert tok({"prompt": "a", "return_token_strs": True})["token_strs"] is True
 
 
 @pytest.mark.parametrize(
@@ -39,11 +48,14 @@ def test_tokenize_requests():
         ({"prompt": "a", "messages": []}, "prompt"),
         ({"prompt": ["a"]}, "prompt"),
         ({"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
-        ({"prompt": "a", "return_token_strs": True}, "return_token_strs"),
-        ({"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": False},
-         "add_generation_prompt"),
-        ({"messages": [{"role": "user", "content": "a"}], "add_special_tokens": True},
-         "add_special_tokens"),
+        ({"prompt": "a", "return_token_strs": 1}, "return_token_strs"),
+        ({"prompt": "a", "add_generation_prompt": False}, "add_generation_prompt"),
+        ({"messages": [{"role": "user", "content": "a"}], "continue_final_message": True},
+         "continue_final_message"),
+        ({"messages": [{"role": "user", "content": "a"}], "mm_processor_kwargs": {"a": 1}},
+         "mm_processor_kwargs"),
+        ({"messages": [{"role": "user", "content": "a"}], "media_io_kwargs": {"a": {}}},
+         "media_io_kwargs"),
         ({"messages": [{"role": "user", "content": "a"}], "chat_template": "{{x}}"},
          "chat_template"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),

@@ -332,6 +332,29 @@ def test_tokenize_and_detokenize_use_the_serving_tokenizer(engine):
         engine.tokenize({"op": "detokenize", "tokens": [10**6]})
 
 
+def test_vllms_tokenize_options(engine):
+    """/tokenize's vLLM options, from the body (parsed as the frontend does) to the
+    worker's answer: the template's options, special tokens, the tokens' strings."""
+    from server.http.tokenize import _tokenize_answer, parse_tokenize
+
+    tok = engine.tokenizer
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "wor"}]
+    body = {"messages": messages, "continue_final_message": True,
+            "add_generation_prompt": False, "add_special_tokens": True,
+            "return_token_strs": True}
+    request = parse_tokenize(json.dumps(body).encode(), MODEL)
+    answer = json.loads(_tokenize_answer("tokenize", engine.tokenize(request)))
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                       continue_final_message=True)
+    assert rendered.endswith("wor")  # the answer goes on from the last message
+    assert answer["tokens"] == tok(rendered, add_special_tokens=True)["input_ids"]
+    assert answer["token_strs"] == tok.convert_ids_to_tokens(answer["tokens"])
+    assert answer["count"] == len(answer["tokens"])
+    plain = json.loads(_tokenize_answer("tokenize", engine.tokenize(
+        parse_tokenize(b'{"prompt": "hello"}', MODEL))))
+    assert plain["token_strs"] is None
+
+
 def test_logprobs_are_the_models_own(engine):
     prompt = prompts(1, seed=13)[0]
     engine.add(1, prompt, greedy(6, logprobs=3, prompt_logprobs=2))
@@ -354,18 +377,22 @@ def test_logprobs_are_the_models_own(engine):
     decode = engine.tokenizer.decode
     entries = notes[(1, "logprobs")]
     assert [e[0] for e in entries] == [decode([t]) for t in out]
-    for j, (text, lp, alts) in enumerate(entries):
+    for j, (text, lp, alts, token, rank) in enumerate(entries):
         row = rows[len(ids) - 1 + j]
         assert lp == pytest.approx(float(row[out[j]]), abs=1e-4)
+        assert token == out[j] and rank == 1  # greedy: the best one
         values, top = row.topk(3)
         assert [a[0] for a in alts] == [decode([t]) for t in top.tolist()]
+        assert [a[2] for a in alts] == top.tolist()
         assert [a[1] for a in alts] == pytest.approx(values.tolist(), abs=1e-4)
-        assert alts[0] == [text, pytest.approx(lp, abs=1e-6)]  # greedy: the best one
+        assert alts[0] == [text, pytest.approx(lp, abs=1e-6), token]
     prompt_entries = notes[(1, "prompt_logprobs")]
-    assert prompt_entries[0] == [decode([ids[0]]), None, []]
+    assert prompt_entries[0] == [decode([ids[0]]), None, [], ids[0], None]
     for i in range(1, len(ids)):
-        assert prompt_entries[i][1] == pytest.approx(float(rows[i - 1][ids[i]]), abs=1e-4)
-        assert len(prompt_entries[i][2]) == 2
+        text, lp, alts, token, rank = prompt_entries[i]
+        assert lp == pytest.approx(float(rows[i - 1][ids[i]]), abs=1e-4)
+        assert token == ids[i] and rank == int((rows[i - 1] > rows[i - 1][ids[i]]).sum()) + 1
+        assert len(alts) == 2
     assert result(outputs[1])[:2] == result(outputs[2])[:2]
 
 

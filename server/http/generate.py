@@ -58,7 +58,9 @@ from .asgi import (
 from ..openai.encode import DONE, ChunkEncoder, completion_body, error_event, usage
 from ..openai.events import RichEvents
 from ..openai.logprobs import LogprobsFormatter
+from ..openai.logprobs import prompt_logprobs as vllm_prompt_logprobs
 from ..openai.reasoning import split_text
+from ..openai.token_ids import IdsOfChoices, StreamIds
 from ..openai.tool_parsers import parse_text as parse_tool_text
 from .post import off_loop, read_json_post, refusal
 from ..connections.http11 import DIRECT_BODY, DirectBody
@@ -338,7 +340,7 @@ class _StreamWriter:
 
     __slots__ = (
         "answer", "stream", "req", "response_id", "enc", "choices", "rich", "observe_itl",
-        "direct", "usage", "so_far", "sink", "plain", "last",
+        "direct", "usage", "so_far", "sink", "plain", "last", "ids",
     )
 
     def __init__(
@@ -364,7 +366,8 @@ class _StreamWriter:
             self.rich = RichEvents(enc, choices=choices, chat=req.chat,
                                    logprobs=req.logprobs is not None,
                                    reasoning_parser=reasoning_parser, prompts=echoed,
-                                   tools=req.tools, include_reasoning=req.include_reasoning)
+                                   tools=req.tools, include_reasoning=req.include_reasoning,
+                                   tokens_as_ids=req.tokens_as_ids)
         self.usage = _Usage(per_choice, n)
         #: Completion tokens per choice so far (continuous usage only).
         self.so_far = [0] * choices if req.continuous_usage else None
@@ -372,7 +375,9 @@ class _StreamWriter:
         #: Whether the router may write its text events, once the first went out (one try;
         #: only for a chunked body, HTTP/1.1).
         self.plain = direct is not None and self.rich is None and not req.continuous_usage \
-            and choices == 1
+            and choices == 1 and not req.return_token_ids
+        #: vLLM's return_token_ids (only requests that asked).
+        self.ids = StreamIds(choices, req.chat) if req.return_token_ids else None
         self.last = 0.0  # when the previous write with new tokens happened
 
     def _first(self) -> list[bytes]:
@@ -382,13 +387,19 @@ class _StreamWriter:
         enc = self.enc
         n = req.params.n
         first = []
+        ids = self.ids
+        states = self.stream.choice_states() if ids is not None else ()
         for index in range(self.choices):
+            mine = []
             if req.chat:
-                first.append(enc.role(index))
+                mine.append(enc.role(index))
                 if req.echo and req.echoed[0]:
-                    first.append(enc.delta(index, req.echoed[0]))
+                    mine.append(enc.delta(index, req.echoed[0]))
             elif req.echo and self.rich is None:
-                first.append(enc.delta(index, req.echoed[index // n]))
+                mine.append(enc.delta(index, req.echoed[index // n]))
+            if mine and ids is not None:  # the prompt's ids, on the choice's first chunk
+                mine[0] = ids.first(mine[0], index, states[index].prompt_ids)
+            first += mine
         if self.so_far is not None:
             first = [enc.with_usage(c, usage(self.usage.prompt_tokens, 0)) for c in first]
         return first
@@ -429,6 +440,7 @@ class _StreamWriter:
             self.last = tokens_arrived(self.answer.record, self.observe_itl, self.last)
         enc = self.enc
         rich = self.rich
+        ids = self.ids
         parts = []
         for o in outs:
             if o.finish_reason == "error":
@@ -442,11 +454,13 @@ class _StreamWriter:
                 if (sink is not None and not o.text and not o.num_tokens
                         and o.finish_reason is None):
                     continue  # the sink wrote its text (and sent the rest above)
-                parts.append(enc.delta(o.index, o.text, o.finish_reason))
+                event: bytes | None = enc.delta(o.index, o.text, o.finish_reason)
             else:
                 event = rich.event(o)
-                if event is not None:
-                    parts.append(event)
+            if ids is not None:
+                event = ids.event(event, o)
+            if event is not None:
+                parts.append(event)
         so_far = self.so_far
         if so_far is not None:
             for o in outs:
@@ -491,6 +505,7 @@ async def _write_full(
     counted = _Usage(per_choice, n)
     entries: list[list] = [[] for _ in range(k)]  # logprobs, for requests that asked
     prompts: list = [None] * k
+    ids: IdsOfChoices | None = IdsOfChoices(k) if req.return_token_ids else None
     async for out in stream:
         exc = whole_failure(record, stream, out)
         if exc is not None:
@@ -501,6 +516,8 @@ async def _write_full(
             entries[out.index].extend(out.logprobs)
         if out.prompt_logprobs is not None:
             prompts[out.index] = out.prompt_logprobs
+        if ids is not None:
+            ids.add(out)
         if out.finish_reason is not None:
             reasons[out.index] = out.finish_reason
             counted.ended(out)
@@ -510,7 +527,7 @@ async def _write_full(
     size = sum(map(len, joined)) + values * _BYTES_PER_LOGPROB
     body = await off_loop(
         size, _full_body, req, response_id, model, reasoning_parser, joined, reasons, entries,
-        prompts, counted.prompt_tokens, counted.completion_tokens, counted.cached_tokens,
+        prompts, counted.prompt_tokens, counted.completion_tokens, counted.cached_tokens, ids,
     )
     await answer.json(body)
 
@@ -522,7 +539,7 @@ _BYTES_PER_LOGPROB = 70
 def _full_body(
     req, response_id: str, model: str, reasoning_parser: str | None, joined: list[str],
     reasons: list, entries: list[list], prompts: list, prompt_tokens: int,
-    completion_tokens: int, cached_tokens: int | None,
+    completion_tokens: int, cached_tokens: int | None, ids: IdsOfChoices | None = None,
 ) -> bytes:
     """The body of a non-streaming answer. Sans-IO: a big one (many logprobs) is built in
     a worker thread (see :func:`server.http.post.off_loop`)."""
@@ -530,7 +547,9 @@ def _full_body(
     logprobs = None
     if req.logprobs is not None:
         logprobs = [
-            LogprobsFormatter(req.chat).format(entries[i], prompts[i]) for i in range(k)
+            LogprobsFormatter(req.chat, req.tokens_as_ids).format(
+                entries[i], prompts[i] if req.echo else None)
+            for i in range(k)
         ]
     reasoning = None
     if req.chat and reasoning_parser is not None:
@@ -559,6 +578,10 @@ def _full_body(
         logprobs=logprobs,
         reasoning=reasoning,
         tool_calls=tool_calls,
+        token_ids=None if ids is None else ids.tokens,
+        prompt_token_ids=None if ids is None else ids.prompts,
+        prompt_logprobs=None if req.prompt_logprobs is None else [
+            vllm_prompt_logprobs(p) for p in prompts],
     )
 
 

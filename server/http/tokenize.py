@@ -23,7 +23,7 @@ from .asgi import send_error, send_json
 from ..openai.encode import dumps
 from ..openai.fields import is_neutral
 from .post import off_loop, read_json_post, refusal
-from ..openai.schema import decode_json, messages_of, template_kwargs_of
+from ..openai.schema import decode_json, messages_of, template_kwargs_of, template_options
 from ..openai.tools import render_tools
 
 __all__ = ["handle_tokenize", "parse_tokenize", "parse_detokenize", "serve_worker_op", "ROUTES"]
@@ -31,13 +31,13 @@ __all__ = ["handle_tokenize", "parse_tokenize", "parse_detokenize", "serve_worke
 #: Path -> operation.
 ROUTES = {"/tokenize": "tokenize", "/detokenize": "detokenize"}
 
-#: vLLM's tokenize fields this server does not honour -> the values that mean "not used".
+#: vLLM's tokenize fields this server does not honour -> the values that mean "not used":
+#: a template from the request (Jinja the worker would run; generation refuses it too), and
+#: the multimodal processors' options (text models only).
 _REFUSED: dict[str, tuple] = {
-    "return_token_strs": (None, False),
-    "add_generation_prompt": (None, True),
-    "continue_final_message": (None, False),
     "chat_template": (None,),
     "mm_processor_kwargs": (None, {}),
+    "media_io_kwargs": (None, {}),
 }
 
 
@@ -66,26 +66,35 @@ def parse_tokenize(body: bytes, served_model: str) -> dict:
     special = data.get("add_special_tokens")
     if special is not None and not isinstance(special, bool):
         raise ClientError("'add_special_tokens' must be a boolean.", param="add_special_tokens")
+    strs = data.get("return_token_strs")
+    if strs is not None and not isinstance(strs, bool):
+        raise ClientError("'return_token_strs' must be a boolean.", param="return_token_strs")
     if ("prompt" in data) == ("messages" in data):
         raise ClientError("Give either 'prompt' or 'messages'.", param="prompt")
     if "prompt" in data:
-        for name in ("tools", "chat_template_kwargs"):
+        for name in ("tools", "chat_template_kwargs", "add_generation_prompt",
+                     "continue_final_message"):
             if data.get(name) not in (None, [], {}):
                 raise ClientError(f"'{name}' goes with 'messages': a prompt is not rendered "
                                   "with the chat template.", param=name)
         prompt = data["prompt"]
         if not isinstance(prompt, str):
             raise ClientError("'prompt' must be a string.", param="prompt")
-        return {"op": "tokenize", "prompt": prompt,
-                "add_special_tokens": True if special is None else special}
-    if special:
-        raise ClientError(
-            "'add_special_tokens' is not supported with 'messages': they are rendered as for "
-            "a chat completion.", param="add_special_tokens", code="unsupported_parameter",
-        )
+        request = {"op": "tokenize", "prompt": prompt,
+                   "add_special_tokens": True if special is None else special}
+        if strs:
+            request["token_strs"] = True
+        return request
     # Rendered as a chat completion with the same fields would be: its tools (and tool
-    # calls and results in the history) and its template variables.
-    request = {"op": "tokenize", "prompt": {"messages": messages_of(data, tools_ok=True)}}
+    # calls and results in the history), its template variables and options; vLLM's
+    # add_special_tokens (default false here) adds the tokenizer's own (a BOS) to it.
+    messages = messages_of(data, tools_ok=True)
+    request = {"op": "tokenize", "prompt": {"messages": messages,
+                                             **template_options(data, messages)}}
+    if special:
+        request["add_special_tokens"] = True
+    if strs:
+        request["token_strs"] = True
     tools = render_tools(data)
     if tools:
         request["tools"] = tools
@@ -135,7 +144,7 @@ def _tokenize_answer(op: str, result: dict) -> bytes:
     if op == "tokenize":
         tokens = result["tokens"]
         return dumps({"count": len(tokens), "max_model_len": result["max_model_len"],
-                      "tokens": tokens, "token_strs": None})
+                      "tokens": tokens, "token_strs": result.get("token_strs")})
     return dumps({"prompt": result["prompt"]})
 
 

@@ -175,7 +175,9 @@ class Engine:
         choices = []
         n = params.n
         wire_params = [params.to_wire(i) for i in range(n)]
-        if self.migrator is not None:  # the tokens' ids, to resume it elsewhere
+        if self.migrator is not None and worker.info.get("resume"):
+            # the tokens' ids, to resume it elsewhere (only an engine that can resume: the
+            # others would send ids for nothing, a note per token)
             for wp in wire_params:
                 wp["token_ids"] = True
         frames = []

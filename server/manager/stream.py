@@ -187,6 +187,8 @@ class Choice:
         "prompt",
         "params",
         "token_ids",
+        "ids_taken",
+        "prompt_ids",
         "text_chars",
         "migrations",
         "adapter",
@@ -208,6 +210,13 @@ class Choice:
         self.token_ids: list[int] | None = (
             [] if params is not None and params.get("token_ids") else None
         )
+        #: For a request that asked for ids (``return_token_ids``: params'
+        #: ``prompt_token_ids``), how many of ``token_ids`` went out, and the prompt's ids
+        #: until they go out (with the first output); None: not asked.
+        self.ids_taken: int | None = (
+            0 if params is not None and params.get("prompt_token_ids") else None
+        )
+        self.prompt_ids: list[int] | None = None
         self.text_chars = 0
         self.migrations = 0
         #: The LoRA adapter it runs with (None: the base model), for a resubmission too.
@@ -249,6 +258,9 @@ class Choice:
                 self.token_ids.extend(ids)
             if len(note) == 1:
                 return
+        prompt_ids = note.get("prompt_token_ids")
+        if prompt_ids is not None and self.ids_taken is not None and not self.migrations:
+            self.prompt_ids = prompt_ids  # (a resumed one's prompt holds generated tokens)
         cached = note.get("cached_tokens")
         if isinstance(cached, int):
             # resumed: of a prompt that holds the tokens generated before; usage counts
@@ -328,6 +340,11 @@ class Choice:
         if self.logprobs is not None or self.prompt_logprobs is not None:
             out.logprobs, self.logprobs = self.logprobs, None
             out.prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
+        taken = self.ids_taken
+        if taken is not None and self.token_ids is not None:  # (only requests that asked)
+            out.token_ids = self.token_ids[taken:]
+            self.ids_taken = len(self.token_ids)
+            out.prompt_token_ids, self.prompt_ids = self.prompt_ids, None
         self.text = ""
         self.ntok = 0
         self.queued = False

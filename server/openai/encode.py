@@ -180,12 +180,22 @@ def completion_body(
     logprobs: list | None = None,
     reasoning: list | None = None,
     tool_calls: list | None = None,
+    token_ids: list | None = None,
+    prompt_token_ids: list | None = None,
+    prompt_logprobs: list | None = None,
 ) -> bytes:
     """The body of a non-streaming completions or chat response (``logprobs``: each
     choice's logprobs object, for requests that asked; ``reasoning``: each chat choice's
     ``reasoning`` (and ``reasoning_content``), with --reasoning-parser; ``tool_calls``: each chat choice's
-    calls, for requests with tools)."""
+    calls, for requests with tools; ``token_ids`` and ``prompt_token_ids``: each choice's ids,
+    for requests that asked, ``return_token_ids``: vLLM's fields, null when not asked, as
+    vLLM's answer has them; a chat answer's prompt ids are its one prompt's, on the
+    response; ``prompt_logprobs``: each choice's, vLLM's shape, for requests that asked,
+    likewise)."""
     lps = logprobs or [None] * len(texts)
+    prompt_lps = prompt_logprobs or [None] * len(texts)
+    ids = token_ids or [None] * len(texts)
+    prompt_ids = prompt_token_ids or [None] * len(texts)
     if chat:
         choices = [
             {
@@ -193,8 +203,9 @@ def completion_body(
                 "message": {"role": "assistant", "content": text},
                 "logprobs": lp,
                 "finish_reason": reason,
+                "token_ids": tokens,
             }
-            for i, (text, reason, lp) in enumerate(zip(texts, finish_reasons, lps))
+            for i, (text, reason, lp, tokens) in enumerate(zip(texts, finish_reasons, lps, ids))
         ]
         if reasoning is not None:
             for choice, thought in zip(choices, reasoning):
@@ -208,8 +219,10 @@ def completion_body(
     else:
         choices = [
             {"index": i, "text": text, "logprobs": lp, "finish_reason": reason,
-             "prompt_logprobs": None}  # (vLLM's field; prompt logprobs come with echo)
-            for i, (text, reason, lp) in enumerate(zip(texts, finish_reasons, lps))
+             "token_ids": tokens, "prompt_logprobs": prompt_lp,  # (vLLM's fields)
+             "prompt_token_ids": prompt}
+            for i, (text, reason, lp, tokens, prompt, prompt_lp) in enumerate(
+                zip(texts, finish_reasons, lps, ids, prompt_ids, prompt_lps))
         ]
     body: dict[str, Any] = {
         "id": response_id,
@@ -219,6 +232,7 @@ def completion_body(
         "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }
-    if chat:
-        body["prompt_logprobs"] = None  # (vLLM's field, on the response)
+    if chat:  # (vLLM's fields, on the response)
+        body["prompt_logprobs"] = prompt_lps[0] if prompt_lps else None
+        body["prompt_token_ids"] = prompt_ids[0] if prompt_ids else None
     return dumps_document(body)

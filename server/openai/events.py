@@ -38,10 +38,13 @@ class RichEvents:
         prompts: list[str] | None = None,
         tools: ToolChoice | None = None,
         include_reasoning: bool = True,
+        tokens_as_ids: bool = False,
     ) -> None:
         self.enc = enc
         self.include_reasoning = include_reasoning
-        self.formatters = [LogprobsFormatter(chat) for _ in range(choices)] if logprobs else None
+        self.formatters = [
+            LogprobsFormatter(chat, tokens_as_ids) for _ in range(choices)
+        ] if logprobs else None
         self.splitters = None
         if chat and reasoning_parser is not None:
             self.splitters = [ReasoningSplitter.for_parser(reasoning_parser) for _ in range(choices)]

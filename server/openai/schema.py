@@ -34,6 +34,7 @@ from .tools import TOOL_FIELDS, ToolChoice, history_message, read_tools
 
 __all__ = [
     "GenerateRequest", "chat_request", "decode_json", "messages_of", "parse_chat", "parse_completion",
+    "template_options",
 ]
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -66,6 +67,14 @@ class GenerateRequest:
     #: vLLM's chat ``include_reasoning``: false drops what --reasoning-parser splits off as
     #: reasoning (the answer's content stays as it is).
     include_reasoning: bool = True
+    #: vLLM's ``return_token_ids``: the prompt's ids and each choice's token ids go out
+    #: (the worker sends them only then: the params' ``token_ids`` and ``prompt_token_ids``).
+    return_token_ids: bool = False
+    #: vLLM's ``prompt_logprobs``: the prompt's logprobs in vLLM's shape go out (a
+    #: completion choice's ``prompt_logprobs``, a chat answer's); None: not asked.
+    prompt_logprobs: int | None = None
+    #: vLLM's ``return_tokens_as_token_ids``: logprobs' tokens spelled ``token_id:N``.
+    tokens_as_ids: bool = False
 
 
 def decode_json(body: bytes, known: bool = False) -> dict:
@@ -163,7 +172,11 @@ def _int(data: dict, name: str, default, lo: int, hi: int):
             return int(value)
         raise ClientError(f"'{name}' must be an integer.", param=name)
     if not lo <= value <= hi:
-        raise ClientError(f"'{name}' must be between {lo} and {hi}, got {value}.", param=name)
+        # pydantic's words too, which vLLM answers with (clients and vLLM's tests match them)
+        kind, bound = ("greater", lo) if value < lo else ("less", hi)
+        raise ClientError(f"'{name}' must be between {lo} and {hi}, got {clip(str(value))}: "
+                          f"Input should be {kind} than or equal to {bound} "
+                          f"[type={kind}_than_equal].", param=name)
     return value
 
 
@@ -443,7 +456,27 @@ _ENGINE_SAMPLING = {
     "bad_words": lambda d, lim: _strings(d, "bad_words", 64, 256),
     "cache_salt": lambda d, lim: _cache_salt(d),
     "priority": lambda d, lim: _int(d, "priority", None, -(2**63), 2**63 - 1),
+    "return_token_ids": lambda d, lim: _bool(d, "return_token_ids", None),
+    "return_tokens_as_token_ids": lambda d, lim: _bool(d, "return_tokens_as_token_ids", None),
+    "prompt_logprobs": lambda d, lim: _prompt_logprobs(d),
 }
+
+
+def _prompt_logprobs(data: dict) -> int | None:
+    """vLLM's ``prompt_logprobs``: the prompt's logprobs (each token's, and its ``k`` most
+    likely alternatives), in a whole answer only (vLLM's rule, and its words)."""
+    k = data.get("prompt_logprobs")
+    if k is None:
+        return None
+    if k == -1 and not isinstance(k, bool):
+        raise ClientError("'prompt_logprobs' -1 (the whole vocabulary) is not supported by "
+                          "this server: ask for at most 20.", param="prompt_logprobs",
+                          code="unsupported_parameter")
+    k = _int(data, "prompt_logprobs", None, 0, 20)
+    if data.get("stream"):
+        raise ClientError("`prompt_logprobs` are not available when `stream=True`.",
+                          param="prompt_logprobs")
+    return k
 
 
 def _allowed_token_ids(data: dict) -> list[int] | None:
@@ -595,6 +628,10 @@ def _common(
     else:
         max_tokens = _int(data, "max_tokens", min(16, limits.max_tokens), 1, limits.max_tokens)
     extra = _engine_sampling(data, limits, engine_fields)
+    return_token_ids = bool(extra.pop("return_token_ids", False))
+    tokens_as_ids = bool(extra.pop("return_tokens_as_token_ids", False))
+    if return_token_ids:
+        extra["token_ids"] = extra["prompt_token_ids"] = True
     if logprobs is not None:
         extra["logprobs"] = logprobs
     if data.get("fault") is not None:
@@ -618,7 +655,8 @@ def _common(
     return {
         "model": model, "params": params, "stream": stream, "include_usage": include_usage,
         "user": user, "logprobs": logprobs, "continuous_usage": continuous_usage,
-        "request_id": request_id,
+        "request_id": request_id, "return_token_ids": return_token_ids,
+        "prompt_logprobs": extra.get("prompt_logprobs"), "tokens_as_ids": tokens_as_ids,
     }
 
 
@@ -692,8 +730,9 @@ def parse_completion(
             "rendered with a template.", param="chat_template_kwargs",
             code="unsupported_parameter",
         )
-    if echo and common["logprobs"] is not None:  # the prompt's logprobs too
-        common["params"].extra["prompt_logprobs"] = common["logprobs"]
+    if echo and common["logprobs"] is not None:  # the prompt's logprobs too (vLLM's
+        # prompt_logprobs, when given, says how many alternatives)
+        common["params"].extra.setdefault("prompt_logprobs", common["logprobs"])
     if len(prompts) * common["params"].n > limits.max_n * limits.max_prompts:
         raise ClientError("Too many choices in one request.", param="n")
     return _check_answer_size(
@@ -740,18 +779,18 @@ def chat_request(
     last = messages[-1]
     echoed = ((last.get("content") or "") if last["role"] == "assistant" else "",) if echo else ()
     return _check_answer_size(GenerateRequest(
-        chat=True, prompts=[{"messages": messages, **_template_options(data, messages)}],
+        chat=True, prompts=[{"messages": messages, **template_options(data, messages)}],
         echo=echo, echoed=echoed, tools=tools,
         include_reasoning=_bool(data, "include_reasoning", True), **common
     ), limits, engine_info)
 
 
-#: vLLM's chat template options, read by :func:`_template_options` (engines with chat
+#: vLLM's chat template options, read by :func:`template_options` (engines with chat
 #: templates only: their HELLO declares ``chat_template_kwargs``).
 TEMPLATE_OPTIONS = frozenset({"continue_final_message", "add_generation_prompt"})
 
 
-def _template_options(data: dict, messages: list) -> dict:
+def template_options(data: dict, messages: list) -> dict:
     """vLLM's ``continue_final_message`` (the answer continues the last, assistant, message
     instead of starting a new one) and ``add_generation_prompt``, for the chat template;
     only what differs from the defaults goes to the engine."""

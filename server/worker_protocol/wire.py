@@ -30,7 +30,9 @@ Worker -> frontend::
     [STEP, accepts, outputs, notes] notes: [[rid, {"cached_tokens": n}], ...], only when
                                     the engine has any (they precede the outputs); also
                                     {"token_ids": [...]}: the ids of the row's new tokens,
-                                    for a request whose params ask (``token_ids: true``)
+                                    for a request whose params ask (``token_ids: true``);
+                                    {"prompt_token_ids": [...]}: the prompt's, once, for a
+                                    request whose params ask (``prompt_token_ids: true``)
     [PONG, seq, running, waiting]   a listening worker adds the requests this connection holds;
                                     an engine that reports its own statistics (vllm) adds
                                     a map last: ENGINE_STATS
@@ -324,11 +326,20 @@ def _number(x: object) -> bool:
 
 
 def _logprob_entry(e: object) -> bool:
-    """``[text, logprob or nil, [[alt_text, alt_logprob], ...]]``"""
+    """``[text, logprob or nil, [[alt_text, alt_logprob], ...]]``, or with the ids (and the
+    chosen token's rank): ``[text, logprob, [[alt_text, alt_logprob, alt_id], ...], id,
+    rank]`` (alternatives best first: their ranks are 1, 2, ...)."""
+    if type(e) is not list:
+        return False
+    if len(e) == 3:
+        return type(e[0]) is str and _number(e[1]) and _all(
+            e[2], lambda a: type(a) is list and len(a) == 2 and type(a[0]) is str
+            and _number(a[1]))
     return (
-        type(e) is list and len(e) == 3 and type(e[0]) is str and _number(e[1])
-        and _all(e[2], lambda a: type(a) is list and len(a) == 2 and type(a[0]) is str
-                 and _number(a[1]))
+        len(e) == 5 and type(e[0]) is str and _number(e[1]) and _count(e[3])
+        and (e[4] is None or _count(e[4]))
+        and _all(e[2], lambda a: type(a) is list and len(a) == 3 and type(a[0]) is str
+                 and _number(a[1]) and _count(a[2]))
     )
 
 
@@ -363,6 +374,7 @@ _TIMES: dict[str, Callable[[object], bool]] = dict.fromkeys(
 
 _NOTE_ITEMS: dict[str, Callable[[object], bool]] = {
     "token_ids": _ids,
+    "prompt_token_ids": _ids,
     "cached_tokens": _count,
     "logprobs": lambda v: _all(v, _logprob_entry),
     "prompt_logprobs": lambda v: _all(v, _logprob_entry),

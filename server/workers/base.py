@@ -112,13 +112,16 @@ def encode_prompt(
     template_kwargs: dict | None = None,
     tools: list | None = None,
     fits=None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """Token ids of a prompt (a string, token ids, or ``{"messages": [...]}``) with a Hugging
     Face tokenizer: chat messages through its chat template (``chat``: whether it has one),
     as vLLM and transformers render them, with the request's ``chat_template_kwargs`` (such
     as ``enable_thinking``) as template variables and its ``tools`` (OpenAI's shape) as the
     template's ``tools``. ``fits(text)``, when given, may refuse a text before it is
-    tokenized (see :meth:`HFTokenizing.fits`). Client faults raise :class:`Rejected`."""
+    tokenized (see :meth:`HFTokenizing.fits`). ``add_special_tokens``: the tokenizer's own
+    (a BOS) are added to a rendered chat too (vLLM's /tokenize option; generation renders
+    without them, as vLLM). Client faults raise :class:`Rejected`."""
     if isinstance(prompt, str):
         if fits is not None:
             fits(prompt)
@@ -147,7 +150,7 @@ def encode_prompt(
             raise Rejected(f"cannot render the chat template: {one_line(exc)}") from None
         if fits is not None:
             fits(text)
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     raise Rejected("prompt must be a string or a list of token ids")
 
 
@@ -181,8 +184,12 @@ def tokenize_request(
                 template_kwargs is not None and not isinstance(template_kwargs, dict)):
             raise Rejected("tools must be a list and template_kwargs an object")
         ids = encode_prompt(prompt, tokenizer, vocab_size=vocab_size, chat=chat, model=model,
-                            template_kwargs=template_kwargs, tools=tools)
-    return {"tokens": ids, "max_model_len": max_model_len}
+                            template_kwargs=template_kwargs, tools=tools,
+                            add_special_tokens=request.get("add_special_tokens") is True)
+    result: dict = {"tokens": ids, "max_model_len": max_model_len}
+    if request.get("token_strs"):  # vLLM's return_token_strs: the vocabulary's strings
+        result["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+    return result
 
 
 def tokenizer_info(tokenizer) -> dict:

@@ -149,7 +149,8 @@ def _context_length(config, tokenizer) -> int:
 class _Req:
     __slots__ = (
         "rid", "prompt", "max_tokens", "temperature", "top_p", "rng", "ignore_eos", "text",
-        "produced", "last", "rules", "logprobs", "prompt_logprobs", "matcher",
+        "produced", "last", "rules", "logprobs", "prompt_logprobs", "matcher", "ids",
+        "prompt_ids",
     )
 
 
@@ -213,7 +214,8 @@ class TransformersEngine(HFTokenizing):
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "max_batch": max_batch,
             "sampling": [
-                *SAMPLING_FIELDS, "chat_template_kwargs", "tools",
+                *SAMPLING_FIELDS, "chat_template_kwargs", "tools", "return_token_ids",
+                "prompt_logprobs", "return_tokens_as_token_ids",
                 *(["response_format"] if grammar_ok else []),
             ],
             "logprobs": MAX_LOGPROBS,
@@ -281,6 +283,8 @@ class TransformersEngine(HFTokenizing):
         req.text = RequestText(self._tok, ids, stop)
         req.produced = 0
         req.last = -1
+        req.ids = bool(params.get("token_ids"))  # a note per token (only when asked)
+        req.prompt_ids = bool(params.get("prompt_token_ids"))
         return req
 
     def add_prepared(self, rid: int, req: _Req) -> int:
@@ -290,6 +294,8 @@ class TransformersEngine(HFTokenizing):
             assert self._grammars is not None
             req.matcher = self._grammars.matcher(req.matcher)
         self._waiting[rid] = req
+        if req.prompt_ids:  # (in the frame of its accept, before any output)
+            self.notes.append([rid, {"prompt_token_ids": list(req.prompt)}])
         return len(req.prompt)
 
     def abort(self, rid: int) -> bool:
@@ -379,6 +385,8 @@ class TransformersEngine(HFTokenizing):
                 self.notes.append([reqs[i].rid, {"logprobs": [entry]}])
         finished = []
         for req, tok in zip(reqs, tokens):
+            if req.ids:  # every token, the EOS one included (as vLLM's token_ids)
+                self.notes.append([req.rid, {"token_ids": [tok]}])
             req.produced += 1
             req.last = tok
             rules = req.rules
@@ -432,23 +440,27 @@ class TransformersEngine(HFTokenizing):
             self._grammars.close()
 
     def _logprob_entry(self, logprobs, token: int, top: int) -> list:
-        """``[text, logprob, [[alt_text, alt_logprob], ...]]`` of a chosen token (the
-        ``top`` most likely alternatives, best first), from a row of log-probabilities."""
+        """``[text, logprob, [[alt_text, alt_logprob, alt_id], ...], id, rank]`` of a chosen
+        token (the ``top`` most likely alternatives, best first; its rank: 1 + how many
+        tokens are more likely), from a row of log-probabilities."""
         decode = self.tokenizer.decode
         alts = []
         if top:
             values, ids = logprobs.topk(top)
             pairs = zip(values.tolist(), ids.tolist())
-            alts = [[decode([t]), finite_logprob(v)] for v, t in pairs]
-        return [decode([token]), finite_logprob(float(logprobs[token])), alts]
+            alts = [[decode([t]), finite_logprob(v), t] for v, t in pairs]
+        chosen = logprobs[token]
+        rank = int((logprobs > chosen).sum()) + 1
+        return [decode([token]), finite_logprob(float(chosen)), alts, token, rank]
 
     def _prompt_logprobs(self, req: _Req) -> None:
-        """The prompt's logprobs (``echo``), from one forward pass over it: entry i is the
+        """The prompt's logprobs (``echo``, ``prompt_logprobs``), from one forward pass over
+        it: entry i is the
         log-probability of prompt token i after tokens 0..i-1 (None for the first)."""
         ids = req.prompt
         logits = self.model(torch.tensor([ids], device=self.model.device)).logits[0]
         rows = torch.log_softmax(logits.float(), -1)
-        entries: list = [[self.tokenizer.decode([ids[0]]), None, []]]
+        entries: list = [[self.tokenizer.decode([ids[0]]), None, [], ids[0], None]]
         for i in range(1, len(ids)):
             entries.append(self._logprob_entry(rows[i - 1], ids[i], req.prompt_logprobs))
         self.notes.append([req.rid, {"prompt_logprobs": entries}])

@@ -155,13 +155,18 @@ def _build_engine(model_path: str | None, named: dict, engine_args: dict,
         raise RuntimeError(f"vLLM could not start: {one_line(exc)}") from None
 
 
+#: What a request's params ask the engine to send: its tokens' ids, its prompt's ids.
+_TOKEN_IDS, _PROMPT_IDS = 1, 2
+
+
 def _entry(by_id: dict, token: int, top: int) -> list:
     """Our logprob entry from vLLM's ``{token_id: Logprob}`` of one position."""
     chosen = by_id[token]
-    ranked = sorted((lp for t, lp in by_id.items() if lp.rank is not None and lp.rank <= top),
-                    key=lambda lp: lp.rank)
+    ranked = sorted(((t, lp) for t, lp in by_id.items()
+                     if lp.rank is not None and lp.rank <= top), key=lambda p: p[1].rank)
     return [chosen.decoded_token or "", finite_logprob(chosen.logprob),
-            [[lp.decoded_token or "", finite_logprob(lp.logprob)] for lp in ranked]]
+            [[lp.decoded_token or "", finite_logprob(lp.logprob), t] for t, lp in ranked],
+            token, chosen.rank]
 
 
 
@@ -254,6 +259,8 @@ class VLLMEngine(HFTokenizing):
             "prefix_caching": self.prefix_caching,
             "max_batch": self.max_batch,
             "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs", "tools",
+                         "return_token_ids", "prompt_logprobs",
+                         "return_tokens_as_token_ids",
                          *(["cache_salt"] if self.prefix_caching else []),
                          *(["priority"] if self.priority_policy else [])],
             "logprobs": MAX_LOGPROBS,
@@ -262,7 +269,9 @@ class VLLMEngine(HFTokenizing):
         #: Requests vLLM holds for us (added, not finished or aborted).
         self._held: set[int] = set()
         #: Of those, the ones that asked for logprobs: rid -> alternatives per token.
-        self._logprobs: dict[int, int] = {}
+        self._logprobs: dict[int, tuple[int | None, int | None]] = {}
+        #: The requests that asked for their tokens' ids (``token_ids``: a note a step).
+        self._ids: set[int] = set()
         #: ``[rid, dict]`` details for the frontend, sent with the next STEP (the worker
         #: loop takes them).
         self.notes: list[list] = []
@@ -298,7 +307,7 @@ class VLLMEngine(HFTokenizing):
         return self.add_prepared(rid, self.prepare(prompt, params))
 
     def prepare(self, prompt: object,
-                params: dict) -> tuple[list[int], Any, str | None, Any, int]:
+                params: dict) -> tuple[list[int], Any, str | None, Any, int, int]:
         """A request's slow, stateless part (any thread: the worker runs it in a
         preparation thread, :mod:`server.workers.prepare`): tokenizing, the chat template,
         the context check, the sampling parameters. vLLM compiles the grammar itself,
@@ -310,15 +319,17 @@ class VLLMEngine(HFTokenizing):
         ids = self.encode(prompt, params.get("chat_template_kwargs"), params.get("tools"))
         max_tokens = check_context(len(ids), params.get("max_tokens"), self.max_model_len)
         salt = params.get("cache_salt")
+        asks = (_TOKEN_IDS if params.get("token_ids") else 0) | (
+            _PROMPT_IDS if params.get("prompt_token_ids") else 0)
         return (ids, self.sampling_params(params, max_tokens),
                 None if salt is None else str(salt), params.get("lora"),
-                int(params.get("priority") or 0))
+                int(params.get("priority") or 0), asks)
 
     def add_prepared(self, rid: int,
-                     prepared: tuple[list[int], Any, str | None, Any, int]) -> int:
+                     prepared: tuple[list[int], Any, str | None, Any, int, int]) -> int:
         """Hand a request :meth:`prepare` made to vLLM (the loop's thread); with a LoRA
         adapter's name, with that adapter (a 404 if it is not served now)."""
-        ids, sampling, salt, adapter, priority = prepared
+        ids, sampling, salt, adapter, priority, asks = prepared
         lora = None
         if adapter is not None:  # (only where info["lora"]: server.workers.main)
             assert self._adapters is not None
@@ -336,8 +347,12 @@ class VLLMEngine(HFTokenizing):
             self._release(rid)
             raise
         self._held.add(rid)
-        if sampling.logprobs is not None:
-            self._logprobs[rid] = sampling.logprobs
+        if asks & _TOKEN_IDS:
+            self._ids.add(rid)
+        if asks & _PROMPT_IDS:  # (in the frame of its accept, before any output)
+            self.notes.append([rid, {"prompt_token_ids": list(ids)}])
+        if sampling.logprobs is not None or sampling.prompt_logprobs is not None:
+            self._logprobs[rid] = (sampling.logprobs, sampling.prompt_logprobs)
         return len(ids)
 
     def abort(self, rid: int) -> bool:
@@ -345,6 +360,7 @@ class VLLMEngine(HFTokenizing):
             return False
         self._held.discard(rid)
         self._logprobs.pop(rid, None)
+        self._ids.discard(rid)
         self._llm.abort_request([str(rid)])
         self._release(rid)
         return True
@@ -379,6 +395,7 @@ class VLLMEngine(HFTokenizing):
             failed = [OutputRow(r, "", 0, "error", ["engine_error", message]) for r in self._held]
             self._held.clear()
             self._logprobs.clear()
+            self._ids.clear()
             raise EngineBroken(message, failed) from exc
         rows: list[OutputRow] = []
         held = self._held
@@ -388,6 +405,8 @@ class VLLMEngine(HFTokenizing):
             if rid not in held:
                 continue  # aborted meanwhile
             out = result.outputs[0]
+            if rid in self._ids and out.token_ids:  # (DELTA: this step's new tokens)
+                self.notes.append([rid, {"token_ids": list(out.token_ids)}])
             top = self._logprobs.get(rid)
             if top is not None:
                 self._note_logprobs(rid, result, out, top)
@@ -396,6 +415,7 @@ class VLLMEngine(HFTokenizing):
             if result.finished:
                 held.discard(rid)
                 self._logprobs.pop(rid, None)
+                self._ids.discard(rid)
                 self._release(rid)
                 if out.finish_reason == "error":
                     finish, error = "error", ["engine_error", "vLLM failed this request"]
@@ -473,11 +493,13 @@ class VLLMEngine(HFTokenizing):
 
     # -- internals --------------------------------------------------------------------------
 
-    def _note_logprobs(self, rid: int, result, out, top: int) -> None:
+    def _note_logprobs(self, rid: int, result, out, tops: tuple[int | None, int | None]) -> None:
         """The logprobs of a request's new tokens (and, on its first output, of its prompt)
-        as notes: entries ``[text, logprob, [[alt_text, alt_logprob], ...]]``."""
+        as notes: entries ``[text, logprob, [[alt_text, alt_logprob, alt_id], ...], id,
+        rank]``."""
         note: dict = {}
-        if out.logprobs:
+        top, prompt_top = tops
+        if out.logprobs and top is not None:
             note["logprobs"] = [
                 _entry(by_id, token, top) for token, by_id in zip(out.token_ids, out.logprobs)
             ]
@@ -486,9 +508,9 @@ class VLLMEngine(HFTokenizing):
             prompt: list = []
             for token, by_id in zip(ids, result.prompt_logprobs):
                 if by_id is None:
-                    prompt.append([self.tokenizer.decode([token]), None, []])
+                    prompt.append([self.tokenizer.decode([token]), None, [], token, None])
                 else:
-                    prompt.append(_entry(by_id, token, top))
+                    prompt.append(_entry(by_id, token, prompt_top or 0))
             note["prompt_logprobs"] = prompt
         if note:
             self.notes.append([rid, note])

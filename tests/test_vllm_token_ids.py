@@ -1,0 +1,102 @@
+"""vLLM's ``return_token_ids``, ``prompt_logprobs`` and ``return_tokens_as_token_ids`` on
+the vllm engine: one real server for the module (``python -m server --engine vllm``, as in
+tests/test_vllm_engine.py), the openai SDK with ``extra_body``; the references are the
+model's tokenizer and the model run directly in transformers (logprobs within a tolerance).
+
+Skipped where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed", allow_module_level=True)
+
+import openai  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from tests.test_vllm_engine import MODEL, SHAPE, Server  # noqa: E402
+from tests.tiny_model import build_tiny_model  # noqa: E402
+
+PROMPT = "the cat sat on the mat and"
+CHAT = [{"role": "user", "content": "tell me about the mat"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("vllm-ids") / MODEL, **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    s = Server(model_dir)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def test_return_token_ids(client, tokenizer):
+    asked = {"return_token_ids": True}
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                     extra_body=asked)
+    choice = done.choices[0]
+    assert choice.prompt_token_ids == prompt_ids
+    assert len(choice.token_ids) == done.usage.completion_tokens
+    assert tokenizer.decode(choice.token_ids, skip_special_tokens=True) == choice.text
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert plain.choices[0].token_ids is None and plain.choices[0].prompt_token_ids is None
+
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                            temperature=0, stream=True, extra_body=asked))
+    assert chunks[0].choices[0].prompt_token_ids == prompt_ids
+    assert [t for c in chunks for t in c.choices[0].token_ids] == choice.token_ids
+
+    chat_ids = tokenizer(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True,
+                                                       tokenize=False),
+                         add_special_tokens=False)["input_ids"]
+    answer = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10,
+                                            temperature=0, extra_body=asked)
+    assert answer.prompt_token_ids == chat_ids
+    ids = answer.choices[0].token_ids
+    assert tokenizer.decode(ids, skip_special_tokens=True) == answer.choices[0].message.content
+    events = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10,
+                                                 temperature=0, stream=True, extra_body=asked))
+    assert events[0].prompt_token_ids == chat_ids
+    assert [t for e in events if e.choices
+            for t in (e.choices[0].model_dump().get("token_ids") or ())] == ids
+
+
+def test_prompt_logprobs(client, tokenizer, model_dir):
+    from tests.test_token_ids import check_prompt_logprobs, reference_rows
+
+    ids = tokenizer(PROMPT)["input_ids"]
+    done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                     extra_body={"prompt_logprobs": 2})
+    check_prompt_logprobs(done.choices[0].model_dump()["prompt_logprobs"], ids,
+                          reference_rows(model_dir, ids), 2)
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert plain.choices[0].model_dump()["prompt_logprobs"] is None
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert info.value.body["param"] == "prompt_logprobs"
+
+
+async def test_return_tokens_as_token_ids(server, tokenizer):
+    from tests.test_token_ids import check_tokens_as_ids
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    await check_tokens_as_ids(client, tokenizer(PROMPT)["input_ids"], MODEL)
