@@ -394,6 +394,12 @@ def _check_frontend_options(args: argparse.Namespace) -> None:
 _SPAWNED_ONLY = ("max_restarts",)
 
 
+def _remote_default(parser: argparse.ArgumentParser, dest: str):
+    """An option's value when not given to a server of remote workers (its engine: sim,
+    the engine chosen when no model is named; the workers' own is theirs)."""
+    return "sim" if dest == "engine" else parser.get_default(dest)
+
+
 def _remote_workers(args: argparse.Namespace, prog: str) -> tuple:
     """The parsed ``--worker-address`` list (empty: spawn the workers). With remote
     workers, an option that configures the engine or spawned workers is refused (named),
@@ -410,7 +416,7 @@ def _remote_workers(args: argparse.Namespace, prog: str) -> tuple:
     given = [
         "--" + dest.replace("_", "-")
         for dest in ENGINE_DESTS + _SPAWNED_ONLY
-        if dest != "sim_faults" and getattr(args, dest) != parser.get_default(dest)
+        if dest != "sim_faults" and getattr(args, dest) != _remote_default(parser, dest)
     ]
     if given:
         raise SystemExit(
