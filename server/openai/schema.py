@@ -498,11 +498,18 @@ def _engine_sampling(data: dict, limits: Limits, engine_fields: frozenset) -> di
 
 def _logprobs(data: dict, chat: bool, engine_info: dict | None) -> int | None:
     """How many alternatives per token a request asks for (None: no logprobs): completions'
-    ``logprobs: k``, chat's ``logprobs: true`` with ``top_logprobs: k``. Refused (400) when
-    the engine does not say it makes them (its HELLO's ``logprobs``: the most k it takes)."""
+    ``logprobs: k``, chat's ``logprobs: true`` with ``top_logprobs: k``; -1 is the whole
+    vocabulary (vLLM's meaning), within the engine's most. Refused (400) when the engine does
+    not say it makes them (its HELLO's ``logprobs``: the most k it takes, the vllm engine's
+    ``--max-logprobs``)."""
+    info = engine_info or {}
+    most = info.get("logprobs")
+    hi = most if isinstance(most, int) else 20
+    name = "top_logprobs" if chat else "logprobs"
+    whole = data.get(name) == -1 and not isinstance(data.get(name), bool)
     if chat:
         asked = _bool(data, "logprobs", False)
-        top = _int(data, "top_logprobs", None, 0, 20)
+        top = -1 if whole else _int(data, "top_logprobs", None, 0, hi)
         if not asked:
             if top:
                 raise ClientError("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
@@ -511,18 +518,22 @@ def _logprobs(data: dict, chat: bool, engine_info: dict | None) -> int | None:
     else:
         if data.get("logprobs") is False:
             return None
-        top = _int(data, "logprobs", None, 0, 20)
+        top = -1 if whole else _int(data, "logprobs", None, 0, hi)
         if top is None:
             return None
-    most = (engine_info or {}).get("logprobs")
     if not isinstance(most, int):
-        engine = (engine_info or {}).get("engine")
+        engine = info.get("engine")
         by = f"the {engine} engine" if engine else "this server"
         raise ClientError(f"'logprobs' is not supported by {by}.", param="logprobs",
                           code="unsupported_parameter")
-    if top > most:
-        param = "top_logprobs" if chat else "logprobs"
-        raise ClientError(f"'{param}' must be at most {most}.", param=param)
+    if top == -1:
+        vocab = info.get("vocab_size")
+        if not isinstance(vocab, int) or vocab > most:
+            raise ClientError(
+                f"'{name}': -1 (the whole vocabulary"
+                f"{f', {vocab} tokens' if isinstance(vocab, int) else ''}) is more than the "
+                f"{most} the server gives (the vllm engine's --max-logprobs).", param=name)
+        return vocab
     return top
 
 
