@@ -38,13 +38,15 @@ class RichEvents:
         prompts: list[str] | None = None,
         tools: ToolChoice | None = None,
         include_reasoning: bool = True,
+        thinking: bool = True,
     ) -> None:
         self.enc = enc
         self.include_reasoning = include_reasoning
         self.formatters = [LogprobsFormatter(chat) for _ in range(choices)] if logprobs else None
         self.splitters = None
         if chat and reasoning_parser is not None:
-            self.splitters = [ReasoningSplitter.for_parser(reasoning_parser) for _ in range(choices)]
+            self.splitters = [ReasoningSplitter.for_parser(reasoning_parser, thinking)
+                              for _ in range(choices)]
         self.prompts = prompts
         self.tool_parsers = None
         if tools is not None and tools.parse is not None:

@@ -66,6 +66,9 @@ class GenerateRequest:
     #: vLLM's chat ``include_reasoning``: false drops what --reasoning-parser splits off as
     #: reasoning (the answer's content stays as it is).
     include_reasoning: bool = True
+    #: Chat: whether the model thinks, as vLLM's qwen3 reasoning parser reads it
+    #: (``chat_template_kwargs.enable_thinking``, default true).
+    thinking: bool = True
 
 
 def decode_json(body: bytes, known: bool = False) -> dict:
@@ -753,7 +756,9 @@ def chat_request(
     return _check_answer_size(GenerateRequest(
         chat=True, prompts=[{"messages": messages, **_template_options(data, messages)}],
         echo=echo, echoed=echoed, tools=tools,
-        include_reasoning=_bool(data, "include_reasoning", True), **common
+        include_reasoning=_bool(data, "include_reasoning", True),
+        thinking=(template_kwargs_of(data) or {}).get("enable_thinking") is not False,
+        **common
     ), limits, engine_info)
 
 
