@@ -158,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "with a key")
 
     g.add_argument("--enable-force-include-usage", action="store_true",
-                   help="end every stream with a usage chunk, as if it asked with "
-                   "stream_options.include_usage (vLLM's option)")
+                   help="usage in every chunk of every stream and a usage chunk at its "
+                   "end, as if it asked with stream_options include_usage and "
+                   "continuous_usage_stats (vLLM's option)")
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="vLLM's switch for GET /load (requests in flight): always served "
                    "here; accepted for vLLM's command lines")

@@ -586,11 +586,13 @@ def _common(
         if not isinstance(options, dict):
             raise ClientError("'stream_options' must be an object.", param="stream_options")
         _check_stream_options(options)
-        include_usage = _bool(options, "include_usage", False) or limits.force_include_usage
+        include_usage = _bool(options, "include_usage", False)
         # vLLM's meaning: usage on every chunk when there is usage at all
         continuous_usage = include_usage and _bool(options, "continuous_usage_stats", False)
-    elif stream and limits.force_include_usage:  # --enable-force-include-usage, as vLLM's
-        include_usage = True
+    if stream and limits.force_include_usage:
+        # --enable-force-include-usage, as vLLM's (should_include_usage): usage on every
+        # chunk and a usage chunk at the end, whatever stream_options say
+        include_usage = continuous_usage = True
     logprobs = _logprobs(data, chat, engine_info)
     user = data.get("user")
     for name in ("user", "safety_identifier"):  # the end user, for you: nothing to generate
