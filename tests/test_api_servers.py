@@ -226,11 +226,12 @@ def test_the_command_line_splits_into_the_workers_and_the_frontends():
     args = parser.parse_args([
         "--api-servers", "3", "--port", "0", "--engine-workers", "2", "--sim-itl-ms", "3",
         "--max-batch", "64", "--shutdown-timeout", "4", "--api-key", "k", "--sim-faults",
-        "--model", "m", "--max-restarts", "2",
+        "--engine", "sim", "--model", "m", "--max-restarts", "2",
     ])
     p = plan(parser, args, python="py")
     assert p.worker_argv("/d/w.sock") == [
-        "py", "-m", "server.workers", "--served-model-name", "m", "--max-batch", "64",
+        "py", "-m", "server.workers", "--engine", "sim", "--served-model-name", "m",
+        "--max-batch", "64",
         "--sim-itl-ms", "3.0", "--sim-faults", "--listen", "unix:/d/w.sock"]
     front = p.frontend_argv(1, 5, "/d", ["unix:/d/w0", "unix:/d/w1"])
     assert front[:3] == ["py", "-m", "server"]

@@ -61,7 +61,8 @@ async def test_the_fault_hook_is_refused_by_name_unless_enabled(autojump_clock):
 
 
 async def test_force_include_usage_ends_every_stream_with_usage(autojump_clock):
-    # vLLM's --enable-force-include-usage: a usage chunk whatever stream_options say
+    # vLLM's --enable-force-include-usage: a usage chunk whatever stream_options say, and
+    # usage on every chunk (vLLM's should_include_usage: include and continuous usage)
     body = {"prompt": "a b", "max_tokens": 4, "stream": True}
     async with open_in_memory_engine() as engine:
         for force in (False, True):
@@ -77,6 +78,10 @@ async def test_force_include_usage_ends_every_stream_with_usage(autojump_clock):
                         assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
                     else:
                         assert "usage" not in last or last["usage"] is None, last
+                    for event in events[:-2] if force else ():
+                        usage = event["usage"]
+                        assert usage["total_tokens"] == (
+                            usage["prompt_tokens"] + usage["completion_tokens"]), event
 
 
 async def test_a_custom_role_is_accepted_with_text_or_parts_alike(autojump_clock):

@@ -90,8 +90,8 @@ def test_vllm_serve_command_lines():
     options = config("--engine", "vllm", "--model-path", "/d", "--model", "n").engine
     assert options.engine_options == {"model_path": "/d", "model": "n"}
     # The sim engine has no weights: its model is its served name.
-    assert config("--model", "m").engine.model == "m"
-    assert config("m").engine.worker_argument()["options"]["model"] == "m"
+    assert config("--engine", "sim", "--model", "m").engine.model == "m"
+    assert config("--engine", "sim", "m").engine.worker_argument()["options"]["model"] == "m"
     assert config("--served-model-name", "s").engine.model == "s"
     # A listening worker reads them the same way.
     from server.workers.listen import build_parser as worker_parser
@@ -101,6 +101,26 @@ def test_vllm_serve_command_lines():
                                        "--max-num-seqs", "2", "--seed", "3"])
     assert engine_options(args, "w") == {"model_path": "m", "max_batch": 2,
                                          "engine_args": {"seed": 3}}
+
+
+def test_a_named_model_is_served_by_a_real_engine_unless_one_is_given():
+    # Issue 29 item 10: 'trio-llm-server MODEL' serves MODEL as 'vllm serve MODEL' does:
+    # vLLM when installed, else transformers; sim only when no model is named.
+    import importlib.util
+
+    from server.engine_args import default_engine
+
+    here = "vllm" if importlib.util.find_spec("vllm") else "transformers"
+    for argv in (["org/m"], ["--model", "org/m"], ["--model-path", "org/m"]):
+        engine = config(*argv).engine
+        assert (engine.engine, engine.engine_options["model_path"]) == (here, "org/m"), argv
+    assert config().engine.engine == "sim"
+    assert config("--served-model-name", "s").engine.engine == "sim"
+    assert default_engine(True, lambda name: name == "transformers") == "transformers"
+    assert default_engine(True, lambda name: True) == "vllm"
+    assert default_engine(False, lambda name: True) == "sim"
+    with pytest.raises(SystemExit, match="--engine sim serves simulated output"):
+        default_engine(True, lambda name: False)
 
 
 def test_the_supervisor_passes_the_model_on():
@@ -129,7 +149,12 @@ def test_the_supervisor_passes_the_model_on():
          "--model and --model-path name different models"),
         (["--engine", "vllm", "m", "--served-model-name", "a", "b"], "takes one name"),
         (["--engine", "vllm", "m", "--seed", "1", "--engine-arg", "seed=2"], "both give it"),
-        (["m", "--served-model-name", "s"], "with --engine sim the model is only its served"),
+        (["--engine", "sim", "m", "--served-model-name", "s"],
+         "with --engine sim the model is only its served"),
+        (["--engine", "vllm", "m", "--sim-itl-ms", "3"],
+         "--sim-itl-ms is an option of the sim engine, not of --engine vllm"),
+        (["--engine", "transformers", "m", "--sim-prefix-cache-tokens", "64"],
+         "--sim-prefix-cache-tokens is an option of the sim engine"),
         (["--revision", "v1"], "--revision is an option of the transformers and vllm"),
         (["--tool-call-parser", "hermes", "--worker-address", "h:1", "--model-path", "m"],
          "--model-path: not with --worker-address"),
@@ -146,7 +171,8 @@ def test_the_supervisor_passes_the_model_on():
          "--grammar-timeout is an option of the transformers engine"),
         (["--grammar-max-bytes", "9"],
          "--grammar-max-bytes is an option of the transformers and vllm engines"),
-        (["--model-path", "m"], "--model-path is an option of the transformers and vllm engines"),
+        (["--engine", "sim", "--model-path", "m"],
+         "--model-path is an option of the transformers and vllm engines"),
         (["--engine", "vllm", "--model-path", "m", "--engine-arg", "x"], "needs KEY=VALUE"),
     ],
 )

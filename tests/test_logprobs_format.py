@@ -25,6 +25,19 @@ def chat(body: dict, info=HF):
     return schema.parse_chat(json.dumps({"messages": CHAT, **body}).encode(), Limits(), "m", info)
 
 
+VLLM_50 = {"engine": "vllm", "logprobs": 50, "vocab_size": 1000}  # --max-logprobs 50
+
+
+def test_the_engines_most_and_the_whole_vocabulary():
+    # The vllm engine's --max-logprobs is the limit (vLLM's default 20), and -1 asks for
+    # the whole vocabulary where that limit covers it, as in vLLM.
+    assert completion({"logprobs": 50, "max_tokens": 8}, VLLM_50).logprobs == 50
+    assert chat({"logprobs": True, "top_logprobs": 30, "max_tokens": 8}, VLLM_50).logprobs == 30
+    whole = {"engine": "vllm", "logprobs": 1000, "vocab_size": 1000}
+    assert completion({"logprobs": -1, "max_tokens": 8}, whole).logprobs == 1000
+    assert chat({"logprobs": True, "top_logprobs": -1, "max_tokens": 8}, whole).logprobs == 1000
+
+
 def test_what_a_request_asks_for():
     assert completion({}).logprobs is None
     assert completion({"logprobs": None}).logprobs is None
@@ -46,7 +59,12 @@ def test_what_a_request_asks_for():
         (chat, {"logprobs": True}, SIM, "not supported by the sim engine"),
         (chat, {"top_logprobs": 2}, HF, "needs 'logprobs': true"),
         (completion, {"logprobs": 21}, HF, "between 0 and 20"),
-        (completion, {"logprobs": 2}, {"engine": "x", "logprobs": 1}, "at most 1"),
+        (completion, {"logprobs": 2}, {"engine": "x", "logprobs": 1}, "between 0 and 1"),
+        (completion, {"logprobs": 51}, VLLM_50, "between 0 and 50"),
+        (chat, {"logprobs": True, "top_logprobs": -1}, VLLM_50,
+         "-1 \\(the whole vocabulary, 1000 tokens\\) is more than the 50"),
+        (completion, {"logprobs": -1}, HF, "the whole vocabulary\\) is more than the 20"),
+        (completion, {"logprobs": -2}, VLLM_50, "between 0 and 50"),
     ],
 )
 def test_refusals(parse, body, info, words):

@@ -569,7 +569,7 @@ def test_rejections(engine, model_dir, tmp_path):
         engine.add(1, long_prompt, greedy(4))
     with pytest.raises(Rejected, match=r"requested 300 tokens \(200 in the prompt"):
         engine.add(1, long_prompt[:200], greedy(100))
-    with pytest.raises(Rejected, match="between 0 and"):
+    with pytest.raises(Rejected, match=f"token id {engine.vocab_size} is out of vocabulary"):
         engine.add(1, [1, 2, engine.vocab_size], greedy(4))
     with pytest.raises(Rejected, match="at least one token"):
         engine.add(1, "", greedy(4))

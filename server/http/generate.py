@@ -367,7 +367,8 @@ class _StreamWriter:
                                    logprobs=req.logprobs is not None,
                                    reasoning_parser=reasoning_parser, prompts=echoed,
                                    tools=req.tools, include_reasoning=req.include_reasoning,
-                                   tokens_as_ids=req.tokens_as_ids)
+                                   tokens_as_ids=req.tokens_as_ids,
+                                   thinking=req.thinking)
         self.usage = _Usage(per_choice, n)
         #: Completion tokens per choice so far (continuous usage only).
         self.so_far = [0] * choices if req.continuous_usage else None
@@ -555,7 +556,7 @@ def _full_body(
     if req.chat and reasoning_parser is not None:
         reasoning = []
         for i, text in enumerate(joined):
-            thought, joined[i] = split_text(reasoning_parser, text)
+            thought, joined[i] = split_text(reasoning_parser, text, req.thinking)
             reasoning.append(thought if req.include_reasoning else None)
     tool_calls = None
     if req.tools is not None and req.tools.parse is not None:

@@ -48,6 +48,7 @@ class ResponsesRoute:
         events = ResponseEvents(
             new_response(response_id, int(time.time()), model, req.echo),
             reasoning_parser=config.reasoning_parser, tools=req.chat.tools,
+            thinking=req.chat.thinking,
         )
         if req.stream:
             observe_itl = app.metrics.of(answer.record.model).itl.observe

@@ -39,6 +39,7 @@ class RichEvents:
         tools: ToolChoice | None = None,
         include_reasoning: bool = True,
         tokens_as_ids: bool = False,
+        thinking: bool = True,
     ) -> None:
         self.enc = enc
         self.include_reasoning = include_reasoning
@@ -47,7 +48,8 @@ class RichEvents:
         ] if logprobs else None
         self.splitters = None
         if chat and reasoning_parser is not None:
-            self.splitters = [ReasoningSplitter.for_parser(reasoning_parser) for _ in range(choices)]
+            self.splitters = [ReasoningSplitter.for_parser(reasoning_parser, thinking)
+                              for _ in range(choices)]
         self.prompts = prompts
         self.tool_parsers = None
         if tools is not None and tools.parse is not None:

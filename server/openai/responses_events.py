@@ -76,13 +76,14 @@ class ResponseEvents:
     __slots__ = ("response", "_seq", "_splitter", "_parser", "_item", "_pieces", "_delta")
 
     def __init__(
-        self, response: dict, *, reasoning_parser: str | None, tools: ToolChoice | None
+        self, response: dict, *, reasoning_parser: str | None, tools: ToolChoice | None,
+        thinking: bool = True,
     ) -> None:
         self.response = response
         self._seq = 0
         self._splitter = None
         if reasoning_parser is not None:
-            self._splitter = ReasoningSplitter.for_parser(reasoning_parser)
+            self._splitter = ReasoningSplitter.for_parser(reasoning_parser, thinking)
         self._parser: CallsOrDocument | ToolCallParser | None = None
         if tools is not None and tools.parse == CALLS_OR_DOCUMENT:
             self._parser = CallsOrDocument(tools.parallel)

@@ -75,6 +75,9 @@ class GenerateRequest:
     prompt_logprobs: int | None = None
     #: vLLM's ``return_tokens_as_token_ids``: logprobs' tokens spelled ``token_id:N``.
     tokens_as_ids: bool = False
+    #: Chat: whether the model thinks, as vLLM's qwen3 reasoning parser reads it
+    #: (``chat_template_kwargs.enable_thinking``, default true).
+    thinking: bool = True
 
 
 def decode_json(body: bytes, known: bool = False) -> dict:
@@ -531,11 +534,18 @@ def _engine_sampling(data: dict, limits: Limits, engine_fields: frozenset) -> di
 
 def _logprobs(data: dict, chat: bool, engine_info: dict | None) -> int | None:
     """How many alternatives per token a request asks for (None: no logprobs): completions'
-    ``logprobs: k``, chat's ``logprobs: true`` with ``top_logprobs: k``. Refused (400) when
-    the engine does not say it makes them (its HELLO's ``logprobs``: the most k it takes)."""
+    ``logprobs: k``, chat's ``logprobs: true`` with ``top_logprobs: k``; -1 is the whole
+    vocabulary (vLLM's meaning), within the engine's most. Refused (400) when the engine does
+    not say it makes them (its HELLO's ``logprobs``: the most k it takes, the vllm engine's
+    ``--max-logprobs``)."""
+    info = engine_info or {}
+    most = info.get("logprobs")
+    hi = most if isinstance(most, int) else 20
+    name = "top_logprobs" if chat else "logprobs"
+    whole = data.get(name) == -1 and not isinstance(data.get(name), bool)
     if chat:
         asked = _bool(data, "logprobs", False)
-        top = _int(data, "top_logprobs", None, 0, 20)
+        top = -1 if whole else _int(data, "top_logprobs", None, 0, hi)
         if not asked:
             if top:
                 raise ClientError("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
@@ -544,18 +554,22 @@ def _logprobs(data: dict, chat: bool, engine_info: dict | None) -> int | None:
     else:
         if data.get("logprobs") is False:
             return None
-        top = _int(data, "logprobs", None, 0, 20)
+        top = -1 if whole else _int(data, "logprobs", None, 0, hi)
         if top is None:
             return None
-    most = (engine_info or {}).get("logprobs")
     if not isinstance(most, int):
-        engine = (engine_info or {}).get("engine")
+        engine = info.get("engine")
         by = f"the {engine} engine" if engine else "this server"
         raise ClientError(f"'logprobs' is not supported by {by}.", param="logprobs",
                           code="unsupported_parameter")
-    if top > most:
-        param = "top_logprobs" if chat else "logprobs"
-        raise ClientError(f"'{param}' must be at most {most}.", param=param)
+    if top == -1:
+        vocab = info.get("vocab_size")
+        if not isinstance(vocab, int) or vocab > most:
+            raise ClientError(
+                f"'{name}': -1 (the whole vocabulary"
+                f"{f', {vocab} tokens' if isinstance(vocab, int) else ''}) is more than the "
+                f"{most} the server gives (the vllm engine's --max-logprobs).", param=name)
+        return vocab
     return top
 
 
@@ -605,11 +619,13 @@ def _common(
         if not isinstance(options, dict):
             raise ClientError("'stream_options' must be an object.", param="stream_options")
         _check_stream_options(options)
-        include_usage = _bool(options, "include_usage", False) or limits.force_include_usage
+        include_usage = _bool(options, "include_usage", False)
         # vLLM's meaning: usage on every chunk when there is usage at all
         continuous_usage = include_usage and _bool(options, "continuous_usage_stats", False)
-    elif stream and limits.force_include_usage:  # --enable-force-include-usage, as vLLM's
-        include_usage = True
+    if stream and limits.force_include_usage:
+        # --enable-force-include-usage, as vLLM's (should_include_usage): usage on every
+        # chunk and a usage chunk at the end, whatever stream_options say
+        include_usage = continuous_usage = True
     logprobs = _logprobs(data, chat, engine_info)
     user = data.get("user")
     for name in ("user", "safety_identifier"):  # the end user, for you: nothing to generate
@@ -781,7 +797,9 @@ def chat_request(
     return _check_answer_size(GenerateRequest(
         chat=True, prompts=[{"messages": messages, **template_options(data, messages)}],
         echo=echo, echoed=echoed, tools=tools,
-        include_reasoning=_bool(data, "include_reasoning", True), **common
+        include_reasoning=_bool(data, "include_reasoning", True),
+        thinking=(template_kwargs_of(data) or {}).get("enable_thinking") is not False,
+        **common
     ), limits, engine_info)
 
 

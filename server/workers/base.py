@@ -127,8 +127,10 @@ def encode_prompt(
             fits(prompt)
         return list(tokenizer.encode(prompt))
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        if any(not 0 <= t < vocab_size for t in prompt):
-            raise Rejected(f"token ids must be between 0 and {vocab_size - 1}")
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:  # (vLLM's words: "out of vocabulary")
+            raise Rejected(f"token id {bad} is out of vocabulary (this model's token ids are "
+                           f"0 to {vocab_size - 1})")
         return list(prompt)
     if isinstance(prompt, dict):
         messages = prompt.get("messages")

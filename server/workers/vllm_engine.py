@@ -53,7 +53,6 @@ from typing import Any
 from ..worker_protocol.wire import OutputRow
 from .base import (
     HFTokenizing,
-    MAX_LOGPROBS,
     EngineBroken,
     Rejected,
     check_context,
@@ -263,7 +262,10 @@ class VLLMEngine(HFTokenizing):
                          "return_tokens_as_token_ids",
                          *(["cache_salt"] if self.prefix_caching else []),
                          *(["priority"] if self.priority_policy else [])],
-            "logprobs": MAX_LOGPROBS,
+            # vLLM's max_logprobs (--max-logprobs; -1: the whole vocabulary)
+            "logprobs": (config.model_config.max_logprobs
+                         if config.model_config.max_logprobs >= 0 else self.vocab_size),
+            "vocab_size": self.vocab_size,
             "cache_config": cache_config_info(config),
         }
         #: Requests vLLM holds for us (added, not finished or aborted).
