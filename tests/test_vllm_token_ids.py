@@ -30,9 +30,25 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("vllm-ids") / MODEL, **SHAPE)
 
 
+class PatientServer(Server):
+    """tests/test_vllm_engine.py's server, waiting longer for vLLM on busy cores, and
+    leaving no process behind when it does not come up."""
+
+    def __init__(self, model_dir) -> None:
+        try:
+            super().__init__(model_dir)
+        except BaseException:
+            if getattr(self, "proc", None) is not None:
+                self.stop()
+            raise
+
+    def wait_ready(self, timeout: float = 1200) -> None:
+        super().wait_ready(timeout)
+
+
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = Server(model_dir)
+    s = PatientServer(model_dir)
     yield s
     s.stop()
 
