@@ -16,6 +16,11 @@ sim's time to first token of the resumed prompt (``--sim-ttft-ms`` plus
 of the first round.
 
     python bench/migration.py                      # 128 streams x 4 workers, ~2.5 min
+
+With ``--engine vllm --model-path DIR`` the workers are vllm-engine workers (vLLM's CPU
+build here: the tests' tiny model, e.g. 16 streams over 2 workers); the streams ask for
+``ignore_eos`` (a random model may end early), and "one prefill" is only the client's TTFT
+of the uninterrupted round (the resumed prompt is longer by the tokens generated).
 """
 
 from __future__ import annotations
@@ -58,8 +63,9 @@ class Stream:
 
 async def one_stream(s: Stream, client: httpx.AsyncClient, url: str, prompt: str,
                      args) -> None:
-    body = {"model": "sim", "prompt": prompt, "max_tokens": args.max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": args.model, "prompt": prompt, "ignore_eos": args.engine != "sim",
+            "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     s.sent = time.perf_counter()
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
@@ -121,19 +127,30 @@ def main() -> None:
     p.add_argument("--ttft-ms", type=float, default=20.0)
     p.add_argument("--prefill-us", type=float, default=2000.0, help="per prompt token")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--engine", choices=("sim", "vllm"), default="sim")
+    p.add_argument("--model-path", help="the vllm engine's model directory")
     args = p.parse_args()
+    args.model = "sim" if args.engine == "sim" else os.path.basename(
+        os.path.normpath(args.model_path or ""))
+    if args.engine == "vllm" and not args.model_path:
+        p.error("--engine vllm needs --model-path")
     rng = random.Random(args.seed)
     prompts = [f"stream {k}: " + " ".join(rng.choice(WORDS) for _ in range(args.prompt_words))
                for k in range(args.streams)]
 
     async def run_all() -> None:
+        if args.engine == "sim":
+            engine = (f"--sim-itl-ms {args.itl_ms} --sim-ttft-ms {args.ttft_ms} "
+                      f"--sim-prefill-us-per-token {args.prefill_us}")
+        else:
+            engine = (f"--engine vllm --model-path {args.model_path} --max-model-len 1024 "
+                      "--dtype float32 --engine-arg kv_cache_memory_bytes=67108864")
         server = SpawnedServer(
-            f"--engine-workers {args.workers} --sim-itl-ms {args.itl_ms} "
-            f"--sim-ttft-ms {args.ttft_ms} --sim-prefill-us-per-token {args.prefill_us} "
+            f"--engine-workers {args.workers} {engine} "
             "--routing round-robin --disable-log-requests --log-level warning", "server", None)
         killed_at = 0.0
         try:
-            await server.wait_healthy(60)
+            await server.wait_healthy(60 if args.engine == "sim" else 1500)
             limits = httpx.Limits(max_connections=args.streams + 4)
             async with httpx.AsyncClient(timeout=120, limits=limits) as client:
                 reference = await run_round(client, server.url, prompts, args)
@@ -182,9 +199,10 @@ def report(args, reference: list[Stream], run: list[Stream], killed_at: float,
     prefill = sorted(args.ttft_ms + args.prefill_us / 1000 * (args.prompt_words + 2 + n)
                      for _, n in went)
     ttft = sorted(s.chunks[0][0] - s.sent for s in reference if s.chunks)
-    print(f"{args.streams} greedy streams x {args.max_tokens} tokens over {args.workers} sim "
-          f"workers (ITL {args.itl_ms} ms, TTFT {args.ttft_ms} ms + {args.prefill_us} us "
-          f"per prompt token, prompts of {args.prompt_words} words); one worker SIGKILLed "
+    what = (f"sim workers (ITL {args.itl_ms} ms, TTFT {args.ttft_ms} ms + {args.prefill_us} us "
+            "per prompt token" if args.engine == "sim" else f"vllm workers ({args.model}")
+    print(f"{args.streams} greedy streams x {args.max_tokens} tokens over {args.workers} "
+          f"{what}, prompts of {args.prompt_words} words); one worker SIGKILLed "
           f"after {args.kill_after}+ tokens of every stream")
     print(f"streams ended with [DONE] and no error event: {ok}/{len(run)}")
     print(f"error events: {errors}")
@@ -196,8 +214,10 @@ def report(args, reference: list[Stream], run: list[Stream], killed_at: float,
               f"p99 {1000 * percentile(added, 99):.0f} ms (first to last token, less the "
               f"uninterrupted run's; the other streams': p50 "
               f"{1000 * percentile(stayed, 50):.0f} ms, p99 {1000 * percentile(stayed, 99):.0f} ms)")
-        print(f"one prefill of the resumed prompt (sim): p50 {percentile(prefill, 50):.0f} ms; "
-              f"client TTFT of the uninterrupted round: p50 {1000 * percentile(ttft, 50):.0f} ms,"
+        if args.engine == "sim":
+            print(f"one prefill of the resumed prompt (sim): p50 "
+                  f"{percentile(prefill, 50):.0f} ms")
+        print(f"client TTFT of the uninterrupted round: p50 {1000 * percentile(ttft, 50):.0f} ms,"
               f" p99 {1000 * percentile(ttft, 99):.0f} ms")
 
 

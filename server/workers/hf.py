@@ -32,6 +32,15 @@ as the model allows) and None when idle.
 
 Text is made here, in the worker (:mod:`server.workers.hf_text`): the frontend receives
 finished UTF-8 text and never loads a tokenizer. See ``docs/transformers.md`` for why.
+
+**Resuming** (docs/routing.md, "Migration"): a request whose params ask (``"token_ids":
+true``) gets a note ``{"token_ids": [id]}`` with each token; one with ``"resume":
+{"token_ids": G, "text_chars": k}`` continues one whose worker died, exactly: its prompt
+is the prompt and G (one prefill), and everything per request is replayed through G before
+it runs: the generator (one draw per sampled token, :mod:`server.workers.hf_sample`), the
+sampling rules (penalties, ``min_tokens``, bad words), the grammar's matcher (xgrammar's
+``accept_token``), the detokenizer and stop matcher; the text they released past the
+client's ``k`` characters goes out first.
 """
 
 from __future__ import annotations
@@ -73,6 +82,7 @@ from .hf_logits import SAMPLING_FIELDS, Rules, process
 from .hf_sample import sample
 from .hf_text import RequestText
 from .hub import model_files
+from .resume import resume_of
 
 __all__ = ["TransformersEngine", "load_model"]
 
@@ -150,7 +160,7 @@ class _Req:
     __slots__ = (
         "rid", "prompt", "max_tokens", "temperature", "top_p", "rng", "ignore_eos", "text",
         "produced", "last", "rules", "logprobs", "prompt_logprobs", "matcher", "ids",
-        "prompt_ids",
+        "prompt_ids", "replay", "pending",
     )
 
 
@@ -219,6 +229,7 @@ class TransformersEngine(HFTokenizing):
                 *(["response_format"] if grammar_ok else []),
             ],
             "logprobs": MAX_LOGPROBS,
+            "resume": True,
         }
         self._batch = KVBatch(self.model)
         self._rows: list[_Req] = []  # the batch's rows, in row order
@@ -265,10 +276,11 @@ class TransformersEngine(HFTokenizing):
             raise Rejected("max_tokens must be at least 1")
         if temperature < 0 or not 0 < top_p <= 1:
             raise Rejected("temperature must be >= 0 and top_p in (0, 1]")
-        check_context(len(ids), max_tokens, self.max_model_len)
+        generated, text_chars = resume_of(params.get("resume")) or ([], 0)
+        check_context(len(ids) + len(generated), max_tokens, self.max_model_len)
         req = _Req()
-        req.prompt = ids
-        req.max_tokens = max_tokens
+        req.prompt = ids + generated
+        req.max_tokens = max_tokens + len(generated)
         req.temperature = temperature
         req.top_p = top_p
         req.rng = None
@@ -285,7 +297,35 @@ class TransformersEngine(HFTokenizing):
         req.last = -1
         req.ids = bool(params.get("token_ids"))  # a note per token (only when asked)
         req.prompt_ids = bool(params.get("prompt_token_ids"))
+        req.replay = generated
+        req.pending = ""
+        if generated:
+            self._replay(req, generated, text_chars)
         return req
+
+    def _replay(self, req: _Req, generated: list[int], text_chars: int) -> None:
+        """Bring a resumed request to where its first run stopped (the module docstring;
+        its grammar's matcher is replayed in :meth:`add_prepared`, where it is made)."""
+        if any(not 0 <= t < self.vocab_size for t in generated):
+            raise Rejected("resume: a token id is not the model's", "engine_error")
+        if req.rng is not None:  # one uniform draw per sampled token (hf_sample)
+            torch.rand(len(generated), generator=req.rng)
+        sent = []
+        for tok in generated:
+            if req.rules is not None:
+                req.rules.observe(tok)
+            text, stopped = req.text.feed(tok)
+            if stopped:
+                raise Rejected("resume: the generated text already holds a stop string",
+                               "engine_error")
+            sent.append(text)
+        had = "".join(sent)
+        if len(had) < text_chars:
+            raise Rejected("resume: the client has more text than the generated tokens make",
+                           "engine_error")
+        req.pending = had[text_chars:]
+        req.produced = len(generated)
+        req.last = generated[-1]
 
     def add_prepared(self, rid: int, req: _Req) -> int:
         """Queue a request :meth:`prepare` made (the loop's thread; quick)."""
@@ -293,6 +333,10 @@ class TransformersEngine(HFTokenizing):
         if req.matcher is not None:  # its compiled grammar, until now
             assert self._grammars is not None
             req.matcher = self._grammars.matcher(req.matcher)
+            for tok in req.replay:  # resumed: the grammar where the first run left it
+                if not req.matcher.accept_token(tok):
+                    raise Rejected("resume: the generated tokens do not follow the grammar",
+                                   "engine_error")
         self._waiting[rid] = req
         if req.prompt_ids:  # (in the frame of its accept, before any output)
             self.notes.append([rid, {"prompt_token_ids": list(req.prompt)}])
@@ -385,8 +429,6 @@ class TransformersEngine(HFTokenizing):
                 self.notes.append([reqs[i].rid, {"logprobs": [entry]}])
         finished = []
         for req, tok in zip(reqs, tokens):
-            if req.ids:  # every token, the EOS one included (as vLLM's token_ids)
-                self.notes.append([req.rid, {"token_ids": [tok]}])
             req.produced += 1
             req.last = tok
             rules = req.rules
@@ -409,6 +451,10 @@ class TransformersEngine(HFTokenizing):
                     more, stopped = req.text.finish()
                     text += more
                     finish = "stop" if stopped else "length"
+            if req.ids:  # every token, the EOS one included (as vLLM's token_ids)
+                self.notes.append([req.rid, {"token_ids": [tok]}])
+            if req.pending:  # a resume's text the client does not have: first
+                text, req.pending = req.pending + text, ""
             outputs.append(OutputRow(req.rid, text, 1, finish, None))
             if finish is not None:
                 finished.append(req)

@@ -56,6 +56,7 @@ from collections.abc import ValuesView
 
 from ..worker_protocol.wire import OutputRow
 from .base import Rejected, WorkerCrash, WorkerGarbage, WorkerHang, check_context
+from .resume import resume_of
 from .sim_cache import PrefixCache
 from .stops import StopMatcher
 
@@ -249,7 +250,7 @@ class SimEngine:
             raise Rejected("malformed sampling parameters") from None
         if max_tokens is not None and max_tokens < 1:
             raise Rejected("max_tokens must be at least 1")
-        resumed = _resume_of(params.get("resume"))
+        resumed = resume_of(params.get("resume"))
         generated = resumed[0] if resumed is not None else []
         max_tokens = check_context(prompt_tokens + len(generated), max_tokens,
                                    self.max_model_len) + len(generated)
@@ -450,19 +451,6 @@ def token_text(token: int, call: list[str] | None = None) -> str:
     if call is not None and 0 <= token - _CALL < len(call):
         return call[token - _CALL]
     raise Rejected(f"resume: token id {token} is not the sim's", "engine_error")
-
-
-def _resume_of(resume: object) -> tuple[list[int], int] | None:
-    """``(token_ids, text_chars)`` of a request's ``resume`` param (None: a new request)."""
-    if resume is None:
-        return None
-    ids = resume.get("token_ids") if isinstance(resume, dict) else None
-    chars = resume.get("text_chars") if isinstance(resume, dict) else None
-    if (not isinstance(ids, list) or not all(type(t) is int for t in ids)
-            or type(chars) is not int or chars < 0):
-        raise Rejected("resume must be {\"token_ids\": [int, ...], \"text_chars\": int}",
-                       "engine_error")
-    return ids, chars
 
 
 def _tool_call(tools, max_tokens: int, rng: int) -> list[str] | None:

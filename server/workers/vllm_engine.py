@@ -27,6 +27,10 @@ What the frontend sends, this module turns into vLLM's terms:
   of the response); vLLM gets token ids;
 - sampling fields become a ``vllm.SamplingParams`` with ``output_kind=DELTA``: every step
   gives each request its new text, detokenized and with stop strings applied by vLLM;
+- a request whose params ask (``"token_ids": true``, the frontend's migration) gets the ids
+  of its new tokens as a note ``{"token_ids": [...]}`` with each output, and a request with
+  ``"resume"`` continues one whose worker died (:mod:`server.workers.vllm_resume`: which
+  requests can, and their text across the cut);
 - a request's prefix-cache hits reach the frontend as a note ``{"cached_tokens": n}`` with
   its last output (``usage.prompt_tokens_details.cached_tokens``), and vLLM's own times of
   the request (queue, prefill, decode, inference) as ``{"times": {...}}``;
@@ -60,6 +64,8 @@ from .base import (
     one_line,
 )
 from .hub import model_files
+from .resume import resume_of
+from .vllm_resume import ResumedText, detokenizer_class, not_resumable
 from .vllm_stats import VLLMStats, cache_config_info
 
 from .hf_grammar import MAX_SCHEMA_BYTES, constraint_key
@@ -272,8 +278,11 @@ class VLLMEngine(HFTokenizing):
         self._held: set[int] = set()
         #: Of those, the ones that asked for logprobs: rid -> alternatives per token.
         self._logprobs: dict[int, tuple[int | None, int | None]] = {}
-        #: The requests that asked for their tokens' ids (``token_ids``: a note a step).
+        #: The requests whose token ids are sent (``token_ids``: a note a step: the client's
+        #: return_token_ids, or migration on an engine that resumes), and the resumed ones'
+        #: text.
         self._ids: set[int] = set()
+        self._resumed: dict[int, ResumedText] = {}
         #: ``[rid, dict]`` details for the frontend, sent with the next STEP (the worker
         #: loop takes them).
         self.notes: list[list] = []
@@ -286,6 +295,8 @@ class VLLMEngine(HFTokenizing):
                                         max_model_len=self.max_model_len)
             self.info["generate"] = False
             self.info["embedding"] = self._pooling.describe(config.model_config)
+        elif detokenizer_class() is not None:
+            self.info["resume"] = True  # (server.workers.vllm_resume)
         #: LoRA adapters (vLLM built with enable_lora): server.workers.vllm_lora.
         self._adapters = None
         if config.lora_config is not None:
@@ -308,30 +319,58 @@ class VLLMEngine(HFTokenizing):
     def add(self, rid: int, prompt: object, params: dict) -> int:
         return self.add_prepared(rid, self.prepare(prompt, params))
 
-    def prepare(self, prompt: object,
-                params: dict) -> tuple[list[int], Any, str | None, Any, int, int]:
+    def prepare(self, prompt: object, params: dict) -> tuple:
         """A request's slow, stateless part (any thread: the worker runs it in a
         preparation thread, :mod:`server.workers.prepare`): tokenizing, the chat template,
-        the context check, the sampling parameters. vLLM compiles the grammar itself,
-        off its step (its StructuredOutputManager's threads; the request waits without a
-        batch slot); a schema over ``grammar_max_bytes`` is refused here."""
+        the context check, the sampling parameters, a resumed request's text state. vLLM
+        compiles the grammar itself, off its step (its StructuredOutputManager's threads;
+        the request waits without a batch slot); a schema over ``grammar_max_bytes`` is
+        refused here."""
         if self._pooling is not None:
             raise Rejected(f"model {self.info['model']!r} runs on vLLM's pooling runner: it "
                            "serves /v1/embeddings, not completions")
         ids = self.encode(prompt, params.get("chat_template_kwargs"), params.get("tools"))
-        max_tokens = check_context(len(ids), params.get("max_tokens"), self.max_model_len)
+        resumable = self.info.get("resume") and not_resumable(params) is None
+        resumed = resume_of(params.get("resume"))
+        text = None
+        if resumed is None:
+            max_tokens = check_context(len(ids), params.get("max_tokens"), self.max_model_len)
+            sampling = self.sampling_params(params, max_tokens)
+        else:
+            ids, sampling, text = self._resume(ids, params, *resumed)
         salt = params.get("cache_salt")
-        asks = (_TOKEN_IDS if params.get("token_ids") else 0) | (
-            _PROMPT_IDS if params.get("prompt_token_ids") else 0)
-        return (ids, self.sampling_params(params, max_tokens),
-                None if salt is None else str(salt), params.get("lora"),
-                int(params.get("priority") or 0), asks)
+        # Ids for a client (return_token_ids asks for the prompt's too) always; for the
+        # frontend's migration only where the request could resume (else the move would
+        # only end in a refusal: the stream ends with worker_died, as without ids).
+        client = bool(params.get("prompt_token_ids"))
+        asks = (_TOKEN_IDS if params.get("token_ids") and (client or resumable) else 0) | (
+            _PROMPT_IDS if client else 0)
+        return (ids, sampling, None if salt is None else str(salt), params.get("lora"),
+                int(params.get("priority") or 0), asks, text)
 
-    def add_prepared(self, rid: int,
-                     prepared: tuple[list[int], Any, str | None, Any, int, int]) -> int:
+    def _resume(self, ids: list[int], params: dict, generated: list[int],
+                text_chars: int) -> tuple[list[int], Any, ResumedText]:
+        """A resumed request's prompt (``ids`` and the generated tokens), its sampling
+        params, and its text state (:mod:`server.workers.vllm_resume`)."""
+        if not self.info.get("resume"):
+            raise Rejected("resume: this vLLM cannot resume requests", "engine_error")
+        field = not_resumable(params)
+        if field is not None:
+            raise Rejected(f"resume: a request with {field} cannot resume on vLLM",
+                           "engine_error")
+        full = ids + generated
+        max_tokens = check_context(len(full), params.get("max_tokens"), self.max_model_len)
+        first = self.sampling_params(params, max_tokens + len(generated))
+        text = ResumedText(self.tokenizer, ids, generated, text_chars, first)
+        left = max(0, int(params.get("min_tokens") or 0) - len(generated))
+        sampling = self.sampling_params({**params, "stop": None, "min_tokens": left},
+                                        max_tokens)
+        return full, sampling, text
+
+    def add_prepared(self, rid: int, prepared: tuple) -> int:
         """Hand a request :meth:`prepare` made to vLLM (the loop's thread); with a LoRA
         adapter's name, with that adapter (a 404 if it is not served now)."""
-        ids, sampling, salt, adapter, priority, asks = prepared
+        ids, sampling, salt, adapter, priority, asks, text = prepared
         lora = None
         if adapter is not None:  # (only where info["lora"]: server.workers.main)
             assert self._adapters is not None
@@ -353,6 +392,8 @@ class VLLMEngine(HFTokenizing):
             self._ids.add(rid)
         if asks & _PROMPT_IDS:  # (in the frame of its accept, before any output)
             self.notes.append([rid, {"prompt_token_ids": list(ids)}])
+        if text is not None:
+            self._resumed[rid] = text
         if sampling.logprobs is not None or sampling.prompt_logprobs is not None:
             self._logprobs[rid] = (sampling.logprobs, sampling.prompt_logprobs)
         return len(ids)
@@ -360,11 +401,8 @@ class VLLMEngine(HFTokenizing):
     def abort(self, rid: int) -> bool:
         if rid not in self._held:
             return False
-        self._held.discard(rid)
-        self._logprobs.pop(rid, None)
-        self._ids.discard(rid)
+        self._forget(rid)
         self._llm.abort_request([str(rid)])
-        self._release(rid)
         return True
 
     def next_deadline(self) -> float | None:
@@ -398,6 +436,7 @@ class VLLMEngine(HFTokenizing):
             self._held.clear()
             self._logprobs.clear()
             self._ids.clear()
+            self._resumed.clear()
             raise EngineBroken(message, failed) from exc
         rows: list[OutputRow] = []
         held = self._held
@@ -407,19 +446,26 @@ class VLLMEngine(HFTokenizing):
             if rid not in held:
                 continue  # aborted meanwhile
             out = result.outputs[0]
-            if rid in self._ids and out.token_ids:  # (DELTA: this step's new tokens)
-                self.notes.append([rid, {"token_ids": list(out.token_ids)}])
             top = self._logprobs.get(rid)
             if top is not None:
                 self._note_logprobs(rid, result, out, top)
             finish = None
             error = None
-            if result.finished:
-                held.discard(rid)
-                self._logprobs.pop(rid, None)
-                self._ids.discard(rid)
-                self._release(rid)
-                if out.finish_reason == "error":
+            ids, text, stopped = out.token_ids, out.text, False
+            resumed = self._resumed.get(rid)
+            if resumed is not None:  # (its stop strings are checked here)
+                text, ntok, stopped = resumed.feed(
+                    ids, result.finished, result.finished and out.finish_reason == "stop")
+                ids = ids[:ntok]
+                if stopped and not result.finished:
+                    self._llm.abort_request([result.request_id])
+            if rid in self._ids and ids:  # (DELTA: this step's new tokens)
+                self.notes.append([rid, {"token_ids": list(ids)}])
+            if result.finished or stopped:
+                self._forget(rid)
+                if stopped:
+                    finish = "stop"
+                elif out.finish_reason == "error":
                     finish, error = "error", ["engine_error", "vLLM failed this request"]
                 else:
                     finish = _FINISH.get(out.finish_reason or "stop", "stop")
@@ -430,7 +476,7 @@ class VLLMEngine(HFTokenizing):
                     note["cached_tokens"] = result.num_cached_tokens or 0
                 if note:
                     self.notes.append([rid, note])
-            rows.append(OutputRow(rid, out.text, len(out.token_ids), finish, error))
+            rows.append(OutputRow(rid, text, len(ids), finish, error))
         return rows
 
     def embed(self, inputs: list, options: dict) -> tuple[list, int]:
@@ -516,6 +562,14 @@ class VLLMEngine(HFTokenizing):
             note["prompt_logprobs"] = prompt
         if note:
             self.notes.append([rid, note])
+
+    def _forget(self, rid: int) -> None:
+        """Request ``rid`` is no longer held (finished or aborted)."""
+        self._held.discard(rid)
+        self._logprobs.pop(rid, None)
+        self._ids.discard(rid)
+        self._resumed.pop(rid, None)
+        self._release(rid)
 
     def _release(self, rid: int) -> None:
         """Request ``rid`` has left vLLM: its adapter's hold ends (an adapter unloaded
