@@ -467,6 +467,40 @@ def test_length_bounded_strings_are_strict_json(engine):
         jsonschema.validate(json.loads(text, strict=True), schema)
 
 
+def _grammar_takes(engine, schema: dict, text: str) -> bool:
+    """Whether the engine's grammar for ``schema`` takes ``text`` whole (token by token, as
+    the tokenizer splits it) and then ends."""
+    grammars = engine._grammar()
+    matcher = grammars.matcher(grammars.compile({"type": "json_schema", "schema": schema}))
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    return (all(matcher.accept_token(t) for t in ids)
+            and matcher.accept_token(min(engine.eos_ids)) and matcher.is_terminated())
+
+
+@pytest.mark.parametrize("fmt, invalid, valid", [
+    # an email's quoted local part: xgrammar 0.2.8 took a backslash then any printable
+    # character, "\a" among them, which is no JSON escape (issue 29 item 7, found by
+    # bench/schema_validity.py)
+    ("email", '"\\"\\a\\"@x"', json.dumps('"a\\b"@x')),
+    # a JSON pointer's characters: xgrammar took control characters, a quote, a backslash
+    ("json-pointer", '"/a\x01b"', json.dumps("/a/b~0c")),
+    ("json-pointer", '"/a\\qb"', json.dumps("/a/b")),
+    ("json-pointer", '"/a"b"', json.dumps("/a")),
+    ("relative-json-pointer", '"0/\x1f"', json.dumps("0/a")),
+])
+def test_format_strings_are_strict_json(engine, fmt, invalid, valid):
+    """A ``format``'s grammar takes only strings that strict JSON parsers take (issue 29
+    item 7): the invalid text is refused by strict ``json.loads`` and by the grammar; the
+    valid one passes both."""
+    pytest.importorskip("xgrammar")
+    schema = {"type": "string", "format": fmt}
+    with pytest.raises(ValueError):
+        json.loads(invalid)
+    json.loads(valid)
+    assert not _grammar_takes(engine, schema, invalid)
+    assert _grammar_takes(engine, schema, valid)
+
+
 def test_streamed_multibyte_text_equals_the_full_decode(engine):
     # characters the tokenizer never saw whole: they are split into byte tokens
     text = "漢字かな 🦀🧪 Ωμέγα — ñandú 👩🏽‍🚀"

@@ -31,7 +31,12 @@ xgrammar 0.2.8 writes a string bounded by ``minLength``/``maxLength`` as a repet
 U+001F) pass, and strict JSON parsers (every client's) refuse them. :func:`_json_strings`
 narrows that character class in the grammar's text, before it is compiled, to "any
 character but a quote, a backslash or a control character" (a bounded string still has no
-escapes, as in xgrammar: only characters that JSON takes as they are).
+escapes, as in xgrammar: only characters that JSON takes as they are). Two ``format``
+rules have the same fault, found by ``bench/schema_validity.py``: ``email``'s quoted local
+part takes a backslash then any printable character (``\a``, an invalid JSON escape), and
+``json-pointer``'s characters include control characters, the quote and the backslash;
+they are narrowed the same way (an escaped pair is written ``\\`` and a character that
+needs no escape; a pointer's characters are the printable ones JSON takes as they are).
 """
 
 from __future__ import annotations
@@ -106,18 +111,26 @@ def schema_text(response_format: dict, max_bytes: int) -> str:
     return schema
 
 
-#: xgrammar 0.2's character of a length-bounded JSON string, and the strict one.
-_LOOSE_CHARACTER = r'[^\"\\\r\n]'
-_JSON_CHARACTER = r'[^\0-\x1f\"\\]'
+#: xgrammar 0.2's rules that let through characters JSON strings may not hold raw, each with
+#: its strict replacement (see the module docstring): a length-bounded string's character
+#: (and a bounded property name's), an email's quoted pair ("\\" then any printable: an
+#: invalid JSON escape such as ``\a``), a JSON pointer's character (control characters, a
+#: quote and a backslash among them).
+_STRICT_RULES = (
+    (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\]'),
+    (r'("\\" [ -~])', r'("\\\\" [ !#-[\]-~])'),
+    (r'([\0-.]) | ([0-}])', r'([ !#-.]) | ([0-[\]-}])'),
+)
 
 
 def _json_strings(xgr, grammar):
-    """``grammar`` with every length-bounded string's characters valid JSON (see the
-    module docstring); ``grammar`` itself when it has none."""
+    """``grammar`` with every string's characters valid JSON (see the module docstring);
+    ``grammar`` itself when it has no loose rule."""
     text = str(grammar)
-    if _LOOSE_CHARACTER not in text:
-        return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARACTER, _JSON_CHARACTER))
+    strict = text
+    for loose, narrow in _STRICT_RULES:
+        strict = strict.replace(loose, narrow)
+    return grammar if strict == text else xgr.Grammar.from_ebnf(strict)
 
 
 class Grammars:
