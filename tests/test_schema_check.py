@@ -26,7 +26,9 @@ REFUSED = [
     (obj(m={"type": "number", "multipleOf": 0.5}), "multipleOf", "#/properties/m"),
     (obj(m={"type": "integer", "multipleOf": 2.5}), "multipleOf", "#/properties/m"),
     (obj(s={"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}), "maxLength", "#/properties/s"),
-    (obj(u={"type": "string", "format": "uri", "minLength": 1}), "minLength", "#/properties/u"),
+    (obj(u={"type": "string", "format": "uri", "minLength": 2}), "minLength", "#/properties/u"),
+    (obj(u={"type": "string", "format": "json-pointer", "minLength": 1}), "minLength",
+     "#/properties/u"),
     (obj(s={"type": "string", "pattern": "^(?=.*\\d)\\w{4}$"}), "pattern", "#/properties/s"),
     (obj(r={"type": "string", "format": "regex"}), "format", "#/properties/r"),
     ({"type": "object", "patternProperties": {"^a": S, "^ab": {"type": "integer"}}},
@@ -58,6 +60,7 @@ ACCEPTED = [
     obj(i={"type": "integer", "multipleOf": 5, "minimum": 0}, s={"type": "string", "maxLength": 3},
         p={"type": "string", "pattern": "^[A-Z]{2}$"}, f={"type": "string", "format": "date"}),
     obj(pw={"type": "string", "format": "password"}),  # an annotation (pydantic's SecretStr)
+    obj(url={"type": "string", "format": "uri", "minLength": 1}),  # pydantic's AnyUrl: met
     obj(e={"type": "string", "enum": ["a", "b"]}, k={"const": 3, "type": "number"}),
     {"type": "array", "items": S, "uniqueItems": False, "minItems": 1},
     {"allOf": [{"$ref": "#/$defs/A"}], "description": "an A", "$defs": {"A": obj(x=S)}},

@@ -17,7 +17,8 @@ what is never referenced is still refused, as the check does not follow referenc
   items, is allowed in their place);
 - ``multipleOf`` but on integers by an integer: dropped for numbers;
 - ``minLength``/``maxLength`` with ``pattern`` or ``format`` on the same string: the bounds
-  are dropped;
+  are dropped (a ``minLength`` of 1 beside a format that is never empty, as pydantic's
+  ``AnyUrl`` has, is met anyway and accepted);
 - a ``pattern`` with a lookaround (``(?=``, ``(?!``, ``(?<=``, ``(?<!``): xgrammar ignores
   lookaheads (lookbehinds, backreferences and word boundaries it refuses itself);
 - a ``format`` that JSON Schema defines and xgrammar does not implement (``idn-email``,
@@ -71,6 +72,9 @@ _DROPPED = {
 }
 #: Formats JSON Schema defines that xgrammar does not implement.
 _UNIMPLEMENTED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
+#: Formats whose strings xgrammar never writes empty.
+_NONEMPTY_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6",
+                               "hostname", "uuid", "uri"})
 _LOOKAROUNDS = ("(?=", "(?!", "(?<=", "(?<!")
 #: Keywords after which xgrammar drops the rest of a schema's constraints.
 _ALTERNATIVES = ("$ref", "allOf", "anyOf", "oneOf", "const", "enum")
@@ -146,7 +150,11 @@ def _own(root, node: dict, path: str) -> str | None:
         if _types(node) != {"integer"} or not integral:
             return _message("multipleOf", path, "xgrammar enforces it on integers by an "
                             "integer only ('type': 'integer')")
-    bounded = "minLength" in node or "maxLength" in node
+    # pydantic's AnyUrl says {"format": "uri", "minLength": 1}: a bound every string of the
+    # format meets needs no enforcing
+    implied = node.get("format") in _NONEMPTY_FORMATS and "pattern" not in node \
+        and isinstance(node.get("minLength"), int) and node["minLength"] <= 1
+    bounded = "maxLength" in node or ("minLength" in node and not implied)
     for keyword in ("pattern", "format"):
         if keyword in node and bounded:
             return _message("maxLength" if "maxLength" in node else "minLength", path,
