@@ -494,6 +494,39 @@ def test_length_bounded_strings_are_strict_json(engine):
         jsonschema.validate(json.loads(text, strict=True), schema)
 
 
+def _grammar_takes(engine, schema: dict, text: str) -> bool:
+    """Whether the engine's grammar for ``schema`` takes ``text`` whole (token by token, as
+    the tokenizer splits it) and then ends."""
+    grammars = engine._grammar()
+    matcher = grammars.matcher(grammars.compile({"type": "json_schema", "schema": schema}))
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    return (all(matcher.accept_token(t) for t in ids)
+            and matcher.accept_token(min(engine.eos_ids)) and matcher.is_terminated())
+
+
+@pytest.mark.parametrize("fmt, invalid, valid", [
+    # an email's quoted local part: xgrammar 0.2.8 took a backslash then any printable
+    # character, "\a" among them, which is no JSON escape (issue 29 item 7)
+    ("email", '"\\"\\a\\"@x"', json.dumps('"a\\b"@x')),
+    # a JSON pointer's characters: xgrammar took control characters, a quote, a backslash
+    ("json-pointer", '"/a\x01b"', json.dumps("/a/b~0c")),
+    ("json-pointer", '"/a\\qb"', json.dumps("/a/b")),
+    ("json-pointer", '"/a"b"', json.dumps("/a")),
+    ("relative-json-pointer", '"0/\x1f"', json.dumps("0/a")),
+])
+def test_format_strings_are_strict_json(engine, fmt, invalid, valid):
+    """A ``format``'s grammar takes only strings that strict JSON parsers take (issue 29
+    item 7): the invalid text is refused by strict ``json.loads`` and by the grammar; the
+    valid one passes both."""
+    pytest.importorskip("xgrammar")
+    schema = {"type": "string", "format": fmt}
+    with pytest.raises(ValueError):
+        json.loads(invalid)
+    json.loads(valid)
+    assert not _grammar_takes(engine, schema, invalid)
+    assert _grammar_takes(engine, schema, valid)
+
+
 def test_streamed_multibyte_text_equals_the_full_decode(engine):
     # characters the tokenizer never saw whole: they are split into byte tokens
     text = "漢字かな 🦀🧪 Ωμέγα — ñandú 👩🏽‍🚀"
@@ -717,6 +750,49 @@ async def test_worker_with_a_missing_model_dir_fails_to_start(tmp_path, capfd):
 
 
 # -- 3. the HTTP server, with the openai SDK ----------------------------------------------------
+
+
+async def test_keywords_the_grammar_would_drop_are_a_400_naming_them(model_dir):
+    """A schema keyword xgrammar cannot enforce is refused by name and place, on every path
+    a schema reaches the grammar (issue 29 item 7: bench/schema_validity.py found answers
+    that finished and did not validate); what it enforces is served."""
+    from tests.conftest import running_server
+
+    unique = {"type": "object", "required": ["tags"], "properties": {
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True}}}
+    negated = {"type": "object", "properties": {"x": {"not": {"type": "string"}}}}
+    union = {"$defs": {"A": {"type": "object", "additionalProperties": False,
+                             "required": ["k"], "properties": {"k": {"const": "a"}}},
+                       "B": {"type": "object", "additionalProperties": False,
+                             "required": ["k", "n"], "properties": {
+                                 "k": {"const": "b"}, "n": {"type": "integer"}}}},
+             "oneOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    tool = {"type": "function", "function": {"name": "f", "parameters": negated}}
+    with trio.fail_after(3 * LIMIT):  # a server, three grammars compiled
+        async with running_server(hf_config(model_dir)) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=LIMIT) as http:
+                for body, param, where in [
+                    ({"response_format": {"type": "json_schema", "json_schema": {
+                        "name": "t", "schema": unique}}}, "response_format",
+                     "'uniqueItems' at #/properties/tags is not enforced"),
+                    ({"structured_outputs": {"json": {"type": "string", "pattern": "^(?!x)."}}},
+                     "structured_outputs", "'pattern' at # is not enforced"),
+                    ({"tools": [tool], "tool_choice": {"type": "function", "function": {
+                        "name": "f"}}}, "tool_choice", "/properties/x is not enforced"),
+                ]:
+                    r = await http.post("/v1/chat/completions", json={**chat, **body})
+                    assert r.status_code == 400, r.text
+                    error = r.json()["error"]
+                    assert error["message"].startswith(param) and where in error["message"]
+                r = await http.post("/v1/chat/completions", json={
+                    **chat, "max_tokens": 60, "temperature": 0, "response_format": {
+                        "type": "json_schema", "json_schema": {"name": "u", "schema": union}}})
+                assert r.status_code == 200, r.text
+                choice = r.json()["choices"][0]
+                assert choice["finish_reason"] == "stop"
+                value = json.loads(choice["message"]["content"])
+                pytest.importorskip("jsonschema").validate(value, union)
 
 
 async def test_http_end_to_end(model_dir, engine):

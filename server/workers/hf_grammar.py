@@ -13,7 +13,8 @@ Compiling a schema can take seconds (thousands of properties, deep nesting, huge
 :meth:`Grammars.compile` runs in a preparation thread (:mod:`server.workers.prepare`), never
 on the engine loop, within two budgets: a schema's JSON of more than ``max_bytes`` is
 refused before compiling, and a compilation that takes longer than ``timeout`` seconds is
-refused (a 400 naming ``response_format`` or the forced tool call, with the reason). A
+refused (a 400 naming ``response_format`` or the forced tool call, with the reason), and
+so is a schema with a keyword xgrammar would not enforce (:mod:`.hf_schema_check`). A
 compilation runs in one of ``COMPILE_THREADS`` threads of its own, which a preparation
 waits for at most ``timeout``: a thread cannot be killed, so an overlong one finishes in
 the background and its result goes to the cache, and at most ``COMPILE_THREADS`` of them
@@ -31,7 +32,13 @@ xgrammar 0.2.8 writes a string bounded by ``minLength``/``maxLength`` as a repet
 U+001F) pass, and strict JSON parsers (every client's) refuse them. :func:`_json_strings`
 narrows that character class in the grammar's text, before it is compiled, to "any
 character but a quote, a backslash or a control character" (a bounded string still has no
-escapes, as in xgrammar: only characters that JSON takes as they are).
+escapes, as in xgrammar: only characters that JSON takes as they are). Two ``format``
+rules have the same fault (found reading the grammar of every format xgrammar implements):
+``email``'s quoted local part takes a backslash then any printable character (``\a``, an
+invalid JSON escape), and ``json-pointer``'s characters include control characters, the
+quote and the backslash; they are narrowed the same way (an escaped pair is written
+``\\`` and a character that needs no escape; a pointer's characters are the printable ones
+JSON takes as they are).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from .base import Rejected, one_line
+from .hf_schema_check import unenforced
 from .prepare import DaemonPool
 
 __all__ = [
@@ -106,18 +114,26 @@ def schema_text(response_format: dict, max_bytes: int) -> str:
     return schema
 
 
-#: xgrammar 0.2's character of a length-bounded JSON string, and the strict one.
-_LOOSE_CHARACTER = r'[^\"\\\r\n]'
-_JSON_CHARACTER = r'[^\0-\x1f\"\\]'
+#: xgrammar 0.2's rules that let through characters JSON strings may not hold raw, each with
+#: its strict replacement (see the module docstring): a length-bounded string's character
+#: (and a bounded property name's), an email's quoted pair ("\\" then any printable: an
+#: invalid JSON escape such as ``\a``), a JSON pointer's character (control characters, a
+#: quote and a backslash among them).
+_STRICT_RULES = (
+    (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\]'),
+    (r'("\\" [ -~])', r'("\\\\" [ !#-[\]-~])'),
+    (r'([\0-.]) | ([0-}])', r'([ !#-.]) | ([0-[\]-}])'),
+)
 
 
 def _json_strings(xgr, grammar):
-    """``grammar`` with every length-bounded string's characters valid JSON (see the
-    module docstring); ``grammar`` itself when it has none."""
+    """``grammar`` with every string's characters valid JSON (see the module docstring);
+    ``grammar`` itself when it has no loose rule."""
     text = str(grammar)
-    if _LOOSE_CHARACTER not in text:
-        return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARACTER, _JSON_CHARACTER))
+    strict = text
+    for loose, narrow in _STRICT_RULES:
+        strict = strict.replace(loose, narrow)
+    return grammar if strict == text else xgr.Grammar.from_ebnf(strict)
 
 
 class Grammars:
@@ -156,6 +172,10 @@ class Grammars:
         unsupported, too large or too slow schema is :class:`Rejected` naming the problem."""
         name = describe(response_format)
         key = constraint_key(response_format, self.max_bytes)
+        if response_format.get("type") == "json_schema":
+            problem = unenforced(response_format.get("schema"))
+            if problem:
+                raise Rejected(f"{name}: unsupported JSON schema: {problem}")
         what = "JSON schema" if key[:1] in ("", "{") else key.partition("\x00")[0]
         future = self._future(key)
         try:
