@@ -204,6 +204,8 @@ class TransformersEngine(HFTokenizing):
         if grammar_max_bytes < 1 or not grammar_timeout > 0:
             raise ValueError("grammar_max_bytes and grammar_timeout must be positive")
         self._grammar_budget = {"max_bytes": grammar_max_bytes, "timeout": grammar_timeout}
+        if grammar_ok:  # now, not on the first request (see _grammar)
+            self._grammar()
         self.info = {
             "engine": "transformers",
             "model": model or hub_id or path.resolve().name,
@@ -411,8 +413,10 @@ class TransformersEngine(HFTokenizing):
             self._batch.remove(rows)
 
     def _grammar(self) -> Grammars:
-        """The grammars of this model's tokenizer, made on first use (xgrammar's import and
-        tokenizer analysis cost seconds: only engines that serve response_format pay)."""
+        """The grammars of this model's tokenizer, made at engine start when xgrammar is
+        installed: its import and the tokenizer's analysis hold the GIL for half a second
+        or more, which on the first structured request would stop the step loop (measured:
+        docs/benchmarks.md, "isolation"); a worker that is still starting has no streams."""
         with self._grammar_lock:  # preparation threads: one makes it
             if self._grammars is None:
                 if importlib.util.find_spec("xgrammar") is None:
