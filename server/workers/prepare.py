@@ -133,9 +133,15 @@ def admit(rid: int, add, accepts: list, outputs: list) -> None:
 
 
 def tokenize_reply(seq, tokenize, request: dict) -> list:
-    """The TOKENIZED message answering TOKENIZE ``seq`` with ``tokenize(request)``."""
+    """The TOKENIZED message answering TOKENIZE ``seq`` with ``tokenize(request)``; a
+    result of more than :data:`wire.SLICE` token ids comes packed already
+    (:func:`wire.pack_sliced`: in the preparation thread, a slice at a time)."""
     try:
-        return [wire.TOKENIZED, seq, tokenize(request), None]
+        result = tokenize(request)
+        tokens = result.get("tokens") if type(result) is dict else None
+        if type(tokens) is list and len(tokens) > wire.SLICE:
+            return [wire.TOKENIZED, seq, wire.pack_sliced(result), None]
+        return [wire.TOKENIZED, seq, result, None]
     except Rejected as exc:
         return [wire.TOKENIZED, seq, None, [exc.kind, exc.message]]
     except Exception as exc:
