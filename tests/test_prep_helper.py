@@ -48,6 +48,8 @@ def test_the_helper_prepares_as_the_worker_does(model_dir):
     there = TransformersEngine(model_path=str(model_dir), max_batch=2, prepare_process_bytes=0)
     before = child_pids()
     there.start_helper()
+    # the hook for grammars compiled in the helper (off by default: see start_helper)
+    there._grammars.remote = (there._helper.compile, 0)
     try:
         params = {"max_tokens": 24, "temperature": 1.0, "seed": 11,
                   "response_format": json_schema(wide_schema(3, "q"))}

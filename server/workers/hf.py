@@ -341,8 +341,10 @@ class TransformersEngine(HFTokenizing):
             "stop_ids": sorted(self.eos_ids), "max_model_len": self.max_model_len,
             "model": self.info["model"], "grammar": grammar, "nice": self._process_nice,
         })
-        if self._grammars is not None:
-            self._grammars.remote = (self._helper.compile, self._process_bytes)
+        # Grammars are not compiled there: xgrammar 0.2.8's serialize_json of a compiled
+        # 2,000-property schema is 991 MB (149 s), and deserialize_json held the GIL for
+        # 5 s (docs/benchmarks.md); they compile in the worker's threads (GIL released).
+        # Grammars.remote is the hook, for a small grammar or a later xgrammar.
 
     def stop_helper(self) -> None:
         helper, self._helper = self._helper, None
