@@ -13,6 +13,10 @@ wall time is split, for the loop's thread, with the kernel's per-thread schedule
 * ``blocked``: neither: asleep, in this loop that is waiting for the GIL (the loop does no
   I/O here).
 
+The engine's helper process (server/workers/prep_helper.py) prepares what is heavy, as in
+a worker (``--no-process``: all in the worker's threads); ``others_cpu_s`` and
+``loop_of_process`` count this process's threads only, not the helper's.
+
 Per phase (``baseline``, then each ``--kinds``: ``tokenize``, a 3.5 MB one-word
 ``/tokenize``; ``schema``, a 2,000-property json_schema compiled with xgrammar; ``template``,
 a chat prompt of 20,000 messages rendered by the Jinja template, pure Python) it prints the
@@ -21,6 +25,7 @@ pinned to one core to see what the 1-core figures of docs/benchmarks.md saw::
 
     taskset -c 1 python bench/step_contention.py                     # as the worker runs
     taskset -c 1 python bench/step_contention.py --prepare-nice 10   # niced preparation
+    taskset -c 1 python bench/step_contention.py --no-process        # no helper process
     python bench/step_contention.py --switch-interval 0.001
 
 Output: a table, then one JSON line.
@@ -125,6 +130,8 @@ def main(argv=None) -> int:
                    help="the preparation threads' nice value (default: the worker's)")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval for this process (default: Python's 5 ms)")
+    p.add_argument("--no-process", action="store_true",
+                   help="prepare everything in the worker's threads (no helper process)")
     args = p.parse_args(argv)
     import torch
 
@@ -134,11 +141,14 @@ def main(argv=None) -> int:
 
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    with tempfile.TemporaryDirectory(prefix="contention-") as tmp:
-        path = build_tiny_model(Path(tmp) / "tiny", **TINY)
-        engine = TransformersEngine(model_path=str(path), max_batch=args.rows + 8)
+    tmp = tempfile.TemporaryDirectory(prefix="contention-")  # the helper loads from it
+    path = build_tiny_model(Path(tmp.name) / "tiny", **TINY)
+    engine = TransformersEngine(model_path=str(path), max_batch=args.rows + 8,
+                                prepare_process=not args.no_process)
     kwargs = {} if args.prepare_nice is None else {"nice": args.prepare_nice}
     preparer = prepare.Preparer(engine, **kwargs)
+    if engine._helper is not None:  # its start is not part of any phase
+        engine._helper.wait_started()
     for rid in range(args.rows):
         engine.add(rid, PROMPT, PARAMS)
     for _ in range(5):  # prefill and warm up
@@ -147,7 +157,9 @@ def main(argv=None) -> int:
     for i, kind in enumerate(k for k in args.kinds.split(",") if k):
         rows.append(phase(engine, preparer, kind, args.baseline, 10_000 + i))
     preparer.close()
-    print(f"torch threads {torch.get_num_threads()}, switch interval "
+    tmp.cleanup()
+    print(f"helper process {'off' if args.no_process else 'on'}, "
+          f"torch threads {torch.get_num_threads()}, switch interval "
           f"{sys.getswitchinterval() * 1e3:g} ms, preparation nice "
           f"{args.prepare_nice if args.prepare_nice is not None else 'default'}")
     head = ("phase", "seconds", "steps", "step_p50_ms", "step_max_ms", "worst_cpu_ms",

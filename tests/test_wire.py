@@ -310,3 +310,21 @@ def test_property_well_formed_messages_of_each_type_pass(data):
         assert wire.check(message, [kind]) is message
         # ... and survive the wire (repr: NaN is not equal to itself)
         assert repr(wire.FrameDecoder().feed(wire.encode(message))) == repr([message])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([0, 1, 15, 16, wire.SLICE - 1, wire.SLICE, wire.SLICE + 1,
+                        2 * wire.SLICE + 17, 5 * wire.SLICE]),
+       st.integers(0, 2**40), st.integers(1, 2**31))
+def test_a_reply_packed_in_slices_is_the_same_frame(n, seed, max_model_len):
+    """pack_sliced (a huge /tokenize reply, packed a slice at a time off the worker's loop)
+    makes the very bytes encode makes, and the frame passes the frontend's checks."""
+    import random
+
+    rng = random.Random(seed)
+    ids = [rng.choice((0, 127, 128, 255, 256, 65535, 65536, 2**31)) for _ in range(n)]
+    result = {"tokens": ids, "max_model_len": max_model_len}
+    message = [wire.TOKENIZED, seed, result, None]
+    packed = wire.encode([wire.TOKENIZED, seed, wire.pack_sliced(result), None])
+    assert packed == wire.encode(message)
+    assert wire.FrameDecoder(wire.check_reply).feed(packed) == [message]

@@ -102,6 +102,9 @@ __all__ = [
     "ProtocolError",
     "FrameDecoder",
     "encode",
+    "pack_sliced",
+    "Packed",
+    "SLICE",
     "FINISHES",
     "REQUESTS",
     "REPLIES",
@@ -189,13 +192,64 @@ class ProtocolError(Exception):
 
 
 def encode(message: list) -> bytes:
-    """One message as one frame.
+    """One message as one frame. A TOKENIZED whose result is :class:`Packed` (packed
+    beforehand by :func:`pack_sliced`) has it spliced in as it is: the same bytes.
 
     >>> FrameDecoder().feed(encode([PING, 7]))
     [[3, 7]]
     """
-    body = _packb(message)
+    if message[0] == TOKENIZED and type(message[2]) is Packed:
+        body = b"".join((_TOKENIZED_HEAD, _packb(message[1]), message[2].data,
+                         _packb(message[3])))
+    else:
+        body = _packb(message)
     return _HEADER.pack(len(body)) + body
+
+
+#: The items of a long list that :func:`pack_sliced` packs per call: about 2 ms of msgpack.
+SLICE = 16384
+
+#: A TOKENIZED message's first bytes: an array of four items, the first TOKENIZED.
+_TOKENIZED_HEAD = b"\x94" + msgpack.packb(TOKENIZED)
+
+_headers = msgpack.Packer(autoreset=True)
+
+
+class Packed:
+    """One value's msgpack bytes (from :func:`pack_sliced`), for :func:`encode`."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+def pack_sliced(value) -> Packed:
+    """``value`` (a TOKENIZED's result) packed as :func:`encode` would pack it, the same
+    bytes, but a list of more than :data:`SLICE` items (3.5M token ids) a slice per call.
+
+    Why: msgpack holds the GIL for a whole call, 0.4 s for 3.5M ids; a worker packs such a
+    reply in a preparation thread, slice by slice, so that its step loop gets the GIL
+    between slices, and the loop's thread only writes the bytes."""
+    parts: list = []
+    _pack_into(value, parts)
+    return Packed(b"".join(parts))
+
+
+def _pack_into(value, parts: list) -> None:
+    if type(value) is dict:
+        parts.append(_headers.pack_map_header(len(value)))
+        for key, item in value.items():
+            parts.append(_packb(key))
+            _pack_into(item, parts)
+    elif type(value) is list and len(value) > SLICE:
+        parts.append(_headers.pack_array_header(len(value)))
+        for start in range(0, len(value), SLICE):
+            piece = value[start:start + SLICE]
+            head = len(_headers.pack_array_header(len(piece)))
+            parts.append(memoryview(_packb(piece))[head:])
+    else:
+        parts.append(_packb(value))
 
 
 class FrameDecoder:

@@ -80,8 +80,9 @@ from .hf_batch import KVBatch, UnsupportedModel, sliding_window
 from .hf_grammar import COMPILE_TIMEOUT, MAX_SCHEMA_BYTES, Grammars
 from .hf_logits import SAMPLING_FIELDS, Rules, process
 from .hf_sample import sample
-from .hf_text import RequestText
+from .hf_text import RequestText, load_tokenizer
 from .hub import model_files
+from .prep_helper import PrepHelper
 from .resume import resume_of
 
 __all__ = ["TransformersEngine", "load_model"]
@@ -113,14 +114,7 @@ def load_model(model_path: str | Path, *, device: str = "cpu", dtype: str | None
         raise RuntimeError(
             f"device {device!r} requested, but torch {torch.__version__} sees no GPU"
         )
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as exc:
-        raise RuntimeError(f"cannot load the tokenizer in {path}: {one_line(exc)}") from None
-    if getattr(tokenizer, "backend_tokenizer", None) is None:
-        raise RuntimeError(f"{path} has no fast tokenizer (tokenizer.json), which is required")
+    tokenizer = load_tokenizer(path)
     kwargs = {"dtype": "auto" if dtype == "auto" else _DTYPES[dtype], "local_files_only": True}
     if attn:
         kwargs["attn_implementation"] = attn
@@ -156,6 +150,32 @@ def _context_length(config, tokenizer) -> int:
     return 2048
 
 
+#: A request heavier than this (characters of its prompt or messages, bytes of its
+#: grammar's key) is prepared in the worker's helper process (engine option
+#: ``prepare_process_bytes``); lighter ones in the worker, with no added latency.
+PROCESS_BYTES = 32 * 1024
+
+
+def prompt_weight(prompt, limit: int) -> int:
+    """A prompt's size for the choice above: a text's length; a chat's, the lengths of its
+    strings plus 64 per message (a template's work grows with both), counted until past
+    ``limit``."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    total = 0
+    stack = [prompt]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += 64
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
+
+
 class _Req:
     __slots__ = (
         "rid", "prompt", "max_tokens", "temperature", "top_p", "rng", "ignore_eos", "text",
@@ -182,6 +202,9 @@ class TransformersEngine(HFTokenizing):
         grammar_max_bytes: int = MAX_SCHEMA_BYTES,
         grammar_timeout: float = COMPILE_TIMEOUT,
         revision: str | None = None,
+        prepare_process: bool = True,
+        prepare_process_bytes: int = PROCESS_BYTES,
+        prepare_process_nice: int = 10,
     ) -> None:
         if not model_path:
             raise ValueError("the transformers engine needs model_path (--model-path DIR)")
@@ -194,6 +217,13 @@ class TransformersEngine(HFTokenizing):
             path, device=device, dtype=dtype, attn=attn_implementation
         )
         self._tok = self.tokenizer.backend_tokenizer
+        if prepare_process_bytes < 0 or not 0 <= prepare_process_nice <= 19:
+            raise ValueError("prepare_process_bytes must be at least 0 and "
+                             "prepare_process_nice between 0 and 19")
+        self._process_nice = prepare_process_nice
+        self._path = path
+        self._process_bytes = prepare_process_bytes if prepare_process else None
+        self._helper: PrepHelper | None = None
         limit = _context_length(self.model.config, self.tokenizer)
         window = sliding_window(self.model)  # may raise UnsupportedModel: a clear message
         if window is not None:
@@ -215,6 +245,8 @@ class TransformersEngine(HFTokenizing):
         if grammar_max_bytes < 1 or not grammar_timeout > 0:
             raise ValueError("grammar_max_bytes and grammar_timeout must be positive")
         self._grammar_budget = {"max_bytes": grammar_max_bytes, "timeout": grammar_timeout}
+        if grammar_ok:  # now, not on the first request (see _grammar)
+            self._grammar()
         self.info = {
             "engine": "transformers",
             "model": model or hub_id or path.resolve().name,
@@ -256,7 +288,12 @@ class TransformersEngine(HFTokenizing):
         """A request's slow, stateless part (any thread: the worker runs it in a
         preparation thread, :mod:`server.workers.prepare`): tokenizing, the chat template,
         validation, the grammar's compilation. A client fault raises :class:`Rejected`."""
-        ids = self.encode(prompt, params.get("chat_template_kwargs"), params.get("tools"))
+        template_kwargs, tools = params.get("chat_template_kwargs"), params.get("tools")
+        helper = self._helper_for(prompt)
+        if helper is not None:
+            ids = helper.encode(prompt, template_kwargs, tools)
+        else:
+            ids = self.encode(prompt, template_kwargs, tools)
         try:
             max_tokens = int(params.get("max_tokens", 16))
             temperature = float(params.get("temperature", 1.0))
@@ -326,6 +363,48 @@ class TransformersEngine(HFTokenizing):
         req.pending = had[text_chars:]
         req.produced = len(generated)
         req.last = generated[-1]
+
+    def tokenize(self, request: dict):
+        """/tokenize and /detokenize; a heavy one in the helper process (its answer comes
+        packed: ``wire.Packed``)."""
+        helper = self._helper_for(request.get("prompt")) if request.get("op") == "tokenize" \
+            else None
+        if helper is not None:
+            return helper.tokenize(request)
+        return super().tokenize(request)
+
+    def start_helper(self) -> None:
+        """Start the preparation helper process (:mod:`server.workers.prep_helper`): the
+        worker's preparation stage calls this when it starts, :meth:`stop_helper` when it
+        ends. Heavier requests than ``prepare_process_bytes`` are prepared there."""
+        if self._process_bytes is None or self._helper is not None:
+            return
+        grammar = None if self._grammars is None else self._grammar_budget
+        self._helper = PrepHelper({
+            "model_path": str(self._path), "vocab_size": self.vocab_size,
+            "stop_ids": sorted(self.eos_ids), "max_model_len": self.max_model_len,
+            "model": self.info["model"], "grammar": grammar, "nice": self._process_nice,
+        })
+        # Grammars are not compiled there: xgrammar 0.2.8's serialize_json of a compiled
+        # 2,000-property schema is 991 MB (149 s), and deserialize_json held the GIL for
+        # 5 s (docs/benchmarks.md); they compile in the worker's threads (GIL released).
+        # Grammars.remote is the hook, for a small grammar or a later xgrammar.
+
+    def stop_helper(self) -> None:
+        helper, self._helper = self._helper, None
+        if self._grammars is not None:
+            self._grammars.remote = None
+        if helper is not None:
+            helper.close()
+
+    def _helper_for(self, prompt) -> PrepHelper | None:
+        """The helper process, when it runs and ``prompt`` is heavy enough for it."""
+        helper = self._helper
+        if helper is None or prompt is None or isinstance(prompt, list):
+            return None
+        assert self._process_bytes is not None
+        return helper if prompt_weight(prompt, self._process_bytes) > self._process_bytes \
+            else None
 
     def add_prepared(self, rid: int, req: _Req) -> int:
         """Queue a request :meth:`prepare` made (the loop's thread; quick)."""
@@ -465,8 +544,10 @@ class TransformersEngine(HFTokenizing):
             self._batch.remove(rows)
 
     def _grammar(self) -> Grammars:
-        """The grammars of this model's tokenizer, made on first use (xgrammar's import and
-        tokenizer analysis cost seconds: only engines that serve response_format pay)."""
+        """The grammars of this model's tokenizer, made at engine start when xgrammar is
+        installed: its import and the tokenizer's analysis hold the GIL for half a second
+        or more, which on the first structured request would stop the step loop (measured:
+        docs/benchmarks.md, "isolation"); a worker that is still starting has no streams."""
         with self._grammar_lock:  # preparation threads: one makes it
             if self._grammars is None:
                 if importlib.util.find_spec("xgrammar") is None:
@@ -482,6 +563,7 @@ class TransformersEngine(HFTokenizing):
         return {"grammars": None if self._grammars is None else self._grammars.statistics()}
 
     def close(self) -> None:
+        self.stop_helper()
         if self._grammars is not None:
             self._grammars.close()
 

@@ -51,6 +51,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from .base import Rejected, one_line
 from .hf_schema_check import unenforced
+from .prep_helper import HelperDied
 from .prepare import DaemonPool
 
 __all__ = [
@@ -147,7 +148,11 @@ class Grammars:
         info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids)
         )
+        self._info = info
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        #: (compile(key) -> the compiled grammar's JSON, bytes): a schema whose key is
+        #: longer is compiled there (the worker's helper process, server.workers.prep_helper)
+        self.remote: tuple | None = None
         self._pool = DaemonPool(COMPILE_THREADS, "grammar")
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[str, Future] = collections.OrderedDict()
@@ -180,6 +185,11 @@ class Grammars:
         future = self._future(key)
         try:
             return future.result(timeout=self.timeout)
+        except HelperDied:  # an engine fault, not the schema's: not cached
+            with self._lock:
+                if self._cache.get(key) is future:
+                    del self._cache[key]
+            raise
         except FutureTimeout:
             with self._lock:
                 self._timeouts += 1
@@ -214,6 +224,13 @@ class Grammars:
             return future
 
     def _compile(self, key: str):
+        remote = self.remote
+        if remote is not None and len(key) > remote[1]:
+            return self._xgr.CompiledGrammar.deserialize_json(remote[0](key), self._info)
+        return self.compile_here(key)
+
+    def compile_here(self, key: str):
+        """Compile ``key`` in this process (a pool thread, or the helper process)."""
         if not key:
             return self._compiler.compile_builtin_json_grammar()
         if key[0] == "{":

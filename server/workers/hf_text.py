@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
+from .base import one_line
 from .stops import StopMatcher
 
-__all__ = ["RequestText", "PROMPT_CONTEXT"]
+__all__ = ["RequestText", "PROMPT_CONTEXT", "load_tokenizer"]
 
 #: How many prompt ids seed the decode stream (enough for any decoder's lookbehind).
 PROMPT_CONTEXT = 4
@@ -95,3 +96,19 @@ def _decode_stream(tokenizer, context: list[int]) -> DecodeStream:
         for token_id in context:
             stream.step(tokenizer, token_id)
         return stream
+
+
+def load_tokenizer(path):
+    """The fast tokenizer of a local model directory, offline: the worker's, and its
+    preparation helper's (:mod:`server.workers.prep_child`, which loads no model)."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise RuntimeError(f"cannot load the tokenizer in {path}: {one_line(exc)}") from None
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise RuntimeError(f"{path} has no fast tokenizer (tokenizer.json), which is required")
+    return tokenizer

@@ -133,9 +133,17 @@ def admit(rid: int, add, accepts: list, outputs: list) -> None:
 
 
 def tokenize_reply(seq, tokenize, request: dict) -> list:
-    """The TOKENIZED message answering TOKENIZE ``seq`` with ``tokenize(request)``."""
+    """The TOKENIZED message answering TOKENIZE ``seq`` with ``tokenize(request)``; a
+    result of more than :data:`wire.SLICE` token ids comes packed already
+    (:func:`wire.pack_sliced`: in the preparation thread, a slice at a time)."""
     try:
-        return [wire.TOKENIZED, seq, tokenize(request), None]
+        result = tokenize(request)
+        if type(result) is wire.Packed:  # from the helper process, packed there
+            return [wire.TOKENIZED, seq, result, None]
+        tokens = result.get("tokens") if type(result) is dict else None
+        if type(tokens) is list and len(tokens) > wire.SLICE:
+            return [wire.TOKENIZED, seq, wire.pack_sliced(result), None]
+        return [wire.TOKENIZED, seq, result, None]
     except Rejected as exc:
         return [wire.TOKENIZED, seq, None, [exc.kind, exc.message]]
     except Exception as exc:
@@ -149,6 +157,9 @@ class Preparer:
 
     def __init__(self, engine, threads: int = PREPARE_THREADS, nice: int = 0) -> None:
         self.engine = engine
+        start = getattr(engine, "start_helper", None)
+        if start is not None:  # its helper process, for the heaviest preparations
+            start()
         self._pool = DaemonPool(threads, "prepare", nice)
         self._wake_r, self._wake_w = os.pipe()
         self._wake_lock = threading.Lock()  # no wake-up write once close() closed the pipe
@@ -223,8 +234,12 @@ class Preparer:
         return replies
 
     def close(self) -> None:
-        """Stop the pool: queued work is dropped; running work is not waited for."""
+        """Stop the pool: queued work is dropped; running work is not waited for. The
+        engine's helper process (if any) is killed."""
         self._pool.shutdown()
+        stop = getattr(self.engine, "stop_helper", None)
+        if stop is not None:
+            stop()
         with self._wake_lock:
             self._closed = True
             os.close(self._wake_r)

@@ -1,0 +1,131 @@
+"""Heavy preparation in the worker's helper process (server/workers/prep_helper.py and
+prep_child.py): the same results as in the worker, and a helper that dies fails only the
+requests it held (an engine fault), is restarted, and leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("xgrammar")
+
+import torch  # noqa: E402
+import trio  # noqa: E402
+
+import server  # noqa: E402
+from server.worker_protocol import wire  # noqa: E402
+from server.workers.base import Rejected  # noqa: E402
+from server.workers.hf import TransformersEngine  # noqa: E402
+from tests.conftest import child_pids, children_of, pid_exists  # noqa: E402
+from tests.test_worker_prepare import json_schema, wide_schema  # noqa: E402
+from tests.tiny_model import build_tiny_model  # noqa: E402
+
+torch.set_num_threads(1)
+
+LIMIT = 600  # seconds: a helper process loads the tokenizer and xgrammar (slow when busy)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("helper") / "tiny-llama")
+
+
+def _generate(engine, params: dict) -> str:
+    engine.add(1, "hello", params)
+    outs: list = []
+    while engine.next_deadline() is not None:
+        outs += engine.step(0.0)
+    return "".join(o[1] for o in outs)
+
+
+def test_the_helper_prepares_as_the_worker_does(model_dir):
+    """Everything through the helper (threshold 0 bytes) against everything here."""
+    here = TransformersEngine(model_path=str(model_dir), max_batch=2, prepare_process=False)
+    there = TransformersEngine(model_path=str(model_dir), max_batch=2, prepare_process_bytes=0)
+    before = child_pids()
+    there.start_helper()
+    # the hook for grammars compiled in the helper (off by default: see start_helper)
+    there._grammars.remote = (there._helper.compile, 0)
+    try:
+        params = {"max_tokens": 24, "temperature": 1.0, "seed": 11,
+                  "response_format": json_schema(wide_schema(3, "q"))}
+        assert _generate(there, params) == _generate(here, params)
+        assert there.statistics()["grammars"]["misses"] == 1
+        chat = {"messages": [{"role": "user", "content": "héllo " * 50}]}
+        assert there.encode(chat) == here.encode(chat)
+        assert there._helper_for(chat) is not None
+        for request in ({"op": "tokenize", "prompt": "x" * 40_000},
+                        {"op": "tokenize", "prompt": "hi there", "add_special_tokens": False},
+                        {"op": "tokenize", "prompt": chat}):
+            packed = there.tokenize(request)
+            assert type(packed) is wire.Packed
+            assert (wire.encode([wire.TOKENIZED, 1, packed, None])
+                    == wire.encode([wire.TOKENIZED, 1, here.tokenize(request), None]))
+        assert len(child_pids() - before) == 1  # the helper process
+        # a client fault in the helper is the same client fault
+        too_long = "a" * (here.max_model_len * 64)
+        with pytest.raises(Rejected, match="maximum context length"):
+            there.prepare(too_long, {"max_tokens": 1})
+    finally:
+        there.close()
+        here.close()
+    assert child_pids() == before
+
+
+def test_small_requests_stay_in_the_worker(model_dir):
+    engine = TransformersEngine(model_path=str(model_dir), max_batch=2)
+    engine.start_helper()
+    try:
+        assert engine._helper_for("hello") is None
+        assert engine._helper_for({"messages": [{"role": "user", "content": "hi"}]}) is None
+        assert engine._helper_for("x" * 40_000) is not None
+        assert isinstance(engine.tokenize({"op": "tokenize", "prompt": "hello"}), dict)
+    finally:
+        engine.close()
+
+
+async def test_a_dead_helper_fails_only_what_it_held(model_dir):
+    """A real worker; its helper is SIGKILLed while it tokenizes a huge prompt: that
+    /tokenize fails with an engine error naming the fault, a stream beside it and the
+    worker go on, and the next heavy request is served by a new helper."""
+    config = server.EngineConfig(
+        engine="transformers",
+        engine_options={"model_path": str(model_dir), "num_threads": 1,
+                        "prepare_process_bytes": 1000,
+                        # not niced: on a saturated machine a niced helper waits minutes
+                        "prepare_process_nice": 0},
+        heartbeat_interval=0.1, heartbeat_timeout=10.0, drain_timeout=5.0,
+        startup_timeout=LIMIT)
+    heavy = {"op": "tokenize", "prompt": "x" * 2_000_000}
+    with trio.fail_after(LIMIT):
+        async with server.open_engine(config) as hf:
+            worker = hf.statistics().workers[0]
+            # a first heavy request: the helper is up (it answered)
+            small = {"op": "tokenize", "prompt": "y" * 2000}
+            assert len((await hf.tokenize(small))["tokens"]) > 0
+            helpers = children_of(worker.pid)
+            assert len(helpers) == 1
+            (helper,) = helpers
+            failed = []
+
+            async def doomed():
+                with pytest.raises(server.EngineError) as info:
+                    await hf.tokenize(heavy)
+                failed.append(str(info.value))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(doomed)
+                await trio.sleep(1.0)  # it is tokenizing (seconds for 2 MB of one word)
+                os.kill(helper, signal.SIGKILL)
+            assert "preparation process died" in failed[0]
+            while pid_exists(helper):
+                await trio.sleep(0.05)
+            assert len((await hf.tokenize(small))["tokens"]) > 0  # a new helper answers
+            assert children_of(worker.pid) - {helper}
+            after = hf.statistics().workers[0]
+            assert (after.pid, after.restarts) == (worker.pid, 0)
+    assert not pid_exists(worker.pid)
