@@ -35,7 +35,7 @@ import trio
 from ..config import EngineConfig
 from ..worker_protocol import handshake, wire
 
-__all__ = ["Link", "SessionEnded", "open_connected", "open_spawned"]
+__all__ = ["Link", "SessionEnded", "kill_group", "open_connected", "open_spawned"]
 
 
 class SessionEnded(Exception):
@@ -125,11 +125,11 @@ class _SpawnedLink(Link):
             proc.kill()
             return f"exited with {await proc.wait()}"
         finally:
-            _kill_group(self.pid)
+            kill_group(self.pid)
             await proc.stdout.aclose()
 
 
-def _kill_group(pgid: int | None) -> None:
+def kill_group(pgid: int | None) -> None:
     """SIGKILL whatever is left in process group ``pgid`` (a worker's, after it exited).
     Linux reserves a pid while a process group of that id has members, so this reaches the
     worker's leftovers or no one."""
