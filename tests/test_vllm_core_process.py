@@ -4,7 +4,8 @@ on vLLM's CPU build, with the tiny model of tests/test_vllm_engine.py.
 One server for the module (``python -m server`` as a real process, one worker whose engine
 core is its child process ``VLLM::EngineCore``), driven over HTTP with the openai SDK and
 raw sockets. The same requests as in-process must behave the same (streams, the abort, the
-context refusal, vLLM's metrics, priorities); then the two ways a process dies: the engine
+context refusal, vLLM's metrics, priorities, LoRA adapters at start-up and loaded at run
+time: vLLM's LoRA calls cross to the core process); then the two ways a process dies: the engine
 core SIGKILLed (the worker notices, its streams end with an error and ``[DONE]``, it is
 replaced, ``/health`` says so meanwhile), and the worker SIGKILLed (its engine core does not
 outlive it). Two model loads, and the start of a third that the module's end stops.
@@ -32,7 +33,13 @@ import openai  # noqa: E402
 from tests.conftest import children_of, pid_exists  # noqa: E402
 from tests.test_vllm_engine import (  # noqa: E402
     CONTEXT, MODEL, SHAPE, STARTUP, Server, _open_stream, _prompts, _totals)
+from tests.tiny_lora import build_tiny_lora  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
+
+
+#: Seconds for a model load: two vLLM processes start, the core compiles (more than
+#: test_vllm_engine.py's STARTUP on a loaded 2-core machine).
+STARTUP_HERE = 3 * STARTUP
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +48,19 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    s = Server(model_dir, "--engine-core", "process", "--scheduling-policy", "priority")
+def lora_dir(tmp_path_factory, model_dir):
+    root = tmp_path_factory.mktemp("loras")
+    build_tiny_lora(model_dir, root / "a", seed=1)
+    build_tiny_lora(model_dir, root / "b", seed=2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, lora_dir):
+    s = Server(model_dir, "--engine-core", "process", "--scheduling-policy", "priority",
+               "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+               "--lora-modules", f"ad-a={lora_dir / 'a'}", "--allow-runtime-lora",
+               "--lora-dir", str(lora_dir), startup=STARTUP_HERE)
     yield s
     s.stop()
 
@@ -94,6 +112,16 @@ def test_requests_behave_as_with_the_core_in_the_worker(server, client):
                                            temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in stream if c.choices) == r.choices[0].text
         assert r.usage.completion_tokens == 24
+    # LoRA adapters: the one loaded at start-up, one loaded now (vLLM's add_lora, a call
+    # into the core process); each changes the text, the same on every call
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "ad-b",
+                                                               "lora_path": "b"}, timeout=120)
+    assert r.status_code == 200, r.text
+    texts = {model: [client.completions.create(model=model, prompt=prompts[0], max_tokens=16,
+                                               temperature=0).choices[0].text
+                     for _ in range(2)] for model in (MODEL, "ad-a", "ad-b")}
+    assert all(a == b for a, b in texts.values()), texts
+    assert len({a for a, _ in texts.values()}) == 3, texts
     # vLLM's own statistics reach the metrics (through the stat logger, in the worker)
     totals = _totals(httpx.get(server.url + "/metrics").text)
     assert totals["trio_llm:iteration_tokens_total_count"] > 0
@@ -128,7 +156,7 @@ def test_a_killed_engine_core_ends_its_streams_and_the_worker_is_replaced(server
     _until(lambda: worker not in server.workers(), 120, "the worker did not exit")
     _until(lambda: httpx.get(server.url + "/health").status_code == 503, 120,
            "/health did not report the worker down")
-    server.wait_ready(STARTUP)
+    server.wait_ready(STARTUP_HERE)
     assert httpx.get(server.url + "/health").status_code == 200
     (replacement,) = server.workers()
     assert replacement != worker and not pid_exists(core) and _core_of(replacement) != core
