@@ -89,9 +89,9 @@ def _until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def _events(sock) -> list[bytes]:
-    """The rest of a raw SSE response on ``sock``, as its ``data:`` payloads."""
-    data = b""
+def _events(sock, data: bytes) -> list[bytes]:
+    """A raw SSE response, ``data`` and the rest of it on ``sock``, as its ``data:``
+    payloads."""
     while not data.endswith(b"0\r\n\r\n"):
         more = sock.recv(65536)
         assert more, data[-300:]
@@ -148,7 +148,7 @@ def test_a_killed_engine_core_ends_its_streams_and_the_worker_is_replaced(server
     while data.count(b"data: ") < 2:
         data += sock.recv(65536)
     os.kill(core, signal.SIGKILL)
-    events = re.findall(rb"data: (.*?)\n\n", data) + _events(sock)[data.count(b"data: "):]
+    events = _events(sock, data)
     assert events[-1] == b"[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["message"] == "vLLM failed: its engine core process died", error

@@ -142,7 +142,10 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, "".join(self.lines[-20:])
-            r = httpx.get(self.url + "/ready")
+            try:
+                r = httpx.get(self.url + "/ready", timeout=30)
+            except httpx.TimeoutException:  # (a loaded machine; the deadline still holds)
+                continue
             if r.status_code == 200 and r.json().get("status") == "ready":
                 return
             time.sleep(0.2)
