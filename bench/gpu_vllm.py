@@ -17,8 +17,10 @@ the two servers' startup):
    (tests/tiny_model.py), padded with added tokens to the model's vocabulary so that every
    id a random model emits decodes. The text is gibberish; the work per token is the real
    model's. ``--tiny``: the test model (hidden 256, 2 layers, vocabulary 1000) in float32.
-2. Each server in turn, with the same engine arguments (``--engine``, JSON): ours
-   (``python -m server --engine vllm``, every argument as ``--engine-arg``), then vLLM's
+2. Each server in turn (``--servers``), with the same engine arguments (``--engine``, JSON):
+   ours (``python -m server --engine vllm``, every argument as ``--engine-arg``) with vLLM's
+   engine core in the worker process (``ours``, the default) and in a process of its own
+   (``ours-process``: ``--engine-core process``, as vLLM's server runs it), then vLLM's
    (``python -m vllm.entrypoints.openai.api_server``, what ``vllm serve`` runs: its console
    script is not used).
 3. At each concurrency (``--concurrency``, default 1,64,256) the same closed-loop streaming
@@ -29,7 +31,8 @@ the two servers' startup):
 Printed per server and concurrency: delivered tokens/s, TTFT p50/p90/p99, inter-token
 latency p50/p90/p99 (the client's gaps between content events: one token each for both
 servers, at their defaults), GPU utilisation (mean and p50 of the samples; none without
-``nvidia-smi``), the frontend's CPU per token; then per concurrency the ratio ours/vLLM of
+``nvidia-smi``), the frontend's CPU per token; then per concurrency and per ``ours*``
+server the ratio ours/vLLM of
 tokens/s and of ITL p50 (the target: tokens/s >= 1.0 and ITL p50 <= 1.0 at 64 and 256). The
 last line of stdout is one JSON object. Server logs: $TMPDIR/gpu_vllm_<server>.log.
 """
@@ -215,7 +218,7 @@ def run_server(kind: str, model: str, args) -> list[dict]:
 
 
 def _row(r: dict) -> str:
-    return (f"{r['server']:>5} c={r['concurrency']:<4} tok/s={r['delivered_tokens_per_s']!s:>9} "
+    return (f"{r['server']:>12} c={r['concurrency']:<4} tok/s={r['delivered_tokens_per_s']!s:>9} "
             f"ttft p50/p90/p99 ms={r['ttft_p50_ms']}/{r['ttft_p90_ms']}/{r['ttft_p99_ms']} "
             f"itl p50/p90/p99 ms={r['gap_p50_ms']}/{r['gap_p90_ms']}/{r['gap_p99_ms']} "
             f"gpu%={r['gpu_util_mean']} frontend_us/tok={r['frontend_cpu_us_per_token']} "
@@ -228,15 +231,15 @@ def _ratio(ours: dict, theirs: dict, key: str) -> float | None:
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per concurrency: ours over vLLM's tokens/s, and ITL p50 (both servers measured)."""
+    """Per concurrency and each of our servers (``ours``, ``ours-process``): ours over
+    vLLM's tokens/s, and ITL p50 (both servers measured)."""
     by = {(r["server"], r["concurrency"]): r for r in rows}
     out = []
     for (server, c), ours in sorted(by.items(), key=lambda kv: kv[0][1]):
         theirs = by.get(("vllm", c))
-        if server != "ours" or theirs is None:
+        if not server.startswith("ours") or theirs is None:
             continue
-
-        out.append({"concurrency": c,
+        out.append({"server": server, "concurrency": c,
                     "tokens_per_s_ratio": _ratio(ours, theirs, "delivered_tokens_per_s"),
                     "itl_p50_ratio": _ratio(ours, theirs, "gap_p50_ms"),
                     "ttft_p50_ratio": _ratio(ours, theirs, "ttft_p50_ms")})
@@ -266,7 +269,7 @@ def main(argv=None) -> int:
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--servers", default="ours,vllm")
+    p.add_argument("--servers", default="ours,ours-process,vllm")
     p.add_argument("--engine", type=json.loads,
                    help="engine arguments for both servers, as JSON (default: GPU_ENGINE, or "
                    "CPU_ENGINE with --tiny)")
@@ -298,7 +301,7 @@ def main(argv=None) -> int:
             rows += run_server(kind, model, args)
     summary = ratios(rows)
     for r in summary:
-        print(f"c={r['concurrency']:<4} ours/vllm tokens/s={r['tokens_per_s_ratio']} "
+        print(f"c={r['concurrency']:<4} {r['server']}/vllm tokens/s={r['tokens_per_s_ratio']} "
               f"itl_p50={r['itl_p50_ratio']} ttft_p50={r['ttft_p50_ratio']}")
     print(json.dumps({"device": device, "model": args.shape or args.model_path or "tiny",
                       "engine": args.engine, "max_tokens": args.max_tokens,

@@ -12,6 +12,8 @@ so every request makes exactly ``--max-tokens`` tokens), at each concurrency of
   vLLM's own granularity (``--stream-interval-ms 0``);
 * ``ours-20``: the same with ``--stream-interval-ms 20`` (the default before issue 15:
   tokens merged into an event at most every 20 ms);
+* ``ours-process``: ours with ``--engine-core process``: vLLM's engine core in a process
+  of its own beside the worker, as vLLM's server runs it (issue 28 item 2);
 * ``vllm``: vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``, what
   ``vllm serve`` runs) at its defaults.
 
@@ -73,6 +75,8 @@ def _server_cmd(kind: str, model: str, port: int, engine: dict) -> list[str]:
         cmd += ["--engine-arg", f"{key}={json.dumps(value) if isinstance(value, bool) else value}"]
     if kind == "ours-20":
         cmd += ["--stream-interval-ms", "20"]
+    if kind == "ours-process":
+        cmd += ["--engine-core", "process"]
     return cmd
 
 

@@ -78,6 +78,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, spawned: bool) -> None:
                    default=None,
                    help="vLLM's automatic prefix caching (default: vLLM's, on); hits are "
                    "reported as usage.prompt_tokens_details.cached_tokens")
+    g.add_argument("--engine-core", choices=["worker", "process"], default=None,
+                   help="where vLLM's engine core runs: in the worker process (default), or "
+                   "as vLLM's own busy-looping process beside it (as vllm serve runs it: "
+                   "the next step runs while the worker turns the last one into text and "
+                   "serves its pipe; see docs/vllm.md)")
     for flag, kwargs, text in VLLM_FLAGS:
         g.add_argument(flag, default=None, **kwargs, help=f"vLLM's {flag}: {text}")
     g.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", default=None,
@@ -196,7 +201,8 @@ ENGINE_DESTS = (
     "gpu_memory_utilization", "enable_prefix_caching", "engine_arg", "devices_per_worker",
     "sim_itl_ms", "sim_ttft_ms", "sim_prefill_us_per_token", "sim_max_batch",
     "sim_reasoning_tokens", "sim_faults", "sim_prefix_cache_tokens", "sim_prefix_block_size",
-    "revision", "lora_modules", "allow_runtime_lora", "lora_dir", *_VLLM_FLAG_DESTS,
+    "revision", "lora_modules", "allow_runtime_lora", "lora_dir", "engine_core",
+    *_VLLM_FLAG_DESTS,
 )
 
 #: Engine options, and the engines that honour them: given with another engine, they are
@@ -215,6 +221,7 @@ _ENGINE_ONLY = {
     "lora_modules": ("vllm",),
     "allow_runtime_lora": ("vllm",),
     "lora_dir": ("vllm",),
+    "engine_core": ("vllm",),
     **{dest: ("vllm",) for dest in _VLLM_FLAG_DESTS},
 }
 
@@ -363,6 +370,7 @@ def _vllm_options(args: argparse.Namespace, prog: str) -> dict:
         ("gpu_memory_utilization", args.gpu_memory_utilization),
         ("enable_prefix_caching", args.enable_prefix_caching),
         ("grammar_max_bytes", args.grammar_max_bytes),
+        ("engine_core", args.engine_core),
     ):
         if value is not None:
             options[key] = value

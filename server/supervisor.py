@@ -40,7 +40,8 @@ Theory of operation
 No child outlives the supervisor: each is started in its own process group (a Ctrl-C
 reaches the supervisor only, which decides) with a parent-death signal (``prctl
 PR_SET_PDEATHSIG``: SIGKILL when the supervisor dies, even of SIGKILL), and whatever is
-left when the supervisor ends is killed. Children are started from the Trio thread itself,
+left when the supervisor ends is killed, with what is left of its process group (what a
+worker started: vLLM's engine core). Children are started from the Trio thread itself,
 not with ``trio.lowlevel.open_process``: that forks from a worker thread, and the
 parent-death signal fires when the *thread* that forked exits (Trio's idle threads do).
 A child's exit is awaited on its pidfd.
@@ -67,6 +68,7 @@ from .config import ServerConfig
 from .connections.accept import ListenError, open_sockets
 from .http.serve import hypercorn_config
 from .observability.group import peer_socket
+from .manager.transport import kill_group
 from .private_dir import make_private_directory, remove_stale_directories
 from .supervisor_plan import Plan, Restarts, plan
 
@@ -128,6 +130,7 @@ class Child:
             if self.popen.poll() is None:
                 self.popen.kill()
                 await self.wait()
+            kill_group(self.pid)  # what it started and left (vLLM's engine core)
             trio.lowlevel.notify_closing(self._pidfd)
             os.close(self._pidfd)
 

@@ -15,6 +15,7 @@ import functools
 import gc
 import os
 import signal
+import sys
 
 import pytest
 import trio
@@ -23,6 +24,7 @@ import server
 from server import SamplingParams
 from server.worker_protocol import wire
 from tests import fakes as scenarios
+from tests.conftest import pid_exists
 from tests.fakes import (
     all_outputs,
     assert_engine_idle,
@@ -335,6 +337,29 @@ async def test_sigkilled_worker_ends_every_request_and_the_worker_restarts():
             results = await _three_requests(engine, LONG, kill)
             await _check_died_and_restarted(engine, spawn, results, "exited")
             assert spawn.processes[0].returncode == -signal.SIGKILL
+
+
+async def test_a_sigkilled_worker_leaves_no_process_it_started(tmp_path):
+    """What a worker starts (vLLM's engine core) stays in the worker's process group, which
+    the frontend kills once the worker is gone: here a ``sleep`` the worker's interpreter
+    wrapper leaves behind, as a process without a parent-death signal of its own."""
+    pids = tmp_path / "pids"
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nsleep 600 </dev/null >/dev/null 2>&1 &\necho $! >> {pids}\n"
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    with trio.fail_after(LIMIT):
+        async with open_real_engine(config(python=str(python))) as (engine, spawn):
+            (first,) = map(int, pids.read_text().split())
+            assert pid_exists(first)
+            os.kill(engine.statistics().workers[0].pid, signal.SIGKILL)
+            await wait_for(lambda: not pid_exists(first), timeout=10)
+            await wait_for(lambda: engine.statistics().workers[0].restarts == 1
+                           and engine.statistics().workers_alive == 1, timeout=10)
+            second = int(pids.read_text().split()[1])
+            assert pid_exists(second)
+        # a worker stopped at the end (its pipe closed) takes its leftovers with it too
+        await wait_for(lambda: not pid_exists(second), timeout=10)
 
 
 async def test_hung_worker_is_detected_stopped_and_replaced():

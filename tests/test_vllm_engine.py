@@ -112,7 +112,7 @@ def reference(model_dir):
 class Server:
     """``python -m server --engine vllm`` as a child process; ``url``, ``proc``."""
 
-    def __init__(self, model_dir, *extra: str) -> None:
+    def __init__(self, model_dir, *extra: str, startup: float = STARTUP) -> None:
         cmd = [sys.executable, "-m", "server", "--engine", "vllm", "--model-path",
                str(model_dir), "--port", "0", "--max-model-len", str(CONTEXT),
                "--dtype", "float32", "--engine-arg", "kv_cache_memory_bytes=67108864",
@@ -131,14 +131,21 @@ class Server:
                     found.set()
 
         threading.Thread(target=read, daemon=True).start()
-        assert found.wait(60), "".join(self.lines[-20:])
-        self.wait_ready()
+        try:
+            assert found.wait(60), "".join(self.lines[-20:])
+            self.wait_ready(startup)
+        except BaseException:  # (a server that did not come up is not left behind)
+            self.stop()
+            raise
 
     def wait_ready(self, timeout: float = STARTUP) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, "".join(self.lines[-20:])
-            r = httpx.get(self.url + "/ready")
+            try:
+                r = httpx.get(self.url + "/ready", timeout=30)
+            except httpx.TimeoutException:  # (a loaded machine; the deadline still holds)
+                continue
             if r.status_code == 200 and r.json().get("status") == "ready":
                 return
             time.sleep(0.2)

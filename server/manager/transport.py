@@ -13,14 +13,21 @@ A session (see :mod:`server.manager.worker`) does, whatever the transport::
 
 *Spawned*: the process's stdout/stdin; the handshake waits for HELLO; closing closes the
 pipe, then SIGTERM, then SIGKILL, each after ``shutdown_grace`` (the worker exits when its
-pipe closes). *Connected*: a TCP or unix socket, TLS when ``worker_tls_ca`` is set; the
-handshake is the challenge-response of :mod:`server.worker_protocol.handshake`, then HELLO;
-closing closes the socket at once (the worker aborts this connection's requests). A
-connected worker is not ours to stop.
+pipe closes); then SIGKILL to what is left of the worker's process group (it was started
+as a group leader): processes the worker started and could not stop, because it was
+SIGKILLed or they would not stop (vLLM's engine core process has no parent-death
+handling of its own), never outlive it.
+
+*Connected*: a TCP or unix socket, TLS when ``worker_tls_ca`` is set; the handshake is the
+challenge-response of :mod:`server.worker_protocol.handshake`, then HELLO; closing closes
+the socket at once (the worker aborts this connection's requests). A connected worker is
+not ours to stop.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import ssl
 
 import trio
@@ -28,7 +35,7 @@ import trio
 from ..config import EngineConfig
 from ..worker_protocol import handshake, wire
 
-__all__ = ["Link", "SessionEnded", "open_connected", "open_spawned"]
+__all__ = ["Link", "SessionEnded", "kill_group", "open_connected", "open_spawned"]
 
 
 class SessionEnded(Exception):
@@ -118,7 +125,20 @@ class _SpawnedLink(Link):
             proc.kill()
             return f"exited with {await proc.wait()}"
         finally:
+            kill_group(self.pid)
             await proc.stdout.aclose()
+
+
+def kill_group(pgid: int | None) -> None:
+    """SIGKILL whatever is left in process group ``pgid`` (a worker's, after it exited).
+    Linux reserves a pid while a process group of that id has members, so this reaches the
+    worker's leftovers or no one."""
+    if pgid is None or pgid <= 1:  # (not a process: an in-memory test worker)
+        return
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 async def open_spawned(config: EngineConfig, spawn) -> Link:

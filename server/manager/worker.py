@@ -55,7 +55,11 @@ class WorkerStartupError(EngineError):
 
 
 async def spawn_process(config: EngineConfig) -> trio.Process:
-    """Start a worker process with its protocol on stdin/stdout (stderr is inherited).
+    """Start a worker process with its protocol on stdin/stdout (stderr is inherited), in a
+    process group of its own: a Ctrl-C in the terminal reaches the frontend only (which
+    decides how its workers stop), and what the worker starts (vLLM's engine core and
+    tensor-parallel workers) stays in that group, which the link kills when the worker is
+    gone (:mod:`server.manager.transport`).
 
     This is the default ``spawn`` of :class:`WorkerClient`. A replacement (tests use one
     over in-memory streams) returns an object with the same parts of :class:`trio.Process`:
@@ -63,7 +67,8 @@ async def spawn_process(config: EngineConfig) -> trio.Process:
     ``terminate()`` and ``kill()``.
     """
     cmd = [config.python, "-m", "server.workers", json.dumps(config.worker_argument())]
-    return await trio.lowlevel.open_process(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    return await trio.lowlevel.open_process(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            process_group=0)
 
 
 #: The answer of a ping whose worker went away first.

@@ -19,6 +19,10 @@ and optionally::
     engine_stats() -> dict | None           the engine's own statistics, sent with each PONG
                                             (wire.ENGINE_STATS: the vllm engine's KV-cache
                                             usage, preemptions, tokens per step)
+    wakeup_fd() -> int | None               a descriptor that turns readable when step()
+                                            has work (an engine whose model runs in another
+                                            process: vLLM's engine core); the loop waits on
+                                            it beside its pipe
 
 ``prompt`` is a string, a list of token ids, or ``{"messages": [...]}`` for chat. ``step`` may
 take as long as the engine's real work takes: the loop reads the pipe between steps.

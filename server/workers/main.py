@@ -9,7 +9,8 @@ Theory of operation
 -------------------
 One thread, one loop::
 
-    wait for pipe input or a finished preparation, at most until engine.next_deadline()
+    wait for pipe input, a finished preparation or the engine's wakeup_fd, at most until
+        engine.next_deadline()
     handle every complete message (submit, abort, ping, tokenize, shutdown)
     admit the requests prepared meanwhile (server.workers.prepare)
     if the deadline has passed: outputs += engine.step(now)
@@ -164,6 +165,10 @@ def _serve(engine, preparer: Preparer | None, fd_in: int, fd_out: int) -> None:
     # select(2) takes a timeout in microseconds, epoll in whole milliseconds (rounded up): a
     # sim engine's first token would be up to 1 ms late. Two descriptors: select is as cheap.
     fds = [fd_in] if preparer is None else [fd_in, preparer.fileno()]
+    wakeup = getattr(engine, "wakeup_fd", None)  # (an engine whose work runs elsewhere)
+    engine_fd = wakeup() if wakeup is not None else None
+    if engine_fd is not None:
+        fds.append(engine_fd)
     small = max(fds) < 1024
     selector = selectors.SelectSelector() if small else selectors.DefaultSelector()
     for fd in fds:

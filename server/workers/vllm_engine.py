@@ -11,13 +11,27 @@ Example (what a worker process does with ``--engine vllm --model-path DIR``)::
 
 Theory of operation
 -------------------
-Sans-IO and synchronous, like every engine (:mod:`server.workers.base`). vLLM's synchronous
-``LLMEngine`` runs with its engine core *in this process* (no ZMQ hop to a second process):
-:meth:`add` is ``add_request``, :meth:`abort` is ``abort_request`` (the request is gone from
-vLLM's scheduler before it returns), :meth:`step` is one ``LLMEngine.step`` (one scheduler
-step: a batch of prefills and decodes), and the worker loop serves its pipe between steps.
-Where vLLM starts processes of its own (tensor parallelism), they are children of this
-worker: :meth:`close` shuts them down, and vLLM's workers also exit when this process dies.
+Sans-IO and synchronous, like every engine (:mod:`server.workers.base`), around vLLM's
+synchronous ``LLMEngine``. :meth:`add` is ``add_request``, :meth:`abort` is
+``abort_request`` (the request is gone from vLLM's output processor, which turns the
+core's tokens into text, before it returns, so no output of it reaches the frontend
+after the abort's), and the worker loop serves its pipe between steps. Where the engine
+core runs is the ``engine_core`` option:
+
+- ``"worker"`` (the default): in this process (LLMEngine's in-process client, no ZMQ hop):
+  :meth:`step` is one ``LLMEngine.step`` (one scheduler step: a batch of prefills and
+  decodes, then its outputs' text), and the pipe waits while the model runs;
+- ``"process"``: vLLM's own busy-looping engine core process (its multiprocess client, as
+  ``vllm serve`` runs it): the core schedules and runs the next step while this process
+  turns the last one's tokens into text and serves the pipe. :meth:`step` takes every
+  output the core has sent (:mod:`server.workers.vllm_core`: the loop waits on
+  :meth:`wakeup_fd` beside its pipe; it never blocks in ``LLMEngine.step``), and a core
+  that dies fails every held request (:class:`EngineBroken`).
+
+Where vLLM starts processes of its own (the engine core, tensor-parallel workers), they
+are descendants of this worker: :meth:`close` shuts them down; the frontend starts each
+worker in a process group of its own and kills what is left of the group when the worker
+is gone, even SIGKILLed (:mod:`server.manager.transport`).
 
 What the frontend sends, this module turns into vLLM's terms:
 
@@ -51,6 +65,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import select
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,15 +82,21 @@ from .base import (
 from .hub import model_files
 from .resume import resume_of
 from .vllm_resume import ResumedText, detokenizer_class, not_resumable
+from .vllm_core import LIVENESS
 from .vllm_stats import VLLMStats, cache_config_info
 
 from .hf_grammar import MAX_SCHEMA_BYTES, constraint_key
 
-__all__ = ["VLLMEngine", "VLLM_SAMPLING"]
+__all__ = ["ENGINE_CORES", "VLLMEngine", "VLLM_SAMPLING"]
+
+#: Where vLLM's engine core runs (the ``engine_core`` option; see the module docstring).
+ENGINE_CORES = ("worker", "process")
 
 #: Environment defaults set when an engine is built, before vLLM is imported (each can be
-#: overridden from the environment): the engine core in this process (LLMEngine's
-#: in-process client), offline, and vLLM's log at WARNING rather than INFO.
+#: overridden from the environment): vLLM's client chosen by the ``engine_core`` option, not
+#: by this variable (with ``"process"``, the engine core then runs the model itself, as on
+#: a GPU, rather than in a third process: vLLM's CPU build moves the model to an executor
+#: process when it is 1), offline, and vLLM's log at WARNING rather than INFO.
 ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_LOGGING_LEVEL": "WARNING",
@@ -117,8 +139,10 @@ def _torchvision_guard() -> None:
 
 
 def _build_engine(model_path: str | None, named: dict, engine_args: dict,
-                  revision: str | None = None, stat_loggers: list | None = None):
-    """vLLM's ``LLMEngine`` (engine core in this process); exceptions carry one clear line."""
+                  revision: str | None = None, stat_loggers: list | None = None,
+                  multiprocess: bool = False):
+    """vLLM's ``LLMEngine`` (its engine core in this process, or with ``multiprocess`` in a
+    process of its own); exceptions carry one clear line."""
     if not model_path:
         raise ValueError("the vllm engine needs model_path (--model-path DIR)")
     # A hub id is resolved here (vLLM would download it too, but our errors are one line).
@@ -154,7 +178,8 @@ def _build_engine(model_path: str | None, named: dict, engine_args: dict,
     kwargs["model"] = str(path)
     kwargs.setdefault("served_model_name", hub_id or path.resolve().name)
     try:
-        return LLMEngine.from_engine_args(EngineArgs(**kwargs), enable_multiprocessing=False,
+        return LLMEngine.from_engine_args(EngineArgs(**kwargs),
+                                          enable_multiprocessing=multiprocess,
                                           stat_loggers=stat_loggers)
     except Exception as exc:
         raise RuntimeError(f"vLLM could not start: {one_line(exc)}") from None
@@ -187,8 +212,11 @@ class VLLMEngine(HFTokenizing):
     named ones are vLLM's engine arguments of the same meaning (``max_batch`` is
     ``max_num_seqs``), ``engine_args`` any other ``vllm.EngineArgs`` field.
 
-    ``llm_engine``: serve an ``LLMEngine`` built by the caller (with its engine core in
-    process) instead of building one; the other options are then not used.
+    ``engine_core``: where vLLM's engine core runs, ``"worker"`` or ``"process"`` (see
+    the module docstring).
+
+    ``llm_engine``: serve an ``LLMEngine`` built by the caller instead of building one; the
+    other options are then not used.
     """
 
     def __init__(
@@ -210,7 +238,11 @@ class VLLMEngine(HFTokenizing):
         lora_modules: dict | None = None,
         allow_runtime_lora: bool = False,
         lora_dir: str | None = None,
+        engine_core: str = "worker",
     ) -> None:
+        if engine_core not in ENGINE_CORES:
+            raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORES)}, not "
+                             f"{engine_core!r}")
         if grammar_max_bytes < 1:
             raise ValueError("grammar_max_bytes must be positive")
         self.grammar_max_bytes = grammar_max_bytes
@@ -229,7 +261,20 @@ class VLLMEngine(HFTokenizing):
                 "served_model_name": model,
             }
             self._llm = _build_engine(model_path, named, engine_args or {}, revision,
-                                      [self._stats.logger_factory()])
+                                      [self._stats.logger_factory()],
+                                      multiprocess=engine_core == "process")
+        #: With the engine core in a process of its own: its outputs' readiness, and when to
+        #: ask next whether it is alive (while requests are held and it is silent).
+        self._core = None
+        self._check_at = 0.0
+        if getattr(self._llm.engine_core, "outputs_queue", None) is not None:
+            from .vllm_core import CoreProcess
+
+            try:
+                self._core = CoreProcess(self._llm)
+            except Exception:
+                self._llm.engine_core.shutdown()
+                raise
         import vllm
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -261,6 +306,8 @@ class VLLMEngine(HFTokenizing):
             "dtype": str(config.model_config.dtype).removeprefix("torch."),
             "device": str(config.device_config.device_type),
             "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+            "engine_core": "worker" if self._core is None else "process",
+            "async_scheduling": bool(config.scheduler_config.async_scheduling),
             "prefix_caching": self.prefix_caching,
             "max_batch": self.max_batch,
             "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs", "tools",
@@ -406,7 +453,17 @@ class VLLMEngine(HFTokenizing):
         return True
 
     def next_deadline(self) -> float | None:
-        return 0.0 if self._held else None
+        core = self._core
+        if core is None:
+            return 0.0 if self._held else None
+        if core.pending():  # (also with nothing held: the core's last words are taken)
+            return 0.0
+        return self._check_at if self._held else None
+
+    def wakeup_fd(self) -> int | None:
+        """With the engine core in a process of its own: readable when it sent outputs
+        (the loop waits on it beside its pipe)."""
+        return None if self._core is None else self._core.fileno()
 
     def running(self) -> int:
         """As of vLLM's latest step (without its statistics: every request held)."""
@@ -427,9 +484,29 @@ class VLLMEngine(HFTokenizing):
             self._stats.idle()
         return self._stats.statistics()
 
+    def _outputs(self) -> list:
+        """One ``LLMEngine.step``; with the engine core in a process of its own, one per
+        output it has sent (none if none: never blocks)."""
+        core = self._core
+        if core is None:
+            return self._llm.step()
+        died = RuntimeError("its engine core process died")  # (vLLM says "EngineDeadError")
+        if not core.alive():
+            raise died
+        self._check_at = time.monotonic() + LIVENESS
+        results: list = []
+        try:
+            for _ in range(core.pending()):
+                results.extend(self._llm.step())
+        except Exception:
+            if not core.alive():
+                raise died from None
+            raise
+        return results
+
     def step(self, now: float) -> list[OutputRow]:
         try:
-            results = self._llm.step()
+            results = self._outputs()
         except Exception as exc:
             message = f"vLLM failed: {one_line(exc)}"
             failed = [OutputRow(r, "", 0, "error", ["engine_error", message]) for r in self._held]
@@ -491,6 +568,8 @@ class VLLMEngine(HFTokenizing):
         core = getattr(self._llm, "engine_core", None)
         if core is not None:
             core.shutdown()
+        if self._core is not None:
+            self._core.close()
 
     # -- requests in vLLM's terms -----------------------------------------------------------
 
@@ -598,7 +677,9 @@ class VLLMEngine(HFTokenizing):
                                   self.sampling_params(probes[0], 2),
                                   lora_request=adapters.use(-1, names[0]))
         while self._llm.has_unfinished_requests():
-            self._llm.step()
+            self._outputs()
+            if self._core is not None and not self._core.pending():
+                select.select([self._core.fileno()], [], [], LIVENESS)
         if adapters is not None and names:
             adapters.release(-1)
         self._stats.reset()
