@@ -81,7 +81,9 @@ async def listening_worker(
     startup: float = 20.0,
 ):
     log = tmp_path / f"{name}.log"
-    cmd = [*prefix, sys.executable, "-m", "server.workers", "--listen", listen, *FAST_ARGS, *args]
+    engine = args[args.index("--engine") + 1] if "--engine" in args else "sim"
+    fast = FAST_ARGS if engine == "sim" else []  # (--sim-* with another engine is refused)
+    cmd = [*prefix, sys.executable, "-m", "server.workers", "--listen", listen, *fast, *args]
     if netns is not None:
         cmd = ["ip", "netns", "exec", netns, *cmd]
     err = log.open("wb")  # noqa: ASYNC230 (a local file, before the process exists)
