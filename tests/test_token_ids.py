@@ -207,3 +207,44 @@ async def test_the_sim_refuses_return_token_ids_by_name():
             await client_of(url).completions.create(
                 model="sim", prompt="hi", max_tokens=2, extra_body={"return_token_ids": True})
     assert info.value.body["param"] == "return_token_ids"
+
+
+async def test_truncate_prompt_tokens_keeps_the_side_asked(model_dir, tokenizer):
+    # vLLM's test_completion_truncation_side_controls_prompt_truncation, and its chat
+    ids = list(range(5, 13))
+    chat_ids = tokenizer(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True,
+                                                       tokenize=False),
+                         add_special_tokens=False)["input_ids"]
+    with trio.fail_after(LIMIT):
+        async with running_server(hf_config(model_dir)) as url:
+            client = client_of(url)
+            for side, expected in ((None, ids[-4:]), ("left", ids[-4:]), ("right", ids[:4])):
+                extra = {"return_token_ids": True, "truncate_prompt_tokens": 4}
+                if side is not None:
+                    extra["truncation_side"] = side
+                done = await client.completions.create(model=MODEL, prompt=ids, max_tokens=1,
+                                                       temperature=0, extra_body=extra)
+                assert done.choices[0].prompt_token_ids == expected, side
+                assert done.usage.prompt_tokens == 4
+            chat = await client.chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=1, temperature=0,
+                extra_body={"return_token_ids": True, "truncate_prompt_tokens": 3})
+            assert chat.prompt_token_ids == chat_ids[-3:]
+            # -1: the context less one token for the output, even for a prompt past it
+            context = json.loads((model_dir / "config.json").read_text())[
+                "max_position_embeddings"]
+            done = await client.completions.create(
+                model=MODEL, prompt=[7] * (context + 50), max_tokens=1, temperature=0,
+                extra_body={"truncate_prompt_tokens": -1})
+            assert done.usage.prompt_tokens == context - 1
+            for extra, param in (({"truncate_prompt_tokens": context + 1}, None),
+                                 ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+                                 ({"truncate_prompt_tokens": 2, "truncation_side": "middle"},
+                                  "truncation_side")):
+                with pytest.raises(openai.BadRequestError) as refused:
+                    await client.completions.create(model=MODEL, prompt=ids, max_tokens=1,
+                                                    extra_body=extra)
+                error = refused.value.body
+                assert error["param"] == param, error
+                if param is None:
+                    assert "cannot be greater than" in error["message"]

@@ -462,7 +462,19 @@ _ENGINE_SAMPLING = {
     "return_token_ids": lambda d, lim: _bool(d, "return_token_ids", None),
     "return_tokens_as_token_ids": lambda d, lim: _bool(d, "return_tokens_as_token_ids", None),
     "prompt_logprobs": lambda d, lim: _prompt_logprobs(d),
+    "truncate_prompt_tokens": lambda d, lim: _int(d, "truncate_prompt_tokens", None, -1,
+                                                  2**63 - 1),
+    "truncation_side": lambda d, lim: _choice(d, "truncation_side", ("left", "right")),
 }
+
+
+def _choice(data: dict, name: str, values: tuple):
+    """One of ``values`` (a string), or None when not given."""
+    value = data.get(name)
+    if value is not None and value not in values:
+        raise ClientError(f"'{name}' must be one of: {', '.join(map(repr, values))}.",
+                          param=name)
+    return value
 
 
 def _prompt_logprobs(data: dict) -> int | None:
@@ -736,6 +748,8 @@ def parse_completion(
         data, limits, served_model, chat=False, engine_fields=fields, engine_info=engine_info
     )
     max_model_len = (engine_info or {}).get("max_model_len")
+    if "truncate_prompt_tokens" in common["params"].extra:
+        max_model_len = None  # (a token-id prompt past the context may be cut to fit)
     prompts = _prompts(data, limits, common["params"].max_tokens,
                        max_model_len if isinstance(max_model_len, int) else None)
     echo = _bool(data, "echo", False)

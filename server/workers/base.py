@@ -37,7 +37,8 @@ from ..params import context_error
 __all__ = [
     "Engine", "EngineBroken", "HFTokenizing", "Rejected", "WorkerCrash", "WorkerGarbage",
     "WorkerHang",
-    "check_context", "encode_prompt", "encode_text", "finite_logprob", "one_line", "tokenize_request",
+    "TRUNCATION_FIELDS", "check_context", "encode_prompt", "encode_text", "finite_logprob",
+    "one_line", "tokenize_request", "truncate_prompt",
     "MAX_LOGPROBS",
 ]
 
@@ -83,6 +84,29 @@ class Engine(Protocol):
     def step(self, now: float) -> list[list]: ...
     def running(self) -> int: ...
     def waiting(self) -> int: ...
+
+
+#: The fields :func:`truncate_prompt` honours (every generation engine's HELLO lists them).
+TRUNCATION_FIELDS = ("truncate_prompt_tokens", "truncation_side")
+
+
+def truncate_prompt(ids, params: dict, max_model_len: int):
+    """vLLM's ``truncate_prompt_tokens: k`` with ``truncation_side``: a prompt of more than
+    ``k`` tokens keeps its last ``k`` (``"left"``, vLLM's default for generation) or its
+    first (``"right"``); ``-1`` is the context less one token for the output; ``k`` past
+    the context is refused in vLLM's words. Applied after tokenizing and templating, before
+    the context check (so that a long prompt asked to be cut is served)."""
+    k = params.get("truncate_prompt_tokens")
+    if k is None:
+        return ids
+    if k > max_model_len:
+        raise Rejected(f"truncate_prompt_tokens={k} cannot be greater than max_total_tokens = "
+                       f"{max_model_len}. Please request a smaller truncation size.")
+    if k < 0:
+        k = max_model_len - 1
+    if len(ids) <= k:
+        return ids
+    return ids[:k] if params.get("truncation_side") == "right" else ids[len(ids) - k:]
 
 
 def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:

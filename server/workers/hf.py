@@ -72,9 +72,11 @@ from .base import (
     HFTokenizing,
     MAX_LOGPROBS,
     Rejected,
+    TRUNCATION_FIELDS,
     check_context,
     finite_logprob,
     one_line,
+    truncate_prompt,
 )
 from .hf_batch import KVBatch, UnsupportedModel, sliding_window
 from .hf_grammar import COMPILE_TIMEOUT, MAX_SCHEMA_BYTES, Grammars
@@ -257,7 +259,7 @@ class TransformersEngine(HFTokenizing):
             "max_batch": max_batch,
             "sampling": [
                 *SAMPLING_FIELDS, "chat_template_kwargs", "tools", "return_token_ids",
-                "prompt_logprobs", "return_tokens_as_token_ids",
+                "prompt_logprobs", "return_tokens_as_token_ids", *TRUNCATION_FIELDS,
                 *(["response_format"] if grammar_ok else []),
             ],
             "logprobs": MAX_LOGPROBS,
@@ -294,6 +296,7 @@ class TransformersEngine(HFTokenizing):
             ids = helper.encode(prompt, template_kwargs, tools)
         else:
             ids = self.encode(prompt, template_kwargs, tools)
+        ids = truncate_prompt(ids, params, self.max_model_len)
         try:
             max_tokens = int(params.get("max_tokens", 16))
             temperature = float(params.get("temperature", 1.0))

@@ -55,7 +55,15 @@ import zlib
 from collections.abc import ValuesView
 
 from ..worker_protocol.wire import OutputRow
-from .base import Rejected, WorkerCrash, WorkerGarbage, WorkerHang, check_context
+from .base import (
+    TRUNCATION_FIELDS,
+    Rejected,
+    WorkerCrash,
+    WorkerGarbage,
+    WorkerHang,
+    check_context,
+    truncate_prompt,
+)
 from .resume import resume_of
 from .sim_cache import PrefixCache
 from .stops import StopMatcher
@@ -179,7 +187,7 @@ class SimEngine:
             "max_model_len": max_model_len,
             "max_batch": max_batch,
             "chat_template": CHAT_TEMPLATE,
-            "sampling": ["tools"],
+            "sampling": ["tools", *TRUNCATION_FIELDS],
             "resume": True,
             "embedding": {"size": embedding_size, "dimensions": True},
         }
@@ -239,6 +247,7 @@ class SimEngine:
             tokens = prompt
         else:
             raise Rejected("prompt must be a string or a list of token ids")
+        tokens = truncate_prompt(tokens, params, self.max_model_len)
         prompt_tokens = len(tokens)
         try:
             max_tokens = params.get("max_tokens", 16)

@@ -75,9 +75,11 @@ from .base import (
     HFTokenizing,
     EngineBroken,
     Rejected,
+    TRUNCATION_FIELDS,
     check_context,
     finite_logprob,
     one_line,
+    truncate_prompt,
 )
 from .hub import model_files
 from .resume import resume_of
@@ -312,7 +314,7 @@ class VLLMEngine(HFTokenizing):
             "max_batch": self.max_batch,
             "sampling": [*VLLM_SAMPLING, "response_format", "chat_template_kwargs", "tools",
                          "return_token_ids", "prompt_logprobs",
-                         "return_tokens_as_token_ids",
+                         "return_tokens_as_token_ids", *TRUNCATION_FIELDS,
                          *(["cache_salt"] if self.prefix_caching else []),
                          *(["priority"] if self.priority_policy else [])],
             # vLLM's max_logprobs (--max-logprobs; -1: the whole vocabulary)
@@ -377,6 +379,7 @@ class VLLMEngine(HFTokenizing):
             raise Rejected(f"model {self.info['model']!r} runs on vLLM's pooling runner: it "
                            "serves /v1/embeddings, not completions")
         ids = self.encode(prompt, params.get("chat_template_kwargs"), params.get("tools"))
+        ids = truncate_prompt(ids, params, self.max_model_len)
         resumable = self.info.get("resume") and not_resumable(params) is None
         resumed = resume_of(params.get("resume"))
         text = None
