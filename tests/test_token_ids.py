@@ -41,6 +41,12 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+def chat_ids_of(tokenizer) -> list[int]:
+    """CHAT's ids as the worker renders it (the template's text, no special tokens added)."""
+    text = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def hf_config(model_dir) -> EngineConfig:
     return EngineConfig(engine="transformers", drain_timeout=5.0,
                         engine_options={"model_path": str(model_dir), "num_threads": 1})
@@ -52,9 +58,7 @@ def client_of(url: str) -> openai.AsyncOpenAI:
 
 async def test_return_token_ids_completions_and_chat(model_dir, tokenizer):
     prompt_ids = tokenizer(PROMPT)["input_ids"]
-    chat_ids = tokenizer(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True,
-                                                       tokenize=False),
-                         add_special_tokens=False)["input_ids"]
+    chat_ids = chat_ids_of(tokenizer)
     asked = {"return_token_ids": True}
     with trio.fail_after(LIMIT):
         async with running_server(hf_config(model_dir)) as url:
@@ -142,9 +146,7 @@ def check_prompt_logprobs(got: list, ids: list[int], rows, k: int) -> None:
 
 async def test_prompt_logprobs_are_the_models_own(model_dir, tokenizer):
     prompt_ids = tokenizer(PROMPT)["input_ids"]
-    chat_ids = tokenizer(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True,
-                                                       tokenize=False),
-                         add_special_tokens=False)["input_ids"]
+    chat_ids = chat_ids_of(tokenizer)
     with trio.fail_after(LIMIT):
         async with running_server(hf_config(model_dir)) as url:
             client = client_of(url)
@@ -212,9 +214,7 @@ async def test_the_sim_refuses_return_token_ids_by_name():
 async def test_truncate_prompt_tokens_keeps_the_side_asked(model_dir, tokenizer):
     # vLLM's test_completion_truncation_side_controls_prompt_truncation, and its chat
     ids = list(range(5, 13))
-    chat_ids = tokenizer(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True,
-                                                       tokenize=False),
-                         add_special_tokens=False)["input_ids"]
+    chat_ids = chat_ids_of(tokenizer)
     with trio.fail_after(LIMIT):
         async with running_server(hf_config(model_dir)) as url:
             client = client_of(url)
