@@ -103,13 +103,8 @@ class StreamTracker:
         if self.responses:
             self._on_responses_event(event_type, data, now)
             return
-        try:
-            obj = _json_loads(data)
-        except ValueError:
-            self._set_error(f"event data is not JSON: {data[:80]!r}")
-            return
-        if type(obj) is not dict:
-            self._set_error(f"event data is not a JSON object: {data[:80]!r}")
+        obj = self._object(data)
+        if obj is None:
             return
         err = obj.get("error")
         if err is not None:
@@ -154,12 +149,10 @@ class StreamTracker:
             return
         if event_type not in ("response.completed", "response.failed", "response.incomplete"):
             return
-        try:
-            obj = _json_loads(data)
-        except ValueError:
-            self._set_error(f"event data is not JSON: {data[:80]!r}")
+        obj = self._object(data)
+        if obj is None:
             return
-        response = obj.get("response") if type(obj) is dict else None
+        response = obj.get("response")
         if type(response) is not dict:
             self._set_error(f"{event_type} without a response object")
             return
@@ -169,6 +162,18 @@ class StreamTracker:
         if type(usage) is dict and type(usage.get("output_tokens")) is int:
             self.usage_tokens = usage["output_tokens"]
         self.done = True
+
+    def _object(self, data: str) -> dict | None:
+        """The event's data as a JSON object, else None (and the error noted)."""
+        try:
+            obj = _json_loads(data)
+        except ValueError:
+            self._set_error(f"event data is not JSON: {data[:80]!r}")
+            return None
+        if type(obj) is not dict:
+            self._set_error(f"event data is not a JSON object: {data[:80]!r}")
+            return None
+        return obj
 
     def _set_error(self, message: str) -> None:
         if self.error is None:
