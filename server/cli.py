@@ -142,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve on this inherited listening socket (a file descriptor) instead "
                    "of --host/--port (what the supervisor of --api-servers gives each "
                    "frontend; also socket activation)")
+    g.add_argument("--health-listen-fd", type=int, default=None, metavar="FD",
+                   help="answer the probes of --health-port on this inherited listening socket "
+                   "(what the supervisor of --api-servers gives each frontend with "
+                   "--health-port)")
     g.add_argument("--frontend-dir", default=None, metavar="DIR",
                    help="set by the supervisor of --api-servers: this process is one of its "
                    "frontends, whose private sockets are in DIR; /metrics merges them all")
@@ -257,6 +261,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         queued_heartbeat=args.queued_heartbeat_s or None,
         backlog=args.backlog,
         health_port=args.health_port,
+        health_listen_fd=args.health_listen_fd,
         max_connections=args.max_connections,
         shutdown_timeout=args.shutdown_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
@@ -364,15 +369,11 @@ def _check_frontend_options(args: argparse.Namespace) -> None:
     parser = build_parser()
     if args.api_servers < 1:
         raise SystemExit("trio-llm-server: --api-servers must be at least 1")
-    if args.api_servers > 1 and args.health_port is not None:
-        raise SystemExit("trio-llm-server: --health-port: not with --api-servers (yet): "
-                         "the supervisor would have to share the probe port among its "
-                         "frontends")
     if args.api_servers > 1 and args.model_config is not None:
         raise SystemExit("trio-llm-server: --model-config: not with --api-servers (yet): "
                          "its frontends share one model's workers")
     if args.api_servers > 1:
-        for name in ("listen_fd", "frontend_dir", "frontend_index"):
+        for name in ("listen_fd", "health_listen_fd", "frontend_dir", "frontend_index"):
             if getattr(args, name) is not None:
                 raise SystemExit(
                     f"trio-llm-server: --{name.replace('_', '-')} is not an option of "
@@ -394,6 +395,12 @@ def _check_frontend_options(args: argparse.Namespace) -> None:
             )
         if args.listen_fd < 0:
             raise SystemExit("trio-llm-server: --listen-fd must be a file descriptor")
+    if args.health_listen_fd is not None:
+        if args.health_port is not None:
+            raise SystemExit("trio-llm-server: --health-port: not with --health-listen-fd "
+                             "(the inherited socket is the probe port)")
+        if args.health_listen_fd < 0:
+            raise SystemExit("trio-llm-server: --health-listen-fd must be a file descriptor")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("trio-llm-server: --enable-auto-tool-choice needs --tool-call-parser")
     if (args.frontend_dir is None) != (args.frontend_index is None):

@@ -190,6 +190,9 @@ class ServerConfig:
     #: A second port (same host) answering only ``/health`` and ``/ready``, on a listener
     #: of its own (:mod:`server.connections.probes`); 0 picks a free one; None: none.
     health_port: int | None = None
+    #: The probe port as an inherited listening socket (a file descriptor) instead of
+    #: ``health_port``: what the supervisor of ``--api-servers`` gives each frontend.
+    health_listen_fd: int | None = None
     #: Open connections beyond which a new one first ends the oldest idle keep-alive
     #: connection, else gets a 503 and is closed (None: the file-descriptor limit less a
     #: reserve, see server.connections.accept.default_max_connections).

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import logging
 import os
 import shutil
@@ -141,11 +142,14 @@ def describe(code: int) -> str:
 
 class Supervisor:
     def __init__(self, args: argparse.Namespace, config: ServerConfig, plan: Plan,
-                 sockets: list[socket.socket], directory: str) -> None:
+                 sockets: list[socket.socket], directory: str,
+                 probe_sockets: list[socket.socket] | None = None) -> None:
         self.args = args
         self.config = config
         self.plan = plan
         self.sockets = sockets
+        #: With --health-port: one socket of the probe port per frontend (SO_REUSEPORT).
+        self.probe_sockets = probe_sockets or []
         self.dir = directory
         self.stopping = trio.Event()
         self.frontends: dict[int, Child] = {}
@@ -185,6 +189,11 @@ class Supervisor:
                                  "private directory %s)", host, port, args.api_servers,
                                  len(self.worker_addresses), ", remote" if self.remote else "",
                                  self.dir)
+                        if self.probe_sockets:
+                            host, port = self.probe_sockets[0].getsockname()[:2]
+                            host = f"[{host}]" if ":" in host else host
+                            log.info("probes (/health, /ready) on http://%s:%d (every frontend)",
+                                     host, port)
                     workers.cancel_scope.cancel()  # every frontend is gone: stop the workers
             except* Fatal:
                 pass  # (self.fatal says why)
@@ -240,7 +249,12 @@ class Supervisor:
 
     async def _frontend(self, index: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
         fd = self.sockets[index].fileno()
-        argv = self.plan.frontend_argv(index, fd, self.dir, self.worker_addresses)
+        fds: tuple[int, ...] = (fd,)
+        health_fd = None
+        if self.probe_sockets:
+            health_fd = self.probe_sockets[index].fileno()
+            fds += (health_fd,)
+        argv = self.plan.frontend_argv(index, fd, self.dir, self.worker_addresses, health_fd)
         path = peer_socket(self.dir, index)
         restarts = Restarts(self.args.max_restarts)
         first = True
@@ -249,7 +263,7 @@ class Supervisor:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-            child = Child(argv, pass_fds=(fd,))
+            child = Child(argv, pass_fds=fds)
             self.frontends[index] = child
             try:
                 if self.stopping.is_set():  # a signal came while it started
@@ -317,9 +331,12 @@ def _answers(path: Path) -> bool:
     return True
 
 
-def open_group_sockets(config: ServerConfig, n: int) -> list[socket.socket]:
+def open_group_sockets(config: ServerConfig, n: int, port: int | None = None) -> list[socket.socket]:
     """``n`` listening sockets on the same address, in one SO_REUSEPORT group (the port of
-    the first, when ``config.port`` is 0), with the server's options and backlog."""
+    the first, when the port is 0), with the server's options and backlog; on
+    ``config.port``, or on ``port`` (the probe port's group)."""
+    if port is not None:
+        config = dataclasses.replace(config, port=port, listen_fd=None)
     hc = hypercorn_config(config)
     hc.workers = n  # (hypercorn sets SO_REUSEPORT for several workers)
     sockets: list[socket.socket] = []
@@ -340,14 +357,19 @@ def supervise(args: argparse.Namespace, config: ServerConfig) -> int:
     """Run the supervisor until its frontends stopped (SIGTERM/SIGINT): the exit status."""
     from .cli import build_parser
 
+    sockets: list[socket.socket] = []
+    probe_sockets: list[socket.socket] = []
+    what = f"cannot listen on {config.host}:{config.port}"
     try:
         sockets = open_group_sockets(config, args.api_servers)
-    except ListenError as exc:
-        print(f"trio-llm-server: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"trio-llm-server: cannot listen on {config.host}:{config.port}: {exc}",
-              file=sys.stderr)
+        if config.health_port is not None:
+            what = f"--health-port {config.health_port}: cannot listen on {config.host}"
+            probe_sockets = open_group_sockets(config, args.api_servers, config.health_port)
+    except (ListenError, OSError) as exc:
+        for sock in sockets:
+            sock.close()
+        why = exc if isinstance(exc, ListenError) else f"{what}: {exc.strerror or exc}"
+        print(f"trio-llm-server: {why}", file=sys.stderr)
         return 1
     removed = remove_stale_directories()
     if removed:
@@ -356,16 +378,17 @@ def supervise(args: argparse.Namespace, config: ServerConfig) -> int:
     try:
         directory, lock = make_private_directory()  # mode 0700
     except OSError as exc:  # e.g. a read-only root filesystem without a /tmp volume
-        for sock in sockets:
+        for sock in sockets + probe_sockets:
             sock.close()
         print(f"trio-llm-server: cannot create a private directory in "
               f"{tempfile.gettempdir()}: {exc} (set TMPDIR)", file=sys.stderr)
         return 1
-    supervisor = Supervisor(args, config, plan(build_parser(), args), sockets, directory)
+    supervisor = Supervisor(args, config, plan(build_parser(), args), sockets, directory,
+                            probe_sockets)
     try:
         trio.run(supervisor.run)
     finally:
-        for sock in sockets:
+        for sock in sockets + probe_sockets:
             sock.close()
         shutil.rmtree(directory, ignore_errors=True)
         os.close(lock)

@@ -28,6 +28,7 @@ __all__ = ["Plan", "Restarts", "SUPERVISOR_DESTS", "options_argv", "plan"]
 SUPERVISOR_DESTS = frozenset({
     "help", "api_servers", "host", "port", "engine_workers", "worker_startup_timeout",
     "devices_per_worker", "max_restarts", "listen_fd", "frontend_dir", "frontend_index",
+    "health_port", "health_listen_fd",
     "worker_address", "worker_secret_file", "worker_tls_ca",
 })
 
@@ -77,11 +78,15 @@ class Plan:
     def worker_argv(self, path: str) -> list[str]:
         return [*self.worker, "--listen", f"unix:{path}"]
 
-    def frontend_argv(self, index: int, fd: int, directory: str, workers: list[str]) -> list[str]:
+    def frontend_argv(self, index: int, fd: int, directory: str, workers: list[str],
+                      health_fd: int | None = None) -> list[str]:
         """``workers``: the addresses the frontend connects to (``unix:PATH`` of the
-        supervisor's own workers, or the remote workers given to it)."""
+        supervisor's own workers, or the remote workers given to it); ``health_fd``: its
+        socket of the probe port (``--health-port``), if any."""
         argv = [*self.frontend, "--listen-fd", str(fd), "--frontend-dir", directory,
                 "--frontend-index", str(index)]
+        if health_fd is not None:
+            argv += ["--health-listen-fd", str(health_fd)]
         for address in workers:
             argv += ["--worker-address", address]
         return argv

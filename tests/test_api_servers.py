@@ -13,6 +13,7 @@ restart policy, the split of the command line) are tested without processes.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 
@@ -157,16 +158,26 @@ async def test_a_killed_frontend_is_restarted_its_requests_aborted_the_others_un
 
 
 async def test_sigterm_drains_every_frontend_and_leaves_no_process(tmp_path):
-    async with supervised(tmp_path, "--shutdown-timeout", "5") as sup:
+    # 10 ms steps: the holder's 8,000 tokens would take 80 s, so the drain cannot end (and
+    # the frontends stop listening) before the test has seen its 503, however slow it runs.
+    async with supervised(tmp_path, "--shutdown-timeout", "120", "--sim-itl-ms", "10") as sup:
         frontends, workers = sup.children()
         assert len(frontends) == 2 and len(workers) == 1
-        async with httpx.AsyncClient(base_url=sup.url, timeout=30,
+        async with httpx.AsyncClient(base_url=sup.url, timeout=60,
                                      limits=new_connections()) as http:
             async with trio.open_nursery() as nursery:
-                recs = await streams(http, 8, 1000, nursery)  # 2 s each
+                hold, holding = SSE(), trio.CancelScope()
+
+                async def holder() -> None:
+                    with holding:
+                        await stream_into(http, {"prompt": "p", "max_tokens": 8000}, hold)
+
+                nursery.start_soon(holder)
+                with trio.fail_after(30):
+                    await hold.started.wait()
+                recs = await streams(http, 8, 200, nursery)
                 sup.proc.send_signal(signal.SIGTERM)
-                signalled = trio.current_time()
-                with trio.fail_after(3):
+                with trio.fail_after(60):
                     while True:  # new requests: 503 from whichever frontend takes them
                         r = await http.post("/v1/completions",
                                             json={"prompt": "n", "max_tokens": 2})
@@ -174,15 +185,36 @@ async def test_sigterm_drains_every_frontend_and_leaves_no_process(tmp_path):
                             break
                         await trio.sleep(0.02)
                 assert r.json()["error"]["code"] == "shutting_down"
-        assert all(r.status == 200 and r.finish_reasons() == ["length"] and r.tokens() == 1000
+                holding.cancel()  # the holder's client leaves: the drain can end
+        # the streams running at the signal finish whole
+        assert all(r.status == 200 and r.finish_reasons() == ["length"] and r.tokens() == 200
                    for r in recs)
-        assert max(r.ended for r in recs) - signalled < 5
-        with trio.fail_after(15):
+        with trio.fail_after(60):
             assert await sup.proc.wait() == 0, sup.text()
-        await wait_gone([*frontends.values(), *workers], 2)
+        await wait_gone([*frontends.values(), *workers], 10)
         assert "Traceback" not in sup.text()
         assert "engine worker 0 stopped (killed by SIGTERM)" in sup.text()  # not left to die
         assert not sup.directory().exists()
+
+
+async def test_every_frontend_answers_probes_on_the_shared_probe_port(tmp_path):
+    """--health-port with --api-servers: the supervisor binds the probe port too (a socket
+    per frontend, SO_REUSEPORT), and each frontend serves probes on its own."""
+    async with supervised(tmp_path, "--health-port", "0") as sup:
+        found = re.search(r"probes \(/health, /ready\) on http://127\.0\.0\.1:(\d+) "
+                          r"\(every frontend\)", sup.text())
+        assert found, sup.text()
+        port = int(found.group(1))
+        assert f":{port}" not in sup.url
+        # each frontend listens on its inherited socket of that port
+        assert sup.text().count(f"probes (/health, /ready) on http://127.0.0.1:{port}\n") == 2
+        async with httpx.AsyncClient(timeout=30, limits=new_connections()) as http:
+            for _ in range(8):
+                probe = await http.get(f"http://127.0.0.1:{port}/health")
+                api = await http.get(sup.url + "/health")
+                assert probe.status_code == api.status_code == 200
+                assert probe.json() == api.json()
+            assert (await http.get(f"http://127.0.0.1:{port}/v1/models")).status_code == 404
 
 
 async def test_a_killed_supervisor_leaves_no_process(tmp_path):
@@ -213,6 +245,9 @@ async def test_a_worker_that_cannot_start_ends_the_supervisor_with_one_line(tmp_
     (["--api-servers", "0"], "--api-servers must be at least 1"),
     (["--api-servers", "2", "--listen-fd", "3"], "--listen-fd is not an option of --api-servers"),
     (["--listen-fd", "3", "--port", "9000"], "--port: not with --listen-fd"),
+    (["--api-servers", "2", "--health-listen-fd", "3"],
+     "--health-listen-fd is not an option of --api-servers"),
+    (["--health-listen-fd", "3", "--health-port", "9001"], "--health-port: not with --health-l"),
     (["--frontend-dir", "/d"], "--frontend-dir and --frontend-index go together"),
 ])
 def test_option_refusals_are_one_line(argv, message):
@@ -226,17 +261,18 @@ def test_the_command_line_splits_into_the_workers_and_the_frontends():
     args = parser.parse_args([
         "--api-servers", "3", "--port", "0", "--engine-workers", "2", "--sim-itl-ms", "3",
         "--max-batch", "64", "--shutdown-timeout", "4", "--api-key", "k", "--sim-faults",
-        "--engine", "sim", "--model", "m", "--max-restarts", "2",
+        "--engine", "sim", "--model", "m", "--max-restarts", "2", "--health-port", "8001",
     ])
     p = plan(parser, args, python="py")
     assert p.worker_argv("/d/w.sock") == [
         "py", "-m", "server.workers", "--engine", "sim", "--served-model-name", "m",
         "--max-batch", "64",
         "--sim-itl-ms", "3.0", "--sim-faults", "--listen", "unix:/d/w.sock"]
-    front = p.frontend_argv(1, 5, "/d", ["unix:/d/w0", "unix:/d/w1"])
+    front = p.frontend_argv(1, 5, "/d", ["unix:/d/w0", "unix:/d/w1"], health_fd=6)
     assert front[:3] == ["py", "-m", "server"]
     config = config_from_args(parser.parse_args(front[3:]))  # a frontend accepts its argv
     assert config.listen_fd == 5 and config.frontend_index == 1
+    assert config.health_listen_fd == 6 and config.health_port is None  # (the supervisor's)
     assert config.shutdown_timeout == 4 and config.api_keys == ("k",)
     assert config.limits.allow_faults and config.engine.model == "m"
     assert [str(a) for a in config.engine.worker_addresses] == ["unix:/d/w0", "unix:/d/w1"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 
 import trio
 from trio_util import wait_any
@@ -184,7 +185,7 @@ async def serve(
         nursery.start_soon(_shut_down, app, config, hc, phases, exit_when_stuck)
         nursery.start_soon(_stop_on_fatal, app, phases)
         binds = await nursery.start(run_http)
-        if config.health_port is not None:
+        if config.health_port is not None or config.health_listen_fd is not None:
             await nursery.start(_serve_probes, app, config)
         if config.frontend_dir is not None:  # one of --api-servers' frontends
             await nursery.start(
@@ -211,12 +212,16 @@ async def serve(
 async def _serve_probes(app: LLMServerApp, config: ServerConfig, *, task_status) -> None:
     """The probe port (``--health-port``), until the server's nursery ends."""
     port = config.health_port
-    assert port is not None
-    try:
-        listeners = await trio.open_tcp_listeners(port, host=config.host)
-    except OSError as exc:
-        raise ListenError(f"--health-port {port}: cannot listen on {config.host}: "
-                          f"{exc.strerror or exc}") from None
+    if config.health_listen_fd is not None:  # one of --api-servers' frontends
+        sock = trio.socket.from_stdlib_socket(socket.socket(fileno=config.health_listen_fd))
+        listeners = [trio.SocketListener(sock)]
+    else:
+        assert port is not None
+        try:
+            listeners = await trio.open_tcp_listeners(port, host=config.host)
+        except OSError as exc:
+            raise ListenError(f"--health-port {port}: cannot listen on {config.host}: "
+                              f"{exc.strerror or exc}") from None
     try:
         for listener in listeners:
             host, port = listener.socket.getsockname()[:2]
