@@ -198,7 +198,7 @@ async def supervised(tmp_path: Path, *args: str, frontends: int = 2, sim: bool =
         err.close()
     sup = Supervised(proc, log)
     try:
-        with trio.fail_after(30):
+        with trio.fail_after(120):  # (three processes start: slow on 2 busy cores)
             while not (found := re.search(r"server\.supervisor: serving on (\S+) \(", sup.text())):
                 assert proc.poll() is None, sup.text()
                 await trio.sleep(0.05)

@@ -207,7 +207,7 @@ async def test_request_timeout_aborts_on_the_engine():
             assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
             r = await http.post("/v1/completions", json={"prompt": "p", "max_tokens": 3})
             assert r.status_code == 200
-        await assert_engine_idle(url.engine, timeout=1.0)
+        await assert_engine_idle(url.engine)
 
 
 async def test_max_concurrent_requests_answers_503_before_queueing():
@@ -229,6 +229,6 @@ async def test_max_concurrent_requests_answers_503_before_queueing():
             assert running + waiting == 2
             for s in socks:
                 await s.aclose()
-            await assert_engine_idle(url.engine, timeout=1.0)
+            await assert_engine_idle(url.engine)
             r = await http.post("/v1/completions", json={"prompt": "p", "max_tokens": 2})
             assert r.status_code == 200

@@ -83,7 +83,7 @@ async def test_metrics_after_a_known_sequence_of_requests():
                                   {"prompt": "go", "max_tokens": 5000, "stream": True})
         seen = await read_until(sock, b"data: ", 10)
         await sock.aclose()
-        await assert_engine_idle(url.engine, timeout=2.0)
+        await assert_engine_idle(url.engine)
         await url.engine.ping_all()  # fresh (running, waiting) counts for the gauges
 
         m = await scrape(url, until=lambda m: finished(m) == 4)
@@ -162,7 +162,7 @@ async def test_running_and_waiting_gauges_per_worker():
         assert m.value("trio_llm:workers_alive") == 2
         for s in socks:
             await s.aclose()
-        await assert_engine_idle(url.engine, timeout=2.0)
+        await assert_engine_idle(url.engine)
         await url.engine.ping_all()
         m = await scrape(url, until=lambda m: finished(m) == 3)
         assert m.value("trio_llm:num_requests_running") == 0
