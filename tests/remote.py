@@ -78,7 +78,7 @@ async def listening_worker(
     netns: str | None = None,
     name: str = "worker",
     prefix: tuple[str, ...] = (),
-    startup: float = 20.0,
+    startup: float = 120.0,
 ):
     log = tmp_path / f"{name}.log"
     engine = args[args.index("--engine") + 1] if "--engine" in args else "sim"

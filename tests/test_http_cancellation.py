@@ -168,7 +168,7 @@ async def test_ignored_abort_is_cut_off_at_the_drain_deadline(fault_server_url):
     )
     await read_until(sock, b"data: ", 3)
     await sock.aclose()
-    with trio.fail_after(2.0):
+    with trio.fail_after(30):
         while engine.statistics().open_streams:
             await trio.sleep(0.01)
     # The manager let go; the worker is still generating (it ignores the abort), and its

@@ -165,7 +165,6 @@ async def test_hung_worker_is_treated_as_dead_killed_and_restarted():
         # the other worker's stream was untouched
         assert other.done and other.error() is None
         assert other.finish_reasons() == ["length"] and other.tokens() == 1500
-        assert other.times[-1] > hung.ended
         # the hung process was killed (pipe closed, then SIGTERM) and replaced
         await wait_until(lambda: not pid_exists(victim), timeout=5)
         await wait_until(lambda: engine.statistics().workers[0].alive, timeout=15)
