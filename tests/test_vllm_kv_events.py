@@ -19,6 +19,7 @@ if importlib.util.find_spec("vllm") is None:
 
 import server  # noqa: E402
 from server.manager.engine import open_engine  # noqa: E402
+from server.observability.metrics import _kv_families  # noqa: E402
 from server.worker_protocol.kv_blocks import (  # noqa: E402
     CLEARED, REMOVED, STORED, block_digests, seed_of,
 )
@@ -149,3 +150,11 @@ async def test_two_frontends_share_the_workers_kv_events(tmp_path, model_dir):
                 for i in (0, 1)), 120)
             # least-loaded would have sent it to worker 0 (equal loads, lowest index)
             assert b.router.stats.decisions["prefix"] == 1
+            # the metrics of what b knows (server.observability.metrics)
+            families = {f.name: f for f in _kv_families([(MODEL, b)])}
+            known = {s.labels["worker"]: s.value
+                     for s in families["trio_llm:kv_cache_blocks_known"].samples}
+            assert known["1"] == len(b.workers[1].kv_index) >= 2
+            stored = [s.value for s in families["trio_llm:kv_events"].samples
+                      if s.labels["event"] == "stored" and s.labels["worker"] == "1"]
+            assert stored and stored[0] >= 1

@@ -39,14 +39,16 @@ class KVIndex:
 
     __slots__ = ("block_size", "capacity", "_held", "events")
 
-    def __init__(self, block_size: int, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(self, block_size: int, capacity: int = DEFAULT_CAPACITY,
+                 events: list[int] | None = None) -> None:
         if block_size < 1 or capacity < 1:
             raise ValueError("a KV index needs a block size and a capacity of at least 1")
         self.block_size = block_size
         self.capacity = capacity
         self._held: set[bytes] = set()
-        #: Events applied (stored, removed, cleared), for the statistics.
-        self.events = [0, 0, 0]
+        #: Events applied (stored, removed, cleared), for the metrics: ``events`` (a
+        #: worker's count over its sessions) or a new count.
+        self.events = [0, 0, 0] if events is None else events
 
     def __len__(self) -> int:
         return len(self._held)

@@ -83,14 +83,14 @@ def _answered(value) -> bool:
 _SessionEnded = SessionEnded
 
 
-def _kv_index(info: dict, routing: str) -> KVIndex | None:
+def _kv_index(info: dict, routing: str, counts: list[int]) -> KVIndex | None:
     """An empty index of the worker's KV cache, if its HELLO says it sends KV events and
     the routing uses them."""
     events = info.get("kv_events")
     size = events.get("block_size") if type(events) is dict else None
     if routing != "prefix" or type(size) is not int or size < 1:
         return None
-    return KVIndex(size)
+    return KVIndex(size, events=counts)
 
 
 class WorkerClient:
@@ -128,6 +128,8 @@ class WorkerClient:
         #: The blocks its KV cache holds, from its KV events (server.manager.kv_index),
         #: this session; None while it sends none (or the routing is not prefix-aware).
         self.kv_index: KVIndex | None = None
+        #: KV events applied, over every session: stored, removed, cleared (metrics).
+        self.kv_events = [0, 0, 0]
         self._outbox: list[bytes] = []
         self._outbox_ready = trio.Event()
         self._ping_seq = 0
@@ -346,7 +348,7 @@ class WorkerClient:
                 reason = self._startup_failed(first, exc)
                 return reason
             replaying = self._replay()  # queued ahead of any request
-            self.kv_index = _kv_index(self.info, config.routing)
+            self.kv_index = _kv_index(self.info, config.routing, self.kv_events)
             self.alive = True
             self.report.hello(self.info)
             self.last_heard = trio.current_time()
