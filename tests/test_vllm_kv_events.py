@@ -10,6 +10,7 @@ Skipped where vLLM is not installed. The end-to-end test starts two vLLM engines
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 
 import pytest
@@ -76,6 +77,9 @@ def test_subscriber_drains_vllm_publisher_and_reports_lost_batches():
     sub = KVEventSubscriber()
     publisher = EventPublisherFactory.create(sub.engine_config())
     try:
+        # connected: its private directory (the socket file) is gone, the events flow
+        assert sub.wait_connected(60)
+        assert not os.path.exists(sub.endpoint.removeprefix("ipc://"))
         ids = list(range(8))
         names = block_digests(ids, 4)
         batches = [KVEventBatch(ts=time.time(), events=[stored([b"a"], None, ids[:4], 4)]),

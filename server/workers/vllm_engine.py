@@ -317,6 +317,8 @@ class VLLMEngine(HFTokenizing):
         if not self.prefix_caching or getattr(config.model_config, "runner_type",
                                               None) == "pooling":
             self._close_events()
+        elif self._events is not None:
+            self._events.wait_connected(5.0)
         #: vLLM's priority scheduling: a request's ``priority`` orders the waiting queue.
         self.priority_policy = str(config.scheduler_config.policy) == "priority"
         self.tokenizer = self._llm.get_tokenizer()

@@ -7,7 +7,8 @@ KV cache manager did: blocks stored (their hashes, the hash of the block before 
 token ids), blocks removed (evicted), all blocks cleared. Its only public publisher is a
 ZMQ PUB socket, served by a thread of vLLM's (in the engine core's process: this one, or
 vLLM's core process). :class:`KVEventSubscriber` gives it an ``ipc://`` endpoint in a
-private directory of this worker (mode 0700, removed at :meth:`~KVEventSubscriber.close`),
+private directory of this worker (mode 0700, removed once connected, or at
+:meth:`~KVEventSubscriber.close`),
 holds the SUB socket, and :meth:`~KVEventSubscriber.drain` takes what arrived, never
 blocking: the engine calls it after each step, and the events go to the frontend as the
 note ``[nil, {"kv_events": [...]}]`` of that STEP (docs/protocol.md).
@@ -127,6 +128,8 @@ class KVEventSubscriber:
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        # (watched before connecting, so that the connection's event cannot be missed)
+        self._monitor: Any = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED)
         self._sock.connect(self.endpoint)
         self._decoder: Any = None
         #: The next batch's number (the publisher's count starts at 0).
@@ -138,6 +141,22 @@ class KVEventSubscriber:
 
         return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                               endpoint=self.endpoint, topic="")
+
+    def wait_connected(self, timeout: float) -> bool:
+        """Once vLLM's publisher is bound (the engine is built): wait, at most ``timeout``
+        seconds, for the connection to it, then remove the private directory (the socket
+        file is no longer needed; nothing is left behind if this process is killed).
+        False if it did not connect in time (the directory then goes at :meth:`close`)."""
+        monitor = self._monitor
+        if monitor is None:
+            return True
+        connected = bool(monitor.poll(int(timeout * 1000)))
+        self._sock.disable_monitor()
+        monitor.close(linger=0)
+        self._monitor = None
+        if connected:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        return connected
 
     def drain(self) -> list[list]:
         """The wire events of every batch that arrived (none: ``[]``); never blocks."""
@@ -169,6 +188,10 @@ class KVEventSubscriber:
             out.extend(self.translator.translate(batch.events))
 
     def close(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         self._sock.close(linger=0)
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
