@@ -1,11 +1,16 @@
-"""Prefix routing on real vLLM engines (vLLM's CPU build will do): two conversations start
-at once on two workers, then each sends its follow-up; prints each follow-up's real
-``cached_tokens`` (vLLM's prefix cache hits), for each ``--routing`` policy given.
+"""Prefix routing on real vLLM engines (vLLM's CPU build will do): conversations start two
+at a time on two workers, then each sends its follow-up; prints each follow-up's real
+``cached_tokens`` (vLLM's prefix cache hits), for each ``--routing`` policy given, with
+prompts as text (routed by prediction) and as token ids (routed by the workers' KV events,
+docs/routing.md).
 
     python bench/prefix_routing_vllm.py                       # a tiny random model built here
     python bench/prefix_routing_vllm.py --model-path DIR --routing prefix,least-loaded
+    python bench/prefix_routing_vllm.py --api-servers 2 --conversations 8   # two frontends
 
-Slow to start (each policy loads two vLLM engines).
+With ``--api-servers 2`` every request is sent on a new connection, which the kernel gives
+to either frontend: a follow-up often reaches the frontend that did not route its first
+turn. Slow to start (each policy loads two vLLM engines).
 """
 
 from __future__ import annotations
@@ -31,11 +36,24 @@ def prompt(name: str, turns: int) -> str:
     return text
 
 
+def prompt_ids(name: str, turns: int) -> list[int]:
+    """A conversation as token ids (1 to 499: the tiny model's tokenizer has fewer than
+    its 1000 ids): its own preamble, then the turns so far."""
+    seed = sum(map(ord, name))
+    ids = [(seed * 7 + i * 13) % 499 + 1 for i in range(860)]
+    for t in range(turns):
+        ids += [(seed + t * 31 + i) % 499 + 1 for i in range(43)]
+    return ids
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None, help="default: a tiny random model")
     p.add_argument("--routing", default="prefix,least-loaded")
     p.add_argument("--startup-timeout", type=float, default=900)
+    p.add_argument("--api-servers", type=int, default=1)
+    p.add_argument("--conversations", type=int, default=2, help="per kind of prompt (even)")
+    p.add_argument("--prompts", default="text,ids", help="text, ids or both")
     args = p.parse_args()
     model = args.model_path
     if model is None:
@@ -48,7 +66,7 @@ def main() -> None:
     for routing in args.routing.split(","):
         server = SpawnedServer(
             f"--engine vllm --model-path {model} --engine-workers 2 --routing {routing} "
-            "--max-model-len 4096 --dtype float32 "
+            f"--api-servers {args.api_servers} --max-model-len 4096 --dtype float32 "
             "--engine-arg kv_cache_memory_bytes=67108864 --disable-log-requests",
             "server", None)
         try:
@@ -67,29 +85,40 @@ def main() -> None:
                 raise RuntimeError("not ready in time:\n" + server.log_tail())
             url = server.url + "/v1/completions"
 
-            def ask(body: str, client: httpx.Client, url: str = url, n: int = 8) -> dict:
-                r = client.post(url, json={"model": "tiny", "prompt": body, "max_tokens": n,
-                                           "temperature": 0, "ignore_eos": True}, timeout=300)
+            def ask(body, url: str = url, n: int = 8) -> dict:
+                with httpx.Client() as client:  # a new connection: either frontend's
+                    r = client.post(url, json={"model": "tiny", "prompt": body,
+                                               "max_tokens": n, "temperature": 0,
+                                               "ignore_eos": True}, timeout=300)
                 r.raise_for_status()
                 return r.json()["usage"]
 
-            with httpx.Client() as client:
-                from concurrent.futures import ThreadPoolExecutor
+            def cached(u: dict) -> int:
+                return (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
-                with ThreadPoolExecutor(2) as pool:  # both first turns at once (long answers)
-                    firsts = list(pool.map(lambda n: ask(prompt(n, 1), httpx.Client(), n=400),
-                                           ["Ann", "Bob"]))
-                follow = {n: ask(prompt(n, 2), client) for n in ("Bob", "Ann")}
-                metrics = client.get(server.url + "/metrics").text
-            print(f"--routing {routing}")
-            for n, u in zip(("Ann", "Bob"), firsts):
-                print(f"  {n} turn 1: prompt {u['prompt_tokens']}, cached "
-                      f"{(u.get('prompt_tokens_details') or {}).get('cached_tokens')}")
-            for n, u in follow.items():
-                print(f"  {n} turn 2: prompt {u['prompt_tokens']}, cached "
-                      f"{(u.get('prompt_tokens_details') or {}).get('cached_tokens')}")
+            from concurrent.futures import ThreadPoolExecutor
+
+            print(f"--routing {routing}, --api-servers {args.api_servers}")
+            for kind in args.prompts.split(","):
+                make = prompt if kind == "text" else prompt_ids
+                names = [f"{kind}{i}" for i in range(args.conversations)]
+                hits = []
+                for pair in range(0, len(names), 2):
+                    two = names[pair:pair + 2]
+                    with ThreadPoolExecutor(2) as pool:  # both first turns at once
+                        firsts = list(pool.map(lambda n, m=make: ask(m(n, 1), n=400), two))
+                    for n, u in zip(two, firsts):
+                        follow = ask(make(n, 2))
+                        hits.append(cached(follow))
+                        print(f"  {n}: turn 1 prompt {u['prompt_tokens']} cached {cached(u)};"
+                              f" turn 2 prompt {follow['prompt_tokens']} cached "
+                              f"{cached(follow)}")
+                print(f"  {kind}: {sum(1 for h in hits if h)} of {len(hits)} follow-ups "
+                      f"reused their first turn, {sum(hits)} tokens cached in all")
+            metrics = httpx.get(server.url + "/metrics").text
             for line in metrics.splitlines():
-                if line.startswith("trio_llm:routed_requests_total"):
+                if line.startswith(("trio_llm:routed_requests_total",
+                                    "trio_llm:routing_decisions_total")):
                     print("  " + line)
         finally:
             server.stop()

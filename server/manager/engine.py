@@ -29,7 +29,9 @@ from ..params import SamplingParams
 from ..worker_protocol import wire
 from ..worker_protocol.handshake import parse_address
 from .adapters import AdapterRegistry
+from ..worker_protocol.kv_blocks import seed_of
 from .deadlines import DeadlineQueue
+from .kv_index import prefix_tokens
 from .migration import MigrationStatistics, Migrator
 from .routing import Blocks, Decision, Router, RouterStatistics
 from .stream import Choice, RequestStream, Waker
@@ -169,12 +171,15 @@ class Engine:
         """
         params = params or SamplingParams()
         router = self.router
-        blocks = router.blocks(prompts[0]) if prompts else router.blocks(None)
-        worker, decision = self._route(blocks.hashes)
-        waker = Waker(worker.pacer)
-        choices = []
         n = params.n
         wire_params = [params.to_wire(i) for i in range(n)]
+        first = prompts[0] if prompts else None
+        blocks = router.blocks(first)
+        scores = self._exact_scores(first, blocks, adapter,
+                                    wire_params[0].get("cache_salt") if n else None)
+        worker, decision = self._route(blocks.hashes, scores=scores)
+        waker = Waker(worker.pacer)
+        choices = []
         if self.migrator is not None and worker.info.get("resume"):
             # the tokens' ids, to resume it elsewhere (only an engine that can resume: the
             # others would send ids for nothing, a note per token)
@@ -202,7 +207,9 @@ class Engine:
                 router.routed(worker.index, blocks.hashes)
                 for prompt in prompts[1:]:
                     router.routed(worker.index, router.blocks(prompt).hashes)
-            self._routes[choices[0].rid] = (worker.index, blocks, decision.matched)
+            # (a match from KV events is exact: nothing to correct)
+            self._routes[choices[0].rid] = (worker.index, blocks,
+                                            decision.matched if scores is None else 0)
         if timeout is not None:
             self.deadlines.add(trio.current_time() + timeout, stream)
         return stream
@@ -236,14 +243,31 @@ class Engine:
         (worker indexes), and why. Raises ServiceUnavailable when none can take it.
         ``migrating``: for a request already accepted (server.manager.migration), also
         while the server drains; the prompt's blocks are then noted as sent there."""
-        hashes = self.router.blocks(prompt).hashes
-        picked = self._route(hashes, exclude, draining_ok=migrating)
+        blocks = self.router.blocks(prompt)
+        hashes = blocks.hashes
+        picked = self._route(hashes, exclude, draining_ok=migrating,
+                             scores=self._exact_scores(prompt, blocks))
         if migrating and self.router.prefix_aware:
             self.router.routed(picked[0].index, hashes)
         return picked
 
+    def _exact_scores(self, prompt: object, blocks: Blocks, adapter: str | None = None,
+                      salt: object = None) -> list[int] | None:
+        """Per worker, the tokens of a token-id ``prompt``'s prefix it holds: exactly
+        where it sends KV events (server.manager.kv_index), else as predicted; None for
+        other prompts, or when no worker sends events (the router's prediction decides)."""
+        if type(prompt) is not list or not self.router.prefix_aware:
+            return None
+        exact = [w.kv_index for w in self.workers]
+        if all(index is None for index in exact):
+            return None
+        predicted = [index.match(blocks.hashes) * blocks.size
+                     for index in self.router.indexes]
+        return prefix_tokens(prompt, seed_of((adapter, salt)), exact, predicted)
+
     def _route(
-        self, hashes: list[bytes], exclude: Sequence[int] = (), *, draining_ok: bool = False
+        self, hashes: list[bytes], exclude: Sequence[int] = (), *, draining_ok: bool = False,
+        scores: list[int] | None = None,
     ) -> tuple[WorkerClient, Decision]:
         if not self._accepting and not draining_ok:
             raise ServiceUnavailable("the server is shutting down", code="shutting_down")
@@ -255,7 +279,7 @@ class Engine:
                 router.reset(w.index)
         # a shared worker's load counts the other frontends' requests (from its PONGs)
         decision = router.pick(hashes, [w.load if w.alive else None for w in self.workers],
-                               exclude)
+                               exclude, scores)
         if decision is None:
             raise ServiceUnavailable("no engine worker is available", code="no_worker")
         return self.workers[decision.worker], decision

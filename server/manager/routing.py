@@ -43,6 +43,8 @@ import json
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
+from ..worker_protocol.kv_blocks import leading
+
 __all__ = [
     "POLICIES", "BLOCK_CHARS", "BLOCK_TOKENS", "DEFAULT_BALANCE", "Blocks", "Decision",
     "PrefixIndex", "Router", "RouterStatistics", "canonical_text", "prompt_blocks",
@@ -139,13 +141,7 @@ class PrefixIndex:
     def match(self, blocks: Sequence[bytes]) -> int:
         """How many leading ``blocks`` the worker holds (chained hashes: a block is only
         reusable after all the blocks before it)."""
-        held = self._blocks
-        n = 0
-        for b in blocks:
-            if b not in held:
-                break
-            n += 1
-        return n
+        return leading(blocks, self._blocks)
 
     def insert(self, blocks: Sequence[bytes]) -> None:
         """The worker was sent these blocks: they are now its most recently used."""
@@ -238,10 +234,13 @@ class Router:
         blocks: Sequence[bytes],
         loads: Sequence[int | None],
         exclude: Sequence[int] = (),
+        scores: Sequence[int] | None = None,
     ) -> Decision | None:
         """The worker for a prompt of ``blocks``. ``loads[i]`` is worker i's outstanding
         requests, None where it cannot take requests; ``exclude``: workers not to use.
         None when no worker can take it. Counts the decision in the statistics.
+        ``scores[i]``, when given, is worker i's match (tokens held, from its KV events:
+        :func:`server.manager.kv_index.prefix_tokens`) in place of its index's.
 
         The load compared is the outstanding requests plus the worker's share of the last
         ``window`` decisions: a chat between turns has nothing outstanding, yet its next
@@ -261,18 +260,16 @@ class Router:
         else:
             least_i, least_load = min(candidates, key=lambda c: c[1])
             decision = Decision(least_i, "load", 0)
-            if self.policy == "prefix" and blocks:
-                best = max(
-                    ((self.indexes[i].match(blocks), -load, -i) for i, load in candidates),
-                )
+            if self.policy == "prefix" and (blocks or scores):
+                match = (scores.__getitem__ if scores is not None
+                         else lambda i: self.indexes[i].match(blocks))
+                best = max((match(i), -load, -i) for i, load in candidates)
                 matched, best_load = best[0], -best[1]
                 if matched:
                     if best_load - least_load <= self.balance:
                         decision = Decision(-best[2], "prefix", matched)
                     else:
-                        decision = Decision(
-                            least_i, "balance", self.indexes[least_i].match(blocks)
-                        )
+                        decision = Decision(least_i, "balance", match(least_i))
         self.stats.decisions[decision.reason] += 1
         self.stats.routed[decision.worker] += 1
         window = self._window

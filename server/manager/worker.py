@@ -41,6 +41,7 @@ from ..config import EngineConfig
 from ..errors import EngineError, error_from_wire
 from ..observability.engine_metrics import EngineReport
 from ..worker_protocol import wire
+from .kv_index import KVIndex
 from .pacing import Pacer
 from .stream import Choice
 from .transport import Link, SessionEnded, open_connected, open_spawned, tls_context
@@ -82,6 +83,16 @@ def _answered(value) -> bool:
 _SessionEnded = SessionEnded
 
 
+def _kv_index(info: dict, routing: str, counts: list[int]) -> KVIndex | None:
+    """An empty index of the worker's KV cache, if its HELLO says it sends KV events and
+    the routing uses them."""
+    events = info.get("kv_events")
+    size = events.get("block_size") if type(events) is dict else None
+    if routing != "prefix" or type(size) is not int or size < 1:
+        return None
+    return KVIndex(size, events=counts)
+
+
 class WorkerClient:
     """The frontend's handle on one worker (and its successors after restarts): a process
     it spawns, or the worker listening at ``address`` (a
@@ -114,6 +125,11 @@ class WorkerClient:
         self.foreign = 0
         #: What the engine reports of itself (vLLM's statistics), for metrics.
         self.report = EngineReport()
+        #: The blocks its KV cache holds, from its KV events (server.manager.kv_index),
+        #: this session; None while it sends none (or the routing is not prefix-aware).
+        self.kv_index: KVIndex | None = None
+        #: KV events applied, over every session: stored, removed, cleared (metrics).
+        self.kv_events = [0, 0, 0]
         self._outbox: list[bytes] = []
         self._outbox_ready = trio.Event()
         self._ping_seq = 0
@@ -332,6 +348,7 @@ class WorkerClient:
                 reason = self._startup_failed(first, exc)
                 return reason
             replaying = self._replay()  # queued ahead of any request
+            self.kv_index = _kv_index(self.info, config.routing, self.kv_events)
             self.alive = True
             self.report.hello(self.info)
             self.last_heard = trio.current_time()
@@ -358,6 +375,7 @@ class WorkerClient:
             return reason
         finally:
             self.alive = False
+            self.kv_index = None  # (the next session's cache is another)
             self.running = self.waiting = self.foreign = 0
             self.report.down()
             self._fail_all(reason, cause)
@@ -440,6 +458,10 @@ class WorkerClient:
                         choice.accept(prompt_tokens)
                 if len(msg) > 3:  # notes: details that precede this frame's outputs
                     for rid, note in msg[3]:
+                        if rid is None:  # the worker's own: its KV events
+                            if self.kv_index is not None:
+                                self.kv_index.apply(note.get("kv_events") or ())
+                            continue
                         choice = states.get(rid)
                         if choice is not None:
                             if len(note) == 1 and choice.token_ids is not None:

@@ -320,6 +320,7 @@ class Metrics(RequestMetrics):
             in_flight.add_metric([model], now.open_streams if now is not None else 0)
         yield alive
         yield in_flight
+        yield from _kv_families(pools)
         routed = [(model, s.routing) for model, s in stats if s.routing is not None]
         if routed:
             yield from _routing_families(routed)
@@ -329,6 +330,29 @@ class Metrics(RequestMetrics):
         yield from engine_families(
             (model, w.index, w.report) for model, engine in pools if engine is not None
             for w in engine.workers if w.report is not None)
+
+
+def _kv_families(pools: list) -> Iterator[Metric]:
+    """What the frontend knows of each worker's KV cache from its KV events
+    (server.manager.kv_index): only workers that send them."""
+    workers = [(model, w) for model, engine in pools if engine is not None
+               for w in engine.workers if any(w.kv_events) or w.kv_index is not None]
+    if not workers:
+        return
+    blocks = GaugeMetricFamily(
+        PREFIX + "kv_cache_blocks_known",
+        "Blocks the worker's KV cache holds, as its KV events told this frontend (0 while "
+        "it is down).", labels=["model_name", "worker"])
+    for model, w in workers:
+        blocks.add_metric([model, str(w.index)], len(w.kv_index) if w.kv_index else 0)
+    yield blocks
+    yield _counter(
+        "kv_events",
+        "KV events received from each worker, by event: stored, removed (lists of blocks), "
+        "cleared (its cache was reset, or events were lost).",
+        ["model_name", "worker", "event"],
+        [([model, str(w.index), event], n) for model, w in workers
+         for event, n in zip(("stored", "removed", "cleared"), w.kv_events)])
 
 
 def _migration_families(migrated: list) -> Iterator[Metric]:

@@ -32,7 +32,10 @@ Worker -> frontend::
                                     {"token_ids": [...]}: the ids of the row's new tokens,
                                     for a request whose params ask (``token_ids: true``);
                                     {"prompt_token_ids": [...]}: the prompt's, once, for a
-                                    request whose params ask (``prompt_token_ids: true``)
+                                    request whose params ask (``prompt_token_ids: true``);
+                                    [nil, {"kv_events": [...]}]: no request's, the blocks
+                                    the engine's KV cache stored and removed in this
+                                    step (server.worker_protocol.kv_blocks)
     [PONG, seq, running, waiting]   a listening worker adds the requests this connection holds;
                                     an engine that reports its own statistics (vllm) adds
                                     a map last: ENGINE_STATS
@@ -80,6 +83,8 @@ import struct
 from typing import Callable, Iterable, NamedTuple
 
 import msgpack
+
+from .kv_blocks import CLEARED, DIGEST_BYTES, REMOVED, STORED
 
 __all__ = [
     "AcceptRow",
@@ -454,14 +459,38 @@ ENGINE_STATS: dict[str, Callable[[object], bool]] = {
 }
 
 
+def _digests(v: object) -> bool:
+    return type(v) is list and all(type(d) is bytes and len(d) == DIGEST_BYTES for d in v)
+
+
+def _kv_event(e: object) -> bool:
+    """``[STORED, [digest, ...]]``, ``[REMOVED, [digest, ...]]`` or ``[CLEARED]``
+    (server.worker_protocol.kv_blocks)."""
+    if type(e) is not list or not e:
+        return False
+    if e[0] == CLEARED:
+        return len(e) == 1
+    return len(e) == 2 and (e[0] == STORED or e[0] == REMOVED) and _digests(e[1])
+
+
+#: The items of a note not tied to a request (its rid is nil): the worker's own news.
+_WORKER_NOTE_ITEMS: dict[str, Callable[[object], bool]] = {
+    "kv_events": lambda v: _all(v, _kv_event),
+}
+
+
 def _note_rows(rows: object) -> bool:
     """Every row ``[rid, {...}]`` with known items (one loop: with token ids asked for,
-    there is a note per token)."""
+    there is a note per token), or ``[nil, {...}]``, the worker's own."""
     if type(rows) is not list:
         return False
     for r in rows:
-        if type(r) is not list or len(r) != 2 or type(r[0]) is not int:
+        if type(r) is not list or len(r) != 2:
             return False
+        if type(r[0]) is not int:
+            if r[0] is not None or not _map_of(_WORKER_NOTE_ITEMS, r[1]):
+                return False
+            continue
         note = r[1]
         if type(note) is not dict:
             return False

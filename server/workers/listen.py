@@ -17,7 +17,8 @@ One thread, one loop, like the pipe worker, multiplexing sockets with :mod:`sele
     admit the requests prepared meanwhile (server.workers.prepare)
     if the deadline has passed: outputs += engine.step(now)
     route every accept, note and output of this iteration to the connection that owns
-    its request, one STEP frame per connection; send what each socket takes now
+    its request (a note of no request's, the engine's KV events, to every connection),
+    one STEP frame per connection; send what each socket takes now
 
 *Request ids.* Each connection has its own id space (the frontend's ``rid``); the engine
 sees internal ids. ``owners`` maps an internal id to ``(connection, rid)`` and each
@@ -83,7 +84,7 @@ class _Conn:
 
     __slots__ = (
         "sock", "peer", "decoder", "out", "state", "nonce", "rids", "last_heard", "opened",
-        "accepts", "outputs", "notes", "writing",
+        "accepts", "outputs", "notes", "writing", "snapshot_due",
     )
 
     def __init__(self, sock: socket.socket, peer: str, state: str, now: float) -> None:
@@ -102,6 +103,8 @@ class _Conn:
         self.outputs: list = []
         self.notes: list = []
         self.writing = False  # registered for EVENT_WRITE
+        #: the KV cache's snapshot is owed (with the first STEP after its first message)
+        self.snapshot_due = False
 
 
 class _Closed(Exception):
@@ -303,6 +306,7 @@ class Server:
         conn.state = "ready"
         mine = None if secret is None else handshake.worker_proof(secret, conn.nonce, cnonce)
         conn.out += wire.encode([wire.HELLO, self.engine.info, mine])
+        conn.snapshot_due = True
         say(f"frontend {conn.peer} connected")
 
     def _refuse(self, conn: _Conn, reason: str) -> None:
@@ -316,6 +320,15 @@ class Server:
     def _handle(self, conn: _Conn, msg: list) -> None:
         """``msg``: a checked request (wire.check_request)."""
         kind = msg[0]
+        if conn.snapshot_due:
+            # The blocks the engine holds now (the KV events from now on follow), with
+            # the first STEP after the frontend's first message: never where the frontend
+            # still reads its handshake (it takes nothing but HELLO there).
+            conn.snapshot_due = False
+            snapshot = getattr(self.engine, "kv_snapshot", None)
+            note = snapshot() if snapshot is not None else None
+            if note is not None:
+                conn.notes.append(tuple(note))
         if kind == wire.SUBMIT:
             rid = msg[1]
             if rid in conn.rids:
@@ -407,6 +420,11 @@ class Server:
         notes = getattr(self.engine, "notes", None)
         if notes:
             for rid, note in notes:
+                if rid is None:  # the worker's own (KV events): every frontend's that
+                    for conn in self.conns:  # has had its snapshot (see _handle)
+                        if conn.state == "ready" and not conn.snapshot_due:
+                            conn.notes.append((None, note))
+                    continue
                 owner = owners.get(rid)
                 if owner is not None:
                     owner[0].notes.append((owner[1], note))

@@ -209,7 +209,7 @@ def _serve(engine, preparer: Preparer | None, fd_in: int, fd_out: int) -> None:
                 outputs.extend(exc.outputs)
                 _write_all(fd_out, wire.encode(step_message(engine, accepts, outputs)))
                 raise
-        if accepts or outputs:
+        if accepts or outputs or getattr(engine, "notes", None):  # (notes: KV events)
             _write_all(fd_out, wire.encode(step_message(engine, accepts, outputs)))
             accepts = []
             outputs = []

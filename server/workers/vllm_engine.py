@@ -86,6 +86,7 @@ from .resume import resume_of
 from .vllm_resume import ResumedText, detokenizer_class, not_resumable
 from .vllm_core import LIVENESS
 from .vllm_stats import VLLMStats, cache_config_info
+from .vllm_events import KVEventSubscriber
 
 from .hf_grammar import MAX_SCHEMA_BYTES, constraint_key
 
@@ -113,6 +114,9 @@ VLLM_SAMPLING = (
     "min_tokens", "stop_token_ids", "logit_bias", "include_stop_str_in_output",
     "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids", "bad_words",
 )
+
+#: With nothing held, seconds after a step to look for its KV events again, while none come.
+EVENT_TAILS = (0.02, 0.1, 0.5)
 
 #: vLLM's finish reasons, in ours ("repetition": vLLM's repetition detection stopped it).
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
@@ -250,6 +254,11 @@ class VLLMEngine(HFTokenizing):
         self.grammar_max_bytes = grammar_max_bytes
         #: What vLLM's stat loggers are told (not with a caller's ``llm_engine``).
         self._stats = VLLMStats()
+        #: vLLM's KV cache events (server.workers.vllm_events), while prefix caching is on,
+        #: and when to drain them again with nothing held (their last step's may come late).
+        self._events: KVEventSubscriber | None = None
+        self._tail: float | None = None
+        self._tails = 0
         if llm_engine is not None:
             self._llm = llm_engine
         else:
@@ -262,9 +271,21 @@ class VLLMEngine(HFTokenizing):
                 "enable_prefix_caching": enable_prefix_caching,
                 "served_model_name": model,
             }
-            self._llm = _build_engine(model_path, named, engine_args or {}, revision,
-                                      [self._stats.logger_factory()],
-                                      multiprocess=engine_core == "process")
+            engine_args = dict(engine_args or {})
+            if "kv_events_config" not in engine_args and enable_prefix_caching is not False:
+                # vLLM's KV events, forwarded for the frontend's routing (a caller's own
+                # kv_events_config is left alone: its events go where it says)
+                from .vllm_events import KVEventSubscriber
+
+                self._events = KVEventSubscriber()
+                engine_args["kv_events_config"] = self._events.engine_config()
+            try:
+                self._llm = _build_engine(model_path, named, engine_args, revision,
+                                          [self._stats.logger_factory()],
+                                          multiprocess=engine_core == "process")
+            except BaseException:
+                self._close_events()
+                raise
         #: With the engine core in a process of its own: its outputs' readiness, and when to
         #: ask next whether it is alive (while requests are held and it is silent).
         self._core = None
@@ -293,6 +314,11 @@ class VLLMEngine(HFTokenizing):
         self.max_model_len = config.model_config.max_model_len
         self.max_batch = config.scheduler_config.max_num_seqs
         self.prefix_caching = bool(config.cache_config.enable_prefix_caching)
+        if not self.prefix_caching or getattr(config.model_config, "runner_type",
+                                              None) == "pooling":
+            self._close_events()
+        elif self._events is not None:
+            self._events.wait_connected(5.0)
         #: vLLM's priority scheduling: a request's ``priority`` orders the waiting queue.
         self.priority_policy = str(config.scheduler_config.policy) == "priority"
         self.tokenizer = self._llm.get_tokenizer()
@@ -323,6 +349,8 @@ class VLLMEngine(HFTokenizing):
             "vocab_size": self.vocab_size,
             "cache_config": cache_config_info(config),
         }
+        if self._events is not None:  # the frontend's exact prefix index (docs/routing.md)
+            self.info["kv_events"] = {"block_size": int(config.cache_config.block_size)}
         #: Requests vLLM holds for us (added, not finished or aborted).
         self._held: set[int] = set()
         #: Of those, the ones that asked for logprobs: rid -> alternatives per token.
@@ -458,10 +486,10 @@ class VLLMEngine(HFTokenizing):
     def next_deadline(self) -> float | None:
         core = self._core
         if core is None:
-            return 0.0 if self._held else None
+            return 0.0 if self._held else self._tail
         if core.pending():  # (also with nothing held: the core's last words are taken)
             return 0.0
-        return self._check_at if self._held else None
+        return self._check_at if self._held else self._tail
 
     def wakeup_fd(self) -> int | None:
         """With the engine core in a process of its own: readable when it sent outputs
@@ -508,6 +536,41 @@ class VLLMEngine(HFTokenizing):
         return results
 
     def step(self, now: float) -> list[OutputRow]:
+        if self._events is not None:
+            try:
+                return self._step(now)
+            finally:
+                self._forward_events(now)
+        return self._step(now)
+
+    def _forward_events(self, now: float) -> None:
+        """This step's KV events, as a note not tied to a request. vLLM's publisher
+        thread sends a step's batch soon after the step: when the engine falls idle, it is
+        drained again a little later (:data:`EVENT_TAILS`), until nothing more comes."""
+        assert self._events is not None
+        events = self._events.drain()
+        if events:
+            self.notes.append([None, {"kv_events": events}])
+        if self._held:
+            self._tail, self._tails = None, 0
+            return
+        if events or self._tail is None:  # the step that emptied the engine, or news
+            self._tails = 0
+        elif self._tails >= len(EVENT_TAILS):
+            self._tail = None
+            return
+        self._tail = now + EVENT_TAILS[self._tails]
+        self._tails += 1
+
+    def kv_snapshot(self) -> list | None:
+        """A note telling a frontend that connects now every block held (a listening
+        worker sends it after HELLO), or None."""
+        events = self._events.translator.snapshot() if self._events is not None else None
+        return [None, {"kv_events": events}] if events else None
+
+    def _step(self, now: float) -> list[OutputRow]:
+        if not self._held and self._core is None:  # a tail drain (or nothing to do)
+            return []
         try:
             results = self._outputs()
         except Exception as exc:
@@ -573,6 +636,12 @@ class VLLMEngine(HFTokenizing):
             core.shutdown()
         if self._core is not None:
             self._core.close()
+        self._close_events()
+
+    def _close_events(self) -> None:
+        if self._events is not None:
+            self._events.close()
+            self._events = None
 
     # -- requests in vLLM's terms -----------------------------------------------------------
 
