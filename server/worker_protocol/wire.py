@@ -33,7 +33,9 @@ Worker -> frontend::
                                     for a request whose params ask (``token_ids: true``);
                                     {"prompt_token_ids": [...]}: the prompt's, once, for a
                                     request whose params ask (``prompt_token_ids: true``)
-    [PONG, seq, running, waiting]   a listening worker adds the requests this connection holds;
+    [PONG, seq, running, waiting]   seq 0: unasked, while one engine step runs long (the
+                                    worker's pulse); a listening worker adds the requests
+                                    this connection holds;
                                     an engine that reports its own statistics (vllm) adds
                                     a map last: ENGINE_STATS
     [TOKENIZED, seq, result, err]   result: {"tokens": [...], "max_model_len": n},
