@@ -109,7 +109,9 @@ class EngineConfig:
         options = dict(self.engine_options)
         if self.model is not None and self.engine == "sim":
             options.setdefault("model", self.model)
-        argument = {"engine": self.engine, "options": options}
+        # "pulse": how often the worker says it is alive while one step runs long
+        # (server.workers.pulse): once per ping period.
+        argument = {"engine": self.engine, "options": options, "pulse": self.heartbeat_interval}
         devices = self.visible_devices()
         if devices is not None:
             argument["visible_devices"] = devices

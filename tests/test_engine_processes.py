@@ -303,6 +303,16 @@ async def _three_requests(engine, first: SamplingParams, during=None):
     return results
 
 
+async def _signal_after_three(engine, spawn, first: SamplingParams, signum: int):
+    """Three requests (:func:`_three_requests`); ``signum`` to the worker once the first
+    has three outputs."""
+    async def send():
+        await wait_for(lambda: len(spawn.outputs_for(1)) >= 3)
+        os.kill(engine.statistics().workers[0].pid, signum)
+
+    return await _three_requests(engine, first, send)
+
+
 async def _check_died_and_restarted(engine, spawn, results, words: str):
     for name, outs in results.items():
         last = outs[-1]
@@ -330,11 +340,7 @@ async def test_worker_crash_ends_every_request_and_the_worker_restarts():
 async def test_sigkilled_worker_ends_every_request_and_the_worker_restarts():
     with trio.fail_after(LIMIT):
         async with open_real_engine(config()) as (engine, spawn):
-            async def kill():
-                await wait_for(lambda: len(spawn.outputs_for(1)) >= 3)
-                os.kill(engine.statistics().workers[0].pid, signal.SIGKILL)
-
-            results = await _three_requests(engine, LONG, kill)
+            results = await _signal_after_three(engine, spawn, LONG, signal.SIGKILL)
             await _check_died_and_restarted(engine, spawn, results, "exited")
             assert spawn.processes[0].returncode == -signal.SIGKILL
 
@@ -362,15 +368,63 @@ async def test_a_sigkilled_worker_leaves_no_process_it_started(tmp_path):
         await wait_for(lambda: not pid_exists(second), timeout=10)
 
 
-async def test_hung_worker_is_detected_stopped_and_replaced():
+@pytest.mark.parametrize("kind", ["hang", "stuck_step"])
+async def test_hung_worker_is_detected_stopped_and_replaced(kind):
+    """``hang``: the loop stops outside a step; ``stuck_step``: a step blocks for ever
+    without computing (a deadlock), which the worker's pulse does not speak for."""
     cfg = config(heartbeat_interval=0.1, heartbeat_timeout=0.5, shutdown_grace=0.3)
     with trio.fail_after(LIMIT):
         async with open_real_engine(cfg) as (engine, spawn):
-            hang = SamplingParams(max_tokens=100, extra=fault("hang", 3))
+            hang = SamplingParams(max_tokens=100, extra=fault(kind, 3))
             results = await _three_requests(engine, hang)
             await _check_died_and_restarted(engine, spawn, results, "hung")
             # it did not read its closed pipe: SIGTERM ended it
             assert spawn.processes[0].returncode == -signal.SIGTERM
+
+
+# -- busy is not hung (server.workers.pulse) ---------------------------------------------------
+
+#: A ping (and pulse) period of 0.2 s against a 3 s timeout: a pulse is late by more than
+#: 2.8 s only on a machine too loaded for any test here.
+PATIENT = config(heartbeat_interval=0.2, heartbeat_timeout=3.0, shutdown_grace=0.3)
+
+
+async def test_a_step_longer_than_the_heartbeat_timeout_is_not_hung():
+    """One step computes for three heartbeat timeouts: the worker's pulse speaks for it
+    (unasked PONGs), so it is not killed and every stream it holds finishes."""
+    ten = SamplingParams(max_tokens=10)
+    slow = SamplingParams(max_tokens=10, extra=fault("slow_step", 3, seconds=9.0))
+    with trio.fail_after(3 * LIMIT):
+        async with open_real_engine(PATIENT) as (engine, spawn):
+            results = {}
+
+            async def consume(name, params):
+                async with engine.generate(name, params) as stream:
+                    results[name] = await all_outputs(stream)
+
+            async with trio.open_nursery() as nursery:
+                for name, params in (("slow", slow), ("b", ten), ("c", ten)):
+                    nursery.start_soon(consume, name, params)
+            for name, outs in results.items():
+                assert outs[-1].finish_reason == "length", (name, outs[-1])
+                assert sum(o.num_tokens for o in outs) == 10, name
+            stats = engine.statistics().workers[0]
+            assert stats.restarts == 0 and stats.pid == spawn.processes[0].pid
+            # the slow step was heard through the pulse, not through answers to pings
+            assert any(f.msg[0] == wire.PONG and f.msg[1] == 0 for f in spawn.sent)
+
+
+async def test_a_stopped_worker_in_a_long_step_is_hung():
+    """SIGSTOP in the middle of a long step: the pulse is frozen with the process, so the
+    worker is declared hung, killed (SIGKILL: a stopped process keeps SIGTERM pending) and
+    replaced."""
+    with trio.fail_after(LIMIT):
+        async with open_real_engine(config(heartbeat_interval=0.1, heartbeat_timeout=0.5,
+                                           shutdown_grace=0.3)) as (engine, spawn):
+            slow = SamplingParams(max_tokens=100, extra=fault("slow_step", 3, seconds=3600))
+            results = await _signal_after_three(engine, spawn, slow, signal.SIGSTOP)
+            await _check_died_and_restarted(engine, spawn, results, "hung")
+            assert spawn.processes[0].returncode == -signal.SIGKILL
 
 
 # -- dispatch ----------------------------------------------------------------------------------

@@ -202,6 +202,35 @@ async def test_a_killed_worker_ends_its_streams_and_the_frontend_reconnects(tmp_
                 assert "frontend 127.0.0.1:" in second.text()
 
 
+# -- a long step is not a hang (server.workers.pulse) -----------------------------------------
+
+
+async def test_a_listening_worker_in_a_long_step_is_not_hung(tmp_path):
+    """One step of the listening worker computes for more than twice the frontend's heartbeat
+    timeout: its pulse (unasked PONGs, one a second) keeps the frontend from taking it for
+    hung, and the streams finish on the same connection."""
+    slow = SamplingParams(max_tokens=10, extra={"fault": {"kind": "slow_step", "after": 3,
+                                                          "seconds": 12.0}})
+    async with listening_worker(tmp_path, "127.0.0.1:0", "--sim-faults") as w:
+        config = remote_config(w, heartbeat_interval=0.2, heartbeat_timeout=5.0)
+        async with open_engine(config) as engine:
+            results = []
+
+            async def consume(params):
+                async with engine.generate("p", params) as stream:
+                    results.append([o async for o in stream])
+
+            with trio.fail_after(60):  # (a hang guard)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(consume, slow)
+                    nursery.start_soon(consume, SamplingParams(max_tokens=10))
+            for outs in results:
+                assert outs[-1].finish_reason == "length", outs[-1]
+                assert sum(o.num_tokens for o in outs) == 10
+            assert engine.statistics().workers[0].restarts == 0
+            assert "disconnected" not in w.text(), w.text()
+
+
 # -- a frontend dies; the worker aborts its requests, other frontends go on --------------------
 
 

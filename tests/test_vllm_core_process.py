@@ -8,7 +8,9 @@ context refusal, vLLM's metrics, priorities, LoRA adapters at start-up and loade
 time: vLLM's LoRA calls cross to the core process); then the two ways a process dies: the engine
 core SIGKILLed (the worker notices, its streams end with an error and ``[DONE]``, it is
 replaced, ``/health`` says so meanwhile), and the worker SIGKILLed (its engine core does not
-outlive it). Two model loads, and the start of a third that the module's end stops.
+outlive it). Two model loads, and the start of a third that the module's end stops. Last, a
+listening worker started on its own (no frontend kills its process group), SIGKILLed: its
+engine core dies with it (a model load of its own).
 
 Skipped where vLLM is not installed.
 """
@@ -23,6 +25,7 @@ import signal
 import time
 
 import pytest
+import trio
 
 if importlib.util.find_spec("vllm") is None:  # (not imported here: see vllm_reference.py)
     pytest.skip("vLLM is not installed", allow_module_level=True)
@@ -31,6 +34,7 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from tests.conftest import children_of, pid_exists  # noqa: E402
+from tests.remote import listening_worker  # noqa: E402
 from tests.test_vllm_engine import (  # noqa: E402
     CONTEXT, MODEL, SHAPE, STARTUP, Server, _open_stream, _prompts, _totals)
 from tests.tiny_lora import build_tiny_lora  # noqa: E402
@@ -171,3 +175,22 @@ def test_a_killed_worker_leaves_no_engine_core(server):
     # the frontend kills what is left of the worker's process group: the core
     _until(lambda: not pid_exists(core), 120, "the engine core outlived its worker")
     # (the replacement's start is stopped by the module's end: nothing may be left then)
+
+
+async def test_a_killed_listening_worker_leaves_no_engine_core(model_dir, tmp_path):
+    args = ("--engine", "vllm", "--model-path", str(model_dir), "--engine-core", "process",
+            "--max-model-len", str(CONTEXT), "--dtype", "float32",
+            "--engine-arg", "kv_cache_memory_bytes=67108864")
+    core = None
+    try:
+        async with listening_worker(tmp_path, f"unix:{tmp_path / 'w.sock'}", *args,
+                                    secret=None, startup=STARTUP_HERE) as worker:
+            core = _core_of(worker.proc.pid)
+            worker.proc.kill()  # SIGKILL: no cleanup of its own, no parent to kill its group
+            await worker.proc.wait()
+            with trio.fail_after(120):  # the kernel's parent-death signal: at once
+                while pid_exists(core):
+                    await trio.sleep(0.1)
+    finally:
+        if core is not None and pid_exists(core):  # (the failure is not left running)
+            os.kill(core, signal.SIGKILL)

@@ -80,9 +80,10 @@ Frame = namedtuple("Frame", "time pid msg")
 _fake_pids = itertools.count(10_000_001)
 
 
-def fault(kind: str, after: int = 0) -> dict:
-    """``SamplingParams.extra`` that asks the sim engine for a fault."""
-    return {"fault": {"kind": kind, "after": after}}
+def fault(kind: str, after: int = 0, **more) -> dict:
+    """``SamplingParams.extra`` that asks the sim engine for a fault (``more``: its other
+    fields, such as ``seconds`` of a ``slow_step``)."""
+    return {"fault": {"kind": kind, "after": after, **more}}
 
 
 

@@ -36,7 +36,9 @@ Worker -> frontend::
                                     [nil, {"kv_events": [...]}]: no request's, the blocks
                                     the engine's KV cache stored and removed in this
                                     step (server.worker_protocol.kv_blocks)
-    [PONG, seq, running, waiting]   a listening worker adds the requests this connection holds;
+    [PONG, seq, running, waiting]   seq 0: unasked, while one engine step runs long (the
+                                    worker's pulse); a listening worker adds the requests
+                                    this connection holds;
                                     an engine that reports its own statistics (vllm) adds
                                     a map last: ENGINE_STATS
     [TOKENIZED, seq, result, err]   result: {"tokens": [...], "max_model_len": n},

@@ -32,6 +32,12 @@ at once; what the engine still reports for them is dropped.
 *Never blocked by a frontend.* Sockets are non-blocking; output a socket does not take is
 kept in the connection's buffer (bounded, see above) and sent when it becomes writable.
 
+*Busy is not hung.* While one engine step runs longer than a second, a thread beside the
+loop (:mod:`server.workers.pulse`) sends every ready connection whose output buffer is
+empty an unasked PONG (sequence number 0; the counts of the last PING answered), so that
+frontends do not take a worker making progress for hung. A frontend's silence is checked
+after its socket was read, never right after a step (its pings wait unread meanwhile).
+
 *A broken engine* (:class:`~server.workers.base.EngineBroken`) ends every connection's
 requests with their errors, then the worker exits with status 3: run listening workers
 under something that restarts them (systemd, Kubernetes, a supervisor); frontends
@@ -56,6 +62,7 @@ from ..worker_protocol import handshake, wire
 from ..worker_protocol.wire import OutputRow
 from .base import EngineBroken, one_line
 from .main import build_engine, handle_message, open_preparer, run_as_worker
+from .pulse import Pulse
 
 __all__ = ["main", "serve_listening", "open_listener"]
 
@@ -116,7 +123,7 @@ class Server:
 
     def __init__(self, engine, listener: socket.socket, *, secret: bytes | None,
                  tls: ssl.SSLContext | None, frontend_timeout: float,
-                 max_buffer: int) -> None:
+                 max_buffer: int, pulse_period: float = 1.0) -> None:
         self.engine = engine
         self.listener = listener
         self.secret = secret
@@ -141,12 +148,17 @@ class Server:
         # What this iteration's messages and step produced, in the engine's ids.
         self.accepts: list = []
         self.outputs: list = []
+        #: running and waiting of the last PING answered (what the pulse repeats)
+        self.counts = [0, 0]
+        self.pulse = Pulse(self._pulse, pulse_period)
 
     # -- the loop ----------------------------------------------------------------------------
 
     def run(self) -> None:
         clock = time.monotonic
         engine = self.engine
+        pulse = self.pulse
+        pulse.start()
         while True:
             deadline = engine.next_deadline()
             timeout = None if deadline is None else max(0.0, deadline - clock())
@@ -176,17 +188,23 @@ class Server:
                     self._drop(conn, f"internal error: {one_line(exc)}")
             if self.preparer is not None:
                 self._collect()
+            self._expire(clock())  # (after reading: not after a long step)
             deadline = engine.next_deadline()
             now = clock()
             if deadline is not None and now >= deadline:
+                broken = None
+                pulse.enter()
                 try:
                     self.outputs.extend(engine.step(now))
                 except EngineBroken as exc:
-                    self.outputs.extend(exc.outputs)
+                    broken = exc
+                finally:
+                    pulse.leave()
+                if broken is not None:
+                    self.outputs.extend(broken.outputs)
                     self._send_results()
-                    raise
+                    raise broken
             self._send_results()
-            self._expire(clock())
 
     # -- connections -------------------------------------------------------------------------
 
@@ -355,6 +373,7 @@ class Server:
             if reply is None:  # answered by the preparer later: _collect
                 return
             if kind == wire.PING:  # this connection's share, before the engine's stats
+                self.counts = reply[2:4]
                 reply.insert(4, len(conn.rids))
             else:
                 self.tokenizing.pop(msg[1], None)
@@ -482,7 +501,26 @@ class Server:
             events = selectors.EVENT_READ | (selectors.EVENT_WRITE if want else 0)
             self.selector.modify(conn.sock, events, conn)
 
+    def _pulse(self) -> None:
+        """In the pulse's thread, while the loop is in a long step: an unasked PONG to each
+        ready connection that has no output waiting (one that has is not reading: it gets
+        nothing more)."""
+        for conn in list(self.conns):
+            if conn.state != "ready" or conn.out:
+                continue
+            frame = wire.encode([wire.PONG, 0, *self.counts, len(conn.rids)])
+            try:
+                sent = conn.sock.send(frame)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError,
+                    ssl.SSLWantReadError):
+                sent = 0
+            except (ssl.SSLError, OSError):  # the loop finds out after the step
+                continue
+            if sent < len(frame):
+                conn.out += frame[sent:]  # (sent after the step, or its end kept whole)
+
     def close(self) -> None:
+        self.pulse.close()
         for conn in list(self.conns):
             self._drop(conn, "the worker is stopping")
         if self.preparer is not None:

@@ -16,6 +16,10 @@ One thread, one loop::
     if the deadline has passed: outputs += engine.step(now)
     write one STEP frame with every accept and output gathered in this iteration
 
+Pings are answered between steps; while one step runs long, a thread beside the loop
+(:mod:`server.workers.pulse`) sends unasked PONGs, so that a worker making progress is not
+taken for hung.
+
 A request's slow setup (tokenizing, a chat template, a grammar) runs in a few threads of
 :mod:`server.workers.prepare` for an engine that splits its ``add``: the loop never waits
 for it.
@@ -40,6 +44,7 @@ from .base import EngineBroken, one_line, WorkerCrash, WorkerGarbage, WorkerHang
 from .embed import embed_request
 from .lora import LORA_OPS, lora_request
 from .prepare import Preparer, admit, tokenize_reply
+from .pulse import Pulse
 
 __all__ = ["build_engine", "handle_message", "main", "open_preparer", "run_as_worker", "serve",
            "step_message"]
@@ -149,17 +154,24 @@ def step_message(engine, accepts: list, outputs: list) -> list:
     return [wire.STEP, accepts, outputs]
 
 
-def serve(engine, fd_in: int, fd_out: int) -> None:
-    """Run the loop until the input ends or a SHUTDOWN arrives."""
+def serve(engine, fd_in: int, fd_out: int, pulse_period: float = 1.0) -> None:
+    """Run the loop until the input ends or a SHUTDOWN arrives. While one engine step runs
+    longer than ``pulse_period`` seconds, a thread beside the loop writes an unasked PONG
+    every ``pulse_period`` (:mod:`server.workers.pulse`)."""
     preparer = open_preparer(engine)
+    pong = [wire.encode([wire.PONG, 0, 0, 0])]  # the last answer's counts, unasked
+    pulse = Pulse(lambda: _write_all(fd_out, pong[0]), pulse_period)
+    pulse.start()
     try:
-        _serve(engine, preparer, fd_in, fd_out)
+        _serve(engine, preparer, fd_in, fd_out, pulse, pong)
     finally:
+        pulse.close()
         if preparer is not None:
             preparer.close()
 
 
-def _serve(engine, preparer: Preparer | None, fd_in: int, fd_out: int) -> None:
+def _serve(engine, preparer: Preparer | None, fd_in: int, fd_out: int, pulse: Pulse,
+           pong: list[bytes]) -> None:
     clock = time.monotonic
     decoder = wire.FrameDecoder(wire.check_request)  # a malformed message ends the loop
     # select(2) takes a timeout in microseconds, epoll in whole milliseconds (rounded up): a
@@ -197,18 +209,26 @@ def _serve(engine, preparer: Preparer | None, fd_in: int, fd_out: int) -> None:
                 reply = handle_message(engine, msg, accepts, outputs, preparer)
                 if reply is not None:
                     replies.append(wire.encode(reply))
+                    if reply[0] == wire.PONG:  # what the pulse repeats, unasked
+                        pong[0] = wire.encode([wire.PONG, 0, *reply[2:]])
         if preparer is not None:  # requests prepared meanwhile join the engine now
             replies.extend(wire.encode(r) for r in preparer.collect(accepts, outputs))
         if replies:
             _write_all(fd_out, b"".join(replies))
         deadline = engine.next_deadline()
         if deadline is not None and clock() >= deadline:
+            broken = None
+            pulse.enter()  # (the pulse speaks for the loop while this step runs long)
             try:
                 outputs.extend(engine.step(clock()))
             except EngineBroken as exc:  # its requests end with errors; then this worker
-                outputs.extend(exc.outputs)
+                broken = exc
+            finally:
+                pulse.leave()
+            if broken is not None:
+                outputs.extend(broken.outputs)
                 _write_all(fd_out, wire.encode(step_message(engine, accepts, outputs)))
-                raise
+                raise broken
         if accepts or outputs or getattr(engine, "notes", None):  # (notes: KV events)
             _write_all(fd_out, wire.encode(step_message(engine, accepts, outputs)))
             accepts = []
@@ -256,7 +276,7 @@ def _main(argv: list[str]) -> None:
         print(f"trio-llm-server worker: cannot start engine: {one_line(exc)}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
-        serve(engine, fd_in, fd_out)
+        serve(engine, fd_in, fd_out, float(config.get("pulse", 1.0)))
     except EngineBroken as exc:
         print(f"trio-llm-server worker: engine failed, restarting: {exc.message}", file=sys.stderr)
         raise SystemExit(3) from None

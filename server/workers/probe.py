@@ -5,8 +5,10 @@ worker the way a frontend does (the secret from ``$TRIO_LLM_WORKER_SECRET`` or
 ``--secret-file``; TLS with ``--tls-ca``), completes the handshake, sends one PING and waits
 for its PONG. A TCP connect alone would not do: the kernel accepts connections for a worker
 whose engine loop hangs, while a PONG comes only from the loop itself, between two engine
-steps. Exit status 0 and one line (``ok: running R, waiting W``) when the PONG came within
-``--timeout`` seconds; 1 and the reason otherwise; 2 for a usage error. The worker logs the
+steps, or, during one long step, from its pulse (:mod:`server.workers.pulse`: an unasked
+PONG, sequence number 0, sent only while the step computes), which counts too. Exit status
+0 and one line (``ok: running R, waiting W``) when the PONG came within ``--timeout``
+seconds; 1 and the reason otherwise; 2 for a usage error. The worker logs the
 probe's connection like any frontend's, and it holds no request.
 """
 
@@ -40,7 +42,7 @@ async def probe(address: handshake.WorkerAddress, secret: bytes | None,
             if not data:
                 raise SessionEnded("the worker closed the connection before its PONG")
             for msg in link.decoder.feed(data):
-                if wire.check_reply(msg)[0] == wire.PONG and msg[1] == 1:
+                if wire.check_reply(msg)[0] == wire.PONG and msg[1] in (0, 1):  # 0: pulse
                     return msg[2], msg[3]
     except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
         raise SessionEnded(f"the connection broke: {exc}") from None

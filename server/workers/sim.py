@@ -41,7 +41,10 @@ It behaves like a real engine from the frontend's point of view:
   after k tokens), ``crash`` (the worker process dies after k tokens), ``hang`` (the whole
   worker stops answering after k tokens), ``garbage`` (the worker writes bytes that are not
   a frame on its pipe after k tokens), ``stall`` (this request stops producing output
-  after k tokens) or ``ignore_abort`` (aborts of this request are ignored).
+  after k tokens), ``ignore_abort`` (aborts of this request are ignored), ``slow_step``
+  (the step that gives token k+1 computes, holding the loop as a long forward pass does,
+  for ``"seconds"``, then the request goes on) or ``stuck_step`` (that step blocks for
+  ever without computing, as a deadlock does).
 """
 
 from __future__ import annotations
@@ -94,7 +97,8 @@ CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|> {{ m.content }}\n{% end
 #: The largest embedding_size of a sim engine.
 _MAX_EMBEDDING = 4096
 
-FAULT_KINDS = ("error", "crash", "hang", "garbage", "stall", "ignore_abort")
+FAULT_KINDS = ("error", "crash", "hang", "garbage", "stall", "ignore_abort", "slow_step",
+               "stuck_step")
 
 
 def render_chat(messages: list) -> str:
@@ -121,7 +125,7 @@ def count_tokens(text: str) -> int:
 class _Req:
     __slots__ = (
         "rid", "rng", "max_tokens", "stop", "produced", "ready_at",
-        "fault", "fault_after", "prompt_tokens", "started", "call", "blocks", "cached",
+        "fault", "fault_after", "fault_seconds", "prompt_tokens", "started", "call", "blocks", "cached",
         "ids", "pending",
     )
     rid: int
@@ -132,6 +136,7 @@ class _Req:
     ready_at: float
     fault: str | None
     fault_after: int
+    fault_seconds: float
     prompt_tokens: int
     started: bool
     call: list[str] | None  # the tokens of a tool call, when the request has tools
@@ -280,6 +285,7 @@ class SimEngine:
         req.ready_at = 0.0
         req.fault = None
         req.fault_after = 0
+        req.fault_seconds = 0.0
         req.call = _tool_call(params.get("tools"), max_tokens, req.rng)
         req.ids = bool(params.get("token_ids"))
         req.pending = ""
@@ -295,6 +301,7 @@ class SimEngine:
                 raise Rejected(f"fault.kind must be one of {', '.join(FAULT_KINDS)}")
             req.fault = fault["kind"]
             req.fault_after = int(fault.get("after", 0))
+            req.fault_seconds = float(fault.get("seconds", 0.0))
         self._waiting[rid] = req
         self._admit(self._clock())
         return prompt_tokens
@@ -428,6 +435,14 @@ class SimEngine:
                 raise WorkerGarbage()
             if fault == "stall":
                 return None
+            if fault == "slow_step":  # once: this step computes for that long
+                req.fault = None
+                end = time.monotonic() + req.fault_seconds
+                while time.monotonic() < end:
+                    pass
+            if fault == "stuck_step":  # blocked for ever without computing (a deadlock)
+                while True:
+                    time.sleep(3600)
         word, token = self._next_token(req)
         if req.ids:
             self.notes.append([req.rid, {"token_ids": [token]}])

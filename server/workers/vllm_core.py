@@ -32,14 +32,29 @@ core die (``ensure_alive``, vLLM's monitor thread watches the core's process sen
 This touches one attribute that vLLM does not document (``outputs_queue`` of its sync
 client, a ``queue.Queue`` since the V1 engine); a version without it is refused at start
 with one line (``--engine-core worker`` then still works).
+
+**The core dies with its worker** (:func:`tied_to_this_process`), even a worker killed by
+SIGKILL with no one to kill its process group (a listening worker started on its own): vLLM
+starts the core with ``multiprocessing`` (fork on CPU, spawn once CUDA is initialised) and
+target ``EngineCoreProc.run_engine_core``. While the engine is built, that target is
+wrapped, on vLLM's class and only for that while, by :func:`_run_tied`, which first asks the
+kernel for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``, which survives the
+spawn's exec), then runs vLLM's own. Nothing else changes in any process. What the core
+starts itself (tensor-parallel workers) vLLM ties to the core (its workers' death pipe).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import queue
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-__all__ = ["CoreProcess", "LIVENESS"]
+__all__ = ["CoreProcess", "LIVENESS", "tied_to_this_process"]
 
 #: While requests are held, how often (seconds) the loop asks whether the core is alive
 #: when it has not heard from it.
@@ -111,3 +126,46 @@ class CoreProcess:
                 os.close(fd)
             except OSError:
                 pass
+
+
+_PR_SET_PDEATHSIG = 1
+#: vLLM's ``EngineCoreProc.run_engine_core`` while it is wrapped (a forked core finds it
+#: here: its copy of the class still holds the wrapper; a spawned one imports vLLM afresh).
+_original = None
+
+
+@contextmanager
+def tied_to_this_process() -> Iterator[None]:
+    """While inside, an engine core process that vLLM starts gets SIGKILL from the kernel
+    when this process dies (see the module docstring). Only from the main thread: the
+    kernel sends a parent-death signal when the *thread* that forked ends, and the main
+    thread lasts as long as the process; from another thread nothing is changed."""
+    global _original
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from vllm.v1.engine.core import EngineCoreProc
+
+    wrapped = EngineCoreProc.__dict__["run_engine_core"]
+    _original = EngineCoreProc.run_engine_core
+    EngineCoreProc.run_engine_core = staticmethod(  # type: ignore[method-assign]
+        functools.partial(_run_tied, os.getpid()))
+    try:
+        yield
+    finally:
+        EngineCoreProc.run_engine_core = wrapped  # type: ignore[method-assign]
+        _original = None
+
+
+def _run_tied(parent: int, *args, **kwargs) -> None:
+    """In the engine core's process: die with ``parent`` (the worker), then be vLLM's core."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the worker died before prctl took effect
+        os._exit(1)
+    run = _original
+    if run is None:  # spawned: vLLM's class as imported here is vLLM's own
+        from vllm.v1.engine.core import EngineCoreProc
+
+        run = EngineCoreProc.run_engine_core
+    run(*args, **kwargs)

@@ -31,7 +31,10 @@ core runs is the ``engine_core`` option:
 Where vLLM starts processes of its own (the engine core, tensor-parallel workers), they
 are descendants of this worker: :meth:`close` shuts them down; the frontend starts each
 worker in a process group of its own and kills what is left of the group when the worker
-is gone, even SIGKILLed (:mod:`server.manager.transport`).
+is gone, even SIGKILLed (:mod:`server.manager.transport`); and the engine core process
+gets SIGKILL from the kernel when the worker dies
+(:func:`~server.workers.vllm_core.tied_to_this_process`), which is all a listening worker
+started on its own has.
 
 What the frontend sends, this module turns into vLLM's terms:
 
@@ -63,6 +66,7 @@ frontend starts a fresh one (vLLM's state after a failed step is not trusted).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import select
@@ -183,10 +187,16 @@ def _build_engine(model_path: str | None, named: dict, engine_args: dict,
         )
     kwargs["model"] = str(path)
     kwargs.setdefault("served_model_name", hub_id or path.resolve().name)
+    tied: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if multiprocess:  # the engine core process dies with this one (server.workers.vllm_core)
+        from .vllm_core import tied_to_this_process
+
+        tied = tied_to_this_process()
     try:
-        return LLMEngine.from_engine_args(EngineArgs(**kwargs),
-                                          enable_multiprocessing=multiprocess,
-                                          stat_loggers=stat_loggers)
+        with tied:
+            return LLMEngine.from_engine_args(EngineArgs(**kwargs),
+                                              enable_multiprocessing=multiprocess,
+                                              stat_loggers=stat_loggers)
     except Exception as exc:
         raise RuntimeError(f"vLLM could not start: {one_line(exc)}") from None
 
