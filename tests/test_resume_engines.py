@@ -8,6 +8,8 @@ mid-stream: tests/test_migration.py."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
 import subprocess
 import sys
 
@@ -98,6 +100,26 @@ def test_transformers_resumes_exactly_at_every_cut(hf):
     fmt = {"type": "json_schema", "schema": {
         "type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}}
     check_every_cut(hf, {"max_tokens": 16, "temperature": 0, "response_format": fmt}, step=4)
+
+
+def test_transformers_resumes_through_an_llguidance_matcher(hf):
+    """A schema xgrammar would not enforce (a pattern's string bounded in length) runs on
+    llguidance (server.workers.hf_llguidance), whose matcher is replayed the same way: seeded
+    sampling, resumed at every other cut, equals the uninterrupted run, which ends with the
+    document complete."""
+    pytest.importorskip("llguidance")
+    from server.workers.hf_schema_check import unenforced
+
+    schema = {"type": "object", "required": ["id", "n"], "properties": {
+        "id": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 5},
+        "n": {"type": "number", "multipleOf": 0.5}}}
+    assert unenforced(schema) is not None  # (xgrammar's path would refuse it)
+    params = {"max_tokens": 40, "temperature": 1.0, "seed": 3,
+              "response_format": {"type": "json_schema", "schema": schema}}
+    text, n, finish, _ = check_every_cut(hf, params, step=2)
+    assert finish == "stop", (text, n)
+    value = json.loads(text)
+    assert re.fullmatch("[a-z]{1,5}", value["id"]) and value["n"] * 2 % 1 == 0, value
 
 
 def test_transformers_refuses_a_resume_it_cannot_continue(hf):

@@ -38,7 +38,7 @@ true``) gets a note ``{"token_ids": [id]}`` with each token; one with ``"resume"
 {"token_ids": G, "text_chars": k}`` continues one whose worker died, exactly: its prompt
 is the prompt and G (one prefill), and everything per request is replayed through G before
 it runs: the generator (one draw per sampled token, :mod:`server.workers.hf_sample`), the
-sampling rules (penalties, ``min_tokens``, bad words), the grammar's matcher (xgrammar's
+sampling rules (penalties, ``min_tokens``, bad words), the grammar's matcher (xgrammar's or llguidance's
 ``accept_token``), the detokenizer and stop matcher; the text they released past the
 client's ``k`` characters goes out first.
 """
@@ -80,6 +80,7 @@ from .base import (
 )
 from .hf_batch import KVBatch, UnsupportedModel, sliding_window
 from .hf_grammar import COMPILE_TIMEOUT, MAX_SCHEMA_BYTES, Grammars
+from .hf_llguidance import failure
 from .hf_logits import SAMPLING_FIELDS, Rules, process
 from .hf_sample import sample
 from .hf_text import RequestText, load_tokenizer
@@ -517,8 +518,12 @@ class TransformersEngine(HFTokenizing):
             if rules is not None:
                 rules.observe(tok)
             matcher = req.matcher
-            if matcher is not None:
-                matcher.accept_token(tok)
+            if matcher is not None and not matcher.accept_token(tok) \
+                    and (why := failure(matcher)):  # llguidance gave up: no half document
+                outputs.append(OutputRow(req.rid, "", 0, "error", [
+                    "engine_error", f"structured output failed: {why}"]))
+                finished.append(req)
+                continue
             if (
                 (tok in self.eos_ids and not req.ignore_eos)
                 or (rules is not None and tok in rules.stop_ids)
@@ -557,7 +562,7 @@ class TransformersEngine(HFTokenizing):
                     raise Rejected("response_format needs xgrammar, which is not installed")
                 self._grammars = Grammars(
                     self.tokenizer, vocab_size=self.vocab_size, stop_ids=self.eos_ids,
-                    **self._grammar_budget,
+                    guidance=True, **self._grammar_budget,
                 )
             return self._grammars
 

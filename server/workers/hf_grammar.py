@@ -13,8 +13,11 @@ Compiling a schema can take seconds (thousands of properties, deep nesting, huge
 :meth:`Grammars.compile` runs in a preparation thread (:mod:`server.workers.prepare`), never
 on the engine loop, within two budgets: a schema's JSON of more than ``max_bytes`` is
 refused before compiling, and a compilation that takes longer than ``timeout`` seconds is
-refused (a 400 naming ``response_format`` or the forced tool call, with the reason), and
-so is a schema with a keyword xgrammar would not enforce (:mod:`.hf_schema_check`). A
+refused (a 400 naming ``response_format`` or the forced tool call, with the reason). A
+schema with a keyword xgrammar would not enforce (:mod:`.hf_schema_check`) is compiled by
+llguidance instead (:mod:`.hf_llguidance`, when installed and the engine asks for it), in
+the same threads, budgets and cache (its key prefixed ``llguidance``); one that llguidance
+refuses too is a 400 naming the keyword and llguidance's reason. A
 compilation runs in one of ``COMPILE_THREADS`` threads of its own, which a preparation
 waits for at most ``timeout``: a thread cannot be killed, so an overlong one finishes in
 the background and its result goes to the cache, and at most ``COMPILE_THREADS`` of them
@@ -44,12 +47,14 @@ JSON takes as they are).
 from __future__ import annotations
 
 import collections
+import importlib.util
 import json
 import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from .base import Rejected, one_line
+from .hf_llguidance import Guidance
 from .hf_schema_check import unenforced
 from .prep_helper import HelperDied
 from .prepare import DaemonPool
@@ -66,6 +71,8 @@ COMPILE_TIMEOUT = 10.0
 COMPILE_THREADS = 2
 #: Compiled grammars kept.
 CACHE_SIZE = 64
+#: The cache key's prefix of a JSON schema compiled by llguidance (:mod:`.hf_llguidance`).
+GUIDED = "llguidance\x00"
 
 
 def describe(response_format: dict) -> str:
@@ -141,7 +148,8 @@ class Grammars:
     """The grammars of one model's tokenizer (see the module docstring)."""
 
     def __init__(self, tokenizer, *, vocab_size: int, stop_ids,
-                 max_bytes: int = MAX_SCHEMA_BYTES, timeout: float = COMPILE_TIMEOUT) -> None:
+                 max_bytes: int = MAX_SCHEMA_BYTES, timeout: float = COMPILE_TIMEOUT,
+                 guidance: bool = False) -> None:
         import xgrammar
 
         self._xgr = xgrammar
@@ -150,6 +158,10 @@ class Grammars:
         )
         self._info = info
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        #: llguidance, for the schemas xgrammar would not enforce (``guidance`` and installed)
+        self._guidance: Guidance | None = None
+        if guidance and importlib.util.find_spec("llguidance") is not None:
+            self._guidance = Guidance(tokenizer, vocab_size=vocab_size, stop_ids=stop_ids)
         #: (compile(key) -> the compiled grammar's JSON, bytes): a schema whose key is
         #: longer is compiled there (the worker's helper process, server.workers.prep_helper)
         self.remote: tuple | None = None
@@ -177,11 +189,14 @@ class Grammars:
         unsupported, too large or too slow schema is :class:`Rejected` naming the problem."""
         name = describe(response_format)
         key = constraint_key(response_format, self.max_bytes)
+        problem = None
         if response_format.get("type") == "json_schema":
             problem = unenforced(response_format.get("schema"))
-            if problem:
+            if problem and self._guidance is None:
                 raise Rejected(f"{name}: unsupported JSON schema: {problem}")
-        what = "JSON schema" if key[:1] in ("", "{") else key.partition("\x00")[0]
+            if problem:
+                key = GUIDED + key
+        what = "JSON schema" if key[:1] in ("", "{") or problem else key.partition("\x00")[0]
         future = self._future(key)
         try:
             return future.result(timeout=self.timeout)
@@ -198,11 +213,17 @@ class Grammars:
                 f"{self.timeout:g} s (simplify it: fewer properties, less nesting, shorter "
                 "enums)") from None
         except Exception as exc:
+            if problem:
+                raise Rejected(f"{name}: unsupported JSON schema: {problem}; nor can "
+                               f"llguidance enforce the schema: {one_line(exc)}") from None
             raise Rejected(f"{name}: unsupported {what}: {one_line(exc)}") from None
 
     def matcher(self, compiled):
         """A fresh matcher for a compiled grammar (quick: the loop's thread)."""
-        return self._xgr.GrammarMatcher(compiled)
+        if isinstance(compiled, self._xgr.CompiledGrammar):
+            return self._xgr.GrammarMatcher(compiled)
+        assert self._guidance is not None
+        return self._guidance.matcher(compiled)
 
     def close(self) -> None:
         """Stop compiling: queued compilations are dropped, running ones not waited for."""
@@ -224,6 +245,9 @@ class Grammars:
             return future
 
     def _compile(self, key: str):
+        if key.startswith(GUIDED):
+            assert self._guidance is not None
+            return self._guidance.compile(key[len(GUIDED):])
         remote = self.remote
         if remote is not None and len(key) > remote[1]:
             return self._xgr.CompiledGrammar.deserialize_json(remote[0](key), self._info)
