@@ -144,6 +144,8 @@ class WorkerClient:
         self.restarts = 0
         self.gave_up = False
         self.last_heard = -math.inf
+        #: The router is decoding a big frame in a thread (the worker counts as heard).
+        self._decoding = False
         #: The worker's (running, waiting) request counts in its latest PONG (for metrics).
         self.running = 0
         self.waiting = 0
@@ -434,8 +436,13 @@ class WorkerClient:
                 try:
                     if len(data) + decoder.buffered < big:  # (the hot path: no frame is big)
                         messages = decoder.feed(data)
-                    else:
-                        messages = await decode_frames(decoder, data)
+                    else:  # the worker is heard all along: its frames wait behind this
+                        self._decoding = True
+                        try:
+                            messages = await decode_frames(decoder, data)
+                        finally:
+                            self._decoding = False
+                        self.last_heard = trio.current_time()
                 except wire.ProtocolError as exc:
                     self._route(exc.messages)  # what it said well before the garbage counts
                     raise
@@ -545,7 +552,8 @@ class WorkerClient:
         config = self.config
         while True:
             await trio.sleep(config.heartbeat_interval)
-            if trio.current_time() - self.last_heard > config.heartbeat_timeout:
+            if (trio.current_time() - self.last_heard > config.heartbeat_timeout
+                    and not self._decoding):  # (a big frame: its PONGs queue behind it)
                 raise _SessionEnded(
                     f"no answer for {config.heartbeat_timeout:.1f} s (hung)", cause="hung"
                 )
