@@ -574,9 +574,18 @@ def test_prompt_over_the_context_is_a_400_before_any_byte(server, client):
         )
 
 
-def test_heavy_schemas_and_prompts_are_prepared_off_the_worker_loop(server, client):
+def _is_helper(pid: int) -> bool:
+    """Whether ``pid`` is a worker's preparation helper process."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"server.workers.prep_child" in f.read()
+    except OSError:
+        return False
+
+
+def test_heavy_schemas_and_prompts_are_prepared_off_the_worker_loop(server, client, reference):
     """A 4,000-property schema (vLLM compiles it in its own threads) and a 3.5 MB prompt to
-    /tokenize (tokenized in a preparation thread) while a greedy request runs: the same
+    /tokenize (tokenized in the worker's helper process) while a greedy request runs: the same
     worker serves on, and the request's text is what it is alone."""
     (worker,) = server.workers()
 
@@ -609,6 +618,12 @@ def test_heavy_schemas_and_prompts_are_prepared_off_the_worker_loop(server, clie
     assert heavy["schema"].status_code == 200, heavy["schema"].text
     assert heavy["tokenize"].status_code == 200 and heavy["tokenize"].json()["count"] > CONTEXT
     assert server.workers() == {worker}
+    # the prompt was tokenized in the worker's helper process (server.workers.prep_helper),
+    # and its answer (a frame of megabytes, decoded and answered off the event loop) holds
+    # vLLM's tokenizer's ids
+    assert [p for p in children_of(worker) if _is_helper(p)]
+    ids = heavy["tokenize"].json()["tokens"]
+    assert ids == reference.encode("a" * 3_500_000)
     # a schema over the size budget: a 400 that names response_format, before vLLM
     names = [f"q{i}" for i in range(8000)]
     huge = {"type": "object", "properties": {k: {"type": "string"} for k in names},
@@ -620,6 +635,44 @@ def test_heavy_schemas_and_prompts_are_prepared_off_the_worker_loop(server, clie
         "response_format: the JSON schema is too large"), r.text
 
 
+def _bytes_read(pid: int) -> int:
+    """What process ``pid`` has read so far (its pipe's requests, for a helper)."""
+    with open(f"/proc/{pid}/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def test_a_dead_helper_fails_only_what_it_held(server):
+    """The worker's helper process is SIGKILLed while it tokenizes a huge prompt: that
+    /tokenize fails with a 500 naming the engine's fault, a stream beside it and the
+    worker go on, and the next heavy request is served by a new helper."""
+    (worker,) = server.workers()
+    heavy = {"model": MODEL, "prompt": "b" * 3_000_000}
+    light = {"model": MODEL, "prompt": "c" * 40_000}  # (heavy enough for the helper)
+    assert httpx.post(server.url + "/tokenize", json=light, timeout=300).status_code == 200
+    (helper,) = [p for p in children_of(worker) if _is_helper(p)]
+    sock = _open_stream(server.url, 400)
+    got: dict = {}
+    thread = threading.Thread(target=lambda: got.update(r=httpx.post(
+        server.url + "/tokenize", json=heavy, timeout=300)))
+    before = _bytes_read(helper)  # (idle: the light request was answered)
+    thread.start()
+    while _bytes_read(helper) - before < len(heavy["prompt"]):  # it has the prompt
+        time.sleep(0.01)  # (seconds for 3 MB of one word, at nice +10)
+    os.kill(helper, signal.SIGKILL)
+    thread.join()
+    r = got["r"]
+    assert r.status_code == 500 and "preparation process died" in r.json()["error"]["message"]
+    events = _rest_of_stream(sock, b"")
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not [c for c in chunks if "error" in c], chunks[-2:]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")][-1] \
+        == "length", chunks[-2:]
+    assert httpx.post(server.url + "/tokenize", json=light, timeout=300).status_code == 200
+    assert [p for p in children_of(worker) if _is_helper(p)] not in ([], [helper])
+    assert server.workers() == {worker}
+
+
 def _open_stream(url: str, max_tokens: int) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps({"model": MODEL, "prompt": "stream away", "max_tokens": max_tokens,
@@ -628,6 +681,16 @@ def _open_stream(url: str, max_tokens: int) -> socket.socket:
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                  b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
     return sock
+
+
+def _rest_of_stream(sock: socket.socket, data: bytes) -> list[bytes]:
+    """The stream's events (``data``: what was read of it already), read to its end."""
+    while not data.endswith(b"0\r\n\r\n"):
+        more = sock.recv(65536)
+        assert more, data[-300:]
+        data += more
+    sock.close()
+    return re.findall(rb"data: (.*?)\n\n", data)
 
 
 def test_a_client_disconnect_leaves_nothing_in_vllm(server):
@@ -657,12 +720,7 @@ def test_a_killed_worker_ends_its_streams_and_is_replaced(server, client):
     while data.count(b"data: ") < 2:
         data += sock.recv(65536)
     os.kill(worker, signal.SIGKILL)
-    while not data.endswith(b"0\r\n\r\n"):
-        more = sock.recv(65536)
-        assert more, data[-300:]
-        data += more
-    sock.close()
-    events = re.findall(rb"data: (.*?)\n\n", data)
+    events = _rest_of_stream(sock, data)
     assert events[-1] == b"[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "worker_died"
     server.wait_ready()

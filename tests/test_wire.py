@@ -142,6 +142,8 @@ def _frame(body: bytes) -> bytes:
 def test_garbage_is_a_protocol_error(body):
     with pytest.raises(wire.ProtocolError):
         wire.FrameDecoder().feed(_frame(body))
+    with pytest.raises(wire.ProtocolError):  # and where a big frame is decoded in slices
+        wire.FrameDecoder().decode_sliced(body)
 
 
 def test_the_longest_integer_the_frontend_parses_travels_intact():
@@ -328,3 +330,39 @@ def test_a_reply_packed_in_slices_is_the_same_frame(n, seed, max_model_len):
     packed = wire.encode([wire.TOKENIZED, seed, wire.pack_sliced(result), None])
     assert packed == wire.encode(message)
     assert wire.FrameDecoder(wire.check_reply).feed(packed) == [message]
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_property_a_frame_decoded_in_slices_is_the_same_message(data):
+    """decode_sliced (the frontend's decoding of a big frame, in a thread) gives what one
+    unpackb gives, for every message type, and takes the frames feed takes."""
+    decoder = wire.FrameDecoder(wire.check_reply)
+    for kind in (wire.STEP, wire.PONG, wire.TOKENIZED):
+        message = list(data.draw(frames.WELL_FORMED[kind]))
+        (body,) = decoder.frames(wire.encode(message))
+        assert repr(decoder.decode_sliced(body)) == repr(decoder.decode(body))
+    value = data.draw(frames.values)
+    body = msgpack.packb([wire.STEP, [], [], [[1, {"v": value}]]])
+    assert repr(wire.decode_sliced(body)) == repr(msgpack.unpackb(body, raw=False))
+
+
+@pytest.mark.parametrize("n", [wire.SLICE + 1, 3 * wire.SLICE])
+def test_a_long_list_decoded_in_slices(n):
+    rows = [[i, "é" * (i % 3), i % 5, None, None] for i in range(n)]
+    ids = list(range(n))
+    for message in ([wire.STEP, [], rows], [wire.TOKENIZED, 3, {"tokens": ids}, None]):
+        (body,) = wire.FrameDecoder().frames(wire.encode(message))
+        assert wire.FrameDecoder(wire.check_reply).decode_sliced(body) == message
+    # a map key that is not a string (unpackb's strict keys), a long list cut short
+    with pytest.raises(wire.ProtocolError):
+        wire.decode_sliced(msgpack.packb([wire.TOKENIZED, 3, {1: ids}, None]))
+    with pytest.raises(wire.ProtocolError):
+        wire.decode_sliced(msgpack.packb([wire.TOKENIZED, 3, {"tokens": ids}, None])[:-100])
+
+
+def test_frames_before_an_oversized_one_are_kept():
+    good = wire.encode([wire.PING, 1])
+    with pytest.raises(wire.ProtocolError) as caught:
+        wire.FrameDecoder().frames(good + struct.pack(">I", wire.MAX_FRAME + 1))
+    assert caught.value.frames == [good[4:]]

@@ -17,6 +17,7 @@ from ..errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
+from ..thread_limits import run_limiter
 from .asgi import CLOSE, discard_body, header, is_json, read_body
 
 __all__ = [
@@ -88,17 +89,6 @@ BIG_BODY = 256 * 1024
 #: Threads parsing or building at once, all requests together: a flood of big bodies
 #: waits its turn rather than taking every thread of Trio's pool.
 _THREADS = 2
-_LIMITER: trio.lowlevel.RunVar = trio.lowlevel.RunVar("parse_limiter")
-
-
-def _limiter() -> trio.CapacityLimiter:
-    """This Trio run's limiter (a limiter belongs to the run that made it)."""
-    try:
-        return _LIMITER.get()
-    except LookupError:
-        limiter = trio.CapacityLimiter(_THREADS)
-        _LIMITER.set(limiter)
-        return limiter
 
 
 async def off_loop(size: int, fn, *args):
@@ -106,4 +96,4 @@ async def off_loop(size: int, fn, *args):
     least :data:`BIG_BODY`, else here. ``fn`` must be sans-IO (it runs without the loop)."""
     if size < BIG_BODY:
         return fn(*args)
-    return await trio.to_thread.run_sync(fn, *args, limiter=_limiter())
+    return await trio.to_thread.run_sync(fn, *args, limiter=run_limiter("parse", _THREADS))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from ..errors import ClientError, NotFound, clip
 from ..params import is_token_ids
 from .asgi import send_error, send_json
-from ..openai.encode import dumps
+from ..openai.encode import dumps, dumps_sliced
 from ..openai.fields import is_neutral
 from .post import off_loop, read_json_post, refusal
 from ..openai.schema import decode_json, messages_of, template_kwargs_of, template_options
@@ -130,8 +130,8 @@ async def serve_worker_op(app, scope: dict, receive, send, headers: list, parse,
         request, context = await off_loop(len(body), parse, body, engine.model_name,
                                           engine.info)
         result = await (engine.tokenize(request) if call is None else call(engine, request))
-        size = sum(len(v) for v in result.get("data", ())) if isinstance(result, dict) else 0
-        data = await off_loop(size * 3, answer, context, result)
+        size = _result_size(result)
+        data = await off_loop(size, answer, context, result)
     except Exception as exc:
         error, extra = await refusal(exc, scope, receive, app.server_config,
                                      f"in {scope['path']}")
@@ -140,11 +140,26 @@ async def serve_worker_op(app, scope: dict, receive, send, headers: list, parse,
     await send_json(send, 200, data, headers, content_type=content_type)
 
 
+def _result_size(result) -> int:
+    """About the bytes of the JSON answer to a worker's ``result`` (to tell a big one:
+    embeddings' floats, /tokenize's ids, /detokenize's text)."""
+    if not isinstance(result, dict):
+        return 0
+    size = sum(len(v) for v in result.get("data", ())) * 3
+    for name in ("tokens", "token_strs", "prompt"):
+        value = result.get(name)
+        if isinstance(value, (list, str)):
+            size += len(value) * 8
+    return size
+
+
 def _tokenize_answer(op: str, result: dict) -> bytes:
+    """The answer's JSON; a big one in a worker thread (:func:`dumps_sliced`: 3.5M ids are
+    encoded a slice per call, so the event loop gets the GIL between them)."""
     if op == "tokenize":
         tokens = result["tokens"]
-        return dumps({"count": len(tokens), "max_model_len": result["max_model_len"],
-                      "tokens": tokens, "token_strs": result.get("token_strs")})
+        return dumps_sliced({"count": len(tokens), "max_model_len": result["max_model_len"],
+                             "tokens": tokens, "token_strs": result.get("token_strs")})
     return dumps({"prompt": result["prompt"]})
 
 

@@ -9,7 +9,11 @@ process it spawned, or one connection to a worker that listens (``address``; see
 
 * the **router** reads frames from the worker's stdout and hands each output to the
   :class:`~server.manager.stream.Choice` its rid names (late output for a rid the table no
-  longer holds is dropped: that is how the abort-versus-finish race ends harmlessly);
+  longer holds is dropped: that is how the abort-versus-finish race ends harmlessly); a
+  frame of :data:`~server.worker_protocol.wire.BIG_FRAME` or more (a /tokenize answer of
+  millions of ids) is decoded in a thread, a piece per call (``decode_sliced``), so the
+  event loop serves every other stream meanwhile; the router waits for it, so frames
+  keep their order;
 * the **writer** sends what :meth:`submit_nowait` and :meth:`abort_nowait` queued, all of it
   in one write;
 * the **heartbeat** pings, and ends the session when the worker has been silent too long.
@@ -40,6 +44,7 @@ from trio_util import AsyncValue
 from ..config import EngineConfig
 from ..errors import EngineError, error_from_wire
 from ..observability.engine_metrics import EngineReport
+from ..thread_limits import run_limiter
 from ..worker_protocol import wire
 from .kv_index import KVIndex
 from .pacing import Pacer
@@ -74,6 +79,38 @@ async def spawn_process(config: EngineConfig) -> trio.Process:
 
 #: The answer of a ping whose worker went away first.
 _GONE = object()
+
+#: Threads decoding big frames at once, all workers together (a flood of big answers waits
+#: its turn rather than taking every thread of Trio's pool).
+_DECODE_THREADS = 2
+
+
+async def decode_frames(decoder: wire.FrameDecoder, data: bytes | bytearray) -> list:
+    """The messages ``data`` completed, in order: a frame of :data:`wire.BIG_FRAME` or
+    more decoded in a thread (:meth:`wire.FrameDecoder.decode_sliced`), the others here.
+    Raises :class:`wire.ProtocolError` as ``feed`` does (``messages``: the good ones
+    before the bad one)."""
+    error: wire.ProtocolError | None = None
+    try:
+        bodies = decoder.frames(data)
+    except wire.ProtocolError as exc:
+        bodies, error = exc.frames, exc
+    messages: list = []
+    try:
+        for body in bodies:
+            if len(body) < wire.BIG_FRAME:
+                messages.append(decoder.decode(body))
+            else:
+                limiter = run_limiter("frame_decode", _DECODE_THREADS)
+                messages.append(await trio.to_thread.run_sync(decoder.decode_sliced, body,
+                                                              limiter=limiter))
+    except wire.ProtocolError as exc:
+        exc.messages = messages
+        raise
+    if error is not None:
+        error.messages = messages
+        raise error
+    return messages
 
 
 def _answered(value) -> bool:
@@ -118,6 +155,8 @@ class WorkerClient:
         self.restarts = 0
         self.gave_up = False
         self.last_heard = -math.inf
+        #: The router is decoding a big frame in a thread (the worker counts as heard).
+        self._decoding = False
         #: The worker's (running, waiting) request counts in its latest PONG (for metrics).
         self.running = 0
         self.waiting = 0
@@ -391,6 +430,7 @@ class WorkerClient:
         receive_some = link.receive.receive_some
         decoder = link.decoder
         pacer = self.pacer
+        big = wire.BIG_FRAME
         while True:
             # Paced consumers are woken when a frame arrives after they are due, or by time
             # when none comes (server.manager.pacing).
@@ -412,7 +452,15 @@ class WorkerClient:
             self.last_heard = pacer.frame_time = trio.current_time()
             try:
                 try:
-                    messages = decoder.feed(data)
+                    if len(data) + decoder.buffered < big:  # (the hot path: no frame is big)
+                        messages = decoder.feed(data)
+                    else:  # the worker is heard all along: its frames wait behind this
+                        self._decoding = True
+                        try:
+                            messages = await decode_frames(decoder, data)
+                        finally:
+                            self._decoding = False
+                        self.last_heard = trio.current_time()
                 except wire.ProtocolError as exc:
                     self._route(exc.messages)  # what it said well before the garbage counts
                     raise
@@ -526,7 +574,8 @@ class WorkerClient:
         config = self.config
         while True:
             await trio.sleep(config.heartbeat_interval)
-            if trio.current_time() - self.last_heard > config.heartbeat_timeout:
+            if (trio.current_time() - self.last_heard > config.heartbeat_timeout
+                    and not self._decoding):  # (a big frame: its PONGs queue behind it)
                 raise _SessionEnded(
                     f"no answer for {config.heartbeat_timeout:.1f} s (hung)", cause="hung"
                 )

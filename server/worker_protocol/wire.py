@@ -110,6 +110,8 @@ __all__ = [
     "FrameDecoder",
     "encode",
     "pack_sliced",
+    "decode_sliced",
+    "BIG_FRAME",
     "Packed",
     "SLICE",
     "FINISHES",
@@ -196,6 +198,8 @@ class ProtocolError(Exception):
     outputs, say) are still its words."""
 
     messages: list[list] = []  # (replaced, never appended to)
+    #: From :meth:`FrameDecoder.frames`: the complete frames before an oversized one.
+    frames: list[bytes] = []
 
 
 def encode(message: list) -> bytes:
@@ -259,6 +263,59 @@ def _pack_into(value, parts: list) -> None:
         parts.append(_packb(value))
 
 
+#: A frame at least this large is decoded by :meth:`FrameDecoder.decode_sliced` (the
+#: frontend: in a thread). msgpack holds the GIL for a whole call: 0.3 s for a TOKENIZED of
+#: 1.9M token ids, during which a thread beside the event loop stops it as surely as the
+#: loop's own call; decoded an item (of a long list) per call, the loop gets its turn
+#: every few milliseconds. Smaller frames take under a few milliseconds in one call.
+BIG_FRAME = 1 << 20
+
+#: First bytes of msgpack's array and map headers (fix, 16-bit and 32-bit counts).
+_ARRAYS = frozenset((*range(0x90, 0xA0), 0xDC, 0xDD))
+_MAPS = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))
+
+
+def decode_sliced(body: bytes) -> object:
+    """A frame body's msgpack value, as ``msgpack.unpackb`` decodes it (with this
+    protocol's options), but walked: arrays and maps a header at a time, a list of more
+    than :data:`SLICE` items an item per call, so that no one call holds the GIL for long.
+    ProtocolError for what ``unpackb`` refuses (bad bytes, trailing bytes, a map key that
+    is not a string)."""
+    unpacker = msgpack.Unpacker(use_list=True, raw=False, ext_hook=_unpack_ext,
+                                max_buffer_size=max(1, len(body)))
+    unpacker.feed(body)
+    try:
+        value = _walk(unpacker, body)
+        if unpacker.tell() != len(body):
+            raise ValueError("extra data after the message")
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack's errors, a RecursionError of absurd nesting
+        raise ProtocolError(f"undecodable frame: {exc!r:.200}") from None
+    return value
+
+
+def _walk(unpacker: msgpack.Unpacker, body: bytes) -> object:
+    if unpacker.tell() >= len(body):
+        raise ValueError("the frame ends inside its message")
+    first = body[unpacker.tell()]
+    if first in _ARRAYS:
+        count = unpacker.read_array_header()
+        if count > SLICE:  # (a long list's items are small: token ids, rows)
+            unpack = unpacker.unpack
+            return [unpack() for _ in range(count)]
+        return [_walk(unpacker, body) for _ in range(count)]
+    if first in _MAPS:
+        out = {}
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if type(key) is not str and type(key) is not bytes:  # (unpackb's strict keys)
+                raise ValueError(f"a map key of type {type(key).__name__}")
+            out[key] = _walk(unpacker, body)
+        return out
+    return unpacker.unpack()
+
+
 class FrameDecoder:
     """Turns the bytes of a pipe, in pieces of any size, into messages.
 
@@ -274,38 +331,67 @@ class FrameDecoder:
         self._check = check
 
     def feed(self, data: bytes | bytearray) -> list[list]:
-        buf = self._buf
-        buf += data
-        messages: list[list] = []
-        pos = 0
-        end = len(buf)
+        error: ProtocolError | None = None
         try:
-            while end - pos >= 4:
-                (length,) = _HEADER.unpack_from(buf, pos)
-                if length > MAX_FRAME:
-                    raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME} limit")
-                if end - pos - 4 < length:
-                    break
-                start = pos + 4
-                try:
-                    message = msgpack.unpackb(
-                        buf[start : start + length], use_list=True, raw=False,
-                        ext_hook=_unpack_ext,
-                    )
-                except Exception as exc:
-                    raise ProtocolError(f"undecodable frame: {exc}") from None
-                if type(message) is not list or not message or type(message[0]) is not int:
-                    raise ProtocolError(f"malformed message: {_clip(message)}")
-                if self._check is not None:
-                    self._check(message)
-                messages.append(message)
-                pos = start + length
+            bodies = self.frames(data)
+        except ProtocolError as exc:
+            bodies, error = exc.frames, exc
+        messages: list[list] = []
+        try:
+            for body in bodies:
+                messages.append(self.decode(body))
         except ProtocolError as exc:
             exc.messages = messages  # the good ones before the bad one
             raise
+        if error is not None:
+            error.messages = messages
+            raise error
+        return messages
+
+    def frames(self, data: bytes | bytearray) -> list[bytes]:
+        """The bodies of the frames completed by ``data``, undecoded (:meth:`decode` or
+        :func:`decode_sliced` each). A length over :data:`MAX_FRAME` raises
+        :class:`ProtocolError`, whose ``frames`` are the complete ones before it."""
+        buf = self._buf
+        buf += data
+        bodies: list[bytes] = []
+        pos = 0
+        end = len(buf)
+        while end - pos >= 4:
+            (length,) = _HEADER.unpack_from(buf, pos)
+            if length > MAX_FRAME:
+                exc = ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME} limit")
+                exc.frames = bodies
+                raise exc
+            if end - pos - 4 < length:
+                break
+            start = pos + 4
+            bodies.append(bytes(buf[start : start + length]))
+            pos = start + length
         if pos:
             del buf[:pos]
-        return messages
+        return bodies
+
+    def decode(self, body: bytes) -> list:
+        """One frame's message (checked); ProtocolError if it is not one."""
+        try:
+            message = msgpack.unpackb(body, use_list=True, raw=False, ext_hook=_unpack_ext)
+        except Exception as exc:
+            raise ProtocolError(f"undecodable frame: {exc}") from None
+        return self._checked(message)
+
+    def decode_sliced(self, body: bytes) -> list:
+        """:meth:`decode`, the same message, but a list of more than :data:`SLICE` items
+        an item per call (:func:`decode_sliced`): for a frame of :data:`BIG_FRAME` or more,
+        in a thread beside an event loop."""
+        return self._checked(decode_sliced(body))
+
+    def _checked(self, message: object) -> list:
+        if type(message) is not list or not message or type(message[0]) is not int:
+            raise ProtocolError(f"malformed message: {_clip(message)}")
+        if self._check is not None:
+            self._check(message)
+        return message
 
     @property
     def buffered(self) -> int:

@@ -69,7 +69,6 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from ..worker_protocol.wire import OutputRow
 from .base import (
-    HFTokenizing,
     MAX_LOGPROBS,
     Rejected,
     TRUNCATION_FIELDS,
@@ -85,7 +84,7 @@ from .hf_logits import SAMPLING_FIELDS, Rules, process
 from .hf_sample import sample
 from .hf_text import RequestText, load_tokenizer
 from .hub import model_files
-from .prep_helper import PrepHelper
+from .prep_helper import PROCESS_BYTES, HelperTokenizing
 from .resume import resume_of
 
 __all__ = ["TransformersEngine", "load_model"]
@@ -153,32 +152,6 @@ def _context_length(config, tokenizer) -> int:
     return 2048
 
 
-#: A request heavier than this (characters of its prompt or messages, bytes of its
-#: grammar's key) is prepared in the worker's helper process (engine option
-#: ``prepare_process_bytes``); lighter ones in the worker, with no added latency.
-PROCESS_BYTES = 32 * 1024
-
-
-def prompt_weight(prompt, limit: int) -> int:
-    """A prompt's size for the choice above: a text's length; a chat's, the lengths of its
-    strings plus 64 per message (a template's work grows with both), counted until past
-    ``limit``."""
-    if isinstance(prompt, str):
-        return len(prompt)
-    total = 0
-    stack = [prompt]
-    while stack and total <= limit:
-        item = stack.pop()
-        if isinstance(item, str):
-            total += len(item)
-        elif isinstance(item, dict):
-            total += 64
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return total
-
-
 class _Req:
     __slots__ = (
         "rid", "prompt", "max_tokens", "temperature", "top_p", "rng", "ignore_eos", "text",
@@ -187,7 +160,7 @@ class _Req:
     )
 
 
-class TransformersEngine(HFTokenizing):
+class TransformersEngine(HelperTokenizing):
     """See the module docstring. Options come from ``EngineConfig.engine_options``."""
 
     def __init__(
@@ -220,13 +193,8 @@ class TransformersEngine(HFTokenizing):
             path, device=device, dtype=dtype, attn=attn_implementation
         )
         self._tok = self.tokenizer.backend_tokenizer
-        if prepare_process_bytes < 0 or not 0 <= prepare_process_nice <= 19:
-            raise ValueError("prepare_process_bytes must be at least 0 and "
-                             "prepare_process_nice between 0 and 19")
-        self._process_nice = prepare_process_nice
+        self.helper_options(prepare_process, prepare_process_bytes, prepare_process_nice)
         self._path = path
-        self._process_bytes = prepare_process_bytes if prepare_process else None
-        self._helper: PrepHelper | None = None
         limit = _context_length(self.model.config, self.tokenizer)
         window = sliding_window(self.model)  # may raise UnsupportedModel: a clear message
         if window is not None:
@@ -292,12 +260,8 @@ class TransformersEngine(HFTokenizing):
         preparation thread, :mod:`server.workers.prepare`): tokenizing, the chat template,
         validation, the grammar's compilation. A client fault raises :class:`Rejected`."""
         template_kwargs, tools = params.get("chat_template_kwargs"), params.get("tools")
-        helper = self._helper_for(prompt)
-        if helper is not None:
-            ids = helper.encode(prompt, template_kwargs, tools)
-        else:
-            ids = self.encode(prompt, template_kwargs, tools)
-        ids = truncate_prompt(ids, params, self.max_model_len)
+        ids = truncate_prompt(self.encode_prompt(prompt, template_kwargs, tools), params,
+                              self.max_model_len)
         try:
             max_tokens = int(params.get("max_tokens", 16))
             temperature = float(params.get("temperature", 1.0))
@@ -368,47 +332,25 @@ class TransformersEngine(HFTokenizing):
         req.produced = len(generated)
         req.last = generated[-1]
 
-    def tokenize(self, request: dict):
-        """/tokenize and /detokenize; a heavy one in the helper process (its answer comes
-        packed: ``wire.Packed``)."""
-        helper = self._helper_for(request.get("prompt")) if request.get("op") == "tokenize" \
-            else None
-        if helper is not None:
-            return helper.tokenize(request)
-        return super().tokenize(request)
-
-    def start_helper(self) -> None:
-        """Start the preparation helper process (:mod:`server.workers.prep_helper`): the
-        worker's preparation stage calls this when it starts, :meth:`stop_helper` when it
-        ends. Heavier requests than ``prepare_process_bytes`` are prepared there."""
-        if self._process_bytes is None or self._helper is not None:
-            return
-        grammar = None if self._grammars is None else self._grammar_budget
-        self._helper = PrepHelper({
-            "model_path": str(self._path), "vocab_size": self.vocab_size,
-            "stop_ids": sorted(self.eos_ids), "max_model_len": self.max_model_len,
-            "model": self.info["model"], "grammar": grammar, "nice": self._process_nice,
-        })
+    def helper_config(self) -> dict:
+        """The preparation helper process's configuration
+        (:class:`~server.workers.prep_helper.HelperTokenizing`): heavier requests than
+        ``prepare_process_bytes`` are prepared there."""
         # Grammars are not compiled there: xgrammar 0.2.8's serialize_json of a compiled
         # 2,000-property schema is 991 MB (149 s), and deserialize_json held the GIL for
         # 5 s (docs/benchmarks.md); they compile in the worker's threads (GIL released).
         # Grammars.remote is the hook, for a small grammar or a later xgrammar.
+        return {
+            "model_path": str(self._path), "vocab_size": self.vocab_size,
+            "stop_ids": sorted(self.eos_ids), "max_model_len": self.max_model_len,
+            "model": self.info["model"],
+            "grammar": None if self._grammars is None else self._grammar_budget,
+        }
 
     def stop_helper(self) -> None:
-        helper, self._helper = self._helper, None
         if self._grammars is not None:
             self._grammars.remote = None
-        if helper is not None:
-            helper.close()
-
-    def _helper_for(self, prompt) -> PrepHelper | None:
-        """The helper process, when it runs and ``prompt`` is heavy enough for it."""
-        helper = self._helper
-        if helper is None or prompt is None or isinstance(prompt, list):
-            return None
-        assert self._process_bytes is not None
-        return helper if prompt_weight(prompt, self._process_bytes) > self._process_bytes \
-            else None
+        super().stop_helper()
 
     def add_prepared(self, rid: int, req: _Req) -> int:
         """Queue a request :meth:`prepare` made (the loop's thread; quick)."""

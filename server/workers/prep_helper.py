@@ -42,15 +42,42 @@ from concurrent.futures import Future
 import msgpack
 
 from ..worker_protocol import wire
-from .base import Rejected
+from .base import HFTokenizing, Rejected
 from .prep_child import FAILED, HEAD, LENGTH, REJECTED
 
-__all__ = ["HelperDied", "PrepHelper", "RESTART_WAIT"]
+__all__ = ["HelperDied", "HelperTokenizing", "PROCESS_BYTES", "PrepHelper", "RESTART_WAIT",
+           "prompt_weight"]
 
 #: Most seconds a request waits for a (re)started helper process.
 RESTART_WAIT = 30.0
 #: Pause before a dead helper is started again (a helper that cannot start does not spin).
 _RESTART_PAUSE = 0.5
+
+
+#: A request heavier than this (characters of its prompt or messages, bytes of its
+#: grammar's key) is prepared in the worker's helper process (engine option
+#: ``prepare_process_bytes``); lighter ones in the worker, with no added latency.
+PROCESS_BYTES = 32 * 1024
+
+
+def prompt_weight(prompt, limit: int) -> int:
+    """A prompt's size for the choice above: a text's length; a chat's, the lengths of its
+    strings plus 64 per message (a template's work grows with both), counted until past
+    ``limit``."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    total = 0
+    stack = [prompt]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += 64
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
 
 
 class HelperDied(Rejected):
@@ -193,3 +220,69 @@ class PrepHelper:
                 future = self._pending.pop(seq, None)
             if future is not None:
                 future.set_result((status, body[HEAD.size:]))
+
+
+class HelperTokenizing(HFTokenizing):
+    """Tokenizing for an engine with a preparation helper process (transformers, vllm):
+    :meth:`encode_prompt` and :meth:`tokenize` send a prompt heavier than
+    ``prepare_process_bytes`` to the helper, while it runs. The worker's preparation stage
+    (:class:`server.workers.prepare.Preparer`) calls :meth:`start_helper` when it starts and
+    :meth:`stop_helper` when it ends; an engine used without one prepares everything in the
+    calling thread. The engine calls :meth:`helper_options` in its constructor and gives
+    the helper's configuration in :meth:`helper_config` (None: no helper, e.g. a tokenizer
+    the helper could not load as the engine did)."""
+
+    _helper: PrepHelper | None = None
+    #: None: no helper (``prepare_process`` off)
+    _process_bytes: int | None = None
+    _process_nice: int = 10
+
+    def helper_options(self, enabled: bool, size: int, nice: int) -> None:
+        """The ``prepare_process*`` engine options, checked."""
+        if size < 0 or not 0 <= nice <= 19:
+            raise ValueError("prepare_process_bytes must be at least 0 and "
+                             "prepare_process_nice between 0 and 19")
+        self._process_bytes = size if enabled else None
+        self._process_nice = nice
+
+    def helper_config(self) -> dict | None:
+        """What :func:`server.workers.prep_child.main` reads, less ``nice``; None: none."""
+        return None
+
+    def start_helper(self) -> None:
+        """Start the preparation helper process (when ``prepare_process`` is on)."""
+        if self._process_bytes is None or self._helper is not None:
+            return
+        config = self.helper_config()
+        if config is not None:
+            self._helper = PrepHelper({**config, "nice": self._process_nice})
+
+    def stop_helper(self) -> None:
+        helper, self._helper = self._helper, None
+        if helper is not None:
+            helper.close()
+
+    def _helper_for(self, prompt) -> PrepHelper | None:
+        """The helper process, when it runs and ``prompt`` is heavy enough for it."""
+        helper, limit = self._helper, self._process_bytes
+        if helper is None or limit is None or prompt is None or isinstance(prompt, list):
+            return None
+        return helper if prompt_weight(prompt, limit) > limit else None
+
+    def encode_prompt(self, prompt: object, template_kwargs: dict | None = None,
+                      tools: list | None = None) -> list[int]:
+        """:meth:`encode`, in the helper process when the prompt is heavy (a preparation
+        thread waits for it)."""
+        helper = self._helper_for(prompt)
+        if helper is not None:
+            return helper.encode(prompt, template_kwargs, tools)
+        return self.encode(prompt, template_kwargs, tools)
+
+    def tokenize(self, request: dict):  # type: ignore[override]
+        """/tokenize and /detokenize; a heavy one in the helper process (its answer comes
+        packed: ``wire.Packed``)."""
+        if request.get("op") == "tokenize":
+            helper = self._helper_for(request.get("prompt"))
+            if helper is not None:
+                return helper.tokenize(request)
+        return super().tokenize(request)

@@ -41,7 +41,10 @@ What the frontend sends, this module turns into vLLM's terms:
 - prompts are tokenized here, in a preparation thread of the worker (:meth:`prepare`; chat
   messages through the tokenizer's chat template), so the prompt's token count is exact and
   known at admission, and a prompt over the context is refused there (a 400 before any byte
-  of the response); vLLM gets token ids;
+  of the response); vLLM gets token ids. A heavy prompt (over ``prepare_process_bytes``,
+  32 KiB; a /tokenize of one too) is tokenized in the worker's niced helper process
+  (:mod:`server.workers.prep_helper`), so that neither its pure-Python chat template nor
+  the tokenizer's threads take the GIL or the core from the step loop;
 - sampling fields become a ``vllm.SamplingParams`` with ``output_kind=DELTA``: every step
   gives each request its new text, detokenized and with stop strings applied by vLLM;
 - a request whose params ask (``"token_ids": true``, the frontend's migration) gets the ids
@@ -76,7 +79,6 @@ from typing import Any
 
 from ..worker_protocol.wire import OutputRow
 from .base import (
-    HFTokenizing,
     EngineBroken,
     Rejected,
     TRUNCATION_FIELDS,
@@ -86,6 +88,7 @@ from .base import (
     truncate_prompt,
 )
 from .hub import model_files
+from .prep_helper import PROCESS_BYTES, HelperTokenizing
 from .resume import resume_of
 from .vllm_resume import ResumedText, detokenizer_class, not_resumable
 from .vllm_core import LIVENESS
@@ -223,7 +226,7 @@ def _served_name(config) -> str:
     return str(name or Path(config.model_config.model).name)
 
 
-class VLLMEngine(HFTokenizing):
+class VLLMEngine(HelperTokenizing):
     """See the module docstring. Options come from ``EngineConfig.engine_options``; the
     named ones are vLLM's engine arguments of the same meaning (``max_batch`` is
     ``max_num_seqs``), ``engine_args`` any other ``vllm.EngineArgs`` field.
@@ -233,6 +236,12 @@ class VLLMEngine(HFTokenizing):
 
     ``llm_engine``: serve an ``LLMEngine`` built by the caller instead of building one; the
     other options are then not used.
+
+    ``prepare_process``, ``prepare_process_bytes``, ``prepare_process_nice``: a prompt
+    heavier than ``prepare_process_bytes`` (a huge text or chat; a /tokenize of one) is
+    tokenized and templated in the worker's niced helper process, as in the transformers
+    engine (:class:`~server.workers.prep_helper.HelperTokenizing`), where vLLM's tokenizer
+    is a Hugging Face fast tokenizer from a local directory (else in the worker's threads).
     """
 
     def __init__(
@@ -255,7 +264,11 @@ class VLLMEngine(HFTokenizing):
         allow_runtime_lora: bool = False,
         lora_dir: str | None = None,
         engine_core: str = "worker",
+        prepare_process: bool = True,
+        prepare_process_bytes: int = PROCESS_BYTES,
+        prepare_process_nice: int = 10,
     ) -> None:
+        self.helper_options(prepare_process, prepare_process_bytes, prepare_process_nice)
         if engine_core not in ENGINE_CORES:
             raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORES)}, not "
                              f"{engine_core!r}")
@@ -416,7 +429,7 @@ class VLLMEngine(HFTokenizing):
         if self._pooling is not None:
             raise Rejected(f"model {self.info['model']!r} runs on vLLM's pooling runner: it "
                            "serves /v1/embeddings, not completions")
-        ids = self.encode(prompt, params.get("chat_template_kwargs"), params.get("tools"))
+        ids = self.encode_prompt(prompt, params.get("chat_template_kwargs"), params.get("tools"))
         ids = truncate_prompt(ids, params, self.max_model_len)
         resumable = self.info.get("resume") and not_resumable(params) is None
         resumed = resume_of(params.get("resume"))
@@ -435,6 +448,24 @@ class VLLMEngine(HFTokenizing):
             _PROMPT_IDS if client else 0)
         return (ids, sampling, None if salt is None else str(salt), params.get("lora"),
                 int(params.get("priority") or 0), asks, text)
+
+    def helper_config(self) -> dict | None:
+        """The preparation helper's configuration: it loads the tokenizer with transformers
+        (:func:`server.workers.hf_text.load_tokenizer`), as vLLM's default tokenizer mode
+        does, so only where that gives vLLM's tokenizer: a fast one of ``transformers``'
+        (vLLM's cached wrapper subclasses its class), from a local directory, with no
+        remote code; otherwise None (every prompt is prepared in the worker's threads)."""
+        import transformers
+
+        model_config = self._llm.vllm_config.model_config
+        path = Path(str(model_config.tokenizer))
+        if (self._pooling is not None or model_config.trust_remote_code
+                or not isinstance(self.tokenizer, transformers.PreTrainedTokenizerFast)
+                or not (path / "tokenizer.json").is_file()):
+            return None
+        return {"model_path": str(path), "vocab_size": self.vocab_size, "stop_ids": [],
+                "max_model_len": self.max_model_len, "model": self.info["model"],
+                "grammar": None}  # (vLLM compiles grammars itself, in its own threads)
 
     def _resume(self, ids: list[int], params: dict, generated: list[int],
                 text_chars: int) -> tuple[list[int], Any, ResumedText]:
@@ -640,7 +671,9 @@ class VLLMEngine(HFTokenizing):
         return self._pooling.embed(inputs, options)
 
     def close(self) -> None:
-        """Stop vLLM's engine core (and the processes it started, if any)."""
+        """Stop vLLM's engine core (and the processes it started, if any) and the
+        preparation helper process."""
+        self.stop_helper()
         core = getattr(self._llm, "engine_core", None)
         if core is not None:
             core.shutdown()
