@@ -657,7 +657,9 @@ def _common(
         max_tokens = _int(data, "max_tokens", min(16, limits.max_tokens), 1, limits.max_tokens)
     extra = _engine_sampling(data, limits, engine_fields)
     return_token_ids = bool(extra.pop("return_token_ids", False))
-    tokens_as_ids = bool(extra.pop("return_tokens_as_token_ids", False))
+    tokens_as_ids = extra.pop("return_tokens_as_token_ids", None)
+    if tokens_as_ids is None:  # (vLLM's --return-tokens-as-token-ids: the default)
+        tokens_as_ids = limits.tokens_as_ids
     if return_token_ids:
         extra["token_ids"] = extra["prompt_token_ids"] = True
     if logprobs is not None:
