@@ -35,8 +35,8 @@ class PatientServer(Server):
     leaving no process behind when it does not come up."""
 
     def __init__(self, model_dir) -> None:
-        try:
-            super().__init__(model_dir)
+        try:  # (--max-logprobs: the whole vocabulary, for prompt_logprobs -1 as in vLLM)
+            super().__init__(model_dir, "--max-logprobs", str(SHAPE["vocab_size"]))
         except BaseException:
             if getattr(self, "proc", None) is not None:
                 self.stop()
@@ -108,6 +108,28 @@ def test_prompt_logprobs(client, tokenizer, model_dir):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True,
                                   extra_body={"prompt_logprobs": 1})
+    assert info.value.body["param"] == "prompt_logprobs"
+
+
+def test_prompt_logprobs_up_to_max_logprobs(client, tokenizer, model_dir):
+    """Past 20, and -1 (the whole vocabulary), when --max-logprobs covers it, as vLLM
+    serves them (vLLM's test_chat_echo test_prompt_logprobs); past it, a 400."""
+    from tests.test_token_ids import check_prompt_logprobs, reference_rows
+
+    ids = tokenizer(PROMPT)["input_ids"]
+    rows = reference_rows(model_dir, ids)
+    for asked, k in ((25, 25), (-1, SHAPE["vocab_size"])):
+        done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
+                                         extra_body={"prompt_logprobs": asked})
+        check_prompt_logprobs(done.choices[0].model_dump()["prompt_logprobs"], ids, rows, k)
+    answer = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
+                                            extra_body={"prompt_logprobs": -1})
+    got = answer.model_dump()["prompt_logprobs"]
+    assert len(got) == answer.usage.prompt_tokens and got[0] is None
+    assert all(len(p) == SHAPE["vocab_size"] for p in got[1:])
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
+                                  extra_body={"prompt_logprobs": SHAPE["vocab_size"] + 1})
     assert info.value.body["param"] == "prompt_logprobs"
 
 
