@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="usage in every chunk of every stream and a usage chunk at its "
                    "end, as if it asked with stream_options include_usage and "
                    "continuous_usage_stats (vLLM's option)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs' tokens spelled 'token_id:N' unless a request says "
+                   "otherwise with return_tokens_as_token_ids (vLLM's option)")
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="vLLM's switch for GET /load (requests in flight): always served "
                    "here; accepted for vLLM's command lines")
@@ -244,6 +247,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_answer_logprobs=args.max_answer_logprobs,
         allow_faults=allow_faults,
         force_include_usage=args.enable_force_include_usage,
+        tokens_as_ids=args.return_tokens_as_token_ids,
     )
     api_keys = _split_commas(args.api_key)
     if not api_keys:

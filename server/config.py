@@ -137,6 +137,9 @@ class Limits:
     #: vLLM's ``--enable-force-include-usage``: every stream ends with a usage chunk, as
     #: if it had asked with ``stream_options.include_usage`` (whatever it asked).
     force_include_usage: bool = False
+    #: vLLM's ``--return-tokens-as-token-ids``: logprobs' tokens spelled ``token_id:N``
+    #: for a request that does not say (its ``return_tokens_as_token_ids`` wins).
+    tokens_as_ids: bool = False
 
 
 @dataclass(frozen=True)

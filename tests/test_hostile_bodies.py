@@ -183,6 +183,37 @@ def test_an_answer_past_max_answer_logprobs_is_refused_naming_the_fields():
                                    "m", HF).logprobs == 5
 
 
+def test_prompt_logprobs_count_toward_max_answer_logprobs():
+    """prompt_logprobs up to the engine's most (-1: the whole vocabulary, as vLLM) make one
+    entry per prompt token and alternative: counted before anything runs, the prompt's
+    tokens bounded by its size (a token-id prompt's length; a text's bytes and 16)."""
+    info = {"engine": "vllm", "logprobs": 1000, "vocab_size": 1000, "max_model_len": 2048,
+            "sampling": ["prompt_logprobs"]}
+
+    def completion(body: dict, most: int):
+        return schema.parse_completion(json.dumps({"max_tokens": 2, **body}).encode(),
+                                       Limits(max_answer_logprobs=most), "m", info)
+
+    ids = {"prompt": [5] * 10, "prompt_logprobs": -1}
+    assert completion(ids, 10 * 1001).params.extra["prompt_logprobs"] == 1000
+    assert completion({**ids, "prompt_logprobs": 30}, 10 * 31).params.extra["prompt_logprobs"] == 30
+    for body, size in [(ids, 10 * 1001), ({"prompt": "abc", "prompt_logprobs": 30}, 19 * 31),
+                       ({"prompt": "abc", "prompt_logprobs": 3, "n": 2}, 2 * 19 * 4)]:
+        with pytest.raises(ClientError) as refused:
+            completion(body, size - 1)
+        assert refused.value.param == "prompt_logprobs" and f"{size} prompt" in refused.value.message
+        assert completion(body, size).prompt_logprobs is not None
+    with pytest.raises(ClientError) as refused:  # past the engine's most
+        completion({"prompt": "abc", "prompt_logprobs": 1001}, 0)
+    assert refused.value.param == "prompt_logprobs"
+    # A chat: its messages as JSON, and 256 tokens for the template's own text.
+    with pytest.raises(ClientError) as refused:
+        _chat({"prompt_logprobs": -1}, Limits(max_answer_logprobs=256 * 1001), info)
+    size = int(refused.value.message.split(" could hold ")[1].split()[0])
+    assert 256 * 1001 < size < 330 * 1001 and size % 1001 == 0
+    assert _chat({"prompt_logprobs": -1}, Limits(max_answer_logprobs=size), info)
+
+
 async def test_a_big_answer_built_in_a_thread_is_the_answer_built_here(tmp_path, monkeypatch):
     import trio
 

@@ -187,7 +187,8 @@ async def check_tokens_as_ids(client, prompt_ids: list[int], model: str = MODEL)
     spelled = [f"token_id:{t}" for t in choice.prompt_token_ids + choice.token_ids]
     assert choice.prompt_token_ids == prompt_ids and choice.logprobs.tokens == spelled
     for token, top in zip(spelled[1:], choice.logprobs.top_logprobs[1:]):
-        assert token in top and all(key.startswith("token_id:") for key in top)
+        # the chosen token's key first, as vLLM's (its test_return_tokens_as_ids reads it)
+        assert next(iter(top)) == token and all(key.startswith("token_id:") for key in top)
     chunks = [c async for c in await client.chat.completions.create(
         model=model, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
         top_logprobs=1, stream=True, extra_body=body)]
@@ -201,6 +202,33 @@ async def check_tokens_as_ids(client, prompt_ids: list[int], model: str = MODEL)
     plain = await client.completions.create(model=model, prompt=PROMPT, max_tokens=2,
                                             logprobs=0)
     assert not any(t.startswith("token_id:") for t in plain.choices[0].logprobs.tokens)
+
+
+async def test_the_server_option_spells_tokens_as_ids_unless_a_request_says(model_dir):
+    """vLLM's --return-tokens-as-token-ids: the default for a request that does not send
+    ``return_tokens_as_token_ids`` (vLLM's test_return_tokens_as_ids runs both ways)."""
+    from server.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["--return-tokens-as-token-ids"])
+    with trio.fail_after(LIMIT):
+        async with running_server(hf_config(model_dir),
+                                  limits=config_from_args(args).limits) as url:
+            client = client_of(url)
+            done = await client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
+                logprobs=1, extra_body={"return_token_ids": True})
+            choice = done.choices[0]
+            assert choice.logprobs.tokens == [
+                f"token_id:{t}" for t in choice.prompt_token_ids + choice.token_ids]
+            chat = await client.chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True)
+            assert chat.choices[0].logprobs.content
+            assert all(e.token.startswith("token_id:") for e in chat.choices[0].logprobs.content)
+            plain = await client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1,
+                extra_body={"return_tokens_as_token_ids": False})
+            assert plain.choices[0].logprobs.tokens
+            assert not any(t.startswith("token_id:") for t in plain.choices[0].logprobs.tokens)
 
 
 async def test_the_sim_refuses_return_token_ids_by_name():

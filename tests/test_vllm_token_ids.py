@@ -31,12 +31,14 @@ def model_dir(tmp_path_factory):
 
 
 class PatientServer(Server):
-    """tests/test_vllm_engine.py's server, waiting longer for vLLM on busy cores, and
-    leaving no process behind when it does not come up."""
+    """tests/test_vllm_engine.py's server, waiting longer for vLLM on busy cores (to come
+    up, and for a step), and leaving no process behind when it does not come up."""
 
     def __init__(self, model_dir) -> None:
-        try:
-            super().__init__(model_dir)
+        try:  # (--max-logprobs: the whole vocabulary, for prompt_logprobs -1 as in vLLM; a
+            # step on busy cores, the first with logprobs, may hold the worker past 10 s)
+            super().__init__(model_dir, "--max-logprobs", str(SHAPE["vocab_size"]),
+                             "--heartbeat-timeout", "120")
         except BaseException:
             if getattr(self, "proc", None) is not None:
                 self.stop()
@@ -108,6 +110,38 @@ def test_prompt_logprobs(client, tokenizer, model_dir):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True,
                                   extra_body={"prompt_logprobs": 1})
+    assert info.value.body["param"] == "prompt_logprobs"
+
+
+def test_prompt_logprobs_up_to_max_logprobs(client, tokenizer, model_dir):
+    """Past 20, and -1 (the whole vocabulary), when --max-logprobs covers it, as vLLM
+    serves them (vLLM's test_chat_echo test_prompt_logprobs); past it, a 400."""
+    from tests.test_token_ids import check_prompt_logprobs, reference_rows
+
+    ids = tokenizer(PROMPT)["input_ids"]
+    rows = reference_rows(model_dir, ids)
+    vocab = rows.shape[-1]  # (the model's; --max-logprobs, SHAPE's, is at least that)
+    done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
+                                     extra_body={"prompt_logprobs": 25})
+    check_prompt_logprobs(done.choices[0].model_dump()["prompt_logprobs"], ids, rows, 25)
+    # -1: every token of the vocabulary, each with the model's own logprob (ranks of
+    # near-ties in the tail may differ from transformers' order: not compared)
+    done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
+                                     extra_body={"prompt_logprobs": -1})
+    got = done.choices[0].model_dump()["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for row, position in zip(rows, got[1:]):
+        assert sorted(map(int, position)) == list(range(vocab))
+        assert [position[str(t)]["logprob"] for t in range(vocab)] == pytest.approx(
+            row.tolist(), abs=1e-3)
+    answer = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
+                                            extra_body={"prompt_logprobs": -1})
+    got = answer.model_dump()["prompt_logprobs"]
+    assert len(got) == answer.usage.prompt_tokens and got[0] is None
+    assert all(len(p) == vocab for p in got[1:])
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
+                                  extra_body={"prompt_logprobs": SHAPE["vocab_size"] + 1})
     assert info.value.body["param"] == "prompt_logprobs"
 
 

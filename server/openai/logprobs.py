@@ -9,7 +9,7 @@ tokens, best first; see :class:`server.outputs.RequestOutput`). This module shap
     {"tokens": [...], "token_logprobs": [...], "top_logprobs": [{text: logprob}, ...],
      "text_offset": [...]}
 
-  ``top_logprobs`` holds the alternatives and the chosen token (as vLLM does);
+  ``top_logprobs`` holds the chosen token, first, and the alternatives (as vLLM does);
   ``text_offset`` is each token's character offset in the choice's text (the echoed prompt
   included), continued across the chunks of a stream;
 - chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
@@ -61,8 +61,10 @@ class LogprobsFormatter:
             if logprob is None:
                 out["top_logprobs"].append(None)
             else:
-                top = {alt[0]: alt[1] for alt in alts}
-                top.setdefault(spelled, logprob)
+                # the chosen token's first, then the alternatives (as vLLM orders them:
+                # clients read the first key as the chosen token's spelling)
+                top = {spelled: logprob}
+                top.update((alt[0], alt[1]) for alt in alts)
                 out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
             self.offset += len(text)

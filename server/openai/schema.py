@@ -461,7 +461,6 @@ _ENGINE_SAMPLING = {
     "priority": lambda d, lim: _int(d, "priority", None, -(2**63), 2**63 - 1),
     "return_token_ids": lambda d, lim: _bool(d, "return_token_ids", None),
     "return_tokens_as_token_ids": lambda d, lim: _bool(d, "return_tokens_as_token_ids", None),
-    "prompt_logprobs": lambda d, lim: _prompt_logprobs(d),
     "truncate_prompt_tokens": lambda d, lim: _int(d, "truncate_prompt_tokens", None, -1,
                                                   2**63 - 1),
     "truncation_side": lambda d, lim: _choice(d, "truncation_side", ("left", "right")),
@@ -477,21 +476,17 @@ def _choice(data: dict, name: str, values: tuple):
     return value
 
 
-def _prompt_logprobs(data: dict) -> int | None:
+def _prompt_logprobs(data: dict, engine_info: dict | None) -> int | None:
     """vLLM's ``prompt_logprobs``: the prompt's logprobs (each token's, and its ``k`` most
-    likely alternatives), in a whole answer only (vLLM's rule, and its words)."""
-    k = data.get("prompt_logprobs")
-    if k is None:
+    likely alternatives), in a whole answer only (vLLM's rule, and its words); ``k`` as
+    ``logprobs`` takes it (-1: the whole vocabulary, where the engine's most covers it)."""
+    top = _top_logprobs(data, "prompt_logprobs", engine_info)
+    if top is None:
         return None
-    if k == -1 and not isinstance(k, bool):
-        raise ClientError("'prompt_logprobs' -1 (the whole vocabulary) is not supported by "
-                          "this server: ask for at most 20.", param="prompt_logprobs",
-                          code="unsupported_parameter")
-    k = _int(data, "prompt_logprobs", None, 0, 20)
     if data.get("stream"):
         raise ClientError("`prompt_logprobs` are not available when `stream=True`.",
                           param="prompt_logprobs")
-    return k
+    return _most_logprobs(top, "prompt_logprobs", engine_info)
 
 
 def _allowed_token_ids(data: dict) -> list[int] | None:
@@ -527,8 +522,8 @@ def _engine_sampling(data: dict, limits: Limits, engine_fields: frozenset) -> di
     out = {}
     for name in engine_fields:
         # (top_logprobs: read by _logprobs; tools: by server.openai.tools)
-        if (name in data and name != "top_logprobs" and name not in TOOL_FIELDS
-                and name not in TEMPLATE_OPTIONS):
+        if (name in data and name not in ("top_logprobs", "prompt_logprobs")
+                and name not in TOOL_FIELDS and name not in TEMPLATE_OPTIONS):
             check = _ENGINE_SAMPLING.get(name)
             if check is None:  # an engine declared a field this server cannot validate
                 raise ClientError(f"'{name}' is not supported by this server.", param=name)
@@ -546,18 +541,13 @@ def _engine_sampling(data: dict, limits: Limits, engine_fields: frozenset) -> di
 
 def _logprobs(data: dict, chat: bool, engine_info: dict | None) -> int | None:
     """How many alternatives per token a request asks for (None: no logprobs): completions'
-    ``logprobs: k``, chat's ``logprobs: true`` with ``top_logprobs: k``; -1 is the whole
-    vocabulary (vLLM's meaning), within the engine's most. Refused (400) when the engine does
-    not say it makes them (its HELLO's ``logprobs``: the most k it takes, the vllm engine's
-    ``--max-logprobs``)."""
-    info = engine_info or {}
-    most = info.get("logprobs")
-    hi = most if isinstance(most, int) else 20
+    ``logprobs: k``, chat's ``logprobs: true`` with ``top_logprobs: k``; as
+    :func:`_most_logprobs` has them. Refused (400) when the engine does not say it makes
+    them."""
     name = "top_logprobs" if chat else "logprobs"
-    whole = data.get(name) == -1 and not isinstance(data.get(name), bool)
     if chat:
         asked = _bool(data, "logprobs", False)
-        top = -1 if whole else _int(data, "top_logprobs", None, 0, hi)
+        top = _top_logprobs(data, name, engine_info)
         if not asked:
             if top:
                 raise ClientError("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
@@ -566,9 +556,27 @@ def _logprobs(data: dict, chat: bool, engine_info: dict | None) -> int | None:
     else:
         if data.get("logprobs") is False:
             return None
-        top = -1 if whole else _int(data, "logprobs", None, 0, hi)
+        top = _top_logprobs(data, name, engine_info)
         if top is None:
             return None
+    return _most_logprobs(top, name, engine_info)
+
+
+def _top_logprobs(data: dict, name: str, engine_info: dict | None) -> int | None:
+    """``data[name]``, alternatives per token, in range: 0 to the engine's most (its HELLO's
+    ``logprobs``, the vllm engine's ``--max-logprobs``), or -1 (None: not given)."""
+    most = (engine_info or {}).get("logprobs")
+    if data.get(name) == -1 and not isinstance(data.get(name), bool):
+        return -1
+    return _int(data, name, None, 0, most if isinstance(most, int) else 20)
+
+
+def _most_logprobs(top: int, name: str, engine_info: dict | None) -> int:
+    """``top`` alternatives per token as the engine makes them: -1, the whole vocabulary
+    (vLLM's meaning), is its size, when the engine's most covers it. Refused (400) when the
+    engine does not say it makes logprobs."""
+    info = engine_info or {}
+    most = info.get("logprobs")
     if not isinstance(most, int):
         engine = info.get("engine")
         by = f"the {engine} engine" if engine else "this server"
@@ -656,8 +664,14 @@ def _common(
     else:
         max_tokens = _int(data, "max_tokens", min(16, limits.max_tokens), 1, limits.max_tokens)
     extra = _engine_sampling(data, limits, engine_fields)
+    if "prompt_logprobs" in engine_fields:
+        prompt_logprobs = _prompt_logprobs(data, engine_info)
+        if prompt_logprobs is not None:
+            extra["prompt_logprobs"] = prompt_logprobs
     return_token_ids = bool(extra.pop("return_token_ids", False))
-    tokens_as_ids = bool(extra.pop("return_tokens_as_token_ids", False))
+    tokens_as_ids = extra.pop("return_tokens_as_token_ids", None)
+    if tokens_as_ids is None:  # (vLLM's --return-tokens-as-token-ids: the default)
+        tokens_as_ids = limits.tokens_as_ids
     if return_token_ids:
         extra["token_ids"] = extra["prompt_token_ids"] = True
     if logprobs is not None:
@@ -694,26 +708,58 @@ def _check_answer_size(
     """Refuse a non-streaming request whose answer could hold more logprobs than
     ``limits.max_answer_logprobs``, before anything runs: the server builds that answer
     as one document (a 200-byte request for n=16 x 900 tokens x top 20 made 19 MB). A
-    chat request without ``max_tokens`` counts what fits the context."""
+    chat request without ``max_tokens`` counts what fits the context; the prompt's
+    logprobs (``prompt_logprobs``, completions' ``echo``) count what its prompts may make
+    (:func:`_prompt_tokens_bound`)."""
     most = limits.max_answer_logprobs
-    if req.logprobs is None or req.stream or not most:
+    prompt_top = req.params.extra.get("prompt_logprobs")
+    if (req.logprobs is None and prompt_top is None) or req.stream or not most:
         return req
+    context = (engine_info or {}).get("max_model_len")
+    context = context if isinstance(context, int) else limits.max_tokens
     max_tokens = req.params.max_tokens
     if max_tokens is None:
-        context = (engine_info or {}).get("max_model_len")
-        max_tokens = context if isinstance(context, int) else limits.max_tokens
-    choices = len(req.prompts) * req.params.n
-    size = choices * max_tokens * (req.logprobs + 1)
+        max_tokens = context
+    size = 0
+    if req.logprobs is not None:
+        size = len(req.prompts) * req.params.n * max_tokens * (req.logprobs + 1)
+    if prompt_top is not None:  # (each choice of a prompt carries its prompt's logprobs)
+        size += req.params.n * (prompt_top + 1) * sum(
+            _prompt_tokens_bound(p, req.tools, context) for p in req.prompts)
     if size > most:
+        choices = len(req.prompts) * req.params.n
+        if req.logprobs is None:
+            raise ClientError(
+                f"This answer could hold {size} prompt logprobs ({choices} choices x "
+                f"{(prompt_top or 0) + 1} per prompt token), more than the {most} the server builds "
+                "for one answer: ask for fewer (n, prompt_logprobs) or a shorter prompt.",
+                param="prompt_logprobs",
+            )
         param = "top_logprobs" if req.chat else "logprobs"
         unset = "" if req.params.max_tokens is not None else " (max_tokens unset: the context)"
+        prompt = "" if prompt_top is None else ", and the prompt's"
         raise ClientError(
             f"This answer could hold {size} logprobs ({choices} choices x {max_tokens} "
-            f"tokens{unset} x {req.logprobs + 1} per token), more than the {most} the server "
-            f"builds for one answer: ask for fewer (n, max_tokens, {param}), or stream it.",
+            f"tokens{unset} x {req.logprobs + 1} per token{prompt}), more than the {most} "
+            f"the server builds for one answer: ask for fewer (n, max_tokens, {param}"
+            f"{', prompt_logprobs' if prompt else ''}), or stream it.",
             param=param,
         )
     return req
+
+
+def _prompt_tokens_bound(prompt, tools: ToolChoice | None, context: int) -> int:
+    """At most how many tokens ``prompt`` makes, before a worker tokenizes it: a token-id
+    prompt's length; a text's UTF-8 bytes (byte-level and byte-fallback tokenizers make at
+    most one token a byte) and 16 special tokens; a chat's messages and tools as JSON, and
+    256 tokens of its template's own text (the JSON's keys and quotes already exceed a
+    template's markers for each message); never more than the context."""
+    if is_token_ids(prompt):
+        return min(len(prompt), context)
+    if isinstance(prompt, str):
+        return min(len(prompt.encode("utf-8", "surrogatepass")) + 16, context)
+    rendered = [prompt.get("messages"), tools.tools if tools is not None else None]
+    return min(len(msgspec.json.encode(rendered)) + 256, context)
 
 
 def _engine_fields(info: dict | None) -> tuple[frozenset, str]:
