@@ -5,6 +5,7 @@ prefix cache (server.workers.sim_cache), against vLLM's rules."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import pytest
@@ -68,6 +69,13 @@ def test_blocks_of_text_chat_and_token_ids():
     assert prompt_blocks("y" + "x" * 19, B).hashes[1] != a.hashes[1]  # chained
     ids = prompt_blocks(list(range(3 * BLOCK_TOKENS + 1)))
     assert len(ids.hashes) == 3 and ids.size == BLOCK_TOKENS
+    # a block of ids is named by the chained hash of each id as 8 little-endian bytes
+    parent = b""
+    for i, h in enumerate(ids.hashes):
+        block = range(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)
+        data = b"".join(t.to_bytes(8, "little", signed=True) for t in block)
+        parent = hashlib.blake2b(parent + data, digest_size=8).digest()
+        assert h == parent
     # a chat's next turn extends its canonical text, so the earlier blocks carry over
     turn1 = {"messages": [{"role": "system", "content": "s" * 300},
                           {"role": "user", "content": "hi"}]}

@@ -36,10 +36,12 @@ can reuse it.
 
 from __future__ import annotations
 
+import array
 import collections
 import hashlib
 import itertools
 import json
+import sys
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -111,12 +113,15 @@ def prompt_blocks(prompt: object, block_chars: int = BLOCK_CHARS) -> Blocks:
             )
         return Blocks(hashes, len(text), block_chars)
     if isinstance(prompt, list):
+        # Each id as 8 little-endian signed bytes, converted in C (an id at a time in
+        # Python took 4.5 s of the event loop for a million ids).
         n = len(prompt) // BLOCK_TOKENS
-        hashes = _chain(
-            b"".join(int(t).to_bytes(8, "little", signed=True)
-                     for t in prompt[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS])
-            for i in range(n)
-        )
+        ids = array.array("q", prompt[: n * BLOCK_TOKENS])
+        if sys.byteorder != "little":
+            ids.byteswap()
+        raw = memoryview(ids).cast("B")
+        step = BLOCK_TOKENS * 8
+        hashes = _chain(raw[i * step : (i + 1) * step] for i in range(n))
         return Blocks(hashes, len(prompt), BLOCK_TOKENS)
     return Blocks([], 0, 1)
 
