@@ -399,6 +399,8 @@ def _check_frontend_options(args: argparse.Namespace) -> None:
             )
         if args.listen_fd < 0:
             raise SystemExit("trio-llm-server: --listen-fd must be a file descriptor")
+    if args.health_port is not None and args.health_port == args.port != 0:
+        raise SystemExit("trio-llm-server: --health-port must differ from --port")
     if args.health_listen_fd is not None:
         if args.health_port is not None:
             raise SystemExit("trio-llm-server: --health-port: not with --health-listen-fd "

@@ -248,6 +248,8 @@ async def test_a_worker_that_cannot_start_ends_the_supervisor_with_one_line(tmp_
     (["--api-servers", "2", "--health-listen-fd", "3"],
      "--health-listen-fd is not an option of --api-servers"),
     (["--health-listen-fd", "3", "--health-port", "9001"], "--health-port: not with --health-l"),
+    (["--api-servers", "2", "--port", "9000", "--health-port", "9000"],
+     "--health-port must differ from --port"),
     (["--frontend-dir", "/d"], "--frontend-dir and --frontend-index go together"),
 ])
 def test_option_refusals_are_one_line(argv, message):

@@ -46,3 +46,25 @@ def test_a_big_answer_is_the_document_it_was():
     body = completion_body(**kwargs)
     assert body == dumps_document(json.loads(body))
     assert len(json.loads(body)["choices"][15]["logprobs"]["content"]) == 900
+
+
+def test_a_list_of_documents_led_by_none_is_cut_as_documents(monkeypatch):
+    """prompt_logprobs (and echo's top_logprobs) start with None: the list is still cut a
+    few documents per call, not as a list of scalars (16,384 per call)."""
+    from server.openai import encode
+
+    calls: list[int] = []
+    one_call = encode._encode_document
+
+    def recording(value):
+        out = one_call(value)
+        calls.append(len(out))
+        return out
+
+    monkeypatch.setattr(encode, "_encode_document", recording)
+    entry = {"7": {"logprob": -0.5, "rank": 1, "decoded_token": "é"}}
+    value = [None] + [entry] * 5000
+    whole, one = dumps_document(value), len(dumps_document(entry))
+    calls.clear()
+    assert dumps_sliced(value) == whole
+    assert max(calls) <= (encode._PIECE_CONTAINERS + 1) * (one + 1)  # (with commas)

@@ -538,6 +538,8 @@ class WorkerClient:
                 if answer is not None:
                     answer.value = (msg[2], msg[3])
             else:  # PONG
+                if msg[1] == 0:  # unasked (the worker's pulse in a long step): heard, no
+                    continue     # news (a listening worker's carries no engine stats)
                 self.running, self.waiting = msg[2], msg[3]
                 stats = msg[-1] if type(msg[-1]) is dict else None  # the engine's own
                 self.report.pong(msg[3], stats)

@@ -83,7 +83,8 @@ def _encode_into(obj, parts: list[bytes]) -> None:
             sep = b","
         parts.append(b"}")
     elif type(obj) is list and obj:
-        containers = type(obj[0]) in (dict, list)
+        # (by the first few: prompt_logprobs and echo's top_logprobs start with None)
+        containers = any(type(item) in (dict, list) for item in obj[:4])
         piece = _PIECE_CONTAINERS if containers else _PIECE_SCALARS
         if len(obj) <= piece and containers:  # (few: each may be big, a choice say)
             sep = b"["

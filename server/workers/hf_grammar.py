@@ -49,6 +49,7 @@ from __future__ import annotations
 import collections
 import importlib.util
 import json
+import sys
 import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -161,7 +162,12 @@ class Grammars:
         #: llguidance, for the schemas xgrammar would not enforce (``guidance`` and installed)
         self._guidance: Guidance | None = None
         if guidance and importlib.util.find_spec("llguidance") is not None:
-            self._guidance = Guidance(tokenizer, vocab_size=vocab_size, stop_ids=stop_ids)
+            try:
+                self._guidance = Guidance(tokenizer, vocab_size=vocab_size, stop_ids=stop_ids)
+            except Exception as exc:  # a tokenizer llguidance cannot read: xgrammar alone
+                print(f"transformers engine: llguidance cannot use this tokenizer "
+                      f"({one_line(exc)}): schemas that xgrammar would not enforce are "
+                      "refused", file=sys.stderr)
         #: (compile(key) -> the compiled grammar's JSON, bytes): a schema whose key is
         #: longer is compiled there (the worker's helper process, server.workers.prep_helper)
         self.remote: tuple | None = None

@@ -503,11 +503,25 @@ class Server:
 
     def _pulse(self) -> None:
         """In the pulse's thread, while the loop is in a long step: an unasked PONG to each
-        ready connection that has no output waiting (one that has is not reading: it gets
-        nothing more)."""
+        ready connection, once the output waiting for it (a big frame the socket did not
+        take at once) is sent; while some still waits, what the socket takes now is sent
+        instead (any bytes are proof of life). Write interest is left to the loop."""
         for conn in list(self.conns):
-            if conn.state != "ready" or conn.out:
+            if conn.state != "ready":
                 continue
+            out = conn.out
+            if out:
+                tls = isinstance(conn.sock, ssl.SSLSocket)
+                try:
+                    while out:
+                        # (a TLS write is retried with the same bytes: one record at most)
+                        sent = conn.sock.send(out[:16384] if tls else out)
+                        del out[:sent]
+                except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError,
+                        ssl.SSLWantReadError):
+                    continue
+                except (ssl.SSLError, OSError):  # the loop finds out after the step
+                    continue
             frame = wire.encode([wire.PONG, 0, *self.counts, len(conn.rids)])
             try:
                 sent = conn.sock.send(frame)

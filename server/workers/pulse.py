@@ -51,6 +51,9 @@ from collections.abc import Callable
 
 __all__ = ["Pulse"]
 
+#: How long the thread waits for the lock at a tick (the loop holds it between steps).
+_LOCK_WAIT = 0.05
+
 
 class Pulse:
     """See the module docstring. ``send`` runs in the pulse's thread, with :attr:`lock`
@@ -83,18 +86,19 @@ class Pulse:
         self._since = None
 
     def close(self) -> None:
-        """Stop the thread (from the loop's thread, holding the lock, which it keeps)."""
+        """Stop the thread (from the loop's thread). The lock is not touched: the thread
+        never waits for it long, so this holds also when a signal cut :meth:`leave` short
+        and the loop does not hold it."""
         self._stop.set()
         if self._thread.is_alive():
-            self.lock.release()
-            try:
-                self._thread.join()
-            finally:
-                self.lock.acquire()
+            self._thread.join()
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):
-            with self.lock:
+            # Free only while the loop steps; held, this tick is skipped (not in a step).
+            if not self.lock.acquire(timeout=_LOCK_WAIT):
+                continue
+            try:
                 since = self._since
                 if since is None or self._stop.is_set():
                     continue
@@ -105,3 +109,5 @@ class Pulse:
                         self._send()
                     except OSError:  # the link broke: the loop finds out after the step
                         self._stop.set()
+            finally:
+                self.lock.release()

@@ -320,6 +320,7 @@ class VLLMEngine(HelperTokenizing):
                 self._core = CoreProcess(self._llm)
             except Exception:
                 self._llm.engine_core.shutdown()
+                self._close_events()
                 raise
         import vllm
         from vllm import SamplingParams

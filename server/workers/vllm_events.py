@@ -182,10 +182,11 @@ class KVEventSubscriber:
             self._next = seq + 1
             try:
                 batch = self._decoder.decode(frames[2])
-            except Exception:  # noqa: BLE001 - an undecodable batch is a lost one
+                events = self.translator.translate(batch.events)
+            except Exception:  # noqa: BLE001 - a batch not understood is a lost one
                 out.extend(self.translator.clear())
                 continue
-            out.extend(self.translator.translate(batch.events))
+            out.extend(events)
 
     def close(self) -> None:
         if self._monitor is not None:
