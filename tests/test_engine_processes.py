@@ -414,6 +414,33 @@ async def test_a_step_longer_than_the_heartbeat_timeout_is_not_hung():
             assert any(f.msg[0] == wire.PONG and f.msg[1] == 0 for f in spawn.sent)
 
 
+async def test_an_embedding_computing_longer_than_the_heartbeat_timeout_is_not_hung():
+    """An embedding's forward pass runs on the worker's loop, between steps: computing for
+    three heartbeat timeouts, the pulse speaks for it too, so the worker is not killed,
+    the embedding is answered and a stream beside it finishes."""
+    ten = SamplingParams(max_tokens=10)
+    slow = {"op": "embed", "input": ["a b c"], "fault": {"kind": "slow_step", "seconds": 9.0}}
+    with trio.fail_after(3 * LIMIT):
+        async with open_real_engine(PATIENT) as (engine, spawn):
+            results = {}
+
+            async def consume():
+                async with engine.generate("b", ten) as stream:
+                    results["b"] = await all_outputs(stream)
+
+            async def embed():
+                results["embed"] = await engine.tokenize(slow)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(embed)
+                nursery.start_soon(consume)
+            assert len(results["embed"]["data"]) == 1 and results["embed"]["prompt_tokens"] == 3
+            assert results["b"][-1].finish_reason == "length"
+            stats = engine.statistics().workers[0]
+            assert stats.restarts == 0 and stats.pid == spawn.processes[0].pid
+            assert any(f.msg[0] == wire.PONG and f.msg[1] == 0 for f in spawn.sent)
+
+
 async def test_a_stopped_worker_in_a_long_step_is_hung():
     """SIGSTOP in the middle of a long step: the pulse is frozen with the process, so the
     worker is declared hung, killed (SIGKILL: a stopped process keeps SIGTERM pending) and

@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import signal
 import time
 
@@ -36,7 +35,7 @@ import openai  # noqa: E402
 from tests.conftest import children_of, pid_exists  # noqa: E402
 from tests.remote import listening_worker  # noqa: E402
 from tests.test_vllm_engine import (  # noqa: E402
-    CONTEXT, MODEL, SHAPE, STARTUP, Server, _open_stream, _prompts, _totals)
+    CONTEXT, MODEL, SHAPE, STARTUP, Server, _open_stream, _prompts, _rest_of_stream, _totals)
 from tests.tiny_lora import build_tiny_lora  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
@@ -93,17 +92,6 @@ def _until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def _events(sock, data: bytes) -> list[bytes]:
-    """A raw SSE response, ``data`` and the rest of it on ``sock``, as its ``data:``
-    payloads."""
-    while not data.endswith(b"0\r\n\r\n"):
-        more = sock.recv(65536)
-        assert more, data[-300:]
-        data += more
-    sock.close()
-    return re.findall(rb"data: (.*?)\n\n", data)
-
-
 def test_requests_behave_as_with_the_core_in_the_worker(server, client):
     (worker,) = server.workers()
     _core_of(worker)  # the engine core runs beside the worker
@@ -152,7 +140,7 @@ def test_a_killed_engine_core_ends_its_streams_and_the_worker_is_replaced(server
     while data.count(b"data: ") < 2:
         data += sock.recv(65536)
     os.kill(core, signal.SIGKILL)
-    events = _events(sock, data)
+    events = _rest_of_stream(sock, data)
     assert events[-1] == b"[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["message"] == "vLLM failed: its engine core process died", error

@@ -609,7 +609,9 @@ class WorkerClient:
     # -- introspection -----------------------------------------------------------------------
 
     def healthy(self) -> bool:
-        """Alive and heard from within three heartbeat periods."""
+        """Alive and heard from within three heartbeat periods, or decoding a big frame
+        from it (its PONGs queue behind that frame, as the heartbeat check knows)."""
         return self.alive and (
-            trio.current_time() - self.last_heard < 3 * self.config.heartbeat_interval + 0.5
+            self._decoding
+            or trio.current_time() - self.last_heard < 3 * self.config.heartbeat_interval + 0.5
         )

@@ -51,7 +51,10 @@ def check_embed_request(request: dict, info: dict) -> tuple[list, dict]:
                 allowed is True or (isinstance(allowed, list) and dimensions in allowed)):
             raise Rejected(f"model {info.get('model')!r} does not support dimensions "
                            f"{dimensions}")
-    return inputs, {"dimensions": dimensions}
+    options: dict = {"dimensions": dimensions}
+    if isinstance(request.get("fault"), dict):  # (the sim's fault injection, when built for it)
+        options["fault"] = request["fault"]
+    return inputs, options
 
 
 def token_rows(inputs: list, tokenizer, *, vocab_size: int, max_model_len: int) -> list:

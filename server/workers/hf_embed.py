@@ -138,7 +138,7 @@ class TransformersEmbedder(HFTokenizing):
             raise ValueError(f"max_model_len must be between 1 and the model's {limit}")
         self.max_model_len = max_model_len
         #: Most padded tokens (inputs x the longest) one request may run: its one forward
-        #: holds the worker loop, whose silence past the heartbeat timeout reads as a hang.
+        #: holds the worker loop, and every other request on the worker waits for it.
         self.max_embed_tokens = max(max_embed_tokens, max_model_len)
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.chat_template = None

@@ -61,7 +61,7 @@ from ..engine_args import add_engine_arguments, engine_options
 from ..worker_protocol import handshake, wire
 from ..worker_protocol.wire import OutputRow
 from .base import EngineBroken, one_line
-from .main import build_engine, handle_message, open_preparer, run_as_worker
+from .main import build_engine, handle_in_pulse, handle_message, open_preparer, run_as_worker
 from .pulse import Pulse
 
 __all__ = ["main", "serve_listening", "open_listener"]
@@ -369,7 +369,8 @@ class Server:
                 internal = next(self._ids)
                 self.tokenizing[internal] = (conn, seq)
                 msg = [kind, internal, *msg[2:]]
-            reply = handle_message(self.engine, msg, self.accepts, self.outputs, self.preparer)
+            reply = handle_in_pulse(self.pulse, self.engine, msg, self.accepts, self.outputs,
+                                    self.preparer)
             if reply is None:  # answered by the preparer later: _collect
                 return
             if kind == wire.PING:  # this connection's share, before the engine's stats

@@ -154,6 +154,22 @@ def step_message(engine, accepts: list, outputs: list) -> list:
     return [wire.STEP, accepts, outputs]
 
 
+def handle_in_pulse(pulse: Pulse, engine, msg: list, accepts: list, outputs: list,
+                    preparer: Preparer | None):
+    """:func:`handle_message`, with the pulse speaking for the loop while a TOKENIZE is
+    answered on it: an embedding's forward pass (up to the engine's padded-token bound), a
+    LoRA adapter's load, or a tokenize without a preparer computes as long as a step may,
+    and a worker computing is not hung. (Nothing the pulse writes is touched here: the
+    replies are written by the loop afterwards.)"""
+    if msg[0] != wire.TOKENIZE:
+        return handle_message(engine, msg, accepts, outputs, preparer)
+    pulse.enter()
+    try:
+        return handle_message(engine, msg, accepts, outputs, preparer)
+    finally:
+        pulse.leave()
+
+
 def serve(engine, fd_in: int, fd_out: int, pulse_period: float = 1.0) -> None:
     """Run the loop until the input ends or a SHUTDOWN arrives. While one engine step runs
     longer than ``pulse_period`` seconds, a thread beside the loop writes an unasked PONG
@@ -206,7 +222,7 @@ def _serve(engine, preparer: Preparer | None, fd_in: int, fd_out: int, pulse: Pu
             for msg in decoder.feed(data):
                 if msg[0] == wire.SHUTDOWN:
                     return
-                reply = handle_message(engine, msg, accepts, outputs, preparer)
+                reply = handle_in_pulse(pulse, engine, msg, accepts, outputs, preparer)
                 if reply is not None:
                     replies.append(wire.encode(reply))
                     if reply[0] == wire.PONG:  # what the pulse repeats, unasked

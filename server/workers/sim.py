@@ -44,7 +44,8 @@ It behaves like a real engine from the frontend's point of view:
   after k tokens), ``ignore_abort`` (aborts of this request are ignored), ``slow_step``
   (the step that gives token k+1 computes, holding the loop as a long forward pass does,
   for ``"seconds"``, then the request goes on) or ``stuck_step`` (that step blocks for
-  ever without computing, as a deadlock does).
+  ever without computing, as a deadlock does). An ``embed`` request may carry
+  ``{"fault": {"kind": "slow_step", "seconds": s}}``: it computes that long first.
 """
 
 from __future__ import annotations
@@ -215,6 +216,11 @@ class SimEngine:
         """Deterministic unit vectors, one per input (a string's words or a token-id list):
         the normalised sum of a fixed random vector per token, so that inputs sharing
         tokens are alike. ``dimensions`` cuts them first (any size: Matryoshka-style)."""
+        fault = options.get("fault")
+        if self.faults and isinstance(fault, dict) and fault.get("kind") == "slow_step":
+            end = time.monotonic() + float(fault.get("seconds", 0.0))
+            while time.monotonic() < end:  # computes that long, as a big forward pass does
+                pass
         full = self.embedding_size
         size = options.get("dimensions") or full
         vectors = []
