@@ -230,8 +230,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-bytes", type=int, default=8192, help="largest schema (compact JSON)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--heartbeat-timeout", type=float, default=120.0,
-                   help="the server's: generous, as a busy machine delays a worker's answers")
+    p.add_argument("--heartbeat-timeout", type=float, default=None,
+                   help="the server's (default: the server's own, 10 s; the worker's pulse "
+                        "speaks for it during long steps on a busy machine)")
     p.add_argument("--num-threads", type=int, default=1, help="the worker's torch threads")
     p.add_argument("--json-out", help="write every row (status, finish, output) here")
     args = p.parse_args(argv)
@@ -254,8 +255,9 @@ def main(argv=None) -> int:
                                  max_position_embeddings=16384)
     server = SpawnedServer(
         f"--engine transformers --model-path {model_dir} --num-threads {args.num_threads} "
-        f"--max-batch {args.concurrency} --heartbeat-timeout {args.heartbeat_timeout} "
-        "--disable-log-requests --log-level warning",
+        f"--max-batch {args.concurrency} "
+        + (f"--heartbeat-timeout {args.heartbeat_timeout} " if args.heartbeat_timeout else "")
+        + "--disable-log-requests --log-level warning",
         "server", None)
     try:
         sources = [s for s in SOURCES if not (args.quick and s == "dataclasses")]
