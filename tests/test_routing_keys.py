@@ -1,0 +1,88 @@
+"""What names a prompt's blocks when the router scores workers (docs/routing.md): the LoRA
+adapter and the ``cache_salt`` seed the chain, as the engine keys its cache, on every pick
+(the first, a migration's, ``Engine.pick_worker``). In-memory sim workers on virtual time;
+what a worker holds is set through the router's own interfaces (its prediction, and the
+exact index a worker's KV events feed), so a test says which worker should win."""
+
+from __future__ import annotations
+
+import pytest
+
+from server import SamplingParams
+from server.manager.kv_index import KVIndex
+from server.manager.routing import BLOCK_TOKENS, prompt_blocks
+from server.worker_protocol.kv_blocks import STORED, block_digests, seed_of
+from tests.fakes import all_outputs, open_fake_engine
+
+PROMPT = list(range(100, 100 + 4 * BLOCK_TOKENS))  # four whole blocks
+
+
+def believe(engine, worker: int, prompt, seed: bytes, exact: bool) -> None:
+    """The engine now thinks ``worker`` holds ``prompt``'s blocks chained from ``seed``:
+    from its KV events (``exact``: as a vllm worker's STEP would say), else predicted."""
+    if exact:
+        index = engine.workers[worker].kv_index
+        if index is None:
+            index = engine.workers[worker].kv_index = KVIndex(BLOCK_TOKENS)
+        index.apply([[STORED, block_digests(prompt, BLOCK_TOKENS, seed)]])
+    else:
+        engine.router.routed(worker, prompt_blocks(prompt, seed=seed).hashes)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["predicted", "kv-events"])
+async def test_a_migrated_request_is_scored_with_its_cache_salt(autojump_clock, exact):
+    salted = SamplingParams(max_tokens=40, temperature=0, extra={"cache_salt": "s"})
+    async with open_fake_engine(workers=3, routing="prefix") as (engine, spawn):
+        # workers 0 and 2 hold the salted prompt's blocks, worker 1 the unsalted ones
+        for worker, seed in ((0, seed_of([None, "s"])), (1, b""), (2, seed_of([None, "s"]))):
+            believe(engine, worker, PROMPT, seed, exact)
+        async with engine.generate(PROMPT, salted) as stream:
+            choice = stream.choice_states()[0]
+            assert choice.worker.index == 0  # (a tie with worker 2: the lowest index)
+            pid = choice.worker.pid
+            outs = []
+            async for out in stream:
+                outs.append(out)
+                if len(outs) == 3:  # worker 0 dies mid-stream: the request moves
+                    next(p for p in spawn.processes if p.pid == pid).die()
+            # to the other worker holding its salted blocks, not to the unsalted ones'
+            assert choice.worker.index == 2 and choice.migrations == 1
+            assert outs[-1].finish_reason == "length"
+        assert engine.statistics().routing.decisions["prefix"] == 2
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["predicted", "kv-events"])
+async def test_pick_worker_keys_the_prompt_by_adapter_and_salt(autojump_clock, exact):
+    async with open_fake_engine(workers=3, routing="prefix") as (engine, _):
+        believe(engine, 0, PROMPT, b"", exact)
+        believe(engine, 1, PROMPT, seed_of(["sql"]), exact)
+        believe(engine, 2, PROMPT, seed_of(["sql", "s"]), exact)
+        salt = SamplingParams(extra={"cache_salt": "s"})
+        for params, adapter, want in ((None, None, 0), (None, "sql", 1),
+                                      (salt, "sql", 2), (salt.to_wire(), "sql", 2)):
+            worker, decision = engine.pick_worker(PROMPT, params=params, adapter=adapter)
+            assert (worker.index, decision.reason) == (want, "prefix"), (params, adapter)
+        # a salt no worker holds: by load
+        other = SamplingParams(extra={"cache_salt": "t"})
+        assert engine.pick_worker(PROMPT, params=other)[1].reason == "load"
+
+
+async def test_prompts_of_other_salts_share_no_predicted_blocks(autojump_clock):
+    text = "a long shared prompt, " * 40  # several blocks of text
+
+    def salted(salt):
+        return SamplingParams(max_tokens=2, temperature=0, extra={"cache_salt": salt})
+
+    async with open_fake_engine(workers=2, routing="prefix") as (engine, _):
+        async def worker_of(params) -> int:
+            async with engine.generate(text, params) as stream:
+                await all_outputs(stream)
+                return stream.choice_states()[0].worker.index
+
+        assert await worker_of(salted("a")) == 0
+        # another salt holds nothing on worker 0: the least loaded worker (1) takes it
+        assert await worker_of(salted("b")) == 1
+        # each salt's next request follows its own blocks
+        assert await worker_of(salted("a")) == 0
+        assert await worker_of(salted("b")) == 1
+        assert engine.statistics().routing.decisions == {"prefix": 2, "load": 2, "balance": 0}
