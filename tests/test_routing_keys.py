@@ -86,3 +86,41 @@ async def test_prompts_of_other_salts_share_no_predicted_blocks(autojump_clock):
         assert await worker_of(salted("a")) == 0
         assert await worker_of(salted("b")) == 1
         assert engine.statistics().routing.decisions == {"prefix": 2, "load": 2, "balance": 0}
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("exact", [False, True], ids=["predicted", "kv-events"])
+async def test_a_truncated_prompt_is_named_as_the_engine_runs_it(autojump_clock, exact, side):
+    head, tail = [7] * 2 * BLOCK_TOKENS, [8] * 2 * BLOCK_TOKENS
+    ids = head + PROMPT + tail
+    cut = {"truncate_prompt_tokens": len(PROMPT) + len(tail), "truncation_side": side}
+    kept = PROMPT + tail if side == "left" else head + PROMPT
+    async with open_fake_engine(workers=3, routing="prefix") as (engine, _):
+        believe(engine, 1, kept, b"", exact)  # what the engine runs: its cache after it
+        believe(engine, 2, ids, b"", exact)   # the whole prompt: not what the engine runs
+        # (cut on the right, the whole prompt holds the kept part too, and more: a tie)
+        worker, decision = engine.pick_worker(ids, params=cut)
+        blocks = len(kept) // BLOCK_TOKENS
+        assert (worker.index, decision.matched) == (1, blocks * BLOCK_TOKENS if exact else blocks)
+        # -1: the context less one token (the workers' max_model_len, from their HELLO)
+        context = engine.info["max_model_len"]
+        long = list(range(context + BLOCK_TOKENS))
+        believe(engine, 2, long[len(long) - context + 1:], b"", exact)
+        worker, decision = engine.pick_worker(long, params={"truncate_prompt_tokens": -1})
+        assert (worker.index, decision.reason) == (2, "prefix")
+
+
+async def test_a_truncated_follow_up_reuses_the_engines_blocks(autojump_clock):
+    """The sim's prefix cache confirms it: the follow-up's kept part is the first prompt."""
+    params = SamplingParams(max_tokens=2, temperature=0)
+    follow = SamplingParams(max_tokens=2, temperature=0,
+                            extra={"truncate_prompt_tokens": len(PROMPT)})
+    async with open_fake_engine(workers=2, routing="prefix", prefix_cache_tokens=10_000,
+                                prefix_block_size=BLOCK_TOKENS) as (engine, _):
+        async with engine.generate(PROMPT, params) as first:
+            await all_outputs(first)
+        async with engine.generate([5] * 3 * BLOCK_TOKENS + PROMPT, follow) as second:
+            outs = await all_outputs(second)
+        assert second.choice_states()[0].worker.index == 0
+        assert outs[-1].cached_tokens == len(PROMPT) - BLOCK_TOKENS  # (the last block is
+        # computed: at most prompt_tokens - 1 tokens reused, in whole blocks)

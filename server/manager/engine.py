@@ -25,7 +25,7 @@ from trio_util import AsyncValue, wait_all
 from ..config import EngineConfig
 from ..errors import ServiceUnavailable
 from ..observability.engine_metrics import EngineReport
-from ..params import SamplingParams
+from ..params import SamplingParams, truncated
 from ..worker_protocol import wire
 from ..worker_protocol.handshake import parse_address
 from .adapters import AdapterRegistry
@@ -257,9 +257,14 @@ class Engine:
 
     def _route_key(self, prompt: object, params: dict, adapter: str | None
                    ) -> tuple[object, bytes]:
-        """What names ``prompt``'s blocks as the engine keys its cache: the prompt, and
-        the seed of the chain (its LoRA adapter and ``cache_salt``: an engine keeps their
-        blocks apart). Every pick keys a request so: the first, and a migration's."""
+        """What names ``prompt``'s blocks as the engine keys its cache: the prompt as the
+        engine will run it (a token-id prompt cut by ``truncate_prompt_tokens`` as the
+        worker cuts it; a text or chat prompt's tokens are unknown here, so it is named
+        whole), and the seed of the chain (its LoRA adapter and ``cache_salt``: an engine
+        keeps their blocks apart). Every pick keys a request so: the first, and a
+        migration's."""
+        if type(prompt) is list:
+            prompt = truncated(prompt, params, self.info.get("max_model_len"))
         return prompt, seed_of((adapter, params.get("cache_salt")))
 
     def _scores(self, prompt: object, params: dict, adapter: str | None
