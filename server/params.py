@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["MAX_TOKEN_ID", "SamplingParams", "context_error", "is_token_ids"]
+__all__ = ["MAX_TOKEN_ID", "SamplingParams", "context_error", "is_token_ids", "truncated"]
 
 #: The largest token id a request may carry: int32's, what engines index vocabularies with.
 #: The frontend refuses a larger one before it reaches a worker (every route, and the
@@ -73,6 +73,27 @@ class SamplingParams:
         if self.extra:
             wire.update(self.extra)
         return wire
+
+
+def truncated(ids, params: dict, max_model_len: int | None):
+    """The part of a prompt of token ``ids`` that an engine runs under vLLM's
+    ``truncate_prompt_tokens: k`` (in the wire ``params``) with ``truncation_side``: more
+    than ``k`` ids keep their last ``k`` (``"left"``, vLLM's default for generation) or
+    their first (``"right"``); ``-1`` is the context (``max_model_len``) less one token
+    for the output. The workers cut by it (server.workers.base.truncate_prompt, which
+    refuses ``k`` past the context first), and the router names a token-id prompt's
+    blocks by it, as the engine will cache them. ``ids`` whole when no cut applies (or
+    ``-1`` with the context unknown)."""
+    k = params.get("truncate_prompt_tokens")
+    if k is None:
+        return ids
+    if k < 0:
+        if max_model_len is None:
+            return ids
+        k = max_model_len - 1
+    if len(ids) <= k:
+        return ids
+    return ids[:k] if params.get("truncation_side") == "right" else ids[len(ids) - k:]
 
 
 def context_error(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> str | None:

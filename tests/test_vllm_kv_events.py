@@ -2,9 +2,11 @@
 the worker's translation of vLLM's own event objects, its subscriber against vLLM's own
 ZMQ publisher, and end to end: two real vllm workers listening, shared by two frontends,
 a token-id prompt's follow-up routed by the second frontend (which never saw the first
-turn) to the worker whose cache holds it, and both frontends' indexes alike.
+turn) to the worker whose cache holds it, and both frontends' indexes alike; and a
+``cache_salt`` on one vllm worker: a prompt's blocks are its salt's only.
 
-Skipped where vLLM is not installed. The end-to-end test starts two vLLM engines: slow.
+Skipped where vLLM is not installed. The end-to-end tests start vLLM engines (two, then
+one): slow.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import os
 import time
 
 import pytest
+import trio
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed", allow_module_level=True)
 
 import server  # noqa: E402
+from server.config import EngineConfig  # noqa: E402
 from server.manager.engine import open_engine  # noqa: E402
 from server.observability.metrics import _kv_families  # noqa: E402
 from server.worker_protocol.kv_blocks import (  # noqa: E402
@@ -113,9 +117,9 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("kv-events") / MODEL, **SHAPE)
 
 
-async def run(engine, prompt, max_tokens=2) -> tuple[int, int | None]:
-    """(the worker it ran on, its cached_tokens)."""
-    params = server.SamplingParams(max_tokens=max_tokens, temperature=0)
+async def run(engine, prompt, max_tokens=2, **extra) -> tuple[int, int | None]:
+    """(the worker it ran on, its cached_tokens). ``extra``: more wire params."""
+    params = server.SamplingParams(max_tokens=max_tokens, temperature=0, extra=extra)
     async with engine.generate(prompt, params) as stream:
         async for _ in stream:
             pass
@@ -162,3 +166,32 @@ async def test_two_frontends_share_the_workers_kv_events(tmp_path, model_dir):
             stored = [s.value for s in families["trio_llm:kv_events"].samples
                       if s.labels["event"] == "stored" and s.labels["worker"] == "1"]
             assert stored and stored[0] >= 1
+
+
+async def test_cache_salt_keeps_a_prompts_blocks_apart(model_dir):
+    """The same token-id prompt with another salt (or none) is scored as sharing no block
+    with the salted one that the engine cached; with the same salt, all of them; and the
+    engine's cached_tokens agree."""
+    config = EngineConfig(engine="vllm", routing="prefix", drain_timeout=5.0,
+                          startup_timeout=900, engine_options={
+                              "model_path": str(model_dir), "max_model_len": CONTEXT,
+                              "dtype": "float32",
+                              "engine_args": {"kv_cache_memory_bytes": 64 << 20}})
+    with trio.fail_after(1200):  # (a bound that fails a hang, not a timing)
+        async with open_engine(config) as engine:
+            size = engine.workers[0].info["kv_events"]["block_size"]
+            index = engine.workers[0].kv_index
+            prompt = [7] * 3 + list(range(1, 3 * size))  # three whole blocks and more
+            assert await run(engine, prompt, cache_salt="a") == (0, 0)
+            salted = block_digests(prompt, size, seed_of([None, "a"]))
+            await wait_until(lambda: index.match(salted) == 3, 120)
+            # the worker's events named the salted chain only
+            assert index.match(block_digests(prompt, size)) == 0
+            for salt, reason, matched in (("a", "prefix", 3 * size), ("b", "load", 0),
+                                          (None, "load", 0)):
+                params = {} if salt is None else {"cache_salt": salt}
+                _, decision = engine.pick_worker(prompt, params=params)
+                assert (decision.reason, decision.matched) == (reason, matched), salt
+            # the engine agrees: another salt reuses nothing, the same salt every block
+            assert await run(engine, prompt, cache_salt="b") == (0, 0)
+            assert await run(engine, prompt, cache_salt="a") == (0, 3 * size)

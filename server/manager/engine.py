@@ -25,7 +25,7 @@ from trio_util import AsyncValue, wait_all
 from ..config import EngineConfig
 from ..errors import ServiceUnavailable
 from ..observability.engine_metrics import EngineReport
-from ..params import SamplingParams
+from ..params import SamplingParams, truncated
 from ..worker_protocol import wire
 from ..worker_protocol.handshake import parse_address
 from .adapters import AdapterRegistry
@@ -173,10 +173,8 @@ class Engine:
         router = self.router
         n = params.n
         wire_params = [params.to_wire(i) for i in range(n)]
-        first = prompts[0] if prompts else None
-        blocks = router.blocks(first)
-        scores = self._exact_scores(first, blocks, adapter,
-                                    wire_params[0].get("cache_salt") if n else None)
+        key = wire_params[0] if n else {}
+        blocks, scores = self._scores(prompts[0] if prompts else None, key, adapter)
         worker, decision = self._route(blocks.hashes, scores=scores)
         waker = Waker(worker.pacer)
         choices = []
@@ -206,7 +204,8 @@ class Engine:
             if router.prefix_aware:
                 router.routed(worker.index, blocks.hashes)
                 for prompt in prompts[1:]:
-                    router.routed(worker.index, router.blocks(prompt).hashes)
+                    router.routed(worker.index, router.blocks(
+                        *self._route_key(prompt, key, adapter)).hashes)
             # (a match from KV events is exact: nothing to correct)
             self._routes[choices[0].rid] = (worker.index, blocks,
                                             decision.matched if scores is None else 0)
@@ -237,25 +236,50 @@ class Engine:
         return best
 
     def pick_worker(
-        self, prompt: object, exclude: Sequence[int] = (), *, migrating: bool = False
+        self, prompt: object, exclude: Sequence[int] = (), *,
+        params: SamplingParams | dict | None = None, adapter: str | None = None,
+        migrating: bool = False,
     ) -> tuple[WorkerClient, Decision]:
         """The worker the routing policy picks for ``prompt``, never one of ``exclude``
         (worker indexes), and why. Raises ServiceUnavailable when none can take it.
-        ``migrating``: for a request already accepted (server.manager.migration), also
-        while the server drains; the prompt's blocks are then noted as sent there."""
-        blocks = self.router.blocks(prompt)
-        hashes = blocks.hashes
-        picked = self._route(hashes, exclude, draining_ok=migrating,
-                             scores=self._exact_scores(prompt, blocks))
+        ``params`` (its ``cache_salt``) and ``adapter`` key the prompt's blocks as
+        :meth:`generate_many` does: pass the request's, or a salted or adapter prompt
+        matches no block. ``migrating``: for a request already accepted
+        (server.manager.migration), also while the server drains; the prompt's blocks
+        are then noted as sent there."""
+        if isinstance(params, SamplingParams):
+            params = params.to_wire()
+        blocks, scores = self._scores(prompt, params or {}, adapter)
+        picked = self._route(blocks.hashes, exclude, draining_ok=migrating, scores=scores)
         if migrating and self.router.prefix_aware:
-            self.router.routed(picked[0].index, hashes)
+            self.router.routed(picked[0].index, blocks.hashes)
         return picked
 
-    def _exact_scores(self, prompt: object, blocks: Blocks, adapter: str | None = None,
-                      salt: object = None) -> list[int] | None:
-        """Per worker, the tokens of a token-id ``prompt``'s prefix it holds: exactly
-        where it sends KV events (server.manager.kv_index), else as predicted; None for
-        other prompts, or when no worker sends events (the router's prediction decides)."""
+    def _route_key(self, prompt: object, params: dict, adapter: str | None
+                   ) -> tuple[object, bytes]:
+        """What names ``prompt``'s blocks as the engine keys its cache: the prompt as the
+        engine will run it (a token-id prompt cut by ``truncate_prompt_tokens`` as the
+        worker cuts it; a text or chat prompt's tokens are unknown here, so it is named
+        whole), and the seed of the chain (its LoRA adapter and ``cache_salt``: an engine
+        keeps their blocks apart). Every pick keys a request so: the first, and a
+        migration's."""
+        if type(prompt) is list:
+            prompt = truncated(prompt, params, self.info.get("max_model_len"))
+        return prompt, seed_of((adapter, params.get("cache_salt")))
+
+    def _scores(self, prompt: object, params: dict, adapter: str | None
+                ) -> tuple[Blocks, list[int] | None]:
+        """A request's blocks (the prediction's) and its exact scores (or None), keyed by
+        :meth:`_route_key`."""
+        keyed, seed = self._route_key(prompt, params, adapter)
+        blocks = self.router.blocks(keyed, seed)
+        return blocks, self._exact_scores(keyed, blocks, seed)
+
+    def _exact_scores(self, prompt: object, blocks: Blocks, seed: bytes) -> list[int] | None:
+        """Per worker, the tokens of a token-id ``prompt``'s prefix (its chain from
+        ``seed``) it holds: exactly where it sends KV events (server.manager.kv_index),
+        else as predicted; None for other prompts, or when no worker sends events (the
+        router's prediction decides)."""
         if type(prompt) is not list or not self.router.prefix_aware:
             return None
         exact = [w.kv_index for w in self.workers]
@@ -263,7 +287,7 @@ class Engine:
             return None
         predicted = [index.match(blocks.hashes) * blocks.size
                      for index in self.router.indexes]
-        return prefix_tokens(prompt, seed_of((adapter, salt)), exact, predicted)
+        return prefix_tokens(prompt, seed, exact, predicted)
 
     def _route(
         self, hashes: list[bytes], exclude: Sequence[int] = (), *, draining_ok: bool = False,

@@ -125,7 +125,9 @@ class Migrator:
             w.index for w in engine.workers if resuming and not w.info.get("resume")
         ]
         try:
-            worker, _ = engine.pick_worker(movable[0].prompt, exclude, migrating=True)
+            first = movable[0]  # (its blocks keyed as its first pick keyed them)
+            worker, _ = engine.pick_worker(first.prompt, exclude, params=first.params,
+                                           adapter=first.adapter, migrating=True)
         except ServiceUnavailable:
             stats["no_worker"] += len(movable)
             return left + movable

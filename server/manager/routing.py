@@ -67,9 +67,9 @@ DEFAULT_WINDOW_PER_WORKER = 32
 DEFAULT_BALANCE = 8
 
 
-def _chain(parts) -> list[bytes]:
+def _chain(parts, seed: bytes = b"") -> list[bytes]:
     hashes = []
-    parent = b""
+    parent = seed
     for part in parts:
         parent = hashlib.blake2b(parent + part, digest_size=8).digest()
         hashes.append(parent)
@@ -98,19 +98,22 @@ class Blocks(NamedTuple):
     size: int
 
 
-def prompt_blocks(prompt: object, block_chars: int = BLOCK_CHARS) -> Blocks:
-    """The prompt's :class:`Blocks` (see the module docstring)."""
+def prompt_blocks(prompt: object, block_chars: int = BLOCK_CHARS, seed: bytes = b"") -> Blocks:
+    """The prompt's :class:`Blocks` (see the module docstring); the chain starts from
+    ``seed``: what else keys the engine's cache (the LoRA adapter and the cache salt,
+    :func:`~server.worker_protocol.kv_blocks.seed_of`), so that prompts of other keys share
+    no blocks."""
     text = canonical_text(prompt)
     if text is not None:
         data = text.encode("utf-8", "surrogatepass")
         n = len(text) // block_chars
         if len(data) == len(text):  # ASCII: characters are bytes
-            hashes = _chain(data[i * block_chars : (i + 1) * block_chars] for i in range(n))
+            hashes = _chain(
+                (data[i * block_chars : (i + 1) * block_chars] for i in range(n)), seed)
         else:
             hashes = _chain(
-                text[i * block_chars : (i + 1) * block_chars].encode("utf-8", "surrogatepass")
-                for i in range(n)
-            )
+                (text[i * block_chars : (i + 1) * block_chars].encode("utf-8", "surrogatepass")
+                 for i in range(n)), seed)
         return Blocks(hashes, len(text), block_chars)
     if isinstance(prompt, list):
         # Each id as 8 little-endian signed bytes, converted in C (an id at a time in
@@ -121,7 +124,7 @@ def prompt_blocks(prompt: object, block_chars: int = BLOCK_CHARS) -> Blocks:
             ids.byteswap()
         raw = memoryview(ids).cast("B")
         step = BLOCK_TOKENS * 8
-        hashes = _chain(raw[i * step : (i + 1) * step] for i in range(n))
+        hashes = _chain((raw[i * step : (i + 1) * step] for i in range(n)), seed)
         return Blocks(hashes, len(prompt), BLOCK_TOKENS)
     return Blocks([], 0, 1)
 
@@ -228,11 +231,12 @@ class Router:
     def prefix_aware(self) -> bool:
         return self.policy == "prefix"
 
-    def blocks(self, prompt: object) -> Blocks:
-        """The prompt's blocks (none unless the policy is prefix-aware)."""
+    def blocks(self, prompt: object, seed: bytes = b"") -> Blocks:
+        """The prompt's blocks, chained from ``seed`` (:func:`prompt_blocks`; none unless
+        the policy is prefix-aware)."""
         if not self.prefix_aware:
             return Blocks([], 0, 1)
-        return prompt_blocks(prompt, self.block_chars)
+        return prompt_blocks(prompt, self.block_chars, seed)
 
     def pick(
         self,

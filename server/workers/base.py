@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ..params import context_error
+from ..params import context_error, truncated
 
 __all__ = [
     "Engine", "EngineBroken", "HFTokenizing", "Rejected", "WorkerCrash", "WorkerGarbage",
@@ -97,16 +97,10 @@ def truncate_prompt(ids, params: dict, max_model_len: int):
     the context is refused in vLLM's words. Applied after tokenizing and templating, before
     the context check (so that a long prompt asked to be cut is served)."""
     k = params.get("truncate_prompt_tokens")
-    if k is None:
-        return ids
-    if k > max_model_len:
+    if k is not None and k > max_model_len:
         raise Rejected(f"truncate_prompt_tokens={k} cannot be greater than max_total_tokens = "
                        f"{max_model_len}. Please request a smaller truncation size.")
-    if k < 0:
-        k = max_model_len - 1
-    if len(ids) <= k:
-        return ids
-    return ids[:k] if params.get("truncation_side") == "right" else ids[len(ids) - k:]
+    return truncated(ids, params, max_model_len)
 
 
 def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
