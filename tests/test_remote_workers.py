@@ -231,6 +231,35 @@ async def test_a_listening_worker_in_a_long_step_is_not_hung(tmp_path):
             assert "disconnected" not in w.text(), w.text()
 
 
+async def test_a_listening_worker_answering_a_long_embedding_keeps_its_frontends(tmp_path):
+    """An embedding computing on the listening worker's loop for longer than both its
+    ``--frontend-timeout`` and the frontend's heartbeat timeout: the pulse speaks for the
+    worker, the frontend's pings (unread meanwhile) are read before its silence is judged,
+    so the connection stays, the embedding is answered and a stream beside it finishes."""
+    slow = {"op": "embed", "input": ["a b c"], "fault": {"kind": "slow_step", "seconds": 6.0}}
+    async with listening_worker(tmp_path, "127.0.0.1:0", "--sim-faults",
+                                "--frontend-timeout", "2") as w:
+        config = remote_config(w, heartbeat_interval=0.2, heartbeat_timeout=3.0)
+        async with open_engine(config) as engine:
+            results: dict = {}
+
+            async def consume():
+                async with engine.generate("p", SamplingParams(max_tokens=10)) as stream:
+                    results["stream"] = [o async for o in stream]
+
+            async def embed():
+                results["embed"] = await engine.tokenize(slow)
+
+            with trio.fail_after(60):  # (a hang guard)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(embed)
+                    nursery.start_soon(consume)
+            assert results["embed"]["prompt_tokens"] == 3
+            assert results["stream"][-1].finish_reason == "length"
+            assert engine.statistics().workers[0].restarts == 0
+            assert "disconnected" not in w.text(), w.text()
+
+
 # -- a frontend dies; the worker aborts its requests, other frontends go on --------------------
 
 

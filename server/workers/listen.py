@@ -32,11 +32,13 @@ at once; what the engine still reports for them is dropped.
 *Never blocked by a frontend.* Sockets are non-blocking; output a socket does not take is
 kept in the connection's buffer (bounded, see above) and sent when it becomes writable.
 
-*Busy is not hung.* While one engine step runs longer than a second, a thread beside the
-loop (:mod:`server.workers.pulse`) sends every ready connection whose output buffer is
-empty an unasked PONG (sequence number 0; the counts of the last PING answered), so that
-frontends do not take a worker making progress for hung. A frontend's silence is checked
-after its socket was read, never right after a step (its pings wait unread meanwhile).
+*Busy is not hung.* While one engine step, or a TOKENIZE answered on the loop (an
+embedding's forward, a LoRA load), runs longer than a second, a thread beside the loop
+(:mod:`server.workers.pulse`) sends every ready connection an unasked PONG (sequence
+number 0; the counts of the last PING answered) once the output waiting for it is sent, so
+that frontends do not take a worker making progress for hung. A frontend's silence is
+checked after its socket was read, never right after a step or a long read pass (its pings
+wait unread meanwhile).
 
 *A broken engine* (:class:`~server.workers.base.EngineBroken`) ends every connection's
 requests with their errors, then the worker exits with status 3: run listening workers
@@ -74,6 +76,10 @@ _MAX_UNAUTHENTICATED = 4096
 _HANDSHAKE_TIMEOUT = 10.0
 #: How often, at most, the loop wakes to check connection timeouts.
 _HOUSEKEEPING = 0.5
+#: A read pass longer than this (a TOKENIZE answered on the loop: an embedding's forward, a
+#: LoRA load) is followed by another before connections are checked for silence: their
+#: pings arrived meanwhile, unread.
+_LONG_ANSWER = 1.0
 #: Connections that have not authenticated yet, at most (the oldest goes first): anyone who
 #: can reach the port can open them, and each holds a descriptor until its handshake ends.
 _MAX_UNAUTHENTICATED_CONNS = 64
@@ -165,7 +171,9 @@ class Server:
             busy = self.conns or self.accept_paused is not None
             if busy and (timeout is None or timeout > _HOUSEKEEPING):
                 timeout = _HOUSEKEEPING
-            for key, mask in self.selector.select(timeout):
+            events = self.selector.select(timeout)
+            selected = clock()
+            for key, mask in events:
                 conn = key.data
                 if conn is None:
                     self._accept()
@@ -188,7 +196,9 @@ class Server:
                     self._drop(conn, f"internal error: {one_line(exc)}")
             if self.preparer is not None:
                 self._collect()
-            self._expire(clock())  # (after reading: not after a long step)
+            now = clock()
+            if now - selected < _LONG_ANSWER:  # (after reading: not after a long step, nor
+                self._expire(now)  # a long answer in the read pass: pings wait unread)
             deadline = engine.next_deadline()
             now = clock()
             if deadline is not None and now >= deadline:

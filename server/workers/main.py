@@ -16,9 +16,9 @@ One thread, one loop::
     if the deadline has passed: outputs += engine.step(now)
     write one STEP frame with every accept and output gathered in this iteration
 
-Pings are answered between steps; while one step runs long, a thread beside the loop
-(:mod:`server.workers.pulse`) sends unasked PONGs, so that a worker making progress is not
-taken for hung.
+Pings are answered between steps; while one step, or a TOKENIZE answered on the loop,
+runs long, a thread beside the loop (:mod:`server.workers.pulse`) sends unasked PONGs, so
+that a worker making progress is not taken for hung.
 
 A request's slow setup (tokenizing, a chat template, a grammar) runs in a few threads of
 :mod:`server.workers.prepare` for an engine that splits its ``add``: the loop never waits

@@ -19,7 +19,9 @@ steps, so one step longer than the timeout (a long prefill on a busy CPU, whose 
 no token budget bounds: it is the machine's load times the work) used to get a worker that
 was making progress killed, with every request it held.
 
-So a thread beside the loop speaks for it while it is inside a step, and only then: the
+So a thread beside the loop speaks for it while it is inside a step (or answers a
+TOKENIZE between steps: an embedding's forward pass, a LoRA load; see
+``server.workers.main.handle_in_pulse``), and only then: the
 loop holds :attr:`lock` at all other times (and so owns its outputs, pipe or sockets,
 alone); :meth:`enter` releases it for the step, :meth:`leave` takes it back (waiting for a
 pulse being written, a few microseconds). Every ``period`` seconds the thread takes the lock
