@@ -188,6 +188,10 @@ def format_table(phases: list[dict], target_ms: float) -> str:
             f"{r['stream_errors']:>6} {f(r['new_stream_ttft_max_ms']):>8}  "
             f"{'' if h is None else verdict(r, target_ms)}")
     for r in phases:
+        if r.get("end_max_gap_ms") is not None:
+            lines.append(f"  {r['phase']}: largest gap in the answer's last 5 s and the tail: "
+                         f"{r['end_max_gap_ms']:.1f} ms")
+    for r in phases:
         h = r["heavy"]
         if h is not None and h["error"]:
             lines.append(f"  {r['phase']}: {h['error'][:160]}")

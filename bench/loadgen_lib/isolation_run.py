@@ -29,6 +29,11 @@ from .target import GET_ERRORS, RECV_SIZE, Target, close_stream, simple_get
 
 _perf = time.perf_counter
 
+#: A heavy phase's last seconds before its answer's last byte (then ``--tail``), reported
+#: apart (``end_max_gap_ms``): a big answer is decoded and encoded there, and a long
+#: phase's largest gap may lie anywhere else.
+END_S = 5.0
+
 
 class _Rec:
     """One background request: its :class:`Result` (filled in live) and whether it ended."""
@@ -328,6 +333,9 @@ async def run_phases(args, target: Target, model: str, server_pid: int) -> list[
     for name, a, b, info in windows:
         row = {"phase": name, "window_s": round(b - a, 3), **gap_summary(window_gaps(
             streams, a, b)), **bg.window(a, b, now), **probe.window(a, b), **info}
+        if info["heavy"] is not None:  # the answer's arrival: where a big one is handled
+            end = gap_summary(window_gaps(streams, max(a, b - args.tail - END_S), b))
+            row["end_max_gap_ms"] = end["max_gap_ms"]
         row["pids_lost"] = row.pop("lost_pids")
         if name == "baseline":
             base_max = row["max_gap_ms"]

@@ -10,10 +10,12 @@ process it spawned, or one connection to a worker that listens (``address``; see
 * the **router** reads frames from the worker's stdout and hands each output to the
   :class:`~server.manager.stream.Choice` its rid names (late output for a rid the table no
   longer holds is dropped: that is how the abort-versus-finish race ends harmlessly); a
-  frame of :data:`~server.worker_protocol.wire.BIG_FRAME` or more (a /tokenize answer of
-  millions of ids) is decoded in a thread, a piece per call (``decode_sliced``), so the
-  event loop serves every other stream meanwhile; the router waits for it, so frames
-  keep their order;
+  frame of :data:`~server.worker_protocol.wire.BIG_FRAME` or more is decoded in a thread,
+  a piece per call (``decode_sliced``), so the event loop serves every other stream
+  meanwhile; the router waits for a big STEP, so outputs keep their order, but not for a
+  big TOKENIZED (a /tokenize answer of millions of ids: seconds of decoding), which
+  answers one round trip only and is decoded and filed by a task of its own
+  (``_decode_aside``) while the router goes on routing the other streams' outputs;
 * the **writer** sends what :meth:`submit_nowait` and :meth:`abort_nowait` queued, all of it
   in one write;
 * the **heartbeat** pings, and ends the session when the worker has been silent too long.
@@ -85,11 +87,14 @@ _GONE = object()
 _DECODE_THREADS = 2
 
 
-async def decode_frames(decoder: wire.FrameDecoder, data: bytes | bytearray) -> list:
+async def decode_frames(decoder: wire.FrameDecoder, data: bytes | bytearray,
+                        aside: Callable[[bytes], None] | None = None) -> list:
     """The messages ``data`` completed, in order: a frame of :data:`wire.BIG_FRAME` or
-    more decoded in a thread (:meth:`wire.FrameDecoder.decode_sliced`), the others here.
-    Raises :class:`wire.ProtocolError` as ``feed`` does (``messages``: the good ones
-    before the bad one)."""
+    more decoded in a thread (:meth:`wire.FrameDecoder.decode_sliced`), the others here;
+    with ``aside``, a big TOKENIZED frame is not decoded here but handed to ``aside(body)``
+    (the router's :meth:`WorkerClient._decode_aside`: its answer concerns one round trip
+    only, so the frames after it need not wait for it). Raises :class:`wire.ProtocolError`
+    as ``feed`` does (``messages``: the good ones before the bad one)."""
     error: wire.ProtocolError | None = None
     try:
         bodies = decoder.frames(data)
@@ -100,10 +105,10 @@ async def decode_frames(decoder: wire.FrameDecoder, data: bytes | bytearray) -> 
         for body in bodies:
             if len(body) < wire.BIG_FRAME:
                 messages.append(decoder.decode(body))
+            elif aside is not None and wire.is_tokenized(body):
+                aside(body)
             else:
-                limiter = run_limiter("frame_decode", _DECODE_THREADS)
-                messages.append(await trio.to_thread.run_sync(decoder.decode_sliced, body,
-                                                              limiter=limiter))
+                messages.append(await decode_big(decoder, body))
     except wire.ProtocolError as exc:
         exc.messages = messages
         raise
@@ -111,6 +116,14 @@ async def decode_frames(decoder: wire.FrameDecoder, data: bytes | bytearray) -> 
         error.messages = messages
         raise error
     return messages
+
+
+async def decode_big(decoder: wire.FrameDecoder, body: bytes) -> list:
+    """One big frame's message, decoded in a thread a piece per call (at most
+    ``_DECODE_THREADS`` at once); cancelled, the thread is left to finish alone."""
+    limiter = run_limiter("frame_decode", _DECODE_THREADS)
+    return await trio.to_thread.run_sync(decoder.decode_sliced, body, limiter=limiter,
+                                         abandon_on_cancel=True)
 
 
 def _answered(value) -> bool:
@@ -397,7 +410,7 @@ class WorkerClient:
             log.info("worker %d (%s) is up: %s", self.index, link.where, self.info)
             try:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._router, link)
+                    nursery.start_soon(self._router, link, nursery)
                     nursery.start_soon(self._writer, link)
                     nursery.start_soon(self._heartbeat)
                     if replaying:
@@ -426,11 +439,15 @@ class WorkerClient:
             if reason != "stopped":
                 log.warning("worker %d (%s) %s", self.index, link.where, how)
 
-    async def _router(self, link: Link) -> None:
+    async def _router(self, link: Link, nursery: trio.Nursery) -> None:
         receive_some = link.receive.receive_some
         decoder = link.decoder
         pacer = self.pacer
         big = wire.BIG_FRAME
+
+        def aside(body: bytes) -> None:
+            nursery.start_soon(self._decode_aside, decoder, body)
+
         while True:
             # Paced consumers are woken when a frame arrives after they are due, or by time
             # when none comes (server.manager.pacing).
@@ -457,7 +474,7 @@ class WorkerClient:
                     else:  # the worker is heard all along: its frames wait behind this
                         self._decoding = True
                         try:
-                            messages = await decode_frames(decoder, data)
+                            messages = await decode_frames(decoder, data, aside)
                         finally:
                             self._decoding = False
                         self.last_heard = trio.current_time()
@@ -469,6 +486,16 @@ class WorkerClient:
                 raise _SessionEnded(f"protocol violation: {exc}",
                                     cause="protocol_error") from None
             await self._wake_paced()
+
+    async def _decode_aside(self, decoder: wire.FrameDecoder, body: bytes) -> None:
+        """Decode a big TOKENIZED frame (a /tokenize answer of millions of ids: seconds of
+        decoding) and file its answer, while the router goes on routing the frames after it
+        (the other streams' outputs would wait that long otherwise). Garbage ends the
+        session, as it does in the router."""
+        try:
+            self._route([await decode_big(decoder, body)])
+        except wire.ProtocolError as exc:
+            raise _SessionEnded(f"protocol violation: {exc}", cause="protocol_error") from None
 
     async def _wake_paced(self) -> None:
         """Wake the paced consumers that are due, one scheduler turn after the router woke

@@ -111,6 +111,7 @@ __all__ = [
     "encode",
     "pack_sliced",
     "decode_sliced",
+    "is_tokenized",
     "BIG_FRAME",
     "Packed",
     "SLICE",
@@ -269,6 +270,14 @@ def _pack_into(value, parts: list) -> None:
 #: loop's own call; decoded an item (of a long list) per call, the loop gets its turn
 #: every few milliseconds. Smaller frames take under a few milliseconds in one call.
 BIG_FRAME = 1 << 20
+
+def is_tokenized(body: bytes) -> bool:
+    """Whether a frame body starts as a TOKENIZED message does (an array of four items, the
+    first TOKENIZED): an answer to one round trip, which the frontend may decode beside the
+    frames after it (:mod:`server.manager.worker`); whether the rest is one is for the
+    decoding to find."""
+    return body.startswith(_TOKENIZED_HEAD)
+
 
 #: First bytes of msgpack's array and map headers (fix, 16-bit and 32-bit counts).
 _ARRAYS = frozenset((*range(0x90, 0xA0), 0xDC, 0xDD))

@@ -1,0 +1,92 @@
+"""A worker's big frames in the frontend's router (issue 23): a big TOKENIZED (a /tokenize
+answer of millions of ids, seconds of decoding) is decoded beside the router, so the other
+streams' outputs on that worker do not wait for it; garbage in one still ends the session.
+
+In-memory sim workers (tests/fakes.py) on the real clock (the decoding runs in a thread).
+Whether the router waits is shown without timing: the decoding threads' limiter is held
+by the test, so a big frame cannot be decoded until the test lets it; a stream on the same
+worker must finish meanwhile. Every ``fail_after`` is a guard against a hang.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import trio
+import trio.testing
+
+import server
+from server.thread_limits import run_limiter
+from server.worker_protocol import wire
+from tests.fakes import all_outputs, open_fake_engine, wait_for
+
+#: Token ids enough for a TOKENIZED frame over wire.BIG_FRAME (about 3 bytes an id).
+IDS = list(range(1000, 1000 + (wire.BIG_FRAME // 2)))
+
+
+class _Held:
+    """Every token of the frame-decoding threads' limiter, held until released."""
+
+    def __init__(self) -> None:
+        self.limiter = run_limiter("frame_decode", 2)
+        self._owners = [object() for _ in range(int(self.limiter.total_tokens))]
+
+    async def __aenter__(self) -> trio.CapacityLimiter:
+        for owner in self._owners:
+            await self.limiter.acquire_on_behalf_of(owner)
+        return self.limiter
+
+    async def __aexit__(self, *exc) -> None:
+        self.release()
+
+    def release(self) -> None:
+        owners, self._owners = self._owners, []  # (released once only)
+        for owner in owners:
+            self.limiter.release_on_behalf_of(owner)
+
+
+async def test_streams_go_on_while_a_big_tokenize_answer_is_decoded():
+    async with open_fake_engine(workers=1) as (engine, spawn):
+        worker = spawn.processes[0]
+        answer = {"count": len(IDS), "max_model_len": 2048, "tokens": IDS, "token_strs": None}
+        worker.engine.tokenize = lambda request: answer  # the sim has no tokenizer
+        held = _Held()
+        got: list = []
+        async with held as limiter:
+            async with trio.open_nursery() as nursery:
+
+                async def tokenize() -> None:
+                    got.append(await engine.tokenize({"op": "tokenize", "prompt": "x"}))
+
+                nursery.start_soon(tokenize)
+                # its answer has arrived, and waits for a decoding thread
+                await wait_for(lambda: limiter.statistics().tasks_waiting == 1, timeout=60)
+                with trio.fail_after(60):  # (the router would wait for that thread)
+                    outs = await all_outputs(
+                        engine.generate("a b", server.SamplingParams(max_tokens=20)))
+                assert outs[-1].finish_reason == "length"
+                assert not got
+                held.release()
+        assert got == [answer]
+
+
+async def test_garbage_in_a_big_tokenize_answer_ends_the_session():
+    async with open_fake_engine(workers=1, restart_backoff=0.05) as (engine, spawn):
+        victim = spawn.processes[0]
+        body = msgpack.packb([wire.TOKENIZED, 99, {"tokens": IDS}, None]) + b"\xc1"
+        assert len(body) >= wire.BIG_FRAME and wire.is_tokenized(body)
+        stream = engine.generate("a b", server.SamplingParams(max_tokens=5000))
+        async with trio.open_nursery() as nursery:
+            outs: list = []
+
+            async def consume() -> None:
+                outs.extend(await all_outputs(stream))
+
+            nursery.start_soon(consume)
+            await wait_for(lambda: bool(outs) or victim.engine.running() > 0, timeout=60)
+            victim.hang()
+            await trio.testing.wait_all_tasks_blocked()  # (its last write has ended)
+            await victim.inject(len(body).to_bytes(4, "big") + body)
+        assert outs[-1].finish_reason == "error"
+        assert "protocol violation" in (outs[-1].error or "")
+        await wait_for(lambda: engine.statistics().workers[0].restarts == 1, timeout=60)
+        assert victim.exited
