@@ -39,7 +39,9 @@ starts the core with ``multiprocessing`` (fork on CPU, spawn once CUDA is initia
 target ``EngineCoreProc.run_engine_core``. While the engine is built, that target is
 wrapped, on vLLM's class and only for that while, by :func:`_run_tied`, which first asks the
 kernel for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``, which survives the
-spawn's exec), then runs vLLM's own. Nothing else changes in any process. What the core
+spawn's exec), then runs vLLM's own (:func:`tying`). A vLLM without that static method
+(moved or renamed) is not tied: one line on stderr says so and the engine starts all the
+same. Nothing else changes in any process. What the core
 starts itself (tensor-parallel workers) vLLM ties to the core (its workers' death pipe).
 """
 
@@ -50,11 +52,12 @@ import functools
 import os
 import queue
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["CoreProcess", "LIVENESS", "tied_to_this_process"]
+__all__ = ["CoreProcess", "LIVENESS", "tied_to_this_process", "tying"]
 
 #: While requests are held, how often (seconds) the loop asks whether the core is alive
 #: when it has not heard from it.
@@ -140,20 +143,44 @@ def tied_to_this_process() -> Iterator[None]:
     when this process dies (see the module docstring). Only from the main thread: the
     kernel sends a parent-death signal when the *thread* that forked ends, and the main
     thread lasts as long as the process; from another thread nothing is changed."""
-    global _original
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    from vllm.v1.engine.core import EngineCoreProc
+    core: type | None = None  # (without it, the engine's build says what is missing)
+    try:
+        from vllm.v1.engine.core import EngineCoreProc
 
-    wrapped = EngineCoreProc.__dict__["run_engine_core"]
-    _original = EngineCoreProc.run_engine_core
-    EngineCoreProc.run_engine_core = staticmethod(  # type: ignore[method-assign]
+        core = EngineCoreProc
+    except ImportError:
+        pass
+    with tying(core):
+        yield
+
+
+@contextmanager
+def tying(cls: type | None) -> Iterator[None]:
+    """While inside, ``cls.run_engine_core`` (vLLM's ``EngineCoreProc``: the target of the
+    engine core's process) first ties the process it runs in to this one. Where ``cls``
+    has no such static method (a vLLM that moved or renamed it), nothing is changed and
+    one line on stderr says so: the engine still starts, but its core may outlive a worker
+    killed by SIGKILL."""
+    global _original
+    wrapped = None if cls is None else cls.__dict__.get("run_engine_core")
+    if not isinstance(wrapped, staticmethod):
+        where = "vllm.v1.engine.core.EngineCoreProc" if cls is None else cls.__qualname__
+        print(f"trio-llm-server worker: this vLLM has no {where}.run_engine_core (a static "
+              "method) to wrap: its engine core process is not tied to this worker and may "
+              "outlive it if the worker is SIGKILLed", file=sys.stderr, flush=True)
+        yield
+        return
+    assert cls is not None
+    _original = wrapped.__func__
+    cls.run_engine_core = staticmethod(  # type: ignore[attr-defined]
         functools.partial(_run_tied, os.getpid()))
     try:
         yield
     finally:
-        EngineCoreProc.run_engine_core = wrapped  # type: ignore[method-assign]
+        cls.run_engine_core = wrapped  # type: ignore[attr-defined]
         _original = None
 
 

@@ -1,0 +1,81 @@
+"""The engine core's tie to its worker (server.workers.vllm_core.tying) without vLLM: on a
+stand-in for vLLM's ``EngineCoreProc``. With ``run_engine_core`` a static method, a
+process started with it as target gets SIGKILL as its parent-death signal, and the class
+is restored after; a class without it (a vLLM that moved or renamed it) is left alone, with
+one line on stderr, and what is inside still runs (the engine still starts). The real core
+process is tested in test_vllm_core_process.py."""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import signal
+
+from server.workers.vllm_core import tying
+
+_PR_GET_PDEATHSIG = 2
+
+
+def _death_signal() -> int:
+    value = ctypes.c_int(-1)
+    assert ctypes.CDLL(None).prctl(_PR_GET_PDEATHSIG, ctypes.byref(value)) == 0
+    return value.value
+
+
+class _Core:
+    """Stand-in for vLLM's ``EngineCoreProc``: its target reports its parent-death signal."""
+
+    @staticmethod
+    def run_engine_core(conn) -> None:
+        conn.send(_death_signal())
+        conn.close()
+
+
+class _Moved:
+    """Stand-in for an ``EngineCoreProc`` whose entry point is named otherwise."""
+
+    @staticmethod
+    def run_core(conn) -> None:
+        conn.send(_death_signal())
+
+
+def _run_in_child(target) -> int:
+    """What ``target`` reports from a forked process (as vLLM starts its core on CPU)."""
+    ctx = multiprocessing.get_context("fork")
+    ours, theirs = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(theirs,))
+    proc.start()
+    theirs.close()
+    try:
+        return ours.recv()
+    finally:
+        proc.join()
+        ours.close()
+
+
+def test_the_core_process_gets_sigkill_when_its_parent_dies():
+    original = _Core.__dict__["run_engine_core"]
+    with tying(_Core):
+        assert _run_in_child(_Core.run_engine_core) == signal.SIGKILL
+    assert _Core.__dict__["run_engine_core"] is original
+    assert _run_in_child(_Core.run_engine_core) == 0  # (untied outside)
+
+
+def test_a_vllm_without_run_engine_core_starts_untied_with_one_line(capsys):
+    before = dict(_Moved.__dict__)
+    ran = False
+    with tying(_Moved):
+        ran = True
+        assert "run_engine_core" not in _Moved.__dict__
+        assert _run_in_child(_Moved.run_core) == 0
+    assert ran and dict(_Moved.__dict__) == before
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1, err
+    assert "_Moved.run_engine_core" in err[0] and "not tied" in err[0]
+
+
+def test_a_vllm_without_the_core_class_starts_untied_with_one_line(capsys):
+    with tying(None):
+        pass
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "vllm.v1.engine.core.EngineCoreProc.run_engine_core" in err[0], err
