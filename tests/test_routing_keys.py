@@ -124,3 +124,19 @@ async def test_a_truncated_follow_up_reuses_the_engines_blocks(autojump_clock):
         assert second.choice_states()[0].worker.index == 0
         assert outs[-1].cached_tokens == len(PROMPT) - BLOCK_TOKENS  # (the last block is
         # computed: at most prompt_tokens - 1 tokens reused, in whole blocks)
+
+
+async def test_a_batchs_later_prompts_are_noted_with_the_batchs_key(autojump_clock):
+    """``generate_many`` scores the first prompt; the others go to the same worker and are
+    noted there keyed as the first (its adapter and salt), so a later request with one of
+    them and the same salt finds its blocks on that worker."""
+    other = list(range(5000, 5000 + 4 * BLOCK_TOKENS))
+    salted = SamplingParams(max_tokens=2, temperature=0, extra={"cache_salt": "s"})
+    async with open_fake_engine(workers=2, routing="prefix") as (engine, _):
+        believe(engine, 1, PROMPT, seed_of([None, "s"]), False)
+        async with engine.generate_many([PROMPT, other], salted) as stream:
+            await all_outputs(stream)
+        worker, decision = engine.pick_worker(other, params=salted)
+        assert (worker.index, decision.reason) == (1, "prefix")
+        # (unsalted, the same ids were never sent anywhere: by load)
+        assert engine.pick_worker(other)[1].reason == "load"
