@@ -256,6 +256,10 @@ class _Terminated(BaseException):
 
 
 def _terminate(signum, frame) -> None:
+    # Once: a second SIGTERM during the unwind would cut the engine's cleanup short (or be
+    # printed as "Exception ignored" from inside a finalizer). The unwind ends in SIGTERM's
+    # default action (run_as_worker); SIGKILL still ends a cleanup that hangs.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise _Terminated
 
 
