@@ -168,12 +168,34 @@ async def test_prompt_logprobs_are_the_models_own(model_dir, tokenizer):
             assert [p and p[str(t)]["logprob"] for p, t in zip(got, prompt_ids)] \
                 == both.choices[0].logprobs.token_logprobs[:len(prompt_ids)]
             await check_tokens_as_ids(client, prompt_ids)
+            await check_streamed_prompt_logprobs_zero(client)
             # vLLM's refusals: streamed, the whole vocabulary
             for body, stream in (({"prompt_logprobs": 1}, True), ({"prompt_logprobs": -1}, False)):
                 with pytest.raises(openai.BadRequestError) as info:
                     await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
                                                     stream=stream, extra_body=body)
                 assert info.value.body["param"] == "prompt_logprobs"
+
+
+async def check_streamed_prompt_logprobs_zero(client) -> None:
+    """``prompt_logprobs: 0`` streamed is served as vLLM serves it (its check refuses only
+    more, or -1): the same stream as without, no prompt logprobs in any chunk (vLLM's chunks
+    have no place for them), completions and chat."""
+    for extra in ({"prompt_logprobs": 0}, {}):
+        chunks = [c.model_dump() async for c in await client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, stream=True,
+            extra_body=extra)]
+        events = [c.model_dump() async for c in await client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=4, temperature=0, stream=True,
+            extra_body=extra)]
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        content = "".join(e["choices"][0]["delta"]["content"] or "" for e in events
+                          if e["choices"])
+        if extra:
+            with_zero = (text, content)
+            assert not any("prompt_logprobs" in c or "prompt_logprobs" in c["choices"][0]
+                           for c in chunks + events if c["choices"])
+    assert with_zero == (text, content)
 
 
 async def check_tokens_as_ids(client, prompt_ids: list[int], model: str = MODEL) -> None:

@@ -111,6 +111,13 @@ def test_prompt_logprobs(client, tokenizer, model_dir):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True,
                                   extra_body={"prompt_logprobs": 1})
     assert info.value.body["param"] == "prompt_logprobs"
+    # 0, streamed: served as vLLM serves it, the same stream as without, no prompt logprobs
+    streams = [[c.model_dump() for c in client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, stream=True,
+        extra_body=extra)] for extra in ({"prompt_logprobs": 0}, {})]
+    texts = [[c["choices"][0]["text"] for c in s if c["choices"]] for s in streams]
+    assert texts[0] == texts[1]
+    assert not any("prompt_logprobs" in c["choices"][0] for c in streams[0] if c["choices"])
 
 
 def test_prompt_logprobs_up_to_max_logprobs(client, tokenizer, model_dir):

@@ -479,11 +479,14 @@ def _choice(data: dict, name: str, values: tuple):
 def _prompt_logprobs(data: dict, engine_info: dict | None) -> int | None:
     """vLLM's ``prompt_logprobs``: the prompt's logprobs (each token's, and its ``k`` most
     likely alternatives), in a whole answer only (vLLM's rule, and its words); ``k`` as
-    ``logprobs`` takes it (-1: the whole vocabulary, where the engine's most covers it)."""
+    ``logprobs`` takes it (-1: the whole vocabulary, where the engine's most covers it).
+    Streamed, vLLM takes 0 (its own check refuses only more, or -1): its chunks have no
+    place for them, so none go out, but 0 still says how many alternatives a completion's
+    echoed prompt carries with ``echo`` and ``logprobs``, as here."""
     top = _top_logprobs(data, "prompt_logprobs", engine_info)
     if top is None:
         return None
-    if data.get("stream"):
+    if data.get("stream") and top != 0:
         raise ClientError("`prompt_logprobs` are not available when `stream=True`.",
                           param="prompt_logprobs")
     return _most_logprobs(top, "prompt_logprobs", engine_info)
