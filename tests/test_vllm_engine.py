@@ -710,12 +710,18 @@ def test_a_client_disconnect_leaves_nothing_in_vllm(server):
     # fraction of their work: vLLM's own count of the tokens its steps computed (sent with
     # each heartbeat answer) grew by less than half of what the four would compute if
     # they ran on to their length. (Not a time bound: it holds however slow the machine.)
-    before = _iteration_tokens(server)
+    # (the count as of a fresh heartbeat answer, not one up to a period old)
+    workers = server.workers()
+    stale = _iteration_tokens(server)
+    while (before := _iteration_tokens(server)) == stale:
+        assert time.monotonic() < deadline + 60, "vLLM's count did not move"
+        time.sleep(0.01)
     assert before > 0  # (their prompts and first tokens are counted: the count is there)
     for sock in socks:
         sock.close()
     server.wait_idle(timeout=60)
     assert _iteration_tokens(server) - before < 4 * (CONTEXT - 10) / 2
+    assert server.workers() == workers  # (a restarted worker's count would start over)
 
 
 def _iteration_tokens(server) -> float:
