@@ -97,3 +97,21 @@ def test_chat_shape():
                          {"token": "He", "logprob": -1.5, "bytes": [72, 101]}],
     }
     assert len(got["content"]) == 2
+
+
+def test_prompt_logprobs_zero_streamed_asks_the_engine_for_nothing():
+    """``prompt_logprobs: 0`` with ``stream`` is accepted as vLLM accepts it; a stream has
+    no place for prompt logprobs, so the engine is not asked to compute them (a forward
+    pass over the prompt, a note of every prompt token), except for a completion's echoed
+    prompt with ``logprobs``, where 0 says how many alternatives it carries."""
+    info = {**HF, "sampling": ["prompt_logprobs"]}
+
+    def asked(parse, body):
+        return parse(body, info).params.to_wire().get("prompt_logprobs")
+
+    assert asked(completion, {"prompt_logprobs": 0}) == 0  # (whole answers carry them)
+    assert asked(chat, {"prompt_logprobs": 0}) == 0
+    assert asked(completion, {"prompt_logprobs": 0, "stream": True}) is None
+    assert asked(chat, {"prompt_logprobs": 0, "stream": True}) is None
+    assert asked(completion, {"prompt_logprobs": 0, "stream": True, "echo": True,
+                              "logprobs": 2}) == 0

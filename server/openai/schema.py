@@ -669,7 +669,9 @@ def _common(
     extra = _engine_sampling(data, limits, engine_fields)
     if "prompt_logprobs" in engine_fields:
         prompt_logprobs = _prompt_logprobs(data, engine_info)
-        if prompt_logprobs is not None:
+        if prompt_logprobs is not None and not (chat and data.get("stream")):
+            # (streamed, only 0 gets here, and a chat stream has no place for it: the
+            # engine is not asked to compute it; completions decide with echo, below)
             extra["prompt_logprobs"] = prompt_logprobs
     return_token_ids = bool(extra.pop("return_token_ids", False))
     tokens_as_ids = extra.pop("return_tokens_as_token_ids", None)
@@ -812,6 +814,8 @@ def parse_completion(
     if echo and common["logprobs"] is not None:  # the prompt's logprobs too (vLLM's
         # prompt_logprobs, when given, says how many alternatives)
         common["params"].extra.setdefault("prompt_logprobs", common["logprobs"])
+    elif data.get("stream"):  # (0, streamed: nothing of it goes out, so none is computed)
+        common["params"].extra.pop("prompt_logprobs", None)
     if len(prompts) * common["params"].n > limits.max_n * limits.max_prompts:
         raise ClientError("Too many choices in one request.", param="n")
     return _check_answer_size(

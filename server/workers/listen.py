@@ -63,7 +63,10 @@ from ..engine_args import add_engine_arguments, engine_options
 from ..worker_protocol import handshake, wire
 from ..worker_protocol.wire import OutputRow
 from .base import EngineBroken, one_line
-from .main import build_engine, handle_in_pulse, handle_message, open_preparer, run_as_worker
+from .main import (
+    _Terminated, build_engine, handle_in_pulse, handle_message, open_preparer, run_as_worker,
+    unwinding,
+)
 from .pulse import Pulse
 
 __all__ = ["main", "serve_listening", "open_listener"]
@@ -570,6 +573,9 @@ def serve_listening(engine, listener: socket.socket, *, secret: bytes | None = N
                     frontend_timeout=frontend_timeout, max_buffer=max_buffer)
     try:
         server.run()
+    except _Terminated:  # SIGTERM: the cleanup (server.close, the engine's) runs uncut
+        unwinding()
+        raise
     finally:
         server.close()
 

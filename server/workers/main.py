@@ -180,6 +180,9 @@ def serve(engine, fd_in: int, fd_out: int, pulse_period: float = 1.0) -> None:
     pulse.start()
     try:
         _serve(engine, preparer, fd_in, fd_out, pulse, pong)
+    except _Terminated:
+        unwinding()
+        raise
     finally:
         pulse.close()
         if preparer is not None:
@@ -255,12 +258,25 @@ class _Terminated(BaseException):
     """SIGTERM arrived: unwind (running the engine's cleanup), then die of the signal."""
 
 
+#: Set once a _Terminated has reached a worker loop (:func:`unwinding`): the engine's
+#: cleanup runs now, and a repeated SIGTERM must not cut it short.
+_unwinding = False
+
+
 def _terminate(signum, frame) -> None:
-    # Once: a second SIGTERM during the unwind would cut the engine's cleanup short (or be
-    # printed as "Exception ignored" from inside a finalizer). The unwind ends in SIGTERM's
-    # default action (run_as_worker); SIGKILL still ends a cleanup that hangs.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise _Terminated
+    # A repeat while the cleanup runs (a supervisor signalling the whole group, then the
+    # frontend) is ignored; before that, every SIGTERM raises: one raised inside a
+    # finalizer is swallowed ("Exception ignored"), and the next must try again. The
+    # unwind ends in SIGTERM's default action (run_as_worker); SIGKILL ends a cleanup that
+    # hangs.
+    if not _unwinding:
+        raise _Terminated
+
+
+def unwinding() -> None:
+    """A worker loop saw SIGTERM's _Terminated go by: repeats are ignored from now on."""
+    global _unwinding
+    _unwinding = True
 
 
 def main(argv: list[str] | None = None) -> None:
