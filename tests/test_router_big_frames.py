@@ -15,6 +15,7 @@ import trio
 import trio.testing
 
 import server
+from server.manager.worker import _ASIDES
 from server.thread_limits import run_limiter
 from server.worker_protocol import wire
 from tests.fakes import all_outputs, open_fake_engine, wait_for
@@ -24,10 +25,11 @@ IDS = list(range(1000, 1000 + (wire.BIG_FRAME // 2)))
 
 
 class _Held:
-    """Every token of the frame-decoding threads' limiter, held until released."""
+    """Every token of the limiter of the threads that decode big TOKENIZED frames aside,
+    held until released."""
 
     def __init__(self) -> None:
-        self.limiter = run_limiter("frame_decode", 2)
+        self.limiter = run_limiter("frame_decode_aside", _ASIDES)
         self._owners = [object() for _ in range(int(self.limiter.total_tokens))]
 
     async def __aenter__(self) -> trio.CapacityLimiter:
@@ -90,3 +92,26 @@ async def test_garbage_in_a_big_tokenize_answer_ends_the_session():
         assert "protocol violation" in (outs[-1].error or "")
         await wait_for(lambda: engine.statistics().workers[0].restarts == 1, timeout=60)
         assert victim.exited
+
+
+async def test_big_answers_beyond_the_aside_bound_are_decoded_in_the_routers_way():
+    """A worker sending more big TOKENIZED frames than are decoded aside at once: the rest
+    are decoded by the router itself, so the pipe pushes back instead of the frontend
+    holding every frame in memory (answers nobody asked for are dropped)."""
+    async with open_fake_engine(workers=1) as (engine, spawn):
+        worker = spawn.processes[0]
+        body = msgpack.packb([wire.TOKENIZED, 10**6, {"tokens": IDS}, None])
+        held = _Held()
+        async with held as limiter:
+            await trio.testing.wait_all_tasks_blocked()  # (the worker is not writing)
+            for _ in range(_ASIDES + 2):
+                await worker.inject(len(body).to_bytes(4, "big") + body)
+            # a stream's outputs come after those frames on the pipe: when it is done, the
+            # router has read them all
+            with trio.fail_after(60):
+                outs = await all_outputs(
+                    engine.generate("a b", server.SamplingParams(max_tokens=3)))
+            assert outs[-1].finish_reason == "length"
+            assert limiter.statistics().tasks_waiting == _ASIDES
+            held.release()
+        await wait_for(lambda: engine.workers[0]._asides == 0, timeout=60)

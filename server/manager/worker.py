@@ -15,7 +15,8 @@ process it spawned, or one connection to a worker that listens (``address``; see
   meanwhile; the router waits for a big STEP, so outputs keep their order, but not for a
   big TOKENIZED (a /tokenize answer of millions of ids: seconds of decoding), which
   answers one round trip only and is decoded and filed by a task of its own
-  (``_decode_aside``) while the router goes on routing the other streams' outputs;
+  (``_decode_aside``; at most ``_ASIDES`` at once, a further one in the router's way)
+  while the router goes on routing the other streams' outputs;
 * the **writer** sends what :meth:`submit_nowait` and :meth:`abort_nowait` queued, all of it
   in one write;
 * the **heartbeat** pings, and ends the session when the worker has been silent too long.
@@ -85,16 +86,22 @@ _GONE = object()
 #: Threads decoding big frames at once, all workers together (a flood of big answers waits
 #: its turn rather than taking every thread of Trio's pool).
 _DECODE_THREADS = 2
+#: Big TOKENIZED frames one worker's session decodes aside at once (a further one is
+#: decoded in the router's way, so the worker's pipe pushes back and a worker cannot pile
+#: up answers in the frontend's memory), in threads of their own limiter (so a router's
+#: big STEP never queues behind them).
+_ASIDES = 2
 
 
 async def decode_frames(decoder: wire.FrameDecoder, data: bytes | bytearray,
-                        aside: Callable[[bytes], None] | None = None) -> list:
+                        aside: Callable[[bytes], bool] | None = None) -> list:
     """The messages ``data`` completed, in order: a frame of :data:`wire.BIG_FRAME` or
     more decoded in a thread (:meth:`wire.FrameDecoder.decode_sliced`), the others here;
-    with ``aside``, a big TOKENIZED frame is not decoded here but handed to ``aside(body)``
-    (the router's :meth:`WorkerClient._decode_aside`: its answer concerns one round trip
-    only, so the frames after it need not wait for it). Raises :class:`wire.ProtocolError`
-    as ``feed`` does (``messages``: the good ones before the bad one)."""
+    with ``aside``, a big TOKENIZED frame is handed to ``aside(body)`` (the router's: its
+    answer concerns one round trip only, so the frames after it need not wait for it),
+    and decoded here when that declines it (False: enough are being decoded aside).
+    Raises :class:`wire.ProtocolError` as ``feed`` does (``messages``: the good ones
+    before the bad one)."""
     error: wire.ProtocolError | None = None
     try:
         bodies = decoder.frames(data)
@@ -105,8 +112,8 @@ async def decode_frames(decoder: wire.FrameDecoder, data: bytes | bytearray,
         for body in bodies:
             if len(body) < wire.BIG_FRAME:
                 messages.append(decoder.decode(body))
-            elif aside is not None and wire.is_tokenized(body):
-                aside(body)
+            elif aside is not None and wire.is_tokenized(body) and aside(body):
+                pass
             else:
                 messages.append(await decode_big(decoder, body))
     except wire.ProtocolError as exc:
@@ -118,10 +125,12 @@ async def decode_frames(decoder: wire.FrameDecoder, data: bytes | bytearray,
     return messages
 
 
-async def decode_big(decoder: wire.FrameDecoder, body: bytes) -> list:
+async def decode_big(decoder: wire.FrameDecoder, body: bytes, *, aside: bool = False) -> list:
     """One big frame's message, decoded in a thread a piece per call (at most
-    ``_DECODE_THREADS`` at once); cancelled, the thread is left to finish alone."""
-    limiter = run_limiter("frame_decode", _DECODE_THREADS)
+    ``_DECODE_THREADS`` at once, and apart ``_ASIDES`` for frames decoded ``aside``);
+    cancelled, the thread is left to finish alone."""
+    limiter = (run_limiter("frame_decode_aside", _ASIDES) if aside
+               else run_limiter("frame_decode", _DECODE_THREADS))
     return await trio.to_thread.run_sync(decoder.decode_sliced, body, limiter=limiter,
                                          abandon_on_cancel=True)
 
@@ -170,6 +179,7 @@ class WorkerClient:
         self.last_heard = -math.inf
         #: The router is decoding a big frame in a thread (the worker counts as heard).
         self._decoding = False
+        self._asides = 0  # big TOKENIZED frames being decoded aside (see _router)
         #: The worker's (running, waiting) request counts in its latest PONG (for metrics).
         self.running = 0
         self.waiting = 0
@@ -445,8 +455,12 @@ class WorkerClient:
         pacer = self.pacer
         big = wire.BIG_FRAME
 
-        def aside(body: bytes) -> None:
+        def aside(body: bytes) -> bool:
+            if self._asides >= _ASIDES:
+                return False
+            self._asides += 1
             nursery.start_soon(self._decode_aside, decoder, body)
+            return True
 
         while True:
             # Paced consumers are woken when a frame arrives after they are due, or by time
@@ -493,9 +507,11 @@ class WorkerClient:
         (the other streams' outputs would wait that long otherwise). Garbage ends the
         session, as it does in the router."""
         try:
-            self._route([await decode_big(decoder, body)])
+            self._route([await decode_big(decoder, body, aside=True)])
         except wire.ProtocolError as exc:
             raise _SessionEnded(f"protocol violation: {exc}", cause="protocol_error") from None
+        finally:
+            self._asides -= 1
 
     async def _wake_paced(self) -> None:
         """Wake the paced consumers that are due, one scheduler turn after the router woke
