@@ -64,8 +64,7 @@ from ..worker_protocol import handshake, wire
 from ..worker_protocol.wire import OutputRow
 from .base import EngineBroken, one_line
 from .main import (
-    _Terminated, build_engine, handle_in_pulse, handle_message, open_preparer, run_as_worker,
-    unwinding,
+    build_engine, cleanup_uncut, handle_in_pulse, handle_message, open_preparer, run_as_worker,
 )
 from .pulse import Pulse
 
@@ -572,10 +571,8 @@ def serve_listening(engine, listener: socket.socket, *, secret: bytes | None = N
     server = Server(engine, listener, secret=secret, tls=tls,
                     frontend_timeout=frontend_timeout, max_buffer=max_buffer)
     try:
-        server.run()
-    except _Terminated:  # SIGTERM: the cleanup (server.close, the engine's) runs uncut
-        unwinding()
-        raise
+        with cleanup_uncut():  # (SIGTERM: server.close and the engine's cleanup run uncut)
+            server.run()
     finally:
         server.close()
 

@@ -37,6 +37,8 @@ import selectors
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from ..worker_protocol import wire
 from ..worker_protocol.wire import OutputRow
@@ -179,10 +181,8 @@ def serve(engine, fd_in: int, fd_out: int, pulse_period: float = 1.0) -> None:
     pulse = Pulse(lambda: _write_all(fd_out, pong[0]), pulse_period)
     pulse.start()
     try:
-        _serve(engine, preparer, fd_in, fd_out, pulse, pong)
-    except _Terminated:
-        unwinding()
-        raise
+        with cleanup_uncut():
+            _serve(engine, preparer, fd_in, fd_out, pulse, pong)
     finally:
         pulse.close()
         if preparer is not None:
@@ -258,7 +258,7 @@ class _Terminated(BaseException):
     """SIGTERM arrived: unwind (running the engine's cleanup), then die of the signal."""
 
 
-#: Set once a _Terminated has reached a worker loop (:func:`unwinding`): the engine's
+#: Set once a _Terminated has left a worker loop (:func:`cleanup_uncut`): the engine's
 #: cleanup runs now, and a repeated SIGTERM must not cut it short.
 _unwinding = False
 
@@ -273,10 +273,16 @@ def _terminate(signum, frame) -> None:
         raise _Terminated
 
 
-def unwinding() -> None:
-    """A worker loop saw SIGTERM's _Terminated go by: repeats are ignored from now on."""
+@contextmanager
+def cleanup_uncut() -> Iterator[None]:
+    """Around a worker loop: once SIGTERM's _Terminated goes by, repeats are ignored, so
+    the cleanup outside (the engine's, the connections') runs uncut."""
     global _unwinding
-    _unwinding = True
+    try:
+        yield
+    except _Terminated:
+        _unwinding = True
+        raise
 
 
 def main(argv: list[str] | None = None) -> None:

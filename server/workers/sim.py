@@ -98,6 +98,13 @@ CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|> {{ m.content }}\n{% end
 #: The largest embedding_size of a sim engine.
 _MAX_EMBEDDING = 4096
 
+def _compute_for(seconds: float) -> None:
+    """Hold the CPU (and the loop) for ``seconds``: the ``slow_step`` fault."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
 FAULT_KINDS = ("error", "crash", "hang", "garbage", "stall", "ignore_abort", "slow_step",
                "stuck_step")
 
@@ -218,9 +225,7 @@ class SimEngine:
         tokens are alike. ``dimensions`` cuts them first (any size: Matryoshka-style)."""
         fault = options.get("fault")
         if self.faults and isinstance(fault, dict) and fault.get("kind") == "slow_step":
-            end = time.monotonic() + float(fault.get("seconds", 0.0))
-            while time.monotonic() < end:  # computes that long, as a big forward pass does
-                pass
+            _compute_for(float(fault.get("seconds", 0.0)))  # as a big forward pass does
         full = self.embedding_size
         size = options.get("dimensions") or full
         vectors = []
@@ -443,9 +448,7 @@ class SimEngine:
                 return None
             if fault == "slow_step":  # once: this step computes for that long
                 req.fault = None
-                end = time.monotonic() + req.fault_seconds
-                while time.monotonic() < end:
-                    pass
+                _compute_for(req.fault_seconds)
             if fault == "stuck_step":  # blocked for ever without computing (a deadlock)
                 while True:
                     time.sleep(3600)
