@@ -42,7 +42,9 @@ from contextlib import contextmanager
 
 from ..worker_protocol import wire
 from ..worker_protocol.wire import OutputRow
-from .base import EngineBroken, one_line, WorkerCrash, WorkerGarbage, WorkerHang
+from .base import (
+    EngineBroken, Rejected, WorkerCrash, WorkerGarbage, WorkerHang, one_line, refuse_fault,
+)
 from .embed import embed_request
 from .lora import LORA_OPS, lora_request
 from .prepare import Preparer, admit, tokenize_reply
@@ -95,6 +97,12 @@ def handle_message(engine, msg: list, accepts: list, outputs: list,
     kind = msg[0]
     if kind == wire.SUBMIT:
         rid, prompt, params = msg[1], msg[2], msg[3]
+        if params.get("fault") is not None:  # (the sim's test hook: refused elsewhere)
+            try:
+                refuse_fault(engine, params["fault"])
+            except Rejected as exc:
+                outputs.append(OutputRow(rid, "", 0, "error", [exc.kind, exc.message]))
+                return None
         if len(msg) > 4:  # a LoRA adapter: the engine's, or this request's 404
             if not engine.info.get("lora"):
                 outputs.append(OutputRow(rid, "", 0, "error", [
