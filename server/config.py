@@ -50,7 +50,8 @@ class EngineConfig:
     max_restarts: int = 5
     restart_window: float = 60.0
     #: Worker shutdown: close its pipe and wait this long, then SIGTERM and wait again, then
-    #: SIGKILL.
+    #: SIGKILL. Also how long a session's end waits for a big answer that arrived whole to be
+    #: decoded (server.manager.worker).
     shutdown_grace: float = 2.0
     #: The Python interpreter that runs the workers.
     python: str = sys.executable

@@ -110,6 +110,32 @@ def test_the_worker_checks_what_it_is_sent():
     assert engine.forwards == 0
 
 
+def test_a_fault_reaches_only_the_sim_that_takes_faults():
+    """The ``fault`` test hook is the sim's with --sim-faults: a worker whose engine does
+    not take it refuses it by name, an embedding and a generation alike, before the
+    engine is called (it used to be passed to every engine's embed, which ignored it)."""
+    slow = {"kind": "slow_step", "seconds": 0.0}
+    plain = SimEngine()  # (as any real engine: no faults)
+    embed = [wire.TOKENIZE, 1, {"op": "embed", "input": ["a"], "fault": slow}]
+    reply = handle_message(plain, embed, [], [])
+    assert reply is not None and reply[2] is None
+    assert reply[3][0] == "invalid_request" and "'fault'" in reply[3][1]
+    assert plain.forwards == 0
+    accepts: list = []
+    outputs: list = []
+    handle_message(plain, [wire.SUBMIT, 5, "a b", {"max_tokens": 3, "fault": slow}],
+                   accepts, outputs)
+    assert not accepts and plain.running() + plain.waiting() == 0
+    assert [(o.rid, o.finish, o.error[0]) for o in outputs] == [(5, "error", "invalid_request")]
+    assert "'fault'" in outputs[0].error[1]
+    faulty = SimEngine(faults=True)
+    reply = handle_message(faulty, embed, [], [])
+    assert reply is not None and reply[3] is None and faulty.forwards == 1
+    bad = [wire.TOKENIZE, 2, {"op": "embed", "input": ["a"], "fault": "slow"}]
+    reply = handle_message(faulty, bad, [], [])
+    assert reply is not None and reply[3] == ["invalid_request", "'fault' must be an object"]
+
+
 def test_one_request_is_one_engine_batch():
     engine = SimEngine()
     reply = handle_message(

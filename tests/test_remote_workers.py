@@ -8,6 +8,7 @@ Real processes, so real time and ``trio.fail_after``. Network namespaces: test_r
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -258,6 +259,48 @@ async def test_a_listening_worker_answering_a_long_embedding_keeps_its_frontends
             assert results["stream"][-1].finish_reason == "length"
             assert engine.statistics().workers[0].restarts == 0
             assert "disconnected" not in w.text(), w.text()
+
+
+async def test_a_silent_frontend_is_dropped_while_long_answers_come_back_to_back(tmp_path):
+    """Every read pass of the listening worker is long: a frontend (by hand, no pings)
+    sends an embedding computing 1 s on the worker's loop every 0.6 s, so one always waits
+    unread when a pass ends. A frontend that authenticated and then sent nothing is still
+    dropped for its silence (it used to be checked only after a short pass: never here),
+    and the busy one, whose requests wait unread, is not."""
+    embed = {"op": "embed", "input": ["a"], "fault": {"kind": "slow_step", "seconds": 1.0}}
+    async with listening_worker(tmp_path, "127.0.0.1:0", "--sim-faults",
+                                "--frontend-timeout", "2") as w:
+        config = remote_config(w)
+        busy = await open_connected(config, w.address, None)
+        silent = await open_connected(config, w.address, None)
+        try:
+            with trio.fail_after(120):  # (a hang guard: it used to wait for ever here)
+                await busy.handshake()
+                await silent.handshake()
+                async with trio.open_nursery() as nursery:
+
+                    async def pump() -> None:
+                        for seq in itertools.count(1):
+                            await busy.send.send_all(wire.encode([wire.TOKENIZE, seq, embed]))
+                            await trio.sleep(0.6)
+
+                    async def drain() -> None:
+                        while await busy.receive.receive_some(1 << 16):
+                            pass
+
+                    nursery.start_soon(pump)
+                    nursery.start_soon(drain)
+                    while await silent.receive.receive_some(1 << 16):
+                        pass  # (what the worker sends until it closes the connection)
+                    nursery.cancel_scope.cancel()
+                # (the worker says why after closing)
+                await wait_until(lambda: "disconnected (silent" in w.text(), 60)
+        finally:
+            with trio.CancelScope(shield=True):
+                await busy.aclose(0)
+                await silent.aclose(0)
+    log = w.text()
+    assert log.count("disconnected (silent for 2 s)") == 1, log
 
 
 # -- a frontend dies; the worker aborts its requests, other frontends go on --------------------

@@ -10,6 +10,8 @@ worker must finish meanwhile. Every ``fail_after`` is a guard against a hang.
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
+
 import msgpack
 import trio
 import trio.testing
@@ -46,28 +48,47 @@ class _Held:
             self.limiter.release_on_behalf_of(owner)
 
 
+def _answer_big(worker) -> dict:
+    """Make the in-memory ``worker`` answer every tokenize with :data:`IDS` (the sim has no
+    tokenizer); returns that answer."""
+    answer = {"count": len(IDS), "max_model_len": 2048, "tokens": IDS, "token_strs": None}
+    worker.engine.tokenize = lambda request: answer
+    return answer
+
+
+async def _tokenize(engine, got: list) -> None:
+    """A /tokenize round trip; its answer, or the EngineError it raised, goes to ``got``."""
+    try:
+        got.append(await engine.tokenize({"op": "tokenize", "prompt": "x"}))
+    except server.EngineError as exc:
+        got.append(exc)
+
+
+@asynccontextmanager
+async def _big_answer_waiting(engine, spawn):
+    """A /tokenize round trip on the first worker whose big answer has arrived and waits
+    for a decoding thread (the test holds them all until ``held.release()``); yields
+    ``(held, answer, got)``, ``got`` receiving the round trip's outcome (see _tokenize),
+    which has come at the end of the block."""
+    answer = _answer_big(spawn.processes[0])
+    held = _Held()
+    got: list = []
+    async with held as limiter:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_tokenize, engine, got)
+            await wait_for(lambda: limiter.statistics().tasks_waiting == 1, timeout=60)
+            yield held, answer, got
+
+
 async def test_streams_go_on_while_a_big_tokenize_answer_is_decoded():
     async with open_fake_engine(workers=1) as (engine, spawn):
-        worker = spawn.processes[0]
-        answer = {"count": len(IDS), "max_model_len": 2048, "tokens": IDS, "token_strs": None}
-        worker.engine.tokenize = lambda request: answer  # the sim has no tokenizer
-        held = _Held()
-        got: list = []
-        async with held as limiter:
-            async with trio.open_nursery() as nursery:
-
-                async def tokenize() -> None:
-                    got.append(await engine.tokenize({"op": "tokenize", "prompt": "x"}))
-
-                nursery.start_soon(tokenize)
-                # its answer has arrived, and waits for a decoding thread
-                await wait_for(lambda: limiter.statistics().tasks_waiting == 1, timeout=60)
-                with trio.fail_after(60):  # (the router would wait for that thread)
-                    outs = await all_outputs(
-                        engine.generate("a b", server.SamplingParams(max_tokens=20)))
-                assert outs[-1].finish_reason == "length"
-                assert not got
-                held.release()
+        async with _big_answer_waiting(engine, spawn) as (held, answer, got):
+            with trio.fail_after(60):  # (the router would wait for that thread)
+                outs = await all_outputs(
+                    engine.generate("a b", server.SamplingParams(max_tokens=20)))
+            assert outs[-1].finish_reason == "length"
+            assert not got
+            held.release()
         assert got == [answer]
 
 
@@ -115,3 +136,33 @@ async def test_big_answers_beyond_the_aside_bound_are_decoded_in_the_routers_way
             assert limiter.statistics().tasks_waiting == _ASIDES
             held.release()
         await wait_for(lambda: engine.workers[0]._asides == 0, timeout=60)
+
+
+async def test_a_big_answer_that_arrived_is_delivered_when_the_worker_exits_meanwhile():
+    """The worker answers a big /tokenize and exits while the answer waits to be decoded:
+    the answer arrived whole, so its waiter gets it, not the session's error."""
+    async with open_fake_engine(workers=1, restart_backoff=0.05,
+                                shutdown_grace=60) as (engine, spawn):
+        async with _big_answer_waiting(engine, spawn) as (held, answer, got):
+            worker = spawn.processes[0]
+            worker.die(0)  # its pipe closes: the session ends
+            await wait_for(lambda: worker.exited, timeout=60)
+            await trio.testing.wait_all_tasks_blocked()  # (the router has ended)
+            assert engine.statistics().workers[0].restarts == 0  # (its end waits)
+            held.release()
+        assert got == [answer]
+        await wait_for(lambda: engine.statistics().workers[0].restarts == 1, timeout=60)
+
+
+async def test_a_session_ends_within_its_grace_while_a_big_answer_waits_to_be_decoded():
+    """The grace a big answer's decode gets at a session's end is bounded (shutdown_grace):
+    a decode that cannot run in it is cut off, and its waiter gets the session's error."""
+    async with open_fake_engine(workers=1, restart_backoff=0.05,
+                                shutdown_grace=0.05) as (engine, spawn):
+        async with _big_answer_waiting(engine, spawn) as (held, _, got):
+            spawn.processes[0].die(0)
+            # the decoding thread never gets a token, yet the session ends
+            await wait_for(lambda: engine.statistics().workers[0].restarts == 1, timeout=60)
+            assert held.limiter.statistics().tasks_waiting == 0
+        assert len(got) == 1 and isinstance(got[0], server.EngineError)
+        assert "went away" in str(got[0])

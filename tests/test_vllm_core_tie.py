@@ -79,3 +79,42 @@ def test_a_vllm_without_the_core_class_starts_untied_with_one_line(capsys):
         pass
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "vllm.v1.engine.core.EngineCoreProc.run_engine_core" in err[0], err
+
+
+class _Derived(_Core):
+    """Stand-in for an ``EngineCoreProc`` that inherits its entry point."""
+
+
+def test_an_inherited_run_engine_core_is_tied_and_the_class_restored_as_it_was():
+    base = dict(_Core.__dict__)
+    with tying(_Derived):
+        assert "run_engine_core" in _Derived.__dict__ and dict(_Core.__dict__) == base
+        assert _run_in_child(_Derived.run_engine_core) == signal.SIGKILL
+        assert _run_in_child(_Core.run_engine_core) == 0  # (the base class is not tied)
+    assert "run_engine_core" not in _Derived.__dict__  # inherited again, not copied
+    assert _Derived.run_engine_core is _Core.run_engine_core
+    assert _run_in_child(_Derived.run_engine_core) == 0
+
+
+def test_nested_ties_keep_the_tie_until_the_last_ends_and_restore_the_original():
+    original = _Core.__dict__["run_engine_core"]
+    with tying(_Core):
+        with tying(_Core):
+            assert _run_in_child(_Core.run_engine_core) == signal.SIGKILL
+        assert _run_in_child(_Core.run_engine_core) == signal.SIGKILL  # (still tied)
+    assert _Core.__dict__["run_engine_core"] is original
+    assert _run_in_child(_Core.run_engine_core) == 0
+
+
+def test_ties_that_end_out_of_order_restore_the_original():
+    """Two ties that overlap without nesting (one begun first ends first, as from two
+    threads): the class stays tied while either is open, then is restored exactly."""
+    original = _Core.__dict__["run_engine_core"]
+    first, second = tying(_Core), tying(_Core)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert _run_in_child(_Core.run_engine_core) == signal.SIGKILL
+    second.__exit__(None, None, None)
+    assert _Core.__dict__["run_engine_core"] is original
+    assert _run_in_child(_Core.run_engine_core) == 0

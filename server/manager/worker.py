@@ -16,7 +16,16 @@ process it spawned, or one connection to a worker that listens (``address``; see
   big TOKENIZED (a /tokenize answer of millions of ids: seconds of decoding), which
   answers one round trip only and is decoded and filed by a task of its own
   (``_decode_aside``; at most ``_ASIDES`` at once, a further one in the router's way)
-  while the router goes on routing the other streams' outputs;
+  while the router goes on routing the other streams' outputs. Such an answer has fully
+  arrived: when the session ends meanwhile (the worker exits after answering, the
+  connection drops, the server stops), its decode goes on, shielded, for at most
+  ``shutdown_grace`` seconds from the router's end, and its waiter gets the answer, not the
+  session's error; past that bound the decode is cancelled and the waiter gets the error.
+  A decode cancelled in its thread (``abandon_on_cancel``) leaves that thread to finish
+  alone, holding its ``frame_decode_aside`` token until then (at most one 64 MiB frame's
+  decoding): the limiter counts the threads that really run, so later big answers, from
+  any worker, wait aside for a token meanwhile (the router does not) - accepted, as those
+  threads are what the limiter bounds;
 * the **writer** sends what :meth:`submit_nowait` and :meth:`abort_nowait` queued, all of it
   in one write;
 * the **heartbeat** pings, and ends the session when the worker has been silent too long.
@@ -180,6 +189,10 @@ class WorkerClient:
         #: The router is decoding a big frame in a thread (the worker counts as heard).
         self._decoding = False
         self._asides = 0  # big TOKENIZED frames being decoded aside (see _router)
+        #: The shielded scopes of those decodes, and when they are cut off (the router's
+        #: end plus shutdown_grace; inf while it runs).
+        self._aside_scopes: set[trio.CancelScope] = set()
+        self._asides_deadline = math.inf
         #: The worker's (running, waiting) request counts in its latest PONG (for metrics).
         self.running = 0
         self.waiting = 0
@@ -450,10 +463,7 @@ class WorkerClient:
                 log.warning("worker %d (%s) %s", self.index, link.where, how)
 
     async def _router(self, link: Link, nursery: trio.Nursery) -> None:
-        receive_some = link.receive.receive_some
         decoder = link.decoder
-        pacer = self.pacer
-        big = wire.BIG_FRAME
 
         def aside(body: bytes) -> bool:
             if self._asides >= _ASIDES:
@@ -462,6 +472,19 @@ class WorkerClient:
             nursery.start_soon(self._decode_aside, decoder, body)
             return True
 
+        self._asides_deadline = math.inf
+        try:
+            await self._route_frames(link, decoder, aside)
+        finally:  # the session ends: what is decoded aside gets a bounded grace
+            self._asides_deadline = trio.current_time() + self.config.shutdown_grace
+            for scope in self._aside_scopes:
+                scope.deadline = self._asides_deadline
+
+    async def _route_frames(self, link: Link, decoder: wire.FrameDecoder,
+                            aside: Callable[[bytes], bool]) -> None:
+        receive_some = link.receive.receive_some
+        pacer = self.pacer
+        big = wire.BIG_FRAME
         while True:
             # Paced consumers are woken when a frame arrives after they are due, or by time
             # when none comes (server.manager.pacing).
@@ -505,12 +528,19 @@ class WorkerClient:
         """Decode a big TOKENIZED frame (a /tokenize answer of millions of ids: seconds of
         decoding) and file its answer, while the router goes on routing the frames after it
         (the other streams' outputs would wait that long otherwise). Garbage ends the
-        session, as it does in the router."""
+        session, as it does in the router. The answer has fully arrived, so a session that
+        ends meanwhile does not cut it off: the decode is shielded, until the router's end
+        plus ``shutdown_grace`` (see the theory of operation)."""
+        scope = trio.CancelScope(shield=True, deadline=self._asides_deadline)
+        self._aside_scopes.add(scope)
         try:
-            self._route([await decode_big(decoder, body, aside=True)])
+            with scope:
+                message = await decode_big(decoder, body, aside=True)
+                self._route([message])
         except wire.ProtocolError as exc:
             raise _SessionEnded(f"protocol violation: {exc}", cause="protocol_error") from None
         finally:
+            self._aside_scopes.discard(scope)
             self._asides -= 1
 
     async def _wake_paced(self) -> None:
@@ -646,7 +676,8 @@ class WorkerClient:
         for choice in left:
             choice.end("error", kind, message)
         for answer in self._pings.values():
-            answer.value = _GONE
+            if answer.value is None:  # (one answered already keeps its answer)
+                answer.value = _GONE
         self._pings.clear()
 
     # -- introspection -----------------------------------------------------------------------

@@ -205,12 +205,13 @@ class ProtocolError(Exception):
 
 def encode(message: list) -> bytes:
     """One message as one frame. A TOKENIZED whose result is :class:`Packed` (packed
-    beforehand by :func:`pack_sliced`) has it spliced in as it is: the same bytes.
+    beforehand by :func:`pack_sliced`) has it spliced in as it is: the same bytes. Any
+    other list, malformed ones included (a test's), is packed as it is.
 
     >>> FrameDecoder().feed(encode([PING, 7]))
     [[3, 7]]
     """
-    if message[0] == TOKENIZED and type(message[2]) is Packed:
+    if message[0] == TOKENIZED and len(message) == 4 and type(message[2]) is Packed:
         body = b"".join((_TOKENIZED_HEAD, _packb(message[1]), message[2].data,
                          _packb(message[3])))
     else:

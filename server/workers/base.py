@@ -23,6 +23,10 @@ and optionally::
                                             has work (an engine whose model runs in another
                                             process: vLLM's engine core); the loop waits on
                                             it beside its pipe
+    faults: bool                            True: it takes the ``fault`` test hook (the sim
+                                            engine with --sim-faults); a request carrying
+                                            one to any other engine is refused by the loop
+                                            (:func:`refuse_fault`)
 
 ``prompt`` is a string, a list of token ids, or ``{"messages": [...]}`` for chat. ``step`` may
 take as long as the engine's real work takes: the loop reads the pipe between steps.
@@ -38,7 +42,7 @@ __all__ = [
     "Engine", "EngineBroken", "HFTokenizing", "Rejected", "WorkerCrash", "WorkerGarbage",
     "WorkerHang",
     "TRUNCATION_FIELDS", "check_context", "encode_prompt", "encode_text", "finite_logprob",
-    "one_line", "tokenize_request", "truncate_prompt",
+    "one_line", "refuse_fault", "tokenize_request", "truncate_prompt",
     "MAX_LOGPROBS",
 ]
 
@@ -114,6 +118,18 @@ def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int
     if error is not None:
         raise Rejected(error)
     return max_model_len - prompt_tokens if max_tokens is None else max_tokens
+
+
+def refuse_fault(engine, fault: object) -> None:
+    """Raise :class:`Rejected` naming ``fault`` when a request carries one (not None) and
+    ``engine`` does not take it (its ``faults`` is not True: only the sim engine started
+    with --sim-faults does). Fault injection is a test hook: a real engine, or a sim
+    without it, must neither ignore one nor be handed one."""
+    if fault is None or getattr(engine, "faults", False) is True:
+        return
+    name = engine.info.get("engine", "this")
+    raise Rejected(f"'fault' is a test hook of the sim engine started with --sim-faults; "
+                   f"this worker's {name} engine does not take it")
 
 
 def one_line(exc: BaseException) -> str:

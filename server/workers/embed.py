@@ -20,7 +20,7 @@ import sys
 from array import array
 
 from ..params import is_token_ids
-from .base import Rejected
+from .base import Rejected, refuse_fault
 
 __all__ = ["embed_request", "check_embed_request", "token_rows", "matryoshka",
            "MAX_INPUTS"]
@@ -32,7 +32,8 @@ MAX_INPUTS = 2048
 def check_embed_request(request: dict, info: dict) -> tuple[list, dict]:
     """(inputs, options) of a well-formed request for an engine whose HELLO info is
     ``info``; :class:`Rejected` otherwise (the frontend checks the same first: this is the
-    worker not trusting its peer)."""
+    worker not trusting its peer). A ``fault`` (the sim's test hook) is passed on: the
+    caller refused it first for an engine that does not take it (:func:`refuse_fault`)."""
     embedding = info.get("embedding")
     if not isinstance(embedding, dict):
         raise Rejected(f"model {info.get('model')!r} is not an embedding model: the "
@@ -52,8 +53,11 @@ def check_embed_request(request: dict, info: dict) -> tuple[list, dict]:
             raise Rejected(f"model {info.get('model')!r} does not support dimensions "
                            f"{dimensions}")
     options: dict = {"dimensions": dimensions}
-    if isinstance(request.get("fault"), dict):  # (the sim's fault injection, when built for it)
-        options["fault"] = request["fault"]
+    fault = request.get("fault")
+    if fault is not None:
+        if not isinstance(fault, dict):
+            raise Rejected("'fault' must be an object")
+        options["fault"] = fault
     return inputs, options
 
 
@@ -95,9 +99,11 @@ def _packed(vector) -> bytes:
 
 
 def embed_request(engine, request: dict) -> list:
-    """``[result, None]`` or ``[None, [kind, message]]`` for an ``embed`` request."""
+    """``[result, None]`` or ``[None, [kind, message]]`` for an ``embed`` request (one
+    carrying a ``fault`` for an engine that does not take it: refused, 400)."""
     embed = getattr(engine, "embed", None)
     try:
+        refuse_fault(engine, request.get("fault"))
         inputs, options = check_embed_request(
             request, engine.info if embed is not None else {**engine.info, "embedding": None})
         assert embed is not None  # (an engine without embed has no "embedding" info)

@@ -37,8 +37,9 @@ embedding's forward, a LoRA load), runs longer than a second, a thread beside th
 (:mod:`server.workers.pulse`) sends every ready connection an unasked PONG (sequence
 number 0; the counts of the last PING answered) once the output waiting for it is sent, so
 that frontends do not take a worker making progress for hung. A frontend's silence is
-checked after its socket was read, never right after a step or a long read pass (its pings
-wait unread meanwhile).
+checked after its socket was read, never right after a step; after a long read pass (its
+pings arrived meanwhile) only if it has nothing waiting unread, so that back-to-back long
+passes cannot keep a frontend that went silent.
 
 *A broken engine* (:class:`~server.workers.base.EngineBroken`) ends every connection's
 requests with their errors, then the worker exits with status 3: run listening workers
@@ -78,9 +79,9 @@ _MAX_UNAUTHENTICATED = 4096
 _HANDSHAKE_TIMEOUT = 10.0
 #: How often, at most, the loop wakes to check connection timeouts.
 _HOUSEKEEPING = 0.5
-#: A read pass longer than this (a TOKENIZE answered on the loop: an embedding's forward, a
-#: LoRA load) is followed by another before connections are checked for silence: their
-#: pings arrived meanwhile, unread.
+#: After a read pass longer than this (a TOKENIZE answered on the loop: an embedding's
+#: forward, a LoRA load), a connection with bytes waiting unread is not checked for silence:
+#: its pings arrived meanwhile.
 _LONG_ANSWER = 1.0
 #: Connections that have not authenticated yet, at most (the oldest goes first): anyone who
 #: can reach the port can open them, and each holds a descriptor until its handshake ends.
@@ -199,8 +200,9 @@ class Server:
             if self.preparer is not None:
                 self._collect()
             now = clock()
-            if now - selected < _LONG_ANSWER:  # (after reading: not after a long step, nor
-                self._expire(now)  # a long answer in the read pass: pings wait unread)
+            # (after reading, not after a step; after a long read pass, not a frontend whose
+            # pings arrived meanwhile and wait unread)
+            self._expire(now, long_pass=now - selected >= _LONG_ANSWER)
             deadline = engine.next_deadline()
             now = clock()
             if deadline is not None and now >= deadline:
@@ -428,16 +430,35 @@ class Server:
                 reply[1] = owner[1]
                 owner[0].out += wire.encode(reply)
 
-    def _expire(self, now: float) -> None:
+    def _expire(self, now: float, *, long_pass: bool = False) -> None:
+        """Resume accepting after a pause; drop the connections silent past their timeout
+        (the handshake's, or --frontend-timeout). After a ``long_pass`` (a read pass of
+        :data:`_LONG_ANSWER` or more) a connection with bytes waiting unread is not silent:
+        they arrived during the pass and are read next. A connection that sent nothing is
+        judged all the same, so back-to-back long passes cannot keep it forever."""
         if self.accept_paused is not None and now >= self.accept_paused:
             self.accept_paused = None
             self.selector.register(self.listener, selectors.EVENT_READ, None)
+        unread = self._unread() if long_pass else ()
         for conn in list(self.conns):
+            if conn in unread:
+                continue
             if conn.state != "ready":
                 if now - conn.opened > _HANDSHAKE_TIMEOUT:
                     self._drop(conn, "no authentication in time")
             elif now - conn.last_heard > self.frontend_timeout:
                 self._drop(conn, f"silent for {self.frontend_timeout:g} s")
+
+    def _unread(self) -> set[_Conn]:
+        """The connections with bytes waiting unread now (in the socket, or decrypted
+        already in a TLS socket's buffer)."""
+        unread = {
+            key.data for key, mask in self.selector.select(0)
+            if mask & selectors.EVENT_READ and isinstance(key.data, _Conn)
+        }
+        unread.update(conn for conn in self.conns
+                      if isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending())
+        return unread
 
     # -- output ------------------------------------------------------------------------------
 

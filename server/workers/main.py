@@ -42,7 +42,9 @@ from contextlib import contextmanager
 
 from ..worker_protocol import wire
 from ..worker_protocol.wire import OutputRow
-from .base import EngineBroken, one_line, WorkerCrash, WorkerGarbage, WorkerHang
+from .base import (
+    EngineBroken, Rejected, WorkerCrash, WorkerGarbage, WorkerHang, one_line, refuse_fault,
+)
 from .embed import embed_request
 from .lora import LORA_OPS, lora_request
 from .prepare import Preparer, admit, tokenize_reply
@@ -95,6 +97,12 @@ def handle_message(engine, msg: list, accepts: list, outputs: list,
     kind = msg[0]
     if kind == wire.SUBMIT:
         rid, prompt, params = msg[1], msg[2], msg[3]
+        if params.get("fault") is not None:  # (the sim's test hook: refused elsewhere)
+            try:
+                refuse_fault(engine, params["fault"])
+            except Rejected as exc:
+                outputs.append(OutputRow(rid, "", 0, "error", [exc.kind, exc.message]))
+                return None
         if len(msg) > 4:  # a LoRA adapter: the engine's, or this request's 404
             if not engine.info.get("lora"):
                 outputs.append(OutputRow(rid, "", 0, "error", [
@@ -156,16 +164,26 @@ def step_message(engine, accepts: list, outputs: list) -> list:
     return [wire.STEP, accepts, outputs]
 
 
+#: How long a LoRA adapter's load (or unload) may wait without computing, on a slow disk or
+#: on vLLM's engine core process, while the pulse speaks for the worker; a load blocked for
+#: longer is taken for hung (server.workers.pulse).
+LORA_WAIT = 60.0
+
+
 def handle_in_pulse(pulse: Pulse, engine, msg: list, accepts: list, outputs: list,
                     preparer: Preparer | None):
     """:func:`handle_message`, with the pulse speaking for the loop while a TOKENIZE is
     answered on it: an embedding's forward pass (up to the engine's padded-token bound), a
     LoRA adapter's load, or a tokenize without a preparer computes as long as a step may,
-    and a worker computing is not hung. (Nothing the pulse writes is touched here: the
-    replies are written by the loop afterwards.)"""
+    and a worker computing is not hung; a LoRA load may also wait without computing, for
+    up to :data:`LORA_WAIT` (its disk; vLLM's engine core process, which loads it with
+    ``--engine-core process``). (Nothing the pulse writes is touched here: the replies are
+    written by the loop afterwards.)"""
     if msg[0] != wire.TOKENIZE:
         return handle_message(engine, msg, accepts, outputs, preparer)
-    pulse.enter()
+    request = msg[2]
+    lora = isinstance(request, dict) and request.get("op") in LORA_OPS
+    pulse.enter(LORA_WAIT if lora else 0.0)
     try:
         return handle_message(engine, msg, accepts, outputs, preparer)
     finally:

@@ -39,7 +39,12 @@ What this tells apart:
 * a loop blocked outside a step (a bug, a deadlock, the sim's ``hang`` fault) sends
   nothing: the thread never gets the lock;
 * a step blocked without computing (waiting on a lock or a peer that never answers) sends
-  nothing: its thread's CPU time stands still.
+  nothing: its thread's CPU time stands still;
+* except for a while the loop declares a *wait* (``enter(waiting=s)``): a LoRA adapter's
+  load waits, without computing, on a slow disk or on vLLM's engine core process (which
+  does the loading with ``--engine-core process``): for its first ``s`` seconds the pulse
+  speaks whether or not the loop's thread uses CPU, then as for a step (a load blocked for
+  longer is taken for hung).
 
 What it cannot tell apart: a step spinning forever (an infinite loop in the model's code)
 looks like progress; no engine exposes progress inside one forward pass.
@@ -70,6 +75,7 @@ class Pulse:
         self._send = send
         self._stop = threading.Event()
         self._since: float | None = None  # when the current step began (None: not in one)
+        self._waiting = 0.0  # seconds from _since that it speaks without CPU (enter)
         self._loop_clock = time.pthread_getcpuclockid(threading.get_ident())
         self._cpu = 0.0
         self._thread = threading.Thread(target=self._run, name="worker-pulse", daemon=True)
@@ -77,8 +83,10 @@ class Pulse:
     def start(self) -> None:
         self._thread.start()
 
-    def enter(self) -> None:
-        """The loop is about to step (it holds the lock)."""
+    def enter(self, waiting: float = 0.0) -> None:
+        """The loop is about to step (it holds the lock); for the first ``waiting`` seconds
+        what it runs may wait without computing (see the module docstring)."""
+        self._waiting = waiting
         self._since = time.monotonic()
         self.lock.release()
 
@@ -106,7 +114,8 @@ class Pulse:
                     continue
                 cpu = time.clock_gettime(self._loop_clock)
                 moved, self._cpu = cpu > self._cpu, cpu
-                if moved and time.monotonic() - since >= self.period:
+                inside = time.monotonic() - since
+                if (moved or inside < self._waiting) and inside >= self.period:
                     try:
                         self._send()
                     except OSError:  # the link broke: the loop finds out after the step

@@ -37,10 +37,12 @@ with one line (``--engine-core worker`` then still works).
 SIGKILL with no one to kill its process group (a listening worker started on its own): vLLM
 starts the core with ``multiprocessing`` (fork on CPU, spawn once CUDA is initialised) and
 target ``EngineCoreProc.run_engine_core``. While the engine is built, that target is
-wrapped, on vLLM's class and only for that while, by :func:`_run_tied`, which first asks the
+wrapped, on vLLM's class and only for that while (reentrant: the last tie to end restores
+exactly what the class held), by :func:`_run_tied`, which first asks the
 kernel for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``, which survives the
-spawn's exec), then runs vLLM's own (:func:`tying`). A vLLM without that static method
-(moved or renamed) is not tied: one line on stderr says so and the engine starts all the
+spawn's exec), then runs vLLM's own (:func:`tying`; the wrapper carries the worker's pid
+and the class, which a spawn pickles by name). A vLLM without that static method, on the
+class or inherited (moved or renamed), is not tied: one line on stderr says so and the engine starts all the
 same. Nothing else changes in any process. What the core
 starts itself (tensor-parallel workers) vLLM ties to the core (its workers' death pipe).
 """
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import inspect
 import os
 import queue
 import signal
@@ -132,9 +135,16 @@ class CoreProcess:
 
 
 _PR_SET_PDEATHSIG = 1
-#: vLLM's ``EngineCoreProc.run_engine_core`` while it is wrapped (a forked core finds it
-#: here: its copy of the class still holds the wrapper; a spawned one imports vLLM afresh).
-_original = None
+#: The name of vLLM's engine core entry point (a static method of ``EngineCoreProc``).
+_ENTRY = "run_engine_core"
+#: What a class held under :data:`_ENTRY` in its own ``__dict__`` before it was tied, where
+#: it held nothing (the static method was inherited).
+_ABSENT = object()
+#: Each class tied now -> [its ties open, what its __dict__ held before, vLLM's function].
+#: A forked core finds vLLM's function here (its copy of the class holds the wrapper); a
+#: spawned one imports vLLM afresh, whose class is vLLM's own.
+_tied: dict[type, list] = {}
+_tied_lock = threading.Lock()
 
 
 @contextmanager
@@ -161,12 +171,26 @@ def tied_to_this_process() -> Iterator[None]:
 def tying(cls: type | None) -> Iterator[None]:
     """While inside, ``cls.run_engine_core`` (vLLM's ``EngineCoreProc``: the target of the
     engine core's process) first ties the process it runs in to this one. Where ``cls``
-    has no such static method (a vLLM that moved or renamed it), nothing is changed and
-    one line on stderr says so: the engine still starts, but its core may outlive a worker
-    killed by SIGKILL."""
-    global _original
-    wrapped = None if cls is None else cls.__dict__.get("run_engine_core")
-    if not isinstance(wrapped, staticmethod):
+    has no such static method, its own or inherited (a vLLM that moved or renamed it),
+    nothing is changed and one line on stderr says so: the engine still starts, but its
+    core may outlive a worker killed by SIGKILL.
+
+    Reentrant, and safe from several threads: the first tie of a class wraps its entry
+    point, the last to end puts back exactly what the class held (its own static method,
+    or nothing where it inherited one), whatever the order the ties end in."""
+    tie = None
+    if cls is not None:
+        with _tied_lock:
+            tie = _tied.get(cls)
+            if tie is not None:
+                tie[0] += 1
+            else:
+                found = inspect.getattr_static(cls, _ENTRY, None)
+                if isinstance(found, staticmethod):
+                    tie = _tied[cls] = [1, cls.__dict__.get(_ENTRY, _ABSENT), found.__func__]
+                    setattr(cls, _ENTRY, staticmethod(
+                        functools.partial(_run_tied, os.getpid(), cls)))
+    if tie is None:
         where = "vllm.v1.engine.core.EngineCoreProc" if cls is None else cls.__qualname__
         print(f"trio-llm-server worker: this vLLM has no {where}.run_engine_core (a static "
               "method) to wrap: its engine core process is not tied to this worker and may "
@@ -174,25 +198,28 @@ def tying(cls: type | None) -> Iterator[None]:
         yield
         return
     assert cls is not None
-    _original = wrapped.__func__
-    cls.run_engine_core = staticmethod(  # type: ignore[attr-defined]
-        functools.partial(_run_tied, os.getpid()))
     try:
         yield
     finally:
-        cls.run_engine_core = wrapped  # type: ignore[attr-defined]
-        _original = None
+        with _tied_lock:
+            tie[0] -= 1
+            if tie[0] == 0:
+                del _tied[cls]
+                if tie[1] is _ABSENT:
+                    delattr(cls, _ENTRY)
+                else:
+                    setattr(cls, _ENTRY, tie[1])
 
 
-def _run_tied(parent: int, *args, **kwargs) -> None:
-    """In the engine core's process: die with ``parent`` (the worker), then be vLLM's core."""
+def _run_tied(parent: int, cls: type, *args, **kwargs) -> None:
+    """In the engine core's process: die with ``parent`` (the worker), then be vLLM's core
+    (``cls``'s entry point as it was before :func:`tying`)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the worker died before prctl took effect
         os._exit(1)
-    run = _original
-    if run is None:  # spawned: vLLM's class as imported here is vLLM's own
-        from vllm.v1.engine.core import EngineCoreProc
-
-        run = EngineCoreProc.run_engine_core
+    tie = _tied.get(cls)
+    # (forked: the copy of _tied holds vLLM's function; spawned: cls is vLLM's class as
+    # imported afresh here, its entry point vLLM's own)
+    run = tie[2] if tie is not None else getattr(cls, _ENTRY)
     run(*args, **kwargs)
