@@ -50,7 +50,13 @@ async def test_streams_go_on_while_a_big_tokenize_answer_is_decoded():
     async with open_fake_engine(workers=1) as (engine, spawn):
         worker = spawn.processes[0]
         answer = {"count": len(IDS), "max_model_len": 2048, "tokens": IDS, "token_strs": None}
-        worker.engine.tokenize = lambda request: answer  # the sim has no tokenizer
+        asked: list = []
+
+        def tokenize(request: dict) -> dict:  # (the sim has no tokenizer) as a worker packs
+            asked.append(request)
+            return {**answer, "tokens": wire.pack_ids(IDS)} if request["packed_ids"] else answer
+
+        worker.engine.tokenize = tokenize
         held = _Held()
         got: list = []
         async with held as limiter:
@@ -69,6 +75,26 @@ async def test_streams_go_on_while_a_big_tokenize_answer_is_decoded():
                 assert not got
                 held.release()
         assert got == [answer]
+        assert asked == [{"op": "tokenize", "prompt": "x", "packed_ids": True}]
+
+
+async def _inject_beside_a_stream(engine, spawn, body: bytes) -> list:
+    """The outputs of a stream on the (last) worker, which sends the frame ``body`` while
+    the stream runs, and then nothing."""
+    victim = spawn.processes[-1]
+    stream = engine.generate("a b", server.SamplingParams(max_tokens=5000))
+    outs: list = []
+    async with trio.open_nursery() as nursery:
+
+        async def consume() -> None:
+            outs.extend(await all_outputs(stream))
+
+        nursery.start_soon(consume)
+        await wait_for(lambda: bool(outs) or victim.engine.running() > 0, timeout=60)
+        victim.hang()
+        await trio.testing.wait_all_tasks_blocked()  # (its last write has ended)
+        await victim.inject(len(body).to_bytes(4, "big") + body)
+    return outs
 
 
 async def test_garbage_in_a_big_tokenize_answer_ends_the_session():
@@ -76,22 +102,30 @@ async def test_garbage_in_a_big_tokenize_answer_ends_the_session():
         victim = spawn.processes[0]
         body = msgpack.packb([wire.TOKENIZED, 99, {"tokens": IDS}, None]) + b"\xc1"
         assert len(body) >= wire.BIG_FRAME and wire.is_tokenized(body)
-        stream = engine.generate("a b", server.SamplingParams(max_tokens=5000))
-        async with trio.open_nursery() as nursery:
-            outs: list = []
-
-            async def consume() -> None:
-                outs.extend(await all_outputs(stream))
-
-            nursery.start_soon(consume)
-            await wait_for(lambda: bool(outs) or victim.engine.running() > 0, timeout=60)
-            victim.hang()
-            await trio.testing.wait_all_tasks_blocked()  # (its last write has ended)
-            await victim.inject(len(body).to_bytes(4, "big") + body)
+        outs = await _inject_beside_a_stream(engine, spawn, body)
         assert outs[-1].finish_reason == "error"
         assert "protocol violation" in (outs[-1].error or "")
         await wait_for(lambda: engine.statistics().workers[0].restarts == 1, timeout=60)
         assert victim.exited
+
+
+async def test_packed_ids_that_are_not_whole_uint32s_end_the_session():
+    """In a big TOKENIZED (decoded aside) or a small one (in the router)."""
+    async with open_fake_engine(workers=1, restart_backoff=0.05) as (engine, spawn):
+        stats = engine.statistics
+        for restarts, size in enumerate((4 * len(IDS) + 1, 4 * wire.PACK_MIN + 3), 1):
+            bad = msgpack.ExtType(wire.PACKED_IDS, b"\x01" * size)
+            body = msgpack.packb([wire.TOKENIZED, 99, {"tokens": bad}, None])
+            assert (len(body) >= wire.BIG_FRAME) == (restarts == 1)
+            await wait_for(lambda: engine.workers[0].alive, timeout=60)
+            victim = spawn.processes[-1]
+            outs = await _inject_beside_a_stream(engine, spawn, body)
+            assert outs[-1].finish_reason == "error"
+            assert "packed ids of" in (outs[-1].error or ""), outs[-1].error
+            with trio.fail_after(60):
+                while stats().workers[0].restarts != restarts:
+                    await trio.sleep(0.01)
+            assert victim.exited
 
 
 async def test_big_answers_beyond_the_aside_bound_are_decoded_in_the_routers_way():
