@@ -149,3 +149,35 @@ async def test_big_answers_beyond_the_aside_bound_are_decoded_in_the_routers_way
             assert limiter.statistics().tasks_waiting == _ASIDES
             held.release()
         await wait_for(lambda: engine.workers[0]._asides == 0, timeout=60)
+
+
+async def test_an_older_worker_is_sent_id_lists_and_may_answer_them(monkeypatch):
+    """A worker whose HELLO does not say ``packed_ids`` (an older one, to which packed ids
+    are a bad extension value) gets long token-id prompts and detokenize ids as msgpack
+    arrays, and is not asked for packed tokenize answers."""
+    real = wire._unpack_ext
+
+    def older(code: int, data: bytes):
+        if code == wire.PACKED_IDS:
+            raise ValueError(f"bad extension value (type {code})")
+        return real(code, data)
+
+    monkeypatch.setattr(wire, "_unpack_ext", older)
+    monkeypatch.setattr(wire, "hello_info", lambda info: info)
+    ids = list(range(wire.PACK_MIN + 1))
+    async with open_fake_engine(workers=1) as (engine, spawn):
+        assert not engine.workers[0].reads_packed
+        asked: list = []
+
+        def tokenize(request: dict) -> dict:
+            asked.append(request)
+            return {"tokens": ids, "max_model_len": 8192}
+
+        spawn.processes[0].engine.tokenize = tokenize
+        assert (await engine.tokenize({"op": "tokenize", "prompt": "x"}))["tokens"] == ids
+        await engine.tokenize({"op": "detokenize", "tokens": ids})
+        assert asked == [{"op": "tokenize", "prompt": "x"}, {"op": "detokenize", "tokens": ids}]
+        with trio.fail_after(60):
+            outs = await all_outputs(engine.generate(ids, server.SamplingParams(max_tokens=2)))
+        assert outs[-1].finish_reason == "length" and outs[0].prompt_tokens == len(ids)
+        assert engine.statistics().workers[0].restarts == 0
