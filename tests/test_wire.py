@@ -458,3 +458,14 @@ def test_property_packed_ids_at_any_depth_arrive_as_lists(seed, extra, depth):
     body = wire.encode([wire.TOKENIZED, 1, {"tokens": packed, "more": long_packed}, None])[4:]
     assert wire.FrameDecoder().decode(body) == message
     assert wire.decode_sliced(body) == message
+
+
+def test_release_sliced_empties_only_the_long_lists_of_a_result():
+    long, short = list(range(3 * wire.SLICE + 5)), list(range(wire.SLICE))
+    result = {"tokens": long, "token_strs": short, "max_model_len": 9}
+    wire.release_sliced(result)
+    assert long == [] and len(short) == wire.SLICE and result["max_model_len"] == 9
+    rows = [list(range(wire.SLICE + 1))]
+    wire.release_sliced(rows)
+    assert rows == [[]]
+    wire.release_sliced(None)  # (nothing to do)
