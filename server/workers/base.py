@@ -219,6 +219,9 @@ def tokenize_request(
         return {"prompt": tokenizer.decode(ids)}
     if op != "tokenize":
         raise Rejected(f"unknown tokenize operation {op!r}")
+    packed = request.get(wire.PACKED_IDS_KEY, False)
+    if type(packed) is not bool:
+        raise Rejected(f"{wire.PACKED_IDS_KEY} must be a boolean")
     prompt = request.get("prompt")
     if isinstance(prompt, str):
         special = bool(request.get("add_special_tokens", True))
@@ -232,9 +235,6 @@ def tokenize_request(
         ids = encode_prompt(prompt, tokenizer, vocab_size=vocab_size, chat=chat, model=model,
                             template_kwargs=template_kwargs, tools=tools,
                             add_special_tokens=request.get("add_special_tokens") is True)
-    packed = request.get(wire.PACKED_IDS_KEY, False)
-    if type(packed) is not bool:
-        raise Rejected(f"{wire.PACKED_IDS_KEY} must be a boolean")
     result: dict = {"tokens": wire.pack_ids(ids) if packed else ids,
                     "max_model_len": max_model_len}
     if request.get("token_strs"):  # vLLM's return_token_strs: the vocabulary's strings
