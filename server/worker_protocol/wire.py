@@ -212,10 +212,15 @@ def pack_ids(ids: object) -> object:
     module's docstring)."""
     if type(ids) is not list or len(ids) < PACK_MIN:
         return ids
+    packed = array.array(_U32)
     try:
-        return array.array(_U32, ids)
+        # (a slice per call: 3.5M ids in one call hold the GIL for 0.05-0.15 s, and a
+        # worker packs its answer in a preparation thread beside its step loop)
+        for start in range(0, len(ids), SLICE):
+            packed.fromlist(ids[start:start + SLICE])
     except (OverflowError, TypeError):  # a negative, a huge or a non-int item
         return ids
+    return packed
 
 
 def hello_info(info: dict) -> dict:
