@@ -1,7 +1,9 @@
 """Hypothesis strategies for worker-protocol messages: well-formed ones of every type, the
-same with one item dropped, added or replaced (nested rows included), and arbitrary
-msgpack-able lists of any type. What each side must do with them is the sans-IO check's
-verdict (:func:`server.worker_protocol.wire.check_request` / ``check_reply``); the tests that feed
+same with one item dropped, added or replaced (nested rows included), arbitrary
+msgpack-able lists of any type, and messages with packed token ids (``wire.PACKED_IDS``:
+well placed, misplaced, or a payload whose length is not a multiple of 4). What each side
+must do with them is the sans-IO check's verdict on the message as it arrives
+(:func:`server.worker_protocol.wire.check_request` / ``check_reply``); the tests that feed
 them to real processes compare what the process did with that verdict.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import msgpack
 from hypothesis import strategies as st
 
 from server.worker_protocol import wire
@@ -118,15 +121,38 @@ def _mutate(args) -> list:
     return message
 
 
+#: Long token-id lists as a sender packs them (uint32 arrays, sent as wire.PACKED_IDS):
+#: wire.PACK_MIN ids or a few more, from anywhere in 0..2**32-1.
+long_ids = st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 3)).map(
+    lambda a: wire.pack_ids([(a[0] + 7919 * i) % 2**32 for i in range(wire.PACK_MIN + a[1])]))
+#: A PACKED_IDS payload that is not whole uint32s: undecodable, a protocol violation.
+bad_packed = st.binary(max_size=11).filter(lambda b: len(b) % 4 != 0).map(
+    lambda b: msgpack.ExtType(wire.PACKED_IDS, b))
+
+#: Well-formed messages that carry packed ids, by type: a SUBMIT's token-id prompt, a
+#: detokenize's tokens, a /tokenize answer's tokens.
+PACKED = {
+    wire.SUBMIT: st.tuples(st.just(wire.SUBMIT), _ints, long_ids, _params),
+    wire.TOKENIZE: st.tuples(st.just(wire.TOKENIZE), _ints, st.fixed_dictionaries(
+        {"op": st.just("detokenize"), "tokens": long_ids})),
+    wire.TOKENIZED: st.tuples(st.just(wire.TOKENIZED), _ints, st.fixed_dictionaries(
+        {"tokens": long_ids, "max_model_len": _counts}), st.none()),
+}
+
+
 def messages(kinds) -> st.SearchStrategy[list]:
-    """Messages mostly of ``kinds``: well formed, changed once, or of any shape at all."""
+    """Messages mostly of ``kinds``: well formed, changed once, or of any shape at all;
+    some carry packed ids (well placed, misplaced, or malformed)."""
     good = st.one_of([WELL_FORMED[k] for k in kinds]).map(list)
     changed = st.tuples(good, st.sampled_from(["add", "drop", "replace", "deep"]),
                         st.integers(0, 100), values).map(_mutate)
     anything = st.builds(lambda kind, rest: [kind, *rest],
                          st.sampled_from(sorted(WELL_FORMED)) | st.integers(-3, 20),
                          st.lists(values, max_size=5))
-    return st.one_of(good, changed, anything)
+    packed = st.one_of([PACKED[k] for k in kinds if k in PACKED]).map(list)
+    packed_changed = st.tuples(good | packed, st.sampled_from(["add", "replace", "deep"]),
+                               st.integers(0, 100), long_ids | bad_packed).map(_mutate)
+    return st.one_of(good, changed, anything, packed, packed_changed)
 
 
 #: What a frontend could send a worker, and a worker a frontend (other types now and then).
@@ -134,10 +160,17 @@ requests = messages(sorted(wire.REQUESTS) + [wire.AUTH])
 replies = messages(sorted(wire.REPLIES) + [wire.HELLO])
 
 
+def arrived(message: list) -> list:
+    """``message`` as its receiver decodes it (packed ids come as lists); ProtocolError
+    when it cannot (a malformed packed payload)."""
+    (got,) = wire.FrameDecoder().feed(wire.encode(message))
+    return got
+
+
 def verdict(check, message: list) -> bool:
-    """Whether ``check`` accepts ``message`` (a ProtocolError is a no)."""
+    """Whether ``check`` accepts ``message`` as it arrives (a ProtocolError is a no)."""
     try:
-        check(message)
+        check(arrived(message))
     except wire.ProtocolError:
         return False
     return True

@@ -25,6 +25,7 @@ import subprocess
 import sys
 
 import httpx
+import msgpack
 import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
@@ -158,6 +159,37 @@ async def test_property_generated_frames_end_at_most_their_connection(tmp_path):
     lines = [line for line in w.text().splitlines() if "protocol violation" in line]
     assert len(lines) == seen["violation"]
     assert all(len(line) < 400 for line in lines)
+    assert "Traceback" not in w.text()
+
+
+async def test_packed_ids_reach_a_listening_worker_and_a_malformed_payload_ends_only_its_connection(
+        tmp_path):
+    """A worker reads packed ids (it says so in its HELLO, and the frontend then sends a
+    long token-id prompt packed); a packed payload that is not whole uint32s is a protocol
+    violation that drops that connection only."""
+    bad = msgpack.ExtType(wire.PACKED_IDS, b"\x01\x02\x03\x04\x05")
+    async with listening_worker(tmp_path, secret=None) as w:
+        async with open_engine(remote_config(w, secret=None)) as engine:
+            assert engine.workers[0].reads_packed
+            prompt = [7] * (wire.PACK_MIN + 1)
+            async with engine.generate(prompt, SamplingParams(max_tokens=3)) as stream:
+                outs = [o async for o in stream]
+            assert outs[0].prompt_tokens == len(prompt)
+            assert sum(o.num_tokens for o in outs) == 3
+
+            def each() -> None:
+                frontend = HandFrontend(w.address, None)
+                try:
+                    assert not frontend.kept([wire.SUBMIT, 1, bad, {}])
+                finally:
+                    frontend.close()
+
+            await trio.to_thread.run_sync(each)
+            assert w.proc.returncode is None
+            assert await engine.ping_all() == [(0, 0)]  # ours serves on
+            await assert_engine_idle(engine)
+    assert re.search(r"disconnected \(protocol violation: undecodable frame: packed ids of 5 "
+                     r"bytes \(not a multiple of 4\)\); aborted 0 request\(s\)$", w.text(), re.M), w.text()
     assert "Traceback" not in w.text()
 
 

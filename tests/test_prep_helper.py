@@ -59,12 +59,19 @@ def test_the_helper_prepares_as_the_worker_does(model_dir):
         assert there.encode(chat) == here.encode(chat)
         assert there._helper_for(chat) is not None
         for request in ({"op": "tokenize", "prompt": "x" * 40_000},
+                        {"op": "tokenize", "prompt": "x" * 40_000, "packed_ids": True},
                         {"op": "tokenize", "prompt": "hi there", "add_special_tokens": False},
                         {"op": "tokenize", "prompt": chat}):
             packed = there.tokenize(request)
             assert type(packed) is wire.Packed
             assert (wire.encode([wire.TOKENIZED, 1, packed, None])
                     == wire.encode([wire.TOKENIZED, 1, here.tokenize(request), None]))
+        # asked for (by a frontend that reads them), long ids are packed: the same list
+        plain = here.tokenize({"op": "tokenize", "prompt": "x" * 40_000})["tokens"]
+        asked = here.tokenize({"op": "tokenize", "prompt": "x" * 40_000, "packed_ids": True})
+        assert len(plain) >= wire.PACK_MIN and asked["tokens"] == wire.pack_ids(plain)
+        with pytest.raises(Rejected, match="packed_ids must be a boolean"):
+            here.tokenize({"op": "tokenize", "prompt": "x", "packed_ids": 1})
         assert len(child_pids() - before) == 1  # the helper process
         # a client fault in the helper is the same client fault
         too_long = "a" * (here.max_model_len * 64)
@@ -133,8 +140,8 @@ async def test_a_dead_helper_fails_only_what_it_held(model_dir):
 
 async def test_a_big_tokenize_answer_comes_whole_through_the_frontend(model_dir):
     """A real worker answers a /tokenize of 1.1M ids (a TOKENIZED frame over
-    wire.BIG_FRAME, which the frontend decodes beside its router): the ids are the
-    tokenizer's, and a stream on the same worker runs beside it to its end."""
+    wire.BIG_FRAME, its ids packed, which the frontend decodes beside its router): the ids
+    are the tokenizer's, and a stream on the same worker runs beside it to its end."""
     from transformers import AutoTokenizer
 
     config = server.EngineConfig(
@@ -148,6 +155,7 @@ async def test_a_big_tokenize_answer_comes_whole_through_the_frontend(model_dir)
     assert len(wire.encode([wire.TOKENIZED, 1, {"tokens": expected}, None])) > wire.BIG_FRAME
     with trio.fail_after(LIMIT):
         async with server.open_engine(config) as hf:
+            assert hf.workers[0].reads_packed  # (so the answer comes packed: 4 bytes an id)
             got: list = []
             async with trio.open_nursery() as nursery:
 

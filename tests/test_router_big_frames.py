@@ -48,11 +48,18 @@ class _Held:
             self.limiter.release_on_behalf_of(owner)
 
 
-def _answer_big(worker) -> dict:
+def _answer_big(worker, asked: list | None = None) -> dict:
     """Make the in-memory ``worker`` answer every tokenize with :data:`IDS` (the sim has no
-    tokenizer); returns that answer."""
+    tokenizer), packed where the request asks, as a worker packs; returns that answer as
+    its waiter should get it. The requests go to ``asked`` when given."""
     answer = {"count": len(IDS), "max_model_len": 2048, "tokens": IDS, "token_strs": None}
-    worker.engine.tokenize = lambda request: answer
+
+    def tokenize(request: dict) -> dict:
+        if asked is not None:
+            asked.append(request)
+        return {**answer, "tokens": wire.pack_ids(IDS)} if request.get("packed_ids") else answer
+
+    worker.engine.tokenize = tokenize
     return answer
 
 
@@ -65,12 +72,12 @@ async def _tokenize(engine, got: list) -> None:
 
 
 @asynccontextmanager
-async def _big_answer_waiting(engine, spawn):
+async def _big_answer_waiting(engine, spawn, asked: list | None = None):
     """A /tokenize round trip on the first worker whose big answer has arrived and waits
     for a decoding thread (the test holds them all until ``held.release()``); yields
     ``(held, answer, got)``, ``got`` receiving the round trip's outcome (see _tokenize),
     which has come at the end of the block."""
-    answer = _answer_big(spawn.processes[0])
+    answer = _answer_big(spawn.processes[0], asked)
     held = _Held()
     got: list = []
     async with held as limiter:
@@ -82,7 +89,8 @@ async def _big_answer_waiting(engine, spawn):
 
 async def test_streams_go_on_while_a_big_tokenize_answer_is_decoded():
     async with open_fake_engine(workers=1) as (engine, spawn):
-        async with _big_answer_waiting(engine, spawn) as (held, answer, got):
+        asked: list = []
+        async with _big_answer_waiting(engine, spawn, asked) as (held, answer, got):
             with trio.fail_after(60):  # (the router would wait for that thread)
                 outs = await all_outputs(
                     engine.generate("a b", server.SamplingParams(max_tokens=20)))
@@ -90,6 +98,26 @@ async def test_streams_go_on_while_a_big_tokenize_answer_is_decoded():
             assert not got
             held.release()
         assert got == [answer]
+        assert asked == [{"op": "tokenize", "prompt": "x", "packed_ids": True}]
+
+
+async def _inject_beside_a_stream(engine, spawn, body: bytes) -> list:
+    """The outputs of a stream on the (last) worker, which sends the frame ``body`` while
+    the stream runs, and then nothing."""
+    victim = spawn.processes[-1]
+    stream = engine.generate("a b", server.SamplingParams(max_tokens=5000))
+    outs: list = []
+    async with trio.open_nursery() as nursery:
+
+        async def consume() -> None:
+            outs.extend(await all_outputs(stream))
+
+        nursery.start_soon(consume)
+        await wait_for(lambda: bool(outs) or victim.engine.running() > 0, timeout=60)
+        victim.hang()
+        await trio.testing.wait_all_tasks_blocked()  # (its last write has ended)
+        await victim.inject(len(body).to_bytes(4, "big") + body)
+    return outs
 
 
 async def test_garbage_in_a_big_tokenize_answer_ends_the_session():
@@ -97,22 +125,30 @@ async def test_garbage_in_a_big_tokenize_answer_ends_the_session():
         victim = spawn.processes[0]
         body = msgpack.packb([wire.TOKENIZED, 99, {"tokens": IDS}, None]) + b"\xc1"
         assert len(body) >= wire.BIG_FRAME and wire.is_tokenized(body)
-        stream = engine.generate("a b", server.SamplingParams(max_tokens=5000))
-        async with trio.open_nursery() as nursery:
-            outs: list = []
-
-            async def consume() -> None:
-                outs.extend(await all_outputs(stream))
-
-            nursery.start_soon(consume)
-            await wait_for(lambda: bool(outs) or victim.engine.running() > 0, timeout=60)
-            victim.hang()
-            await trio.testing.wait_all_tasks_blocked()  # (its last write has ended)
-            await victim.inject(len(body).to_bytes(4, "big") + body)
+        outs = await _inject_beside_a_stream(engine, spawn, body)
         assert outs[-1].finish_reason == "error"
         assert "protocol violation" in (outs[-1].error or "")
         await wait_for(lambda: engine.statistics().workers[0].restarts == 1, timeout=60)
         assert victim.exited
+
+
+async def test_packed_ids_that_are_not_whole_uint32s_end_the_session():
+    """In a big TOKENIZED (decoded aside) or a small one (in the router)."""
+    async with open_fake_engine(workers=1, restart_backoff=0.05) as (engine, spawn):
+        stats = engine.statistics
+        for restarts, size in enumerate((4 * len(IDS) + 1, 4 * wire.PACK_MIN + 3), 1):
+            bad = msgpack.ExtType(wire.PACKED_IDS, b"\x01" * size)
+            body = msgpack.packb([wire.TOKENIZED, 99, {"tokens": bad}, None])
+            assert (len(body) >= wire.BIG_FRAME) == (restarts == 1)
+            await wait_for(lambda: engine.workers[0].alive, timeout=60)
+            victim = spawn.processes[-1]
+            outs = await _inject_beside_a_stream(engine, spawn, body)
+            assert outs[-1].finish_reason == "error"
+            assert "packed ids of" in (outs[-1].error or ""), outs[-1].error
+            with trio.fail_after(60):
+                while stats().workers[0].restarts != restarts:
+                    await trio.sleep(0.01)
+            assert victim.exited
 
 
 async def test_big_answers_beyond_the_aside_bound_are_decoded_in_the_routers_way():
@@ -166,3 +202,35 @@ async def test_a_session_ends_within_its_grace_while_a_big_answer_waits_to_be_de
             assert held.limiter.statistics().tasks_waiting == 0
         assert len(got) == 1 and isinstance(got[0], server.EngineError)
         assert "went away" in str(got[0])
+
+
+async def test_an_older_worker_is_sent_id_lists_and_may_answer_them(monkeypatch):
+    """A worker whose HELLO does not say ``packed_ids`` (an older one, to which packed ids
+    are a bad extension value) gets long token-id prompts and detokenize ids as msgpack
+    arrays, and is not asked for packed tokenize answers."""
+    real = wire._unpack_ext
+
+    def older(code: int, data: bytes):
+        if code == wire.PACKED_IDS:
+            raise ValueError(f"bad extension value (type {code})")
+        return real(code, data)
+
+    monkeypatch.setattr(wire, "_unpack_ext", older)
+    monkeypatch.setattr(wire, "hello_info", lambda info: info)
+    ids = list(range(wire.PACK_MIN + 1))
+    async with open_fake_engine(workers=1) as (engine, spawn):
+        assert not engine.workers[0].reads_packed
+        asked: list = []
+
+        def tokenize(request: dict) -> dict:
+            asked.append(request)
+            return {"tokens": ids, "max_model_len": 8192}
+
+        spawn.processes[0].engine.tokenize = tokenize
+        assert (await engine.tokenize({"op": "tokenize", "prompt": "x"}))["tokens"] == ids
+        await engine.tokenize({"op": "detokenize", "tokens": ids})
+        assert asked == [{"op": "tokenize", "prompt": "x"}, {"op": "detokenize", "tokens": ids}]
+        with trio.fail_after(60):
+            outs = await all_outputs(engine.generate(ids, server.SamplingParams(max_tokens=2)))
+        assert outs[-1].finish_reason == "length" and outs[0].prompt_tokens == len(ids)
+        assert engine.statistics().workers[0].restarts == 0

@@ -373,3 +373,106 @@ def test_a_malformed_message_of_any_type_encodes_as_it_is():
     of every type; a short TOKENIZED raised IndexError in the test's own frontend)."""
     for message in ([wire.TOKENIZED], [wire.TOKENIZED, 1], [wire.TOKENIZED, 1, None, None, 5]):
         assert wire.FrameDecoder().feed(wire.encode(message)) == [message]
+
+
+# -- packed token ids (wire.PACKED_IDS) --------------------------------------------------------
+
+
+def _ids(n: int, seed: int = 0) -> list[int]:
+    """``n`` ids over the whole uint32 range (the largest included)."""
+    return [(seed + 2654435761 * i) % 2**32 for i in range(n - 1)] + [2**32 - 1]
+
+
+@pytest.mark.parametrize("n", [wire.PACK_MIN, wire.SLICE + 1, 3 * wire.SLICE + 5])
+def test_long_id_lists_travel_packed_and_arrive_as_the_same_lists(n):
+    """A packed list is little-endian uint32s on the wire (4 bytes an id), and comes out of
+    both decoders (one unpackb; the frontend's sliced one) as the list that was packed, in
+    a /tokenize answer, a SUBMIT's prompt and a detokenize alike."""
+    ids = _ids(n, seed=n)
+    for plain in ([wire.TOKENIZED, 5, {"tokens": ids, "max_model_len": 9}, None],
+                  [wire.SUBMIT, 6, ids, {"max_tokens": 1}],
+                  [wire.TOKENIZE, 7, {"op": "detokenize", "tokens": ids}]):
+        packed = [*plain]
+        if plain[0] == wire.SUBMIT:
+            packed[2] = wire.pack_ids(ids)
+        else:
+            packed[2] = {**plain[2], "tokens": wire.pack_ids(ids)}
+        frame = wire.encode(packed)
+        body = frame[4:]
+        raw = msgpack.unpackb(body, ext_hook=lambda code, data: (code, data))
+        sent = raw[2] if plain[0] == wire.SUBMIT else raw[2]["tokens"]
+        assert sent == (wire.PACKED_IDS, struct.pack(f"<{n}I", *ids))
+        check = wire.check_reply if plain[0] == wire.TOKENIZED else wire.check_request
+        decoder = wire.FrameDecoder(check)
+        assert decoder.feed(frame) == [plain]
+        assert decoder.decode_sliced(body) == plain
+    # a worker packs its /tokenize answer beforehand, a slice at a time: the same bytes
+    result = {"tokens": wire.pack_ids(ids), "max_model_len": 9}
+    assert (wire.encode([wire.TOKENIZED, 1, wire.pack_sliced(result), None])
+            == wire.encode([wire.TOKENIZED, 1, result, None]))
+
+
+def test_only_long_lists_of_uint32_are_packed():
+    """Short lists stay msgpack arrays (cheap, readable); so does a list that does not fit
+    in uint32s (the receiver judges its content: an out-of-vocabulary id is the engine's
+    400), and anything that is not a list."""
+    short = list(range(wire.PACK_MIN - 1))
+    assert wire.pack_ids(short) is short
+    for unfit in ([-1] * wire.PACK_MIN, [2**32] * wire.PACK_MIN, [0.5] * wire.PACK_MIN,
+                  ["a"] * wire.PACK_MIN):
+        assert wire.pack_ids(unfit) is unfit
+        assert wire.FrameDecoder().feed(wire.encode([wire.SUBMIT, 1, unfit, {}])) == [
+            [wire.SUBMIT, 1, unfit, {}]]
+    for other in ("text", {"messages": []}, None):
+        assert wire.pack_ids(other) is other
+    assert wire.hello_info({"engine": "sim"}) == {"engine": "sim", "packed_ids": True}
+
+
+@pytest.mark.parametrize("payload", [b"\x01", b"\x01\x02\x03\x04\x05", b"\x00" * 16387])
+def test_packed_ids_that_are_not_whole_uint32s_are_a_protocol_error(payload):
+    bad = msgpack.ExtType(wire.PACKED_IDS, payload)
+    for message in ([wire.TOKENIZED, 1, {"tokens": bad}, None], [wire.SUBMIT, 1, bad, {}]):
+        body = msgpack.packb(message)
+        with pytest.raises(wire.ProtocolError, match="not a multiple of 4"):
+            wire.FrameDecoder().feed(struct.pack(">I", len(body)) + body)
+        with pytest.raises(wire.ProtocolError, match="not a multiple of 4"):
+            wire.decode_sliced(body)
+
+
+def test_packed_ids_in_the_wrong_place_are_a_malformed_message():
+    """They arrive as a list, which the shape check judges as any list."""
+    ids = wire.pack_ids(_ids(wire.PACK_MIN))
+    for message, check in (([wire.SUBMIT, ids, "x", {}], wire.check_request),
+                           ([wire.PING, ids], wire.check_request),
+                           ([wire.TOKENIZED, 1, ids, None], wire.check_reply)):
+        with pytest.raises(wire.ProtocolError, match="malformed"):
+            wire.FrameDecoder(check).feed(wire.encode(message))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(0, 2 * wire.SLICE), st.integers(0, 2))
+def test_property_packed_ids_at_any_depth_arrive_as_lists(seed, extra, depth):
+    """Wherever a packed list sits (in a map, in a list of lists, in a long list: the
+    sliced decoder's item-per-call path), both decoders give the plain message."""
+    ids = _ids(wire.PACK_MIN + extra, seed)
+    plain: object = ids
+    packed: object = wire.pack_ids(ids)
+    for _ in range(depth):
+        plain, packed = [plain], [packed]
+    long_plain = [1] * (wire.SLICE + 1) + [plain]
+    long_packed = [1] * (wire.SLICE + 1) + [packed]
+    message = [wire.TOKENIZED, 1, {"tokens": plain, "more": long_plain}, None]
+    body = wire.encode([wire.TOKENIZED, 1, {"tokens": packed, "more": long_packed}, None])[4:]
+    assert wire.FrameDecoder().decode(body) == message
+    assert wire.decode_sliced(body) == message
+
+
+def test_release_sliced_empties_only_the_long_lists_of_a_result():
+    long, short = list(range(3 * wire.SLICE + 5)), list(range(wire.SLICE))
+    result = {"tokens": long, "token_strs": short, "max_model_len": 9}
+    wire.release_sliced(result)
+    assert long == [] and len(short) == wire.SLICE and result["max_model_len"] == 9
+    rows = [list(range(wire.SLICE + 1))]
+    wire.release_sliced(rows)
+    assert rows == [[]]
+    wire.release_sliced(None)  # (nothing to do)

@@ -22,9 +22,10 @@ from ..params import is_token_ids
 from .asgi import send_error, send_json
 from ..openai.encode import dumps, dumps_sliced
 from ..openai.fields import is_neutral
-from .post import off_loop, read_json_post, refusal
+from .post import BIG_BODY, off_loop, read_json_post, refusal
 from ..openai.schema import decode_json, messages_of, template_kwargs_of, template_options
 from ..openai.tools import render_tools
+from ..worker_protocol.wire import release_sliced
 
 __all__ = ["handle_tokenize", "parse_tokenize", "parse_detokenize", "serve_worker_op", "ROUTES"]
 
@@ -131,13 +132,28 @@ async def serve_worker_op(app, scope: dict, receive, send, headers: list, parse,
                                           engine.info)
         result = await (engine.tokenize(request) if call is None else call(engine, request))
         size = _result_size(result)
-        data = await off_loop(size, answer, context, result)
+        # (a worker's fresh result, held nowhere else, is emptied once answered)
+        fresh = call is None and size >= BIG_BODY
+        data = await off_loop(size, _answer_releasing, answer, context, result, fresh)
     except Exception as exc:
         error, extra = await refusal(exc, scope, receive, app.server_config,
                                      f"in {scope['path']}")
         await send_error(send, error, headers + extra)
         return
     await send_json(send, 200, data, headers, content_type=content_type)
+
+
+def _answer_releasing(answer, context, result, fresh: bool) -> bytes:
+    """``answer(context, result)``; then, for a ``fresh`` result (a big one, which this
+    thread holds beside the loop's task only), its long lists emptied a slice per call
+    (``wire.release_sliced``): freeing the 3.5M ids of a /tokenize is one call of 70-110
+    ms, which would stop every stream wherever it ran, the loop's task dropping it or this
+    thread."""
+    try:
+        return answer(context, result)
+    finally:
+        if fresh:
+            release_sliced(result)
 
 
 def _result_size(result) -> int:

@@ -184,11 +184,13 @@ class Engine:
             for wp in wire_params:
                 wp["token_ids"] = True
         frames = []
+        packs = worker.reads_packed
         for p, prompt in enumerate(prompts):
+            sent = wire.pack_ids(prompt) if packs else prompt  # (token ids: long ones packed)
             for i in range(n):
                 choice = Choice(next(self._rids), p * n + i, worker, waker, prompt,
                                 wire_params[i], adapter)
-                message = [wire.SUBMIT, choice.rid, prompt, wire_params[i]]
+                message = [wire.SUBMIT, choice.rid, sent, wire_params[i]]
                 if adapter is not None:
                     message.append(adapter)
                 frames.append(wire.encode(message))

@@ -132,8 +132,10 @@ class Migrator:
             stats["no_worker"] += len(movable)
             return left + movable
         frames = []
+        packs = worker.reads_packed
         for choice in movable:
-            message = [wire.SUBMIT, choice.rid, choice.prompt, continuation(choice)]
+            prompt = wire.pack_ids(choice.prompt) if packs else choice.prompt
+            message = [wire.SUBMIT, choice.rid, prompt, continuation(choice)]
             if choice.adapter is not None:  # (a LoRA adapter: every worker of the pool has it)
                 message.append(choice.adapter)
             frames.append(wire.encode(message))

@@ -144,6 +144,17 @@ async def decode_big(decoder: wire.FrameDecoder, body: bytes, *, aside: bool = F
                                          abandon_on_cancel=True)
 
 
+def _packed_request(request: dict) -> dict:
+    """A TOKENIZE ``request`` for a worker that reads packed ids: a tokenize asks for its
+    ids packed, a detokenize sends its ids packed (``wire.pack_ids``: a long list only)."""
+    op = request.get("op")
+    if op == "tokenize":
+        return {**request, wire.PACKED_IDS_KEY: True}
+    if op == "detokenize":
+        return {**request, "tokens": wire.pack_ids(request.get("tokens"))}
+    return request
+
+
 def _answered(value) -> bool:
     return value is not None
 
@@ -285,10 +296,18 @@ class WorkerClient:
     async def tokenize(self, request: dict) -> dict:
         """Round-trip a TOKENIZE request (see server.worker_protocol.wire); the worker answers
         between engine steps. Raises the worker's error (a client fault is a ClientError)."""
+        if self.reads_packed:
+            request = _packed_request(request)
         result, err = await self._round_trip(lambda seq: [wire.TOKENIZE, seq, request])
         if err is not None:
             raise error_from_wire(err[0], err[1])
         return result
+
+    @property
+    def reads_packed(self) -> bool:
+        """Whether this session's worker reads (and sends) long id lists packed
+        (``wire.PACKED_IDS``; it said so in its HELLO): an older one gets lists."""
+        return self.info.get(wire.PACKED_IDS_KEY) is True
 
     async def _round_trip(self, message):
         """Send ``message(seq)`` and wait for the answer the router files under ``seq``

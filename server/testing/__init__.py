@@ -243,7 +243,7 @@ class InMemoryWorkerProcess:
         if self._start_fails:
             return 2  # "cannot start engine": exit before HELLO
         decoder = wire.FrameDecoder(wire.check_request)
-        await self._send([wire.HELLO, engine.info])
+        await self._send([wire.HELLO, wire.hello_info(engine.info)])
         accepts: list = []
         outputs: list = []
         while True:

@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from ..params import context_error, truncated
+from ..worker_protocol import wire
 
 __all__ = [
     "Engine", "EngineBroken", "HFTokenizing", "Rejected", "WorkerCrash", "WorkerGarbage",
@@ -219,7 +220,8 @@ def tokenize_request(
 ) -> dict:
     """Answer a TOKENIZE request (see server.worker_protocol.wire) with a Hugging Face tokenizer:
     ``{"tokens", "max_model_len"}`` for ``tokenize`` (chat messages rendered as for
-    generation), ``{"prompt"}`` for ``detokenize``, the tokenizer's configuration for
+    generation; the tokens packed, :func:`wire.pack_ids`, when the frontend asks with
+    ``"packed_ids": true``), ``{"prompt"}`` for ``detokenize``, the tokenizer's configuration for
     ``info`` (see :func:`tokenizer_info`)."""
     op = request.get("op")
     if op == "info":
@@ -233,6 +235,9 @@ def tokenize_request(
         return {"prompt": tokenizer.decode(ids)}
     if op != "tokenize":
         raise Rejected(f"unknown tokenize operation {op!r}")
+    packed = request.get(wire.PACKED_IDS_KEY, False)
+    if type(packed) is not bool:
+        raise Rejected(f"{wire.PACKED_IDS_KEY} must be a boolean")
     prompt = request.get("prompt")
     if isinstance(prompt, str):
         special = bool(request.get("add_special_tokens", True))
@@ -246,7 +251,8 @@ def tokenize_request(
         ids = encode_prompt(prompt, tokenizer, vocab_size=vocab_size, chat=chat, model=model,
                             template_kwargs=template_kwargs, tools=tools,
                             add_special_tokens=request.get("add_special_tokens") is True)
-    result: dict = {"tokens": ids, "max_model_len": max_model_len}
+    result: dict = {"tokens": wire.pack_ids(ids) if packed else ids,
+                    "max_model_len": max_model_len}
     if request.get("token_strs"):  # vLLM's return_token_strs: the vocabulary's strings
         result["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
     return result

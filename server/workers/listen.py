@@ -337,7 +337,7 @@ class Server:
                 self._refuse(conn, "wrong secret")
         conn.state = "ready"
         mine = None if secret is None else handshake.worker_proof(secret, conn.nonce, cnonce)
-        conn.out += wire.encode([wire.HELLO, self.engine.info, mine])
+        conn.out += wire.encode([wire.HELLO, wire.hello_info(self.engine.info), mine])
         conn.snapshot_due = True
         say(f"frontend {conn.peer} connected")
 

@@ -222,7 +222,7 @@ def _serve(engine, preparer: Preparer | None, fd_in: int, fd_out: int, pulse: Pu
     selector = selectors.SelectSelector() if small else selectors.DefaultSelector()
     for fd in fds:
         selector.register(fd, selectors.EVENT_READ)
-    _write_all(fd_out, wire.encode([wire.HELLO, engine.info]))
+    _write_all(fd_out, wire.encode([wire.HELLO, wire.hello_info(engine.info)]))
     accepts: list = []
     outputs: list = []
     while True:
