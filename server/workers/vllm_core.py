@@ -41,8 +41,11 @@ wrapped, on vLLM's class and only for that while, by :func:`_run_tied`, which fi
 kernel for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``, which survives the
 spawn's exec), then runs vLLM's own (:func:`tying`). A vLLM without that static method
 (moved or renamed) is not tied: one line on stderr says so and the engine starts all the
-same. Nothing else changes in any process. What the core
+same. What the core
 starts itself (tensor-parallel workers) vLLM ties to the core (its workers' death pipe).
+In the core's process the wrapper also makes vLLM's shutdown there skip its garbage
+collections (:func:`without_collections`: the process exits right after). Nothing else
+changes in any process.
 """
 
 from __future__ import annotations
@@ -136,6 +139,8 @@ _PR_SET_PDEATHSIG = 1
 #: vLLM's ``EngineCoreProc.run_engine_core`` while it is wrapped (a forked core finds it
 #: here: its copy of the class still holds the wrapper; a spawned one imports vLLM afresh).
 _original = None
+#: The class whose ``run_engine_core`` is wrapped, meanwhile (for a forked core, as above).
+_core_class: type | None = None
 
 
 @contextmanager
@@ -165,7 +170,7 @@ def tying(cls: type | None) -> Iterator[None]:
     has no such static method (a vLLM that moved or renamed it), nothing is changed and
     one line on stderr says so: the engine still starts, but its core may outlive a worker
     killed by SIGKILL."""
-    global _original
+    global _original, _core_class
     wrapped = None if cls is None else cls.__dict__.get("run_engine_core")
     if not isinstance(wrapped, staticmethod):
         where = "vllm.v1.engine.core.EngineCoreProc" if cls is None else cls.__qualname__
@@ -176,13 +181,14 @@ def tying(cls: type | None) -> Iterator[None]:
         return
     assert cls is not None
     _original = wrapped.__func__
+    _core_class = cls
     cls.run_engine_core = staticmethod(  # type: ignore[attr-defined]
         functools.partial(_run_tied, os.getpid()))
     try:
         yield
     finally:
         cls.run_engine_core = wrapped  # type: ignore[attr-defined]
-        _original = None
+        _original = _core_class = None
 
 
 def _run_tied(parent: int, *args, **kwargs) -> None:
@@ -191,12 +197,29 @@ def _run_tied(parent: int, *args, **kwargs) -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the worker died before prctl took effect
         os._exit(1)
-    run = _original
-    if run is None:  # spawned: vLLM's class as imported here is vLLM's own
+    run, cls = _original, _core_class
+    if run is None or cls is None:  # spawned: vLLM's class as imported here is vLLM's own
         from vllm.v1.engine.core import EngineCoreProc
 
-        run = EngineCoreProc.run_engine_core
+        run, cls = EngineCoreProc.run_engine_core, EngineCoreProc
+    _shut_down_for_exit(cls)
     run(*args, **kwargs)
+
+
+def _shut_down_for_exit(cls: type) -> None:
+    """In the engine core's process, which exits once vLLM's ``run_engine_core`` has shut
+    its engine down: that shutdown (``cls.shutdown``, where there is one) without its
+    garbage collections (:func:`without_collections`). This process's class only."""
+    shutdown = getattr(cls, "shutdown", None)
+    if shutdown is None:
+        return
+
+    @functools.wraps(shutdown)
+    def shutdown_for_exit(self) -> None:
+        with without_collections():
+            shutdown(self)
+
+    cls.shutdown = shutdown_for_exit  # type: ignore[attr-defined]
 
 
 @contextmanager
