@@ -784,3 +784,25 @@ def test_startup_failures_are_one_clear_line(tmp_path, model_dir):
         assert r.returncode == 2
         last = r.stderr.strip().splitlines()[-1]
         assert last.startswith("trio-llm-server worker: cannot start engine:") and words in last
+
+
+def test_sigterm_with_nothing_in_flight_exits_cleanly_and_leaves_no_process(model_dir):
+    """vLLM's test_abort_timeout_exits_quickly, without its clock: with
+    ``--shutdown-timeout 0`` and nothing in flight, SIGTERM ends the server (exit 0); its
+    worker closes vLLM's engine as a process about to exit does (``close_before_exit``:
+    vLLM's shutdown without its garbage collections) without an error; and no process of it
+    is left, the worker's helper and anything vLLM started included. (How long that takes:
+    bench/shutdown_time.py.)"""
+    s = Server(model_dir)
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "the", "max_tokens": 2},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        assert s.workers()
+        s.stop()  # SIGTERM; then every worker and its children gone, or an AssertionError
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait()
+    assert s.proc.returncode == 0, "".join(s.lines[-20:])
+    assert "Traceback" not in "".join(s.lines), "".join(s.lines[-40:])

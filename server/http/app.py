@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import Sequence
 
 import trio
@@ -63,6 +64,8 @@ from .adapters import adapter_cards, handle_lora
 from .tokenize import ROUTES as TOKENIZE_ROUTES
 from .tokenize import handle_tokenize
 from .generate import handle_generate
+from .invocations import PATH as INVOCATIONS_PATH
+from .invocations import handle_invocations
 from .responses_write import PATH as RESPONSES_PATH
 from .responses_write import ROUTE as RESPONSES
 from .chat_batch import PATH as CHAT_BATCH_PATH
@@ -209,6 +212,17 @@ class LLMServerApp(QuartTrio):
                 return
             extra.extend(cors.response_headers(origin))
         path = scope["path"]
+        if path == INVOCATIONS_PATH:  # SageMaker's: one of the routes below, by the body
+            await handle_invocations(self, scope, receive, send, headers=extra,
+                                     dispatch=partial(self._serve_route, request_id=request_id))
+            return
+        await self._serve_route(path, scope, receive, send, extra, request_id=request_id)
+
+    async def _serve_route(
+        self, path: str, scope, receive, send, extra: list, *, request_id: str
+    ) -> None:
+        """Serve the request as one to ``path`` (the request's own path, or the one
+        ``/invocations`` dispatched it to); ``extra``: the response's headers so far."""
         chat = _GENERATE_ROUTES.get(path)
         if chat is not None:  # the hot path: its body messages go to hypercorn's send directly
             orca = header(scope, ORCA_FORMAT)

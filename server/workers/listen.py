@@ -65,7 +65,8 @@ from ..worker_protocol import handshake, wire
 from ..worker_protocol.wire import OutputRow
 from .base import EngineBroken, one_line
 from .main import (
-    build_engine, cleanup_uncut, handle_in_pulse, handle_message, open_preparer, run_as_worker,
+    build_engine, cleanup_uncut, close_before_exit, handle_in_pulse, handle_message,
+    open_preparer, run_as_worker,
 )
 from .pulse import Pulse
 
@@ -723,6 +724,4 @@ def _main(argv: list[str]) -> None:
                 except OSError:
                     pass
     finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
+        close_before_exit(engine)

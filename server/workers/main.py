@@ -50,8 +50,8 @@ from .lora import LORA_OPS, lora_request
 from .prepare import Preparer, admit, tokenize_reply
 from .pulse import Pulse
 
-__all__ = ["build_engine", "handle_message", "main", "open_preparer", "run_as_worker", "serve",
-           "step_message"]
+__all__ = ["build_engine", "close_before_exit", "handle_message", "main", "open_preparer",
+           "run_as_worker", "serve", "step_message"]
 
 
 def build_engine(config: dict):
@@ -303,6 +303,15 @@ def cleanup_uncut() -> Iterator[None]:
         raise
 
 
+def close_before_exit(engine) -> None:
+    """The engine's cleanup in a worker whose process exits next: its ``close_before_exit``
+    where it has one (which may skip what only frees this process's memory: the vllm
+    engine's), else its ``close``, if any."""
+    close = getattr(engine, "close_before_exit", None) or getattr(engine, "close", None)
+    if close is not None:
+        close()
+
+
 def main(argv: list[str] | None = None) -> None:
     run_as_worker(_main, sys.argv[1:] if argv is None else argv)
 
@@ -356,6 +365,4 @@ def _main(argv: list[str]) -> None:
               file=sys.stderr)
         raise SystemExit(1) from None
     finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
+        close_before_exit(engine)

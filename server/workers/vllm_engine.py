@@ -91,7 +91,7 @@ from .hub import model_files
 from .prep_helper import PROCESS_BYTES, HelperTokenizing
 from .resume import resume_of
 from .vllm_resume import ResumedText, detokenizer_class, not_resumable
-from .vllm_core import LIVENESS
+from .vllm_core import LIVENESS, without_collections
 from .vllm_stats import VLLMStats, cache_config_info
 from .vllm_events import KVEventSubscriber
 
@@ -681,6 +681,13 @@ class VLLMEngine(HelperTokenizing):
         if self._core is not None:
             self._core.close()
         self._close_events()
+
+    def close_before_exit(self) -> None:
+        """:meth:`close`, in a worker whose process exits next: without vLLM's garbage
+        collections, which only give memory back to this process
+        (:func:`~server.workers.vllm_core.without_collections`)."""
+        with without_collections():
+            self.close()
 
     def _close_events(self) -> None:
         if self._events is not None:
