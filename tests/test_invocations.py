@@ -32,7 +32,10 @@ def sdk(url: str) -> openai.AsyncOpenAI:
     ({"prompt": [1, 2]}, COMPLETIONS),
     ({"prompt_embeds": "AAAA"}, COMPLETIONS),  # (completions refuses it by name)
     ({"input": "hi", "model": "m"}, EMBEDDINGS),
-    ({"messages": None}, CHAT),  # the route says what is wrong with it
+    # a key given as null is absent (a client that sends every field), as vLLM judges it
+    ({"prompt": "hi", "messages": None}, COMPLETIONS),
+    ({"input": "hi", "messages": None, "prompt": None}, EMBEDDINGS),
+    ({"messages": [], "prompt": None, "x": float("nan")}, CHAT),  # (the slower parse)
 ])
 def test_the_dispatch_rule(body, route):
     assert invocation_route(json.dumps(body).encode()) == route
@@ -41,6 +44,7 @@ def test_the_dispatch_rule(body, route):
 @pytest.mark.parametrize("body, words", [
     (b'{"model": "m"}', "Cannot find suitable handler"),
     (b"{}", "Cannot find suitable handler"),
+    (b'{"messages": null}', "Cannot find suitable handler"),
     (b'{"query": "q", "documents": ["a"]}', "rerank"),
     (b'{"text_1": "a", "text_2": "b"}', "score"),
     (b'{"queries": ["a"], "items": ["b"]}', "score"),

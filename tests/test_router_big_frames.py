@@ -13,6 +13,7 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 import msgpack
+import pytest
 import trio
 import trio.testing
 
@@ -188,6 +189,36 @@ async def test_a_big_answer_that_arrived_is_delivered_when_the_worker_exits_mean
             held.release()
         assert got == [answer]
         await wait_for(lambda: engine.statistics().workers[0].restarts == 1, timeout=60)
+
+
+async def test_a_session_that_waits_for_a_big_answer_is_down_meanwhile():
+    """While a session that ended waits for a big answer's decode (up to shutdown_grace),
+    its worker is down: not picked nor asked anything, and the stream it held ends (or
+    moves) at once, not when the decode is done (review: it waited the whole grace)."""
+    async with open_fake_engine(workers=1, restart_backoff=0.05,
+                                shutdown_grace=60) as (engine, spawn):
+        async with _big_answer_waiting(engine, spawn) as (held, answer, got):
+            worker = spawn.processes[0]
+            stream = engine.generate("a b", server.SamplingParams(max_tokens=8000))
+            outs: list = []
+            with trio.fail_after(60):  # (it would wait for the held decode)
+                async with trio.open_nursery() as nursery:
+
+                    async def consume() -> None:
+                        outs.extend(await all_outputs(stream))
+
+                    nursery.start_soon(consume)
+                    await wait_for(lambda: bool(outs) or worker.engine.running() > 0,
+                                   timeout=60)
+                    worker.die(0)
+            assert outs[-1].finish_reason == "error" and "failed" in (outs[-1].error or "")
+            front = engine.workers[0]
+            assert not front.alive and not front.healthy()
+            with pytest.raises(server.EngineError, match="not running"):
+                await front.ping()
+            assert not got and engine.statistics().workers[0].restarts == 0
+            held.release()
+        assert got == [answer]
 
 
 async def test_a_session_ends_within_its_grace_while_a_big_answer_waits_to_be_decoded():

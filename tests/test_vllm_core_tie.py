@@ -8,10 +8,13 @@ process is tested in test_vllm_core_process.py."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import multiprocessing
 import signal
 
-from server.workers.vllm_core import tying
+import pytest
+
+from server.workers.vllm_core import _shut_down_for_exit, tying, without_collections
 
 _PR_GET_PDEATHSIG = 2
 
@@ -118,3 +121,27 @@ def test_ties_that_end_out_of_order_restore_the_original():
     second.__exit__(None, None, None)
     assert _Core.__dict__["run_engine_core"] is original
     assert _run_in_child(_Core.run_engine_core) == 0
+
+
+def test_without_collections_skips_collections_inside_and_restores_them_after_an_error():
+    collect, unfreeze = gc.collect, gc.unfreeze
+    with pytest.raises(RuntimeError), without_collections():
+        assert gc.collect() == 0 and gc.unfreeze() is None
+        assert gc.collect is not collect and gc.unfreeze is not unfreeze
+        raise RuntimeError
+    assert gc.collect is collect and gc.unfreeze is unfreeze
+
+
+def test_the_core_process_shuts_down_without_collections_passing_what_it_is_given():
+    """(in the core's process: a stand-in for vLLM's class, whose shutdown collects)"""
+    seen: list = []
+
+    class Core:
+        def shutdown(self, *args, **kwargs):
+            seen.append((args, kwargs, gc.collect is _real_collect))
+
+    _real_collect = gc.collect
+    _shut_down_for_exit(Core)
+    Core().shutdown(1, timeout=2)
+    assert seen == [((1,), {"timeout": 2}, False)]
+    assert gc.collect is _real_collect

@@ -63,12 +63,12 @@ _decode_keys = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 def _keys(body: bytes) -> set[str]:
     """The body's top-level keys (its values are scanned, not built); a ClientError, in
     the routes' words, when it is not a JSON object."""
-    try:
-        return set(_decode_keys(body))
+    try:  # (a key given as null is absent, as a client that sends every field means it)
+        return {key for key, raw in _decode_keys(body).items() if bytes(raw) != b"null"}
     except (msgspec.DecodeError, RecursionError):
         # Not an object, or JSON msgspec refuses (NaN, 1e400) or bad: the routes' parse
         # says what is wrong, or takes it (then its fields decide, as on the route).
-        return set(decode_json(body))
+        return {key for key, value in decode_json(body).items() if value is not None}
 
 
 def invocation_route(body: bytes) -> str:

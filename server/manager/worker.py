@@ -492,12 +492,28 @@ class WorkerClient:
             return True
 
         self._asides_deadline = math.inf
+        ended: _SessionEnded | None = None
         try:
             await self._route_frames(link, decoder, aside)
+        except _SessionEnded as exc:
+            ended = exc
+            raise
         finally:  # the session ends: what is decoded aside gets a bounded grace
             self._asides_deadline = trio.current_time() + self.config.shutdown_grace
             for scope in self._aside_scopes:
                 scope.deadline = self._asides_deadline
+            if self._aside_scopes:  # the session waits for them: the rest ends now
+                self._down_early(ended)
+
+    def _down_early(self, ended: _SessionEnded | None) -> None:
+        """The session has ended but waits (up to ``shutdown_grace``) for big answers decoded
+        aside: meanwhile the worker is not picked nor asked anything (not alive, reported
+        down), and the choices it held end (or move) now, where the router knows why the
+        session ended; otherwise when the session does (:meth:`_fail_all`)."""
+        self.alive = False
+        self.report.down()
+        if ended is not None:
+            self._end_choices(ended.reason, ended.cause)
 
     async def _route_frames(self, link: Link, decoder: wire.FrameDecoder,
                             aside: Callable[[bytes], bool]) -> None:
@@ -677,9 +693,18 @@ class WorkerClient:
             self._queue(wire.encode([wire.PING, self._ping_seq]))
 
     def _fail_all(self, reason: str, cause: str) -> None:
-        """End every choice this worker held (the worker is gone): each one the engine's
-        ``migrate`` hook moves to another worker goes on there (server.manager.migration);
-        the others end with an error output (``abort`` for one whose abort was sent)."""
+        """End every choice this worker held (the worker is gone; :meth:`_end_choices`) and
+        every round trip still waiting for its answer."""
+        self._end_choices(reason, cause)
+        for answer in self._pings.values():
+            if answer.value is None:  # (one answered already keeps its answer)
+                answer.value = _GONE
+        self._pings.clear()
+
+    def _end_choices(self, reason: str, cause: str) -> None:
+        """End every choice this worker held: each one the engine's ``migrate`` hook moves
+        to another worker goes on there (server.manager.migration); the others end with an
+        error output (``abort`` for one whose abort was sent)."""
         states, self.states = self.states, {}
         self.pacer.clear()
         self._held.value = 0
@@ -694,10 +719,6 @@ class WorkerClient:
             left = self.migrate(self, left, cause)
         for choice in left:
             choice.end("error", kind, message)
-        for answer in self._pings.values():
-            if answer.value is None:  # (one answered already keeps its answer)
-                answer.value = _GONE
-        self._pings.clear()
 
     # -- introspection -----------------------------------------------------------------------
 

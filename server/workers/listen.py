@@ -434,20 +434,19 @@ class Server:
     def _expire(self, now: float, *, long_pass: bool = False) -> None:
         """Resume accepting after a pause; drop the connections silent past their timeout
         (the handshake's, or --frontend-timeout). After a ``long_pass`` (a read pass of
-        :data:`_LONG_ANSWER` or more) a connection with bytes waiting unread is not silent:
-        they arrived during the pass and are read next. A connection that sent nothing is
-        judged all the same, so back-to-back long passes cannot keep it forever."""
+        :data:`_LONG_ANSWER` or more) a ready connection with bytes waiting unread is not
+        silent: they arrived during the pass and are read next. A connection that sent
+        nothing is judged all the same, so back-to-back long passes cannot keep it forever;
+        nor can a peer's dribbled bytes stretch its handshake's time."""
         if self.accept_paused is not None and now >= self.accept_paused:
             self.accept_paused = None
             self.selector.register(self.listener, selectors.EVENT_READ, None)
         unread = self._unread() if long_pass else ()
         for conn in list(self.conns):
-            if conn in unread:
-                continue
-            if conn.state != "ready":
+            if conn.state != "ready":  # (a handshake's time runs, read or unread)
                 if now - conn.opened > _HANDSHAKE_TIMEOUT:
                     self._drop(conn, "no authentication in time")
-            elif now - conn.last_heard > self.frontend_timeout:
+            elif conn not in unread and now - conn.last_heard > self.frontend_timeout:
                 self._drop(conn, f"silent for {self.frontend_timeout:g} s")
 
     def _unread(self) -> set[_Conn]:

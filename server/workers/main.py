@@ -128,7 +128,7 @@ def handle_message(engine, msg: list, accepts: list, outputs: list,
         request = msg[2]
         if isinstance(request, dict) and request.get("op") == "embed":
             return [wire.TOKENIZED, msg[1], *embed_request(engine, request)]
-        if isinstance(request, dict) and request.get("op") in LORA_OPS:  # between steps
+        if isinstance(request, dict) and _is_lora_op(request.get("op")):  # between steps
             return [wire.TOKENIZED, msg[1], *lora_request(engine, request)]
         tokenize = getattr(engine, "tokenize", None)
         if tokenize is None:
@@ -170,6 +170,12 @@ def step_message(engine, accepts: list, outputs: list) -> list:
 LORA_WAIT = 60.0
 
 
+def _is_lora_op(op: object) -> bool:
+    """Whether a TOKENIZE request's ``op`` loads or unloads an adapter (any value may
+    arrive: an unhashable one is simply not one)."""
+    return type(op) is str and op in LORA_OPS
+
+
 def handle_in_pulse(pulse: Pulse, engine, msg: list, accepts: list, outputs: list,
                     preparer: Preparer | None):
     """:func:`handle_message`, with the pulse speaking for the loop while a TOKENIZE is
@@ -182,7 +188,7 @@ def handle_in_pulse(pulse: Pulse, engine, msg: list, accepts: list, outputs: lis
     if msg[0] != wire.TOKENIZE:
         return handle_message(engine, msg, accepts, outputs, preparer)
     request = msg[2]
-    lora = isinstance(request, dict) and request.get("op") in LORA_OPS
+    lora = isinstance(request, dict) and _is_lora_op(request.get("op"))
     pulse.enter(LORA_WAIT if lora else 0.0)
     try:
         return handle_message(engine, msg, accepts, outputs, preparer)

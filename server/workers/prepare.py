@@ -134,14 +134,16 @@ def admit(rid: int, add, accepts: list, outputs: list) -> None:
 
 def tokenize_reply(seq, tokenize, request: dict) -> list:
     """The TOKENIZED message answering TOKENIZE ``seq`` with ``tokenize(request)``; a
-    result of more than :data:`wire.SLICE` token ids comes packed already
-    (:func:`wire.pack_sliced`: in the preparation thread, a slice at a time)."""
+    result with a list of more than :data:`wire.SLICE` items (token ids, or their strings)
+    comes packed already (:func:`wire.pack_sliced`: in the preparation thread, a slice at a
+    time)."""
     try:
         result = tokenize(request)
         if type(result) is wire.Packed:  # from the helper process, packed there
             return [wire.TOKENIZED, seq, result, None]
-        tokens = result.get("tokens") if type(result) is dict else None
-        if type(tokens) is list and len(tokens) > wire.SLICE:
+        if type(result) is dict and any(type(value) is list and len(value) > wire.SLICE
+                                        for value in result.values()):
+            # (long ids as a list, or long token_strs beside ids packed as an array)
             return [wire.TOKENIZED, seq, wire.pack_sliced(result), None]
         return [wire.TOKENIZED, seq, result, None]
     except Rejected as exc:

@@ -239,9 +239,9 @@ def _shut_down_for_exit(cls: type) -> None:
         return
 
     @functools.wraps(shutdown)
-    def shutdown_for_exit(self) -> None:
+    def shutdown_for_exit(self, *args, **kwargs) -> None:
         with without_collections():
-            shutdown(self)
+            shutdown(self, *args, **kwargs)
 
     cls.shutdown = shutdown_for_exit  # type: ignore[attr-defined]
 
