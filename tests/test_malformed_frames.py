@@ -28,7 +28,7 @@ import httpx
 import msgpack
 import pytest
 import trio
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from server import EngineConfig, SamplingParams, open_engine
 from server.config import ServerConfig
@@ -135,6 +135,9 @@ async def test_property_generated_frames_end_at_most_their_connection(tmp_path):
             @settings(max_examples=frames.EXAMPLES, deadline=None, database=None,
                       suppress_health_check=list(HealthCheck))
             @given(frames.requests)
+            # (one of each outcome always: the generated ones were all kept in some runs)
+            @example([wire.PING, 1])
+            @example([wire.PING])
             def one(message):
                 frontend = HandFrontend(w.address, None)
                 try:
@@ -306,10 +309,14 @@ async def test_property_generated_frames_from_a_worker_end_at_most_its_session(t
                 @settings(max_examples=frames.EXAMPLES, deadline=None, database=None,
                           suppress_health_check=list(HealthCheck))
                 @given(frames.replies)
-                def example(message):
+                # (one of each outcome always: generated ones were all well formed in a CI
+                # run, 40 of 40; the share varies from run to run, 3 to 25 malformed seen)
+                @example([wire.TOKENIZED, 1, {"tokens": [1, 2], "max_model_len": 9}, None])
+                @example([wire.TOKENIZED])
+                def each(message):
                     trio.from_thread.run(one, message)
 
-                example()
+                each()
 
             await trio.to_thread.run_sync(fuzz)
             await assert_engine_idle(engine)
