@@ -123,9 +123,9 @@ def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int
 
 def refuse_fault(engine, fault: object) -> None:
     """Raise :class:`Rejected` naming ``fault`` when a request carries one (not None) and
-    ``engine`` does not take it (its ``faults`` is false: only the sim engine started
-    with --sim-faults has it true, and honours one). Fault injection is a test hook: a real engine, or a sim
-    without it, must neither ignore one nor be handed one."""
+    ``engine`` does not take it (its ``faults`` is false: only the sim engine started with
+    --sim-faults has it true, and honours one). Fault injection is a test hook: a real
+    engine, or a sim without it, must neither ignore one nor be handed one."""
     if fault is None or getattr(engine, "faults", False):
         return
     name = engine.info.get("engine", "this")

@@ -98,6 +98,7 @@ CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|> {{ m.content }}\n{% end
 #: The largest embedding_size of a sim engine.
 _MAX_EMBEDDING = 4096
 
+
 def _compute_for(seconds: float) -> None:
     """Hold the CPU (and the loop) for ``seconds``: the ``slow_step`` fault."""
     end = time.monotonic() + seconds
