@@ -543,7 +543,9 @@ async def test_end_to_end_connection_not_reused(nursery, mode):
     assert srv.requests == 6 and s["connections_opened"] >= 6
 
 
-async def test_duration_mode_and_warmup(nursery):
+async def test_duration_mode_and_warmup(nursery, autojump_clock, monkeypatch):
+    # virtual time: the window's bounds below hold however busy the cores are
+    virtual_measurements(monkeypatch)
     srv = await start_standin(nursery, StandIn())
     args = bench_args(srv.port, "-c", "2", "--duration", "0.2", "--warmup", "0.1",
                       "--max-tokens", "3", "--model", "m")
@@ -732,7 +734,9 @@ async def test_request_timeout(nursery):
     assert s["connections_opened"] == 3  # a timed-out connection is not reused
 
 
-async def test_time_limit_aborts(nursery):
+async def test_time_limit_aborts(nursery, autojump_clock, monkeypatch):
+    # virtual time: the window's bounds below hold however busy the cores are
+    virtual_measurements(monkeypatch)
     srv = await start_standin(nursery, StallingStandIn())
     args = bench_args(srv.port, "-c", "2", "-n", "3", "--model", "m", "--time-limit", "0.2")
     with trio.fail_after(3):
