@@ -153,8 +153,9 @@ async def test_a_long_queued_stream_sends_comments_then_streams():
                 first = await occupy(nursery, http, 1000)  # the only slot, for about 2 s
                 queued = SSE()
                 nursery.start_soon(stream_into, http, {"prompt": "b", "max_tokens": 5}, queued, 1)
-                with trio.fail_after(1.0):  # the headers and a comment, long before a token
+                with trio.fail_after(30):  # (a hang guard) the headers and a comment...
                     await queued.started.wait()
+                # ... while the first still holds the slot: no token can have come yet
                 assert queued.status == 200 and queued.events[0] == b": waiting for the engine"
                 assert not first.finished.is_set()
             assert first.done and queued.done
