@@ -277,6 +277,30 @@ async def test_served_model_name_and_unknown_model():
         assert info.value.body["code"] == "model_not_found"
 
 
+async def test_unicode_line_breaks_stay_inside_their_sse_line(server_url):
+    """U+0085, U+2028 and U+2029 are legal raw in JSON, but httpx's ``aiter_lines`` (and
+    every SSE client that splits lines as Python's ``str.splitlines`` does) cuts a line at
+    them: they go escaped, on chat and completions, in the text and in the echoed prompt."""
+    said = "one\x85two\u2028three\u2029four"
+    requests = [
+        ("/v1/completions", {"prompt": said, "echo": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"},
+                                               {"role": "assistant", "content": said}],
+                                  "echo": True}),
+    ]
+    async with httpx.AsyncClient() as http:
+        for path, body in requests:
+            body = {**body, "max_tokens": 3, "stream": True}
+            async with http.stream("POST", server_url + path, json=body) as r:
+                assert r.status_code == 200
+                lines = [line async for line in r.aiter_lines() if line]
+            assert lines[-1] == "data: [DONE]"
+            chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+            text = "".join(c["choices"][0].get("text") or c["choices"][0]["delta"].get("content")
+                           or "" for c in chunks if c["choices"])
+            assert text.startswith(said)
+
+
 async def test_sse_wire_format(server_url):
     """The bytes on the wire: headers, one `data:` line per event, blank-line separated."""
     body = {"prompt": "a", "max_tokens": 3, "stream": True}
