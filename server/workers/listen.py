@@ -373,8 +373,9 @@ class Server:
             if note is not None:
                 conn.notes.append(tuple(note))
         if kind == wire.SUBMIT:
+            names = None
             if len(msg) == 6:  # the prompt's block names: for the other frontends
-                self._notify_routed(conn, msg.pop())
+                names = msg.pop()
                 if msg[4] is None:
                     msg.pop()
             rid = msg[1]
@@ -382,6 +383,8 @@ class Server:
                 conn.outputs.append(OutputRow(rid, "", 0, "error", [
                     "invalid_request", f"request id {rid} is already running"]))
                 return
+            if names:
+                self._notify_routed(conn, names)
             internal = next(self._ids)
             conn.rids[rid] = internal
             self.owners[internal] = (conn, rid)
@@ -417,8 +420,6 @@ class Server:
     def _notify_routed(self, sender: _Conn, names: list[bytes]) -> None:
         """``sender`` sent this worker a prompt of the blocks ``names``: tell every other
         connection that subscribed, with its next STEP (one note per prompt)."""
-        if not names:
-            return
         note = (None, {"routed": names})
         for conn in self.conns:
             if conn.routed and conn is not sender and conn.state == "ready":
