@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from server import SamplingParams
+from server import SamplingParams, ServerError
 from server.manager.engine import open_engine
 from server.manager.routing import Router
 from server.observability.metrics import _routing_families
@@ -130,7 +130,8 @@ async def test_a_follow_up_through_another_frontend_goes_where_its_first_turn_we
 async def test_a_lone_frontend_is_sent_no_notices_and_least_loaded_sends_no_names(
         tmp_path):
     """A frontend that routes by load neither sends block names nor subscribes: the
-    prefix-routing frontend beside it hears nothing, and routes the follow-up by load."""
+    prefix-routing frontend beside it hears nothing. A SUBMIT's names beside an adapter
+    leave the adapter to the engine."""
     args = ("--sim-prefix-cache-tokens", "100000", "--sim-prefix-block-size", "4")
     with trio.fail_after(LIMIT):
         async with listening_worker(tmp_path, "127.0.0.1:0", *args, name="w0") as w0, \
@@ -140,5 +141,13 @@ async def test_a_lone_frontend_is_sent_no_notices_and_least_loaded_sends_no_name
                 assert not any(w.routed_notices for w in a.workers)
                 await b.ping_all()
                 assert await cached_on(a, conversation("Cy", 1)) == (0, 0)
-                assert await cached_on(b, "x" * 600) == (0, 0)  # (after a's, on worker 0)
+                assert await cached_on(b, "x " * 300) == (0, 0)  # (after a's, on worker 0)
                 assert b.router.stats.notices == [0, 0]
+                # names beside an adapter: the worker takes the adapter (the sim has none)
+                params = SamplingParams(max_tokens=2)
+                with pytest.raises(ServerError, match="'ad' does not exist"):
+                    async with b.generate_many(["y " * 300], params, adapter="ad") as s:
+                        async for _ in s:
+                            pass
+                worker, cached = await cached_on(b, "x " * 350)  # (still connected)
+                assert worker == 0 and cached is not None and cached >= 280
