@@ -7,6 +7,8 @@ docs/routing.md).
     python bench/prefix_routing_vllm.py                       # a tiny random model built here
     python bench/prefix_routing_vllm.py --model-path DIR --routing prefix,least-loaded
     python bench/prefix_routing_vllm.py --api-servers 2 --conversations 8   # two frontends
+    python bench/prefix_routing_vllm.py --engine sim --api-servers 2 --conversations 32
+                                                # the same on sim workers with a prefix cache
 
 With ``--api-servers 2`` every request is sent on a new connection, which the kernel gives
 to either frontend: a follow-up often reaches the frontend that did not route its first
@@ -48,6 +50,8 @@ def prompt_ids(name: str, turns: int) -> list[int]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", default="vllm", choices=("vllm", "sim"),
+                   help="sim: sim workers with their prefix cache (blocks of 16 words)")
     p.add_argument("--model-path", default=None, help="default: a tiny random model")
     p.add_argument("--routing", default="prefix,least-loaded")
     p.add_argument("--startup-timeout", type=float, default=900)
@@ -56,18 +60,25 @@ def main() -> None:
     p.add_argument("--prompts", default="text,ids", help="text, ids or both")
     args = p.parse_args()
     model = args.model_path
-    if model is None:
+    if args.engine == "sim":
+        served = "sim"
+        engine = ("--engine sim --sim-prefix-cache-tokens 1000000 --sim-ttft-ms 5 "
+                  "--sim-itl-ms 2 --sim-prefill-us-per-token 0")
+    elif model is None:
         from tests.tiny_model import build_tiny_model
 
         model = str(build_tiny_model(
             os.path.join(tempfile.mkdtemp(prefix="tiny-vllm-"), "tiny"),
             hidden_size=256, heads=4, layers=2, vocab_size=1000,
             max_position_embeddings=4096))
+    if args.engine == "vllm":
+        served = os.path.basename(os.path.normpath(model))
+        engine = (f"--engine vllm --model-path {model} --max-model-len 4096 --dtype float32 "
+                  "--engine-arg kv_cache_memory_bytes=67108864")
     for routing in args.routing.split(","):
         server = SpawnedServer(
-            f"--engine vllm --model-path {model} --engine-workers 2 --routing {routing} "
-            f"--api-servers {args.api_servers} --max-model-len 4096 --dtype float32 "
-            "--engine-arg kv_cache_memory_bytes=67108864 --disable-log-requests",
+            f"{engine} --engine-workers 2 --routing {routing} "
+            f"--api-servers {args.api_servers} --disable-log-requests",
             "server", None)
         try:
             deadline = time.monotonic() + args.startup_timeout
@@ -87,7 +98,7 @@ def main() -> None:
 
             def ask(body, url: str = url, n: int = 8) -> dict:
                 with httpx.Client() as client:  # a new connection: either frontend's
-                    r = client.post(url, json={"model": "tiny", "prompt": body,
+                    r = client.post(url, json={"model": served, "prompt": body,
                                                "max_tokens": n, "temperature": 0,
                                                "ignore_eos": True}, timeout=300)
                 r.raise_for_status()
@@ -117,7 +128,7 @@ def main() -> None:
                       f"reused their first turn, {sum(hits)} tokens cached in all")
             metrics = httpx.get(server.url + "/metrics").text
             for line in metrics.splitlines():
-                if line.startswith(("trio_llm:routed_requests_total",
+                if line.startswith(("trio_llm:routed_requests_total", "trio_llm:routing_notices",
                                     "trio_llm:routing_decisions_total")):
                     print("  " + line)
         finally:

@@ -99,6 +99,8 @@ class Engine:
         )
         #: Each worker's restarts as the router last saw them (a restart empties its cache).
         self._generations = [0] * len(self.workers)
+        for w in self.workers:
+            w.noticed = self._noticed
         #: A stream's first rid -> (worker index, the first prompt's blocks, blocks
         #: predicted cached), until the stream is released.
         self._routes: dict[int, tuple[int, Blocks, int]] = {}
@@ -176,6 +178,10 @@ class Engine:
         key = wire_params[0] if n else {}
         blocks, scores = self._scores(prompts[0] if prompts else None, key, adapter)
         worker, decision = self._route(blocks.hashes, scores=scores)
+        # each prompt's blocks, for the prediction (and the worker's other frontends)
+        hashes = [blocks.hashes] + [
+            router.blocks(*self._route_key(prompt, key, adapter)).hashes
+            for prompt in prompts[1:]] if router.prefix_aware else []
         waker = Waker(worker.pacer)
         choices = []
         if self.migrator is not None and worker.info.get("resume"):
@@ -187,11 +193,14 @@ class Engine:
         packs = worker.reads_packed
         for p, prompt in enumerate(prompts):
             sent = wire.pack_ids(prompt) if packs else prompt  # (token ids: long ones packed)
+            names = _names_to_send(worker, prompt, hashes[p]) if hashes else None
             for i in range(n):
                 choice = Choice(next(self._rids), p * n + i, worker, waker, prompt,
                                 wire_params[i], adapter)
                 message = [wire.SUBMIT, choice.rid, sent, wire_params[i]]
-                if adapter is not None:
+                if names and not i:  # (once a prompt)
+                    message += [adapter, names]
+                elif adapter is not None:
                     message.append(adapter)
                 frames.append(wire.encode(message))
                 choices.append(choice)
@@ -203,11 +212,8 @@ class Engine:
         )
         self._streams.add(stream)
         if choices:  # (for the statistics of every policy, and the prefix index)
-            if router.prefix_aware:
-                router.routed(worker.index, blocks.hashes)
-                for prompt in prompts[1:]:
-                    router.routed(worker.index, router.blocks(
-                        *self._route_key(prompt, key, adapter)).hashes)
+            for names in hashes:
+                router.routed(worker.index, names)
             # (a match from KV events is exact: nothing to correct)
             self._routes[choices[0].rid] = (worker.index, blocks,
                                             decision.matched if scores is None else 0)
@@ -298,17 +304,28 @@ class Engine:
         if not self._accepting and not draining_ok:
             raise ServiceUnavailable("the server is shutting down", code="shutting_down")
         router = self.router
-        generations = self._generations
-        for w in self.workers:
-            if w.restarts != generations[w.index]:  # restarted: its cache is empty
-                generations[w.index] = w.restarts
-                router.reset(w.index)
+        self._forget_restarted()
         # a shared worker's load counts the other frontends' requests (from its PONGs)
         decision = router.pick(hashes, [w.load if w.alive else None for w in self.workers],
                                exclude, scores)
         if decision is None:
             raise ServiceUnavailable("no engine worker is available", code="no_worker")
         return self.workers[decision.worker], decision
+
+    def _forget_restarted(self) -> None:
+        """Clear the prediction of each worker that restarted since the last call (its
+        cache is empty)."""
+        generations = self._generations
+        for w in self.workers:
+            if w.restarts != generations[w.index]:
+                generations[w.index] = w.restarts
+                self.router.reset(w.index)
+
+    def _noticed(self, index: int, names: list[bytes]) -> None:
+        """Worker ``index`` says another frontend sent it a prompt of the blocks ``names``
+        (a routed notice, server.manager.worker): predicted as if we had sent it."""
+        self._forget_restarted()  # (a notice of this session outlives the last one's reset)
+        self.router.noticed(index, names)
 
     def _stream_released(self, stream: RequestStream) -> None:
         self._streams.discard(stream)
@@ -417,6 +434,18 @@ class Engine:
             routing=self.router.stats,
             migration=self.migrator.stats if self.migrator is not None else None,
         )
+
+
+def _names_to_send(worker: WorkerClient, prompt: object, names: list[bytes]
+                   ) -> list[bytes] | None:
+    """The block names a SUBMIT of ``prompt`` to ``worker`` carries for its other
+    frontends: its first :data:`~server.worker_protocol.wire.ROUTED_MAX`, to a worker that
+    passes them on, unless they know better (a token-id prompt on a worker that sends KV
+    events: every frontend routes it by those)."""
+    if not names or not worker.routed_notices or (
+            type(prompt) is list and worker.kv_index is not None):
+        return None
+    return names[:wire.ROUTED_MAX]
 
 
 def _check_remote(config: EngineConfig) -> None:

@@ -24,6 +24,9 @@ docs/routing.md):
   is pure least-loaded where loads differ). A worker's load is its outstanding requests
   (other frontends' included) plus how many of this router's last ``window`` decisions
   (32 per worker) went to it.
+* Several frontends sharing a worker tell each other, through it, what they sent it (a
+  *routed notice*: the prompt's block names): :meth:`Router.noticed` inserts them as if
+  this router had routed the prompt itself.
 * Corrections: a worker that restarted (or reconnected) has an empty cache, so its index is
   cleared (:meth:`Router.reset`). When a result reports ``cached_tokens`` and the worker
   had less of the prompt than predicted, it evicted faster than the index assumed: the
@@ -193,6 +196,8 @@ class RouterStatistics:
     mispredicted: list[int]
     #: Per worker: requests routed to it.
     routed: list[int]
+    #: Per worker: routed notices received (prompts other frontends sent it).
+    notices: list[int]
 
 
 class Router:
@@ -224,7 +229,7 @@ class Router:
         self._recent = [0] * workers
         self.stats = RouterStatistics(
             {"prefix": 0, "load": 0, "balance": 0}, [0] * workers, [0] * workers,
-            [0] * workers, [0] * workers,
+            [0] * workers, [0] * workers, [0] * workers,
         )
 
     @property
@@ -293,6 +298,12 @@ class Router:
         """A prompt of ``blocks`` was sent to ``worker``: it will hold them."""
         if blocks:
             self.indexes[worker].insert(blocks)
+
+    def noticed(self, worker: int, blocks: Sequence[bytes]) -> None:
+        """Another frontend sent ``worker`` a prompt of ``blocks`` (a routed notice): it
+        will hold them, as if this router had sent it (LRU-marked, bounded alike)."""
+        self.stats.notices[worker] += 1
+        self.routed(worker, blocks)
 
     def reset(self, worker: int) -> None:
         """``worker`` restarted (or reconnected): its cache is empty."""

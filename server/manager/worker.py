@@ -216,6 +216,13 @@ class WorkerClient:
         self.kv_index: KVIndex | None = None
         #: KV events applied, over every session: stored, removed, cleared (metrics).
         self.kv_events = [0, 0, 0]
+        #: This session's worker passes a SUBMIT's block names on to its other frontends,
+        #: and sends us theirs (a listening worker whose HELLO says ROUTED_KEY, with prefix
+        #: routing; docs/routing.md): SUBMITs then carry their prompt's block names.
+        self.routed_notices = False
+        #: Called as ``noticed(index, names)`` for each routed notice: another frontend sent
+        #: this worker a prompt of the blocks ``names`` (the engine's router notes them).
+        self.noticed: Callable[[int, list[bytes]], None] = lambda index, names: None
         self._outbox: list[bytes] = []
         self._outbox_ready = trio.Event()
         self._ping_seq = 0
@@ -441,6 +448,10 @@ class WorkerClient:
             except (_SessionEnded, trio.TooSlowError) as exc:
                 reason = self._startup_failed(first, exc)
                 return reason
+            self.routed_notices = (config.routing == "prefix"
+                                   and self.info.get(wire.ROUTED_KEY) is True)
+            if self.routed_notices:  # (ahead of any request)
+                self._queue(wire.encode([wire.SUBSCRIBE, ["routed"]]))
             replaying = self._replay()  # queued ahead of any request
             self.kv_index = _kv_index(self.info, config.routing, self.kv_events)
             self.alive = True
@@ -614,9 +625,12 @@ class WorkerClient:
                         choice.accept(prompt_tokens)
                 if len(msg) > 3:  # notes: details that precede this frame's outputs
                     for rid, note in msg[3]:
-                        if rid is None:  # the worker's own: its KV events
+                        if rid is None:  # the worker's own: KV events, routed notices
                             if self.kv_index is not None:
                                 self.kv_index.apply(note.get("kv_events") or ())
+                            names = note.get("routed")
+                            if names is not None and self.routed_notices:
+                                self.noticed(self.index, names)
                             continue
                         choice = states.get(rid)
                         if choice is not None:

@@ -401,6 +401,10 @@ def _routing_families(routed: list) -> Iterator[Metric]:
          "Results whose cached prefix fell short of the router's prediction (the router "
          "then forgets that many of the worker's oldest blocks).",
          "mispredicted"),
+        ("routing_notices",
+         "Routed notices received from each shared worker: prompts another frontend sent "
+         "it, added to this frontend's prediction.",
+         "notices"),
     ):
         yield _counter(name, doc, per_worker,
                        [([model, str(i)], v) for model, routing in routed

@@ -11,6 +11,10 @@ Frontend -> worker::
 
     [SUBMIT, rid, prompt, params]   prompt: str, list[int], or {"messages": [...]} for chat
     [SUBMIT, rid, prompt, params, adapter]   run with the LoRA adapter of that name
+    [SUBMIT, rid, prompt, params, adapter | nil, names]   to a listening worker whose HELLO
+                                    says "routed_notices": the prompt's block names, which
+                                    it passes on to its other frontends (ROUTED_KEY)
+    [SUBSCRIBE, ["routed"]]         to such a worker: send me the others' routed notices
     [ABORT, rid]                    unknown or finished rid: a no-op
     [PING, seq]
     [TOKENIZE, seq, request]        {"op": "tokenize", "prompt": str | {"messages": [...]},
@@ -35,7 +39,9 @@ Worker -> frontend::
                                     request whose params ask (``prompt_token_ids: true``);
                                     [nil, {"kv_events": [...]}]: no request's, the blocks
                                     the engine's KV cache stored and removed in this
-                                    step (server.worker_protocol.kv_blocks)
+                                    step (server.worker_protocol.kv_blocks);
+                                    [nil, {"routed": [name, ...]}]: another frontend
+                                    sent this worker a prompt of those blocks
     [PONG, seq, running, waiting]   seq 0: unasked, while one engine step runs long (the
                                     worker's pulse); a listening worker adds the requests
                                     this connection holds;
@@ -114,6 +120,9 @@ __all__ = [
     "CHALLENGE",
     "AUTH",
     "REFUSED",
+    "SUBSCRIBE",
+    "ROUTED_KEY",
+    "ROUTED_MAX",
     "MAX_FRAME",
     "PACKED_IDS",
     "PACK_MIN",
@@ -136,6 +145,7 @@ __all__ = [
     "REPLIES",
     "check",
     "check_request",
+    "check_listener_request",
     "check_reply",
 ]
 
@@ -173,6 +183,19 @@ TOKENIZED = 8
 CHALLENGE = 9
 AUTH = 10
 REFUSED = 11
+#: Frontend -> listening worker: the notices it wants (see ROUTED_KEY).
+SUBSCRIBE = 12
+
+#: The key of a listening worker's HELLO info saying that it takes a SUBMIT's block names
+#: and passes them on, as the worker note ``{"routed": [name, ...]}``, to every other
+#: frontend that subscribed (``[SUBSCRIBE, ["routed"]]``): a *routed notice*, so that each
+#: frontend's routing prediction knows what the others sent it (docs/routing.md).
+ROUTED_KEY = "routed_notices"
+#: The most block names a SUBMIT carries (a prompt's first ones; the prediction index's
+#: capacity, server.manager.routing.DEFAULT_CAPACITY: 128 KiB of names).
+ROUTED_MAX = 16384
+#: What a frontend may subscribe to.
+_TOPICS = frozenset({"routed"})
 
 #: Largest frame either side accepts (64 MiB): a bigger length prefix means garbage.
 MAX_FRAME = 64 * 1024 * 1024
@@ -550,7 +573,7 @@ REPLIES = frozenset({STEP, PONG, TOKENIZED})
 _NAMES = {
     HELLO: "HELLO", SUBMIT: "SUBMIT", ABORT: "ABORT", PING: "PING", PONG: "PONG",
     SHUTDOWN: "SHUTDOWN", STEP: "STEP", TOKENIZE: "TOKENIZE", TOKENIZED: "TOKENIZED",
-    CHALLENGE: "CHALLENGE", AUTH: "AUTH", REFUSED: "REFUSED",
+    CHALLENGE: "CHALLENGE", AUTH: "AUTH", REFUSED: "REFUSED", SUBSCRIBE: "SUBSCRIBE",
 }
 
 _repr = reprlib.Repr()
@@ -703,6 +726,7 @@ def _kv_event(e: object) -> bool:
 #: The items of a note not tied to a request (its rid is nil): the worker's own news.
 _WORKER_NOTE_ITEMS: dict[str, Callable[[object], bool]] = {
     "kv_events": lambda v: _all(v, _kv_event),
+    "routed": lambda v: _digests(v) and len(v) <= ROUTED_MAX,  # type: ignore[arg-type]
 }
 
 
@@ -820,6 +844,29 @@ def malformed(message: list) -> ProtocolError:
 def check_request(message: list) -> list:
     """A message from a frontend, once connected: one of :data:`REQUESTS`, well formed."""
     return check(message, REQUESTS)
+
+
+def _named_submit(m: list) -> bool:
+    """A SUBMIT, or one with the prompt's block names (adapter or nil, then names)."""
+    if len(m) != 6:
+        return _SHAPES[SUBMIT](m)
+    return (_SHAPES[SUBMIT](m[:4]) and (m[4] is None or type(m[4]) is str)
+            and _digests(m[5]) and len(m[5]) <= ROUTED_MAX)
+
+
+#: What a listening worker that says ROUTED_KEY takes besides :data:`REQUESTS`.
+_LISTENER_REQUESTS = REQUESTS | {SUBSCRIBE}
+_LISTENER_SHAPES = {
+    **_SHAPES, SUBMIT: _named_submit,
+    SUBSCRIBE: lambda m: len(m) == 2 and type(m[1]) is list and bool(m[1])
+    and all(type(t) is str and t in _TOPICS for t in m[1]),
+}
+
+
+def check_listener_request(message: list) -> list:
+    """A message from a frontend to a listening worker: as :func:`check_request`, and
+    SUBSCRIBE, and a SUBMIT with block names (see :data:`ROUTED_KEY`)."""
+    return check(message, _LISTENER_REQUESTS, _LISTENER_SHAPES)
 
 
 #: As _SHAPES, a STEP's output rows unchecked (the router checks each as it routes it).

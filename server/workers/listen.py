@@ -20,6 +20,13 @@ One thread, one loop, like the pipe worker, multiplexing sockets with :mod:`sele
     its request (a note of no request's, the engine's KV events, to every connection),
     one STEP frame per connection; send what each socket takes now
 
+*Routed notices.* A SUBMIT may carry the prompt's block names (the frontend's routing
+prediction, docs/routing.md): the worker strips them and passes them on, as the note
+``[nil, {"routed": names}]`` of the next STEP, to every *other* connection that subscribed
+(``[SUBSCRIBE, ["routed"]]``), so that each frontend predicts what the others sent here.
+Only a frontend that subscribed gets them (an older one would take the note for a protocol
+violation), and only a worker shared by several frontends sends any.
+
 *Request ids.* Each connection has its own id space (the frontend's ``rid``); the engine
 sees internal ids. ``owners`` maps an internal id to ``(connection, rid)`` and each
 connection maps its rids to internal ids, until the request's terminal output.
@@ -101,7 +108,7 @@ class _Conn:
 
     __slots__ = (
         "sock", "peer", "decoder", "out", "state", "nonce", "rids", "last_heard", "opened",
-        "accepts", "outputs", "notes", "writing", "snapshot_due",
+        "accepts", "outputs", "notes", "writing", "snapshot_due", "routed",
     )
 
     def __init__(self, sock: socket.socket, peer: str, state: str, now: float) -> None:
@@ -122,6 +129,8 @@ class _Conn:
         self.writing = False  # registered for EVENT_WRITE
         #: the KV cache's snapshot is owed (with the first STEP after its first message)
         self.snapshot_due = False
+        #: it subscribed to the other connections' routed notices
+        self.routed = False
 
 
 class _Closed(Exception):
@@ -298,7 +307,7 @@ class Server:
                 self._authenticate(conn, wire.check(messages[0], (wire.AUTH,)))
                 messages = messages[1:]
             for msg in messages:
-                self._handle(conn, wire.check_request(msg))
+                self._handle(conn, wire.check_listener_request(msg))
         except wire.ProtocolError as exc:
             raise _Closed(f"protocol violation: {exc}") from None
 
@@ -338,7 +347,8 @@ class Server:
                 self._refuse(conn, "wrong secret")
         conn.state = "ready"
         mine = None if secret is None else handshake.worker_proof(secret, conn.nonce, cnonce)
-        conn.out += wire.encode([wire.HELLO, wire.hello_info(self.engine.info), mine])
+        info = {**wire.hello_info(self.engine.info), wire.ROUTED_KEY: True}
+        conn.out += wire.encode([wire.HELLO, info, mine])
         conn.snapshot_due = True
         say(f"frontend {conn.peer} connected")
 
@@ -363,11 +373,18 @@ class Server:
             if note is not None:
                 conn.notes.append(tuple(note))
         if kind == wire.SUBMIT:
+            names = None
+            if len(msg) == 6:  # the prompt's block names: for the other frontends
+                names = msg.pop()
+                if msg[4] is None:
+                    msg.pop()
             rid = msg[1]
             if rid in conn.rids:
                 conn.outputs.append(OutputRow(rid, "", 0, "error", [
                     "invalid_request", f"request id {rid} is already running"]))
                 return
+            if names:
+                self._notify_routed(conn, names)
             internal = next(self._ids)
             conn.rids[rid] = internal
             self.owners[internal] = (conn, rid)
@@ -395,8 +412,18 @@ class Server:
                 self.tokenizing.pop(msg[1], None)
                 reply[1] = seq
             conn.out += wire.encode(reply)
+        elif kind == wire.SUBSCRIBE:  # (its only topic: "routed")
+            conn.routed = True
         else:  # SHUTDOWN: one frontend does not stop a shared worker
             raise _Closed("the frontend said SHUTDOWN")
+
+    def _notify_routed(self, sender: _Conn, names: list[bytes]) -> None:
+        """``sender`` sent this worker a prompt of the blocks ``names``: tell every other
+        connection that subscribed, with its next STEP (one note per prompt)."""
+        note = (None, {"routed": names})
+        for conn in self.conns:
+            if conn.routed and conn is not sender and conn.state == "ready":
+                conn.notes.append(note)
 
     def _drop(self, conn: _Conn, reason: str) -> None:
         """End ``conn``: abort every request it owns, close the socket."""

@@ -1,0 +1,153 @@
+"""Routed notices: several frontends sharing workers tell each other, through the worker,
+which prompts' blocks they sent it (docs/routing.md, "Several frontends"), so that a text or
+chat conversation's follow-up that reaches another frontend still goes to the worker holding
+its first turn.
+
+Sans-IO: the router's prediction fed with notices, against the same router routing the
+prompt itself; the messages' shapes (a SUBMIT's block names, SUBSCRIBE, the notice), which
+only a listening worker takes. End to end: two real listening sim workers (with their
+prefix cache) shared by two frontends; a conversation's first turn through one, its
+follow-up through the other lands on the same worker, and the sim reports it cached.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from server import SamplingParams, ServerError
+from server.manager.engine import open_engine
+from server.manager.routing import Router
+from server.observability.metrics import _routing_families
+from server.worker_protocol import wire
+from tests.remote import listening_worker, remote_config, wait_until
+from tests.test_routing_processes import conversation
+
+LIMIT = 120
+NAME = b"12345678"
+
+
+def test_a_notice_predicts_as_if_the_router_had_routed_the_prompt():
+    a, b = Router(2, block_chars=32), Router(2, block_chars=32)
+    first = a.blocks(conversation("Ann", 1))
+    follow_up = a.blocks(conversation("Ann", 2))
+    assert len(first.hashes) > 4 and follow_up.hashes[:len(first.hashes)] == first.hashes
+    other = a.blocks(conversation("Bob", 1))
+    a.routed(1, other.hashes)
+    b.noticed(1, other.hashes)
+    a.routed(1, first.hashes)
+    b.noticed(1, first.hashes)
+    # the same blocks in the same LRU order
+    assert list(b.indexes[1]._blocks) == list(a.indexes[1]._blocks)
+    assert b.stats.notices == [0, 2] and a.stats.notices == [0, 0]
+    assert b.stats.routed == [0, 0]  # (a notice is not a decision)
+    decision = b.pick(follow_up.hashes, [0, 0])
+    assert decision is not None and decision.worker == 1 and decision.reason == "prefix"
+    assert decision.matched == len(first.hashes)
+    # without it: a new conversation, by load (the lowest index on a tie)
+    decision = Router(2).pick(follow_up.hashes, [0, 0])
+    assert decision is not None and decision.worker == 0 and decision.reason == "load"
+    # bounded as routing is, and forgotten with a restart
+    small = Router(1, capacity=3, block_chars=32)
+    small.noticed(0, first.hashes)
+    assert len(small.indexes[0]) == 3 and small.indexes[0].match(first.hashes) == 0
+    b.reset(1)
+    assert b.indexes[1].match(first.hashes) == 0
+
+
+def test_block_names_and_subscriptions_only_to_a_listening_worker():
+    names = [NAME, b"abcdefgh"]
+    good = [
+        [wire.SUBMIT, 1, "p", {}, None, names],
+        [wire.SUBMIT, 1, {"messages": []}, {}, "adapter", names],
+        [wire.SUBMIT, 1, "p", {}, None, [NAME] * wire.ROUTED_MAX],
+        [wire.SUBSCRIBE, ["routed"]],
+    ]
+    for message in good:
+        assert wire.check_listener_request(message) is message
+        with pytest.raises(wire.ProtocolError):  # a pipe worker has one frontend
+            wire.check_request(message)
+    for message in (
+        [wire.SUBMIT, 1, "p", {}, None, [b"short"]],
+        [wire.SUBMIT, 1, "p", {}, None, [NAME] * (wire.ROUTED_MAX + 1)],
+        [wire.SUBMIT, 1, "p", {}, 3, names],
+        [wire.SUBMIT, 1, "p", {}, None, "names"],
+        [wire.SUBSCRIBE, []],
+        [wire.SUBSCRIBE, ["everything"]],
+        [wire.SUBSCRIBE, "routed"],
+        [wire.SUBSCRIBE, ["routed"], 1],
+    ):
+        with pytest.raises(wire.ProtocolError):
+            wire.check_listener_request(message)
+    # the notice, a note of no request's
+    step = [wire.STEP, [], [], [[None, {"routed": names}]]]
+    assert wire.check_reply(step) is step
+    for bad in ([b"short"], [NAME] * (wire.ROUTED_MAX + 1), NAME):
+        with pytest.raises(wire.ProtocolError):
+            wire.check_reply([wire.STEP, [], [], [[None, {"routed": bad}]]])
+    with pytest.raises(wire.ProtocolError):  # a request's note it is not
+        wire.check_reply([wire.STEP, [], [], [[1, {"routed": names}]]])
+
+
+async def cached_on(engine, prompt) -> tuple[int, int | None]:
+    """(the worker that ran ``prompt``, its cached_tokens)."""
+    async with engine.generate(prompt, SamplingParams(max_tokens=5, temperature=0)) as s:
+        async for _ in s:
+            pass
+        choice = s.choice_states()[0]
+        return choice.worker.index, choice.cached_tokens
+
+
+async def test_a_follow_up_through_another_frontend_goes_where_its_first_turn_went(
+        tmp_path):
+    args = ("--sim-prefix-cache-tokens", "100000", "--sim-prefix-block-size", "4")
+    with trio.fail_after(LIMIT):
+        async with listening_worker(tmp_path, "127.0.0.1:0", *args, name="w0") as w0, \
+                listening_worker(tmp_path, "127.0.0.1:0", *args, name="w1") as w1:
+            config = remote_config(w0, w1, routing="prefix")
+            async with open_engine(config) as a, open_engine(config) as b:
+                assert all(w.routed_notices for w in (*a.workers, *b.workers))
+                await a.ping_all()  # (each one's SUBSCRIBE has reached both workers)
+                await b.ping_all()
+                # frontend a: one conversation each (its recent decisions count as load)
+                assert await cached_on(a, conversation("Ann", 1)) == (0, 0)
+                assert await cached_on(a, conversation("Bob", 1)) == (1, 0)
+                bob = b.router.blocks(conversation("Bob", 1)).hashes
+                await wait_until(lambda: b.router.indexes[1].match(bob) == len(bob), 30)
+                assert b.router.stats.notices == [1, 1]
+                # frontend b never routed Bob's first turn: his follow-up goes to worker 1
+                worker, cached = await cached_on(b, conversation("Bob", 2))
+                assert worker == 1 and cached is not None and cached >= 120
+                assert b.router.stats.decisions["prefix"] == 1
+                # and a hears of b's: not of its own
+                await wait_until(lambda: a.router.stats.notices == [0, 1], 30)
+                families = {f.name: f for f in _routing_families([("sim", b.router.stats)])}
+                notices = {s.labels["worker"]: s.value
+                           for s in families["trio_llm:routing_notices"].samples}
+                assert notices == {"0": 1, "1": 1}
+
+
+async def test_a_lone_frontend_is_sent_no_notices_and_least_loaded_sends_no_names(
+        tmp_path):
+    """A frontend that routes by load neither sends block names nor subscribes: the
+    prefix-routing frontend beside it hears nothing. A SUBMIT's names beside an adapter
+    leave the adapter to the engine."""
+    args = ("--sim-prefix-cache-tokens", "100000", "--sim-prefix-block-size", "4")
+    with trio.fail_after(LIMIT):
+        async with listening_worker(tmp_path, "127.0.0.1:0", *args, name="w0") as w0, \
+                listening_worker(tmp_path, "127.0.0.1:0", *args, name="w1") as w1:
+            async with open_engine(remote_config(w0, w1, routing="least-loaded")) as a, \
+                    open_engine(remote_config(w0, w1, routing="prefix")) as b:
+                assert not any(w.routed_notices for w in a.workers)
+                await b.ping_all()
+                assert await cached_on(a, conversation("Cy", 1)) == (0, 0)
+                assert await cached_on(b, "x " * 300) == (0, 0)  # (after a's, on worker 0)
+                assert b.router.stats.notices == [0, 0]
+                # names beside an adapter: the worker takes the adapter (the sim has none)
+                params = SamplingParams(max_tokens=2)
+                with pytest.raises(ServerError, match="'ad' does not exist"):
+                    async with b.generate_many(["y " * 300], params, adapter="ad") as s:
+                        async for _ in s:
+                            pass
+                worker, cached = await cached_on(b, "x " * 350)  # (still connected)
+                assert worker == 0 and cached is not None and cached >= 280
