@@ -27,7 +27,9 @@ wait for a first event of a background request started in the window (beside, no
 and whether a worker restarted (a descendant process of the server gone, or
 ``trio_llm:worker_restarts_total`` grown). The target (issue 23): each heavy kind adds at
 most ``--target-ms`` (100) ms to the largest gap, no worker restarts and the background
-streams see no error; the verdict is printed per kind.
+streams see no error; the verdict is printed per kind. Under the table, per heavy phase: the
+largest gap in the answer's last 5 s and ``--tail`` and where it lies, against the largest
+gap of each earlier window of that length in the phase (is the end worse than the rest?).
 
 Examples::
 
