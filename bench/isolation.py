@@ -12,7 +12,7 @@ content event's arrival. Then, phase by phase:
   whatever its status (at most ``--heavy-timeout`` s), then ``--tail`` s more:
 
   - ``schema``: chat, ``response_format`` json_schema of 2,000 string properties (~60 KB);
-  - ``tokenize``: ``POST /tokenize`` of a 3.5 MB one-word prompt;
+  - ``tokenize``: ``POST /tokenize`` of a 3.5 MB one-word prompt (``--tokenize-mb``);
   - ``token-ids``: completions with a prompt of 1.9M token ids (a 3.8 MB body);
   - ``logprobs``: completions, n=16 x 900 tokens, ``logprobs`` 20, not streamed (~19 MB);
   - ``schema-deep``, ``schema-enum`` (not in the default set): a schema nested 300 deep,
@@ -27,7 +27,9 @@ wait for a first event of a background request started in the window (beside, no
 and whether a worker restarted (a descendant process of the server gone, or
 ``trio_llm:worker_restarts_total`` grown). The target (issue 23): each heavy kind adds at
 most ``--target-ms`` (100) ms to the largest gap, no worker restarts and the background
-streams see no error; the verdict is printed per kind.
+streams see no error; the verdict is printed per kind. Under the table, per heavy phase: the
+largest gap in the answer's last 5 s and ``--tail`` and where it lies, against the largest
+gap of each earlier window of that length in the phase (is the end worse than the rest?).
 
 Examples::
 
@@ -58,7 +60,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.loadgen_lib.isolation import DEFAULT_KINDS, HEAVY_KINDS  # noqa: E402
+from bench.loadgen_lib.isolation import DEFAULT_KINDS, HEAVY_KINDS, TOKENIZE_CHARS  # noqa: E402
 from bench.loadgen_lib.isolation_run import run_phases, to_json, wait_status  # noqa: E402
 from bench.loadgen_lib.report import log  # noqa: E402
 from bench.loadgen_lib.runner import discover_model  # noqa: E402
@@ -101,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", type=int, default=64, help="background streams")
     p.add_argument("--kinds", type=_kinds, default=list(DEFAULT_KINDS),
                    help=f"heavy kinds, comma-separated, or 'all' ({', '.join(HEAVY_KINDS)})")
+    p.add_argument("--tokenize-mb", type=float, default=TOKENIZE_CHARS / 1e6,
+                   help="the tokenize kind's one-word prompt, in MB (millions of characters)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="max_tokens of each background request (default: 2048 with sim, "
                    "1024 otherwise); streams run back to back, so any length works")
@@ -189,8 +193,15 @@ def format_table(phases: list[dict], target_ms: float) -> str:
             f"{'' if h is None else verdict(r, target_ms)}")
     for r in phases:
         if r.get("end_max_gap_ms") is not None:
+            where = r.get("end_gap_at_s")
+            at = "" if where is None else f" (from {where[0]:+.2f} to {where[1]:+.2f} s)"
             lines.append(f"  {r['phase']}: largest gap in the answer's last 5 s and the tail: "
-                         f"{r['end_max_gap_ms']:.1f} ms")
+                         f"{r['end_max_gap_ms']:.1f} ms{at}")
+            other = r.get("other_windows_max_gap_ms")
+            if other:
+                lines.append(f"  {r['phase']}: the same in the phase's {r['other_windows']} "
+                             f"earlier windows of that length: median {other[50]:.1f}, "
+                             f"p90 {other[90]:.1f}, max {other[100]:.1f} ms")
     for r in phases:
         h = r["heavy"]
         if h is not None and h["error"]:
@@ -232,6 +243,7 @@ async def _run(args, server: SpawnedServer) -> dict | None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    args.tokenize_chars = round(args.tokenize_mb * 1e6)
     if args.max_tokens is None:
         args.max_tokens = 2048 if args.engine == "sim" else 1024
     tmp = None

@@ -13,7 +13,8 @@ import trio
 
 from bench.loadgen_lib.http11 import build_request
 from bench.loadgen_lib.isolation import (HEAVY_KINDS, HeavyRequest, gap_summary, heavy_request,
-                                         stream_points, window_gaps, worker_restarts)
+                                         largest_gap, stream_points, window_gaps,
+                                         windows_max_gaps, worker_restarts)
 from bench.loadgen_lib.isolation_run import WorkerWatch, send_heavy
 from bench.loadgen_lib.openai_api import StreamTracker
 from bench.loadgen_lib.sse import SSEParser
@@ -37,6 +38,21 @@ def test_window_gaps_counts_every_gap_that_overlaps_the_window():
     assert window_gaps(streams, 20.0, 30.0) == []
 
 
+def test_largest_gap_says_where_it_lies():
+    streams = [[0.0, 1.0, 5.0, 6.0], [7.0, 7.5]]
+    assert largest_gap(streams, 2.0, 3.0) == (1.0, 5.0)
+    assert largest_gap(streams, 5.5, 7.2) == (5.0, 6.0)
+    assert largest_gap(streams, 20.0, 30.0) is None
+
+
+def test_windows_max_gaps_tiles_the_phase_from_its_end():
+    streams = [[0.0, 1.0, 2.0, 3.0, 6.0, 7.0, 8.0]]
+    # windows [6, 8], [4, 6], [2, 4]; [0, 2] too; a partial window at the start is left out
+    assert windows_max_gaps(streams, 0.0, 8.0, 2.0) == [1.0, 3.0, 3.0, 1.0]
+    assert windows_max_gaps(streams, 0.5, 8.0, 2.0) == [1.0, 3.0, 3.0]
+    assert windows_max_gaps([[0.0, 1.0]], 5.0, 9.0, 2.0) == []
+
+
 def test_gap_summary_in_milliseconds():
     assert gap_summary([]) == {"gaps": 0, "max_gap_ms": None, "p99_gap_ms": None}
     gaps = [0.001 * i for i in range(1, 201)]
@@ -53,6 +69,7 @@ def test_heavy_requests_are_the_sizes_the_issue_names():
         sizes[kind] = (len(heavy.body), body)
     assert len(sizes["schema"][1]["response_format"]["json_schema"]["schema"]["properties"]) == 2000
     assert 3_500_000 <= sizes["tokenize"][0] < 3_600_000
+    assert len(json.loads(heavy_request("tokenize", "m", 1000).body)["prompt"]) == 1000
     assert len(sizes["tokenize"][1]["prompt"].split()) == 1
     assert len(sizes["token-ids"][1]["prompt"]) == 1_900_000
     assert 3_800_000 <= sizes["token-ids"][0] < 3_900_000

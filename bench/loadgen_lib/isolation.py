@@ -23,8 +23,8 @@ import re
 
 from .stats import percentile
 
-__all__ = ["HEAVY_KINDS", "DEFAULT_KINDS", "HeavyRequest", "heavy_request", "stream_points",
-           "window_gaps", "gap_summary", "worker_restarts"]
+__all__ = ["HEAVY_KINDS", "DEFAULT_KINDS", "TOKENIZE_CHARS", "HeavyRequest", "heavy_request", "stream_points",
+           "window_gaps", "largest_gap", "windows_max_gaps", "gap_summary", "worker_restarts"]
 
 
 class HeavyRequest:
@@ -69,8 +69,13 @@ def _schema_enum(n: int = 100_000) -> dict:
             "required": ["v"]}
 
 
-def heavy_request(kind: str, model: str) -> HeavyRequest:
-    """The heavy request of ``kind`` (one of :data:`HEAVY_KINDS`), its body built now."""
+#: The ``tokenize`` kind's prompt, in characters (one word): the issue's 3.5 MB.
+TOKENIZE_CHARS = 3_500_000
+
+
+def heavy_request(kind: str, model: str, tokenize_chars: int = TOKENIZE_CHARS) -> HeavyRequest:
+    """The heavy request of ``kind`` (one of :data:`HEAVY_KINDS`), its body built now;
+    ``tokenize_chars``: the ``tokenize`` kind's prompt length."""
     if kind == "schema":
         body = _dumps(_chat(model, _schema_wide(), "wide"))
         return HeavyRequest(kind, "/v1/chat/completions", body,
@@ -84,8 +89,9 @@ def heavy_request(kind: str, model: str) -> HeavyRequest:
         return HeavyRequest(kind, "/v1/chat/completions", body,
                             "chat, response_format json_schema with a 100,000-value enum")
     if kind == "tokenize":
-        body = _dumps({"model": model, "prompt": "x" * 3_500_000})
-        return HeavyRequest(kind, "/tokenize", body, "/tokenize of a 3.5 MB one-word prompt")
+        body = _dumps({"model": model, "prompt": "x" * tokenize_chars})
+        return HeavyRequest(kind, "/tokenize", body,
+                            f"/tokenize of a {tokenize_chars / 1e6:g} MB one-word prompt")
     if kind == "token-ids":
         body = _dumps({"model": model, "prompt": [1] * 1_900_000, "max_tokens": 1})
         return HeavyRequest(kind, "/v1/completions", body,
@@ -131,6 +137,35 @@ def window_gaps(streams, a: float, b: float) -> list[float]:
             if t >= b:
                 break
             prev = t
+    return out
+
+
+def largest_gap(streams, a: float, b: float) -> tuple[float, float] | None:
+    """The largest gap of :func:`window_gaps` as ``(start, end)`` times; None if none."""
+    best = None
+    for points in streams:
+        prev = None
+        for t in points:
+            if prev is not None and t > a and prev < b and (best is None or
+                                                            t - prev > best[1] - best[0]):
+                best = (prev, t)
+            if t >= b:
+                break
+            prev = t
+    return best
+
+
+def windows_max_gaps(streams, a: float, b: float, width: float) -> list[float]:
+    """The largest gap (s) of each window of ``width`` seconds that tiles ``[a, b]`` from
+    ``b`` back (whole windows only): what a window of that length sees anywhere in a long
+    phase, to compare its last window with (is the end worse than the rest?)."""
+    out = []
+    end = b
+    while end - width >= a:
+        gaps = window_gaps(streams, end - width, end)
+        if gaps:
+            out.append(max(gaps))
+        end -= width
     return out
 
 

@@ -19,12 +19,13 @@ import trio
 
 from .client import Client, Context, one_request, start_offsets
 from .http11 import HTTPResponseParser, ProtocolError, build_request
-from .isolation import (HeavyRequest, gap_summary, heavy_request, stream_points, window_gaps,
+from .isolation import (HeavyRequest, gap_summary, heavy_request, largest_gap,
+                        stream_points, window_gaps, windows_max_gaps,
                         worker_restarts)
 from .openai_api import error_message
 from .procstat import descendants
 from .report import log
-from .stats import Result
+from .stats import Result, percentile
 from .target import GET_ERRORS, RECV_SIZE, Target, close_stream, simple_get
 
 _perf = time.perf_counter
@@ -267,7 +268,7 @@ async def _all_streaming(bg: Background, n: int, timeout: float) -> bool:
 async def _phase(args, target: Target, bg: Background, watch: WorkerWatch, kind: str,
                  model: str) -> tuple[float, float, dict]:
     """One heavy phase: (window start, window end, what happened)."""
-    heavy = heavy_request(kind, model)
+    heavy = heavy_request(kind, model, args.tokenize_chars)
     req = build_request("POST", heavy.path, target.host_header, heavy.body,
                         (("Content-Type", "application/json"), ("Connection", "close")))
     await trio.sleep(args.settle)
@@ -282,6 +283,9 @@ async def _phase(args, target: Target, bg: Background, watch: WorkerWatch, kind:
     info = {"heavy": result, **watch.compare(before, after), **info}
     died = bg.window(a, b, b)["worker_died_events"]
     info["restarted"] = info["restarted"] or died > 0
+    # (wall clock too: to line the phase up with a stack sampler's or strace's timestamps)
+    log(f"phase {kind}: answer complete at {time.time() - (_perf() - b) - args.tail:.3f} "
+        "(unix time)")
     log(f"phase {kind}: HTTP {result['status']} in {result['duration_s']} s"
         + (f" ({result['error']})" if result["error"] else "")
         + ("; a worker RESTARTED" if info["restarted"] else ""))
@@ -334,8 +338,19 @@ async def run_phases(args, target: Target, model: str, server_pid: int) -> list[
         row = {"phase": name, "window_s": round(b - a, 3), **gap_summary(window_gaps(
             streams, a, b)), **bg.window(a, b, now), **probe.window(a, b), **info}
         if info["heavy"] is not None:  # the answer's arrival: where a big one is handled
-            end = gap_summary(window_gaps(streams, max(a, b - args.tail - END_S), b))
+            end_a = max(a, b - args.tail - END_S)
+            end = gap_summary(window_gaps(streams, end_a, b))
             row["end_max_gap_ms"] = end["max_gap_ms"]
+            where = largest_gap(streams, end_a, b)
+            if where is not None:  # from, to: s after the answer's last byte
+                row["end_gap_at_s"] = [round(t - (b - args.tail), 3) for t in where]
+            # The same window's largest gap elsewhere in the phase: is the end worse?
+            rest = windows_max_gaps(streams, a, end_a, END_S + args.tail)
+            if rest:
+                ordered = sorted(rest)
+                row["other_windows"] = len(ordered)
+                row["other_windows_max_gap_ms"] = {
+                    q: round(percentile(ordered, q) * 1000, 1) for q in (50, 90, 100)}
         row["pids_lost"] = row.pop("lost_pids")
         if name == "baseline":
             base_max = row["max_gap_ms"]
