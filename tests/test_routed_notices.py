@@ -12,11 +12,14 @@ follow-up through the other lands on the same worker, and the sim reports it cac
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
+
 import pytest
 import trio
 
-from server import SamplingParams, ServerError
-from server.manager.engine import open_engine
+from server import EngineConfig, SamplingParams, ServerError
+from server.manager.engine import Engine, open_engine
+from server.manager.transport import open_connected
 from server.manager.routing import Router
 from server.observability.metrics import _routing_families
 from server.worker_protocol import wire
@@ -53,6 +56,26 @@ def test_a_notice_predicts_as_if_the_router_had_routed_the_prompt():
     assert len(small.indexes[0]) == 3 and small.indexes[0].match(first.hashes) == 0
     b.reset(1)
     assert b.indexes[1].match(first.hashes) == 0
+
+
+async def test_a_notice_after_a_restart_clears_the_prediction_first():
+    """A notice of the worker's new session, arriving before any routing decision saw the
+    restart: the old session's blocks go, the notice's stay (through the engine's
+    WorkerClient.noticed, as a session calls it)."""
+    engine = Engine(EngineConfig(workers=2, routing="prefix"))
+    router = engine.router
+    old = router.blocks(conversation("Ann", 1)).hashes
+    new = router.blocks(conversation("Bob", 1)).hashes
+    router.routed(0, old)
+    assert router.indexes[0].match(old) == len(old)
+    engine.workers[0].restarts += 1  # (its session ended; a new one began)
+    engine.workers[0].noticed(0, new)
+    assert router.indexes[0].match(old) == 0
+    assert router.indexes[0].match(new) == len(new)
+    assert router.stats.notices == [1, 0]
+    engine.workers[1].noticed(1, old)  # (no restart: nothing forgotten)
+    engine.workers[0].noticed(0, old)
+    assert router.indexes[0].match(new) == len(new)
 
 
 def test_block_names_and_subscriptions_only_to_a_listening_worker():
@@ -98,23 +121,63 @@ async def cached_on(engine, prompt) -> tuple[int, int | None]:
         return choice.worker.index, choice.cached_tokens
 
 
+@asynccontextmanager
+async def raw_frontend(config, worker, *, subscribe: bool = False):
+    """A frontend by hand on ``worker``'s wire (a Link, after the handshake): it sends
+    and reads only what the test says."""
+    link = await open_connected(config, worker.address, None)
+    try:
+        await link.handshake()
+        if subscribe:
+            await link.send.send_all(wire.encode([wire.SUBSCRIBE, ["routed"]]))
+        yield link
+    finally:
+        await link.aclose(0)
+
+
+async def until_pong(link, seq: int) -> list[list]:
+    """PING ``seq``: the messages the worker sent ``link`` before its PONG."""
+    await link.send.send_all(wire.encode([wire.PING, seq]))
+    seen: list[list] = []
+    data = b""
+    while True:
+        for message in link.decoder.feed(data):
+            if message[0] == wire.PONG and message[1] == seq:
+                return seen
+            seen.append(message)
+        data = await link.receive.receive_some(1 << 16)
+        assert data, "the worker closed the connection"
+
+
+def routed_notes(messages: list[list]) -> list:
+    """The routed notices among ``messages``."""
+    return [note["routed"] for m in messages if m[0] == wire.STEP and len(m) > 3
+            for rid, note in m[3] if rid is None and "routed" in note]
+
+
 async def test_a_follow_up_through_another_frontend_goes_where_its_first_turn_went(
         tmp_path):
-    args = ("--sim-prefix-cache-tokens", "100000", "--sim-prefix-block-size", "4")
+    args = ("--sim-prefix-cache-tokens", "100000", "--sim-prefix-block-size", "4",
+            "--frontend-timeout", "300")  # (the raw frontend speaks only at the end)
     with trio.fail_after(LIMIT):
         async with listening_worker(tmp_path, "127.0.0.1:0", *args, name="w0") as w0, \
                 listening_worker(tmp_path, "127.0.0.1:0", *args, name="w1") as w1:
             config = remote_config(w0, w1, routing="prefix")
-            async with open_engine(config) as a, open_engine(config) as b:
+            async with open_engine(config) as a, open_engine(config) as b, \
+                    raw_frontend(config, w0) as older:  # (it never subscribes)
                 assert all(w.routed_notices for w in (*a.workers, *b.workers))
                 await a.ping_all()  # (each one's SUBSCRIBE has reached both workers)
                 await b.ping_all()
                 # frontend a: one conversation each (its recent decisions count as load)
                 assert await cached_on(a, conversation("Ann", 1)) == (0, 0)
                 assert await cached_on(a, conversation("Bob", 1)) == (1, 0)
+                # (Ann's and Bob's notices come over different connections: either first)
+                await wait_until(lambda: b.router.stats.notices == [1, 1], 30)
                 bob = b.router.blocks(conversation("Bob", 1)).hashes
-                await wait_until(lambda: b.router.indexes[1].match(bob) == len(bob), 30)
-                assert b.router.stats.notices == [1, 1]
+                assert b.router.indexes[1].match(bob) == len(bob)
+                # a frontend that did not subscribe (an older one) was told nothing: what
+                # worker 0 sent it before answering its ping, after b had Ann's notice
+                assert routed_notes(await until_pong(older, 1)) == []
                 # frontend b never routed Bob's first turn: his follow-up goes to worker 1
                 worker, cached = await cached_on(b, conversation("Bob", 2))
                 assert worker == 1 and cached is not None and cached >= 120
@@ -141,6 +204,9 @@ async def test_a_lone_frontend_is_sent_no_notices_and_least_loaded_sends_no_name
                 assert not any(w.routed_notices for w in a.workers)
                 await b.ping_all()
                 assert await cached_on(a, conversation("Cy", 1)) == (0, 0)
+                # (a's request has ended: a fresh count of each worker's, so that b's load
+                # holds no heartbeat answer of one sent while a's ran)
+                await b.ping_all()
                 assert await cached_on(b, "x " * 300) == (0, 0)  # (after a's, on worker 0)
                 assert b.router.stats.notices == [0, 0]
                 # names beside an adapter: the worker takes the adapter (the sim has none)
