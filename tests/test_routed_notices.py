@@ -12,6 +12,7 @@ follow-up through the other lands on the same worker, and the sim reports it cac
 
 from __future__ import annotations
 
+import re
 from contextlib import asynccontextmanager
 
 import pytest
@@ -217,3 +218,40 @@ async def test_a_lone_frontend_is_sent_no_notices_and_least_loaded_sends_no_name
                             pass
                 worker, cached = await cached_on(b, "x " * 350)  # (still connected)
                 assert worker == 0 and cached is not None and cached >= 280
+
+
+@pytest.mark.parametrize(("max_buffer", "count", "sent"), [
+    (1_000_000, wire.ROUTED_MAX, 40),  # big notices: a few fill the socket, then its buffer
+    (100_000, 300, 400),  # small ones, many read in one pass: counted as they are queued
+])
+async def test_a_subscriber_that_does_not_read_is_skipped_not_dropped(
+        tmp_path, max_buffer, count, sent):
+    """Notices are hints: another frontend's SUBMITs fill a subscriber that does not read
+    up to a quarter of --max-buffer-bytes, then are skipped for it; it is not dropped for
+    not reading, and reads what it was sent when it reads again."""
+    path = tmp_path / "w.sock"  # (unix socket buffers are small: the worker's fills soon)
+    async with listening_worker(tmp_path, f"unix:{path}", "--max-buffer-bytes",
+                                str(max_buffer), "--frontend-timeout", "300",
+                                secret=None) as w:
+        config = remote_config(w, secret=None)
+        with trio.fail_after(LIMIT):
+            async with raw_frontend(config, w, subscribe=True) as slow, \
+                    raw_frontend(config, w, subscribe=True) as sender:
+                await until_pong(slow, 1)  # (its SUBSCRIBE is in)
+                params = SamplingParams(max_tokens=1).to_wire(0)
+                names = [i.to_bytes(8, "big") for i in range(count)]
+                await sender.send.send_all(b"".join(  # (at once: many read in one pass)
+                    wire.encode([wire.SUBMIT, rid, "p", params, None, names])
+                    for rid in range(sent)))
+                finished = 0  # (every SUBMIT handled: every notice queued or skipped)
+                while finished < sent:
+                    data = await sender.receive.receive_some(1 << 16)
+                    assert data, w.text()
+                    finished += sum(row[3] is not None for m in sender.decoder.feed(data)
+                                    if m[0] == wire.STEP for row in m[2])
+                # ... and slow, still connected, reads a few of them
+                received = routed_notes(await until_pong(slow, 2))
+                assert 0 < len(received) < sent and received[0] == names
+    assert re.search(rf"skipped {sent - len(received)} routed notice\(s\)", w.text()), \
+        w.text()
+    assert "not reading" not in w.text()

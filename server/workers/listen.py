@@ -25,7 +25,11 @@ prediction, docs/routing.md): the worker strips them and passes them on, as the 
 ``[nil, {"routed": names}]`` of the next STEP, to every *other* connection that subscribed
 (``[SUBSCRIBE, ["routed"]]``), so that each frontend predicts what the others sent here.
 Only a frontend that subscribed gets them (an older one would take the note for a protocol
-violation), and only a worker shared by several frontends sends any.
+violation), and only a worker shared by several frontends sends any. Notices are hints, and
+one frontend's traffic must not get another dropped for not reading: a connection is given
+none while its output waiting exceeds a quarter of ``--max-buffer-bytes``, nor more than
+:data:`_NOTICE_BYTES` of them per loop pass; the rest are skipped (counted, and logged when
+the connection ends).
 
 *Request ids.* Each connection has its own id space (the frontend's ``rid``); the engine
 sees internal ids. ``owners`` maps an internal id to ``(connection, rid)`` and each
@@ -96,6 +100,9 @@ _LONG_ANSWER = 1.0
 _MAX_UNAUTHENTICATED_CONNS = 64
 #: After accept() failed (out of descriptors), seconds before accepting again.
 _ACCEPT_PAUSE = 0.5
+#: The most routed-notice bytes added to one connection's output per loop pass (the rest
+#: are skipped: hints, not worth a slow loop or a frontend's buffer).
+_NOTICE_BYTES = 1 << 20
 
 
 def say(message: str) -> None:
@@ -109,6 +116,7 @@ class _Conn:
     __slots__ = (
         "sock", "peer", "decoder", "out", "state", "nonce", "rids", "last_heard", "opened",
         "accepts", "outputs", "notes", "writing", "snapshot_due", "routed",
+        "notice_bytes", "notices_skipped",
     )
 
     def __init__(self, sock: socket.socket, peer: str, state: str, now: float) -> None:
@@ -131,6 +139,10 @@ class _Conn:
         self.snapshot_due = False
         #: it subscribed to the other connections' routed notices
         self.routed = False
+        #: bytes of routed notices queued for it in this loop pass (about)
+        self.notice_bytes = 0
+        #: routed notices not sent to it: its output was backed up, or the pass's share full
+        self.notices_skipped = 0
 
 
 class _Closed(Exception):
@@ -361,7 +373,7 @@ class Server:
         raise _Closed(f"refused: authentication failed: {reason}")
 
     def _handle(self, conn: _Conn, msg: list) -> None:
-        """``msg``: a checked request (wire.check_request)."""
+        """``msg``: a checked request (wire.check_listener_request)."""
         kind = msg[0]
         if conn.snapshot_due:
             # The blocks the engine holds now (the KV events from now on follow), with
@@ -419,10 +431,19 @@ class Server:
 
     def _notify_routed(self, sender: _Conn, names: list[bytes]) -> None:
         """``sender`` sent this worker a prompt of the blocks ``names``: tell every other
-        connection that subscribed, with its next STEP (one note per prompt)."""
+        connection that subscribed, with its next STEP (one note per prompt), unless its
+        output is backed up (past a quarter of max_buffer, this note included) or it had
+        :data:`_NOTICE_BYTES` of them in this pass already: then skipped."""
         note = (None, {"routed": names})
+        size = 10 * len(names) + 16  # (encoded: 8-byte bins with their 2-byte headers)
+        room = self.max_buffer // 4
         for conn in self.conns:
             if conn.routed and conn is not sender and conn.state == "ready":
+                queued = conn.notice_bytes + size
+                if queued > _NOTICE_BYTES or len(conn.out) + queued > room:
+                    conn.notices_skipped += 1
+                    continue
+                conn.notice_bytes = queued
                 conn.notes.append(note)
 
     def _drop(self, conn: _Conn, reason: str) -> None:
@@ -444,7 +465,10 @@ class Server:
             pass
         conn.sock.close()
         if conn.state == "ready" or aborted:
-            say(f"frontend {conn.peer} disconnected ({reason}); aborted {aborted} request(s)")
+            skipped = (f"; skipped {conn.notices_skipped} routed notice(s)"
+                       if conn.notices_skipped else "")
+            say(f"frontend {conn.peer} disconnected ({reason}); aborted {aborted} "
+                f"request(s){skipped}")
         else:
             say(f"connection from {conn.peer} ended: {reason}")
 
@@ -521,6 +545,7 @@ class Server:
         self.accepts = []
         self.outputs = []
         for conn in list(self.conns):
+            conn.notice_bytes = 0  # (a new pass)
             if conn.accepts or conn.outputs or conn.notes:
                 message = [wire.STEP, conn.accepts, conn.outputs]
                 if conn.notes:
