@@ -79,6 +79,20 @@ async def test_a_notice_after_a_restart_clears_the_prediction_first():
     assert router.indexes[0].match(new) == len(new)
 
 
+async def test_a_session_that_ended_leaves_no_routed_notices_on(tmp_path):
+    """Whether a worker passes notices on is its session's: false while it is down (the
+    next session's worker may be another, or an older one)."""
+    with trio.fail_after(LIMIT):
+        async with listening_worker(tmp_path, "127.0.0.1:0", name="w0") as w0:
+            config = remote_config(w0, routing="prefix")
+            async with open_engine(config) as engine:
+                worker = engine.workers[0]
+                assert worker.routed_notices
+                w0.proc.kill()  # (its session ends: the connection closes)
+                await wait_until(lambda: not worker.alive, 30)
+                assert not worker.routed_notices
+
+
 def test_block_names_and_subscriptions_only_to_a_listening_worker():
     names = [NAME, b"abcdefgh"]
     good = [
@@ -97,6 +111,7 @@ def test_block_names_and_subscriptions_only_to_a_listening_worker():
         [wire.SUBMIT, 1, "p", {}, 3, names],
         [wire.SUBMIT, 1, "p", {}, None, "names"],
         [wire.SUBSCRIBE, []],
+        [wire.SUBSCRIBE, ["routed"] * 9],  # (at most 8 topics)
         [wire.SUBSCRIBE, ["everything"]],
         [wire.SUBSCRIBE, "routed"],
         [wire.SUBSCRIBE, ["routed"], 1],

@@ -481,6 +481,7 @@ class WorkerClient:
         finally:
             self.alive = False
             self.kv_index = None  # (the next session's cache is another)
+            self.routed_notices = False  # (and its worker may be another, or older)
             self.running = self.waiting = self.foreign = 0
             self.report.down()
             self._fail_all(reason, cause)

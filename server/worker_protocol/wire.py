@@ -196,6 +196,8 @@ ROUTED_KEY = "routed_notices"
 ROUTED_MAX = 16384
 #: What a frontend may subscribe to.
 _TOPICS = frozenset({"routed"})
+#: The most topics one SUBSCRIBE names.
+_MAX_TOPICS = 8
 
 #: Largest frame either side accepts (64 MiB): a bigger length prefix means garbage.
 MAX_FRAME = 64 * 1024 * 1024
@@ -858,7 +860,7 @@ def _named_submit(m: list) -> bool:
 _LISTENER_REQUESTS = REQUESTS | {SUBSCRIBE}
 _LISTENER_SHAPES = {
     **_SHAPES, SUBMIT: _named_submit,
-    SUBSCRIBE: lambda m: len(m) == 2 and type(m[1]) is list and bool(m[1])
+    SUBSCRIBE: lambda m: len(m) == 2 and type(m[1]) is list and 0 < len(m[1]) <= _MAX_TOPICS
     and all(type(t) is str and t in _TOPICS for t in m[1]),
 }
 
