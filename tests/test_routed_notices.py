@@ -20,6 +20,7 @@ import trio
 
 from server import EngineConfig, SamplingParams, ServerError
 from server.manager.engine import Engine, open_engine
+from server.manager.routing import NAMING
 from server.manager.transport import open_connected
 from server.manager.routing import Router
 from server.observability.metrics import _routing_families
@@ -29,6 +30,7 @@ from tests.test_routing_processes import conversation
 
 LIMIT = 120
 NAME = b"12345678"
+TOPIC = wire.routed_topic(NAMING)
 
 
 def test_a_notice_predicts_as_if_the_router_had_routed_the_prompt():
@@ -99,7 +101,8 @@ def test_block_names_and_subscriptions_only_to_a_listening_worker():
         [wire.SUBMIT, 1, "p", {}, None, names],
         [wire.SUBMIT, 1, {"messages": []}, {}, "adapter", names],
         [wire.SUBMIT, 1, "p", {}, None, [NAME] * wire.ROUTED_MAX],
-        [wire.SUBSCRIBE, ["routed"]],
+        [wire.SUBSCRIBE, [TOPIC]],
+        [wire.SUBSCRIBE, ["routed/999999"]],
     ]
     for message in good:
         assert wire.check_listener_request(message) is message
@@ -111,10 +114,16 @@ def test_block_names_and_subscriptions_only_to_a_listening_worker():
         [wire.SUBMIT, 1, "p", {}, 3, names],
         [wire.SUBMIT, 1, "p", {}, None, "names"],
         [wire.SUBSCRIBE, []],
-        [wire.SUBSCRIBE, ["routed"] * 9],  # (at most 8 topics)
+        [wire.SUBSCRIBE, [TOPIC] * 9],  # (at most 8 topics)
         [wire.SUBSCRIBE, ["everything"]],
-        [wire.SUBSCRIBE, "routed"],
-        [wire.SUBSCRIBE, ["routed"], 1],
+        [wire.SUBSCRIBE, ["routed/1", "routed/2"]],  # (a connection's names: one naming)
+        [wire.SUBSCRIBE, ["routed"]],  # (of no naming)
+        [wire.SUBSCRIBE, ["routed/0"]],
+        [wire.SUBSCRIBE, ["routed/01"]],
+        [wire.SUBSCRIBE, ["routed/1000000"]],
+        [wire.SUBSCRIBE, [TOPIC.encode()]],
+        [wire.SUBSCRIBE, TOPIC],
+        [wire.SUBSCRIBE, [TOPIC], 1],
     ):
         with pytest.raises(wire.ProtocolError):
             wire.check_listener_request(message)
@@ -138,14 +147,14 @@ async def cached_on(engine, prompt) -> tuple[int, int | None]:
 
 
 @asynccontextmanager
-async def raw_frontend(config, worker, *, subscribe: bool = False):
-    """A frontend by hand on ``worker``'s wire (a Link, after the handshake): it sends
-    and reads only what the test says."""
+async def raw_frontend(config, worker, *, subscribe: str | None = None):
+    """A frontend by hand on ``worker``'s wire (a Link, after the handshake), subscribed
+    to the topic ``subscribe``: it sends and reads only what the test says."""
     link = await open_connected(config, worker.address, None)
     try:
         await link.handshake()
-        if subscribe:
-            await link.send.send_all(wire.encode([wire.SUBSCRIBE, ["routed"]]))
+        if subscribe is not None:
+            await link.send.send_all(wire.encode([wire.SUBSCRIBE, [subscribe]]))
         yield link
     finally:
         await link.aclose(0)
@@ -250,8 +259,8 @@ async def test_a_subscriber_that_does_not_read_is_skipped_not_dropped(
                                 secret=None) as w:
         config = remote_config(w, secret=None)
         with trio.fail_after(LIMIT):
-            async with raw_frontend(config, w, subscribe=True) as slow, \
-                    raw_frontend(config, w, subscribe=True) as sender:
+            async with raw_frontend(config, w, subscribe=TOPIC) as slow, \
+                    raw_frontend(config, w, subscribe=TOPIC) as sender:
                 await until_pong(slow, 1)  # (its SUBSCRIBE is in)
                 params = SamplingParams(max_tokens=1).to_wire(0)
                 names = [i.to_bytes(8, "big") for i in range(count)]
@@ -270,3 +279,32 @@ async def test_a_subscriber_that_does_not_read_is_skipped_not_dropped(
     assert re.search(rf"skipped {sent - len(received)} routed notice\(s\)", w.text()), \
         w.text()
     assert "not reading" not in w.text()
+
+
+async def test_notices_go_only_to_the_frontends_of_the_same_naming(tmp_path):
+    """A SUBMIT's names are of its sender's naming (its topic): they reach the frontends
+    subscribed to that one only, never one of another naming (a future version's names
+    would push valid entries out of its index); a sender that did not subscribe has named
+    no naming, and its names go nowhere."""
+    with trio.fail_after(LIMIT):
+        async with listening_worker(tmp_path, "127.0.0.1:0", "--frontend-timeout", "300",
+                                    name="w0") as w0:
+            config = remote_config(w0)
+            async with raw_frontend(config, w0, subscribe=TOPIC) as same, \
+                    raw_frontend(config, w0, subscribe="routed/99") as other, \
+                    raw_frontend(config, w0, subscribe=TOPIC) as sender, \
+                    raw_frontend(config, w0) as unsubscribed, \
+                    raw_frontend(config, w0) as older:
+                for link in (same, other, sender, unsubscribed):  # (each SUBSCRIBE is in)
+                    await until_pong(link, 1)
+                params = SamplingParams(max_tokens=1).to_wire(0)
+                await unsubscribed.send.send_all(
+                    wire.encode([wire.SUBMIT, 1, "p", params, None, [b"unnamed."]]))
+                await until_pong(unsubscribed, 2)  # (handled)
+                await sender.send.send_all(
+                    wire.encode([wire.SUBMIT, 1, "p", params, None, [NAME]]))
+                await until_pong(sender, 2)
+                assert routed_notes(await until_pong(same, 2)) == [[NAME]]
+                assert routed_notes(await until_pong(other, 2)) == []
+                assert routed_notes(await until_pong(sender, 3)) == []
+                assert routed_notes(await until_pong(older, 1)) == []

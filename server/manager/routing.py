@@ -61,6 +61,10 @@ POLICIES = ("prefix", "least-loaded", "round-robin")
 BLOCK_CHARS = 256
 #: Token ids per block of a token-id prompt (vLLM's default block size).
 BLOCK_TOKENS = 16
+#: The version of the block naming (:func:`prompt_blocks`, :meth:`Router.blocks`: block
+#: sizes, digests, seeds): frontends share routed notices only within one naming
+#: (server.worker_protocol.wire.routed_topic). Bump it with any change to the names.
+NAMING = 1
 #: Blocks each worker's index remembers by default (about 1 M tokens of text).
 DEFAULT_CAPACITY = 16384
 #: Decisions remembered for the load, per worker (see :meth:`Router.pick`).

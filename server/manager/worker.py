@@ -60,6 +60,7 @@ from ..thread_limits import run_limiter
 from ..worker_protocol import wire
 from .kv_index import KVIndex
 from .pacing import Pacer
+from .routing import NAMING
 from .stream import Choice
 from .transport import Link, SessionEnded, open_connected, open_spawned, tls_context
 
@@ -451,7 +452,7 @@ class WorkerClient:
             self.routed_notices = (config.routing == "prefix"
                                    and self.info.get(wire.ROUTED_KEY) is True)
             if self.routed_notices:  # (ahead of any request)
-                self._queue(wire.encode([wire.SUBSCRIBE, ["routed"]]))
+                self._queue(wire.encode([wire.SUBSCRIBE, [wire.routed_topic(NAMING)]]))
             replaying = self._replay()  # queued ahead of any request
             self.kv_index = _kv_index(self.info, config.routing, self.kv_events)
             self.alive = True

@@ -14,7 +14,8 @@ Frontend -> worker::
     [SUBMIT, rid, prompt, params, adapter | nil, names]   to a listening worker whose HELLO
                                     says "routed_notices": the prompt's block names, which
                                     it passes on to its other frontends (ROUTED_KEY)
-    [SUBSCRIBE, ["routed"]]         to such a worker: send me the others' routed notices
+    [SUBSCRIBE, ["routed/N"]]       to such a worker: send me the others' routed notices
+                                    of block naming N (and take my names as of naming N)
     [ABORT, rid]                    unknown or finished rid: a no-op
     [PING, seq]
     [TOKENIZE, seq, request]        {"op": "tokenize", "prompt": str | {"messages": [...]},
@@ -123,6 +124,7 @@ __all__ = [
     "SUBSCRIBE",
     "ROUTED_KEY",
     "ROUTED_MAX",
+    "routed_topic",
     "MAX_FRAME",
     "PACKED_IDS",
     "PACK_MIN",
@@ -188,16 +190,35 @@ SUBSCRIBE = 12
 
 #: The key of a listening worker's HELLO info saying that it takes a SUBMIT's block names
 #: and passes them on, as the worker note ``{"routed": [name, ...]}``, to every other
-#: frontend that subscribed (``[SUBSCRIBE, ["routed"]]``): a *routed notice*, so that each
-#: frontend's routing prediction knows what the others sent it (docs/routing.md).
+#: frontend that subscribed to the same naming (``[SUBSCRIBE, [routed_topic(N)]]``, N the
+#: version of the frontend's block naming): a *routed notice*, so that each frontend's
+#: routing prediction knows what the others sent it (docs/routing.md).
 ROUTED_KEY = "routed_notices"
 #: The most block names a SUBMIT carries (a prompt's first ones; the prediction index's
 #: capacity, server.manager.routing.DEFAULT_CAPACITY: 128 KiB of names).
 ROUTED_MAX = 16384
-#: What a frontend may subscribe to.
-_TOPICS = frozenset({"routed"})
+#: What a frontend may subscribe to: the routed notices of one block naming (a version,
+#: 1 to 999999; a SUBSCRIBE names one at most).
+_ROUTED_TOPIC = re.compile(r"routed/[1-9][0-9]{0,5}")
 #: The most topics one SUBSCRIBE names.
 _MAX_TOPICS = 8
+
+
+def routed_topic(naming: int) -> str:
+    """The topic of the routed notices whose block names are of version ``naming``: a
+    worker passes a SUBMIT's names only to the frontends subscribed to its sender's topic,
+    so that frontends naming blocks differently never mix their predictions."""
+    return f"routed/{naming}"
+
+
+def _subscribe(m: list) -> bool:
+    """A SUBSCRIBE: 1 to _MAX_TOPICS known topics, one naming's routed notices at most
+    (a connection's names are of one naming; routed topics are the only ones yet)."""
+    topics = m[1] if len(m) == 2 else None
+    if type(topics) is not list or not 0 < len(topics) <= _MAX_TOPICS:
+        return False
+    routed = sum(type(t) is str and _ROUTED_TOPIC.fullmatch(t) is not None for t in topics)
+    return routed == len(topics) == 1
 
 #: Largest frame either side accepts (64 MiB): a bigger length prefix means garbage.
 MAX_FRAME = 64 * 1024 * 1024
@@ -860,8 +881,7 @@ def _named_submit(m: list) -> bool:
 _LISTENER_REQUESTS = REQUESTS | {SUBSCRIBE}
 _LISTENER_SHAPES = {
     **_SHAPES, SUBMIT: _named_submit,
-    SUBSCRIBE: lambda m: len(m) == 2 and type(m[1]) is list and 0 < len(m[1]) <= _MAX_TOPICS
-    and all(type(t) is str and t in _TOPICS for t in m[1]),
+    SUBSCRIBE: _subscribe,
 }
 
 

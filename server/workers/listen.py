@@ -22,9 +22,11 @@ One thread, one loop, like the pipe worker, multiplexing sockets with :mod:`sele
 
 *Routed notices.* A SUBMIT may carry the prompt's block names (the frontend's routing
 prediction, docs/routing.md): the worker strips them and passes them on, as the note
-``[nil, {"routed": names}]`` of the next STEP, to every *other* connection that subscribed
-(``[SUBSCRIBE, ["routed"]]``), so that each frontend predicts what the others sent here.
-Only a frontend that subscribed gets them (an older one would take the note for a protocol
+``[nil, {"routed": names}]`` of the next STEP, to every *other* connection subscribed to
+the same topic (``[SUBSCRIBE, ["routed/N"]]``, N the version of the frontends' block
+naming; a connection's names are of its topic's naming, and those of a connection that did
+not subscribe go nowhere), so that each frontend predicts what the others sent here. Only a
+frontend that subscribed gets them (an older one would take the note for a protocol
 violation), and only a worker shared by several frontends sends any. Notices are hints, and
 one frontend's traffic must not get another dropped for not reading: a connection is given
 none while its output waiting exceeds a quarter of ``--max-buffer-bytes``, nor more than
@@ -137,8 +139,8 @@ class _Conn:
         self.writing = False  # registered for EVENT_WRITE
         #: the KV cache's snapshot is owed (with the first STEP after its first message)
         self.snapshot_due = False
-        #: it subscribed to the other connections' routed notices
-        self.routed = False
+        #: the routed notices' topic it subscribed to (its block naming), or None
+        self.routed: str | None = None
         #: bytes of routed notices queued for it in this loop pass (about)
         self.notice_bytes = 0
         #: routed notices not sent to it: its output was backed up, or the pass's share full
@@ -395,7 +397,7 @@ class Server:
                 conn.outputs.append(OutputRow(rid, "", 0, "error", [
                     "invalid_request", f"request id {rid} is already running"]))
                 return
-            if names:
+            if names and conn.routed is not None:
                 self._notify_routed(conn, names)
             internal = next(self._ids)
             conn.rids[rid] = internal
@@ -424,21 +426,22 @@ class Server:
                 self.tokenizing.pop(msg[1], None)
                 reply[1] = seq
             conn.out += wire.encode(reply)
-        elif kind == wire.SUBSCRIBE:  # (its only topic: "routed")
-            conn.routed = True
+        elif kind == wire.SUBSCRIBE:  # (its one topic: routed notices of a naming)
+            conn.routed = msg[1][0]
         else:  # SHUTDOWN: one frontend does not stop a shared worker
             raise _Closed("the frontend said SHUTDOWN")
 
     def _notify_routed(self, sender: _Conn, names: list[bytes]) -> None:
         """``sender`` sent this worker a prompt of the blocks ``names``: tell every other
-        connection that subscribed, with its next STEP (one note per prompt), unless its
+        connection subscribed to its topic (naming), with its next STEP (one note per prompt), unless its
         output is backed up (past a quarter of max_buffer, this note included) or it had
         :data:`_NOTICE_BYTES` of them in this pass already: then skipped."""
         note = (None, {"routed": names})
+        topic = sender.routed
         size = 10 * len(names) + 16  # (encoded: 8-byte bins with their 2-byte headers)
         room = self.max_buffer // 4
         for conn in self.conns:
-            if conn.routed and conn is not sender and conn.state == "ready":
+            if conn.routed == topic and conn is not sender and conn.state == "ready":
                 queued = conn.notice_bytes + size
                 if queued > _NOTICE_BYTES or len(conn.out) + queued > room:
                     conn.notices_skipped += 1
