@@ -48,17 +48,39 @@ def addr(url: str) -> tuple[str, int]:
     return parts.hostname, parts.port
 
 
+def _first_response_complete(raw: bytes, head_only: bool) -> bool:
+    """Whether ``raw`` holds a whole first response whose end its framing tells (a
+    close-delimited one ends at EOF)."""
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    status, headers, _ = split_response(head + sep)
+    if head_only or status in (204, 304):
+        return True
+    if "content-length" in headers:
+        return len(body) >= int(headers["content-length"])
+    if "chunked" in headers.get("transfer-encoding", ""):
+        return body.endswith(b"0\r\n\r\n")
+    return False
+
+
 async def raw_exchange(url: str, data: bytes, wait: float = 2.0) -> bytes:
-    """Send raw bytes on a new connection; what came back until EOF (or ``wait`` s)."""
+    """Send raw bytes on a new connection; what came back until EOF, or until ``wait`` s
+    after the first whole response (a kept-alive connection stays open). The first
+    response is waited for up to 30 s (a hang guard: a busy machine can take seconds)."""
     sock = await trio.open_tcp_stream(*addr(url))
     out = b""
+    head_only = data.startswith(b"HEAD ")
     try:
         await sock.send_all(data)
-        with trio.move_on_after(wait):
-            while True:
+        with trio.move_on_after(30):
+            while not _first_response_complete(out, head_only):
                 chunk = await sock.receive_some(65536)
                 if not chunk:
-                    break
+                    return out
+                out += chunk
+        with trio.move_on_after(wait):
+            while chunk := await sock.receive_some(65536):
                 out += chunk
     except trio.BrokenResourceError:
         pass
