@@ -235,18 +235,19 @@ async def test_routes_that_do_not_read_a_body_say_connection_close_only_when_the
 
 async def test_a_connection_in_use_outlives_its_keep_alive_timeout():
     # The keep-alive timer runs while the connection is idle between requests and is
-    # stopped by the next one: requests every 0.25 s (and a 1.4 s stream in the middle) on
-    # a connection with a 2 s keep-alive timeout keep it open well past 2 s; once idle, it
+    # stopped by the next one: requests every 0.5 s (and a 2.8 s stream in the middle) on
+    # a connection with a 4 s keep-alive timeout keep it open well past 4 s; once idle, it
     # is closed. The bounds are causal, not timings: the timer cannot start before the
     # last request was sent (the server runs on this test's clock), and the idle gaps are
-    # an eighth of the timeout (a stall of 1.75 s would be needed to break them).
-    timeout = 2.0
+    # an eighth of the timeout (a stall of 3.5 s between two requests would be needed to
+    # break them; with 2 s, 1.75 s was within a loaded CI machine's reach).
+    timeout = 4.0
     async with running_server(keep_alive_timeout=timeout) as url:
         sock = await trio.open_tcp_stream(*addr(url))
         opened_at = trio.current_time()
         conn = h11.Connection(h11.CLIENT)
         bodies = [{"prompt": "a", "max_tokens": 2}] * 5 + [
-            {"prompt": "a", "max_tokens": 700, "stream": True}] + [{"prompt": "a", "max_tokens": 2}] * 5
+            {"prompt": "a", "max_tokens": 1400, "stream": True}] + [{"prompt": "a", "max_tokens": 2}] * 5
         with trio.fail_after(60):
             for i, body in enumerate(bodies):
                 if i:

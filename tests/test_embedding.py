@@ -129,7 +129,7 @@ async def test_the_fast_paths_are_used_on_this_servers_connections(monkeypatch):
             b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
         )
         raw = b""
-        with trio.fail_after(10):
+        with trio.fail_after(30):
             while not raw.endswith(b"0\r\n\r\n"):
                 raw += await sock.receive_some(1 << 16)
         await sock.aclose()
@@ -178,6 +178,6 @@ async def test_cancelling_the_callers_scope_stops_serve_and_its_workers():
                     async for _ in r.aiter_raw():
                         nursery.cancel_scope.cancel()  # mid-stream: the caller leaves
                         break
-    with trio.fail_after(10):
+    with trio.fail_after(30):
         while child_pids() - before:
             await trio.sleep(0.05)

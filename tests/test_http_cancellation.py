@@ -38,20 +38,37 @@ async def read_until(sock: trio.SocketStream, marker: bytes, count: int = 1) -> 
     return data
 
 
-async def wait_worker_empty(engine, timeout: float) -> None:
-    """Within ``timeout``: the manager and every worker hold nothing."""
+async def wait_worker_empty(engine, timeout: float = 30.0) -> None:
+    """Within ``timeout`` (a hang guard): the manager and every worker hold nothing."""
     await assert_engine_idle(engine, timeout=timeout)
 
 
-async def test_disconnect_mid_stream_aborts_promptly(server_url):
+#: Tokens of a request that must be aborted, not run to its end: 60 s at the sim's 2 ms a
+#: token (the most a request may ask), so idle within the 30 s hang guard proves the abort
+#: on a machine of any load (the default 8192-token context ends one in 16 s by itself).
+ENDLESS = 30_000
+
+
+@pytest.fixture
+async def long_server_url():
+    """A server whose sim takes ENDLESS tokens (a context of 2**20)."""
+    from server.config import EngineConfig
+    from tests.conftest import FAST_SIM, running_server
+
+    config = EngineConfig(engine_options={**FAST_SIM, "max_model_len": 1 << 20})
+    async with running_server(config) as url:
+        yield url
+
+
+async def test_disconnect_mid_stream_aborts_promptly(long_server_url):
     sock = await open_request(
-        server_url, "/v1/completions", {"prompt": "go", "max_tokens": 5000, "stream": True}
+        long_server_url, "/v1/completions", {"prompt": "go", "max_tokens": ENDLESS, "stream": True}
     )
     await read_until(sock, b"data: ", 5)
-    (running, _), = await server_url.engine.ping_all()
+    (running, _), = await long_server_url.engine.ping_all()
     assert running == 1
     await sock.aclose()
-    await wait_worker_empty(server_url.engine, timeout=1.0)
+    await wait_worker_empty(long_server_url.engine)
 
 
 async def test_disconnect_before_first_token(fault_server_url):
@@ -61,34 +78,35 @@ async def test_disconnect_before_first_token(fault_server_url):
         "/v1/completions",
         {"prompt": "go", "max_tokens": 50, "stream": True, "fault": {"kind": "stall", "after": 0}},
     )
-    with trio.fail_after(5):
+    with trio.fail_after(30):
         while (await fault_server_url.engine.ping_all())[0][0] != 1:
             await trio.sleep(0.01)
     await sock.aclose()
-    await wait_worker_empty(fault_server_url.engine, timeout=1.0)
+    await wait_worker_empty(fault_server_url.engine)  # (a stalled request never ends by itself)
 
 
-async def test_disconnect_during_batch_with_n(server_url):
+async def test_disconnect_during_batch_with_n(long_server_url):
     sock = await open_request(
-        server_url,
+        long_server_url,
         "/v1/completions",
-        {"prompt": ["a", "b b", "c c c"], "n": 3, "max_tokens": 5000, "stream": True},
+        {"prompt": ["a", "b b", "c c c"], "n": 3, "max_tokens": ENDLESS, "stream": True},
     )
     await read_until(sock, b"data: ", 20)
-    (running, waiting), = await server_url.engine.ping_all()
+    (running, waiting), = await long_server_url.engine.ping_all()
     assert running + waiting == 9
     await sock.aclose()
-    await wait_worker_empty(server_url.engine, timeout=1.0)
+    await wait_worker_empty(long_server_url.engine)
 
 
-async def test_disconnect_while_waiting_for_a_non_streaming_answer(server_url):
-    sock = await open_request(server_url, "/v1/completions", {"prompt": "go", "max_tokens": 5000})
-    with trio.fail_after(5):
-        while (await server_url.engine.ping_all())[0][0] != 1:
+async def test_disconnect_while_waiting_for_a_non_streaming_answer(long_server_url):
+    sock = await open_request(long_server_url, "/v1/completions",
+                              {"prompt": "go", "max_tokens": ENDLESS})
+    with trio.fail_after(30):
+        while (await long_server_url.engine.ping_all())[0][0] != 1:
             await trio.sleep(0.01)
     await trio.sleep(0.1)
     await sock.aclose()
-    await wait_worker_empty(server_url.engine, timeout=1.0)
+    await wait_worker_empty(long_server_url.engine)
 
 
 async def test_engine_error_mid_stream_is_an_error_event(fault_server_url):
@@ -135,21 +153,21 @@ async def test_error_event_then_done_on_the_wire(fault_server_url):
     error = json.loads(events[-2][6:])
     assert error["error"]["type"] == "engine_error"
     assert "Traceback" not in raw.decode()
-    await wait_worker_empty(fault_server_url.engine, timeout=2.0)
+    await wait_worker_empty(fault_server_url.engine)
 
 
 async def test_worker_crash_ends_streams_and_the_worker_restarts(fault_server_url):
     engine = fault_server_url.engine
     pid_before = engine.statistics().workers[0].pid
     body = {"prompt": "p", "max_tokens": 50, "stream": True, "fault": {"kind": "crash", "after": 3}}
-    async with httpx.AsyncClient(base_url=fault_server_url, timeout=10) as http:
-        with trio.fail_after(5):
+    async with httpx.AsyncClient(base_url=fault_server_url, timeout=30) as http:
+        with trio.fail_after(30):
             async with http.stream("POST", "/v1/completions", json=body) as r:
                 raw = b"".join([part async for part in r.aiter_raw()])
         events = [e for e in raw.split(b"\n\n") if e]
         assert events[-1] == b"data: [DONE]"
         assert json.loads(events[-2][6:])["error"]["code"] == "worker_died"
-        with trio.fail_after(10):
+        with trio.fail_after(30):
             while not engine.statistics().workers[0].alive:
                 await trio.sleep(0.02)
         stats = engine.statistics().workers[0]
@@ -174,12 +192,14 @@ async def test_ignored_abort_is_cut_off_at_the_drain_deadline(fault_server_url):
     # The manager let go; the worker is still generating (it ignores the abort), and its
     # late output is dropped until it finishes by itself.
     assert engine.statistics().outstanding == 0
-    await wait_worker_empty(engine, timeout=5.0)
+    await wait_worker_empty(engine)
 
 
 async def test_stalled_stream_and_a_client_timeout(fault_server_url):
     async with openai.AsyncOpenAI(
-        base_url=fault_server_url + "/v1", api_key="x", max_retries=0, timeout=1.0
+        # the client's timeout ends the stalled stream; 5 s, as it also bounds the wait for
+        # the response's head, which a busy machine can stretch past 1 s
+        base_url=fault_server_url + "/v1", api_key="x", max_retries=0, timeout=5.0
     ) as c:
         stream = await c.completions.create(
             model="sim", prompt="p", max_tokens=20, stream=True,
@@ -188,14 +208,16 @@ async def test_stalled_stream_and_a_client_timeout(fault_server_url):
         with pytest.raises(openai.APIError):
             async for _ in stream:
                 pass
-    await wait_worker_empty(fault_server_url.engine, timeout=2.0)
+    await wait_worker_empty(fault_server_url.engine)
 
 
 async def test_request_timeout_aborts_on_the_engine():
     from tests.conftest import running_server
 
-    async with running_server(request_timeout=0.3) as url:
-        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+    # 3 s: the 3-token request below must fit in it on a busy machine; the 5000-token ones
+    # take 10 s at the sim's 2 ms a token however idle the machine is
+    async with running_server(request_timeout=3.0) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             body = {"prompt": "p", "max_tokens": 5000, "stream": True}
             async with http.stream("POST", "/v1/completions", json=body) as r:
                 raw = b"".join([part async for part in r.aiter_raw()])
@@ -220,7 +242,7 @@ async def test_max_concurrent_requests_answers_503_before_queueing():
         ]
         for s in socks:
             await read_until(s, b"data: ", 1)
-        async with httpx.AsyncClient(base_url=url) as http:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             r = await http.post("/v1/completions", json={"prompt": "p", "max_tokens": 2})
             assert r.status_code == 503
             assert r.headers["retry-after"] == "1"

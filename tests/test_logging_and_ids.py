@@ -41,7 +41,7 @@ def captured_log(fmt: str):
 async def wait_for_line(buffer: io.StringIO, marker: str) -> str:
     """The first line with ``marker``: the request line is written just after the response's
     last byte, so the client may get there first."""
-    with trio.fail_after(5):
+    with trio.fail_after(30):
         while True:
             for line in buffer.getvalue().splitlines():
                 if marker in line:

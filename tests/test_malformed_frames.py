@@ -240,13 +240,13 @@ async def test_a_malformed_pong_ends_that_session_and_the_server_reconnects(tmp_
                     for rec in recs:
                         streams.start_soon(stream_into, http,
                                            {"prompt": "p", "max_tokens": 8000}, rec)
-                    with trio.fail_after(10):
+                    with trio.fail_after(30):
                         for rec in recs:
                             await rec.started.wait()
                     relay = proxy.current
                     assert relay is not None
                     await proxy.inject(relay, wire.encode([wire.PONG]))
-                    with trio.fail_after(10):
+                    with trio.fail_after(30):
                         for rec in recs:
                             await rec.finished.wait()
                 for rec in recs:

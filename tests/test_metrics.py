@@ -140,14 +140,14 @@ async def test_metrics_after_a_known_sequence_of_requests():
 async def test_running_and_waiting_gauges_per_worker():
     config = EngineConfig(workers=2, engine_options={**FAST_SIM, "max_batch": 1})
     async with running_server(config) as url:
-        with trio.fail_after(10):  # /health is ok with one worker up; this needs both
+        with trio.fail_after(30):  # /health is ok with one worker up; this needs both
             while url.engine.statistics().workers_alive < 2:
                 await trio.sleep(0.02)
         socks = []
         for _ in range(3):  # least loaded first: worker 0, worker 1, then worker 0 again
             socks.append(await open_request(
                 url, "/v1/completions", {"prompt": "p", "max_tokens": 5000, "stream": True}))
-            with trio.fail_after(5):
+            with trio.fail_after(30):
                 while url.engine.statistics().open_streams < len(socks):
                     await trio.sleep(0.01)
         await read_until(socks[0], b"data: ", 2)
@@ -178,7 +178,7 @@ async def test_worker_crash_counts_a_restart_and_a_worker_failure():
             async with http.stream("POST", "/v1/completions", json=body) as r:
                 raw = b"".join([part async for part in r.aiter_raw()])
             assert b"worker_died" in raw
-            with trio.fail_after(10):
+            with trio.fail_after(30):
                 while not url.engine.statistics().workers[0].alive:
                     await trio.sleep(0.02)
         m = await scrape(url, until=lambda m: finished(m) == 1)

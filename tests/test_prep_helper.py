@@ -22,6 +22,7 @@ from server.workers.base import Rejected  # noqa: E402
 from server.workers.hf import TransformersEngine  # noqa: E402
 from tests.conftest import child_pids, children_of, pid_exists  # noqa: E402
 from tests.test_worker_prepare import json_schema, wide_schema  # noqa: E402
+from tests.test_worker_probe import _cpu_seconds  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
 torch.set_num_threads(1)
@@ -125,8 +126,13 @@ async def test_a_dead_helper_fails_only_what_it_held(model_dir):
                 failed.append(str(info.value))
 
             async with trio.open_nursery() as nursery:
+                idle_cpu = _cpu_seconds(helper)
                 nursery.start_soon(doomed)
-                await trio.sleep(1.0)  # it is tokenizing (seconds for 2 MB of one word)
+                # it is tokenizing (CPU seconds for 2 MB of one word) once it has used 0.2 s
+                # of CPU: not a fixed pause, which a busy machine can end before the request
+                # reached the helper
+                while _cpu_seconds(helper) - idle_cpu < 0.2:
+                    await trio.sleep(0.02)
                 os.kill(helper, signal.SIGKILL)
             assert "preparation process died" in failed[0]
             while pid_exists(helper):

@@ -80,7 +80,7 @@ async def test_a_worker_whose_link_goes_down_midstream_is_dropped_then_reconnect
             addresses = tuple(parse_address(address) for _, _, address in links)
             wrong = EngineConfig(worker_addresses=addresses[:1], workers=1,
                                  worker_secret=b"not the secret, but long enough")
-            with trio.fail_after(10), pytest.raises(WorkerStartupError, match="wrong secret"):
+            with trio.fail_after(30), pytest.raises(WorkerStartupError, match="wrong secret"):
                 async with open_engine(wrong):
                     pass
             config = EngineConfig(
@@ -91,7 +91,7 @@ async def test_a_worker_whose_link_goes_down_midstream_is_dropped_then_reconnect
             )
             async with running_server(config) as url:
                 engine = url.engine
-                with trio.fail_after(10):
+                with trio.fail_after(30):
                     while engine.statistics().workers_alive < 2:
                         await trio.sleep(0.02)
                 recs = [SSE() for _ in range(4)]
@@ -100,7 +100,7 @@ async def test_a_worker_whose_link_goes_down_midstream_is_dropped_then_reconnect
                     async with trio.open_nursery() as nursery:
                         for rec in recs:
                             nursery.start_soon(stream_into, http, body, rec)
-                        with trio.fail_after(10):
+                        with trio.fail_after(30):
                             for rec in recs:
                                 await rec.started.wait()
                         assert await engine.ping_all() == [(2, 0), (2, 0)]
@@ -129,10 +129,10 @@ async def test_a_worker_whose_link_goes_down_midstream_is_dropped_then_reconnect
                         assert rec.done and rec.error() is None and rec.tokens() == 1500
                     # the reconnected worker serves, and has dropped the lost connection's
                     # requests (its own count: their connection went silent, or was reset)
-                    await wait_http_ok(url + "/ready", timeout=5)
+                    await wait_http_ok(url + "/ready", timeout=30)
                     r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
                     assert r.status_code == 200, r.text
-                    with trio.fail_after(5):
+                    with trio.fail_after(30):
                         while (await engine.ping_all()) != [(0, 0), (0, 0)]:
                             await trio.sleep(0.05)
             assert re.search(r"disconnected \(.*\); aborted 2 request\(s\)", workers[0].text())

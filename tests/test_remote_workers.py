@@ -81,7 +81,7 @@ async def test_two_remote_workers_share_the_load_and_stream_to_the_openai_sdk(tm
 
 async def test_a_wrong_or_missing_secret_is_refused_with_a_line_on_both_sides(tmp_path):
     async with listening_worker(tmp_path) as w:
-        with trio.fail_after(10):
+        with trio.fail_after(30):
             with pytest.raises(WorkerStartupError, match="authentication failed: wrong secret"):
                 async with open_engine(remote_config(w, secret="another secret, 16+ chars")):
                     pass
@@ -101,7 +101,7 @@ async def test_a_wrong_or_missing_secret_is_refused_with_a_line_on_both_sides(tm
 
 async def test_a_frontend_with_a_secret_refuses_a_worker_without_one(tmp_path):
     async with listening_worker(tmp_path, secret=None) as w:
-        with trio.fail_after(10), pytest.raises(WorkerStartupError, match="did not prove"):
+        with trio.fail_after(30), pytest.raises(WorkerStartupError, match="did not prove"):
             async with open_engine(remote_config(w)):
                 pass
 
@@ -175,7 +175,7 @@ async def test_a_killed_worker_ends_its_streams_and_the_frontend_reconnects(tmp_
                 async with trio.open_nursery() as nursery:
                     for rec in recs:
                         nursery.start_soon(stream_into, http, {"prompt": "p", "max_tokens": 5000}, rec)
-                    with trio.fail_after(10):
+                    with trio.fail_after(30):
                         for rec in recs:
                             await rec.started.wait()
                     w.proc.send_signal(signal.SIGKILL)
@@ -371,7 +371,7 @@ async def test_a_worker_on_a_unix_socket_needs_no_secret_and_removes_its_socket(
     path = tmp_path / "w.sock"
     async with listening_worker(tmp_path, f"unix:{path}", secret=None) as w:
         assert oct(os.stat(path).st_mode & 0o777) == "0o600"
-        with trio.fail_after(10):
+        with trio.fail_after(30):
             async with open_engine(remote_config(w, secret=None)) as engine:
                 async with engine.generate("x", SamplingParams(max_tokens=20)) as s:
                     assert sum([o.num_tokens async for o in s]) == 20
@@ -389,7 +389,7 @@ async def test_tls_streams_and_an_untrusted_certificate_is_refused(tmp_path):
     async with listening_worker(tmp_path, "127.0.0.1:0", "--tls-cert", str(cert),
                                 "--tls-key", str(key)) as w:
         assert "(TLS, secret required" in w.text()
-        with trio.fail_after(10):
+        with trio.fail_after(30):
             async with open_engine(remote_config(w, worker_tls_ca=str(cert))) as engine:
                 async with engine.generate("x", SamplingParams(max_tokens=50)) as s:
                     outs = [o async for o in s]

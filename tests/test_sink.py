@@ -81,10 +81,11 @@ async def test_plain_text_events_are_written_by_the_router_byte_for_byte(monkeyp
             direct.append(body)
         return rest
 
-    body = {"prompt": "a b c", "max_tokens": 40, "stream": True, "seed": 3,
+    body = {"prompt": "a b c", "max_tokens": 100, "stream": True, "seed": 3,
             "stream_options": {"include_usage": True}}
     # 10 ms per token: the request's task parks between steps (so the router writes) unless
-    # the frontend stalls for the whole 400 ms of the answer
+    # the frontend stalls for the whole 1 s of the answer (400 ms was within a loaded CI
+    # machine's reach)
     # (and with a 20 ms stream interval: two steps per event, written by the router too)
     config = EngineConfig(engine_options={**FAST_SIM, "itl_ms": 10.0}, stream_interval=interval)
     async with running_server(config) as url:
@@ -101,7 +102,7 @@ async def test_plain_text_events_are_written_by_the_router_byte_for_byte(monkeyp
     # the same answer: text, finish reason, usage
     assert _answer(fast) == _answer(slow)
     text, finish, usage = _answer(fast)
-    assert len(text.split()) == usage["completion_tokens"] == 40 and finish == "length"
+    assert len(text.split()) == usage["completion_tokens"] == 100 and finish == "length"
     assert [c["choices"][0]["finish_reason"] for _, c in events["fast"][:-1]] == [None] * (
         len(events["fast"]) - 1)
     # every event byte for byte what the request's task writes for that content (the
