@@ -41,8 +41,8 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import NoReturn
 from contextlib import contextmanager
+from typing import NoReturn
 
 from ..worker_protocol import wire
 from ..worker_protocol.wire import OutputRow
