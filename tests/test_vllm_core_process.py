@@ -35,7 +35,8 @@ import openai  # noqa: E402
 from tests.conftest import children_of, pid_exists  # noqa: E402
 from tests.remote import listening_worker  # noqa: E402
 from tests.test_vllm_engine import (  # noqa: E402
-    CONTEXT, MODEL, SHAPE, STARTUP, Server, _open_stream, _prompts, _rest_of_stream, _totals)
+    CONTEXT, MODEL, SHAPE, STARTUP, Server, _open_stream, _prompts, _rest_of_stream, _totals,
+    assert_sigterm_stops_cleanly)
 from tests.tiny_lora import build_tiny_lora  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
@@ -130,6 +131,14 @@ def test_requests_behave_as_with_the_core_in_the_worker(server, client):
     for sock in socks:
         sock.close()
     server.wait_idle(timeout=60)
+
+
+def test_sigterm_with_nothing_in_flight_exits_cleanly_and_leaves_no_process(model_dir):
+    """As with the core in the worker (tests/test_vllm_engine.py): exit 0, no traceback, no
+    process left, and the worker exited by itself once its pipe closed, its engine core
+    first (vLLM's shutdown), not SIGTERMed by the frontend. (A server of its own, started
+    while the module's is idle.)"""
+    assert_sigterm_stops_cleanly(model_dir, "--engine-core", "process", startup=STARTUP_HERE)
 
 
 def test_a_killed_engine_core_ends_its_streams_and_the_worker_is_replaced(server, client):

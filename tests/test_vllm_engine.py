@@ -793,16 +793,28 @@ def test_sigterm_with_nothing_in_flight_exits_cleanly_and_leaves_no_process(mode
     vLLM's shutdown without its garbage collections) without an error; and no process of it
     is left, the worker's helper and anything vLLM started included. (How long that takes:
     bench/shutdown_time.py.)"""
-    s = Server(model_dir)
+    assert_sigterm_stops_cleanly(model_dir)
+
+
+def assert_sigterm_stops_cleanly(model_dir, *extra: str, startup: float = STARTUP) -> None:
+    """A server (``Server(model_dir, *extra)``) that served a request, SIGTERMed with
+    nothing in flight: exit 0, no traceback, no process of it left, and every worker exited
+    by itself (0) once the frontend closed its pipe, with no SIGTERM or SIGKILL from the
+    frontend (its log says how each worker ended)."""
+    s = Server(model_dir, *extra, startup=startup)
     try:
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "the", "max_tokens": 2},
                        timeout=120)
         assert r.status_code == 200, r.text
-        assert s.workers()
+        workers = s.workers()
+        assert workers
         s.stop()  # SIGTERM; then every worker and its children gone, or an AssertionError
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
             s.proc.wait()
+    log = "".join(s.lines)
     assert s.proc.returncode == 0, "".join(s.lines[-20:])
-    assert "Traceback" not in "".join(s.lines), "".join(s.lines[-40:])
+    assert "Traceback" not in log, "".join(s.lines[-40:])
+    stopped = re.findall(r"worker \d+ \(pid (\d+)\) stopped: exited with 0$", log, re.M)
+    assert sorted(map(int, stopped)) == sorted(workers), "".join(s.lines[-20:])

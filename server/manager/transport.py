@@ -63,6 +63,9 @@ class Link:
     #: What the router says when the stream ends, and its cause (see SessionEnded).
     eof_reason = "the worker process exited"
     eof_cause = "exited"
+    #: After :meth:`aclose`: the signal a worker process that would not end by itself got
+    #: (``"SIGTERM"``, ``"SIGKILL"``), or None.
+    escalated: str | None = None
 
     def __init__(self, send: trio.abc.SendStream, receive: trio.abc.ReceiveStream) -> None:
         self.send = send
@@ -110,7 +113,8 @@ class _SpawnedLink(Link):
         self.fd = fileno() if fileno is not None else None
 
     async def aclose(self, grace: float) -> str:
-        """Close the pipe, then SIGTERM, then SIGKILL, each after ``grace`` seconds."""
+        """Close the pipe, then SIGTERM, then SIGKILL, each after ``grace`` seconds
+        (:attr:`escalated` says which signal it took)."""
         proc = self.proc
         try:
             await proc.stdin.aclose()
@@ -119,11 +123,14 @@ class _SpawnedLink(Link):
         try:
             with trio.move_on_after(grace):
                 return f"exited with {await proc.wait()}"
+            self.escalated = "SIGTERM"
             proc.terminate()
             with trio.move_on_after(grace):
-                return f"exited with {await proc.wait()}"
+                return f"exited with {await proc.wait()} after SIGTERM ({grace:g} s after " \
+                    "its pipe closed)"
+            self.escalated = "SIGKILL"
             proc.kill()
-            return f"exited with {await proc.wait()}"
+            return f"exited with {await proc.wait()} after SIGKILL ({grace:g} s after SIGTERM)"
         finally:
             kill_group(self.pid)
             await proc.stdout.aclose()

@@ -491,8 +491,10 @@ class WorkerClient:
                     how = await link.aclose(config.shutdown_grace)
                 finally:
                     self.pid = None
-            if reason != "stopped":
+            if reason != "stopped" or link.escalated:
                 log.warning("worker %d (%s) %s", self.index, link.where, how)
+            else:  # (a clean stop: said, for an operator who watches shutdowns)
+                log.info("worker %d (%s) stopped: %s", self.index, link.where, how)
 
     async def _router(self, link: Link, nursery: trio.Nursery) -> None:
         decoder = link.decoder
