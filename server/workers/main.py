@@ -362,9 +362,10 @@ def exit_without_teardown(code: int | str | None) -> NoReturn:
     elif not isinstance(code, int):  # (SystemExit("message"): the message, then 1)
         print(code, file=sys.stderr)
         code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter's exit does first, by its own function: it tells the threads of
+    # a ThreadPoolExecutor nobody shut down to end (a library's), then joins every
+    # non-daemon thread; a plain join of those would wait for ever.
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
