@@ -130,9 +130,15 @@ async def test_a_failing_connection_ends_alone_and_is_logged_and_counted(monkeyp
                     while b'{"status":"ok"}' not in got:
                         got += await sock.receive_some(65536)
                 await sock.send_all(b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
-                rest = await receive_all(sock, wait=5.0)
+                rest = b""
+                with trio.fail_after(30):  # (a hang guard) the server ends the connection...
+                    try:
+                        while chunk := await sock.receive_some(65536):
+                            rest += chunk
+                    except trio.BrokenResourceError:
+                        pass
                 await sock.aclose()
-                assert rest == b""  # the connection ended, with no answer
+                assert rest == b""  # ... with no answer
                 # Other connections: the bystander's stream goes on, new requests served.
                 r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
                 assert r.status_code == 200

@@ -168,10 +168,7 @@ async def test_a_long_queued_stream_sends_comments_then_streams():
             # The openai SDK reads such a stream as usual (SSE comments are skipped).
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x")
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(
-                    stream_into, http, {"prompt": "a", "max_tokens": 1000}, SSE()
-                )
-                await trio.sleep(0.3)
+                await occupy(nursery, http, 1000)  # queued behind it: comments come first
                 text = ""
                 async for chunk in await client.completions.create(
                     model="sim", prompt="b", max_tokens=4, stream=True

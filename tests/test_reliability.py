@@ -116,9 +116,9 @@ async def test_sigkill_ends_that_workers_streams_and_spares_the_other():
 async def test_hung_worker_is_treated_as_dead_killed_and_restarted():
     # The non-streaming request below must reach worker 0 after the hang began and before
     # the hang is noticed: a 5 s heartbeat timeout leaves a busy machine room for the
-    # requests in between (with 1 s, a loaded test lost that race). A 0.5 s heartbeat keeps
-    # worker 1 healthy (heard within 2 s) through pings a busy machine answers late.
-    config = fault_config(workers=2, heartbeat_interval=0.5, heartbeat_timeout=5.0,
+    # requests in between (with 1 s, a loaded test lost that race). A 1 s heartbeat keeps
+    # worker 1 healthy (heard within 3.5 s) through pings a busy machine answers late.
+    config = fault_config(workers=2, heartbeat_interval=1.0, heartbeat_timeout=5.0,
                           max_migrations=0)  # (its streams end with the error: no migration)
     async with running_server(config) as url:
         engine = url.engine

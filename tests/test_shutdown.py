@@ -198,7 +198,10 @@ async def test_second_signal_stops_at_once():
                 with trio.fail_after(30):
                     await rec.started.wait()
                 srv.proc.send_signal(signal.SIGTERM)
-                await trio.sleep(0.5)
+                # the first signal read (two signals not yet read would be one): draining
+                with trio.fail_after(30):  # (a hang guard)
+                    while "draining: 1 request(s) in flight" not in srv.output():
+                        await trio.sleep(0.02)
                 tokens = rec.tokens()
                 with trio.fail_after(30):  # (a hang guard) a token comes while draining
                     while rec.tokens() == tokens and not rec.finished.is_set():
