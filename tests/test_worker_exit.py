@@ -21,6 +21,8 @@ BODY = textwrap.dedent("""
         sys.stdout.write("buffered, not flushed")
         if argv == ["exit-3"]:
             raise SystemExit(3)
+        if argv == ["exit-message"]:
+            raise SystemExit("the reason")
 
     run_as_worker(body, sys.argv[1:])
 """)
@@ -39,3 +41,10 @@ async def test_a_worker_ends_with_its_code_after_the_exit_steps_of_a_normal_exit
         # the thread pool's idle thread ended, the atexit handlers ran, output was flushed
         assert done.stdout.decode() == "buffered, not flushedatexit ran\n"
         assert done.stderr == b""
+
+
+async def test_a_worker_that_exits_with_a_message_says_it_and_ends_with_1():
+    done = await run_body("exit-message")
+    assert done.returncode == 1
+    assert done.stdout.decode() == "buffered, not flushedatexit ran\n"
+    assert done.stderr == b"the reason\n"

@@ -66,6 +66,9 @@ class Link:
     #: After :meth:`aclose`: the signal a worker process that would not end by itself got
     #: (``"SIGTERM"``, ``"SIGKILL"``), or None.
     escalated: str | None = None
+    #: After :meth:`aclose` of a worker process of ours: its exit status (None for a
+    #: connection to a remote worker, which goes on running).
+    returncode: int | None = None
 
     def __init__(self, send: trio.abc.SendStream, receive: trio.abc.ReceiveStream) -> None:
         self.send = send
@@ -122,15 +125,19 @@ class _SpawnedLink(Link):
             pass
         try:
             with trio.move_on_after(grace):
-                return f"exited with {await proc.wait()}"
-            self.escalated = "SIGTERM"
-            proc.terminate()
+                self.returncode = await proc.wait()
+                return f"exited with {self.returncode}"
+            if proc.returncode is None:  # (not if it ended just now, by itself)
+                self.escalated = "SIGTERM"
+                proc.terminate()
             with trio.move_on_after(grace):
-                return f"exited with {await proc.wait()} after SIGTERM ({grace:g} s after " \
+                self.returncode = await proc.wait()
+                return f"exited with {self.returncode} after SIGTERM ({grace:g} s after " \
                     "its pipe closed)"
             self.escalated = "SIGKILL"
             proc.kill()
-            return f"exited with {await proc.wait()} after SIGKILL ({grace:g} s after SIGTERM)"
+            self.returncode = await proc.wait()
+            return f"exited with {self.returncode} after SIGKILL ({grace:g} s after SIGTERM)"
         finally:
             kill_group(self.pid)
             await proc.stdout.aclose()

@@ -491,9 +491,10 @@ class WorkerClient:
                     how = await link.aclose(config.shutdown_grace)
                 finally:
                     self.pid = None
-            if reason != "stopped" or link.escalated:
+            if reason != "stopped" or link.escalated or link.returncode not in (None, 0):
                 log.warning("worker %d (%s) %s", self.index, link.where, how)
-            else:  # (a clean stop: said, for an operator who watches shutdowns)
+            elif link.returncode == 0:  # (a clean stop of a process of ours: said, for an
+                # operator who watches shutdowns; a remote worker goes on: nothing to say)
                 log.info("worker %d (%s) stopped: %s", self.index, link.where, how)
 
     async def _router(self, link: Link, nursery: trio.Nursery) -> None:

@@ -355,7 +355,9 @@ def exit_without_teardown(code: int | str | None) -> NoReturn:
     ``shutdown_grace`` after its core had exited (py-spy: the main thread alone, busy in
     C with no Python frame; the last ``atexit`` handler ran 0.85 s after SIGTERM), so the
     frontend SIGTERMed it, and an idle server with ``--shutdown-timeout 0`` took 2.2-2.4 s
-    to exit. A SIGTERM from here on ends the process at once (the cleanup is done)."""
+    to exit. A SIGTERM from here on ends the process at once: this worker's own cleanup
+    (its engine, sockets, directories) is done by then, in its ``finally`` blocks; what a
+    late SIGTERM can still cut short is a library's ``atexit`` handler."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if code is None:
         code = 0
@@ -367,13 +369,14 @@ def exit_without_teardown(code: int | str | None) -> NoReturn:
     # non-daemon thread; a plain join of those would wait for ever.
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
-            stream.flush()
+            if stream is not None:  # (None: started with that descriptor closed)
+                stream.flush()
         except (OSError, ValueError):  # (closed, or its reader gone: nothing to keep)
             pass
     ctypes.CDLL(None).fflush(None)  # C's stdio buffers (a library's printf)
-    os._exit(code)
+    os._exit(code & 0xFF)  # (the status an exit(code) leaves)
 
 
 def _main(argv: list[str]) -> None:
