@@ -111,8 +111,11 @@ class EngineConfig:
         if self.model is not None and self.engine == "sim":
             options.setdefault("model", self.model)
         # "pulse": how often the worker says it is alive while one step runs long
-        # (server.workers.pulse): once per ping period.
-        argument = {"engine": self.engine, "options": options, "pulse": self.heartbeat_interval}
+        # (server.workers.pulse): once per ping period. "parts": send a big answer in
+        # parts between the STEPs (server.worker_protocol.parts; the Link's decoder
+        # joins them).
+        argument = {"engine": self.engine, "options": options, "pulse": self.heartbeat_interval,
+                    "parts": True}
         devices = self.visible_devices()
         if devices is not None:
             argument["visible_devices"] = devices

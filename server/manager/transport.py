@@ -34,6 +34,7 @@ import trio
 
 from ..config import EngineConfig
 from ..worker_protocol import handshake, wire
+from ..worker_protocol.parts import PartsDecoder
 
 __all__ = ["Link", "SessionEnded", "kill_group", "open_connected", "open_spawned"]
 
@@ -109,6 +110,9 @@ class Link:
 class _SpawnedLink(Link):
     def __init__(self, proc) -> None:
         super().__init__(proc.stdin, proc.stdout)
+        # A worker we spawn is asked for parts (server.config.EngineConfig.worker_argument):
+        # its big answers come in PART frames, joined here.
+        self.decoder = PartsDecoder()
         self.proc = proc
         self.pid = proc.pid
         self.where = f"pid {proc.pid}"

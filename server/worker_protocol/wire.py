@@ -51,6 +51,9 @@ Worker -> frontend::
     [TOKENIZED, seq, result, err]   result: {"tokens": [...], "max_model_len": n},
                                     {"prompt": str} or {"data": [float32 LE bytes, ...],
                                     "prompt_tokens": n}; or err: [kind, message]
+    [PART, data, more]              a pipe worker asked for parts sends a TOKENIZED of
+                                    BIG_FRAME or more as the pieces of its body, between
+                                    its STEPs (server.worker_protocol.parts)
 
 A worker started with ``--listen`` opens each connection with a handshake first
 (CHALLENGE, AUTH, then HELLO or REFUSED; see :mod:`server.worker_protocol.handshake`).
@@ -122,6 +125,9 @@ __all__ = [
     "AUTH",
     "REFUSED",
     "SUBSCRIBE",
+    "PART",
+    "TOKENIZED_HEAD",
+    "clip",
     "ROUTED_KEY",
     "ROUTED_MAX",
     "routed_topic",
@@ -187,6 +193,9 @@ AUTH = 10
 REFUSED = 11
 #: Frontend -> listening worker: the notices it wants (see ROUTED_KEY).
 SUBSCRIBE = 12
+#: Pipe worker -> frontend that asked for parts: a piece of a big TOKENIZED frame's body
+#: (server.worker_protocol.parts).
+PART = 13
 
 #: The key of a listening worker's HELLO info saying that it takes a SUBMIT's block names
 #: and passes them on, as the worker note ``{"routed": [name, ...]}``, to every other
@@ -381,7 +390,7 @@ def encode(message: list) -> bytes:
     [[3, 7]]
     """
     if message[0] == TOKENIZED and len(message) == 4 and type(message[2]) is Packed:
-        body = b"".join((_TOKENIZED_HEAD, _packb(message[1]), message[2].data,
+        body = b"".join((TOKENIZED_HEAD, _packb(message[1]), message[2].data,
                          _packb(message[3])))
     else:
         body = _packb(message)
@@ -392,7 +401,7 @@ def encode(message: list) -> bytes:
 SLICE = 16384
 
 #: A TOKENIZED message's first bytes: an array of four items, the first TOKENIZED.
-_TOKENIZED_HEAD = b"\x94" + msgpack.packb(TOKENIZED)
+TOKENIZED_HEAD = b"\x94" + msgpack.packb(TOKENIZED)
 
 _headers = msgpack.Packer(autoreset=True)
 
@@ -446,7 +455,7 @@ def is_tokenized(body: bytes) -> bool:
     first TOKENIZED): an answer to one round trip, which the frontend may decode beside the
     frames after it (:mod:`server.manager.worker`); whether the rest is one is for the
     decoding to find."""
-    return body.startswith(_TOKENIZED_HEAD)
+    return body.startswith(TOKENIZED_HEAD)
 
 
 #: First bytes of msgpack's array and map headers (fix, 16-bit and 32-bit counts).
@@ -573,7 +582,7 @@ class FrameDecoder:
 
     def _checked(self, message: object) -> list:
         if type(message) is not list or not message or type(message[0]) is not int:
-            raise ProtocolError(f"malformed message: {_clip(message)}")
+            raise ProtocolError(f"malformed message: {clip(message)}")
         if self._check is not None:
             self._check(message)
         return message
@@ -597,6 +606,7 @@ _NAMES = {
     HELLO: "HELLO", SUBMIT: "SUBMIT", ABORT: "ABORT", PING: "PING", PONG: "PONG",
     SHUTDOWN: "SHUTDOWN", STEP: "STEP", TOKENIZE: "TOKENIZE", TOKENIZED: "TOKENIZED",
     CHALLENGE: "CHALLENGE", AUTH: "AUTH", REFUSED: "REFUSED", SUBSCRIBE: "SUBSCRIBE",
+    PART: "PART",
 }
 
 _repr = reprlib.Repr()
@@ -606,7 +616,7 @@ _repr.maxstring = _repr.maxother = 40
 _repr.maxlong = 24
 
 
-def _clip(message: object) -> str:
+def clip(message: object) -> str:
     """A bounded repr of a peer's message, for a log line (a 64 MiB frame stays short)."""
     text = _repr.repr(message)
     return text if len(text) <= 200 else text[:197] + "..."
@@ -861,7 +871,7 @@ def check(message: list, allowed: Iterable[int],
 
 def malformed(message: list) -> ProtocolError:
     """The error for a ``message`` of a known type with a wrong shape."""
-    return ProtocolError(f"malformed {_NAMES[message[0]]}: {_clip(message)}")
+    return ProtocolError(f"malformed {_NAMES[message[0]]}: {clip(message)}")
 
 
 def check_request(message: list) -> list:

@@ -45,6 +45,7 @@ from contextlib import contextmanager
 from typing import NoReturn
 
 from ..worker_protocol import wire
+from ..worker_protocol.parts import PartQueue, is_big_answer
 from ..worker_protocol.wire import OutputRow
 from .base import (
     EngineBroken, Rejected, WorkerCrash, WorkerGarbage, WorkerHang, one_line, refuse_fault,
@@ -200,17 +201,20 @@ def handle_in_pulse(pulse: Pulse, engine, msg: list, accepts: list, outputs: lis
         pulse.leave()
 
 
-def serve(engine, fd_in: int, fd_out: int, pulse_period: float = 1.0) -> None:
+def serve(engine, fd_in: int, fd_out: int, pulse_period: float = 1.0,
+          parts: bool = False) -> None:
     """Run the loop until the input ends or a SHUTDOWN arrives. While one engine step runs
     longer than ``pulse_period`` seconds, a thread beside the loop writes an unasked PONG
-    every ``pulse_period`` (:mod:`server.workers.pulse`)."""
+    every ``pulse_period`` (:mod:`server.workers.pulse`). With ``parts`` (the frontend
+    asked), a big TOKENIZED goes out in PART frames between the loop's passes
+    (:mod:`server.worker_protocol.parts`)."""
     preparer = open_preparer(engine)
     pong = [wire.encode([wire.PONG, 0, 0, 0])]  # the last answer's counts, unasked
     pulse = Pulse(lambda: _write_all(fd_out, pong[0]), pulse_period)
     pulse.start()
     try:
         with cleanup_uncut():
-            _serve(engine, preparer, fd_in, fd_out, pulse, pong)
+            _serve(engine, preparer, fd_in, fd_out, pulse, pong, parts)
     finally:
         pulse.close()
         if preparer is not None:
@@ -218,8 +222,10 @@ def serve(engine, fd_in: int, fd_out: int, pulse_period: float = 1.0) -> None:
 
 
 def _serve(engine, preparer: Preparer | None, fd_in: int, fd_out: int, pulse: Pulse,
-           pong: list[bytes]) -> None:
+           pong: list[bytes], parts: bool = False) -> None:
     clock = time.monotonic
+    # Big answers, written a few parts per pass (None: whole frames, as they come).
+    queue = PartQueue(lambda frame: _write_all(fd_out, frame)) if parts else None
     decoder = wire.FrameDecoder(wire.check_request)  # a malformed message ends the loop
     # select(2) takes a timeout in microseconds, epoll in whole milliseconds (rounded up): a
     # sim engine's first token would be up to 1 ms late. Two descriptors: select is as cheap.
@@ -243,7 +249,9 @@ def _serve(engine, preparer: Preparer | None, fd_in: int, fd_out: int, pulse: Pu
             timeout = deadline - clock()
             if timeout < 0:
                 timeout = 0
-        replies = []
+        if queue is not None and queue.pending():
+            timeout = 0  # (the parts' writes are what waits: for the frontend to read)
+        replies: list[bytes] = []
         for key, _ in selector.select(timeout):
             if key.fd != fd_in:
                 continue
@@ -251,7 +259,11 @@ def _serve(engine, preparer: Preparer | None, fd_in: int, fd_out: int, pulse: Pu
             if not data:
                 return
             for msg in decoder.feed(data):
-                if msg[0] == wire.SHUTDOWN:
+                if msg[0] == wire.SHUTDOWN:  # the answers to what came before it go first
+                    if queue is not None:
+                        queue.flush()
+                    if replies:
+                        _write_all(fd_out, b"".join(replies))
                     return
                 reply = handle_in_pulse(pulse, engine, msg, accepts, outputs, preparer)
                 if reply is not None:
@@ -260,7 +272,19 @@ def _serve(engine, preparer: Preparer | None, fd_in: int, fd_out: int, pulse: Pu
                         pong[0] = wire.encode([wire.PONG, 0, *reply[2:]])
         if preparer is not None:  # requests prepared meanwhile join the engine now
             replies.extend(wire.encode(r) for r in preparer.collect(accepts, outputs))
-        if replies:
+        if queue is not None:
+            if replies:
+                whole = []
+                for frame in replies:
+                    if is_big_answer(frame):
+                        queue.add(frame)
+                    else:
+                        whole.append(frame)
+                replies = whole
+            if replies:
+                _write_all(fd_out, b"".join(replies))
+            queue.write_some()
+        elif replies:
             _write_all(fd_out, b"".join(replies))
         deadline = engine.next_deadline()
         if deadline is not None and clock() >= deadline:
@@ -395,7 +419,8 @@ def _main(argv: list[str]) -> None:
         print(f"trio-llm-server worker: cannot start engine: {one_line(exc)}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
-        serve(engine, fd_in, fd_out, float(config.get("pulse", 1.0)))
+        serve(engine, fd_in, fd_out, float(config.get("pulse", 1.0)),
+              parts=config.get("parts") is True)
     except EngineBroken as exc:
         print(f"trio-llm-server worker: engine failed, restarting: {exc.message}", file=sys.stderr)
         raise SystemExit(3) from None
