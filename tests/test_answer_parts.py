@@ -8,6 +8,7 @@ for the whole path, its frames recorded on the pipe. Every ``fail_after`` is a h
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -17,6 +18,8 @@ import trio
 
 from server import EngineConfig, SamplingParams
 from server.worker_protocol import parts, wire
+from server.worker_protocol.wire import OutputRow
+from server.workers.base import EngineBroken
 from server.workers.main import serve
 from server.workers.sim import SimEngine
 from tests.fakes import open_real_engine
@@ -90,6 +93,20 @@ def test_a_worker_loop_writes_a_few_parts_per_pass_and_answers_in_order():
     assert [bytes(b) for b in bodies] == [first[4:], second[4:]]
 
 
+def test_a_pile_of_big_answers_is_written_down_to_the_bound_at_once():
+    written: list[bytes] = []
+    queue = parts.PartQueue(written.append)
+    frame = _tokenized(BIG)
+    each = len(list(parts.split(frame)))
+    for _ in range(parts.MAX_QUEUED_PARTS // each + 2):
+        queue.add(frame)
+    total = each * (parts.MAX_QUEUED_PARTS // each + 2)
+    queue.write_some()
+    assert len(written) == total - parts.MAX_QUEUED_PARTS  # over the bound: pushed back
+    queue.write_some()
+    assert len(written) == total - parts.MAX_QUEUED_PARTS + parts.PARTS_PER_PASS
+
+
 def test_flush_writes_every_part_left():
     written: list[bytes] = []
     queue = parts.PartQueue(written.append)
@@ -154,13 +171,30 @@ class _TokenizingSim(SimEngine):
 IDS = list(range(70_000, 70_000 + 1_000_000))
 
 
-async def _run_loop(shutdown: str) -> tuple[list[int], list]:
+class _BreakingSim(_TokenizingSim):
+    """Breaks at its first step after answering a tokenize (parts of it still queued)."""
+
+    answered = broke = False
+
+    def tokenize(self, request: dict) -> dict:
+        self.answered = True
+        return super().tokenize(request)
+
+    def step(self, now: float) -> list:
+        if self.answered:
+            self.broke = True
+            raise EngineBroken("broken", [OutputRow(1, "", 0, "error", ["engine_error", "x"])])
+        return super().step(now)
+
+
+async def _run_loop(shutdown: str, engine: SimEngine | None = None
+                    ) -> tuple[list[int], list]:
     """The worker's own loop (server.workers.main.serve, in a thread) on a sim that steps
     every pass (``itl_ms=0``), running one long request; once it runs, a TOKENIZE; then a
     SHUTDOWN: ``"answered"`` once the answer arrived, ``"first part"`` at its first PART,
     ``"together"`` in the same write as the TOKENIZE. Returns the kinds of the frames the
     worker sent, and the answers (joined)."""
-    engine = _TokenizingSim(itl_ms=0.0, ttft_ms=0.0, prefill_us_per_token=0.0)
+    engine = engine or _TokenizingSim(itl_ms=0.0, ttft_ms=0.0, prefill_us_per_token=0.0)
     to_worker, worker_in = os.pipe()
     worker_out, from_worker = os.pipe()
     params = SamplingParams(max_tokens=8000, ignore_eos=True).to_wire()  # (8,192 at most)
@@ -201,7 +235,8 @@ async def _run_loop(shutdown: str) -> tuple[list[int], list]:
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(read_frames)
-                await trio.to_thread.run_sync(run_worker)
+                with contextlib.suppress(EngineBroken):  # (_BreakingSim's)
+                    await trio.to_thread.run_sync(run_worker)
     finally:
         os.close(worker_in)
         os.close(to_worker)
@@ -221,6 +256,13 @@ async def test_a_worker_loop_writes_its_steps_between_the_parts_of_a_big_answer(
         assert run <= parts.PARTS_PER_PASS
     assert kinds[first:last].count(wire.PART) >= len(IDS) * 5 // parts.PART_BYTES
     assert wire.TOKENIZED not in kinds
+
+
+async def test_an_engine_that_breaks_lets_the_answers_made_go_first():
+    engine = _BreakingSim(itl_ms=0.0, ttft_ms=0.0, prefill_us_per_token=0.0)
+    kinds, answers = await _run_loop("never", engine)
+    assert len(answers) == 1 and answers[0][2]["tokens"] == IDS
+    assert engine.broke and kinds[-1] == wire.STEP and wire.PART in kinds  # the last: its end
 
 
 @pytest.mark.parametrize("shutdown", ["first part", "together"])

@@ -16,7 +16,11 @@ process it spawned, or one connection to a worker that listens (``address``; see
   big TOKENIZED (a /tokenize answer of millions of ids: seconds of decoding), which
   answers one round trip only and is decoded and filed by a task of its own
   (``_decode_aside``; at most ``_ASIDES`` at once, a further one in the router's way)
-  while the router goes on routing the other streams' outputs. Such an answer has fully
+  while the router goes on routing the other streams' outputs. A worker we spawn sends
+  such an answer in PART frames between its STEPs (:mod:`server.worker_protocol.parts`):
+  the link's decoder joins them, the answer arriving with its last piece (the router reads
+  through ``decode_frames`` meanwhile), and one cut off by the session's end is lost with
+  it, as a frame half read was. Such an answer has fully
   arrived: when the session ends meanwhile (the worker exits after answering, the
   connection drops, the server stops), its decode goes on, shielded, for at most
   ``shutdown_grace`` seconds from the router's end, and its waiter gets the answer, not the

@@ -41,7 +41,8 @@ import msgpack
 
 from . import wire
 
-__all__ = ["PART_BYTES", "PARTS_PER_PASS", "PartQueue", "PartsDecoder", "split", "is_big_answer"]
+__all__ = ["PART_BYTES", "PARTS_PER_PASS", "MAX_QUEUED_PARTS", "PartQueue", "PartsDecoder",
+           "split", "is_big_answer"]
 
 #: The body bytes one PART carries: its frame stays below ``wire.BIG_FRAME``, so the
 #: frontend decodes it inline (a copy), never in a thread.
@@ -50,6 +51,11 @@ PART_BYTES = 256 * 1024
 #: other streams may wait for between two of their STEPs (the frontend reads ~1 MiB in a
 #: few milliseconds, ~0.1 s for 14 MB on a shared core).
 PARTS_PER_PASS = 4
+
+#: The most parts queued before :meth:`PartQueue.write_some` writes past its share (32 MiB):
+#: a worker asked for many big answers at once pushes back on its frontend, as a blocking
+#: write of whole frames did, instead of piling them up in its memory.
+MAX_QUEUED_PARTS = 128
 
 #: A PART frame body's first bytes: an array of three items, the first PART.
 _PART_HEAD = b"\x93" + msgpack.packb(wire.PART)
@@ -75,24 +81,28 @@ class PartQueue:
     """The big answers a worker's loop has yet to write, in parts (sans-IO but for the
     ``write`` it is given: a blocking write of one whole frame)."""
 
-    __slots__ = ("_write", "_queue", "_current")
+    __slots__ = ("_write", "_queue", "_current", "_parts")
 
     def __init__(self, write: Callable[[bytes], None]) -> None:
         self._write = write
         self._queue: deque[bytes] = deque()
         self._current: Iterator[bytes] | None = None
+        self._parts = 0  # parts left to write, queued answers included
 
     def add(self, frame: bytes) -> None:
         """Queue ``frame`` (a whole TOKENIZED frame), to go after those queued before."""
         self._queue.append(frame)
+        self._parts += -(-(len(frame) - 4) // PART_BYTES)
 
     def pending(self) -> bool:
         """Whether any part is yet to be written (the loop must not sleep meanwhile)."""
         return self._current is not None or bool(self._queue)
 
     def write_some(self, limit: int = PARTS_PER_PASS) -> None:
-        """Write up to ``limit`` parts: one pass's share."""
-        for _ in range(limit):
+        """Write up to ``limit`` parts: one pass's share; more while over
+        :data:`MAX_QUEUED_PARTS` are left."""
+        written = 0
+        while written < limit or self._parts > MAX_QUEUED_PARTS:
             if self._current is None:
                 if not self._queue:
                     return
@@ -102,6 +112,8 @@ class PartQueue:
                 self._current = None
                 continue
             self._write(frame)
+            self._parts -= 1
+            written += 1
 
     def flush(self) -> None:
         """Write every part left (the loop ends: a SHUTDOWN after answers in flight)."""

@@ -13,6 +13,8 @@ One thread, one loop::
         engine.next_deadline()
     handle every complete message (submit, abort, ping, tokenize, shutdown)
     admit the requests prepared meanwhile (server.workers.prepare)
+    write the replies; of the big answers (a /tokenize of millions of ids), a few PART
+        frames (server.worker_protocol.parts; the wait is 0 while parts are left)
     if the deadline has passed: outputs += engine.step(now)
     write one STEP frame with every accept and output gathered in this iteration
 
@@ -259,7 +261,7 @@ def _serve(engine, preparer: Preparer | None, fd_in: int, fd_out: int, pulse: Pu
             if not data:
                 return
             for msg in decoder.feed(data):
-                if msg[0] == wire.SHUTDOWN:  # the answers to what came before it go first
+                if msg[0] == wire.SHUTDOWN:  # the answers already made go first
                     if queue is not None:
                         queue.flush()
                     if replies:
@@ -298,6 +300,8 @@ def _serve(engine, preparer: Preparer | None, fd_in: int, fd_out: int, pulse: Pu
                 pulse.leave()
             if broken is not None:
                 outputs.extend(broken.outputs)
+                if queue is not None:  # (the pipe still works: answers that are ready go)
+                    queue.flush()
                 _write_all(fd_out, wire.encode(step_message(engine, accepts, outputs)))
                 raise broken
         if accepts or outputs or getattr(engine, "notes", None):  # (notes: KV events)
