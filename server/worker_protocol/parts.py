@@ -21,7 +21,10 @@ a stream waits for at most ~1 MiB of the answer, not for all of it. Only answers
 trips (TOKENIZED) are sent so: STEPs keep their order, as the routing of outputs requires.
 One answer is in parts at a time (a second waits its turn, whole answers stay in order).
 Each PART is a whole frame, so anything else may come between two of them, the worker's
-pulse (an unasked PONG from another thread during a long step) included.
+pulse (an unasked PONG from another thread during a long step) included. Past
+:data:`MAX_QUEUED_PARTS` queued (many big answers asked at once) the worker writes down to
+that bound at once, pushing back on its frontend as whole frames did; at a SHUTDOWN, or when
+its engine breaks, it writes every part left before it ends.
 
 The frontend's :class:`PartsDecoder` joins the pieces into the frame body they came from,
 which comes out of :meth:`~PartsDecoder.frames` in the place of the last piece, as if the
