@@ -97,9 +97,20 @@ class PartQueue:
         self._queue.append(frame)
         self._parts += -(-(len(frame) - 4) // PART_BYTES)
 
+    def take_big(self, frames: list[bytes]) -> list[bytes]:
+        """Queue the big answers among ``frames`` (:func:`is_big_answer`); the others, to
+        be written whole, in their order."""
+        whole = []
+        for frame in frames:
+            if is_big_answer(frame):
+                self.add(frame)
+            else:
+                whole.append(frame)
+        return whole
+
     def pending(self) -> bool:
         """Whether any part is yet to be written (the loop must not sleep meanwhile)."""
-        return self._current is not None or bool(self._queue)
+        return self._parts > 0
 
     def write_some(self, limit: int = PARTS_PER_PASS) -> None:
         """Write up to ``limit`` parts: one pass's share; more while over

@@ -47,7 +47,7 @@ from contextlib import contextmanager
 from typing import NoReturn
 
 from ..worker_protocol import wire
-from ..worker_protocol.parts import PartQueue, is_big_answer
+from ..worker_protocol.parts import PartQueue
 from ..worker_protocol.wire import OutputRow
 from .base import (
     EngineBroken, Rejected, WorkerCrash, WorkerGarbage, WorkerHang, one_line, refuse_fault,
@@ -275,19 +275,11 @@ def _serve(engine, preparer: Preparer | None, fd_in: int, fd_out: int, pulse: Pu
         if preparer is not None:  # requests prepared meanwhile join the engine now
             replies.extend(wire.encode(r) for r in preparer.collect(accepts, outputs))
         if queue is not None:
-            if replies:
-                whole = []
-                for frame in replies:
-                    if is_big_answer(frame):
-                        queue.add(frame)
-                    else:
-                        whole.append(frame)
-                replies = whole
-            if replies:
-                _write_all(fd_out, b"".join(replies))
-            queue.write_some()
-        elif replies:
+            replies = queue.take_big(replies)
+        if replies:
             _write_all(fd_out, b"".join(replies))
+        if queue is not None:
+            queue.write_some()
         deadline = engine.next_deadline()
         if deadline is not None and clock() >= deadline:
             broken = None
