@@ -595,6 +595,130 @@ def test_abort_frees_the_request_at_once(engine):
     assert engine.next_deadline() is None and engine.step(0.0) == []
 
 
+def _plain(batch, config):
+    """Give ``batch`` transformers' own cache layers (copied at every step, join and leave)."""
+    from transformers import DynamicCache
+
+    batch.cache = DynamicCache(
+        ((layer.keys.clone(), layer.values.clone()) for layer in batch.cache.layers),
+        config=config,
+    )
+
+
+def test_the_batch_cache_changes_in_place_and_computes_what_copies_compute(engine):
+    """Rows join (shorter and longer than the batch), leave (the last rows take their
+    places) and step, at random: the logits equal those of a batch on transformers' own
+    layers, row for row; and in steady state the keys and values stay in the same buffers
+    (server/workers/hf_cache.py), where transformers' layers copied them at every step."""
+    from server.workers.hf_batch import KVBatch
+    from server.workers.hf_cache import RoomyLayer
+
+    config = engine.model.config
+    rng = random.Random(7)
+    roomy, plain = KVBatch(engine.model), KVBatch(engine.model)
+
+    def prompt(n):
+        return [rng.randrange(5, 600) for _ in range(n)]
+
+    with torch.inference_mode():
+        first = [prompt(n) for n in (5, 2, 9, 4)]
+        a, b = roomy.prefill(first), plain.prefill(first)
+        _plain(plain, config)
+        layer = roomy.cache.layers[0]
+        assert type(layer) is RoomyLayer and type(plain.cache.layers[0]) is not RoomyLayer
+        moves, steps = 0, 0
+        for step in range(200):
+            assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), step
+            buffer = layer._kbuf.data_ptr()
+            action = rng.random()
+            if action < 0.15 and roomy.size > 1:  # some rows leave
+                gone = rng.sample(range(roomy.size), rng.randint(1, roomy.size - 1))
+                order = roomy.remove(gone)
+                assert plain.remove(gone) == order
+                assert sorted(order) == sorted(set(range(len(order) + len(gone))) - set(gone))
+                a, b = a[order], b[order]
+            elif action < 0.3:  # rows join: shorter than the batch, or longer
+                joining = [prompt(rng.randint(1, roomy.length + 8))
+                           for _ in range(rng.randint(1, 5))]
+                a = torch.cat([a, roomy.prefill(joining)])
+                b = torch.cat([b, plain.prefill(joining)])
+            else:
+                token = [int(x) for x in a.argmax(-1)]
+                a, b = roomy.decode(token), plain.decode(token)
+                steps += 1
+            moves += layer._kbuf.data_ptr() != buffer
+            assert roomy.length == plain.length and roomy.size == plain.size
+            assert torch.equal(roomy.mask, plain.mask)
+        assert steps > 100 and moves < 20  # a move now and then, not at every step
+        # Back-to-back streams: the oldest rows leave, young ones join, the batch slides
+        # right through its buffers and moves back to their front in place.
+        shifted = 0
+        for _ in range(8):
+            for _ in range(30):
+                token = [int(x) for x in a.argmax(-1)]
+                buffer, start = layer._kbuf.data_ptr(), layer._start
+                a, b = roomy.decode(token), plain.decode(token)
+                assert torch.allclose(a, b, atol=1e-5)
+                shifted += layer._kbuf.data_ptr() == buffer and layer._start < start
+            oldest = [int(i) for i in roomy.positions.argsort(descending=True)[:-1]]
+            order = roomy.remove(oldest)
+            assert plain.remove(oldest) == order
+            joining = [prompt(rng.randint(1, 6)) for _ in range(3)]
+            a = torch.cat([a[order], roomy.prefill(joining)])
+            b = torch.cat([b[order], plain.prefill(joining)])
+            assert torch.allclose(a, b, atol=1e-5)
+        assert shifted
+        # One row runs on alone past its buffer's columns: new, larger buffers.
+        order = roomy.remove(list(range(1, roomy.size)))
+        assert plain.remove(list(range(1, plain.size))) == order
+        a, b, grew = a[order], b[order], 0
+        for _ in range(120):
+            buffer = layer._kbuf.data_ptr()
+            token = [int(x) for x in a.argmax(-1)]
+            a, b = roomy.decode(token), plain.decode(token)
+            assert torch.allclose(a, b, atol=1e-5)
+            grew += layer._kbuf.data_ptr() != buffer
+        assert 0 < grew < 10
+        # Steady state: a row leaves, a short one joins, steps go on: the same buffers.
+        buffer = layer._kbuf.data_ptr()
+        roomy.remove([0])
+        roomy.prefill([prompt(2)])
+        for _ in range(3):
+            roomy.decode([7] * roomy.size)
+        assert layer._kbuf.data_ptr() == buffer
+
+
+def test_cpu_attention_equals_transformers_sdpa_on_a_padded_batch(engine, model_dir):
+    """On a CPU the engine's model attends with grouped heads and the padding mask together
+    (server/workers/hf_attention.py), where transformers' sdpa copies the cache per query
+    head: the same logits, for rows of different lengths joining and leaving."""
+    from server.workers import hf_attention
+    from server.workers.hf_batch import KVBatch
+
+    assert engine.model.config._attn_implementation == hf_attention.NAME
+    assert engine.model.config.num_key_value_heads < engine.model.config.num_attention_heads
+    theirs, _ = load_model(model_dir, attn="sdpa")
+    ours_b, theirs_b = KVBatch(engine.model), KVBatch(theirs)
+    rng = random.Random(3)
+    with torch.inference_mode():
+        first = [[rng.randrange(5, 600) for _ in range(n)] for n in (3, 11, 7)]
+        a, b = ours_b.prefill(first), theirs_b.prefill(first)
+        for step in range(12):
+            token = [rng.randrange(5, 600) for _ in range(ours_b.size)]
+            if step == 4:
+                joining = [[rng.randrange(5, 600) for _ in range(n)] for n in (2, 9)]
+                a = torch.cat([ours_b.decode(token), ours_b.prefill(joining)])
+                b = torch.cat([theirs_b.decode(token), theirs_b.prefill(joining)])
+            elif step == 8:
+                ours_b.remove([1])
+                theirs_b.remove([1])
+                a, b = ours_b.decode(token[:-1]), theirs_b.decode(token[:-1])
+            else:
+                a, b = ours_b.decode(token), theirs_b.decode(token)
+            assert torch.allclose(a, b, atol=1e-5), step
+        assert ours_b.mask is not None and not bool(ours_b.mask.all())  # padded throughout
+
+
 def test_rejections(engine, model_dir, tmp_path):
     limit = engine.max_model_len  # 256 for the tiny model
     long_prompt = list(range(10, 10 + limit + 5))

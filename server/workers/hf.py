@@ -77,6 +77,7 @@ from .base import (
     one_line,
     truncate_prompt,
 )
+from . import hf_attention
 from .hf_batch import KVBatch, UnsupportedModel, sliding_window
 from .hf_grammar import COMPILE_TIMEOUT, MAX_SCHEMA_BYTES, Grammars
 from .hf_llguidance import failure
@@ -120,8 +121,16 @@ def load_model(model_path: str | Path, *, device: str = "cpu", dtype: str | None
     kwargs = {"dtype": "auto" if dtype == "auto" else _DTYPES[dtype], "local_files_only": True}
     if attn:
         kwargs["attn_implementation"] = attn
+    elif device == "cpu":  # grouped-query attention without copying the cache (hf_attention)
+        kwargs["attn_implementation"] = hf_attention.implementation()
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        except ValueError:  # a model that takes no attention implementation but its own
+            if attn:
+                raise
+            kwargs.pop("attn_implementation", None)
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
         model = model.to(device).eval()
     except Exception as exc:
         raise RuntimeError(f"cannot load the model in {path}: {one_line(exc)}") from None
@@ -372,8 +381,8 @@ class TransformersEngine(HelperTokenizing):
             return True
         for row, req in enumerate(self._rows):
             if req.rid == rid:
-                del self._rows[row]
-                self._batch.remove([row])
+                order = self._batch.remove([row])
+                self._rows = [self._rows[i] for i in order]
                 return True
         return False
 
@@ -490,8 +499,8 @@ class TransformersEngine(HelperTokenizing):
         if finished:
             gone = {id(r) for r in finished}
             rows = [i for i, r in enumerate(self._rows) if id(r) in gone]
-            self._rows = [r for r in self._rows if id(r) not in gone]
-            self._batch.remove(rows)
+            order = self._batch.remove(rows)  # the batch's new row order
+            self._rows = [self._rows[i] for i in order]
 
     def _grammar(self) -> Grammars:
         """The grammars of this model's tokenizer, made at engine start when xgrammar is

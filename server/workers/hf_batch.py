@@ -5,7 +5,7 @@ Example::
     batch = KVBatch(model)
     logits = batch.prefill([[5, 6, 7], [8, 9]])   # new rows join; logits of their last tokens
     logits = batch.decode([11, 12, 13])           # one token for every row, in row order
-    batch.remove([1])                             # row 1 leaves; its cache is freed now
+    order = batch.remove([0])                     # row 0 leaves, row 1 takes its place: [1]
 
 Theory of operation
 -------------------
@@ -20,10 +20,16 @@ floating-point rounding, which differs between batch shapes).
   cache of their own, which is then merged in: whichever side is shorter is padded on the
   left to the longer one, and the rows are concatenated.
 * **Decode** (:meth:`decode`): one forward pass of one token per row.
-* **Leave** (:meth:`remove`): the remaining rows are copied out (``index_select``), and the
-  leading columns that are padding in every remaining row are cut off, so a finished or
-  aborted request's cache is freed at once and the batch is never longer than its longest
-  remaining row.
+* **Leave** (:meth:`remove`): the last rows move into the places of those that leave (so
+  the row order changes: :meth:`remove` returns the new one), and the leading columns that
+  are padding in every remaining row are cut off, so the batch is never longer than its
+  longest remaining row.
+
+Full-attention layers are kept as :class:`~server.workers.hf_cache.RoomyLayer`: views of
+larger buffers, so that a step writes one column, a leaving row costs the copy of one row, and a
+joining one the copy of its own cache, where transformers' own layer copied the whole
+cache at each of these (see that module). Sliding-window layers keep transformers' own
+update (they track their length themselves) and are copied as before.
 
 The cost of padding is attention over padding columns; the model weights are read once per
 step for the whole batch, which is what makes a batch faster than its rows one by one.
@@ -38,10 +44,11 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from .hf_cache import RoomyLayer
+
 __all__ = ["KVBatch", "UnsupportedModel", "sliding_window"]
 
 _LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
-
 
 class UnsupportedModel(Exception):
     """The model's cache is not a plain per-layer key/value cache this batch can merge."""
@@ -67,7 +74,7 @@ def sliding_window(model) -> int | None:
 
 
 class KVBatch:
-    """See the module docstring. Rows are numbered 0..size-1 in join order."""
+    """See the module docstring. Rows are numbered 0..size-1; joining rows come last."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -138,11 +145,18 @@ class KVBatch:
     def _merge(self, cache: DynamicCache, mask: torch.Tensor, lengths: torch.Tensor) -> None:
         layers = self._layers(cache)
         if self.cache is None:
+            cache.layers = [
+                RoomyLayer.taking(layer) if type(layer) is DynamicLayer else layer
+                for layer in layers
+            ]
             self.cache, self.mask, self.positions = cache, mask, lengths
             return
         old_len, new_len = self.length, mask.shape[1]
         width = max(old_len, new_len)
         for dst, src in zip(self.cache.layers, layers):
+            if type(dst) is RoomyLayer:
+                dst.join(src.keys, src.values)
+                continue
             dst.keys = torch.cat(
                 [_pad_left(dst.keys, width - old_len), _pad_left(src.keys, width - new_len)]
             )
@@ -167,25 +181,39 @@ class KVBatch:
 
     # -- rows leave --------------------------------------------------------------------------
 
-    def remove(self, rows: list[int]) -> None:
-        """Drop these rows (their cache is freed now); the others keep their order."""
-        if not rows:
-            return
+    def remove(self, rows: list[int]) -> list[int]:
+        """Drop these rows (their slots are free now); returns the new row order: row ``i``
+        is the former row ``order[i]`` (the last rows move into the places left)."""
+        size = self.size
         gone = set(rows)
-        keep = [i for i in range(self.size) if i not in gone]
-        if not keep:
+        if not gone:
+            return list(range(size))
+        kept = size - len(gone)
+        if kept <= 0:
             self.clear()
-            return
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            return []
+        holes = [i for i in range(kept) if i in gone]
+        fillers = [i for i in range(kept, size) if i not in gone]
+        order = list(range(kept))
+        for hole, filler in zip(holes, fillers):
+            order[hole] = filler
+        index = torch.tensor(order, dtype=torch.long, device=self.device)
         mask = self.mask.index_select(0, index)
         used = mask.any(0).nonzero()
         start = int(used[0]) if used.numel() else mask.shape[1]
         self.mask = mask[:, start:].contiguous()
         self.positions = self.positions.index_select(0, index)
+        into = torch.tensor(holes, dtype=torch.long, device=self.device)
+        from_ = torch.tensor(fillers, dtype=torch.long, device=self.device)
         for layer in self.cache.layers:
+            if type(layer) is RoomyLayer:
+                layer.move_rows(into, from_, kept)
+                layer.drop_columns(start)
+                continue
             layer.keys = layer.keys.index_select(0, index)[:, :, start:].contiguous()
             layer.values = layer.values.index_select(0, index)[:, :, start:].contiguous()
         self._lengths_changed()
+        return order
 
     def clear(self) -> None:
         """Drop every row and free the whole cache."""
@@ -197,3 +225,4 @@ class KVBatch:
 def _pad_left(t: torch.Tensor, n: int) -> torch.Tensor:
     """Pad the sequence axis (-2) of a ``[rows, heads, length, dim]`` tensor on the left."""
     return F.pad(t, (0, 0, n, 0)) if n else t
+
