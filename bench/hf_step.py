@@ -108,7 +108,7 @@ def main() -> None:
             lines.append({"phase": "rows", **_measure(engine, args.every, add)})
             print(lines[-1], flush=True)
         if args.logprobs_rows:
-            for j in range(args.logprobs_rows):
+            for _ in range(args.logprobs_rows):
                 engine.add(next(rids), "once upon a time",
                            {"max_tokens": cap - 200, "ignore_eos": True, "logprobs": args.top})
             engine.step(0.0)
