@@ -719,6 +719,43 @@ def test_cpu_attention_equals_transformers_sdpa_on_a_padded_batch(engine, model_
         assert ours_b.mask is not None and not bool(ours_b.mask.all())  # padded throughout
 
 
+def test_an_abort_in_the_middle_of_the_batch_leaves_the_others_exact(engine):
+    """Aborting a row that is not the last moves the last row into its place (in place, in
+    the batch's inference tensors, from outside the step): the others go on exactly."""
+    ps = prompts(4, seed=11)
+    refs = [reference(engine, p, 12) for p in ps]
+    outputs: dict = {}
+    for i in range(4):
+        engine.add(i, ps[i], greedy(12))
+    run(engine, outputs, 3)
+    engine.add(9, "the quick brown fox", greedy(12))
+    run(engine, outputs, 1)
+    assert engine.abort(1) is True and engine.abort(9) is True
+    run(engine, outputs)
+    for i in (0, 2, 3):
+        assert result(outputs[i])[:2] == refs[i], f"prompt {i}: {ps[i]!r}"
+    assert engine.running() == engine.cached_tokens() == 0
+
+
+def test_models_that_choose_their_own_attention_load_with_it(model_dir, tmp_path):
+    """The CPU attention (server/workers/hf_attention.py) is asked for only where the model
+    looks attention up in transformers' registry: Falcon's layers pick their own classes
+    from the name, and know only transformers' ones."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, FalconConfig
+
+    config = FalconConfig(vocab_size=640, hidden_size=64, num_hidden_layers=1,
+                          num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2)
+    path = tmp_path / "falcon"
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    for f in model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, path / f.name)
+    model, _ = load_model(path)
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_rejections(engine, model_dir, tmp_path):
     limit = engine.max_model_len  # 256 for the tiny model
     long_prompt = list(range(10, 10 + limit + 5))

@@ -121,12 +121,13 @@ def load_model(model_path: str | Path, *, device: str = "cpu", dtype: str | None
     kwargs = {"dtype": "auto" if dtype == "auto" else _DTYPES[dtype], "local_files_only": True}
     if attn:
         kwargs["attn_implementation"] = attn
-    elif device == "cpu":  # grouped-query attention without copying the cache (hf_attention)
+    elif device == "cpu" and _attends_through_the_registry(path):
+        # grouped-query attention without copying the cache (hf_attention)
         kwargs["attn_implementation"] = hf_attention.implementation()
     try:
         try:
             model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        except ValueError:  # a model that takes no attention implementation but its own
+        except (ValueError, KeyError):  # a model that takes no implementation but its own
             if attn:
                 raise
             kwargs.pop("attn_implementation", None)
@@ -136,6 +137,20 @@ def load_model(model_path: str | Path, *, device: str = "cpu", dtype: str | None
         raise RuntimeError(f"cannot load the model in {path}: {one_line(exc)}") from None
     return model, tokenizer
 
+
+
+def _attends_through_the_registry(path: Path) -> bool:
+    """Whether the model's class looks its attention up in transformers' registry (where
+    :mod:`server.workers.hf_attention` registers), rather than choosing its own classes
+    (Falcon's, say, know only ``eager``, ``sdpa`` and flash attention)."""
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except Exception:  # from_pretrained says what is wrong with the directory
+        return False
+    return bool(getattr(cls, "_supports_attention_backend", False))
 
 
 def _top(value) -> int | None:
@@ -381,7 +396,8 @@ class TransformersEngine(HelperTokenizing):
             return True
         for row, req in enumerate(self._rows):
             if req.rid == rid:
-                order = self._batch.remove([row])
+                with torch.inference_mode():  # the batch's tensors are inference tensors
+                    order = self._batch.remove([row])
                 self._rows = [self._rows[i] for i in order]
                 return True
         return False

@@ -201,17 +201,17 @@ class KVBatch:
         mask = self.mask.index_select(0, index)
         used = mask.any(0).nonzero()
         start = int(used[0]) if used.numel() else mask.shape[1]
-        self.mask = mask[:, start:].contiguous()
-        self.positions = self.positions.index_select(0, index)
         into = torch.tensor(holes, dtype=torch.long, device=self.device)
         from_ = torch.tensor(fillers, dtype=torch.long, device=self.device)
-        for layer in self.cache.layers:
+        for layer in self.cache.layers:  # the layers first, then the mask and positions
             if type(layer) is RoomyLayer:
                 layer.move_rows(into, from_, kept)
                 layer.drop_columns(start)
                 continue
             layer.keys = layer.keys.index_select(0, index)[:, :, start:].contiguous()
             layer.values = layer.values.index_select(0, index)[:, :, start:].contiguous()
+        self.mask = mask[:, start:].contiguous()
+        self.positions = self.positions.index_select(0, index)
         self._lengths_changed()
         return order
 
