@@ -628,7 +628,7 @@ def test_the_batch_cache_changes_in_place_and_computes_what_copies_compute(engin
         assert type(layer) is RoomyLayer and type(plain.cache.layers[0]) is not RoomyLayer
         moves, steps = 0, 0
         for step in range(200):
-            assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), step
+            assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4), step
             buffer = layer._kbuf.data_ptr()
             action = rng.random()
             if action < 0.15 and roomy.size > 1:  # some rows leave
@@ -658,7 +658,7 @@ def test_the_batch_cache_changes_in_place_and_computes_what_copies_compute(engin
                 token = [int(x) for x in a.argmax(-1)]
                 buffer, start = layer._kbuf.data_ptr(), layer._start
                 a, b = roomy.decode(token), plain.decode(token)
-                assert torch.allclose(a, b, atol=1e-5)
+                assert torch.allclose(a, b, atol=1e-4)
                 shifted += layer._kbuf.data_ptr() == buffer and layer._start < start
             oldest = [int(i) for i in roomy.positions.argsort(descending=True)[:-1]]
             order = roomy.remove(oldest)
@@ -666,7 +666,7 @@ def test_the_batch_cache_changes_in_place_and_computes_what_copies_compute(engin
             joining = [prompt(rng.randint(1, 6)) for _ in range(3)]
             a = torch.cat([a[order], roomy.prefill(joining)])
             b = torch.cat([b[order], plain.prefill(joining)])
-            assert torch.allclose(a, b, atol=1e-5)
+            assert torch.allclose(a, b, atol=1e-4)
         assert shifted
         # One row runs on alone past its buffer's columns: new, larger buffers.
         order = roomy.remove(list(range(1, roomy.size)))
@@ -676,7 +676,7 @@ def test_the_batch_cache_changes_in_place_and_computes_what_copies_compute(engin
             buffer = layer._kbuf.data_ptr()
             token = [int(x) for x in a.argmax(-1)]
             a, b = roomy.decode(token), plain.decode(token)
-            assert torch.allclose(a, b, atol=1e-5)
+            assert torch.allclose(a, b, atol=1e-4)
             grew += layer._kbuf.data_ptr() != buffer
         assert 0 < grew < 10
         # Steady state: a row leaves, a short one joins, steps go on: the same buffers.
@@ -715,7 +715,7 @@ def test_cpu_attention_equals_transformers_sdpa_on_a_padded_batch(engine, model_
                 a, b = ours_b.decode(token[:-1]), theirs_b.decode(token[:-1])
             else:
                 a, b = ours_b.decode(token), theirs_b.decode(token)
-            assert torch.allclose(a, b, atol=1e-5), step
+            assert torch.allclose(a, b, atol=1e-4), step
         assert ours_b.mask is not None and not bool(ours_b.mask.all())  # padded throughout
 
 

@@ -63,7 +63,8 @@ class RoomyLayer(DynamicLayer):
     def taking(cls, layer: DynamicLayer) -> "RoomyLayer":
         """A roomy layer holding ``layer``'s keys and values (copied into new buffers)."""
         new = cls()
-        new.dtype, new.device, new.is_initialized = layer.dtype, layer.device, True
+        new.is_initialized = True  # (dtype and device: not kept by every transformers 5)
+        new.dtype, new.device = layer.keys.dtype, layer.keys.device
         new._move(layer.keys, layer.values, rows=0, columns=0)
         return new
 
