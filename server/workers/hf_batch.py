@@ -50,6 +50,7 @@ __all__ = ["KVBatch", "UnsupportedModel", "sliding_window"]
 
 _LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
+
 class UnsupportedModel(Exception):
     """The model's cache is not a plain per-layer key/value cache this batch can merge."""
 
@@ -225,4 +226,3 @@ class KVBatch:
 def _pad_left(t: torch.Tensor, n: int) -> torch.Tensor:
     """Pad the sequence axis (-2) of a ``[rows, heads, length, dim]`` tensor on the left."""
     return F.pad(t, (0, 0, n, 0)) if n else t
-

@@ -101,20 +101,21 @@ class RoomyLayer(DynamicLayer):
         self._kbuf, self._vbuf = kbuf, vbuf
         self._hold(n, 0, width)
 
+    def _adopt(self) -> None:
+        """Views that someone else assigned go into buffers of this layer's own first."""
+        if not self._own():
+            self._move(self.keys, self.values, rows=0, columns=0)
+
     def _room_for(self, rows: int, columns: int) -> None:
         """Make room for ``rows`` more rows and ``columns`` more columns past ``end``."""
-        if not self._own():
-            self._move(self.keys, self.values, rows=rows, columns=columns)
-            return
-        length = self._end - self._start
-        if self._rows + rows > self._kbuf.shape[0]:
-            self._move(self.keys, self.values, rows=rows, columns=columns)
-        elif self._end + columns > self._kbuf.shape[2]:
-            spare = self._kbuf.shape[2] - length - columns
-            if spare >= _room(length, _ROOM_MIN_COLUMNS) // 2:
+        if self._own() and self._rows + rows <= self._kbuf.shape[0]:
+            if self._end + columns <= self._kbuf.shape[2]:
+                return
+            length = self._end - self._start
+            if self._kbuf.shape[2] - length - columns >= _room(length, _ROOM_MIN_COLUMNS) // 2:
                 self._shift_to_front()
-            else:
-                self._move(self.keys, self.values, rows=rows, columns=columns)
+                return
+        self._move(self.keys, self.values, rows=rows, columns=columns)
 
     def _shift_to_front(self) -> None:
         """Move the live columns to column 0 of the same buffers, a block at a time."""
@@ -130,10 +131,10 @@ class RoomyLayer(DynamicLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         """A forward pass's new columns (transformers calls this): written in place."""
-        if not self.is_initialized:
+        if not self.is_initialized:  # (KVBatch makes its layers with `taking`)
             self.lazy_initialization(key_states, value_states)
-            self._move(key_states[:, :, :0], value_states[:, :, :0], rows=0,
-                       columns=key_states.shape[-2])
+            self._move(key_states, value_states, rows=0, columns=0)
+            return self.keys, self.values
         n = key_states.shape[-2]
         self._room_for(0, n)
         end = self._end
@@ -144,8 +145,7 @@ class RoomyLayer(DynamicLayer):
 
     def move_rows(self, into: torch.Tensor, from_: torch.Tensor, rows: int) -> None:
         """Row ``from_[i]`` goes to row ``into[i]``; then only the first ``rows`` are kept."""
-        if not self._own():
-            self._move(self.keys, self.values, rows=0, columns=0)
+        self._adopt()
         s, e = self._start, self._end
         if into.numel():
             self._kbuf[into, :, s:e] = self._kbuf[from_, :, s:e]
@@ -154,8 +154,7 @@ class RoomyLayer(DynamicLayer):
 
     def drop_columns(self, n: int) -> None:
         """The first ``n`` columns are padding in every row: they leave the view."""
-        if not self._own():
-            self._move(self.keys, self.values, rows=0, columns=0)
+        self._adopt()
         self._hold(self._rows, self._start + n, self._end)
 
     def join(self, keys: torch.Tensor, values: torch.Tensor) -> None:
