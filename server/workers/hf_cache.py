@@ -20,14 +20,24 @@ the shape it expects. So:
   ``start`` (:meth:`drop_columns`: no copy);
 * joining rows are written into spare rows, right-aligned at ``end``, their left padding
   zeroed (:meth:`join`), when the buffer has the rows and the columns for them;
-* when it has not, or ``end`` reaches the buffer's last column, the live region moves: to
-  column 0 of the same buffer, a block at a time (no block overlaps its source), when that
-  leaves room; else into a new buffer with room to spare (an eighth more rows and columns,
-  at least 4 rows and 32 columns), so growth costs O(1) copying per token.
+* before ``end`` reaches the buffer's last column, the live region *migrates* to new
+  buffers (:class:`_Migration`), a chunk of columns per step: when the columns left past
+  ``end`` fall below half the room (below), new buffers are made with twice the room (at
+  least 4 rows and 32 columns, or an eighth more) and each step copies enough columns of
+  every row to catch up with ``end`` in about a quarter of the room's steps; rows that move
+  or join meanwhile are copied into the new buffers too (only the columns copied so far),
+  and the step that catches up switches the views over. So growth and the slide of a
+  batch whose oldest rows leave cost O(1) copying per token *and per step*: one move of
+  the whole cache in one step held every stream of the batch for as long as that copy
+  (100-230 ms at 64 rows of 1,000 tokens on one core, docs/benchmarks.md);
+* a join that needs more rows than the buffers hold, or columns on the left that they
+  have not, moves the live region at once into new buffers with room to spare.
 
 Padding must be finite (zeros): the attention mask keeps it out of the softmax, but a NaN
 there would still poison the weighted sum. Memory freed by a leaving row is reused by the
-next joining one; the buffers go when the batch empties (``KVBatch.clear``) or move.
+next joining one; the buffers go when the batch empties (``KVBatch.clear``) or move. While
+a migration runs, both the old and the new buffers are held (as a move held both, for
+that one copy).
 
 Whoever assigns ``keys``/``values`` other than through these methods (transformers' own
 ``crop``, ``reorder_cache`` ...) leaves views of other storage: :meth:`update` moves them
@@ -50,6 +60,16 @@ def _room(n: int, least: int) -> int:
     return max(least, n // _ROOM_SHARE)
 
 
+class _Migration:
+    """New buffers being filled: old column ``c`` is new column ``c - base``; old columns
+    ``[base, base + done)`` of every row are copied; ``chunk`` columns more per step."""
+
+    __slots__ = ("kbuf", "vbuf", "base", "done", "chunk")
+
+    def __init__(self, kbuf: torch.Tensor, vbuf: torch.Tensor, base: int, chunk: int) -> None:
+        self.kbuf, self.vbuf, self.base, self.done, self.chunk = kbuf, vbuf, base, 0, chunk
+
+
 class RoomyLayer(DynamicLayer):
     """See the module docstring."""
 
@@ -58,6 +78,9 @@ class RoomyLayer(DynamicLayer):
         self._kbuf: torch.Tensor | None = None
         self._vbuf: torch.Tensor | None = None
         self._rows = self._start = self._end = 0
+        self._next: _Migration | None = None
+        #: Columns copied, summed over rows and both buffers (see :meth:`statistics`).
+        self._copied = 0
 
     @classmethod
     def taking(cls, layer: DynamicLayer) -> "RoomyLayer":
@@ -98,7 +121,8 @@ class RoomyLayer(DynamicLayer):
         for buf, t in ((kbuf, keys), (vbuf, values)):
             buf[:n, :, :left].zero_()
             buf[:n, :, left:width] = t
-        self._kbuf, self._vbuf = kbuf, vbuf
+        self._copied += 2 * n * length
+        self._kbuf, self._vbuf, self._next = kbuf, vbuf, None
         self._hold(n, 0, width)
 
     def _adopt(self) -> None:
@@ -107,25 +131,53 @@ class RoomyLayer(DynamicLayer):
             self._move(self.keys, self.values, rows=0, columns=0)
 
     def _room_for(self, rows: int, columns: int) -> None:
-        """Make room for ``rows`` more rows and ``columns`` more columns past ``end``."""
+        """Make room for ``rows`` more rows and ``columns`` more columns past ``end``: at
+        once (a join, or a migration that has not caught up in time)."""
         if self._own() and self._rows + rows <= self._kbuf.shape[0]:
             if self._end + columns <= self._kbuf.shape[2]:
                 return
-            length = self._end - self._start
-            if self._kbuf.shape[2] - length - columns >= _room(length, _ROOM_MIN_COLUMNS) // 2:
-                self._shift_to_front()
-                return
+            nxt = self._next
+            if nxt is not None and self._rows + rows <= nxt.kbuf.shape[0]:
+                self._migrate(self._end)  # the rest, now: its buffers have the room
+                if self._end + columns <= self._kbuf.shape[2]:
+                    return
         self._move(self.keys, self.values, rows=rows, columns=columns)
 
-    def _shift_to_front(self) -> None:
-        """Move the live columns to column 0 of the same buffers, a block at a time."""
-        start, length, rows = self._start, self._end - self._start, self._rows
-        block = start  # a block never overlaps its source: the source is `start` further on
-        for buf in (self._kbuf, self._vbuf):
-            for c in range(0, length, block):
-                c1 = min(c + block, length)
-                buf[:rows, :, c:c1] = buf[:rows, :, start + c : start + c1]
-        self._hold(rows, 0, length)
+    # -- migration -------------------------------------------------------------------------
+
+    def _migrate(self, columns: int) -> None:
+        """Start a migration when the columns left run low; copy up to ``columns`` more
+        columns of the one running; switch the views over once it has caught up."""
+        if not self._own():  # someone else's views: they move at once (_adopt)
+            self._next = None
+            return
+        nxt = self._next
+        if nxt is None:
+            length = self._end - self._start
+            room = _room(length, _ROOM_MIN_COLUMNS)
+            if self._kbuf.shape[2] - self._end >= room // 2:
+                return
+            total_rows = self._rows + _room(self._rows, _ROOM_MIN_ROWS)
+            shape = (total_rows, self._kbuf.shape[1], length + 2 * room)
+            kbuf = self._kbuf.new_empty((*shape, self._kbuf.shape[3]))
+            vbuf = self._vbuf.new_empty((*shape, self._vbuf.shape[3]))
+            # Caught up within a quarter of the room's steps (the end gains one a step).
+            chunk = 2 + -(-4 * length // room)
+            self._next = nxt = _Migration(kbuf, vbuf, self._start, chunk)
+            columns = chunk
+        rows, base, done = self._rows, nxt.base, nxt.done
+        if base + done < self._start:  # columns dropped since: no need to copy them
+            nxt.done = done = self._start - base
+        todo = min(columns, self._end - base - done)
+        if todo > 0:
+            a, b = base + done, base + done + todo
+            nxt.kbuf[:rows, :, done : done + todo] = self._kbuf[:rows, :, a:b]
+            nxt.vbuf[:rows, :, done : done + todo] = self._vbuf[:rows, :, a:b]
+            nxt.done = done = done + todo
+            self._copied += 2 * rows * todo
+        if base + done == self._end:  # caught up: the new buffers hold every live column
+            self._kbuf, self._vbuf, self._next = nxt.kbuf, nxt.vbuf, None
+            self._hold(rows, self._start - base, self._end - base)
 
     # -- what KVBatch and the model call --------------------------------------------------
 
@@ -136,6 +188,8 @@ class RoomyLayer(DynamicLayer):
             self._move(key_states, value_states, rows=0, columns=0)
             return self.keys, self.values
         n = key_states.shape[-2]
+        nxt = self._next
+        self._migrate(nxt.chunk if nxt is not None else 0)
         self._room_for(0, n)
         end = self._end
         self._kbuf[: self._rows, :, end : end + n] = key_states
@@ -150,6 +204,13 @@ class RoomyLayer(DynamicLayer):
         if into.numel():
             self._kbuf[into, :, s:e] = self._kbuf[from_, :, s:e]
             self._vbuf[into, :, s:e] = self._vbuf[from_, :, s:e]
+            self._copied += 2 * into.numel() * (e - s)
+            nxt = self._next
+            if nxt is not None and nxt.done:  # the columns it has copied: the same move
+                d = nxt.done
+                nxt.kbuf[into, :, :d] = nxt.kbuf[from_, :, :d]
+                nxt.vbuf[into, :, :d] = nxt.vbuf[from_, :, :d]
+                self._copied += 2 * into.numel() * d
         self._hold(rows, s, e)
 
     def drop_columns(self, n: int) -> None:
@@ -161,6 +222,9 @@ class RoomyLayer(DynamicLayer):
         """New rows, right-aligned with the others (the shorter side padded on the left)."""
         k, new = keys.shape[0], keys.shape[2]
         more = new - self.keys.shape[2]  # the others need this much padding on the left
+        nxt = self._next
+        if nxt is not None and (more > 0 or self._rows + k > nxt.kbuf.shape[0]):
+            self._next = nxt = None  # (rare: the next migration starts afresh)
         if more > 0:
             if self._own() and self._start >= more and self._rows + k <= self._kbuf.shape[0]:
                 s = self._start
@@ -174,10 +238,23 @@ class RoomyLayer(DynamicLayer):
         for buf, t in ((self._kbuf, keys), (self._vbuf, values)):
             buf[rows : rows + k, :, s : e - new].zero_()
             buf[rows : rows + k, :, e - new : e] = t
+        self._copied += 2 * k * new
+        nxt = self._next
+        if nxt is not None and nxt.done:  # the new rows' columns it has copied for the others
+            a, d = nxt.base, nxt.done
+            nxt.kbuf[rows : rows + k, :, :d] = self._kbuf[rows : rows + k, :, a : a + d]
+            nxt.vbuf[rows : rows + k, :, :d] = self._vbuf[rows : rows + k, :, a : a + d]
+            self._copied += 2 * k * d
         self._hold(rows + k, s, e)
 
     def reset(self) -> None:
-        self._kbuf = self._vbuf = None
+        self._kbuf = self._vbuf = self._next = None
         self._rows = self._start = self._end = 0
         super().reset()
+
+    def statistics(self) -> dict:
+        """``copied``: columns copied so far (a row's column of keys or of values counts
+        one), by steps, joins, leaves and moves; ``migrating``: whether new buffers are
+        being filled."""
+        return {"copied": self._copied, "migrating": self._next is not None}
 
