@@ -12,9 +12,10 @@ import httpx
 import trio
 
 from bench.loadgen_lib.http11 import build_request
-from bench.loadgen_lib.isolation import (HEAVY_KINDS, HeavyRequest, gap_summary, heavy_request,
-                                         largest_gap, stream_points, window_gaps,
-                                         windows_max_gaps, worker_restarts)
+from bench.loadgen_lib.isolation import (HEAVY_KINDS, HeavyRequest, baseline_reference,
+                                         gap_summary, heavy_request, largest_gap,
+                                         stream_points, window_gaps, windows_max_gaps,
+                                         worker_restarts)
 from bench.loadgen_lib.isolation_run import WorkerWatch, send_heavy
 from bench.loadgen_lib.openai_api import StreamTracker
 from bench.loadgen_lib.sse import SSEParser
@@ -51,6 +52,17 @@ def test_windows_max_gaps_tiles_the_phase_from_its_end():
     assert windows_max_gaps(streams, 0.0, 8.0, 2.0) == [1.0, 3.0, 3.0, 1.0]
     assert windows_max_gaps(streams, 0.5, 8.0, 2.0) == [1.0, 3.0, 3.0]
     assert windows_max_gaps([[0.0, 1.0]], 5.0, 9.0, 2.0) == []
+
+
+def test_a_phase_is_compared_with_baseline_windows_of_its_own_length():
+    # a baseline [0, 12] with one slow stretch (4 s, from 5 to 9) and gaps of 1 s elsewhere
+    streams = [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 9.0, 10.0, 11.0, 12.0]]
+    # 3 s windows [9, 12], [6, 9], [3, 6], [0, 3]: largest 1, 4, 4, 1; median 2.5
+    assert baseline_reference(streams, 0.0, 12.0, 3.0) == (2.5, 4)
+    # as long as the baseline: its largest gap; longer: the same, one window
+    assert baseline_reference(streams, 0.0, 12.0, 12.0) == (4.0, 1)
+    assert baseline_reference(streams, 0.0, 12.0, 70.0) == (4.0, 1)
+    assert baseline_reference(streams, 20.0, 30.0, 3.0) is None
 
 
 def test_gap_summary_in_milliseconds():

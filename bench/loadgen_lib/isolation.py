@@ -169,6 +169,23 @@ def windows_max_gaps(streams, a: float, b: float, width: float) -> list[float]:
     return out
 
 
+def baseline_reference(streams, a: float, b: float, width: float) -> tuple[float, int] | None:
+    """What a heavy phase of ``width`` seconds is compared with: the median of the largest
+    gaps of the baseline's (``[a, b]``) whole windows of that width, and their count; the
+    baseline's own largest gap (count 1) when it is shorter than the phase; None when it has
+    no gap. The largest gap of a window grows with its length (the streams' rare slow steps,
+    the cycle of their lengths), so a 70 s phase against a 5 s baseline "added" gap that no
+    heavy request made, and a 1 s phase against it hid some."""
+    maxima = windows_max_gaps(streams, a, b, width)
+    if not maxima:
+        gaps = window_gaps(streams, a, b)
+        return (max(gaps), 1) if gaps else None
+    ordered = sorted(maxima)
+    n = len(ordered)
+    median = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    return median, n
+
+
 def gap_summary(gaps) -> dict:
     """Largest gap and p99, in milliseconds (None when there are none), and their count."""
     ordered = sorted(gaps)

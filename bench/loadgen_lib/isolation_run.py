@@ -19,8 +19,8 @@ import trio
 
 from .client import Client, Context, one_request, start_offsets
 from .http11 import HTTPResponseParser, ProtocolError, build_request
-from .isolation import (HeavyRequest, gap_summary, heavy_request, largest_gap,
-                        stream_points, window_gaps, windows_max_gaps,
+from .isolation import (HeavyRequest, baseline_reference, gap_summary, heavy_request,
+                        largest_gap, stream_points, window_gaps, windows_max_gaps,
                         worker_restarts)
 from .openai_api import error_message
 from .procstat import descendants
@@ -34,6 +34,8 @@ _perf = time.perf_counter
 #: apart (``end_max_gap_ms``): a big answer is decoded and encoded there, and a long
 #: phase's largest gap may lie anywhere else.
 END_S = 5.0
+#: The shortest ``--baseline auto`` (when every heavy phase is shorter).
+MIN_BASELINE_S = 5.0
 
 
 class _Rec:
@@ -302,9 +304,22 @@ async def _recover(args, target: Target, bg: Background) -> dict:
     return {"recovered": streaming, "recovery_s": round(_perf() - t0, 2)}
 
 
+async def _baseline(args, watch: WorkerWatch, seconds: float) -> tuple[float, float, dict]:
+    await trio.sleep(args.settle)
+    log(f"phase baseline: {seconds:.1f} s with no heavy request")
+    before = await watch.snapshot()
+    a = _perf()
+    await trio.sleep(seconds)
+    b = _perf()
+    after = await watch.snapshot()
+    return a, b, {"heavy": None, **watch.compare(before, after)}
+
+
 async def run_phases(args, target: Target, model: str, server_pid: int) -> list[dict]:
-    """Background streams, then the baseline phase and one phase per heavy kind; returns
-    one dict per phase (see bench/isolation.py for the fields)."""
+    """Background streams, then the baseline phase and one phase per heavy kind (with
+    ``--baseline auto``, the heavy phases first, then a baseline as long as the longest of
+    them); returns one dict per phase, the baseline's first (see bench/isolation.py for
+    the fields)."""
     bg = Background(target, model, args.streams, args.max_tokens, args.prompt_tokens,
                     request_timeout=args.time_limit)
     probe = HealthProbe(target, args.health_interval, args.heavy_timeout)
@@ -316,24 +331,25 @@ async def run_phases(args, target: Target, model: str, server_pid: int) -> list[
         await _all_streaming(bg, args.streams, args.warmup_timeout)
         log(f"{bg.streaming()} of {args.streams} streams streaming; warmup {args.warmup} s")
         await trio.sleep(args.warmup)
-        before = await watch.snapshot()
-        a = _perf()
-        await trio.sleep(args.baseline)
-        b = _perf()
-        after = await watch.snapshot()
-        windows.append(("baseline", a, b, {"heavy": None, **watch.compare(before, after)}))
+        if args.baseline is not None:
+            windows.append(("baseline", *await _baseline(args, watch, args.baseline)))
+        recovered = True
         for kind in args.kinds:
             a, b, info = await _phase(args, target, bg, watch, kind, model)
             windows.append((kind, a, b, info))
             if not info["recovered"]:
                 log(f"not recovered after {info['recovery_s']} s (/health, or the streams): "
                     "the remaining phases are skipped")
+                recovered = False
                 break
+        if args.baseline is None and recovered:  # auto: as long as the longest phase
+            longest = max([b - a for _, a, b, _ in windows] + [MIN_BASELINE_S])
+            windows.insert(0, ("baseline", *await _baseline(args, watch, longest)))
         now = _perf()
         streams = bg.streams(now)
         nursery.cancel_scope.cancel()
     phases = []
-    base_max = None
+    base = next(((a, b) for name, a, b, _ in windows if name == "baseline"), None)
     for name, a, b, info in windows:
         row = {"phase": name, "window_s": round(b - a, 3), **gap_summary(window_gaps(
             streams, a, b)), **bg.window(a, b, now), **probe.window(a, b), **info}
@@ -352,13 +368,16 @@ async def run_phases(args, target: Target, model: str, server_pid: int) -> list[
                 row["other_windows_max_gap_ms"] = {
                     q: round(percentile(ordered, q) * 1000, 1) for q in (50, 90, 100)}
         row["pids_lost"] = row.pop("lost_pids")
-        if name == "baseline":
-            base_max = row["max_gap_ms"]
+        ref = None
+        if base is not None and name != "baseline":
+            ref = baseline_reference(streams, *base, b - a)
+        row["baseline_ref_ms"] = None if ref is None else round(ref[0] * 1000, 2)
+        row["baseline_windows"] = None if ref is None else ref[1]
+        row["added_gap_ms"] = (
+            round(row["max_gap_ms"] - row["baseline_ref_ms"], 2)
+            if row["max_gap_ms"] is not None and row["baseline_ref_ms"] is not None
+            else 0.0 if name == "baseline" else None)
         phases.append(row)
-    for row in phases:
-        row["added_gap_ms"] = (round(row["max_gap_ms"] - base_max, 2)
-                               if row["max_gap_ms"] is not None and base_max is not None
-                               else None)
     return phases
 
 
