@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import trio
 
-from server import EngineConfig, SamplingParams
+from server import EngineConfig, SamplingParams, open_engine
 from server.worker_protocol import parts, wire
 from server.worker_protocol.wire import OutputRow
 from server.workers.base import EngineBroken
@@ -296,3 +296,146 @@ async def test_a_real_worker_sends_a_big_answer_in_parts_that_the_frontend_joins
                 assert kinds.count(wire.PART) >= len(expected) * 4 // parts.PART_BYTES
                 assert wire.TOKENIZED not in kinds  # the answer came in parts only
                 await stream.aclose()
+
+
+# -- a listening worker (server.workers.listen), to a connection that subscribed ------------
+
+
+class _StoppableSim(_TokenizingSim):
+    """Breaks at its next step once ``stop`` is set: how a test ends a listening worker's
+    loop (EngineBroken comes out of ``Server.run`` after the errors went out)."""
+
+    stop = False
+
+    def next_deadline(self):
+        return 0.0 if self.stop else super().next_deadline()
+
+    def step(self, now: float) -> list:
+        if self.stop:
+            raise EngineBroken("the test is over", [])
+        return super().step(now)
+
+
+@contextlib.asynccontextmanager
+async def _listening_sim():
+    """A listening worker's loop on a :class:`_StoppableSim`, in a thread of this process,
+    on a loopback port (no secret: loopback only); yields ``(server, address)``."""
+    import socket
+
+    from server.worker_protocol.handshake import WorkerAddress
+    from server.workers.listen import Server
+
+    engine = _StoppableSim(itl_ms=0.0, ttft_ms=0.0, prefill_us_per_token=0.0)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    server = Server(engine, listener, secret=None, tls=None, frontend_timeout=30.0,
+                    max_buffer=64 << 20)
+    port = listener.getsockname()[1]
+
+    def run() -> None:
+        try:
+            server.run()
+        except EngineBroken:
+            pass
+        finally:
+            server.close()
+            listener.close()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.to_thread.run_sync, run)
+        try:
+            yield server, WorkerAddress(host="127.0.0.1", port=port, path=None)
+        finally:
+            engine.stop = True
+            with socket.create_connection(("127.0.0.1", port)):
+                pass  # (wakes the loop, asleep when idle with no connection)
+
+
+def _by_hand(address, subscribe: bool) -> tuple[list[int], list, dict]:
+    """A frontend by hand on a blocking socket: the handshake, SUBSCRIBE ["parts"] if
+    ``subscribe``, a long request, and once it runs a TOKENIZE. Returns the kinds of the
+    frames the worker sent until the answer was whole, the answers (joined) and the
+    worker's HELLO info."""
+    import socket
+
+    sock = socket.create_connection((address.host, address.port), timeout=60)
+    raw = wire.FrameDecoder()  # sees the PARTs as they are
+    joiner = parts.PartsDecoder()
+    kinds: list[int] = []
+    answers: list = []
+    pending: list[list] = []
+
+    def receive() -> bytes:
+        data = sock.recv(1 << 16)
+        assert data, "the worker closed the connection"
+        return data
+
+    try:
+        while not pending:
+            pending.extend(raw.feed(receive()))
+        assert pending.pop(0)[0] == wire.CHALLENGE
+        sock.sendall(wire.encode([wire.AUTH, os.urandom(32), None]))
+        while not pending:
+            pending.extend(raw.feed(receive()))
+        hello = pending.pop(0)
+        assert hello[0] == wire.HELLO, hello
+        joiner.frames(b"")  # (nothing buffered: the HELLO went to `raw` alone)
+        params = SamplingParams(max_tokens=8000, ignore_eos=True).to_wire()
+        sock.sendall((wire.encode([wire.SUBSCRIBE, [wire.PARTS_TOPIC]]) if subscribe else b"")
+                     + wire.encode([wire.SUBMIT, 1, "hi", params]))
+        asked = False
+        while not answers:
+            data = receive()
+            for message in raw.feed(data):
+                kinds.append(message[0])
+                if message[0] == wire.STEP and not asked:
+                    asked = True
+                    sock.sendall(wire.encode([wire.TOKENIZE, 9, {"op": "tokenize"}]))
+            answers.extend(joiner.decode_sliced(b) for b in joiner.frames(data)
+                           if b.startswith(wire.TOKENIZED_HEAD))
+        sock.sendall(wire.encode([wire.ABORT, 1]))
+    finally:
+        sock.close()
+    return kinds, answers, hello[1]
+
+
+async def test_a_listening_worker_sends_big_answers_in_parts_to_a_connection_that_asked():
+    """A connection that subscribed to parts gets a big TOKENIZED as PART frames, with its
+    STEPs between every :data:`parts.PARTS_PER_PASS` of them (counted on the frames, not
+    timed); one that did not gets it whole."""
+    with trio.fail_after(LIMIT):
+        async with _listening_sim() as (_, address):
+            kinds, answers, info = await trio.to_thread.run_sync(_by_hand, address, True)
+            assert info[wire.PARTS_KEY] is True
+            assert len(answers) == 1 and answers[0][2]["tokens"] == IDS
+            assert wire.TOKENIZED not in kinds
+            first = kinds.index(wire.PART)
+            run = 0
+            for kind in kinds[first:]:  # never more than one pass's parts in a row
+                run = run + 1 if kind == wire.PART else 0
+                assert run <= parts.PARTS_PER_PASS
+            assert kinds.count(wire.PART) >= len(IDS) * 5 // parts.PART_BYTES
+            assert kinds[first:].count(wire.STEP) >= kinds.count(wire.PART) // 4 - 1
+
+            kinds, answers, _ = await trio.to_thread.run_sync(_by_hand, address, False)
+            assert len(answers) == 1 and answers[0][2]["tokens"] == IDS
+            assert wire.PART not in kinds and wire.TOKENIZED in kinds
+
+
+async def test_a_frontend_subscribes_to_a_listening_workers_parts_and_joins_them():
+    """The frontend's session asks a listening worker that offers parts for them, and its
+    link joins them: the answer is whole and right."""
+    from tests.remote import remote_config
+
+    class _At:  # (what remote_config reads of a listening worker)
+        def __init__(self, address) -> None:
+            self.address = address
+
+    with trio.fail_after(LIMIT):
+        async with _listening_sim() as (server, address):
+            async with open_engine(remote_config(_At(address), secret=None)) as engine:
+                answer = await engine.tokenize({"op": "tokenize", "prompt": "hi"})
+                assert answer["tokens"] == IDS
+                assert [c.parts is not None for c in server.conns] == [True]

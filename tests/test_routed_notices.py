@@ -103,6 +103,8 @@ def test_block_names_and_subscriptions_only_to_a_listening_worker():
         [wire.SUBMIT, 1, "p", {}, None, [NAME] * wire.ROUTED_MAX],
         [wire.SUBSCRIBE, [TOPIC]],
         [wire.SUBSCRIBE, ["routed/999999"]],
+        [wire.SUBSCRIBE, [wire.PARTS_TOPIC]],  # (big answers in parts: test_answer_parts)
+        [wire.SUBSCRIBE, [TOPIC, wire.PARTS_TOPIC]],
     ]
     for message in good:
         assert wire.check_listener_request(message) is message
@@ -117,6 +119,9 @@ def test_block_names_and_subscriptions_only_to_a_listening_worker():
         [wire.SUBSCRIBE, [TOPIC] * 9],  # (at most 8 topics)
         [wire.SUBSCRIBE, ["everything"]],
         [wire.SUBSCRIBE, ["routed/1", "routed/2"]],  # (a connection's names: one naming)
+        [wire.SUBSCRIBE, ["routed/1", "parts", "routed/2"]],
+        [wire.SUBSCRIBE, ["parts/1"]],
+        [wire.SUBSCRIBE, [b"parts"]],
         [wire.SUBSCRIBE, ["routed"]],  # (of no naming)
         [wire.SUBSCRIBE, ["routed/0"]],
         [wire.SUBSCRIBE, ["routed/01"]],

@@ -172,6 +172,9 @@ class _ConnectedLink(Link):
     def __init__(self, stream: trio.abc.HalfCloseableStream | trio.SSLStream, fd: int | None,
                  address: handshake.WorkerAddress, secret: bytes | None) -> None:
         super().__init__(stream, stream)
+        # Joins PART frames once the session subscribed to them (wire.PARTS_TOPIC, when the
+        # worker's HELLO offers them): until then, one is refused like any unasked frame.
+        self.decoder = PartsDecoder(joining=False)
         self.stream = stream
         self.fd = fd
         self.where = str(address)

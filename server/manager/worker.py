@@ -16,7 +16,8 @@ process it spawned, or one connection to a worker that listens (``address``; see
   big TOKENIZED (a /tokenize answer of millions of ids: seconds of decoding), which
   answers one round trip only and is decoded and filed by a task of its own
   (``_decode_aside``; at most ``_ASIDES`` at once, a further one in the router's way)
-  while the router goes on routing the other streams' outputs. A worker we spawn sends
+  while the router goes on routing the other streams' outputs. A worker we spawn, and a
+  listening one that offers it (the session then subscribes: ``wire.PARTS_TOPIC``), sends
   such an answer in PART frames between its STEPs (:mod:`server.worker_protocol.parts`):
   the link's decoder joins them, the answer arriving with its last piece (the router reads
   through ``decode_frames`` meanwhile), and one cut off by the session's end is lost with
@@ -62,6 +63,7 @@ from ..errors import EngineError, error_from_wire
 from ..observability.engine_metrics import EngineReport
 from ..thread_limits import run_limiter
 from ..worker_protocol import wire
+from ..worker_protocol.parts import PartsDecoder
 from .kv_index import KVIndex
 from .pacing import Pacer
 from .routing import NAMING
@@ -455,8 +457,14 @@ class WorkerClient:
                 return reason
             self.routed_notices = (config.routing == "prefix"
                                    and self.info.get(wire.ROUTED_KEY) is True)
-            if self.routed_notices:  # (ahead of any request)
-                self._queue(wire.encode([wire.SUBSCRIBE, [wire.routed_topic(NAMING)]]))
+            topics = [wire.routed_topic(NAMING)] if self.routed_notices else []
+            decoder = link.decoder  # (a pipe worker's joins already: it asked at its start)
+            if (self.info.get(wire.PARTS_KEY) is True and isinstance(decoder, PartsDecoder)
+                    and not decoder.joining):  # a listening worker's big answers, in parts
+                decoder.joining = True
+                topics.append(wire.PARTS_TOPIC)
+            if topics:  # (ahead of any request)
+                self._queue(wire.encode([wire.SUBSCRIBE, topics]))
             replaying = self._replay()  # queued ahead of any request
             self.kv_index = _kv_index(self.info, config.routing, self.kv_events)
             self.alive = True

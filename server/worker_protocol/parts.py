@@ -9,8 +9,10 @@ and every stream on that worker waits with it. A non-blocking write would let th
 step on, but its STEP frames would still queue behind the big frame.
 
 So a pipe worker started with ``"parts": true`` (the frontend's worker argument,
-server.config) sends a TOKENIZED frame of :data:`~server.worker_protocol.wire.BIG_FRAME`
-or more as PART messages instead, :data:`PART_BYTES` of its body each::
+server.config), or a listening worker to a connection that subscribed to
+:data:`~server.worker_protocol.wire.PARTS_TOPIC`, sends a TOKENIZED frame of
+:data:`~server.worker_protocol.wire.BIG_FRAME` or more as PART messages instead,
+:data:`PART_BYTES` of its body each::
 
     [PART, data, more]     data: bytes, the next piece of one frame body; more: bool,
                            False on the last piece
@@ -24,7 +26,11 @@ Each PART is a whole frame, so anything else may come between two of them, the w
 pulse (an unasked PONG from another thread during a long step) included. Past
 :data:`MAX_QUEUED_PARTS` queued (many big answers asked at once) the worker writes down to
 that bound at once, pushing back on its frontend as whole frames did; at a SHUTDOWN, or when
-its engine breaks, it writes every part left before it ends.
+its engine breaks, it writes every part left before it ends. A listening worker
+(server.workers.listen) never blocks on a frontend: it adds a connection's next parts to
+that connection's output once the socket has taken everything before them, at most
+:data:`PARTS_PER_PASS` at a time, and counts the parts left against its
+``--max-buffer-bytes`` as it counts the output waiting.
 
 The frontend's :class:`PartsDecoder` joins the pieces into the frame body they came from,
 which comes out of :meth:`~PartsDecoder.frames` in the place of the last piece, as if the
@@ -112,11 +118,16 @@ class PartQueue:
         """Whether any part is yet to be written (the loop must not sleep meanwhile)."""
         return self._parts > 0
 
-    def write_some(self, limit: int = PARTS_PER_PASS) -> None:
-        """Write up to ``limit`` parts: one pass's share; more while over
-        :data:`MAX_QUEUED_PARTS` are left."""
+    def queued_bytes(self) -> int:
+        """About the bytes of the parts yet to be written (a bound on them)."""
+        return self._parts * PART_BYTES
+
+    def write_some(self, limit: int = PARTS_PER_PASS, pile: int | None = MAX_QUEUED_PARTS
+                   ) -> None:
+        """Write up to ``limit`` parts: one pass's share; more while over ``pile`` are left
+        (None: never more)."""
         written = 0
-        while written < limit or self._parts > MAX_QUEUED_PARTS:
+        while written < limit or (pile is not None and self._parts > pile):
             if self._current is None:
                 if not self._queue:
                     return
@@ -137,13 +148,17 @@ class PartQueue:
 
 class PartsDecoder(wire.FrameDecoder):
     """A :class:`wire.FrameDecoder` that joins PART frames into the frame body they came
-    from (the frontend's, for a worker asked for parts)."""
+    from (the frontend's, for a worker asked for parts). While :attr:`joining` is False (a
+    listening worker, until it is asked by SUBSCRIBE) PART frames pass as they are, for the
+    router to refuse."""
 
-    __slots__ = ("_joined",)
+    __slots__ = ("_joined", "joining")
 
-    def __init__(self, check: Callable[[list], object] | None = None) -> None:
+    def __init__(self, check: Callable[[list], object] | None = None, *,
+                 joining: bool = True) -> None:
         super().__init__(check)
         self._joined = bytearray()
+        self.joining = joining
 
     def frames(self, data: bytes | bytearray) -> list[bytes]:
         error: wire.ProtocolError | None = None
@@ -151,7 +166,7 @@ class PartsDecoder(wire.FrameDecoder):
             bodies = super().frames(data)
         except wire.ProtocolError as exc:
             bodies, error = exc.frames, exc
-        if any(body.startswith(_PART_HEAD) for body in bodies):
+        if self.joining and any(body.startswith(_PART_HEAD) for body in bodies):
             bodies = self._join(bodies)
         if error is not None:
             error.frames = bodies

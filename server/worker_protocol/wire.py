@@ -16,6 +16,9 @@ Frontend -> worker::
                                     it passes on to its other frontends (ROUTED_KEY)
     [SUBSCRIBE, ["routed/N"]]       to such a worker: send me the others' routed notices
                                     of block naming N (and take my names as of naming N)
+    [SUBSCRIBE, ["parts"]]          to a listening worker whose HELLO says "answer_parts": send
+                                    me big answers in PART frames (PARTS_KEY); one
+                                    SUBSCRIBE may name both topics
     [ABORT, rid]                    unknown or finished rid: a no-op
     [PING, seq]
     [TOKENIZE, seq, request]        {"op": "tokenize", "prompt": str | {"messages": [...]},
@@ -51,9 +54,10 @@ Worker -> frontend::
     [TOKENIZED, seq, result, err]   result: {"tokens": [...], "max_model_len": n},
                                     {"prompt": str} or {"data": [float32 LE bytes, ...],
                                     "prompt_tokens": n}; or err: [kind, message]
-    [PART, data, more]              a pipe worker asked for parts sends a TOKENIZED of
-                                    BIG_FRAME or more as the pieces of its body, between
-                                    its STEPs (server.worker_protocol.parts)
+    [PART, data, more]              a worker asked for parts (a pipe worker by its
+                                    argument, a listening one by SUBSCRIBE) sends a
+                                    TOKENIZED of BIG_FRAME or more as the pieces of its
+                                    body, between its STEPs (server.worker_protocol.parts)
 
 A worker started with ``--listen`` opens each connection with a handshake first
 (CHALLENGE, AUTH, then HELLO or REFUSED; see :mod:`server.worker_protocol.handshake`).
@@ -130,6 +134,8 @@ __all__ = [
     "clip",
     "ROUTED_KEY",
     "ROUTED_MAX",
+    "PARTS_KEY",
+    "PARTS_TOPIC",
     "routed_topic",
     "MAX_FRAME",
     "PACKED_IDS",
@@ -211,6 +217,11 @@ ROUTED_MAX = 16384
 _ROUTED_TOPIC = re.compile(r"routed/[1-9][0-9]{0,5}")
 #: The most topics one SUBSCRIBE names.
 _MAX_TOPICS = 8
+#: The key of a listening worker's HELLO info saying that a frontend may subscribe to
+#: :data:`PARTS_TOPIC`: its big answers then come as PART frames between the STEPs of its
+#: other streams (server.worker_protocol.parts), not whole, ahead of them.
+PARTS_KEY = "answer_parts"
+PARTS_TOPIC = "parts"
 
 
 def routed_topic(naming: int) -> str:
@@ -221,13 +232,13 @@ def routed_topic(naming: int) -> str:
 
 
 def _subscribe(m: list) -> bool:
-    """A SUBSCRIBE: 1 to _MAX_TOPICS known topics, one naming's routed notices at most
-    (a connection's names are of one naming; routed topics are the only ones yet)."""
+    """A SUBSCRIBE: 1 to _MAX_TOPICS known topics (:data:`PARTS_TOPIC`, routed ones), one
+    naming's routed notices at most (a connection's names are of one naming)."""
     topics = m[1] if len(m) == 2 else None
     if type(topics) is not list or not 0 < len(topics) <= _MAX_TOPICS:
         return False
     routed = sum(type(t) is str and _ROUTED_TOPIC.fullmatch(t) is not None for t in topics)
-    return routed == len(topics) == 1
+    return routed <= 1 and routed + topics.count(PARTS_TOPIC) == len(topics)
 
 #: Largest frame either side accepts (64 MiB): a bigger length prefix means garbage.
 MAX_FRAME = 64 * 1024 * 1024

@@ -45,6 +45,13 @@ at once; what the engine still reports for them is dropped.
 *Never blocked by a frontend.* Sockets are non-blocking; output a socket does not take is
 kept in the connection's buffer (bounded, see above) and sent when it becomes writable.
 
+*Big answers in parts.* A TOKENIZED of ``wire.BIG_FRAME`` or more added whole to a
+connection's output would hold every STEP behind it until the socket took it all. To a
+connection that subscribed to ``wire.PARTS_TOPIC`` (the HELLO offers it: ``PARTS_KEY``) it
+goes as PART frames (:mod:`server.worker_protocol.parts`): a pass's share is added after the
+pass's STEP, once the socket has taken everything before it, and while parts wait the
+connection is watched for writability, so the loop adds more as soon as it can take them.
+
 *Busy is not hung.* While one engine step, or a TOKENIZE answered on the loop (an
 embedding's forward, a LoRA load), runs longer than a second, a thread beside the loop
 (:mod:`server.workers.pulse`) sends every ready connection an unasked PONG (sequence
@@ -75,6 +82,7 @@ import traceback
 
 from ..engine_args import add_engine_arguments, engine_options
 from ..worker_protocol import handshake, wire
+from ..worker_protocol.parts import PartQueue, is_big_answer
 from ..worker_protocol.wire import OutputRow
 from .base import EngineBroken, one_line
 from .main import (
@@ -118,7 +126,7 @@ class _Conn:
     __slots__ = (
         "sock", "peer", "decoder", "out", "state", "nonce", "rids", "last_heard", "opened",
         "accepts", "outputs", "notes", "writing", "snapshot_due", "routed",
-        "notice_bytes", "notices_skipped",
+        "notice_bytes", "notices_skipped", "parts",
     )
 
     def __init__(self, sock: socket.socket, peer: str, state: str, now: float) -> None:
@@ -145,6 +153,20 @@ class _Conn:
         self.notice_bytes = 0
         #: routed notices not sent to it: its output was backed up, or the pass's share full
         self.notices_skipped = 0
+        #: its big answers' parts yet to be added to ``out``, once it subscribed to them
+        #: (wire.PARTS_TOPIC); None: big answers go whole
+        self.parts: PartQueue | None = None
+
+    def answer(self, frame: bytes) -> None:
+        """A TOKENIZED frame for this connection: in parts when it asked and the frame is
+        big, else whole, after the output waiting."""
+        if self.parts is not None and is_big_answer(frame):
+            self.parts.add(frame)
+        else:
+            self.out += frame
+
+    def parts_pending(self) -> bool:
+        return self.parts is not None and self.parts.pending()
 
 
 class _Closed(Exception):
@@ -361,7 +383,8 @@ class Server:
                 self._refuse(conn, "wrong secret")
         conn.state = "ready"
         mine = None if secret is None else handshake.worker_proof(secret, conn.nonce, cnonce)
-        info = {**wire.hello_info(self.engine.info), wire.ROUTED_KEY: True}
+        info = {**wire.hello_info(self.engine.info), wire.ROUTED_KEY: True,
+                wire.PARTS_KEY: True}
         conn.out += wire.encode([wire.HELLO, info, mine])
         conn.snapshot_due = True
         say(f"frontend {conn.peer} connected")
@@ -425,9 +448,15 @@ class Server:
             else:
                 self.tokenizing.pop(msg[1], None)
                 reply[1] = seq
-            conn.out += wire.encode(reply)
-        elif kind == wire.SUBSCRIBE:  # (its one topic: routed notices of a naming)
-            conn.routed = msg[1][0]
+            conn.answer(wire.encode(reply))
+        elif kind == wire.SUBSCRIBE:  # routed notices of one naming, parts
+            for topic in msg[1]:
+                if topic == wire.PARTS_TOPIC:
+                    if conn.parts is None:
+                        out = conn.out
+                        conn.parts = PartQueue(out.extend)  # (`out` is never replaced)
+                else:
+                    conn.routed = topic
         else:  # SHUTDOWN: one frontend does not stop a shared worker
             raise _Closed("the frontend said SHUTDOWN")
 
@@ -483,7 +512,7 @@ class Server:
             owner = self.tokenizing.pop(reply[1], None)
             if owner is not None and owner[0] in self.conns:
                 reply[1] = owner[1]
-                owner[0].out += wire.encode(reply)
+                owner[0].answer(wire.encode(reply))
 
     def _expire(self, now: float, *, long_pass: bool = False) -> None:
         """Resume accepting after a pause; drop the connections silent past their timeout
@@ -557,17 +586,33 @@ class Server:
                 conn.out += wire.encode(message)
                 conn.accepts = []
                 conn.outputs = []
-            if conn.out:
+            if conn.out or conn.parts_pending():
                 try:
-                    self._flush(conn)
+                    self._flush(conn, parts=True)
                 except _Closed as exc:
                     self._drop(conn, str(exc))
 
-    def _flush(self, conn: _Conn) -> None:
-        """Send what the socket takes now; keep the rest (watching for writability)."""
+    def _flush(self, conn: _Conn, *, parts: bool = False) -> None:
+        """Send what the socket takes now; keep the rest (watching for writability). With
+        ``parts`` (once per pass, after its STEP), once the socket took everything, the
+        pass's share of a big answer's parts goes next: so a STEP waits behind one share
+        at most, and while parts wait the loop is woken as soon as the socket can take
+        more."""
         if conn.state == "tls":
             self._tls_handshake(conn)
             return
+        out = conn.out
+        self._send(conn)
+        queue = conn.parts
+        if parts and queue is not None and not out and queue.pending():
+            queue.write_some(pile=None)
+            self._send(conn)
+        waiting = len(out) + (queue.queued_bytes() if queue is not None else 0)
+        if waiting > self.max_buffer:
+            raise _Closed(f"not reading ({waiting} bytes of output waiting)")
+        self._want_write(conn, bool(out) or conn.parts_pending())
+
+    def _send(self, conn: _Conn) -> None:
         out = conn.out
         tls = isinstance(conn.sock, ssl.SSLSocket)
         while out:
@@ -580,9 +625,6 @@ class Server:
             except (ssl.SSLError, OSError) as exc:
                 raise _Closed(f"connection broke: {one_line(exc)}") from None
             del out[:sent]
-        if len(out) > self.max_buffer:
-            raise _Closed(f"not reading ({len(out)} bytes of output waiting)")
-        self._want_write(conn, bool(out))
 
     def _want_write(self, conn: _Conn, want: bool) -> None:
         if want != conn.writing:
