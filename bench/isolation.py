@@ -17,8 +17,9 @@ content event's arrival. Then, phase by phase:
   - ``schema-deep``, ``schema-enum`` (not in the default set): a schema nested 300 deep,
     one with a 100,000-value enum.
 
-* ``baseline``: no heavy request, as long as the longest heavy phase (at least 5 s), after
-  them (``--baseline auto``, the default); or ``--baseline S`` seconds before them.
+* ``baseline``: no heavy request, three times as long as the longest heavy phase (at least
+  5 s), after them (``--baseline auto``, the default; not when a phase did not recover);
+  or ``--baseline S`` seconds before them.
 
 Per phase it prints the largest gap between consecutive events of one background stream that
 overlaps the phase's window, and its p99 (see bench/loadgen_lib/isolation.py for the
@@ -132,8 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-timeout", type=float, default=300.0,
                    help="most s to wait for every stream's first event")
     p.add_argument("--baseline", type=_baseline, default=None, metavar="auto|S",
-                   help="the baseline phase: 'auto' (after the heavy phases, as long as the "
-                        "longest) or S seconds (before them) [default: auto]")
+                   help="the baseline phase: 'auto' (after the heavy phases, three times as "
+                        "long as the longest) or S seconds (before them) [default: auto]")
     p.add_argument("--settle", type=float, default=2.0, help="s of pause between phases")
     p.add_argument("--tail", type=float, default=0.5,
                    help="s a heavy phase's window runs on after the answer")
@@ -145,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float, default=0.02, help="s between /health probes")
     p.add_argument("--startup-timeout", type=float, default=None,
                    help="most s for the server to become ready (default: 120; vllm 1800)")
-    p.add_argument("--time-limit", type=float, default=3600.0, help="most s for the whole run")
+    p.add_argument("--time-limit", type=float, default=7200.0, help="most s for the whole run")
     p.add_argument("--target-ms", type=float, default=100.0, help="most added gap allowed")
     p.add_argument("--pin-server", type=_cpus, help="CPUs for the server and its workers")
     p.add_argument("--server-log", help="the server's output (default: a temporary file)")
@@ -174,7 +175,8 @@ def verdict(row: dict, target_ms: float) -> str:
     why = []
     added = row["added_gap_ms"]
     if added is None:
-        why.append("no gaps measured")
+        why.append("no gaps measured" if row["max_gap_ms"] is None
+                   else "no baseline (the run stopped early)")
     elif added > target_ms:
         why.append(f"+{added:.0f} ms")
     if row["restarted"]:
@@ -214,6 +216,11 @@ def format_table(phases: list[dict], target_ms: float) -> str:
             f"{'' if h is None else verdict(r, target_ms)}")
     lines.append("  baseline: per heavy phase, the median of the largest gaps of the baseline's "
                  "windows as long as that phase (one: the whole baseline, when shorter)")
+    for r in phases:
+        where = r.get("max_gap_at_s")
+        if where is not None:
+            lines.append(f"  {r['phase']}: its largest gap from {where[0]:.2f} to {where[1]:.2f} s "
+                         "after the phase's start")
     for r in phases:
         if r.get("end_max_gap_ms") is not None:
             where = r.get("end_gap_at_s")

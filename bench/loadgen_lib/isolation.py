@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+from bisect import bisect_right
 
 from .stats import percentile
 
@@ -130,13 +131,13 @@ def window_gaps(streams, a: float, b: float) -> list[float]:
     ``b``."""
     out = []
     for points in streams:
-        prev = None
-        for t in points:
-            if prev is not None and t > a and prev < b:
-                out.append(t - prev)
-            if t >= b:
-                break
-            prev = t
+        if len(points) < 2 or points[-1] <= a or points[0] >= b:
+            continue
+        i = max(bisect_right(points, a), 1)  # the first point after `a` ends the first gap
+        n = len(points)
+        while i < n and points[i - 1] < b:
+            out.append(points[i] - points[i - 1])
+            i += 1
     return out
 
 

@@ -34,7 +34,9 @@ _perf = time.perf_counter
 #: apart (``end_max_gap_ms``): a big answer is decoded and encoded there, and a long
 #: phase's largest gap may lie anywhere else.
 END_S = 5.0
-#: The shortest ``--baseline auto`` (when every heavy phase is shorter).
+#: ``--baseline auto``: this many times as long as the longest heavy phase (so that even
+#: that phase's reference is a median, of three windows), and at least MIN_BASELINE_S.
+BASELINE_SHARE = 3
 MIN_BASELINE_S = 5.0
 
 
@@ -317,9 +319,9 @@ async def _baseline(args, watch: WorkerWatch, seconds: float) -> tuple[float, fl
 
 async def run_phases(args, target: Target, model: str, server_pid: int) -> list[dict]:
     """Background streams, then the baseline phase and one phase per heavy kind (with
-    ``--baseline auto``, the heavy phases first, then a baseline as long as the longest of
-    them); returns one dict per phase, the baseline's first (see bench/isolation.py for
-    the fields)."""
+    ``--baseline auto``, the heavy phases first, then a baseline three times as long as
+    the longest of them, not when one did not recover); returns one dict per phase, the
+    baseline's first when it ran (see bench/isolation.py for the fields)."""
     bg = Background(target, model, args.streams, args.max_tokens, args.prompt_tokens,
                     request_timeout=args.time_limit)
     probe = HealthProbe(target, args.health_interval, args.heavy_timeout)
@@ -342,9 +344,10 @@ async def run_phases(args, target: Target, model: str, server_pid: int) -> list[
                     "the remaining phases are skipped")
                 recovered = False
                 break
-        if args.baseline is None and recovered:  # auto: as long as the longest phase
-            longest = max([b - a for _, a, b, _ in windows] + [MIN_BASELINE_S])
-            windows.insert(0, ("baseline", *await _baseline(args, watch, longest)))
+        if args.baseline is None and recovered:  # auto: three times the longest phase
+            longest = max([b - a for _, a, b, _ in windows], default=0.0)
+            seconds = max(BASELINE_SHARE * longest, MIN_BASELINE_S)
+            windows.insert(0, ("baseline", *await _baseline(args, watch, seconds)))
         now = _perf()
         streams = bg.streams(now)
         nursery.cancel_scope.cancel()
@@ -353,6 +356,9 @@ async def run_phases(args, target: Target, model: str, server_pid: int) -> list[
     for name, a, b, info in windows:
         row = {"phase": name, "window_s": round(b - a, 3), **gap_summary(window_gaps(
             streams, a, b)), **bg.window(a, b, now), **probe.window(a, b), **info}
+        where = largest_gap(streams, a, b)
+        if where is not None:  # from, to: s after the phase's start
+            row["max_gap_at_s"] = [round(t - a, 3) for t in where]
         if info["heavy"] is not None:  # the answer's arrival: where a big one is handled
             end_a = max(a, b - args.tail - END_S)
             end = gap_summary(window_gaps(streams, end_a, b))

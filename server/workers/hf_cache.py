@@ -29,9 +29,12 @@ the shape it expects. So:
   and the step that catches up switches the views over. So growth and the slide of a
   batch whose oldest rows leave cost O(1) copying per token *and per step*: one move of
   the whole cache in one step held every stream of the batch for as long as that copy
-  (100-230 ms at 64 rows of 1,000 tokens on one core, docs/benchmarks.md);
+  (100-280 ms at 64 rows of 600-1,100 tokens on one core, docs/benchmarks.md);
 * a join that needs more rows than the buffers hold, or columns on the left that they
-  have not, moves the live region at once into new buffers with room to spare.
+  have not, moves the live region at once into new buffers with room to spare (a
+  migration under way finishes first when its buffers have the rows); a join longer than
+  the batch, or with more rows than the migration's buffers hold, drops the migration,
+  and the next step starts another.
 
 Padding must be finite (zeros): the attention mask keeps it out of the softmax, but a NaN
 there would still poison the weighted sum. Memory freed by a leaving row is reused by the
@@ -112,6 +115,7 @@ class RoomyLayer(DynamicLayer):
               left: int = 0) -> None:
         """Into new buffers, ``left`` zero columns before the live ones, with room for
         ``rows`` more rows and ``columns`` more columns, and some to spare."""
+        self._next = None  # (its buffers go before new ones are made)
         n, heads, length, dim = keys.shape
         width = left + length
         total_rows = n + rows + _room(n + rows, _ROOM_MIN_ROWS)
@@ -122,7 +126,7 @@ class RoomyLayer(DynamicLayer):
             buf[:n, :, :left].zero_()
             buf[:n, :, left:width] = t
         self._copied += 2 * n * length
-        self._kbuf, self._vbuf, self._next = kbuf, vbuf, None
+        self._kbuf, self._vbuf = kbuf, vbuf
         self._hold(n, 0, width)
 
     def _adopt(self) -> None:
@@ -133,14 +137,16 @@ class RoomyLayer(DynamicLayer):
     def _room_for(self, rows: int, columns: int) -> None:
         """Make room for ``rows`` more rows and ``columns`` more columns past ``end``: at
         once (a join, or a migration that has not caught up in time)."""
-        if self._own() and self._rows + rows <= self._kbuf.shape[0]:
+        if not self._own():
+            self._move(self.keys, self.values, rows=rows, columns=columns)
+            return
+        if self._rows + rows <= self._kbuf.shape[0] and self._end + columns <= self._kbuf.shape[2]:
+            return
+        nxt = self._next
+        if nxt is not None and self._rows + rows <= nxt.kbuf.shape[0]:
+            self._migrate(self._end)  # the rest, now: its buffers have the rows
             if self._end + columns <= self._kbuf.shape[2]:
                 return
-            nxt = self._next
-            if nxt is not None and self._rows + rows <= nxt.kbuf.shape[0]:
-                self._migrate(self._end)  # the rest, now: its buffers have the room
-                if self._end + columns <= self._kbuf.shape[2]:
-                    return
         self._move(self.keys, self.values, rows=rows, columns=columns)
 
     # -- migration -------------------------------------------------------------------------
@@ -157,7 +163,7 @@ class RoomyLayer(DynamicLayer):
             room = _room(length, _ROOM_MIN_COLUMNS)
             if self._kbuf.shape[2] - self._end >= room // 2:
                 return
-            total_rows = self._rows + _room(self._rows, _ROOM_MIN_ROWS)
+            total_rows = max(self._kbuf.shape[0], self._rows + _room(self._rows, _ROOM_MIN_ROWS))
             shape = (total_rows, self._kbuf.shape[1], length + 2 * room)
             kbuf = self._kbuf.new_empty((*shape, self._kbuf.shape[3]))
             vbuf = self._vbuf.new_empty((*shape, self._vbuf.shape[3]))
@@ -206,11 +212,11 @@ class RoomyLayer(DynamicLayer):
             self._vbuf[into, :, s:e] = self._vbuf[from_, :, s:e]
             self._copied += 2 * into.numel() * (e - s)
             nxt = self._next
-            if nxt is not None and nxt.done:  # the columns it has copied: the same move
-                d = nxt.done
-                nxt.kbuf[into, :, :d] = nxt.kbuf[from_, :, :d]
-                nxt.vbuf[into, :, :d] = nxt.vbuf[from_, :, :d]
-                self._copied += 2 * into.numel() * d
+            if nxt is not None and nxt.done > s - nxt.base:  # the columns it has copied
+                c, d = s - nxt.base, nxt.done  # (of the view: left of it nothing is read)
+                nxt.kbuf[into, :, c:d] = nxt.kbuf[from_, :, c:d]
+                nxt.vbuf[into, :, c:d] = nxt.vbuf[from_, :, c:d]
+                self._copied += 2 * into.numel() * (d - c)
         self._hold(rows, s, e)
 
     def drop_columns(self, n: int) -> None:
@@ -240,11 +246,11 @@ class RoomyLayer(DynamicLayer):
             buf[rows : rows + k, :, e - new : e] = t
         self._copied += 2 * k * new
         nxt = self._next
-        if nxt is not None and nxt.done:  # the new rows' columns it has copied for the others
-            a, d = nxt.base, nxt.done
-            nxt.kbuf[rows : rows + k, :, :d] = self._kbuf[rows : rows + k, :, a : a + d]
-            nxt.vbuf[rows : rows + k, :, :d] = self._vbuf[rows : rows + k, :, a : a + d]
-            self._copied += 2 * k * d
+        if nxt is not None and nxt.done > s - nxt.base:  # the new rows' columns it has
+            a, c, d = nxt.base, s - nxt.base, nxt.done  # copied for the others (of the view)
+            nxt.kbuf[rows : rows + k, :, c:d] = self._kbuf[rows : rows + k, :, a + c : a + d]
+            nxt.vbuf[rows : rows + k, :, c:d] = self._vbuf[rows : rows + k, :, a + c : a + d]
+            self._copied += 2 * k * (d - c)
         self._hold(rows + k, s, e)
 
     def reset(self) -> None:

@@ -51,6 +51,8 @@ connection that subscribed to ``wire.PARTS_TOPIC`` (the HELLO offers it: ``PARTS
 goes as PART frames (:mod:`server.worker_protocol.parts`): a pass's share is added after the
 pass's STEP, once the socket has taken everything before it, and while parts wait the
 connection is watched for writability, so the loop adds more as soon as it can take them.
+(What the kernel's send buffer holds is not counted: on a slow network a STEP may still
+wait behind that much of an answer, up to the buffer's size.)
 
 *Busy is not hung.* While one engine step, or a TOKENIZE answered on the loop (an
 embedding's forward, a LoRA load), runs longer than a second, a thread beside the loop
@@ -167,6 +169,10 @@ class _Conn:
 
     def parts_pending(self) -> bool:
         return self.parts is not None and self.parts.pending()
+
+    def waiting(self) -> int:
+        """Bytes of output waiting: in ``out``, and the parts not yet added to it."""
+        return len(self.out) + (self.parts.queued_bytes() if self.parts is not None else 0)
 
 
 class _Closed(Exception):
@@ -472,7 +478,7 @@ class Server:
         for conn in self.conns:
             if conn.routed == topic and conn is not sender and conn.state == "ready":
                 queued = conn.notice_bytes + size
-                if queued > _NOTICE_BYTES or len(conn.out) + queued > room:
+                if queued > _NOTICE_BYTES or conn.waiting() + queued > room:
                     conn.notices_skipped += 1
                     continue
                 conn.notice_bytes = queued
@@ -596,8 +602,8 @@ class Server:
         """Send what the socket takes now; keep the rest (watching for writability). With
         ``parts`` (once per pass, after its STEP), once the socket took everything, the
         pass's share of a big answer's parts goes next: so a STEP waits behind one share
-        at most, and while parts wait the loop is woken as soon as the socket can take
-        more."""
+        at most here (and behind what the kernel's send buffer still holds), and while
+        parts wait the loop is woken as soon as the socket can take more."""
         if conn.state == "tls":
             self._tls_handshake(conn)
             return
@@ -607,7 +613,7 @@ class Server:
         if parts and queue is not None and not out and queue.pending():
             queue.write_some(pile=None)
             self._send(conn)
-        waiting = len(out) + (queue.queued_bytes() if queue is not None else 0)
+        waiting = conn.waiting()
         if waiting > self.max_buffer:
             raise _Closed(f"not reading ({waiting} bytes of output waiting)")
         self._want_write(conn, bool(out) or conn.parts_pending())
