@@ -585,6 +585,19 @@ def _is_helper(pid: int) -> bool:
         return False
 
 
+def _thread_nices(pid: int) -> list[int]:
+    """The nice value of each thread of process ``pid`` (Linux: /proc/PID/task/TID/stat)."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                data = f.read()
+        except OSError:  # (a thread that ended meanwhile)
+            continue
+        out.append(int(data[data.rfind(b")") + 2:].split()[16]))  # (field 19: nice)
+    return out
+
+
 def test_heavy_schemas_and_prompts_are_prepared_off_the_worker_loop(server, client, reference):
     """A 4,000-property schema (vLLM compiles it in its own threads) and a 3.5 MB prompt to
     /tokenize (tokenized in the worker's helper process) while a greedy request runs: the same
@@ -620,6 +633,9 @@ def test_heavy_schemas_and_prompts_are_prepared_off_the_worker_loop(server, clie
     assert heavy["schema"].status_code == 200, heavy["schema"].text
     assert heavy["tokenize"].status_code == 200 and heavy["tokenize"].json()["count"] > CONTEXT
     assert server.workers() == {worker}
+    # vLLM compiled the grammar in threads niced as the helper is (the worker's others: 0)
+    nices = _thread_nices(worker)
+    assert 10 in nices and 0 in nices, nices
     # the prompt was tokenized in the worker's helper process (server.workers.prep_helper),
     # and its answer (a frame of megabytes, decoded and answered off the event loop) holds
     # vLLM's tokenizer's ids

@@ -73,7 +73,9 @@ import contextlib
 import dataclasses
 import os
 import select
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +221,36 @@ def _entry(by_id: dict, token: int, top: int) -> list:
 
 
 
+def _nice_grammar_threads(llm, nice: int) -> bool:
+    """vLLM compiles a request's grammar in a thread pool of its engine core
+    (``StructuredOutputManager.executor``) while the batch goes on stepping; but on a busy
+    core those threads take the core's time from the step: a 2,000-property schema is
+    0.25 s of CPU, and with 64 streams on one core the others' largest gap grew by 136 ms
+    (docs/benchmarks.md). With the core in this process, its pool is replaced by one whose
+    threads run at ``nice`` (as the preparation helper: ``prepare_process_nice``; on Linux a
+    thread's own priority, which the threads xgrammar starts from it inherit), so that a
+    grammar waits for the time the steps leave. Returns whether it was (not with the core
+    in a process of its own, nor ``nice`` 0)."""
+    core = getattr(getattr(llm, "engine_core", None), "engine_core", None)
+    manager = getattr(core, "structured_output_manager", None)
+    old = getattr(manager, "executor", None)
+    if nice <= 0 or not isinstance(old, ThreadPoolExecutor):
+        return False
+    manager.executor = ThreadPoolExecutor(  # type: ignore[union-attr]
+        max_workers=old._max_workers, thread_name_prefix="grammar",
+        initializer=_lower_priority, initargs=(nice,))
+    old.shutdown(wait=False)
+    return True
+
+
+def _lower_priority(nice: int) -> None:
+    """A pool thread's initializer: this thread at ``nice`` (Linux; elsewhere as it is)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (OSError, AttributeError):
+        pass
+
+
 def _served_name(config) -> str:
     name = config.model_config.served_model_name
     if isinstance(name, (list, tuple)):
@@ -309,6 +341,8 @@ class VLLMEngine(HelperTokenizing):
             except BaseException:
                 self._close_events()
                 raise
+        #: Whether vLLM's grammar compilation threads run niced (see _nice_grammar_threads).
+        self.grammar_nice = _nice_grammar_threads(self._llm, prepare_process_nice)
         #: With the engine core in a process of its own: its outputs' readiness, and when to
         #: ask next whether it is alive (while requests are held and it is silent).
         self._core = None
@@ -782,13 +816,17 @@ class VLLMEngine(HelperTokenizing):
     def _warm_up(self) -> None:
         """Run every sampling path once before HELLO: on first use some of them compile
         kernels (minutes on a small CPU), which must not happen inside a client's request
-        (the frontend would take the silent worker for hung)."""
+        (the frontend would take the silent worker for hung); logprobs and structured
+        output too (their first use held every running stream for up to a second)."""
         probes: list[dict] = [
             {"temperature": 0},
             {"temperature": 1.0, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "seed": 1,
              "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1,
              "min_tokens": 1, "logit_bias": {"0": -1.0}},
+            {"temperature": 0, "response_format": {"type": "json_object"}},
         ]
+        if self.info.get("logprobs"):  # (--max-logprobs 0 refuses them)
+            probes.append({"temperature": 0, "logprobs": 1, "prompt_logprobs": 1})
         ids = list(self.tokenizer.encode("warm up")) or [0]
         for i, probe in enumerate(probes):
             self._llm.add_request(f"warmup-{i}", {"prompt_token_ids": ids},
