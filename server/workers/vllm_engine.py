@@ -446,6 +446,11 @@ class VLLMEngine(HelperTokenizing):
             self.unload_lora = self._adapters.unload_lora
         elif lora_modules or allow_runtime_lora or lora_dir:
             raise ValueError("LoRA adapters need vLLM's enable_lora (--enable-lora)")
+        #: With LoRA on, vLLM's CPU LoRA logits layer indexes one row per sequence, not per
+        #: prompt token: a step holding a prompt_logprobs request beside an adapter's fails
+        #: every request in it ("einsum(): subscript b has size ..."), so it is refused.
+        self._refuse_prompt_logprobs = (self._adapters is not None
+                                        and self.info["device"] == "cpu")
         if warmup and self._pooling is None:
             self._warm_up()
 
@@ -761,6 +766,10 @@ class VLLMEngine(HelperTokenizing):
                 kwargs["structured_outputs"] = StructuredOutputsParams(
                     **{kind: response_format[kind]}
                 )
+        if params.get("prompt_logprobs") is not None and self._refuse_prompt_logprobs:
+            raise Rejected("'prompt_logprobs' is not supported by this server while LoRA "
+                           "adapters are enabled (vLLM on CPU would fail every request of "
+                           "the batch with it); leave it out")
         for name in ("logprobs", "prompt_logprobs"):
             if params.get(name) is not None:
                 kwargs[name] = int(params[name])
