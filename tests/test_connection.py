@@ -4,10 +4,12 @@ buffer. Real server on a loopback port; responses parsed by h11 as a strict clie
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 
 import h11
+import pytest
 import trio
 
 from tests.conftest import running_server
@@ -264,3 +266,46 @@ async def test_a_connection_in_use_outlives_its_keep_alive_timeout():
         assert closed_at - opened_at > timeout  # it outlived the timeout while in use
         assert closed_at - last_sent >= timeout  # then closed once idle for the timeout
         await sock.aclose()
+
+
+def _live_http_objects() -> int:
+    """This server's connection and request objects alive in the process."""
+    from server.connections.connection import ServingConnection
+    from server.connections.http11 import DirectBody, ServingH11Protocol, ServingHTTPStream
+
+    kinds = (ServingConnection, ServingH11Protocol, ServingHTTPStream, DirectBody)
+    return sum(1 for o in gc.get_objects() if isinstance(o, kinds))
+
+
+@pytest.mark.direct_http
+async def test_connections_and_requests_are_freed_without_the_garbage_collector():
+    # Hypercorn's objects refer to one another both ways; each connection or request that
+    # left a reference cycle was freed only by a collection, whose pauses stop every stream.
+    # With the collector off, they must all go when their connections end.
+    body = {"prompt": "one two", "max_tokens": 8, "stream": True}
+    async with running_server() as url:
+        gc.collect()
+        gc.disable()
+        try:
+            sock = await trio.open_tcp_stream(*addr(url))
+            conn = h11.Connection(h11.CLIENT)
+            with trio.fail_after(20):
+                for _ in range(2):  # a streamed request, then another on the same connection
+                    await sock.send_all(request(conn, body))
+                    response, raw, _ = await read_response(sock, conn)
+                    assert response.status_code == 200 and raw.endswith(b"data: [DONE]\n\n")
+                    conn.start_next_cycle()
+                await sock.aclose()
+                for _ in range(3):  # connections of one request each
+                    sock = await trio.open_tcp_stream(*addr(url))
+                    await sock.send_all(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+                    raw = b""
+                    while data := await sock.receive_some(1 << 16):
+                        raw += data
+                    await sock.aclose()
+                    assert raw.startswith(b"HTTP/1.1 200")
+            with trio.fail_after(10):  # the server's connection tasks end at once
+                while _live_http_objects():
+                    await trio.sleep(0.05)
+        finally:
+            gc.enable()

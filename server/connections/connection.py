@@ -34,6 +34,10 @@ module lists every private name relied on), and differs from upstream in these w
   connection is idle it is registered with the listener's pool, which may end it early
   (:meth:`ServingConnection.close_if_idle`) to make room for a new connection.
 * Closing is shielded: a connection cancelled at shutdown still releases its socket.
+* **No reference cycle outlives a connection or a request**, so that their objects are
+  freed as they end, not in a collection of the garbage collector: hypercorn's objects refer
+  to one another both ways, and at 40 connections a second the collections they needed
+  paused the event loop for ~60 ms every 20 s (``docs/benchmarks.md``).
 
 Writes that no longer yield to the scheduler made one race of hypercorn's likely: an answer
 given before the request body was read (a 401) can be complete before hypercorn's reader
@@ -161,6 +165,11 @@ class ServingConnection(ConnectionHooks):
             pass
         finally:
             await self.close_connection()
+            # Every task of the connection is done. Hypercorn's protocol holds this object
+            # (its send callback), and this object the protocol: let go of it, so that the
+            # connection's objects are freed when the listener lets go of this one, not by
+            # a collection of the garbage collector (a pause of every stream).
+            self.protocol = None  # type: ignore[assignment]
 
     async def close_connection(self) -> None:
         with trio.CancelScope(shield=True):  # nothing here blocks: shielded, and bounded

@@ -29,6 +29,7 @@ was written for, none of this is used: the server serves through hypercorn's pub
 from __future__ import annotations
 
 import logging
+import weakref
 from http import HTTPStatus
 
 import h11
@@ -212,21 +213,29 @@ class DirectBody:
     kernel does not take is the caller's to send next, with :meth:`send_torn`, before any
     other message of the response. Everything else (the head, the last chunk, errors)
     goes through the ASGI ``send`` as usual.
+
+
+    The stream and the protocol are held weakly: both hold this object (the stream as an
+    attribute and in its scope), and strong references back would make each request a
+    reference cycle, freed only by the garbage collector (with a pause) instead of when its
+    last reference goes.
     """
 
     __slots__ = ("_stream", "_protocol", "_connection")
 
     def __init__(self, stream: ServingHTTPStream, protocol: ServingH11Protocol, connection) -> None:
-        self._stream = stream
-        self._protocol = protocol
+        self._stream = weakref.ref(stream)
+        self._protocol = weakref.ref(protocol)
         self._connection = connection
 
     def usable(self) -> bool:
         """Whether a chunked body is in progress (not an HTTP/1.0 or Content-Length body,
         not before the head or after the last chunk): only then can it write."""
-        stream = self._stream
+        stream = self._stream()
+        protocol = self._protocol()
         return (
-            stream.body_ok and self._protocol.chunked and not stream.closed
+            stream is not None and protocol is not None
+            and stream.body_ok and protocol.chunked and not stream.closed
             and stream.state == ASGIHTTPState.RESPONSE
         )
 
