@@ -13,6 +13,13 @@ several tokens in the ways a real tokenizer splits them. It has a simple chat te
 :data:`CHAT_TEMPLATE`) unless ``chat_template=False``, and
 ``<|endoftext|>`` as its EOS token.
 
+With ``ascii_only=True`` the corpus is English and made-up ASCII words and the tokenizer has
+no token that is not whole printable ASCII. A random model samples from the whole vocabulary,
+so with the default tokenizer about one token in five is a byte of a multi-byte character,
+and a detokenizer (ours, vLLM's) rightly holds text back until the character is whole: an
+event then carries several tokens after a gap of several steps. Benchmarks that read the
+gaps between events use the ASCII model, so that each token is an event.
+
 The weights are random (seeded), drawn with a larger spread than usual so that the logits
 are far apart: greedy decoding is then a stable function of the prompt, and a batched
 forward pass (whose float rounding differs from an unbatched one) picks the same tokens as
@@ -68,19 +75,42 @@ def _corpus(seed: int, lines: int = 400) -> list[str]:
     return out
 
 
-def _train_tokenizer(vocab_size: int, seed: int):
+def _ascii_corpus(seed: int, lines: int = 2000) -> list[str]:
+    """English and made-up lowercase words: enough distinct ones for a vocabulary of
+    thousands of merges."""
+    rng = random.Random(seed)
+    english = [w for w in WORDS if w.isascii()]
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    made_up = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9)))
+               for _ in range(3000)]
+    out = []
+    for _ in range(lines):
+        n = rng.randint(3, 14)
+        words = [rng.choice(english) if rng.random() < 0.3 else rng.choice(made_up)
+                 for _ in range(n)]
+        out.append(rng.choice((" ", " ", ", ")).join(words) + rng.choice((".", "!", "?", "\n")))
+    return out
+
+
+def _train_tokenizer(vocab_size: int, seed: int, ascii_only: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if ascii_only:  # the byte-level characters of printable ASCII and newline only
+        text = "".join(chr(b) for b in range(32, 127)) + "\n"
+        alphabet = sorted({c for piece, _ in byte_level.pre_tokenize_str(text) for c in piece})
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=alphabet,
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.train_from_iterator(_ascii_corpus(seed) if ascii_only else _corpus(seed),
+                            trainer=trainer)
     return tok
 
 
@@ -96,6 +126,7 @@ def build_tiny_model(
     init_scale: float = 0.25,
     sliding_window: int | None = None,
     seed: int = 0,
+    ascii_only: bool = False,
 ) -> Path:
     """Write a tiny Llama-like model and its tokenizer to ``path``; returns ``path``.
 
@@ -114,7 +145,7 @@ def build_tiny_model(
     transformers.utils.logging.disable_progress_bar()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    backend = _train_tokenizer(vocab_size, seed)
+    backend = _train_tokenizer(vocab_size, seed, ascii_only)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, pad_token=EOS)
     if chat_template:
         tokenizer.chat_template = CHAT_TEMPLATE

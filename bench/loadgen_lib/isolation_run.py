@@ -2,15 +2,21 @@
 ``/health`` prober, the worker watch, and the run of the phases (the arithmetic is in
 :mod:`.isolation`, sans-IO).
 
-Everything here shares one process with the readers of the background streams, so the
-heavy request costs this process as little as possible: its body is built before its phase,
-sent with one ``send_all``, and its answer (up to tens of MB) is only framed (the HTTP
-parser, no JSON decoding) while the phase runs.
+Everything here shares one process with the readers of the background streams, and a pause
+of this process reads as a gap of every stream. So the heavy requests cost it as little as
+possible: their bodies are built before the streams start (building the 3.8 MB token-ids
+body took ~0.1 s: done between phases, it was charged to the phase before when it began
+within a step of its end), each is sent with one ``send_all``, and its answer (up to tens of
+MB) is only framed (the HTTP parser, no JSON decoding) while the phase runs. And the
+collector is kept from pausing inside a window: what is alive is frozen
+(:func:`gc.freeze`) before the streams start and again in the middle of each settle, so a
+collection during a window scans only that phase's objects.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import re
 import time
@@ -269,13 +275,25 @@ async def _all_streaming(bg: Background, n: int, timeout: float) -> bool:
     return False
 
 
-async def _phase(args, target: Target, bg: Background, watch: WorkerWatch, kind: str,
-                 model: str) -> tuple[float, float, dict]:
+def _freeze() -> None:
+    """Collect, then freeze what is alive (see the module docstring)."""
+    gc.collect()
+    gc.freeze()
+
+
+async def _settle(args) -> None:
+    """The pause between phases, this process's collection in its middle (far from both
+    windows)."""
+    await trio.sleep(args.settle / 2)
+    _freeze()
+    await trio.sleep(args.settle / 2)
+
+
+async def _phase(args, target: Target, bg: Background, watch: WorkerWatch,
+                 heavy: HeavyRequest, req: bytes) -> tuple[float, float, dict]:
     """One heavy phase: (window start, window end, what happened)."""
-    heavy = heavy_request(kind, model, args.tokenize_chars)
-    req = build_request("POST", heavy.path, target.host_header, heavy.body,
-                        (("Content-Type", "application/json"), ("Connection", "close")))
-    await trio.sleep(args.settle)
+    kind = heavy.kind
+    await _settle(args)
     before = await watch.snapshot()
     log(f"phase {kind}: {heavy.what} ({len(heavy.body):,} bytes)")
     a = _perf()
@@ -307,7 +325,7 @@ async def _recover(args, target: Target, bg: Background) -> dict:
 
 
 async def _baseline(args, watch: WorkerWatch, seconds: float) -> tuple[float, float, dict]:
-    await trio.sleep(args.settle)
+    await _settle(args)
     log(f"phase baseline: {seconds:.1f} s with no heavy request")
     before = await watch.snapshot()
     a = _perf()
@@ -322,6 +340,13 @@ async def run_phases(args, target: Target, model: str, server_pid: int) -> list[
     ``--baseline auto``, the heavy phases first, then a baseline three times as long as
     the longest of them, not when one did not recover); returns one dict per phase, the
     baseline's first when it ran (see bench/isolation.py for the fields)."""
+    heavies = []  # built now: see the module docstring
+    for kind in args.kinds:
+        heavy = heavy_request(kind, model, args.tokenize_chars)
+        heavies.append((heavy, build_request(
+            "POST", heavy.path, target.host_header, heavy.body,
+            (("Content-Type", "application/json"), ("Connection", "close")))))
+    _freeze()
     bg = Background(target, model, args.streams, args.max_tokens, args.prompt_tokens,
                     request_timeout=args.time_limit)
     probe = HealthProbe(target, args.health_interval, args.heavy_timeout)
@@ -336,9 +361,9 @@ async def run_phases(args, target: Target, model: str, server_pid: int) -> list[
         if args.baseline is not None:
             windows.append(("baseline", *await _baseline(args, watch, args.baseline)))
         recovered = True
-        for kind in args.kinds:
-            a, b, info = await _phase(args, target, bg, watch, kind, model)
-            windows.append((kind, a, b, info))
+        for heavy, req in heavies:
+            a, b, info = await _phase(args, target, bg, watch, heavy, req)
+            windows.append((heavy.kind, a, b, info))
             if not info["recovered"]:
                 log(f"not recovered after {info['recovery_s']} s (/health, or the streams): "
                     "the remaining phases are skipped")
