@@ -259,6 +259,14 @@ async def test_request_objects_are_freed_by_refcounting(monkeypatch):
                     gc.enable()
 
 
+async def test_a_worker_freezes_its_startup_heap_before_hello():
+    # Its full collections while serving would otherwise walk every object of the libraries
+    # and the model (41-81 ms pauses of the step loop in a vllm worker).
+    with trio.fail_after(LIMIT):
+        async with server.open_engine(config()) as engine:
+            assert engine.workers[0].info["gc_frozen"] > 1000
+
+
 # -- 6. errors ---------------------------------------------------------------------------------
 
 

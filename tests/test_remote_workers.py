@@ -230,6 +230,8 @@ async def test_a_listening_worker_in_a_long_step_is_not_hung(tmp_path):
                 assert sum(o.num_tokens for o in outs) == 10
             assert engine.statistics().workers[0].restarts == 0
             assert "disconnected" not in w.text(), w.text()
+            # (and it froze its startup heap, as a pipe worker does: see test_engine_processes)
+            assert engine.workers[0].info["gc_frozen"] > 1000
 
 
 async def test_a_listening_worker_answering_a_long_embedding_keeps_its_frontends(tmp_path):

@@ -88,8 +88,8 @@ from ..worker_protocol.parts import PartQueue, is_big_answer
 from ..worker_protocol.wire import OutputRow
 from .base import EngineBroken, one_line
 from .main import (
-    build_engine, cleanup_uncut, close_before_exit, handle_in_pulse, handle_message,
-    open_preparer, run_as_worker,
+    build_engine, cleanup_uncut, close_before_exit, freeze_startup_heap, handle_in_pulse,
+    handle_message, open_preparer, run_as_worker,
 )
 from .pulse import Pulse
 
@@ -801,6 +801,7 @@ def _main(argv: list[str]) -> None:
     except Exception as exc:
         say(f"cannot start engine: {one_line(exc)}")
         raise SystemExit(2) from None
+    freeze_startup_heap(engine)
     try:
         try:
             listener = open_listener(address)
