@@ -419,6 +419,34 @@ def test_vllm_sampling_fields_are_honoured(client, reference):
         assert info.value.body["param"] == field
 
 
+def test_flat_logprobs_read_as_the_dicts_of_each_position():
+    # The worker asks vLLM for flat logprobs (a few lists, not a dict and Logprob objects per
+    # position) and reads them in place: the same entries as from the dicts, a sampled
+    # token also in the top ranks (listed twice) and a prompt's first position included.
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from server.workers.vllm_engine import _entries
+
+    def position(rows):  # [(token id, logprob, rank, text)]: sampled first, as vLLM's
+        return {t: Logprob(logprob=lp, rank=r, decoded_token=d) for t, lp, r, d in rows}
+
+    positions = [
+        None,
+        position([(7, -0.5, 1, "a"), (7, -0.5, 1, "a"), (3, -1.5, 2, "b")]),
+        position([(9, -4.0, 5, "z"), (7, -0.1, 1, "a"), (3, -2.5, 2, "b"), (4, -3.0, 3, "c")]),
+        position([(2, float("-inf"), 9, None), (5, -0.2, 1, " x")]),
+    ]
+    tokens = [1, 7, 9, 2]
+    flat = FlatLogprobs()
+    flat.extend(positions)
+    for top in (0, 1, 2, 5):
+        by_dicts = _entries(positions, tokens, top)
+        assert _entries(flat, tokens, top) == by_dicts
+        assert _entries(flat[1:3], tokens[1:3], top) == by_dicts[1:3]
+    assert by_dicts[0] is None and [e[3] for e in by_dicts[1:]] == [7, 9, 2]
+    assert [e[4] for e in by_dicts[1:]] == [1, 5, 9]
+
+
 def test_logprobs_are_vllms(client, reference):
     prompt = _prompts(1, seed=5)[0]
     expected = reference.ask(op="logprobs", prompt=prompt, max_tokens=6, k=2)

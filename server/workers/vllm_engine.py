@@ -220,6 +220,39 @@ def _entry(by_id: dict, token: int, top: int) -> list:
             token, chosen.rank]
 
 
+def _entries(logprobs, token_ids, top: int) -> list:
+    """Our entry of each position (None where vLLM has none: a prompt's first token),
+    from vLLM's ``FlatLogprobs`` (asked with ``flat_logprobs``) read in place, or from a
+    list of ``{token_id: Logprob}``. Read flat as :func:`_entry` reads a position's dict
+    (built from the same entries: of a token id listed twice, the later one counts)."""
+    if not hasattr(logprobs, "start_indices"):
+        return [None if by_id is None else _entry(by_id, token, top)
+                for token, by_id in zip(token_ids, logprobs)]
+    ids, lps, ranks, texts = (logprobs.token_ids, logprobs.logprobs, logprobs.ranks,
+                              logprobs.decoded_tokens)
+    out: list = []
+    for token, start, end in zip(token_ids, logprobs.start_indices, logprobs.end_indices):
+        if start == end:
+            out.append(None)
+            continue
+        chosen = None
+        best: dict = {}  # token id -> its index (the later one; first-seen order)
+        for j in range(start, end):
+            t = ids[j]
+            if t == token:
+                chosen = j
+            rank = ranks[j]
+            if rank is not None and rank <= top:
+                best[t] = j
+        if chosen is None:
+            raise KeyError(token)
+        ranked = sorted(best.values(), key=ranks.__getitem__)
+        out.append([texts[chosen] or "", finite_logprob(lps[chosen]),
+                    [[texts[j] or "", finite_logprob(lps[j]), ids[j]] for j in ranked],
+                    token, ranks[chosen]])
+    return out
+
+
 
 def _nice_grammar_threads(llm, nice: int) -> bool:
     """vLLM compiles a request's grammar in a thread pool of its engine core
@@ -773,6 +806,11 @@ class VLLMEngine(HelperTokenizing):
         for name in ("logprobs", "prompt_logprobs"):
             if params.get(name) is not None:
                 kwargs[name] = int(params[name])
+                # vLLM keeps every position's logprobs until the request ends (DELTA or
+                # not): as Logprob objects and a dict per position, 288,000 objects for n=16
+                # x 900 tokens x 20, which each full collection of this process walked
+                # (pauses growing to 74 ms with every stream held); flat, a few lists.
+                kwargs["flat_logprobs"] = True
         for name in VLLM_SAMPLING:
             value = params.get(name)
             if value is not None:
@@ -793,17 +831,14 @@ class VLLMEngine(HelperTokenizing):
         note: dict = {}
         top, prompt_top = tops
         if out.logprobs and top is not None:
-            note["logprobs"] = [
-                _entry(by_id, token, top) for token, by_id in zip(out.token_ids, out.logprobs)
-            ]
+            note["logprobs"] = _entries(out.logprobs, out.token_ids, top)
         if result.prompt_logprobs:
             ids = result.prompt_token_ids or []
-            prompt: list = []
-            for token, by_id in zip(ids, result.prompt_logprobs):
-                if by_id is None:
-                    prompt.append([self.tokenizer.decode([token]), None, [], token, None])
-                else:
-                    prompt.append(_entry(by_id, token, prompt_top or 0))
+            prompt = _entries(result.prompt_logprobs, ids, prompt_top or 0)
+            for i, entry in enumerate(prompt):
+                if entry is None:
+                    token = ids[i]
+                    prompt[i] = [self.tokenizer.decode([token]), None, [], token, None]
             note["prompt_logprobs"] = prompt
         if note:
             self.notes.append([rid, note])
