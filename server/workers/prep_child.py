@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import gc
 import json
 import os
 import signal
@@ -129,6 +130,10 @@ def main(argv: list[str]) -> None:
 
         grammars = Grammars(tokenizer, vocab_size=config["vocab_size"],
                             stop_ids=config["stop_ids"], **config["grammar"])
+    # As the worker (main.freeze_startup_heap): full collections then walk only what the
+    # requests made, not the tokenizer's and the grammar library's objects.
+    gc.collect()
+    gc.freeze()
     lock = threading.Lock()
     stdin = sys.stdin.buffer
     while True:
