@@ -421,30 +421,39 @@ def test_vllm_sampling_fields_are_honoured(client, reference):
 
 def test_flat_logprobs_read_as_the_dicts_of_each_position():
     # The worker asks vLLM for flat logprobs (a few lists, not a dict and Logprob objects per
-    # position) and reads them in place: the same entries as from the dicts, a sampled
-    # token also in the top ranks (listed twice) and a prompt's first position included.
+    # position) and reads them in place: the same entries as from the dicts vLLM builds of
+    # the same rows, with a sampled token also among the top ranks (stored twice in the
+    # flat lists, once in a dict) and a prompt's first position (none) included.
     from vllm.logprobs import FlatLogprobs, Logprob
 
     from server.workers.vllm_engine import _entries
 
-    def position(rows):  # [(token id, logprob, rank, text)]: sampled first, as vLLM's
-        return {t: Logprob(logprob=lp, rank=r, decoded_token=d) for t, lp, r, d in rows}
-
-    positions = [
+    positions = [  # rows (token id, logprob, rank, text), the sampled token's first
         None,
-        position([(7, -0.5, 1, "a"), (7, -0.5, 1, "a"), (3, -1.5, 2, "b")]),
-        position([(9, -4.0, 5, "z"), (7, -0.1, 1, "a"), (3, -2.5, 2, "b"), (4, -3.0, 3, "c")]),
-        position([(2, float("-inf"), 9, None), (5, -0.2, 1, " x")]),
+        [(7, -0.5, 1, "a"), (7, -0.5, 1, "a"), (3, -1.5, 2, "b")],
+        [(9, -4.0, 5, "z"), (7, -0.1, 1, "a"), (3, -2.5, 2, "b"), (4, -3.0, 3, "c")],
+        [(2, float("-inf"), 9, None), (5, -0.2, 1, " x")],
+        [(6, -0.9, 2, "q"), (8, -0.3, 1, "r"), (6, -0.9, 2, "q")],
     ]
-    tokens = [1, 7, 9, 2]
+    dicts = [None if rows is None else
+             {t: Logprob(logprob=lp, rank=r, decoded_token=d) for t, lp, r, d in rows}
+             for rows in positions]
     flat = FlatLogprobs()
-    flat.extend(positions)
+    for rows in positions:
+        if rows is None:
+            flat.append(None)
+        else:
+            t, lp, r, d = zip(*rows)
+            flat.append_fast(list(t), list(lp), iter(r), d)
+    assert len(flat.token_ids) == 12  # the duplicates are stored
+    tokens = [1, 7, 9, 2, 6]
     for top in (0, 1, 2, 5):
-        by_dicts = _entries(positions, tokens, top)
+        by_dicts = _entries(dicts, tokens, top)
         assert _entries(flat, tokens, top) == by_dicts
-        assert _entries(flat[1:3], tokens[1:3], top) == by_dicts[1:3]
-    assert by_dicts[0] is None and [e[3] for e in by_dicts[1:]] == [7, 9, 2]
-    assert [e[4] for e in by_dicts[1:]] == [1, 5, 9]
+        assert _entries(flat[1:4], tokens[1:4], top) == by_dicts[1:4]
+    assert by_dicts[0] is None and [e[3] for e in by_dicts[1:]] == [7, 9, 2, 6]
+    assert [e[4] for e in by_dicts[1:]] == [1, 5, 9, 2]
+    assert [alt[2] for alt in by_dicts[4][2]] == [8, 6]  # once, in the order of ranks
 
 
 def test_logprobs_are_vllms(client, reference):

@@ -13,12 +13,13 @@ several tokens in the ways a real tokenizer splits them. It has a simple chat te
 :data:`CHAT_TEMPLATE`) unless ``chat_template=False``, and
 ``<|endoftext|>`` as its EOS token.
 
-With ``ascii_only=True`` the corpus is English and made-up ASCII words and the tokenizer has
-no token that is not whole printable ASCII. A random model samples from the whole vocabulary,
-so with the default tokenizer about one token in five is a byte of a multi-byte character,
-and a detokenizer (ours, vLLM's) rightly holds text back until the character is whole: an
-event then carries several tokens after a gap of several steps. Benchmarks that read the
-gaps between events use the ASCII model, so that each token is an event.
+With ``ascii_only=True`` the corpus is English and made-up ASCII words and every token but
+the special ones is whole printable ASCII (or a newline). With the default tokenizer about
+two thirds of the tokens are bytes or pieces of a multi-byte character; a random model
+samples them, and a detokenizer (ours, vLLM's) rightly holds text back until a character is
+whole (about one sampled token in five): an event then carries several tokens after a gap
+of several steps. Benchmarks that read the gaps between events use the ASCII model, so that
+each token is an event (a special token, which decodes to nothing, still is not).
 
 The weights are random (seeded), drawn with a larger spread than usual so that the logits
 are far apart: greedy decoding is then a stable function of the prompt, and a batched

@@ -223,8 +223,9 @@ def _entry(by_id: dict, token: int, top: int) -> list:
 def _entries(logprobs, token_ids, top: int) -> list:
     """Our entry of each position (None where vLLM has none: a prompt's first token),
     from vLLM's ``FlatLogprobs`` (asked with ``flat_logprobs``) read in place, or from a
-    list of ``{token_id: Logprob}``. Read flat as :func:`_entry` reads a position's dict
-    (built from the same entries: of a token id listed twice, the later one counts)."""
+    list of ``{token_id: Logprob}``. A flat position is read as the dict vLLM would have
+    built from the same rows: a token id listed twice (the sampled token, also among the
+    top ranks) keeps its first place and its later row."""
     if not hasattr(logprobs, "start_indices"):
         return [None if by_id is None else _entry(by_id, token, top)
                 for token, by_id in zip(token_ids, logprobs)]
@@ -235,18 +236,12 @@ def _entries(logprobs, token_ids, top: int) -> list:
         if start == end:
             out.append(None)
             continue
-        chosen = None
-        best: dict = {}  # token id -> its index (the later one; first-seen order)
+        rows: dict = {}  # token id -> index of its row, as the dict's keys and values
         for j in range(start, end):
-            t = ids[j]
-            if t == token:
-                chosen = j
-            rank = ranks[j]
-            if rank is not None and rank <= top:
-                best[t] = j
-        if chosen is None:
-            raise KeyError(token)
-        ranked = sorted(best.values(), key=ranks.__getitem__)
+            rows[ids[j]] = j
+        chosen = rows[token]
+        ranked = sorted((j for j in rows.values() if ranks[j] is not None and ranks[j] <= top),
+                        key=ranks.__getitem__)
         out.append([texts[chosen] or "", finite_logprob(lps[chosen]),
                     [[texts[j] or "", finite_logprob(lps[j]), ids[j]] for j in ranked],
                     token, ranks[chosen]])
