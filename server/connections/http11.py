@@ -214,7 +214,6 @@ class DirectBody:
     other message of the response. Everything else (the head, the last chunk, errors)
     goes through the ASGI ``send`` as usual.
 
-
     The stream and the protocol are held weakly: both hold this object (the stream as an
     attribute and in its scope), and strong references back would make each request a
     reference cycle, freed only by the garbage collector (with a pause) instead of when its
