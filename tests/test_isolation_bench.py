@@ -140,3 +140,18 @@ async def test_a_crashed_worker_shows_as_a_restart_and_a_worker_died_event(fault
     seen = WorkerWatch.compare(before, after)
     assert seen["restarted"] and seen["worker_restarts"] == 1
     assert seen["lost_pids"] == sorted(before["pids"] - after["pids"]) != []
+
+
+def test_the_benchmarks_tiny_model_has_only_whole_ascii_tokens():
+    # bench/isolation.py reads gaps between events: a token that decodes to part of a
+    # character would be held back by the detokenizer and read as a gap (tests/tiny_model.py).
+    from tests.tiny_model import SPECIAL_TOKENS, _train_tokenizer
+
+    for ascii_only in (True, False):
+        tok = _train_tokenizer(1000, 0, ascii_only)
+        texts = [tok.decode([i]) for t, i in tok.get_vocab().items() if t not in SPECIAL_TOKENS]
+        partial = [t for t in texts if not t or "\ufffd" in t or not t.isascii()]
+        if ascii_only:
+            assert tok.get_vocab_size() == 1000 and partial == []
+        else:  # the default tokenizer, for contrast: most of its tokens are not whole ASCII
+            assert len(partial) > len(texts) / 2

@@ -30,6 +30,7 @@ forward pass (whose float rounding differs from an unbatched one) picks the same
 from __future__ import annotations
 
 import random
+import string
 from pathlib import Path
 
 __all__ = ["build_tiny_model", "CHAT_TEMPLATE", "EOS", "SPECIAL_TOKENS", "WORDS"]
@@ -81,8 +82,7 @@ def _ascii_corpus(seed: int, lines: int = 2000) -> list[str]:
     thousands of merges."""
     rng = random.Random(seed)
     english = [w for w in WORDS if w.isascii()]
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    made_up = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9)))
+    made_up = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 9)))
                for _ in range(3000)]
     out = []
     for _ in range(lines):
