@@ -287,7 +287,8 @@ class TransformersEngine(HelperTokenizing):
         ids = truncate_prompt(self.encode_prompt(prompt, template_kwargs, tools), params,
                               self.max_model_len)
         try:
-            max_tokens = int(params.get("max_tokens", 16))
+            max_tokens = params.get("max_tokens", 16)
+            max_tokens = None if max_tokens is None else int(max_tokens)
             temperature = float(params.get("temperature", 1.0))
             top_p = float(params.get("top_p", 1.0))
             seed = params.get("seed")
@@ -301,12 +302,13 @@ class TransformersEngine(HelperTokenizing):
             prompt_logprobs = _top(params.get("prompt_logprobs"))
         except (TypeError, ValueError, AttributeError):
             raise Rejected("malformed sampling parameters") from None
-        if max_tokens < 1:
+        if max_tokens is not None and max_tokens < 1:
             raise Rejected("max_tokens must be at least 1")
         if temperature < 0 or not 0 < top_p <= 1:
             raise Rejected("temperature must be >= 0 and top_p in (0, 1]")
         generated, text_chars = resume_of(params.get("resume")) or ([], 0)
-        check_context(len(ids) + len(generated), max_tokens, self.max_model_len)
+        # No max_tokens (what client libraries send by default): what fits the context.
+        max_tokens = check_context(len(ids) + len(generated), max_tokens, self.max_model_len)
         req = _Req()
         req.prompt = ids + generated
         req.max_tokens = max_tokens + len(generated)
