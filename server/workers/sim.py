@@ -51,6 +51,7 @@ It behaves like a real engine from the frontend's point of view:
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import random
@@ -390,7 +391,7 @@ class SimEngine:
             return
         waiting = self._waiting
         cache = self.cache
-        for rid in list(waiting)[:room]:
+        for rid in list(itertools.islice(waiting, room)):  # (not a copy of the whole queue)
             req = waiting.pop(rid)
             if cache is not None:
                 req.cached = cache.admit(req.blocks, req.prompt_tokens)
