@@ -271,6 +271,9 @@ async def test_transformers_embeddings_end_to_end(embedder_dir, tmp_path):
                     got = floats(base64.b64decode(got))  # type: ignore[arg-type]
                 assert cosine(got, direct(embedder_dir, INPUTS[0], "mean")) >= 0.9999
             async with httpx.AsyncClient(base_url=url, timeout=LIMIT) as http:
+                # The minimal body, as client libraries send it by default (issue 41).
+                r = await http.post("/v1/embeddings", json={"model": "tiny-embed", "input": "hi"})
+                assert r.status_code == 200 and len(r.json()["data"]) == 1, r.text
                 bad = [
                     ({"input": "a", "dimensions": 8}, "dimensions"),  # not a Matryoshka model
                     ({"input": [[1, 10**6]]}, None),  # a token id out of the vocabulary
@@ -337,6 +340,9 @@ async def test_vllm_pooling_runner_end_to_end(tmp_path):
                         got = floats(base64.b64decode(got))  # type: ignore[arg-type]
                     assert cosine(got, direct(path, item, "last")) >= 0.9999
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                r = await http.post("/v1/embeddings",
+                                    json={"model": "tiny-vllm-embed", "input": "hi"})
+                assert r.status_code == 200 and len(r.json()["data"]) == 1, r.text
                 r = await http.post("/v1/embeddings", json={"input": [[1, 10**6]]})
                 assert r.status_code == 400
                 r = await http.post("/v1/embeddings", json={"input": "a", "dimensions": 8})

@@ -592,6 +592,13 @@ def test_what_real_clients_send(client):
     assert len(r.choices[0].logprobs.token_logprobs) == len(ids) + 1
 
 
+async def test_minimal_bodies_are_served(server):
+    """Only ``model`` and the input, as client libraries send by default (issue 41)."""
+    from tests.test_minimal_bodies import assert_minimal_bodies_served
+
+    await assert_minimal_bodies_served(server.url, MODEL)
+
+
 def test_prefix_cache_hits_are_reported(client):
     prompt = " ".join(["model token stream"] * 60)  # over one 128-token block
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
