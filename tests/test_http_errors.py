@@ -272,3 +272,29 @@ async def test_vllm_and_openai_fields_without_an_effect_here_are_refused_by_name
         assert [n for n in REFUSED_BY_NAME if f"'{n}'" not in message] == []
         r = await http.post("/v1/completions", json={"prompt": "hi", "safety_identifier": 3})
         assert r.status_code == 400 and r.json()["error"]["param"] == "safety_identifier"
+
+
+@pytest.mark.direct_http
+async def test_every_status_line_has_its_reason_phrase(server_url):
+    """``HTTP/1.1 400 Bad Request``, not ``HTTP/1.1 400 `` (hypercorn writes no reason:
+    some proxies and tools print an empty one); a ``100 Continue`` too."""
+    host, port = server_url.removeprefix("http://").rsplit(":", 1)
+    requests = {
+        b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n": b"HTTP/1.1 200 OK\r\n",
+        b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n": b"HTTP/1.1 404 Not Found\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 2\r\n\r\n{}": b"HTTP/1.1 400 Bad Request\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Expect: 100-continue\r\nContent-Length: 2\r\n\r\n": b"HTTP/1.1 100 Continue\r\n",
+    }
+    with trio.fail_after(60):
+        for request, status_line in requests.items():
+            stream = await trio.open_tcp_stream(host, int(port))
+            async with stream:
+                await stream.send_all(request)
+                head = b""
+                while b"\r\n" not in head:
+                    data = await stream.receive_some(4096)
+                    assert data, head
+                    head += data
+            assert head.startswith(status_line), head[:80]

@@ -182,6 +182,15 @@ class ServingH11Protocol(H11Hooks):
         self.keep_alive_requests += 1
         await self.context.mark_request()
 
+    async def write_h11_event(self, event) -> None:
+        """Hypercorn writes status lines with no reason phrase (``HTTP/1.1 400 ``), which
+        some proxies and tools print as an empty reason: give each its standard phrase."""
+        if type(event) in (h11.Response, h11.InformationalResponse) and not event.reason:
+            event = type(event)(status_code=event.status_code, headers=event.headers,
+                                http_version=event.http_version,
+                                reason=_reason(event.status_code))
+        await super().write_h11_event(event)
+
     async def stream_send(self, event) -> None:
         if type(event) is Body and self.chunked:
             data = event.data

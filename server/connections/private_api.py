@@ -48,7 +48,8 @@ constructor, ``stream``, ``send_lock``,        under ``send_lock``, bounded writ
 ``H11Protocol._create_stream``                 our request stream class, no WebSocket upgrade
 ``H11Protocol._check_protocol``                the request-head refusals (``framing``)
 ``H11Protocol._send_error_response``,          answers to unparseable requests, with an
-``H11Protocol._send_h11_event``                OpenAI-style body
+``H11Protocol._send_h11_event``                OpenAI-style body; every status line with
+                                               its reason phrase (hypercorn sends none)
 ``protocol.http_stream.HTTPStream``            ``protocol.ServingHTTPStream``: body messages
 (``app_send``, ``state``, ``response``,        straight to the protocol; ``app_put`` is set
 ``closed``, ``scope``, ``app_put``)            once the app task is spawned (the extension
@@ -258,8 +259,9 @@ class ConnectionHooks(TCPServer):
 
 class H11Hooks(H11Protocol):
     """Hypercorn's HTTP/1.1 protocol, whose private hooks call the public ones of a
-    subclass: :meth:`create_stream`, :meth:`check_protocol`, :meth:`send_error_response`
-    (upstream's by default); :meth:`send_h11_event` and :meth:`chunked_body` for it to use."""
+    subclass: :meth:`create_stream`, :meth:`check_protocol`, :meth:`send_error_response`,
+    :meth:`write_h11_event` (upstream's by default); :meth:`send_h11_event` and
+    :meth:`chunked_body` for it to use."""
 
     async def _create_stream(self, request: h11.Request) -> None:
         await self.create_stream(request)
@@ -279,8 +281,15 @@ class H11Hooks(H11Protocol):
     async def send_error_response(self, status_code: int) -> None:
         await H11Protocol._send_error_response(self, status_code)  # type: ignore[attr-defined]
 
+    async def _send_h11_event(self, event) -> None:
+        await self.write_h11_event(event)
+
     async def send_h11_event(self, event) -> None:
-        await self._send_h11_event(event)  # type: ignore[attr-defined]
+        await self._send_h11_event(event)
+
+    async def write_h11_event(self, event) -> None:
+        """Every h11 event hypercorn's protocol sends passes here (upstream's by default)."""
+        await H11Protocol._send_h11_event(self, event)  # type: ignore[attr-defined]
 
     def chunked_body(self) -> bool:
         """Whether h11 sends the response body in progress with chunked framing (its
