@@ -33,7 +33,8 @@ process it spawned, or one connection to a worker that listens (``address``; see
   threads are what the limiter bounds;
 * the **writer** sends what :meth:`submit_nowait` and :meth:`abort_nowait` queued, all of it
   in one write;
-* the **heartbeat** pings, and ends the session when the worker has been silent too long.
+* the **heartbeat** pings, and ends the session when the worker has been silent too long
+  (less the frontend's own loop lag and the host's CPU stall: :mod:`server.manager.silence`).
 
 A session ends when the process exits (end of its stdout) or the connection closes, the
 worker breaks the protocol, or it hangs (no answer to pings: a dead network link looks the
@@ -56,6 +57,7 @@ import subprocess
 from collections.abc import Callable
 
 import trio
+import trio.testing
 from trio_util import AsyncValue
 
 from ..config import EngineConfig
@@ -67,6 +69,7 @@ from ..worker_protocol.parts import PartsDecoder
 from .kv_index import KVIndex
 from .pacing import Pacer
 from .routing import NAMING
+from .silence import MAX_STRETCH, CpuStall, LoopLag, judge, read_cpu_stall
 from .stream import Choice
 from .transport import Link, SessionEnded, open_connected, open_spawned, tls_context
 
@@ -204,6 +207,11 @@ class WorkerClient:
         self.restarts = 0
         self.gave_up = False
         self.last_heard = -math.inf
+        #: Silences past the heartbeat timeout not taken for hung (the frontend's loop was
+        #: late or the host's CPU under pressure meanwhile: server.manager.silence), and
+        #: the last one's start (each is counted and logged once).
+        self.hang_excused = 0
+        self._excused = -math.inf
         #: The router is decoding a big frame in a thread (the worker counts as heard).
         self._decoding = False
         self._asides = 0  # big TOKENIZED frames being decoded aside (see _router)
@@ -712,14 +720,35 @@ class WorkerClient:
             self._stdin_fd = None
 
     async def _heartbeat(self) -> None:
+        """Ping every ``heartbeat_interval``; end the session when the worker has been
+        silent past ``heartbeat_timeout``, less how late this task's own wakes were (the
+        frontend's loop lag) or the host's CPU stall over the silence, whichever is larger,
+        up to :data:`~server.manager.silence.MAX_STRETCH` times the timeout
+        (:mod:`server.manager.silence`: a starved frontend or host is not a hung worker).
+        The kernel's counter is in real seconds: not read under a mock clock."""
         config = self.config
+        keep = config.heartbeat_timeout * MAX_STRETCH + config.heartbeat_interval
+        lag, stall = LoopLag(keep), CpuStall(keep)
+        real_time = not isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock)
         while True:
-            await trio.sleep(config.heartbeat_interval)
-            if (trio.current_time() - self.last_heard > config.heartbeat_timeout
-                    and not self._decoding):  # (a big frame: its PONGs queue behind it)
-                raise _SessionEnded(
-                    f"no answer for {config.heartbeat_timeout:.1f} s (hung)", cause="hung"
-                )
+            due = trio.current_time() + config.heartbeat_interval
+            await trio.sleep_until(due)
+            now = trio.current_time()
+            lag.woke(now, now - due)
+            stall.sample(now, read_cpu_stall() if real_time else None)
+            silent = now - self.last_heard
+            if silent > config.heartbeat_timeout and not self._decoding:
+                # (not while decoding a big frame: its PONGs queue behind it)
+                since = self.last_heard
+                verdict = judge(silent, config.heartbeat_timeout, lag.within(since),
+                                stall.within(since))
+                if verdict.hung:
+                    raise _SessionEnded(verdict.reason, cause="hung")
+                if self._excused != since:  # (said once a silence)
+                    self._excused = since
+                    self.hang_excused += 1
+                    log.warning("worker %d (pid %s): %s", self.index, self.pid,
+                                verdict.reason)
             self._ping_seq += 1
             self._queue(wire.encode([wire.PING, self._ping_seq]))
 
