@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import math
 import os
 import sys
 
@@ -25,6 +26,17 @@ __all__ = ["main", "build_parser", "config_from_args", "API_KEY_ENV"]
 
 #: The environment variable read for API keys when ``--api-key`` is not given.
 API_KEY_ENV = "TRIO_LLM_API_KEY"
+
+
+def _seconds(text: str) -> float:
+    """A number of seconds, 0 or more (an option's type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected seconds (0 or more), got {text!r}")
+    return value
 
 
 def _split_commas(values: list[str] | None) -> tuple[str, ...]:
@@ -190,9 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests in flight beyond which new ones get 503 with Retry-After")
     g.add_argument("--max-concurrent-sequences", type=int, default=None,
                    help="sequences (prompts x n) in flight beyond which new requests get 503 "
-                   "with Retry-After (default: twice what the workers run at once, their max batch "
-                   "summed; a request larger than that runs when nothing else is in flight); "
-                   "given, a request asking for more than this alone is a 400 (0: no limit)")
+                   "with Retry-After; a request asking for more than this alone is a 400 "
+                   "(None or 0: no limit; requests beyond what the workers run at once wait "
+                   "in the engine's queue, as vLLM's do)")
+    g.add_argument("--max-queue-time", type=_seconds, default=None, metavar="SECONDS",
+                   help="a request that has not started (no output from the engine yet) "
+                   "this many seconds after it was queued is aborted and answered 503 "
+                   "server_overloaded with Retry-After (None or 0: no limit, as vLLM)")
     g.add_argument("--queued-heartbeat-s", type=float, default=15.0,
                    help="a streaming request still queued after this many seconds starts its "
                    "response and sends an SSE comment this often until its first token, so "
@@ -262,6 +278,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         request_timeout=args.request_timeout,
         max_concurrent_requests=args.max_concurrent_requests,
         max_concurrent_sequences=args.max_concurrent_sequences,
+        max_queue_time=args.max_queue_time or None,
         queued_heartbeat=args.queued_heartbeat_s or None,
         backlog=args.backlog,
         health_port=args.health_port,
@@ -324,7 +341,7 @@ def _models_from_file(args: argparse.Namespace) -> tuple[ModelConfig, ...]:
             ns.max_restarts = parser.get_default("max_restarts")  # (a spawned pool's default)
         resolve_model_args(ns, where)
         models.append(ModelConfig(_engine_config(ns, where), ns.max_concurrent_requests,
-                                  ns.max_concurrent_sequences))
+                                  ns.max_concurrent_sequences, ns.max_queue_time))
     return tuple(models)
 
 

@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 __all__ = ["EngineConfig", "Limits", "ModelConfig", "ServerConfig"]
 
@@ -155,9 +156,11 @@ class ModelConfig:
     engine: EngineConfig
     #: This pool's requests in flight beyond which new ones get a 503.
     max_concurrent_requests: int | None = None
-    #: This pool's sequences in flight beyond which new ones get a 503 (0: no limit; the
-    #: server's default: twice what this pool's workers run at once).
+    #: This pool's sequences in flight beyond which new ones get a 503 (0: no limit).
     max_concurrent_sequences: int | None = None
+    #: Seconds one of this pool's requests may wait to start before it gets a 503
+    #: (0: no limit).
+    max_queue_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -175,9 +178,12 @@ class ServerConfig:
     #: Requests in flight beyond which new ones get a 503 (None: no limit).
     max_concurrent_requests: int | None = None
     #: Sequences (prompts x n) in flight beyond which a new request gets a 503; one that
-    #: asks for more than this alone is a 400. None: twice what the workers run at once
-    #: (their max batch, summed), so that at most one batch's worth waits; 0: no limit.
+    #: asks for more than this alone is a 400. None or 0: no limit (requests beyond what
+    #: the workers run at once wait in their engine's queue, as vLLM's do).
     max_concurrent_sequences: int | None = None
+    #: Seconds a request may wait for the engine to start it (its first output) before
+    #: it is aborted and answered 503 ``server_overloaded`` (None or 0: no limit).
+    max_queue_time: float | None = None
     #: A streaming request still queued after this many seconds starts its response and
     #: sends an SSE comment this often until its first token, so that proxies with read
     #: timeouts (nginx: 60 s) keep it (None: wait silently).
@@ -265,12 +271,16 @@ class ServerConfig:
                                                    self.max_concurrent_requests),
                     max_concurrent_sequences=_given(m.max_concurrent_sequences,
                                                     self.max_concurrent_sequences),
+                    max_queue_time=_given(m.max_queue_time, self.max_queue_time),
                 )
                 for m in self.models
             )
         return (ModelConfig(self.engine, self.max_concurrent_requests,
-                            self.max_concurrent_sequences),)
+                            self.max_concurrent_sequences, self.max_queue_time),)
 
 
-def _given(value: int | None, default: int | None) -> int | None:
+_T = TypeVar("_T")
+
+
+def _given(value: _T | None, default: _T | None) -> _T | None:
     return default if value is None else value

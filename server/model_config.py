@@ -10,6 +10,7 @@ The file::
         sim-itl-ms: 4
         engine-workers: 2
         max-concurrent-requests: 64
+        max-queue-time: 30
       - name: large
         engine: vllm
         model: /models/Qwen3-8B
@@ -46,7 +47,7 @@ MODEL_DESTS = (
 #: The options of a model's pool: the command line's value is each model's default.
 POOL_DESTS = (
     "routing", "routing_balance", "max_restarts", "heartbeat_timeout",
-    "max_concurrent_requests", "max_concurrent_sequences", "sim_faults",
+    "max_concurrent_requests", "max_concurrent_sequences", "max_queue_time", "sim_faults",
 )
 
 

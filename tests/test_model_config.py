@@ -117,6 +117,21 @@ def test_a_models_option_on_the_command_line_is_refused(tmp_path, argv, words):
     assert words in refused(tmp_path, "models: [{name: a}]", *argv)
 
 
+def test_the_queue_time_limit_is_each_models_own(tmp_path):
+    text = YAML.replace("    max-concurrent-requests: 3\n",
+                        "    max-concurrent-requests: 3\n    max-queue-time: 2.5\n")
+    c = config(tmp_path, text, "--max-queue-time", "30")
+    small, large, _ = c.pools()
+    assert (small.max_queue_time, large.max_queue_time) == (2.5, 30.0)
+    table = ModelTable(config(tmp_path, text.replace("2.5", "0"), "--max-queue-time", "30"))
+    assert [p.max_queue_time for p in table.pools] == [None, 30.0, 30.0]  # (0: no limit)
+    assert ModelTable(config(tmp_path, YAML)).default.max_queue_time is None
+    assert "max-queue-time" in refused(tmp_path, text.replace("2.5", "-1"))
+    assert "small" in refused(tmp_path, text.replace("2.5", "soon"))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--max-queue-time", "nan"])
+
+
 def test_a_missing_file_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match="No such file"):
         config_from_args(build_parser().parse_args(

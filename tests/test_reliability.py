@@ -352,9 +352,9 @@ async def test_health_turns_503_when_the_only_worker_stops_answering():
 
 async def test_queued_requests_of_departed_clients_never_run():
     # One slot per worker: the first request runs, the others wait in the worker's queue
-    # (no admission limit: by default only one batch's worth may wait).
+    # (by default there is no admission limit).
     config = EngineConfig(engine_options={**FAST_SIM, "max_batch": 1})
-    async with running_server(config, max_concurrent_sequences=0) as url:
+    async with running_server(config) as url:
         engine = url.engine
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             async with trio.open_nursery() as nursery:

@@ -294,26 +294,21 @@ class LLMServerApp(QuartTrio):
 
     def sequence_limit(self, pool: Pool | None = None) -> int | None:
         """Sequences admitted at once into ``pool`` (default: the first model's):
-        ``max_concurrent_sequences``, or twice its engine's capacity by default; None for
-        no limit."""
+        ``max_concurrent_sequences``; None for no limit (the default, and 0)."""
         pool = pool or self.models.default
-        configured = pool.max_sequences
-        if configured is not None:
-            return configured or None
-        engine = pool.engine
-        capacity = engine.capacity if engine is not None else None
-        return None if capacity is None else 2 * capacity
+        return pool.max_sequences or None
 
     def admission_error(self, engine: Engine, sequences: int) -> ServerError | None:
         """Why a request of ``sequences`` sequences (prompts x n) may not be admitted now:
         a 503 when it would take the server past its limits (decided before anything is
         queued), a 400 when it could never fit; None when it may run.
 
-        A request larger than the default sequence limit (twice what the workers run at
-        once) runs when nothing else is in flight, as vLLM runs it: its sequences start as
-        batch slots free up, and other requests get 503 meanwhile. An explicit
-        ``--max-concurrent-sequences`` is a hard cap: larger is a 400. The limits are those
-        of ``engine``'s model (each model's pool has its own)."""
+        By default there is no limit: requests beyond what the workers run at once wait
+        in their engine's queue and start as batch slots free up, as vLLM's do (the
+        queue-time limit, ``--max-queue-time``, bounds the wait; see generate.py). An
+        explicit ``--max-concurrent-sequences`` or ``--max-concurrent-requests`` is a hard
+        cap: over it a 503, and a request larger than the sequence limit alone a 400. The
+        limits are those of ``engine``'s model (each model's pool has its own)."""
         pool = self.models.of_engine(engine)
         limit = pool.max_requests
         if limit is not None and engine.open_streams >= limit:
@@ -321,17 +316,16 @@ class LLMServerApp(QuartTrio):
                 f"The server is at its limit of {limit} concurrent requests; retry later.",
                 code="server_overloaded",
             )
-        configured = pool.max_sequences
         limit = self.sequence_limit(pool)
         if limit is None:
             return None
-        if sequences > limit and configured is not None:
+        if sequences > limit:
             return ClientError(
                 f"This request asks for {sequences} sequences (prompts x n); the server runs "
                 f"at most {limit} at once.",
                 param="n",
             )
-        if engine.open_streams and engine.open_sequences + sequences > limit:
+        if engine.open_sequences + sequences > limit:
             return ServiceUnavailable(
                 f"The server is at its limit of {limit} concurrent sequences; retry later.",
                 code="server_overloaded",

@@ -7,7 +7,8 @@ One request, one nursery::
     handle_generate (the writer)
     ├── API key, method, content type   -> 401, 405, 415 (after the body: see discard_body)
     ├── read and validate the body      -> 4xx before anything is sent
-    ├── dispatch to the engine          -> 503 if no worker can take it
+    ├── dispatch to the engine          -> 503 if no worker can take it, or over an
+    │                                   explicit admission limit (else it queues there)
     ├── nursery
     │   ├── watch_disconnect            the cancellation monitor: cancels the nursery when
     │   │                               the client goes away
@@ -166,7 +167,7 @@ async def handle_generate(
             req = await echo_texts(engine, req)
         stream = engine.generate_many(
             req.prompts, req.params, timeout=config.request_timeout, errors_as_outputs=True,
-            adapter=adapter,
+            adapter=adapter, queue_timeout=app.models.of_engine(engine).max_queue_time,
         )
         record.dispatched(req.stream, stream.choices)
     except Exception as exc:

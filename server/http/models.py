@@ -47,9 +47,11 @@ def requested_model(body: bytes) -> object:
 
 class Pool:
     """One model's worker pool: its engine (None while it starts or after it stopped) and
-    its admission limits (``max_requests``, ``max_sequences``: see ModelConfig)."""
+    its admission limits (``max_requests``, ``max_sequences``, ``max_queue_time``: see
+    ModelConfig)."""
 
-    __slots__ = ("config", "engine", "owned", "max_requests", "max_sequences")
+    __slots__ = ("config", "engine", "owned", "max_requests", "max_sequences",
+                 "max_queue_time")
 
     def __init__(self, config: ModelConfig, engine: Engine | None = None) -> None:
         self.config = config
@@ -58,6 +60,8 @@ class Pool:
         self.owned = engine is None
         self.max_requests = config.max_concurrent_requests
         self.max_sequences = config.max_concurrent_sequences
+        #: Seconds a request may wait to start (None: no limit).
+        self.max_queue_time = config.max_queue_time or None
 
     @property
     def name(self) -> str:
@@ -93,7 +97,7 @@ class ModelTable:
             limits = config.pools()[0]
             self.pools = tuple(
                 Pool(ModelConfig(e.config, limits.max_concurrent_requests,
-                                 limits.max_concurrent_sequences), e)
+                                 limits.max_concurrent_sequences, limits.max_queue_time), e)
                 for e in engines
             )
         else:

@@ -1,12 +1,15 @@
 """Request timeouts: one server-wide task, not one timer per request.
 
-:class:`DeadlineQueue` holds (deadline, stream) pairs in a heap. Its :meth:`run` task, in the
-engine's nursery, sleeps until the earliest deadline and then calls the stream's
-``abort("timeout")``: the stream drains and each open choice ends with ``abort``. A stream
-that finished before its deadline is only referenced weakly, so the queue never keeps a
-finished request alive; its entry is dropped when its time comes.
+:class:`DeadlineQueue` holds (deadline, stream, cause) entries in a heap. Its :meth:`run`
+task, in the engine's nursery, sleeps until the earliest deadline and then calls the
+stream's ``abort(cause)``: the stream drains and each open choice ends with ``abort``. Two
+causes: ``"timeout"`` (the request timeout: whatever the stream is doing) and
+``"queue_timeout"`` (the queue-time limit: only a stream that has not started, see
+:attr:`~server.manager.stream.RequestStream.started`; one that started is left alone). A
+stream that finished before its deadline is only referenced weakly, so the queue never
+keeps a finished request alive; its entry is dropped when its time comes.
 
-Cost per request: one heap push and one weak reference.
+Cost per request and limit: one heap push and one weak reference.
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ import weakref
 
 import trio
 
-__all__ = ["DeadlineQueue"]
+__all__ = ["DeadlineQueue", "QUEUE_TIMEOUT", "TIMEOUT"]
+
+#: The causes of a deadline's abort (the stream's ``abort_cause``).
+TIMEOUT = "timeout"
+QUEUE_TIMEOUT = "queue_timeout"
 
 
 class DeadlineQueue:
@@ -30,10 +37,11 @@ class DeadlineQueue:
     def __len__(self) -> int:
         return len(self._heap)
 
-    def add(self, deadline: float, stream) -> None:
-        """Abort ``stream`` (with cause ``"timeout"``) at ``deadline`` (trio time)."""
+    def add(self, deadline: float, stream, cause: str = TIMEOUT) -> None:
+        """Abort ``stream`` with ``cause`` at ``deadline`` (trio time); for
+        :data:`QUEUE_TIMEOUT`, only if it has not started by then."""
         first = not self._heap or deadline < self._heap[0][0]
-        heapq.heappush(self._heap, (deadline, next(self._seq), weakref.ref(stream)))
+        heapq.heappush(self._heap, (deadline, next(self._seq), weakref.ref(stream), cause))
         if first:
             self._changed.set()
 
@@ -43,9 +51,10 @@ class DeadlineQueue:
         while True:
             now = trio.current_time()
             while heap and heap[0][0] <= now:
-                stream = heapq.heappop(heap)[2]()
-                if stream is not None:
-                    stream.abort("timeout")
+                _, _, ref, cause = heapq.heappop(heap)
+                stream = ref()
+                if stream is not None and (cause != QUEUE_TIMEOUT or not stream.started):
+                    stream.abort(cause)
             with trio.move_on_at(heap[0][0] if heap else math.inf):
                 await self._changed.wait()
             self._changed = trio.Event()

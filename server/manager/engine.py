@@ -30,7 +30,7 @@ from ..worker_protocol import wire
 from ..worker_protocol.handshake import parse_address
 from .adapters import AdapterRegistry
 from ..worker_protocol.kv_blocks import seed_of
-from .deadlines import DeadlineQueue
+from .deadlines import QUEUE_TIMEOUT, DeadlineQueue
 from .kv_index import prefix_tokens
 from .migration import MigrationStatistics, Migrator
 from .routing import Blocks, Decision, Router, RouterStatistics
@@ -162,12 +162,18 @@ class Engine:
         timeout: float | None = None,
         errors_as_outputs: bool = False,
         adapter: str | None = None,
+        queue_timeout: float | None = None,
     ) -> RequestStream:
         """Start all prompts at once (``n`` choices each, index ``p * n + i``); never blocks.
 
         Every sub-request is registered before this returns, so none can finish unseen.
+        Requests beyond what the workers run at once wait in their worker's engine queue,
+        in arrival order, and start as batch slots free up (as vLLM's do).
         With ``timeout`` (seconds), the server aborts the request when it runs longer: the
         stream then ends each open choice with ``abort`` and ``abort_cause == "timeout"``.
+        With ``queue_timeout`` (seconds), it aborts the request if it has not started by
+        then (:attr:`RequestStream.started`: no output yet), with ``abort_cause ==
+        "queue_timeout"``; ``wait_started`` then raises a 503 ``server_overloaded``.
         With ``adapter``, the prompts run with that LoRA adapter (:attr:`adapters`; a
         worker that does not have it ends them with a 404, ``model_not_found``).
         """
@@ -219,6 +225,8 @@ class Engine:
                                             decision.matched if scores is None else 0)
         if timeout is not None:
             self.deadlines.add(trio.current_time() + timeout, stream)
+        if queue_timeout is not None:
+            self.deadlines.add(trio.current_time() + queue_timeout, stream, QUEUE_TIMEOUT)
         return stream
 
     async def tokenize(self, request: dict) -> dict:
@@ -362,18 +370,6 @@ class Engine:
     def open_sequences(self) -> int:
         """Sequences (choices: prompts x n) of the streams in flight."""
         return self._open_sequences
-
-    @property
-    def capacity(self) -> int | None:
-        """Sequences the workers run at once, all together (each worker's ``max_batch``,
-        as its HELLO reported it), or None when a worker did not say."""
-        total = 0
-        for w in self.workers:
-            batch = w.info.get("max_batch")
-            if not batch:
-                return None
-            total += batch
-        return total
 
     def abort_all(self, cause: str = "shutdown") -> int:
         """Server-side abort of every open stream (each drains, then ends with ``abort``).

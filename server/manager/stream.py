@@ -48,8 +48,9 @@ from typing import TYPE_CHECKING
 import outcome
 import trio
 
-from ..errors import ServerError
+from ..errors import ServerError, ServiceUnavailable
 from ..outputs import RequestOutput
+from .deadlines import QUEUE_TIMEOUT
 
 if TYPE_CHECKING:
     from .pacing import Pacer
@@ -351,6 +352,15 @@ class Choice:
         return out
 
 
+def _queue_timeout() -> ServiceUnavailable:
+    """What a request the queue-time limit aborted before it started gets."""
+    return ServiceUnavailable(
+        "The request waited longer than the server's queue-time limit without starting "
+        "(the server is overloaded); retry later.",
+        code="server_overloaded",
+    )
+
+
 def _error_of(out: RequestOutput) -> ServerError:
     """The exception of an error output (which always carries its kind)."""
     exc = out.exception()
@@ -539,8 +549,12 @@ class RequestStream:
         Raises the request's error instead (after closing the stream) when a choice ended
         with an error before producing a token: a client fault such as a prompt over the
         context limit (:class:`~server.errors.ClientError`), or an engine failure
-        (:class:`~server.errors.EngineError`). The HTTP layer calls this before it sends the
-        first byte, so that such errors are answered with a status instead of a stream.
+        (:class:`~server.errors.EngineError`); and a
+        :class:`~server.errors.ServiceUnavailable` (``server_overloaded``) when the
+        queue-time limit aborted the request before it started (``abort_cause ==
+        "queue_timeout"``: :meth:`Engine.generate_many`'s ``queue_timeout``), whatever
+        the engine sent meanwhile. The HTTP layer calls this before it sends the first
+        byte, so that such errors are answered with a status instead of a stream.
         """
         choices = self._choices
         deadline = trio.current_time() + timeout
@@ -549,6 +563,9 @@ class RequestStream:
         self._busy = True
         try:
             while True:
+                if self.abort_cause == QUEUE_TIMEOUT:
+                    await self.aclose()  # (waits, bounded, for the engine's abort)
+                    raise _queue_timeout()
                 for c in choices:
                     if c.done and c.error_kind is not None and c.completion_tokens == 0:
                         out = RequestOutput(0, "", 0, 0, 0, "error", c.error_kind, c.error)
@@ -684,6 +701,13 @@ class RequestStream:
     @property
     def choices(self) -> int:
         return len(self._choices)
+
+    @property
+    def started(self) -> bool:
+        """Whether the engine started the request: the worker sent a choice's first
+        output (a token, or its end). What the queue-time limit waits for; a request
+        still in the engine's queue (accepted or not) has not started."""
+        return any(c.completion_tokens or c.done for c in self._choices)
 
     def choice_states(self) -> list[Choice]:
         """The request's choices, in index order, to read (never to change) how each ended:

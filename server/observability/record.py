@@ -16,8 +16,9 @@ autojump clock cannot distort them), except :attr:`arrival_wall` (``time.time()`
 
 How a request ended is one :attr:`finish_reason` over all its choices, the worst of them:
 ``error`` > ``abort`` > ``length`` > ``stop``. :attr:`abort_cause` says why work was given up:
-``client_disconnect``, ``timeout``, ``shutdown`` or ``worker_failure`` (a worker failure ends
-the request with ``error``, the others with ``abort``).
+``client_disconnect``, ``timeout``, ``queue_timeout`` (not started within the queue-time
+limit: answered 503), ``shutdown`` or ``worker_failure`` (a worker failure ends the request
+with ``error``, the others with ``abort``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ _now = time.perf_counter
 #: Label values of ``trio_llm:request_success_total{finished_reason}``, best first.
 FINISHED_REASONS = FINISH_REASONS  # the order is the rank: the worst reason last
 #: Label values of ``trio_llm:request_aborts_total{cause}``.
-ABORT_CAUSES = ("client_disconnect", "timeout", "shutdown", "worker_failure")
+ABORT_CAUSES = ("client_disconnect", "timeout", "queue_timeout", "shutdown", "worker_failure")
 
 _RANK = {reason: rank for rank, reason in enumerate(FINISHED_REASONS)}
 
