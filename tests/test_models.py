@@ -51,7 +51,12 @@ async def test_two_models_listed_routed_and_an_unknown_one_is_a_404():
         sdk = client(url)
         listed = (await sdk.models.list()).data
         assert [(m.id, m.max_model_len) for m in listed] == [("small", 1000), ("large", 2000)]
-        assert (await sdk.models.retrieve("large")).id == "large"
+        card = (await sdk.models.retrieve("large")).model_dump()
+        assert card["id"] == "large"
+        # vLLM's card fields (clients that read vLLM's cards expect them; issue 41)
+        assert card["root"] == "large" and card["parent"] is None
+        (permission,) = card["permission"]
+        assert permission["object"] == "model_permission" and permission["allow_sampling"]
 
         r = await sdk.completions.create(model="small", prompt="x", max_tokens=3)
         assert r.model == "small" and r.usage.completion_tokens == 3

@@ -527,11 +527,25 @@ class LLMServerApp(QuartTrio):
         return self.models.default.name
 
     def _model_card(self, pool: Pool) -> dict:
+        """A model's card, with vLLM's fields: ``root`` the model's path as configured
+        (its name when it has none: the sim, remote workers), ``parent`` null (an adapter's
+        card names its base model: :func:`adapter_cards`), and ``permission``, which
+        clients that read vLLM's cards expect."""
+        created = int(self.started_at)
         card = {
             "id": pool.name,
             "object": "model",
-            "created": int(self.started_at),
+            "created": created,
             "owned_by": "trio-llm-server",
+            "root": pool.config.engine.engine_options.get("model_path") or pool.name,
+            "parent": None,
+            "permission": [{
+                "id": f"modelperm-{pool.name}", "object": "model_permission",
+                "created": created, "allow_create_engine": False, "allow_sampling": True,
+                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                "allow_fine_tuning": False, "organization": "*", "group": None,
+                "is_blocking": False,
+            }],
         }
         engine = pool.engine
         if engine is not None and engine.info.get("max_model_len"):
