@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open connections beyond which a new one first closes the oldest "
                    "idle keep-alive connection, else is answered 503 and closed (default: "
                    "the file-descriptor limit, ulimit -n, less 128)")
+    g.add_argument("--allow-http-fallback", action="store_true",
+                   help="when the installed hypercorn or h11 is not the exact version the "
+                   "server's own HTTP path was written for, serve through hypercorn's public "
+                   "serve() (slower; no connection limit, bounded writes or request-head "
+                   "checks; warned at every start, trio_llm:http_fallback in /metrics) "
+                   "instead of refusing to start")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="least severe log lines written (info: one line per finished request)")
     g.add_argument("--log-format", default="text", choices=["text", "json"],
@@ -284,6 +290,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         health_port=args.health_port,
         health_listen_fd=args.health_listen_fd,
         max_connections=args.max_connections,
+        allow_http_fallback=args.allow_http_fallback,
         shutdown_timeout=args.shutdown_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
         read_timeout=args.read_timeout,
@@ -505,6 +512,7 @@ def main(argv: list[str] | None = None) -> None:
     from .http.app import create_app
     from .http.serve import serve
     from .connections.accept import ListenError
+    from .connections.private_api import HTTPPathError
     from .manager.worker import WorkerStartupError
 
     app = create_app(config)
@@ -517,7 +525,7 @@ def main(argv: list[str] | None = None) -> None:
     failures: list[BaseException] = []
     try:
         trio.run(run)
-    except* (WorkerStartupError, ListenError) as group:  # (grouped by the nurseries)
+    except* (WorkerStartupError, ListenError, HTTPPathError) as group:  # (grouped by the nurseries)
         failures = _leaves(group)
     if failures:  # configuration errors: one line each, no traceback
         for exc in failures:

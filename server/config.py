@@ -212,6 +212,10 @@ class ServerConfig:
     #: connection, else gets a 503 and is closed (None: the file-descriptor limit less a
     #: reserve, see server.connections.accept.default_max_connections).
     max_connections: int | None = None
+    #: Serve through hypercorn's public ``serve()`` when the installed hypercorn or h11 is
+    #: not what the direct HTTP path was written for (else that is an error at start:
+    #: server.connections.private_api.use_direct_path).
+    allow_http_fallback: bool = False
     #: After the drain, seconds open connections (idle keep-alives) get before they are cut.
     close_timeout: float = 2.0
     #: Keys accepted (``Authorization: Bearer KEY``); empty: no key is needed. Only

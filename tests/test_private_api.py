@@ -3,8 +3,9 @@
 * The version check is exact, and names what differs (sans-IO).
 * The installed libraries are the ones it was written for, so the direct path is in use
   (a test that fails when a dependency update silently turns it off).
-* A server whose libraries differ serves through hypercorn's public ``serve()``, says so
-  once in the log, and streams the same answers; forcing the direct path then is refused.
+* A server whose libraries differ refuses to start unless the fallback is allowed; then it
+  serves through hypercorn's public ``serve()``, says so at every start and in /metrics,
+  and streams the same answers; forcing the direct path then is refused.
 """
 
 from __future__ import annotations
@@ -51,21 +52,36 @@ async def _stream_one(url: str) -> tuple[str, str | None]:
     return text, chunks[-1]["choices"][0]["finish_reason"]
 
 
-async def test_other_versions_serve_through_hypercorns_public_serve(monkeypatch, caplog):
+async def _http_fallback_gauge(url: str) -> str:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        text = (await http.get("/metrics")).text
+    (line,) = [x for x in text.splitlines() if x.startswith("trio_llm:http_fallback ")]
+    return line.split()[1]
+
+
+async def test_other_versions_refuse_to_start_unless_the_fallback_is_allowed(monkeypatch, caplog):
+    """Issue 42 item 6: which patch release pip picked must not silently turn off the
+    connection limit, bounded writes and the head checks."""
     monkeypatch.delenv(private_api.FALLBACK_ENV, raising=False)
     monkeypatch.setattr(private_api, "direct_path_problem", lambda: "hypercorn 9.9 (written for x)")
-    monkeypatch.setattr(private_api, "_fallback_logged", False)
     with pytest.raises(ValueError, match="hypercorn 9.9"):
         use_direct_path(True)
+    with pytest.raises(private_api.HTTPPathError, match="--allow-http-fallback"):
+        use_direct_path()
+    with pytest.RaisesGroup(pytest.RaisesExc(private_api.HTTPPathError, match="hypercorn 9.9"),
+                            flatten_subgroups=True):
+        async with running_server():
+            raise AssertionError("served with libraries it was not written for")
     caplog.set_level(logging.WARNING, logger="server.http")
     for _ in range(2):
-        async with running_server() as url:
+        async with running_server(allow_http_fallback=True) as url:
             text, finish = await _stream_one(url)
             assert len(text.split()) == 12 and finish == "length"
             # hypercorn's own connections: the listener's pool never saw one.
             assert url.app.connections is None
+            assert await _http_fallback_gauge(url) == "1.0"
     lines = [r.getMessage() for r in caplog.records if "public serve()" in r.getMessage()]
-    assert len(lines) == 1 and "hypercorn 9.9" in lines[0], lines
+    assert len(lines) == 2 and all("hypercorn 9.9" in line for line in lines), lines
 
 
 async def test_the_direct_path_answers_the_same_stream(monkeypatch):
@@ -73,7 +89,7 @@ async def test_the_direct_path_answers_the_same_stream(monkeypatch):
     async with running_server() as url:
         direct = await _stream_one(url)
         assert url.app.connections is not None
-    monkeypatch.setattr(private_api, "_fallback_logged", True)
+        assert await _http_fallback_gauge(url) == "0.0"
     monkeypatch.setenv(private_api.FALLBACK_ENV, "1")
     async with running_server() as url:
         public = await _stream_one(url)

@@ -14,11 +14,14 @@ names the libraries may change in any release. So:
   below (:class:`ConnectionHooks`, :class:`H11Hooks`, :class:`HTTPStreamHooks`), which give
   the private hooks public names of ours, and import hypercorn's internal modules from here.
 * **The exact versions are checked.** :data:`WRITTEN_FOR` names the versions this was
-  written and tested against. At the first :func:`use_direct_path`, a different installed
-  version, or a name below that is missing, makes the server serve through hypercorn's
-  public :func:`hypercorn.trio.serve` instead (``server.connections.accept.serve_public``), logged
-  once with the reason. That path is slower and lacks what the direct path adds (see
-  ``docs/operations.md``, "The HTTP path"), but it is hypercorn's own, correct code.
+  written and tested against, and pyproject.toml pins them exactly. At
+  :func:`use_direct_path`, a different installed version, or a name below that is missing,
+  is an error at start (:class:`HTTPPathError`) unless the operator opted into serving
+  through hypercorn's public :func:`hypercorn.trio.serve` instead
+  (``server.connections.accept.serve_public``; ``--allow-http-fallback``), logged at every
+  start with the reason and shown in ``/metrics`` (``trio_llm:http_fallback``). That path
+  is slower and lacks what the direct path adds (see ``docs/operations.md``, "The HTTP
+  path"), but it is hypercorn's own, correct code.
 * **The fallback can be forced**, to test it: ``TRIO_LLM_HTTP_FALLBACK=1`` in the
   environment, or ``serve(..., direct_http=False)``. ``.ci/run`` runs the HTTP test files
   a second time with the variable set (docs/testing.md).
@@ -116,6 +119,7 @@ __all__ = [
     "WRITTEN_FOR",
     "ConnectionHooks",
     "H11Hooks",
+    "HTTPPathError",
     "HTTPStreamHooks",
     "StrictH11Connection",
     "direct_path_problem",
@@ -190,26 +194,37 @@ def direct_path_problem() -> str | None:
     return problem
 
 
-_fallback_logged = False
+class HTTPPathError(Exception):
+    """The direct HTTP path cannot be used with the installed libraries and the operator
+    did not opt into the fallback: a deployment error, said in one line at start."""
 
 
-def use_direct_path(direct: bool | None = None) -> bool:
+def use_direct_path(direct: bool | None = None, *, allow_fallback: bool = False) -> bool:
     """Whether to serve through the direct path. ``direct``: None (the default) when the
     installed libraries allow it and :data:`FALLBACK_ENV` is not set; False forces the
-    fallback; True requires the direct path (ValueError when it cannot be used). The
-    fallback is logged once per process."""
-    global _fallback_logged
+    fallback; True requires the direct path (ValueError when it cannot be used).
+
+    With ``direct`` None and libraries the direct path was not written for, the fallback is
+    taken only when the operator opted in (``allow_fallback``: ``--allow-http-fallback``, or
+    :data:`FALLBACK_ENV`); otherwise :class:`HTTPPathError`. A security property (the
+    connection limit, bounded writes, the head checks) must not depend on which patch
+    release pip picked. Every start that serves through the fallback says so in the log."""
     problem = direct_path_problem()
     if direct and problem is not None:
         raise ValueError(f"the direct HTTP path cannot be used: {problem}")
     if direct is None:
         forced = os.environ.get(FALLBACK_ENV, "") not in ("", "0")
+        if problem is not None and not (forced or allow_fallback):
+            raise HTTPPathError(
+                f"the direct HTTP path cannot be used: {problem}; install the versions "
+                f"pyproject.toml pins ({', '.join(f'{n}=={v}' for n, v in WRITTEN_FOR.items())}) "
+                "or start with --allow-http-fallback (slower, and without the connection limit, "
+                "bounded writes and request-head checks: docs/operations.md, 'The HTTP path')")
         direct = problem is None and not forced
         reason = f"{FALLBACK_ENV} is set" if forced else problem
     else:
         reason = "asked for (direct_http=False)"
-    if not direct and not _fallback_logged:
-        _fallback_logged = True
+    if not direct:
         log.warning(
             "serving HTTP through hypercorn's public serve() (%s): slower, and without the "
             "connection limit, bounded writes and request-head checks (docs/operations.md, "

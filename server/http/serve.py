@@ -151,14 +151,16 @@ async def serve(
     ``direct_http``: serve through this server's own HTTP/1.1 path (True) or hypercorn's
     public ``serve()`` (False); None (the default) takes the direct path when the installed
     hypercorn and h11 are the versions it was written for and ``TRIO_LLM_HTTP_FALLBACK`` is
-    not set (:mod:`server.connections.private_api`).
+    not set; with other versions it raises :class:`~server.connections.private_api.HTTPPathError`
+    unless ``config.allow_http_fallback`` (:mod:`server.connections.private_api`).
     """
     app = app or create_app(config)
     if gc_metrics:
         app.metrics.watch_gc()
     hc = hypercorn_config(config)
     phases = ShutdownPhases(shutdown_trigger)
-    direct = use_direct_path(direct_http)
+    direct = use_direct_path(direct_http, allow_fallback=config.allow_http_fallback)
+    app.metrics.http_fallback = not direct
 
     async with trio.open_nursery() as nursery:
 

@@ -171,6 +171,9 @@ class Metrics(RequestMetrics):
         self._more = {name: RequestMetrics() for name in more_models}
         #: The HTTP server's connection pool (``statistics()``), once it is serving.
         self._connections = None
+        #: Whether the server serves through hypercorn's public serve() (set by serve();
+        #: None: not serving, no series).
+        self.http_fallback: bool | None = None
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(self)
         self._gc_watched = False
@@ -247,6 +250,14 @@ class Metrics(RequestMetrics):
         )
         yield from self._engine_families(pools)
         yield from self._connection_families(pools[0][0])
+        if self.http_fallback is not None:
+            gauge = GaugeMetricFamily(
+                PREFIX + "http_fallback",
+                "1 while HTTP is served through hypercorn's public serve() "
+                "(--allow-http-fallback, or TRIO_LLM_HTTP_FALLBACK): no connection limit, "
+                "bounded writes or request-head checks; 0 on the server's own HTTP path.")
+            gauge.add_metric([], float(self.http_fallback))
+            yield gauge
 
     def _connection_families(self, model: str) -> Iterator[Metric]:
         pool = self._connections
