@@ -10,6 +10,7 @@ import functools
 import logging
 import math
 import os
+import stat
 import sys
 
 import trio
@@ -18,7 +19,8 @@ from .config import EngineConfig, Limits, ModelConfig, ServerConfig
 from .openai.tool_parsers import PARSERS as TOOL_PARSERS
 from .engine_args import ENGINE_DESTS, add_engine_arguments, engine_options, resolve_model_args
 from .manager.routing import DEFAULT_BALANCE, POLICIES
-from .model_config import MODEL_DESTS, model_argvs
+from .model_config import MAX_FILE_BYTES, MODEL_DESTS, model_argvs
+from .option_bounds import bound_numbers
 from .worker_protocol.handshake import SECRET_ENV, parse_address, read_secret
 from .observability.logs import configure_logging, lean_log_records
 
@@ -245,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a worker may leave pings unanswered before it is restarted")
     g.add_argument("--max-restarts", type=int, default=5,
                    help="most worker restarts within 60 s before the worker is left down")
+    bound_numbers(p)  # (each numeric option's range: server.option_bounds)
     return p
 
 
@@ -307,6 +310,28 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
+def _read_config_file(path: str, prog: str) -> str:
+    """The text of a configuration file: a regular file (a FIFO would hang the start, a
+    device such as /dev/zero never end) of at most MAX_FILE_BYTES, in UTF-8; SystemExit
+    with one line naming the file otherwise."""
+    try:
+        # (O_NONBLOCK: opening a FIFO waits for a writer otherwise; the file is then
+        # checked through the descriptor opened, not by its name before)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, "rb", buffering=0) as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SystemExit(f"{prog}: not a regular file")
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise SystemExit(f"{prog}: {exc.strerror}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise SystemExit(f"{prog}: larger than {MAX_FILE_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SystemExit(f"{prog}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
 def _models_from_file(args: argparse.Namespace) -> tuple[ModelConfig, ...]:
     """Each model of ``--model-config``: its options parsed over the command line's (its
     pool options the defaults; its model options refused there), checked as the command
@@ -320,11 +345,7 @@ def _models_from_file(args: argparse.Namespace) -> tuple[ModelConfig, ...]:
     if given:
         raise SystemExit(f"trio-llm-server: {', '.join(given)}: not with --model-config: "
                          "give each model's in its entry of the file")
-    try:
-        with open(args.model_config, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise SystemExit(f"{prog}: {exc.strerror}") from None
+    text = _read_config_file(args.model_config, prog)
 
     def refuse(message: str):
         raise ValueError(message)

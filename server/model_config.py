@@ -36,7 +36,10 @@ import yaml
 
 from .engine_args import ENGINE_DESTS
 
-__all__ = ["MODEL_DESTS", "POOL_DESTS", "model_argvs"]
+__all__ = ["MAX_FILE_BYTES", "MAX_VALUES", "MODEL_DESTS", "POOL_DESTS", "model_argvs"]
+
+#: The largest --model-config file read (a configuration of many models is a few KiB).
+MAX_FILE_BYTES = 1 << 20
 
 #: The options that say what a model is and where it runs: a model's own, never the
 #: command line's with --model-config.
@@ -58,6 +61,7 @@ def model_argvs(text: str, parser: argparse.ArgumentParser) -> list[tuple[str, l
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ValueError(f"not YAML or JSON: {exc}") from None
+    _check_expansion(data)
     if not isinstance(data, dict) or set(data) != {"models"}:
         raise ValueError("the file must be a mapping with one key, 'models': a list of "
                          "models")
@@ -92,6 +96,29 @@ def model_argvs(text: str, parser: argparse.ArgumentParser) -> list[tuple[str, l
             argv.extend(_options(action, value, f"{where}.{key}"))
         out.append((name, argv))
     return out
+
+
+#: The most values (scalars, lists, mappings, counted as if every alias were written out)
+#: a file may hold: far more than any real configuration, far less than a YAML alias bomb
+#: (a 400-byte file of nested aliases expands to ~10^8 values: reading it spun for minutes).
+MAX_VALUES = 100_000
+
+
+def _check_expansion(data: object) -> None:
+    """ValueError when ``data``, with its YAML aliases written out, holds more than
+    :data:`MAX_VALUES` values (counted up to that bound, never further)."""
+    count, todo = 0, [data]
+    while todo:
+        item = todo.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise ValueError(f"the file holds more than {MAX_VALUES} values once its YAML "
+                             "aliases are expanded (an alias bomb?)")
+        if isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
 
 
 def _options(action: argparse.Action, value: object, where: str) -> list[str]:

@@ -26,6 +26,7 @@ import trio
 from trio_util import wait_any
 
 from ..config import ServerConfig
+from ..errors import printable
 from ..observability.gcstats import freeze_after_startup
 from ..observability.group import peer_socket, serve_peer_scrapes
 from .app import LLMServerApp, create_app
@@ -200,8 +201,8 @@ async def serve(
         if not app.fatal.is_set():
             for url in binds:
                 if config.models:
-                    log.info("serving on %s (models %s)", url,
-                             ", ".join(p.name for p in app.models.pools))
+                    log.info("serving on %s (models %s)", url,  # (names escaped: a
+                             ", ".join(printable(p.name) for p in app.models.pools))  # line each)
                 else:
                     log.info("serving on %s (engine %s)", url, config.engine.engine)
             if tune_gc:
