@@ -21,12 +21,16 @@ from tests.conftest import running_server
 #: the tiny model's context. A bound on failing, not on speed.
 LIMIT = 600
 
-#: Each endpoint's minimal body, less ``model``: what a client sends with nothing tuned.
-GENERATION = {
-    "/v1/completions": {"prompt": "Once upon a time"},
-    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Say hi."}]},
-    "/v1/responses": {"input": "Say hi."},
-}
+def _bodies(text: str) -> dict[str, dict]:
+    """Each generation endpoint's minimal body, less ``model``: what a client sends with
+    nothing tuned."""
+    return {
+        "/v1/completions": {"prompt": text},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": text}]},
+        "/v1/responses": {"input": text},
+    }
+
+
 TOKENIZER = {
     "/tokenize": {"prompt": "Once upon a time"},
     "/detokenize": {"tokens": [1, 2, 3]},
@@ -44,19 +48,21 @@ def _generated(path: str, answer: dict) -> int:
     return answer["usage"]["completion_tokens"]
 
 
-async def assert_minimal_bodies_served(url: str, model: str, *, tokenizer: bool = True,
-                                       embeddings: bool = False) -> None:
+async def assert_minimal_bodies_served(url: str, model: str, *, text: str = "Say hi.",
+                                       tokenizer: bool = True, embeddings: bool = False) -> None:
     """Every endpoint answers its minimal body with a 200 and a whole answer; streamed too
-    (``stream: true`` is the one field a streaming client adds)."""
-    bodies = {**GENERATION, **(TOKENIZER if tokenizer else {}),
+    (``stream: true`` is the one field a streaming client adds). Without ``max_tokens`` a
+    chat answer may run to the end of the context: a long ``text`` leaves less of it."""
+    generation = _bodies(text)
+    bodies = {**generation, **(TOKENIZER if tokenizer else {}),
               **({"/v1/embeddings": {"input": "hi"}} if embeddings else {})}
     async with httpx.AsyncClient(base_url=url, timeout=LIMIT) as http:
         for path, body in bodies.items():
             r = await http.post(path, json={"model": model, **body})
             assert r.status_code == 200, (path, r.text)
-            if path in GENERATION:
+            if path in generation:
                 assert _generated(path, r.json()) >= 1, (path, r.text)
-        for path, body in GENERATION.items():
+        for path, body in generation.items():
             async with http.stream("POST", path, json={"model": model, "stream": True, **body}) as r:
                 assert r.status_code == 200, (path, await r.aread())
                 lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
