@@ -110,8 +110,11 @@ def test_a_forced_call_takes_precedence_over_response_format():
         req = parse({"tools": [tool], "tool_choice": choice, "response_format": fmt})
         assert req.params.extra["response_format"] == {
             "type": "json_schema", "schema": req.tools.grammar, "origin": "tool_choice"}
-    req = parse({"tools": [tool], "response_format": fmt})  # auto: the format stays
-    assert req.params.extra["response_format"]["schema"] == Guest.model_json_schema()
+    req = parse({"tools": [tool], "response_format": fmt})  # auto: calls or the document
+    union = req.params.extra["response_format"]["schema"]
+    assert union["anyOf"][1] == {"$ref": "#/$defs/document.format"}
+    assert union["$defs"]["document.format"]["properties"] == Guest.model_json_schema()[
+        "properties"]
 
 
 torch = pytest.importorskip("torch")

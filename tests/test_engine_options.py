@@ -319,7 +319,9 @@ def _engine_info(engine: str) -> dict:
     from server.workers.vllm_engine import VLLM_SAMPLING  # (imports vllm only when built)
 
     if engine == "sim":
-        return {"engine": "sim", "sampling": ["tools"]}
+        from server.workers.sim import SimEngine
+
+        return {"engine": "sim", "sampling": SimEngine().info["sampling"]}
     if engine == "transformers":
         pytest.importorskip("torch", reason="the transformers extra is not installed")
         from server.workers.hf_logits import SAMPLING_FIELDS

@@ -45,7 +45,8 @@ BAD_COMPLETIONS = [
     (b'{"prompt": "hi", "logit_bias": {"50256": -100}}', 400, "logit_bias"),
     (b'{"prompt": "hi", "top_k": 5}', 400, "top_k"),
     (b'{"prompt": "hi", "best_of": 3}', 400, "best_of"),
-    (b'{"prompt": "hi", "response_format": {"type": "json_object"}}', 400, "response_format"),
+    (b'{"prompt": "hi", "response_format": {"type": "xml"}}', 400, "response_format"),
+    (b'{"prompt": "hi", "guided_json": {"type": "object"}}', 400, "guided_json"),
     (b'{"prompt": "hi", "skip_special_tokens": false}', 400, "skip_special_tokens"),
     (b'{"prompt": "hi", "use_beam_search": true}', 400, "use_beam_search"),
 ]

@@ -16,7 +16,8 @@ import trio
 
 from server.config import EngineConfig, Limits
 from server.errors import ClientError
-from server.openai.responses import CALLS_OR_DOCUMENT, parse_responses
+from server.openai.responses import parse_responses
+from server.openai.tool_parsers import CALLS_OR_DOCUMENT
 from server.openai.responses_events import ResponseEvents, new_response, response_usage
 from tests.conftest import FAST_SIM, assert_engine_idle, running_server
 from tests.test_http_cancellation import open_request, read_until
@@ -258,8 +259,9 @@ async def test_function_calls_and_history_with_the_sdk():
         for kwargs, param in [({"store": True}, "store"),
                               ({"previous_response_id": "resp_x"}, "previous_response_id"),
                               ({"extra_body": {"nope": 1}}, "nope"),
-                              ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
-                              ({"text": {"format": {"type": "json_object"}}}, "text.format")]:
+                              ({"tool_choice": "required"}, "tool_choice"),
+                              ({"text": {"format": {"type": "json_schema", "name": "x"}}},
+                               "text.format.schema")]:
             with pytest.raises(openai.BadRequestError) as caught:
                 await client.responses.create(model="sim", input="x", **kwargs)
             assert caught.value.body["param"] == param, kwargs

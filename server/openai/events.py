@@ -12,7 +12,7 @@ from ..outputs import RequestOutput
 from .encode import ChunkEncoder
 from .logprobs import LogprobsFormatter
 from .reasoning import ReasoningSplitter
-from .tool_parsers import ToolCallParser
+from .tool_parsers import new_parser
 from .tools import ToolChoice
 
 __all__ = ["RichEvents"]
@@ -54,7 +54,7 @@ class RichEvents:
         self.tool_parsers = None
         if tools is not None and tools.parse is not None:
             self.tool_parsers = [
-                ToolCallParser(tools.parse, parallel=tools.parallel) for _ in range(choices)
+                new_parser(tools.parse, parallel=tools.parallel) for _ in range(choices)
             ]
 
     @staticmethod

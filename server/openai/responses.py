@@ -9,6 +9,7 @@ messages, function calls and their outputs) and ``instructions`` become chat
 ``text.format`` becomes ``response_format``; ``max_output_tokens`` becomes
 ``max_completion_tokens``. The translated body goes through :func:`schema.parse_chat`, so
 every rule of the chat route (engine fields, the tool parser, the forced-call grammar,
+``tool_choice: auto`` with a JSON format letting the model write calls or the document,
 limits) holds here too, and a 400 it raises is renamed back to the Responses field the
 client sent (``text.format``, ``input[2].content``, ``tools[0].parameters``).
 
@@ -27,21 +28,15 @@ Example::
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..config import Limits
 from ..errors import ClientError, printable
 from .encode import dumps
 from .fields import is_neutral
 from .schema import GenerateRequest, decode_json, parse_chat
-from .json_schema import rebase
-from .tools import ToolChoice, read_tools
 
-__all__ = ["CALLS_OR_DOCUMENT", "HONOURED", "REFUSED", "ResponsesRequest", "parse_responses"]
-
-#: How the answer is parsed with ``tool_choice: auto`` and a ``text.format``: the calls
-#: array of the forced format, or the document (server.openai.responses_events).
-CALLS_OR_DOCUMENT = "calls_or_document"
+__all__ = ["HONOURED", "REFUSED", "ResponsesRequest", "parse_responses"]
 
 #: The fields this route reads (``fault`` only with --sim-faults).
 HONOURED = frozenset({
@@ -412,7 +407,6 @@ def parse_responses(
         req = parse_chat(dumps(chat), limits, served_model, engine_info, tool_parser)
     except ClientError as exc:
         raise _rename(exc, where) from None
-    req = _calls_or_document(req)
     rendered = req.prompts[0]["messages"]  # one per message, in order (schema.messages_of)
     for index, thought in reasoning.items():
         rendered[index]["reasoning_content"] = thought
@@ -424,7 +418,7 @@ def parse_responses(
         "parallel_tool_calls": req.tools.parallel if req.tools is not None else True,
         "temperature": params.temperature,
         "text": {"format": (data.get("text") or {}).get("format") or {"type": "text"}},
-        "tool_choice": _echo_choice(data.get("tool_choice"), tools),
+        "tool_choice": _echo_choice(data.get("tool_choice")),
         "tools": [_echo_tool(t) for t in data.get("tools") or ()],
         "top_p": params.top_p,
         "user": data.get("user"),
@@ -432,38 +426,10 @@ def parse_responses(
     return ResponsesRequest(req, echo)
 
 
-#: Where the document's schema sits in the grammar of :func:`_calls_or_document`.
-_DOCUMENT = "document.format"
-
-
-def _calls_or_document(req: GenerateRequest) -> GenerateRequest:
-    """``tool_choice: auto`` (with tools) and a JSON ``text.format``: the grammar lets the
-    model write either the calls (the JSON array that ``required`` forces) or the document
-    (an agent's structured final output after its tool calls). Chat's rule, the format
-    over the whole output, would leave the model no way to call a tool."""
-    tools = req.tools
-    fmt = req.params.extra.get("response_format")
-    if tools is None or tools.parse in (None, "forced") or fmt is None:
-        return req
-    calls = read_tools({"tools": tools.tools, "tool_choice": "required",
-                        "parallel_tool_calls": tools.parallel}, tools.parse)
-    assert calls is not None and calls.grammar is not None
-    document = fmt["schema"] if fmt["type"] == "json_schema" else {"type": "object"}
-    # Both under one root: the calls' tool parameters already sit in its $defs, and the
-    # document joins them there with its own references rebased (xgrammar's pointers cannot
-    # index into the anyOf list). Its key cannot be a function's name (no '.' in those).
-    grammar = dict(calls.grammar)
-    defs = dict(grammar.pop("$defs", {}))
-    defs[_DOCUMENT] = rebase(document, f"#/$defs/{_DOCUMENT}")
-    req.params.extra["response_format"] = {"type": "json_schema", "schema": {
-        "anyOf": [grammar, {"$ref": f"#/$defs/{_DOCUMENT}"}], "$defs": defs}}
-    return replace(req, tools=ToolChoice(tools.tools, CALLS_OR_DOCUMENT, tools.parallel, None))
-
-
-def _echo_choice(choice, tools) -> object:
-    if choice is None:
-        return "auto" if tools else "none"
-    return choice
+def _echo_choice(choice) -> object:
+    """The echoed ``tool_choice``: as sent, else OpenAI's default, ``auto`` (with tools or
+    without)."""
+    return "auto" if choice is None else choice
 
 
 def _echo_tool(tool: dict) -> dict:

@@ -36,11 +36,10 @@ from ..errors import ServerError
 from .encode import dumps
 from .events import _feed
 from .reasoning import ReasoningSplitter
-from .responses import CALLS_OR_DOCUMENT
-from .tool_parsers import ToolCallParser
+from .tool_parsers import CallsOrDocument, ToolCallParser, new_parser
 from .tools import ToolChoice
 
-__all__ = ["CallsOrDocument", "ResponseEvents", "new_response", "response_usage"]
+__all__ = ["ResponseEvents", "new_response", "response_usage"]
 
 
 def _new_id(prefix: str) -> str:
@@ -85,10 +84,8 @@ class ResponseEvents:
         if reasoning_parser is not None:
             self._splitter = ReasoningSplitter.for_parser(reasoning_parser, thinking)
         self._parser: CallsOrDocument | ToolCallParser | None = None
-        if tools is not None and tools.parse == CALLS_OR_DOCUMENT:
-            self._parser = CallsOrDocument(tools.parallel)
-        elif tools is not None and tools.parse is not None:
-            self._parser = ToolCallParser(tools.parse, parallel=tools.parallel)
+        if tools is not None and tools.parse is not None:
+            self._parser = new_parser(tools.parse, parallel=tools.parallel)
         self._item: dict | None = None  # the open item (the last of response["output"])
         self._pieces: list[str] = []  # its text (or arguments) so far
         self._delta = (b"", b"")  # its delta events' bytes before and after the text
@@ -255,42 +252,3 @@ def _part(kind: str, text: str) -> dict:
     if kind == "message":
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     return {"type": "reasoning_text", "text": text}
-
-
-
-class CallsOrDocument:
-    """The answer's parser with ``tool_choice: auto`` and a JSON ``text.format``
-    (responses._calls_or_document): the grammar's JSON starts with ``[`` for the calls
-    array (parsed as the forced format), ``{`` for the document (all content)."""
-
-    __slots__ = ("_parallel", "_parser", "_buf")
-
-    def __init__(self, parallel: bool) -> None:
-        self._parallel = parallel
-        self._parser: ToolCallParser | None = None
-        self._buf: str | None = ""  # until the first character decides; None: the document
-
-    @property
-    def calls(self) -> int:
-        return self._parser.calls if self._parser is not None else 0
-
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        if self._parser is not None:
-            return self._parser.feed(text)
-        if self._buf is None:
-            return text, []
-        self._buf += text
-        rest = self._buf.lstrip()
-        if not rest:
-            return "", []
-        text, self._buf = self._buf, None
-        if rest[0] != "[":
-            return text, []
-        self._parser = ToolCallParser("forced", parallel=self._parallel)
-        return self._parser.feed(text)
-
-    def finish(self) -> tuple[str, list[dict]]:
-        if self._parser is not None:
-            return self._parser.finish()
-        held, self._buf = self._buf or "", None
-        return held, []

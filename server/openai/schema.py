@@ -30,7 +30,7 @@ from .fields import (
     HONOURED_CHAT, HONOURED_COMPLETION, KNOWN, UNSUPPORTED, check_fields, is_neutral,
 )
 from .structured import structured_outputs
-from .tools import TOOL_FIELDS, ToolChoice, history_message, read_tools
+from .tools import TOOL_FIELDS, ToolChoice, calls_or_document, history_message, read_tools
 
 __all__ = [
     "GenerateRequest", "chat_request", "decode_json", "messages_of", "parse_chat", "parse_completion",
@@ -856,7 +856,8 @@ def chat_request(
     messages = messages_of(data, tools_ok)
     tools = read_tools(data, tool_parser) if tools_ok else None
     if tools is not None:
-        _tools_to_engine(tools, common["params"].extra, "response_format" in fields, engine)
+        tools = _tools_to_engine(tools, common["params"].extra, "response_format" in fields,
+                                 engine)
     # vLLM's echo: the last message's content when it is the answer's role's (assistant)
     echo = _bool(data, "echo", False)
     last = messages[-1]
@@ -892,13 +893,22 @@ def template_options(data: dict, messages: list) -> dict:
     return {} if open_turn else {"add_generation_prompt": False}
 
 
-def _tools_to_engine(tools: ToolChoice, extra: dict, grammar_ok: bool, engine: str) -> None:
+def _tools_to_engine(
+    tools: ToolChoice, extra: dict, grammar_ok: bool, engine: str
+) -> ToolChoice:
     """The engine renders the tools, and forces the grammar of tool_choice required or
     named (as a response_format: it takes no other; it takes precedence over the request's
-    own ``response_format``, as in vLLM)."""
+    own ``response_format``, as in vLLM). With ``auto`` and a JSON ``response_format``,
+    the model may write calls or the document (:func:`server.openai.tools.calls_or_document`):
+    the tools as they are then parsed are returned."""
     extra["tools"] = tools.tools
     if tools.grammar is None:
-        return
+        fmt = extra.get("response_format")
+        either = calls_or_document(tools, fmt) if fmt is not None else None
+        if either is None:
+            return tools
+        tools, extra["response_format"] = either
+        return tools
     if not grammar_ok:
         raise ClientError(
             f"'tool_choice' 'required' or a named function needs structured output, which "
@@ -910,3 +920,4 @@ def _tools_to_engine(tools: ToolChoice, extra: dict, grammar_ok: bool, engine: s
     # origin: the engine's errors about this grammar name the tool call, not response_format
     extra["response_format"] = {
         "type": "json_schema", "schema": tools.grammar, "origin": "tool_choice"}
+    return tools

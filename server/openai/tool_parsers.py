@@ -32,7 +32,10 @@ Formats (``--tool-call-parser``, vLLM's names):
   {...}}``, optionally after ``<|python_tag|>``; several are separated by ``;``. An output
   that does not start so is all content;
 - ``forced`` (internal): the JSON array ``[{"name": ..., "arguments": {...}}, ...]`` that
-  the grammar of ``tool_choice: required`` or a named function forces.
+  the grammar of ``tool_choice: required`` or a named function forces;
+- ``calls_or_document`` (internal, :class:`CallsOrDocument`): ``tool_choice: auto`` with a
+  JSON ``response_format``, whose grammar (:func:`server.openai.tools.calls_or_document`)
+  lets the model write either the ``forced`` array or the document (all content).
 
 A call is committed once its head ``{"name": "<string>", "arguments": {`` (or
 ``"parameters"``) is complete; then the raw text of its arguments object streams, up to its
@@ -51,10 +54,15 @@ import json
 import os
 import re
 
-__all__ = ["PARSERS", "ToolCallParser", "accumulate", "parse_text", "new_call_id"]
+__all__ = [
+    "CALLS_OR_DOCUMENT", "PARSERS", "CallsOrDocument", "ToolCallParser", "accumulate",
+    "new_call_id", "new_parser", "parse_text",
+]
 
 #: The formats ``--tool-call-parser`` takes.
 PARSERS = ("hermes", "llama3_json", "mistral")
+#: The internal format of ``tool_choice: auto`` with a JSON ``response_format``.
+CALLS_OR_DOCUMENT = "calls_or_document"
 
 OPEN = "<tool_call>"
 MISTRAL_TAG = "[TOOL_CALLS]"
@@ -454,6 +462,54 @@ class ToolCallParser:
         self._buf = ""
         return False
 
+
+class CallsOrDocument:
+    """The parser of ``tool_choice: auto`` with a JSON ``response_format`` (its grammar:
+    :func:`server.openai.tools.calls_or_document`): the JSON starts with ``[`` for the
+    calls array (parsed as the ``forced`` format) or ``{`` for the document (all content).
+    The same interface as :class:`ToolCallParser`."""
+
+    __slots__ = ("_parallel", "_parser", "_buf")
+
+    def __init__(self, parallel: bool) -> None:
+        self._parallel = parallel
+        self._parser: ToolCallParser | None = None
+        self._buf: str | None = ""  # until the first character decides; None: the document
+
+    @property
+    def calls(self) -> int:
+        return self._parser.calls if self._parser is not None else 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self._parser is not None:
+            return self._parser.feed(text)
+        if self._buf is None:
+            return text, []
+        self._buf += text
+        rest = self._buf.lstrip()
+        if not rest:
+            return "", []
+        text, self._buf = self._buf, None
+        if rest[0] != "[":
+            return text, []
+        self._parser = ToolCallParser("forced", parallel=self._parallel)
+        return self._parser.feed(text)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        if self._parser is not None:
+            return self._parser.finish()
+        held, self._buf = self._buf or "", None
+        return held, []
+
+
+def new_parser(fmt: str, *, parallel: bool = True) -> ToolCallParser | CallsOrDocument:
+    """The parser of one choice's text in format ``fmt`` (a --tool-call-parser name,
+    ``forced`` or :data:`CALLS_OR_DOCUMENT`)."""
+    if fmt == CALLS_OR_DOCUMENT:
+        return CallsOrDocument(parallel)
+    return ToolCallParser(fmt, parallel=parallel)
+
+
 def accumulate(calls: list[dict], deltas: list[dict]) -> None:
     """Merge streaming deltas into whole calls (``calls``, by index), as a client does."""
     for d in deltas:
@@ -467,7 +523,7 @@ def accumulate(calls: list[dict], deltas: list[dict]) -> None:
 def parse_text(fmt: str, text: str, *, parallel: bool = True) -> tuple[str | None, list[dict]]:
     """(content, tool calls) of a whole answer: content None when there are calls and no
     other text; calls as in OpenAI's ``message.tool_calls``."""
-    parser = ToolCallParser(fmt, parallel=parallel)
+    parser = new_parser(fmt, parallel=parallel)
     content, deltas = parser.feed(text)
     more, more_deltas = parser.finish()
     calls: list[dict] = []

@@ -11,7 +11,10 @@ Example::
 What each ``tool_choice`` does (docs/api.md, "Tool calls"):
 
 - ``auto`` (the default with tools): the tools are rendered by the chat template and the
-  output is parsed with ``--tool-call-parser``;
+  output is parsed with ``--tool-call-parser``; with a JSON ``response_format`` too (dspy's
+  JSONAdapter, an agent's structured final answer), the model chooses, as OpenAI's does:
+  the grammar is the union of the calls array that ``required`` forces and the document
+  (:func:`calls_or_document`), parsed as ``calls_or_document``;
 - ``none``: the tools are rendered (as vLLM does), the output is not parsed: all content;
 - ``required``, or ``{"type": "function", "function": {"name": ...}}``: the output is forced
   by a grammar to be the JSON array ``[{"name": ..., "arguments": {...}}, ...]`` (one call of
@@ -34,8 +37,9 @@ from dataclasses import dataclass
 
 from ..errors import ClientError
 from .json_schema import check_grammar_ints, check_refs, rebase
+from .tool_parsers import CALLS_OR_DOCUMENT
 
-__all__ = ["TOOL_FIELDS", "ToolChoice", "history_message", "read_tools"]
+__all__ = ["TOOL_FIELDS", "ToolChoice", "calls_or_document", "history_message", "read_tools"]
 
 #: The request fields of tool calling (an engine declares ``tools``; the others follow).
 TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
@@ -192,6 +196,38 @@ def read_tools(data: dict, parser: str | None) -> ToolChoice | None:
             fns.append(t["function"])
     grammar = _grammar(fns, named is not None or not parallel)
     return ToolChoice(rendered, "forced", parallel, grammar)
+
+
+#: Where the document's schema sits in the grammar of :func:`calls_or_document` (not a
+#: function's name: those have no '.').
+_DOCUMENT = "document.format"
+
+
+def calls_or_document(tools: ToolChoice, fmt: dict) -> tuple[ToolChoice, dict] | None:
+    """``tool_choice: auto`` with a JSON ``response_format`` (``fmt``, the engine's
+    ``json_schema`` or ``json_object``): the tools parsed as :data:`CALLS_OR_DOCUMENT`,
+    and the engine's ``response_format`` whose schema lets the model write either the
+    calls (the array ``required`` forces, :func:`_grammar`) or the document. The format
+    over the whole output would leave the model no way to call a tool. None when this
+    does not apply (another tool_choice, or a regex, choice or grammar constraint: those
+    hold over the whole output, as in vLLM)."""
+    if tools.parse in (None, "forced") or fmt.get("type") not in ("json_schema", "json_object"):
+        return None
+    calls = read_tools({"tools": tools.tools, "tool_choice": "required",
+                        "parallel_tool_calls": tools.parallel}, tools.parse)
+    assert calls is not None and calls.grammar is not None
+    document = fmt["schema"] if fmt["type"] == "json_schema" else {"type": "object"}
+    # Both under one root: the calls' tool parameters already sit in its $defs, and the
+    # document joins them there with its own references rebased (xgrammar's pointers cannot
+    # index into the anyOf list).
+    grammar = dict(calls.grammar)
+    defs = dict(grammar.pop("$defs", {}))
+    defs[_DOCUMENT] = rebase(document, f"#/$defs/{_DOCUMENT}")
+    union = {"anyOf": [grammar, {"$ref": f"#/$defs/{_DOCUMENT}"}], "$defs": defs}
+    engine_fmt = {"type": "json_schema", "schema": union}
+    if "origin" in fmt:
+        engine_fmt["origin"] = fmt["origin"]
+    return ToolChoice(tools.tools, CALLS_OR_DOCUMENT, tools.parallel, None), engine_fmt
 
 
 def history_message(m: dict, i: int, role: str, text: str, tools_ok: bool) -> dict:

@@ -20,12 +20,26 @@ It behaves like a real engine from the frontend's point of view:
   last output carries a note ``{"cached_tokens": n}`` as vLLM's does.
 * **Finishing.** ``length`` at ``max_tokens``; ``stop`` when a stop string appears in the
   text (text that could be the start of a stop string is held back until it is decided, and
-  the stop string itself is never sent).
-* **Tool calls.** A chat request with ``tools`` is answered with one call of its first
-  tool in the Hermes format (``<tool_call>{"name": ..., "arguments": {"<its first
+  the stop string itself is never sent). A request without ``max_tokens`` (a chat
+  client's default) ends as a model's does, at an end of sequence: after
+  :func:`end_of_sequence` tokens (32 to 256, drawn from the seed, or the prompt when
+  greedy), with ``stop`` (``length`` if the context ends first); ``ignore_eos`` runs it to
+  the context. With ``max_tokens`` the answer is that long exactly, as benchmarks and
+  tests count on.
+* **Structured output** (:mod:`server.workers.sim_json`). A ``response_format`` is
+  answered with an instance of its schema (``{}`` for ``json_object``; one of the strings of
+  a ``choice``), a few characters a token, then ``stop`` (``length`` when ``max_tokens`` is
+  too short); its ``anyOf`` branches and ``enum`` values are drawn with the request's
+  generator. The forced call of ``tool_choice`` ``required`` or a named function is such a
+  format (the array of calls, each call's ``arguments`` the smallest instance of its
+  ``parameters``), and so is ``auto`` with a JSON format (the calls or the document, by
+  seed). A schema the sim cannot build simply (``pattern``, most ``format`` values, ...)
+  and ``regex`` or ``grammar`` constraints are refused, naming the keyword.
+* **Tool calls.** A chat request with ``tools`` and no format is answered with one call of
+  its first tool in the Hermes format (``<tool_call>{"name": ..., "arguments": {"<its first
   property>": "<words>"}}</tool_call>``, the tags split across tokens), ``max_tokens``
   tokens in all, then ``stop`` (``length`` when ``max_tokens`` is too short for the call).
-  The arguments follow no schema: the sim serves ``tool_choice: auto`` only.
+  Those arguments follow no schema (``tool_choice: auto``).
 * **Token ids and resuming** (see docs/routing.md, "Migration"): a request whose params
   ask (``"token_ids": true``) gets a note ``{"token_ids": [id]}`` with each token (the word's
   index in the vocabulary; the reasoning tags and a tool call's pieces have ids of their
@@ -69,11 +83,14 @@ from .base import (
     check_context,
     truncate_prompt,
 )
+from .hf_grammar import describe
 from .resume import resume_of
 from .sim_cache import PrefixCache
+from .sim_json import Unbuildable, instance
 from .stops import StopMatcher
 
-__all__ = ["SimEngine", "CHAT_TEMPLATE", "render_chat", "count_tokens", "token_text"]
+__all__ = ["SimEngine", "CHAT_TEMPLATE", "render_chat", "count_tokens", "end_of_sequence",
+           "token_text"]
 
 _VOCAB = (
     "the", "a", "model", "token", "stream", "trio", "nursery", "cancel", "scope", "worker",
@@ -98,6 +115,12 @@ CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|> {{ m.content }}\n{% end
 
 #: The largest embedding_size of a sim engine.
 _MAX_EMBEDDING = 4096
+#: Where a request without max_tokens ends (:func:`end_of_sequence`): this many tokens at
+#: least, and fewer than this many more.
+_EOS_MIN = 32
+_EOS_SPAN = 225
+#: The characters of structured output per token.
+_CHARS_PER_TOKEN = 4
 
 
 def _compute_for(seconds: float) -> None:
@@ -136,7 +159,7 @@ class _Req:
     __slots__ = (
         "rid", "rng", "max_tokens", "stop", "produced", "ready_at",
         "fault", "fault_after", "fault_seconds", "prompt_tokens", "started", "call", "blocks", "cached",
-        "ids", "pending",
+        "ids", "pending", "end",
     )
     rid: int
     rng: int  # the state of a 32-bit xorshift generator
@@ -149,11 +172,12 @@ class _Req:
     fault_seconds: float
     prompt_tokens: int
     started: bool
-    call: list[str] | None  # the tokens of a tool call, when the request has tools
+    call: list[str] | None  # the tokens of a tool call or a format's text (see add)
     blocks: list[int]  # the prompt's block hashes (prefix cache on)
     cached: int  # prompt tokens found in the prefix cache
     ids: bool  # send each token's id (a note)
     pending: str  # text released by a resume, sent with the first output
+    end: str  # the finish reason at max_tokens: "length", or "stop" at an end of sequence
 
 
 class SimEngine:
@@ -202,7 +226,7 @@ class SimEngine:
             "max_model_len": max_model_len,
             "max_batch": max_batch,
             "chat_template": CHAT_TEMPLATE,
-            "sampling": ["tools", *TRUNCATION_FIELDS],
+            "sampling": ["tools", "response_format", *TRUNCATION_FIELDS],
             "resume": True,
             "embedding": {"size": embedding_size, "dimensions": True},
         }
@@ -290,6 +314,13 @@ class SimEngine:
             req.rng = random.getrandbits(32)
         else:
             req.rng = zlib.crc32(seed_bytes, int(seed) & 0xFFFFFFFF)
+        req.end = "length"
+        fmt = params.get("response_format")
+        if params.get("max_tokens") is None and not params.get("ignore_eos") and not fmt:
+            # (a format's answer ends where its text does, as a grammar allows no EOS before)
+            end = max(end_of_sequence(req.rng), len(generated) + 1)
+            if end < max_tokens:
+                max_tokens, req.end = end, "stop"
         req.max_tokens = max_tokens
         req.stop = StopMatcher(tuple(stop)) if stop else None
         req.produced = 0
@@ -299,7 +330,10 @@ class SimEngine:
         req.fault = None
         req.fault_after = 0
         req.fault_seconds = 0.0
-        req.call = _tool_call(params.get("tools"), max_tokens, req.rng)
+        if fmt:
+            req.call = _formatted(fmt, req.rng)
+        else:
+            req.call = _tool_call(params.get("tools"), max_tokens, req.rng)
         req.ids = bool(params.get("token_ids"))
         req.pending = ""
         if resumed is not None:
@@ -466,12 +500,12 @@ class SimEngine:
         req.produced += 1
         done = req.produced >= req.max_tokens
         if req.stop is None:
-            return OutputRow(req.rid, word, 1, "length" if done else None, None)
+            return OutputRow(req.rid, word, 1, req.end if done else None, None)
         text, stopped = req.stop.feed(word)
         if stopped:
             return OutputRow(req.rid, text, 1, "stop", None)
         if done:
-            return OutputRow(req.rid, text + req.stop.flush(), 1, "length", None)
+            return OutputRow(req.rid, text + req.stop.flush(), 1, req.end, None)
         return OutputRow(req.rid, text, 1, None, None)
 
 
@@ -486,6 +520,40 @@ def token_text(token: int, call: list[str] | None = None) -> str:
     if call is not None and 0 <= token - _CALL < len(call):
         return call[token - _CALL]
     raise Rejected(f"resume: token id {token} is not the sim's", "engine_error")
+
+
+def end_of_sequence(rng: int) -> int:
+    """Where the sim ends an answer without ``max_tokens`` (see the module docstring):
+    a number of tokens from :data:`_EOS_MIN` on, drawn from the request's generator as it
+    starts (``rng``: the same seed, or the same greedy prompt, the same length)."""
+    return _EOS_MIN + zlib.crc32(b"eos", rng) % _EOS_SPAN
+
+
+def _formatted(fmt: dict, rng: int) -> list[str]:
+    """The tokens of the sim's answer to a ``response_format`` (see the module docstring),
+    its choices drawn from a generator started at ``rng``; :class:`Rejected` naming the
+    format and the reason for one the sim cannot answer."""
+    state = [rng]
+
+    def pick(n: int) -> int:
+        state[0] = (state[0] * 1103515245 + 12345) & 0xFFFFFFFF
+        return (state[0] >> 16) % n
+
+    kind = fmt.get("type")
+    try:
+        if kind == "json_object":
+            text = "{}"
+        elif kind == "json_schema":
+            text = json.dumps(instance(fmt.get("schema", True), pick), ensure_ascii=False,
+                              separators=(",", ":"))
+        elif kind == "choice":
+            choices = fmt.get("choice") or [""]
+            text = choices[pick(len(choices))]
+        else:
+            raise Unbuildable(f"the sim engine writes JSON and choices, not a {kind}")
+    except Unbuildable as exc:
+        raise Rejected(f"{describe(fmt)}: {exc}") from None
+    return [text[i:i + _CHARS_PER_TOKEN] for i in range(0, len(text), _CHARS_PER_TOKEN)] or [""]
 
 
 def _tool_call(tools, max_tokens: int, rng: int) -> list[str] | None:
