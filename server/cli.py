@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import math
 import os
 import stat
 import sys
@@ -28,17 +27,6 @@ __all__ = ["main", "build_parser", "config_from_args", "API_KEY_ENV"]
 
 #: The environment variable read for API keys when ``--api-key`` is not given.
 API_KEY_ENV = "TRIO_LLM_API_KEY"
-
-
-def _seconds(text: str) -> float:
-    """A number of seconds, 0 or more (an option's type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected seconds (0 or more), got {text!r}")
-    return value
 
 
 def _split_commas(values: list[str] | None) -> tuple[str, ...]:
@@ -213,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "with Retry-After; a request asking for more than this alone is a 400 "
                    "(None or 0: no limit; requests beyond what the workers run at once wait "
                    "in the engine's queue, as vLLM's do)")
-    g.add_argument("--max-queue-time", type=_seconds, default=None, metavar="SECONDS",
+    g.add_argument("--max-queue-time", type=float, default=None, metavar="SECONDS",
                    help="a request that has not started (no output from the engine yet) "
                    "this many seconds after it was queued is aborted and answered 503 "
                    "server_overloaded with Retry-After (None or 0: no limit, as vLLM)")
