@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import logging
 import re
 
 import httpx
+import pytest
 import trio
 
+from server.connections import probes
 from tests.conftest import running_server
+from tests.test_hostile import small_window_socket
 
 
 def probe_port(caplog) -> int:
@@ -66,3 +71,97 @@ async def test_a_bad_probe_connection_ends_only_itself(caplog):
         assert head.startswith(b"HTTP/1.1 200") and json.loads(body) == {"status": "ok"}
         async with httpx.AsyncClient(timeout=30) as client:
             assert (await client.get(url + "/health")).status_code == 200
+
+
+# -- issue 42, item 1: no connection holds a slot of the probe port for long -------------------
+
+#: The probe port's own bounds, smaller so that the tests are quick (not so small that a busy
+#: machine could not open the 64 connections, each held this long, before the first is cut).
+QUICK = probes.ProbeLimits(head_timeout=2.0, send_timeout=2.0, linger=2.0)
+
+PROBE = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+#: A probe request whose body never comes.
+WITH_BODY = b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+
+
+async def hold_with_body(port: int) -> None:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(WITH_BODY)
+        await trio.sleep_forever()
+
+
+async def hold_trickling(port: int) -> None:
+    """A head that never ends: a header line every 0.25 s (an idle timeout per read never
+    fires), until the server cuts the connection."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(b"GET /health HTTP/1.1\r\n")
+        with contextlib.suppress(trio.BrokenResourceError):
+            for n in itertools.count():
+                await trio.sleep(0.25)
+                await stream.send_all(b"X-%d: x\r\n" % n)
+        await trio.sleep_forever()
+
+
+async def hold_pipelining(port: int) -> None:
+    """Many requests at once, no answer read: a tiny receive window, so the server's writes
+    block after a few KiB (2000 answers are far more than the two sockets' buffers)."""
+    async with await small_window_socket(f"http://127.0.0.1:{port}") as stream:
+        with contextlib.suppress(trio.BrokenResourceError):
+            await stream.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * 2000)
+        await trio.sleep_forever()
+
+
+async def probe_once(port: int) -> bytes:
+    """One probe on a new connection: its answer, or b"" when it was refused (reset)."""
+    try:
+        return await raw(port, PROBE)
+    except (trio.BrokenResourceError, OSError):
+        return b""
+
+
+@pytest.mark.parametrize("hold", [hold_with_body, hold_trickling, hold_pipelining])
+async def test_connections_that_hold_the_probe_port_are_cut(hold, caplog, monkeypatch):
+    monkeypatch.setattr(probes, "LIMITS", QUICK)
+    caplog.set_level(logging.INFO, logger="server")
+    async with running_server(health_port=0):
+        port = probe_port(caplog)
+        async with trio.open_nursery() as hostile:
+            # The cap is reached, and logged: hostile connections until one is refused.
+            with trio.fail_after(120):  # (a hang guard: without the log line, for ever)
+                while "probe port: 64 connections open, its cap" not in caplog.text:
+                    hostile.start_soon(hold, port)
+                    await trio.sleep(0.005)
+            assert re.search(r"refused \d+ connect\(s\) since the last such line", caplog.text)
+            # While they stay open on their side, the server cuts them, and probes get in.
+            with trio.fail_after(120):  # (without the bounds they hold the port for ever)
+                while not (answer := await probe_once(port)).startswith(b"HTTP/1.1 200 "):
+                    assert answer == b"", answer
+                    await trio.sleep(0.05)
+            hostile.cancel_scope.cancel()
+
+
+async def test_a_probe_with_a_body_is_answered_and_the_connection_closed(caplog, monkeypatch):
+    monkeypatch.setattr(probes, "LIMITS", QUICK)
+    caplog.set_level(logging.INFO, logger="server")
+    async with running_server(health_port=0):
+        port = probe_port(caplog)
+        # The body never comes: the answer, then the end of the connection (raw() reads
+        # until the server closes), not a wait for the body.
+        answer = await raw(port, WITH_BODY)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ") and b"connection: close" in head.lower()
+        assert json.loads(body) == {"status": "ok"}
+        # A body that does come: the same; a request pipelined after it is not served.
+        answer = await raw(port, b"POST /ready HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+                                 b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 405 ") and answer.count(b"HTTP/1.1") == 1
+
+
+def test_the_cap_is_logged_at_once_then_once_per_interval():
+    report = probes.CapReport(interval=10.0)
+    assert report.refused(100.0) == 1
+    assert [report.refused(t) for t in (101.0, 105.0, 109.9)] == [None] * 3
+    assert report.refused(110.0) == 4
+    assert report.refused(200.0) == 1

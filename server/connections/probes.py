@@ -14,50 +14,120 @@ Theory of operation
 This is deliberately not the HTTP path of the API (no hypercorn, no ASGI, no Quart): each
 connection is a small h11 loop in one task that answers ``GET``/``HEAD`` of ``/health``
 and ``/ready`` from ``answer(path)`` (the app's own probe answers, so the two ports always
-agree), ``404`` for any other path and ``405`` for any other method, with keep-alive. It
-holds at most ``max_connections`` connections (a connect beyond that is closed at once:
-probes are few), and a connection that sends nothing within ``idle_timeout`` is closed.
-No connection can end the listener: each one's errors end that connection only. The
-requests parsed here are bounded by h11 (16 KiB of head; more is a 431) and a request
-h11 cannot parse gets its 400 before the connection closes.
+agree), ``404`` for any other path and ``405`` for any other method, with keep-alive. No
+connection can end the listener: each one's errors end that connection only. The requests
+parsed here are bounded by h11 (16 KiB of head; more is a 431) and a request h11 cannot
+parse gets its 400 before the connection closes.
+
+The port holds at most ``max_connections`` connections (a connect beyond that is closed at
+once: probes are few), so no connection may hold a slot for long (issue 42: 64 connections
+that sent a body never, a head slowly or requests without reading the answers held the
+port shut, and the liveness probes with it). The bounds, :class:`ProbeLimits`:
+
+* **One deadline per request head**: the whole head must arrive within ``head_timeout`` of
+  the connection being ready for it (accepted, or the previous answer sent), however it
+  trickles in; else the connection is closed without an answer (as nginx's
+  ``client_header_timeout``).
+* **No body is read.** A request with one (``Content-Length`` above 0, chunked) gets its
+  answer with ``Connection: close``; then the connection is closed after a short, bounded
+  linger (``linger``: our side is shut, the client's bytes are read away until it closes)
+  so that the answer is not lost to a reset.
+* **Each write is bounded**: an answer not taken by the client within ``send_timeout``
+  closes the connection (a client that pipelines requests and never reads the answers).
+* **At most ``lifetime`` seconds of keep-alive**: the first answer after it says
+  ``Connection: close``, so that even a client that reads just fast enough gives its slot
+  back.
+* **The cap is logged** when it refuses a connect: at once, then at most once per
+  ``log_interval`` with the number refused since (:class:`CapReport`).
+
+The decisions (what a request gets, when to log) are sans-IO; :func:`serve_probes` does
+the I/O. The limits are constants, documented in docs/operations.md; tests set smaller
+ones through :data:`LIMITS`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import h11
 import trio
 
 from ..openai.encode import dumps
 
-__all__ = ["PROBE_PATHS", "serve_probes"]
+__all__ = ["LIMITS", "PROBE_PATHS", "CapReport", "ProbeLimits", "answer_bytes", "serve_probes"]
 
 log = logging.getLogger("server.probes")
 
 #: The paths answered on the probe port.
 PROBE_PATHS = ("/health", "/ready")
 
+#: Bytes read per ``receive_some``.
+_RECEIVE_SIZE = 16384
+
+
+@dataclass(frozen=True)
+class ProbeLimits:
+    """The probe port's bounds (module docstring); seconds unless said otherwise."""
+
+    #: Connections served at once; a connect beyond is closed at once.
+    max_connections: int = 64
+    #: A request's whole head must arrive within this, from the connection being ready.
+    head_timeout: float = 5.0
+    #: An answer must be taken by the client within this.
+    send_timeout: float = 5.0
+    #: After an answer to a request with a body: how long its bytes are read away.
+    linger: float = 2.0
+    #: Keep-alive ends with the first answer after this.
+    lifetime: float = 60.0
+    #: The cap's refusals are logged at most once per this.
+    log_interval: float = 60.0
+
+
+#: The limits :func:`serve_probes` uses when given none (read at each call).
+LIMITS = ProbeLimits()
+
+
+class CapReport:
+    """When to log the connects refused at the cap: the first at once, then at most one
+    line per ``interval`` seconds, with the number refused since the last line. Sans-IO."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._unreported = 0
+        self._next = -math.inf
+
+    def refused(self, now: float) -> int | None:
+        """Count one refused connect at ``now``; the number to log now, or None."""
+        self._unreported += 1
+        if now < self._next:
+            return None
+        count, self._unreported = self._unreported, 0
+        self._next = now + self.interval
+        return count
+
 
 async def serve_probes(
     listeners: list[trio.SocketListener],
     answer: Callable[[str], tuple[int, dict]],
     *,
-    max_connections: int = 64,
-    idle_timeout: float = 5.0,
+    limits: ProbeLimits | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve probe requests on ``listeners`` until cancelled; ``started()`` once accepting.
 
     ``answer(path)`` gives the status and JSON body for a path of :data:`PROBE_PATHS`
-    (never blocking: it reads the app's state)."""
+    (never blocking: it reads the app's state). ``limits``: :data:`LIMITS` if None."""
+    limits = limits or LIMITS
     open_connections = 0
+    report = CapReport(limits.log_interval)
 
     async def serve_one(stream: trio.SocketStream) -> None:
         nonlocal open_connections
         try:
-            await _serve_connection(stream, answer, idle_timeout)
+            await _serve_connection(stream, answer, limits)
         except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
             pass  # the peer went away or spoke nonsense: only this connection ends
         except Exception:  # a bug here must not end the probes, let alone the server
@@ -76,8 +146,15 @@ async def serve_probes(
                 log.warning("probe port: accept failed: %s", exc)
                 await trio.sleep(0.1)
                 continue
-            if open_connections >= max_connections:
+            if open_connections >= limits.max_connections:
                 await stream.aclose()
+                count = report.refused(trio.current_time())
+                if count is not None:
+                    log.warning(
+                        "probe port: %d connections open, its cap: refused %d connect(s) "
+                        "since the last such line (probes fail meanwhile)",
+                        open_connections, count,
+                    )
                 continue
             open_connections += 1
             nursery.start_soon(serve_one, stream)
@@ -88,42 +165,51 @@ async def serve_probes(
         task_status.started()
 
 
-async def _serve_connection(stream: trio.SocketStream, answer, idle_timeout: float) -> None:
+async def _serve_connection(stream: trio.SocketStream, answer, limits: ProbeLimits) -> None:
     conn = h11.Connection(h11.SERVER)
     try:
-        await _serve_requests(stream, conn, answer, idle_timeout)
+        await _serve_requests(stream, conn, answer, limits)
     except h11.RemoteProtocolError as exc:  # a bad request: its status (400, 431), then close
         if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             response = h11.Response(status_code=exc.error_status_hint,
                                     headers=[(b"content-length", b"0"),
                                              (b"connection", b"close")])
-            await stream.send_all(conn.send(response) + conn.send(h11.EndOfMessage()))
+            await _send(stream, conn.send(response) + conn.send(h11.EndOfMessage()), limits)
 
 
-async def _serve_requests(stream, conn: h11.Connection, answer, idle_timeout: float) -> None:
+async def _serve_requests(stream, conn: h11.Connection, answer, limits: ProbeLimits) -> None:
+    last_call = trio.current_time() + limits.lifetime
+    while True:
+        request = None
+        with trio.move_on_after(limits.head_timeout):
+            request = await _receive_request(stream, conn)
+        if request is None:
+            return  # the head did not arrive in time, or the client closed
+        close = trio.current_time() >= last_call
+        if not await _send(stream, answer_bytes(conn, request, answer, close=close), limits):
+            return
+        if conn.their_state is not h11.DONE:  # its body is unread: the connection ends
+            await _linger(stream, limits.linger)
+            return
+        if conn.our_state is not h11.DONE:  # MUST_CLOSE: Connection: close, HTTP/1.0
+            return
+        conn.start_next_cycle()  # keep-alive: the next request
+
+
+async def _receive_request(stream, conn: h11.Connection) -> h11.Request | None:
+    """The next request's head, or None when the client closed first."""
     while True:
         event = conn.next_event()
         if event is h11.NEED_DATA:
-            with trio.move_on_after(idle_timeout) as idle:
-                data = await stream.receive_some(16384)
-            if idle.cancelled_caught:
-                return
-            conn.receive_data(data)
-            if not data and conn.their_state is not h11.CLOSED:
-                return  # the peer closed between requests
+            conn.receive_data(await stream.receive_some(_RECEIVE_SIZE))
             continue
-        if isinstance(event, h11.Request):
-            await _respond(stream, conn, event, answer)
-            if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
-                return
-            continue
-        if event is h11.PAUSED and conn.our_state is h11.DONE and conn.their_state is h11.DONE:
-            conn.start_next_cycle()  # keep-alive: the next request
-            continue
-        return  # ConnectionClosed (or nothing more to do on this connection)
+        return event if isinstance(event, h11.Request) else None
 
 
-async def _respond(stream, conn: h11.Connection, request: h11.Request, answer) -> None:
+def answer_bytes(conn: h11.Connection, request: h11.Request, answer, *, close: bool = False) -> bytes:
+    """The whole answer to ``request`` (sans-IO; ``conn`` has just produced it). Reads no
+    body: a request that has one is answered with ``Connection: close``, as is every
+    request when ``close``."""
     path = request.target.decode("ascii", "replace").split("?", 1)[0]
     method = request.method
     if path not in PROBE_PATHS:
@@ -140,19 +226,28 @@ async def _respond(stream, conn: h11.Connection, request: h11.Request, answer) -
                (b"content-length", b"%d" % len(payload))]
     if code == 503:
         headers.append((b"retry-after", b"1"))
-    # drain the request's own body (probes send none; bounded by h11's buffer)
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            data = await stream.receive_some(16384)
-            conn.receive_data(data)
-            if not data:
-                break
-            continue
-        if isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
-            break
+    # A body-less request's end is known from its head alone (h11 needs no more bytes).
+    if close or type(conn.next_event()) is not h11.EndOfMessage:
+        headers.append((b"connection", b"close"))
     out = conn.send(h11.Response(status_code=code, headers=headers))
     if method != b"HEAD":
         out += conn.send(h11.Data(data=payload))
-    out += conn.send(h11.EndOfMessage())
-    await stream.send_all(out)
+    return out + conn.send(h11.EndOfMessage())
+
+
+async def _send(stream, data: bytes, limits: ProbeLimits) -> bool:
+    """Send ``data`` within ``send_timeout``; whether it was all sent."""
+    with trio.move_on_after(limits.send_timeout):
+        await stream.send_all(data)
+        return True
+    return False
+
+
+async def _linger(stream, seconds: float) -> None:
+    """Close our side, and read what the client still sends (a body) until it closes or
+    ``seconds`` pass: closing with its bytes unread would reset the connection, and a
+    reset can lose the answer before the client reads it (as nginx's lingering close)."""
+    with trio.move_on_after(seconds):
+        await stream.send_eof()
+        while await stream.receive_some(_RECEIVE_SIZE):
+            pass
