@@ -23,7 +23,7 @@ import trio
 
 from server.connections import private_api
 from tests.conftest import running_server
-from tests.test_hostile import raw_exchange, split_response
+from tests.test_hostile import addr, raw_exchange, split_response
 
 #: Request-head refusals: the direct path's (server.connections.framing, protocol).
 pytestmark = pytest.mark.direct_http
@@ -207,3 +207,30 @@ async def test_refused_heads_leave_nothing_behind():
         gc.collect()
         alive = [o for o in gc.get_objects() if type(o) is StrictH11Connection]
         assert len(alive) <= 1, len(alive)
+
+
+async def test_expect_100_continue_over_the_body_limit_is_a_413_at_once():
+    # Issue 42, item 8: hypercorn sent "100 Continue" as soon as the head was in, and the
+    # client then sent the body the server was about to refuse.
+    body = b'{"prompt": "x", "max_tokens": 2}'
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n")
+    async with running_server(max_body_bytes=1 << 16) as url:
+        raw = await raw_exchange(url, head % (1 << 20))  # no body: the client waits
+        assert raw.startswith(b"HTTP/1.1 413 "), raw[:200]
+        assert split_response(raw)[1]["connection"] == "close"
+        assert error_of(raw)[2]["code"] == "payload_too_large"
+        # Within the limit: 100 Continue, then the answer once the body is sent.
+        stream = await trio.open_tcp_stream(*addr(url))
+        async with stream:
+            await stream.send_all(head % len(body))
+            out = b""
+            with trio.fail_after(30):
+                while b"\r\n\r\n" not in out:
+                    out += await stream.receive_some(65536)
+                assert out.startswith(b"HTTP/1.1 100 "), out
+                out = out.partition(b"\r\n\r\n")[2]
+                await stream.send_all(body)
+                while chunk := await stream.receive_some(65536):
+                    out += chunk
+        assert split_response(out)[0] == 200

@@ -113,10 +113,12 @@ async def _run_in_scope(scope: trio.CancelScope, action) -> None:
 class ServingConfig(HypercornConfig):
     """Hypercorn's configuration, plus what :class:`ServingConnection` reads: the send
     timeout (progress-based), the time past which no write may go on (set at shutdown by
-    :func:`cut_stalled_writes`), and the cancel scopes of the writes in progress."""
+    :func:`cut_stalled_writes`), and the cancel scopes of the writes in progress; and what
+    its protocol's request-head checks read: the body limit (``--max-body-bytes``)."""
 
     send_timeout: float | None = None
     send_cutoff: float = math.inf
+    max_body_bytes: int | None = None
 
     def __init__(self) -> None:
         super().__init__()

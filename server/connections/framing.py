@@ -15,6 +15,9 @@ this server could read differently:
 * A version other than HTTP/1.0 and HTTP/1.1 on the request line, the HTTP/2 connection
   preface (``PRI * HTTP/2.0``) included: 505. This server speaks HTTP/1.1 only
   (docs/operations.md, "Security").
+* ``Expect: 100-continue`` with a ``Content-Length`` over ``--max-body-bytes``: 413 at once,
+  as nginx answers, instead of ``100 Continue`` (which hypercorn sends as soon as the head
+  is in, before the app could refuse the size) and a body the server would not read.
 
 An ``Upgrade`` header (``h2c``, ``websocket``) is ignored, as RFC 9110 7.8 allows: the
 request is served as the HTTP/1.1 request it also is.
@@ -57,9 +60,13 @@ def find_obs_fold(head: bytes | bytearray) -> bool:
     return _FOLDED_LINE.search(head, 0, max(len(head) - 2, 0)) is not None
 
 
-def check_request_head(http_version: bytes, headers) -> Refusal | None:
+def check_request_head(
+    http_version: bytes, headers, *, expects_continue: bool = False, max_body: int | None = None
+) -> Refusal | None:
     """The refusal for a parsed request head (h11's version and lower-cased headers), or
-    None when it may be served."""
+    None when it may be served. ``expects_continue``: the client waits for ``100 Continue``
+    before it sends the body (h11's ``they_are_waiting_for_100_continue``); ``max_body``:
+    the most body bytes the server reads (None: no limit here)."""
     if http_version not in _VERSIONS:
         version = http_version.decode("ascii", "replace")
         return Refusal(
@@ -67,10 +74,11 @@ def check_request_head(http_version: bytes, headers) -> Refusal | None:
             f"HTTP/{version} is not supported: this server speaks HTTP/1.1 (and 1.0).",
             "http_version_not_supported",
         )
-    length = chunked = False
-    for name, _ in headers:
+    length: bytes | None = None
+    chunked = False
+    for name, value in headers:
         if name == b"content-length":
-            length = True
+            length = value
         elif name == b"transfer-encoding":
             chunked = True
     if chunked and http_version == b"1.0":
@@ -79,11 +87,17 @@ def check_request_head(http_version: bytes, headers) -> Refusal | None:
             "An HTTP/1.0 request may not carry Transfer-Encoding (RFC 9112 section 6.1).",
             "ambiguous_framing",
         )
-    if length and chunked:
+    if length is not None and chunked:
         return Refusal(
             400,
             "A request may not carry both Content-Length and Transfer-Encoding.",
             "ambiguous_framing",
+        )
+    if expects_continue and max_body is not None and length is not None and (
+        int(length) > max_body  # (h11 lets only digits through)
+    ):
+        return Refusal(
+            413, f"The request body is larger than {max_body} bytes.", "payload_too_large"
         )
     return None
 

@@ -143,7 +143,13 @@ class ServingH11Protocol(H11Hooks):
             await self.send_h11_event(event)
 
     async def check_protocol(self, event: h11.Request) -> None:
-        refusal = check_request_head(event.http_version, event.headers)
+        # Called as soon as h11 parsed the head, before hypercorn's loop sends a
+        # ``100 Continue`` (at the top of its next turn): a refusal here goes out first.
+        refusal = check_request_head(
+            event.http_version, event.headers,
+            expects_continue=self.connection.they_are_waiting_for_100_continue,
+            max_body=getattr(self.config, "max_body_bytes", None),  # (a ServingConfig)
+        )
         if refusal is not None:
             try:
                 raise refusal

@@ -50,6 +50,10 @@ constructor, ``stream``, ``send_lock``,        under ``send_lock``, bounded writ
 ``connection``, ``stream``, ``stream_send``)   only, strict heads, its own chunk framing
 ``H11Protocol._create_stream``                 our request stream class, no WebSocket upgrade
 ``H11Protocol._check_protocol``                the request-head refusals (``framing``)
+``H11Protocol._handle_events`` (not called:    a refusal from the head goes out before any
+its order)                                     ``100 Continue``: it checks the head of a
+                                               request as soon as h11 parses it, and sends
+                                               ``100 Continue`` only at its next turn
 ``H11Protocol._send_error_response``,          answers to unparseable requests, with an
 ``H11Protocol._send_h11_event``                OpenAI-style body; every status line with
                                                its reason phrase (hypercorn sends none)
@@ -165,7 +169,7 @@ def missing_names() -> list[str]:
         (TCPServer, ("_read_data", "_close", "_idle_timeout", "_initiate_server_close",
                      "protocol_send")),
         (H11Protocol, ("_create_stream", "_check_protocol", "_send_error_response",
-                       "_send_h11_event", "stream_send", "handle")),
+                       "_send_h11_event", "_handle_events", "stream_send", "handle")),
         (HTTPStream, ("app_send", "handle")),
         (h11.Connection, ("_get_io_object",)),
     ]

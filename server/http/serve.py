@@ -56,6 +56,9 @@ def hypercorn_config(config: ServerConfig) -> ServingConfig:
     # Read by connection.ServingConnection: a write that makes no progress for send_timeout
     # seconds closes the connection; none goes on past send_cutoff (set at shutdown).
     hc.send_timeout = config.send_timeout
+    # Read by http11.ServingH11Protocol: a body announced over it with Expect: 100-continue
+    # is a 413 from the head (framing.check_request_head), before any 100 Continue.
+    hc.max_body_bytes = config.max_body_bytes
     hc.include_server_header = False  # no banner naming the implementation
     hc.graceful_timeout = config.close_timeout
     hc.accesslog = None
