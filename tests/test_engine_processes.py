@@ -182,10 +182,12 @@ async def test_no_abort_for_finished_requests_and_one_for_aborted_ones():
             async with engine.generate("b", SamplingParams(max_tokens=2)) as stream:
                 assert [o async for o in stream][-1].finish_reason == "length"
             # a batch cancelled after one of its choices finished: only the other is aborted
-            # (no max_tokens: each prompt gets what fits in 4096 tokens)
+            # (no max_tokens, ignore_eos: each prompt gets what fits in 4096 tokens; without
+            # ignore_eos the sim would end each at its end of sequence)
             prompts = ["a", "x " * 4000]
+            fits = SamplingParams(max_tokens=None, ignore_eos=True)
             with trio.CancelScope() as scope:
-                async with engine.generate_many(prompts, SamplingParams(max_tokens=None)) as s:
+                async with engine.generate_many(prompts, fits) as s:
                     async for _ in s:
                         short, long = spawn.rids()[-2:]  # sent by now
                         if any(o[3] for _, o in spawn.outputs_for(long)):

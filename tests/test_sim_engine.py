@@ -313,7 +313,7 @@ def test_rejections(prompt, params, match):
 
 def test_no_max_tokens_means_what_fits_the_context():
     engine, clock = make(max_model_len=10)
-    engine.add(1, "a b c", {"max_tokens": None})
+    engine.add(1, "a b c", {"max_tokens": None})  # (fewer than an end of sequence's least)
     assert sum(o[2] for _, o in run(engine, clock)) == 7
     with pytest.raises(Rejected, match="maximum context length"):
         engine.add(2, "a " * 10, {"max_tokens": None})

@@ -306,11 +306,13 @@ async def test_no_abort_for_a_finished_request_whose_output_was_not_read(autojum
 
 
 async def test_no_abort_for_the_choices_of_a_batch_that_finished(autojump_clock):
-    # no max_tokens: each prompt gets what fits in 64 tokens, so the long one ends first
+    # no max_tokens, ignore_eos: each prompt gets what fits in 64 tokens, so the long one
+    # ends first (without ignore_eos the sim would end each at its end of sequence)
     prompts = ["a", "x " * 60]
+    fits = SamplingParams(max_tokens=None, ignore_eos=True)
     async with open_fake_engine(max_model_len=64) as (engine, spawn):
         with trio.move_on_after(0.2):
-            async with engine.generate_many(prompts, SamplingParams(max_tokens=None)) as s:
+            async with engine.generate_many(prompts, fits) as s:
                 async for _ in s:
                     pass
         short, long = spawn.rids()
