@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import httpx
+import pytest
 import trio
 
 import server
@@ -144,3 +145,33 @@ async def test_real_processes_queue_four_times_the_batch():
             assert (await http.get("/ready")).status_code == 200
     assert statuses == [200] * 4 * batch
 
+
+
+def test_the_transformers_engine_queues_beyond_its_batch_in_arrival_order(tmp_path):
+    """The transformers engine holds what its batch cannot take and starts each request as
+    a slot frees, first come first served (the sim's queue is shown above; the vllm
+    engine's is vLLM's scheduler)."""
+    pytest.importorskip("torch")
+    from server.workers.hf import TransformersEngine
+    from tests.tiny_model import build_tiny_model
+
+    engine = TransformersEngine(model_path=str(build_tiny_model(tmp_path / "tiny")),
+                                max_batch=2)
+    try:
+        for rid in range(1, 7):
+            engine.add(rid, f"prompt {rid}", {"max_tokens": 3 + rid % 2, "temperature": 0,
+                                              "ignore_eos": True})
+        assert (engine.running(), engine.waiting()) == (0, 6)
+        first: list[int] = []
+        ended: set[int] = set()
+        while engine.next_deadline() is not None:
+            for rid, _text, ntok, finish, _err in engine.step(0.0):
+                if ntok and rid not in first:
+                    first.append(rid)
+                if finish is not None:
+                    assert finish == "length"
+                    ended.add(rid)
+            assert engine.running() <= 2
+        assert first == [1, 2, 3, 4, 5, 6] and ended == set(first)
+    finally:
+        engine.close()
