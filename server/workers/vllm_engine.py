@@ -96,6 +96,7 @@ from .vllm_resume import ResumedText, detokenizer_class, not_resumable
 from .vllm_core import LIVENESS, without_collections
 from .vllm_stats import VLLMStats, cache_config_info
 from .vllm_events import KVEventSubscriber
+from .torch_threads import set_serving_threads, threads_in_use
 
 from .hf_grammar import MAX_SCHEMA_BYTES, constraint_key
 
@@ -199,11 +200,13 @@ def _build_engine(model_path: str | None, named: dict, engine_args: dict,
         tied = tied_to_this_process()
     try:
         with tied:
-            return LLMEngine.from_engine_args(EngineArgs(**kwargs),
-                                              enable_multiprocessing=multiprocess,
-                                              stat_loggers=stat_loggers)
+            llm = LLMEngine.from_engine_args(EngineArgs(**kwargs),
+                                             enable_multiprocessing=multiprocess,
+                                             stat_loggers=stat_loggers)
     except Exception as exc:
         raise RuntimeError(f"vLLM could not start: {one_line(exc)}") from None
+    set_serving_threads(llm, multiprocess=multiprocess)  # (as vLLM's server would)
+    return llm
 
 
 #: What a request's params ask the engine to send: its tokens' ids, its prompt's ids.
@@ -421,6 +424,7 @@ class VLLMEngine(HelperTokenizing):
             "device": str(config.device_config.device_type),
             "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
             "engine_core": "worker" if self._core is None else "process",
+            "torch_threads": threads_in_use(),  # (server.workers.torch_threads)
             "async_scheduling": bool(config.scheduler_config.async_scheduling),
             "prefix_caching": self.prefix_caching,
             "max_batch": self.max_batch,
