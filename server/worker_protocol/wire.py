@@ -145,7 +145,11 @@ __all__ = [
     "ENGINE_STATS",
     "ITERATION_TOKEN_BUCKETS",
     "ProtocolError",
+    "Oversized",
     "FrameDecoder",
+    "peek_kind",
+    "peek_head",
+    "unpack_ext",
     "encode",
     "pack_sliced",
     "decode_sliced",
@@ -317,6 +321,11 @@ def _ids_array(data: bytes) -> array.array:
     return ids
 
 
+def unpack_ext(code: int, data: bytes):
+    """msgpack's ``ext_hook``: this protocol's extension values (BIG_INT, PACKED_IDS)."""
+    return _unpack_ext(code, data)
+
+
 def _unpack_ext(code: int, data: bytes):
     if code == PACKED_IDS:
         return _ids_array(data).tolist()
@@ -390,6 +399,19 @@ class ProtocolError(Exception):
     messages: list[list] = []  # (replaced, never appended to)
     #: From :meth:`FrameDecoder.frames`: the complete frames before an oversized one.
     frames: list[bytes] = []
+
+
+class Oversized(Exception):
+    """A SUBMIT or TOKENIZE (``kind``) that its reader's limits would not decode
+    (:mod:`server.worker_protocol.limits`): refused as request ``ident``'s own error
+    (``message``, for the client), the connection kept. Collected in
+    :attr:`FrameDecoder.refused`, in the order they came."""
+
+    def __init__(self, kind: int, ident: int, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.ident = ident
+        self.message = message
 
 
 def encode(message: list) -> bytes:
@@ -470,8 +492,72 @@ def is_tokenized(body: bytes) -> bool:
 
 
 #: First bytes of msgpack's array and map headers (fix, 16-bit and 32-bit counts).
-_ARRAYS = frozenset((*range(0x90, 0xA0), 0xDC, 0xDD))
-_MAPS = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))
+ARRAY_HEADS = frozenset((*range(0x90, 0xA0), 0xDC, 0xDD))
+MAP_HEADS = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))
+CONTAINER_HEADS = ARRAY_HEADS | MAP_HEADS
+
+#: :func:`peek_kind`: the frame's first bytes are not all in yet.
+MORE = -1
+#: msgpack's integer formats after a one-byte marker: struct formats.
+_INT_FORMATS = {
+    0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q",
+    0xD0: ">b", 0xD1: ">h", 0xD2: ">i", 0xD3: ">q",
+}
+
+
+def peek_kind(buf: bytes | bytearray, start: int, end: int) -> int | None:
+    """The message type of the frame body that starts at ``buf[start]`` (``buf[start:end]``
+    arrived so far), from its first bytes, before the rest arrives: :data:`MORE` until
+    enough are in (6 at most), None for a body that does not start as a message (an array
+    of one item or more whose first is a type, a positive fixint: what :func:`encode` writes).
+
+    >>> peek_kind(encode([PING, 7]), 4, 6), peek_kind(b"\\x90", 0, 1)
+    (3, None)
+    """
+    if end <= start:
+        return MORE
+    first = buf[start]
+    if 0x91 <= first <= 0x9F:
+        at = start + 1
+    elif first == 0xDC or first == 0xDD:
+        at = start + (3 if first == 0xDC else 5)
+        if end < at:
+            return MORE
+        if not any(buf[start + 1:at]):  # (an empty array)
+            return None
+    else:
+        return None
+    if at >= end:
+        return MORE
+    kind = buf[at]
+    return kind if kind < 0x80 else None
+
+
+def peek_head(body: bytes) -> tuple[int | None, int | None]:
+    """A whole frame body's message type and, if its second item is an integer, that
+    (a SUBMIT's rid, a TOKENIZE's seq), read from its first bytes without decoding the
+    rest: ``(None, None)`` for what is not a message's start."""
+    kind = peek_kind(body, 0, len(body))
+    if kind is None or kind == MORE:
+        return None, None
+    first = body[0]
+    if first <= 0x9F:
+        count, at = first - 0x90, 2
+    elif first == 0xDC:
+        count, at = int.from_bytes(body[1:3], "big"), 4
+    else:
+        count, at = int.from_bytes(body[1:5], "big"), 6
+    if count < 2 or at >= len(body):
+        return kind, None
+    marker = body[at]
+    if marker < 0x80:
+        return kind, marker
+    if marker >= 0xE0:
+        return kind, marker - 0x100
+    fmt = _INT_FORMATS.get(marker)
+    if fmt is None or len(body) < at + 1 + struct.calcsize(fmt):
+        return kind, None
+    return kind, struct.unpack_from(fmt, body, at + 1)[0]
 
 
 def decode_sliced(body: bytes) -> object:
@@ -499,7 +585,7 @@ def _walk(unpacker: msgpack.Unpacker, body: bytes, deferred: _Deferred) -> objec
     if unpacker.tell() >= len(body):
         raise ValueError("the frame ends inside its message")
     first = body[unpacker.tell()]
-    if first in _ARRAYS:
+    if first in ARRAY_HEADS:
         count = unpacker.read_array_header()
         if count > SLICE:  # (a long list's items are small: token ids, rows)
             unpack = unpacker.unpack
@@ -509,7 +595,7 @@ def _walk(unpacker: msgpack.Unpacker, body: bytes, deferred: _Deferred) -> objec
                 items = _undefer(items)
             return items
         return [_walk(unpacker, body, deferred) for _ in range(count)]
-    if first in _MAPS:
+    if first in MAP_HEADS:
         out = {}
         for _ in range(unpacker.read_map_header()):
             key = unpacker.unpack()
@@ -525,15 +611,24 @@ class FrameDecoder:
     """Turns the bytes of a pipe, in pieces of any size, into messages.
 
     ``feed`` returns the messages completed by the new bytes (often none, sometimes many).
-    With ``check`` (such as :func:`check_request`), each message must pass it too.
+    With ``check`` (such as :func:`check_request`), each message must pass it too. With
+    ``limits`` (a :class:`server.worker_protocol.limits.Limits`: a reader whose peer may
+    be hostile), a frame longer than its type allows is refused from its first bytes, a
+    big one is decoded within the limits' budget, and a request over it is not returned
+    but put in :attr:`refused` (:class:`Oversized`) for its reader to answer.
     """
 
-    __slots__ = ("_buf", "_check")
+    __slots__ = ("_buf", "_check", "limits", "refused")
 
-    def __init__(self, check: Callable[[list], object] | None = None) -> None:
+    def __init__(self, check: Callable[[list], object] | None = None, limits=None) -> None:
         self._buf = bytearray()
         #: Applied to each message (raising ProtocolError), e.g. :func:`check_request`.
         self._check = check
+        #: The bounds of what a frame may cost (None: MAX_FRAME only); may be replaced
+        #: between feeds (a handshake's, then a connection's).
+        self.limits = limits
+        #: The requests refused by the limits, for the reader to answer and clear.
+        self.refused: list[Oversized] = []
 
     def feed(self, data: bytes | bytearray) -> list[list]:
         error: ProtocolError | None = None
@@ -544,7 +639,10 @@ class FrameDecoder:
         messages: list[list] = []
         try:
             for body in bodies:
-                messages.append(self.decode(body))
+                try:
+                    messages.append(self.decode(body))
+                except Oversized as refusal:
+                    self.refused.append(refusal)
         except ProtocolError as exc:
             exc.messages = messages  # the good ones before the bad one
             raise
@@ -562,12 +660,25 @@ class FrameDecoder:
         bodies: list[bytes] = []
         pos = 0
         end = len(buf)
+        limits = self.limits
         while end - pos >= 4:
             (length,) = _HEADER.unpack_from(buf, pos)
             if length > MAX_FRAME:
                 exc = ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME} limit")
                 exc.frames = bodies
                 raise exc
+            if limits is not None and length > limits.least:
+                kind = peek_kind(buf, pos + 4, end)
+                if kind == MORE:
+                    break
+                cap = limits.cap(kind)
+                if length > cap:
+                    what = _NAMES.get(kind, f"type {kind}") if kind is not None else (
+                        "non-message")
+                    exc = ProtocolError(f"a {what} frame of {length} bytes exceeds its "
+                                        f"limit of {cap}")
+                    exc.frames = bodies
+                    raise exc
             if end - pos - 4 < length:
                 break
             start = pos + 4
@@ -578,7 +689,10 @@ class FrameDecoder:
         return bodies
 
     def decode(self, body: bytes) -> list:
-        """One frame's message (checked); ProtocolError if it is not one."""
+        """One frame's message (checked); ProtocolError if it is not one (with limits:
+        :class:`Oversized` for a request over them)."""
+        if self.limits is not None:
+            return self._checked(self.limits.decode(body))
         try:
             message = msgpack.unpackb(body, use_list=True, raw=False, ext_hook=_unpack_ext)
         except Exception as exc:
@@ -834,6 +948,10 @@ def _bytes_or_nil(x: object) -> bool:
     return x is None or type(x) is bytes
 
 
+def _bytes32(x: object) -> bool:
+    return type(x) is bytes and len(x) == 32
+
+
 _SHAPES: dict[int, Callable[[list], bool]] = {
     # HELLO: [HELLO, info] from a pipe worker, [HELLO, info, proof] from a listening one
     HELLO: lambda m: (len(m) == 2 or (len(m) == 3 and _bytes_or_nil(m[2])))
@@ -850,9 +968,11 @@ _SHAPES: dict[int, Callable[[list], bool]] = {
     # TOKENIZED: a result or an error, not both
     TOKENIZED: lambda m: len(m) == 4 and type(m[1]) is int and (
         (type(m[2]) is dict and m[3] is None) or (m[2] is None and _error(m[3]))),
-    CHALLENGE: lambda m: len(m) == 4 and type(m[1]) is int and type(m[2]) is bytes
+    # (nonces and proofs: 32 bytes, server.worker_protocol.handshake; a short nonce would
+    # make the other side's proof replayable)
+    CHALLENGE: lambda m: len(m) == 4 and type(m[1]) is int and _bytes32(m[2])
     and type(m[3]) is bool,
-    AUTH: lambda m: len(m) == 3 and type(m[1]) is bytes and _bytes_or_nil(m[2]),
+    AUTH: lambda m: len(m) == 3 and _bytes32(m[1]) and (m[2] is None or _bytes32(m[2])),
     REFUSED: lambda m: len(m) == 2 and type(m[1]) is str,
 }
 

@@ -42,6 +42,18 @@ violation, a SHUTDOWN, silent for ``--frontend-timeout``, or not reading: more t
 ``--max-buffer-bytes`` of output waiting), every request it owns is aborted in the engine
 at once; what the engine still reports for them is dropped.
 
+*What a frontend may cost.* Its frames are read within bounds
+(:mod:`server.worker_protocol.limits`): before it authenticated, 4 KiB a frame; after,
+SUBMIT and TOKENIZE up to 64 MiB and every other type 4 KiB, judged from a frame's first
+bytes, and no frame decoded to more objects than a budget (a request over it gets its own
+``invalid_request`` error; anything else over a bound ends the connection). All
+connections together hold at most ``--max-total-buffer-bytes`` of unfinished frames and
+unsent output (past it, the one holding the most is dropped); at most ``--max-frontends``
+connections are authenticated at once (one more is refused), and at most
+:data:`_MAX_UNAUTHENTICATED_CONNS` wait to authenticate (the oldest goes); the lines of
+connections that end before authenticating are throttled (one per :data:`_QUIET` seconds,
+the rest counted).
+
 *Never blocked by a frontend.* Sockets are non-blocking; output a socket does not take is
 kept in the connection's buffer (bounded, see above) and sent when it becomes writable.
 
@@ -83,7 +95,7 @@ import time
 import traceback
 
 from ..engine_args import add_engine_arguments, engine_options
-from ..worker_protocol import handshake, wire
+from ..worker_protocol import handshake, limits, wire
 from ..worker_protocol.parts import PartQueue, is_big_answer
 from ..worker_protocol.wire import OutputRow
 from .base import EngineBroken, one_line
@@ -115,6 +127,9 @@ _ACCEPT_PAUSE = 0.5
 #: The most routed-notice bytes added to one connection's output per loop pass (the rest
 #: are skipped: hints, not worth a slow loop or a frontend's buffer).
 _NOTICE_BYTES = 1 << 20
+#: Seconds between two lines about connections that ended before authenticating (anyone
+#: who reaches the port can open thousands a second): the others are counted in the next.
+_QUIET = 5.0
 
 
 def say(message: str) -> None:
@@ -134,7 +149,8 @@ class _Conn:
     def __init__(self, sock: socket.socket, peer: str, state: str, now: float) -> None:
         self.sock = sock
         self.peer = peer
-        self.decoder = wire.FrameDecoder()
+        #: (the handshake's limits until it authenticated: AUTH only, 4 KiB)
+        self.decoder = wire.FrameDecoder(limits=limits.HANDSHAKE)
         self.out = bytearray()
         #: "tls" (TLS handshake), "auth" (challenged), "ready"
         self.state = state
@@ -179,18 +195,57 @@ class _Closed(Exception):
     """The connection must end (``reason`` for the log)."""
 
 
+class _Throttled:
+    """One kind of log line, at most once per ``interval`` seconds: the ones held back are
+    counted, and told with the next line or by :meth:`flush` once the interval is over."""
+
+    __slots__ = ("interval", "what", "until", "held")
+
+    def __init__(self, interval: float, what: str) -> None:
+        self.interval = interval
+        self.what = what  # what the held lines were about, for the count
+        self.until = 0.0
+        self.held = 0
+
+    def say(self, line: str, now: float) -> None:
+        if now < self.until:
+            self.held += 1
+            return
+        if self.held:
+            line += f" (and {self.held} more {self.what} before it, not logged one by one)"
+            self.held = 0
+        say(line)
+        self.until = now + self.interval
+
+    def flush(self, now: float) -> None:
+        if self.held and now >= self.until:
+            say(f"{self.held} more {self.what} (not logged one by one: at most one line per "
+                f"{self.interval:g} s)")
+            self.held = 0
+            self.until = now + self.interval
+
+
 class Server:
     """The state of the loop; :func:`serve_listening` runs it."""
 
     def __init__(self, engine, listener: socket.socket, *, secret: bytes | None,
                  tls: ssl.SSLContext | None, frontend_timeout: float,
-                 max_buffer: int, pulse_period: float = 1.0) -> None:
+                 max_buffer: int, max_frontends: int = 64, max_total_buffer: int = 256 << 20,
+                 pulse_period: float = 1.0) -> None:
         self.engine = engine
         self.listener = listener
         self.secret = secret
         self.tls = tls
         self.frontend_timeout = frontend_timeout
         self.max_buffer = max_buffer
+        #: authenticated connections at most (--max-frontends)
+        self.max_frontends = max_frontends
+        #: bytes all connections may hold together, unfinished frames and unsent output
+        #: (--max-total-buffer-bytes)
+        self.max_total_buffer = max_total_buffer
+        #: the lines of connections that end before authenticating
+        self.unauthenticated = _Throttled(
+            _QUIET, "connection(s) ended before authenticating")
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, None)
         #: the engine's preparation stage (server.workers.prepare), if it has one; its
@@ -223,7 +278,7 @@ class Server:
         while True:
             deadline = engine.next_deadline()
             timeout = None if deadline is None else max(0.0, deadline - clock())
-            busy = self.conns or self.accept_paused is not None
+            busy = self.conns or self.accept_paused is not None or self.unauthenticated.held
             if busy and (timeout is None or timeout > _HOUSEKEEPING):
                 timeout = _HOUSEKEEPING
             events = self.selector.select(timeout)
@@ -271,6 +326,7 @@ class Server:
                     self._send_results()
                     raise broken
             self._send_results()
+            self._hold_within_budget()
 
     # -- connections -------------------------------------------------------------------------
 
@@ -350,8 +406,22 @@ class Server:
                 messages = messages[1:]
             for msg in messages:
                 self._handle(conn, wire.check_listener_request(msg))
+            refused = conn.decoder.refused
+            if refused:
+                for request in refused:
+                    self._refuse_request(conn, request)
+                refused.clear()
         except wire.ProtocolError as exc:
             raise _Closed(f"protocol violation: {exc}") from None
+
+    def _refuse_request(self, conn: _Conn, request: wire.Oversized) -> None:
+        """A SUBMIT or TOKENIZE over the decoding limits (server.worker_protocol.limits):
+        answered as that request's error, as the engine answers one it cannot take."""
+        error = ["invalid_request", request.message]
+        if request.kind == wire.SUBMIT:
+            conn.outputs.append(OutputRow(request.ident, "", 0, "error", error))
+        else:
+            conn.answer(wire.encode([wire.TOKENIZED, request.ident, None, error]))
 
     def _receive(self, conn: _Conn) -> bytes:
         """What the socket has (a TLS socket is read until its buffer is empty too, since
@@ -383,11 +453,16 @@ class Server:
         secret = self.secret
         if secret is not None:
             if proof is None:
-                self._refuse(conn, "this worker requires a shared secret "
-                             f"(${handshake.SECRET_ENV} or --worker-secret-file)")
+                self._refuse(conn, "authentication failed: this worker requires a shared "
+                             f"secret (${handshake.SECRET_ENV} or --worker-secret-file)")
             if not handshake.verify(handshake.client_proof(secret, conn.nonce, cnonce), proof):
-                self._refuse(conn, "wrong secret")
+                self._refuse(conn, "authentication failed: wrong secret")
+        ready = sum(1 for c in self.conns if c.state == "ready")
+        if ready >= self.max_frontends:
+            self._refuse(conn, f"this worker serves {ready} frontends already "
+                         f"(--max-frontends {self.max_frontends})")
         conn.state = "ready"
+        conn.decoder.limits = limits.REQUESTS
         mine = None if secret is None else handshake.worker_proof(secret, conn.nonce, cnonce)
         info = {**wire.hello_info(self.engine.info), wire.ROUTED_KEY: True,
                 wire.PARTS_KEY: True}
@@ -396,12 +471,12 @@ class Server:
         say(f"frontend {conn.peer} connected")
 
     def _refuse(self, conn: _Conn, reason: str) -> None:
-        conn.out += wire.encode([wire.REFUSED, f"authentication failed: {reason}"])
+        conn.out += wire.encode([wire.REFUSED, reason])
         try:
             self._flush(conn)
         except _Closed:
             pass
-        raise _Closed(f"refused: authentication failed: {reason}")
+        raise _Closed(f"refused: {reason}")
 
     def _handle(self, conn: _Conn, msg: list) -> None:
         """``msg``: a checked request (wire.check_listener_request)."""
@@ -507,8 +582,24 @@ class Server:
                        if conn.notices_skipped else "")
             say(f"frontend {conn.peer} disconnected ({reason}); aborted {aborted} "
                 f"request(s){skipped}")
-        else:
-            say(f"connection from {conn.peer} ended: {reason}")
+        else:  # (throttled: anyone who reaches the port can open connections)
+            self.unauthenticated.say(f"connection from {conn.peer} ended: {reason}",
+                                     time.monotonic())
+
+    def _hold_within_budget(self) -> None:
+        """While all connections together hold more than ``max_total_buffer`` bytes
+        (unfinished frames, unsent output and parts), drop the one that holds the most:
+        each connection's own bounds (a frame's 64 MiB, --max-buffer-bytes) times the
+        connections would be more than a worker should hold."""
+        held = {conn: conn.decoder.buffered + conn.waiting() for conn in self.conns}
+        total = sum(held.values())
+        while total > self.max_total_buffer:
+            conn = max(held, key=held.__getitem__)
+            mine = held.pop(conn)
+            self._drop(conn, f"over the worker's buffer budget: it held {mine} of the "
+                       f"{total} bytes held (--max-total-buffer-bytes "
+                       f"{self.max_total_buffer})")
+            total -= mine
 
     def _collect(self) -> None:
         """Admit the requests prepared since the last iteration; route TOKENIZED replies
@@ -530,6 +621,7 @@ class Server:
         if self.accept_paused is not None and now >= self.accept_paused:
             self.accept_paused = None
             self.selector.register(self.listener, selectors.EVENT_READ, None)
+        self.unauthenticated.flush(now)
         unread = self._unread() if long_pass else ()
         for conn in list(self.conns):
             if conn.state != "ready":  # (a handshake's time runs, read or unread)
@@ -688,12 +780,14 @@ def _peer_name(addr) -> str:
 
 def serve_listening(engine, listener: socket.socket, *, secret: bytes | None = None,
                     tls: ssl.SSLContext | None = None, frontend_timeout: float = 30.0,
-                    max_buffer: int = 64 << 20) -> None:
+                    max_buffer: int = 64 << 20, max_frontends: int = 64,
+                    max_total_buffer: int = 256 << 20) -> None:
     """Serve ``engine`` to the frontends that connect to ``listener`` (a bound, listening
     socket), forever (or until EngineBroken, which propagates after the errors went out)."""
     listener.setblocking(False)
     server = Server(engine, listener, secret=secret, tls=tls,
-                    frontend_timeout=frontend_timeout, max_buffer=max_buffer)
+                    frontend_timeout=frontend_timeout, max_buffer=max_buffer,
+                    max_frontends=max_frontends, max_total_buffer=max_total_buffer)
     try:
         with cleanup_uncut():  # (SIGTERM: server.close and the engine's cleanup run uncut)
             server.run()
@@ -760,6 +854,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-buffer-bytes", type=int, default=64 << 20,
                    help="output waiting for a frontend that does not read, beyond which its "
                    "connection is dropped and its requests aborted")
+    g.add_argument("--max-frontends", type=int, default=64,
+                   help="authenticated connections at most: one more is refused (REFUSED, "
+                   "and a line in the log)")
+    g.add_argument("--max-total-buffer-bytes", type=int, default=256 << 20,
+                   help="bytes all connections may hold together (unfinished frames, unsent "
+                   "output); beyond it the connection holding the most is dropped and its "
+                   "requests aborted")
     add_engine_arguments(p, spawned=False)
     return p
 
@@ -783,6 +884,10 @@ def _main(argv: list[str]) -> None:
             f"{PROG}: --listen {address} is reachable from other machines: set a shared "
             f"secret (${handshake.SECRET_ENV} or --secret-file), or listen on loopback"
         )
+    for option, value in (("--max-frontends", args.max_frontends),
+                          ("--max-total-buffer-bytes", args.max_total_buffer_bytes)):
+        if value < 1:
+            raise SystemExit(f"{PROG}: {option} must be at least 1, not {value}")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise SystemExit(f"{PROG}: --tls-cert and --tls-key go together")
     tls = None
@@ -815,7 +920,9 @@ def _main(argv: list[str]) -> None:
                 f"{'secret required' if secret else 'no secret'}, engine {args.engine})")
             serve_listening(engine, listener, secret=secret, tls=tls,
                             frontend_timeout=args.frontend_timeout,
-                            max_buffer=args.max_buffer_bytes)
+                            max_buffer=args.max_buffer_bytes,
+                            max_frontends=args.max_frontends,
+                            max_total_buffer=args.max_total_buffer_bytes)
         except EngineBroken as exc:
             say(f"engine failed, exiting: {exc.message}")
             raise SystemExit(3) from None
