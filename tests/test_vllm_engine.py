@@ -564,6 +564,27 @@ def test_tool_choice_required_and_named_are_forced_valid(client):
     assert long.usage.prompt_tokens > short.usage.prompt_tokens
 
 
+def test_tools_and_a_format_let_the_model_call_or_answer(server, client):
+    """Issue 41, item 5 on vLLM (tests/test_tools_defaults.py has it on the other engines):
+    tools (auto) with a response_format, a logit bias on '[' makes a valid call certain, one
+    on '{' the document; sampled, every answer is one or the other."""
+    from tests.test_tools_defaults import CHAT, FORMAT, TOOLS, _check_call_or_document
+
+    def token(text: str) -> int:
+        (one,) = httpx.post(server.url + "/tokenize", json={
+            "prompt": text, "add_special_tokens": False}).json()["tokens"]
+        return one
+
+    body = {"model": MODEL, "messages": CHAT, "tools": TOOLS, "response_format": FORMAT,
+            "max_tokens": 300, "extra_body": {"parallel_tool_calls": False}}
+    for text, kind in (("[", "call"), ("{", "document")):
+        r = client.chat.completions.create(**body, seed=1, logit_bias={str(token(text)): 100})
+        assert _check_call_or_document(r.choices[0].message, r.choices[0].finish_reason) == kind
+    for seed in range(3):
+        r = client.chat.completions.create(**body, seed=seed, temperature=1.0)
+        _check_call_or_document(r.choices[0].message, r.choices[0].finish_reason)
+
+
 def test_what_real_clients_send(client):
     """Issue 29 on vLLM (tests/test_clients.py has each case on the transformers engine):
     pydantic's nested models in a forced call, an integer beyond 64 bits in the history,
