@@ -9,7 +9,8 @@ engine as a worker process does (:class:`server.workers.vllm_engine.VLLMEngine`,
 in this process), and times one greedy request of ``--tokens`` tokens (``ignore_eos``)
 ``--runs`` times, stepping the engine as the worker loop does. Prints torch's intra-op thread
 count once the engine is built, the host's load average, and each run's seconds; the last
-line of stdout is one JSON object. Each run is bounded (``--timeout`` seconds).
+line of stdout is one JSON object. Each run is bounded (``--timeout`` seconds). ``--smoke``
+builds the model only (tests/test_bench_smoke.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds one run may take before it is given up")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a quick run (CI runs it): the tiny model is built, the vLLM "
+                             "engine is not started (a minute of loading); no figures")
     args = parser.parse_args(argv)
 
     import torch
@@ -42,6 +46,10 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(Path(tmp) / "tiny-vllm", hidden_size=256, heads=4, layers=2,
                                 vocab_size=1000, max_position_embeddings=4096)
+        if args.smoke:
+            print("smoke run: skipped the vLLM engine and its runs", file=sys.stderr)
+            print(json.dumps({"torch_threads": torch.get_num_threads(), "runs": []}))
+            return
         engine = VLLMEngine(model_path=str(path), engine_args={
             "dtype": "float32", "max_model_len": 4096, "kv_cache_memory_bytes": 64 << 20})
         threads = torch.get_num_threads()
