@@ -10,13 +10,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
 from server.workers.base import Rejected
 from tests.tiny_model import build_tiny_model
+from tests.vllm_reference import checks_apart
 
 PROMPT = "the quick 東京 brown fox 🦊 jumps"
 
@@ -142,13 +141,7 @@ def test_transformers_refuses_a_resume_it_cannot_continue(hf):
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_vllm_resumes_at_every_cut(tmp_path):
-    path = build_tiny_model(tmp_path / "tiny", hidden_size=256, heads=4, layers=2,
-                            vocab_size=1000, max_position_embeddings=1024)
-    code = f"from tests.test_resume_engines import vllm_checks; vllm_checks({str(path)!r})"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=1500)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("vllm resume checks passed")
+    checks_apart(tmp_path, "tests.test_resume_engines:vllm_checks")
 
 
 def vllm_checks(path: str) -> None:

@@ -9,28 +9,19 @@ real server is in tests/test_vllm_engine.py."""
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed", allow_module_level=True)
 
-from tests.tiny_model import build_tiny_model  # noqa: E402
+from tests.vllm_reference import checks_apart  # noqa: E402
 
 CONTEXT = 1024
 
 
 def test_the_helper_prepares_as_the_vllm_worker_does(tmp_path):
-    path = build_tiny_model(tmp_path / "tiny", hidden_size=256, heads=4, layers=2,
-                            vocab_size=1000, max_position_embeddings=CONTEXT)
-    code = ("from tests.test_vllm_prep_helper import vllm_helper_checks; "
-            f"vllm_helper_checks({str(path)!r})")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=1500)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("vllm helper checks passed")
+    checks_apart(tmp_path, "tests.test_vllm_prep_helper:vllm_helper_checks")
 
 
 def _generate(engine, rid: int, prompt, params: dict) -> tuple[int, str]:

@@ -21,6 +21,25 @@ import os
 import sys
 
 
+def checks_apart(tmp_path, checks: str) -> None:
+    """Build the vllm tests' tiny model under ``tmp_path`` and call ``checks``
+    (``"module:function"``) with its path in a Python process of its own (in pytest's, vLLM's
+    start fails: see above), asserting that it exits 0 and its last line says "checks
+    passed"."""
+    import subprocess
+
+    from tests.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "tiny", hidden_size=256, heads=4, layers=2,
+                            vocab_size=1000, max_position_embeddings=1024)
+    module, function = checks.split(":")
+    code = f"from {module} import {function}; {function}({str(path)!r})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("checks passed"), proc.stdout[-2000:]
+
+
 def main() -> None:
     from server.workers.vllm_engine import ENVIRONMENT
 

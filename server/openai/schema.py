@@ -29,7 +29,7 @@ from .json_schema import check_grammar_ints, check_refs
 from .fields import (
     HONOURED_CHAT, HONOURED_COMPLETION, KNOWN, UNSUPPORTED, check_fields, is_neutral,
 )
-from .structured import structured_outputs
+from .structured import structural_tag, structured_outputs
 from .tools import TOOL_FIELDS, ToolChoice, calls_or_document, history_message, read_tools
 
 __all__ = [
@@ -380,19 +380,23 @@ def _logit_bias(data: dict) -> dict[str, float] | None:
 
 def _response_format(data: dict) -> dict | None:
     """``response_format`` for the engine: ``{"type": "json_object"}``, ``{"type":
-    "json_schema", "schema": {...}}``, or None (``text``, the default)."""
+    "json_schema", "schema": {...}}``, a structural tag (vLLM's, :func:`structural_tag`), or
+    None (``text``, the default)."""
     value = data.get("response_format")
     if value is None:
         return None
     kind = value.get("type") if isinstance(value, dict) else None
-    if kind not in ("text", "json_object", "json_schema"):
+    if kind not in ("text", "json_object", "json_schema", "structural_tag"):
         raise ClientError(
-            "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-            "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}.",
+            "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"}, "
+            "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}} or "
+            "a structural tag ({\"type\": \"structural_tag\", ...}, vLLM's).",
             param="response_format",
         )
     if kind == "text":
         return None
+    if kind == "structural_tag":
+        return structural_tag(value, "response_format")
     if kind == "json_object":
         return {"type": "json_object"}
     spec = value.get("json_schema")

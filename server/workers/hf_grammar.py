@@ -28,7 +28,11 @@ with every request is compiled once, and one being compiled is shared.
 The mask is one bitmask for the rows that have a grammar, filled per row and applied to the
 logits in one call; rows without one are not touched. JSON is generated without free
 whitespace between tokens (as vLLM's ``disable_any_whitespace``): a model may not pad a
-document forever with blanks.
+document forever with blanks. ``{"type": "json_object"}`` is the schema ``{"type":
+"object"}`` (vLLM's), so it too is an object without free whitespace (xgrammar's built-in
+JSON grammar would take an array or a bare value, padded with tabs and newlines). A
+``grammar`` may be GBNF/EBNF or Lark, and a ``structural_tag`` is compiled as vLLM compiles
+it (:mod:`.hf_grammar_text`).
 
 xgrammar 0.2.8 writes a string bounded by ``minLength``/``maxLength`` as a repetition of
 "any character but a quote, a backslash, CR or LF": raw control characters (U+0000 to
@@ -55,6 +59,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from .base import Rejected, one_line
+from .hf_grammar_text import compile_structural_tag, compile_text_grammar
 from .hf_llguidance import Guidance
 from .hf_schema_check import unenforced
 from .prep_helper import HelperDied
@@ -85,17 +90,23 @@ def describe(response_format: dict) -> str:
     return "response_format"
 
 
-#: The constraint kinds besides JSON (vLLM's structured_outputs, server.openai.structured):
-#: the cache key of each is the kind, a NUL, and its text (a JSON schema's key starts "{").
-TEXT_KINDS = ("regex", "grammar", "choice")
+#: The constraint kinds besides JSON (vLLM's structured_outputs, server.openai.structured;
+#: a structural tag's text is its JSON): the cache key of each is the kind, a NUL, and its
+#: text (a JSON schema's key starts "{").
+TEXT_KINDS = ("regex", "grammar", "choice", "structural_tag")
+#: The schema ``{"type": "json_object"}`` is compiled as (vLLM's): a JSON object, written
+#: without free whitespace as any schema; not xgrammar's built-in JSON grammar, which takes
+#: any JSON value (an array, a bare number) padded with any whitespace.
+JSON_OBJECT = '{"type":"object"}'
 
 
 def constraint_key(response_format: dict, max_bytes: int) -> str:
-    """The cache key of any constraint (:func:`schema_text` for a JSON schema, "" for any
-    JSON), refused (:class:`Rejected`, naming it) beyond ``max_bytes``."""
+    """The cache key of any constraint (:func:`schema_text` for a JSON schema,
+    :data:`JSON_OBJECT`'s for any JSON object), refused (:class:`Rejected`, naming it)
+    beyond ``max_bytes``."""
     kind = response_format.get("type")
     if kind == "json_object":
-        return ""
+        return JSON_OBJECT
     if kind == "json_schema":
         return schema_text(response_format, max_bytes)
     if kind not in TEXT_KINDS:
@@ -189,8 +200,8 @@ class Grammars:
 
     def compile(self, response_format: dict):
         """The compiled grammar of a request's ``response_format`` (``{"type":
-        "json_object"}``, ``{"type": "json_schema", "schema": {...}}``, or a regex, grammar
-        or choice of vLLM's ``structured_outputs``), from the cache
+        "json_object"}``, ``{"type": "json_schema", "schema": {...}}``, a structural tag, or
+        a regex, grammar or choice of vLLM's ``structured_outputs``), from the cache
         or compiled within the budgets. Any thread (blocks up to ``timeout``); an invalid,
         unsupported, too large or too slow schema is :class:`Rejected` naming the problem."""
         name = describe(response_format)
@@ -202,7 +213,7 @@ class Grammars:
                 raise Rejected(f"{name}: unsupported JSON schema: {problem}")
             if problem:
                 key = GUIDED + key
-        what = "JSON schema" if key[:1] in ("", "{") or problem else key.partition("\x00")[0]
+        what = "JSON schema" if key.startswith("{") or problem else key.partition("\x00")[0]
         future = self._future(key)
         try:
             return future.result(timeout=self.timeout)
@@ -236,7 +247,7 @@ class Grammars:
         self._pool.shutdown()
 
     def _future(self, key: str) -> Future:
-        """The cached compilation of ``key`` ("" for any JSON), started if new."""
+        """The cached compilation of ``key``, started if new."""
         with self._lock:
             future = self._cache.get(key)
             if future is not None:
@@ -261,8 +272,6 @@ class Grammars:
 
     def compile_here(self, key: str):
         """Compile ``key`` in this process (a pool thread, or the helper process)."""
-        if not key:
-            return self._compiler.compile_builtin_json_grammar()
         if key[0] == "{":
             grammar = self._xgr.Grammar.from_json_schema(key, any_whitespace=False)
             return self._compiler.compile_grammar(_json_strings(self._xgr, grammar))
@@ -270,7 +279,9 @@ class Grammars:
         if kind == "regex":
             return self._compiler.compile_regex(text)
         if kind == "grammar":
-            return self._compiler.compile_grammar(text)
+            return compile_text_grammar(self._compiler, text)
+        if kind == "structural_tag":
+            return compile_structural_tag(self._xgr, self._compiler, text)
         # choice: exactly one of the strings, as a grammar of string literals
         literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in text.split("\x00"))
         return self._compiler.compile_grammar("root ::= " + literals)

@@ -73,6 +73,7 @@ import contextlib
 import dataclasses
 import os
 import select
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -204,9 +205,26 @@ def _build_engine(model_path: str | None, named: dict, engine_args: dict,
                                              enable_multiprocessing=multiprocess,
                                              stat_loggers=stat_loggers)
     except Exception as exc:
-        raise RuntimeError(f"vLLM could not start: {one_line(exc)}") from None
+        raise RuntimeError(f"vLLM could not start: {_start_error(exc)}") from None
     set_serving_threads(llm, multiprocess=multiprocess)  # (as vLLM's server would)
     return llm
+
+
+def _start_error(exc: BaseException) -> str:
+    """Why vLLM refused to start, on one line: a rejected engine configuration is pydantic's
+    ``ValidationError``, whose first line ("1 validation error for VllmConfig") says nothing
+    of which field or why, so each error's place, message and input are given instead."""
+    errors = getattr(exc, "errors", None)
+    if type(exc).__name__ != "ValidationError" or not callable(errors):
+        return one_line(exc)
+    try:
+        found = [f"{'.'.join(map(str, e.get('loc') or ())) or '(the whole)'}: "
+                 f"{' '.join(str(e.get('msg')).split())} (given {repr(e.get('input'))[:80]})"
+                 for e in errors()]
+    except Exception:  # (not pydantic's after all)
+        return one_line(exc)
+    title = getattr(exc, "title", "the engine configuration")
+    return f"{title}: {'; '.join(found)}"[:600]
 
 
 #: What a request's params ask the engine to send: its tokens' ids, its prompt's ids.
@@ -794,7 +812,7 @@ class VLLMEngine(HelperTokenizing):
                 kwargs["structured_outputs"] = StructuredOutputsParams(
                     json=response_format.get("schema") or {}
                 )
-            else:  # vLLM's structured_outputs: regex, grammar, choice (server.openai.structured)
+            else:  # regex, grammar (GBNF or Lark: vLLM tells them apart), choice, structural_tag
                 kwargs["structured_outputs"] = StructuredOutputsParams(
                     **{kind: response_format[kind]}
                 )
@@ -873,9 +891,16 @@ class VLLMEngine(HelperTokenizing):
         if self.info.get("logprobs"):  # (--max-logprobs 0 refuses them)
             probes.append({"temperature": 0, "logprobs": 1})
         ids = list(self.tokenizer.encode("warm up")) or [0]
+        refused: tuple[type[Exception], ...] = (Rejected, *self._client_errors)
         for i, probe in enumerate(probes):
-            self._llm.add_request(f"warmup-{i}", {"prompt_token_ids": ids},
-                                  self.sampling_params(probe, 2))
+            try:
+                self._llm.add_request(f"warmup-{i}", {"prompt_token_ids": ids},
+                                      self.sampling_params(probe, 2))
+            except refused as exc:
+                # what this configuration refuses (outlines' backend refuses json_object):
+                # refused in a request too, not a reason not to start
+                print(f"vllm engine: warm-up skips {sorted(probe)} ({one_line(exc)})",
+                      file=sys.stderr)
         adapters = self._adapters
         names = list(adapters.table.names()) if adapters is not None else []
         if adapters is not None and names:  # the LoRA path too, with a start-up adapter
