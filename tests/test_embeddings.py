@@ -349,3 +349,28 @@ async def test_vllm_pooling_runner_end_to_end(tmp_path):
                 assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
                 r = await http.post("/v1/completions", json={"prompt": "hi"})
                 assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+async def test_an_embeddings_request_too_big_for_one_computation_is_refused(caplog):
+    """Issue 42 item 4: the sim computed a 4 MB request for 22 s (every stream on its worker
+    waited); now it refuses one past its token cap, as the transformers engine does, and
+    /v1/embeddings writes its request log line like a generation request."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="server.request")
+    config = EngineConfig(engine_options={"itl_ms": 2.0, "ttft_ms": 5.0,
+                                          "max_model_len": 4000, "max_embed_tokens": 5000})
+    with trio.fail_after(LIMIT):
+        async with running_server(config) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=LIMIT) as http:
+                r = await http.post("/v1/embeddings", json={"input": ["w " * 3000] * 2})
+                assert r.status_code == 400, r.text
+                assert "send fewer inputs" in r.json()["error"]["message"]
+                r = await http.post("/v1/embeddings", json={"input": ["w " * 3000]})
+                assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3000
+    lines = [r for r in caplog.records if r.name == "server.request"]
+    fields = [line.msg.fields for line in lines]
+    assert [(f["route"], f["status"], f["prompt_tokens"]) for f in fields] == [
+        ("/v1/embeddings", 400, 0), ("/v1/embeddings", 200, 3000)], fields
+    assert [line.getMessage().split(" ", 2)[:2] for line in lines] == [
+        ["request", "rejected"], ["request", "finished"]]

@@ -253,7 +253,12 @@ class LLMServerApp(QuartTrio):
                                         header(scope, b"traceparent"))
             return
         if path == EMBEDDINGS_PATH:
-            await handle_embeddings(self, scope, receive, send, headers=extra)
+            record = RequestRecord(request_id, path)
+            try:
+                await handle_embeddings(self, scope, receive, send, headers=extra, record=record)
+            finally:  # (its log line, as a generation request's; not its metrics)
+                record.finish = _now()
+                log_request(record)
             return
         op = TOKENIZE_ROUTES.get(path)
         if op is not None:

@@ -17,6 +17,8 @@ whole request goes to the least loaded worker as one ``embed`` TOKENIZE round tr
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import base64
 import sys
 from array import array
@@ -27,6 +29,9 @@ from ..openai.encode import dumps_document
 from ..openai.fields import check_route_fields
 from ..openai.schema import decode_json
 from .tokenize import serve_worker_op
+
+if TYPE_CHECKING:
+    from ..observability.record import RequestRecord
 
 __all__ = ["handle_embeddings", "parse_embeddings", "embeddings_answer", "HONOURED", "REFUSED",
            "MAX_INPUTS", "PATH"]
@@ -171,8 +176,9 @@ def embeddings_answer(context: tuple, result: dict) -> bytes:
     })
 
 
-async def handle_embeddings(app, scope: dict, receive, send, *, headers: list) -> None:
+async def handle_embeddings(app, scope: dict, receive, send, *, headers: list,
+                            record: RequestRecord | None = None) -> None:
     """Serve one /v1/embeddings request; never raises into the ASGI server (but
-    Cancelled)."""
+    Cancelled). ``record``: filled in for its request log line."""
     await serve_worker_op(app, scope, receive, send, headers, parse_embeddings,
-                          embeddings_answer)
+                          embeddings_answer, record=record)

@@ -17,6 +17,8 @@ a tokenizer (the sim engine) answers 400. Parsing is sans-IO (:func:`parse_token
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..errors import ClientError, NotFound, clip
 from ..params import is_token_ids
 from .asgi import send_error, send_json
@@ -26,6 +28,9 @@ from .post import BIG_BODY, off_loop, read_json_post, refusal
 from ..openai.schema import decode_json, messages_of, template_kwargs_of, template_options
 from ..openai.tools import render_tools
 from ..worker_protocol.wire import release_sliced
+
+if TYPE_CHECKING:
+    from ..observability.record import RequestRecord
 
 __all__ = ["handle_tokenize", "parse_tokenize", "parse_detokenize", "serve_worker_op", "ROUTES"]
 
@@ -116,21 +121,33 @@ def parse_detokenize(body: bytes, served_model: str) -> dict:
 
 
 async def serve_worker_op(app, scope: dict, receive, send, headers: list, parse, answer, *,
-                          call=None, content_type: bytes = b"application/json") -> None:
+                          call=None, content_type: bytes = b"application/json",
+                          record: RequestRecord | None = None) -> None:
     """Serve one request answered by a worker round trip (/tokenize, /detokenize,
     /v1/embeddings); never raises into the ASGI server (but Cancelled). ``parse(body,
     model, info) -> (request, context)`` is sans-IO and raises the client's errors;
     ``answer(context, result) -> bytes`` makes the JSON body from the worker's result. Both
     run off the event loop when their input is big. ``call(engine, request)``: what
-    answers instead of one worker's round trip (the LoRA endpoints: every worker's)."""
+    answers instead of one worker's round trip (the LoRA endpoints: every worker's).
+    ``record``: filled in for the request's log line (/v1/embeddings), which the caller
+    writes."""
     try:
         body = await read_json_post(app, scope, receive)
         if body is None:
+            if record is not None:
+                record.client_disconnected = True
             return  # the client went away
         engine = (await app.models.pool_for(body)).require_engine()
+        if record is not None:
+            record.model = engine.model_name
         request, context = await off_loop(len(body), parse, body, engine.model_name,
                                           engine.info)
+        if record is not None:
+            record.dispatched(False, 1)
         result = await (engine.tokenize(request) if call is None else call(engine, request))
+        if record is not None and isinstance(result, dict):
+            record.finish_reasons = ["stop"]
+            record.prompt_tokens = int(result.get("prompt_tokens") or 0)
         size = _result_size(result)
         # (a worker's fresh result, held nowhere else, is emptied once answered)
         fresh = call is None and size >= BIG_BODY
@@ -138,8 +155,13 @@ async def serve_worker_op(app, scope: dict, receive, send, headers: list, parse,
     except Exception as exc:
         error, extra = await refusal(exc, scope, receive, app.server_config,
                                      f"in {scope['path']}")
+        if record is not None:
+            record.failed(error)
+            record.status = error.status
         await send_error(send, error, headers + extra)
         return
+    if record is not None:
+        record.status = 200
     await send_json(send, 200, data, headers, content_type=content_type)
 
 

@@ -199,6 +199,7 @@ class SimEngine:
         prefix_cache_tokens: int = 0,
         prefix_block_size: int = 16,
         embedding_size: int = 384,
+        max_embed_tokens: int = 16384,
         clock=time.monotonic,
     ) -> None:
         if not 0 < embedding_size <= _MAX_EMBEDDING:
@@ -211,6 +212,9 @@ class SimEngine:
             time.sleep(startup_delay_ms / 1000.0)
         self._clock = clock
         self.embedding_size = embedding_size
+        #: Most tokens one embeddings request may hold (as the transformers engine's cap:
+        #: a 4 MB request computed for 22 s, and every stream on the worker waited).
+        self.max_embed_tokens = max(max_embed_tokens, max_model_len)
         self.itl = itl_ms / 1000.0
         self.ttft = ttft_ms / 1000.0
         self.prefill = prefill_us_per_token / 1e6
@@ -254,8 +258,7 @@ class SimEngine:
             _compute_for(float(fault.get("seconds", 0.0)))  # as a big forward pass does
         full = self.embedding_size
         size = options.get("dimensions") or full
-        vectors = []
-        total = 0
+        rows = []
         for i, item in enumerate(inputs):
             tokens = item.split() if isinstance(item, str) else item
             if not tokens:
@@ -263,7 +266,14 @@ class SimEngine:
             if len(tokens) > self.max_model_len:
                 raise Rejected(f"input[{i}] has {len(tokens)} tokens; this model's maximum "
                                f"context length is {self.max_model_len} tokens")
-            total += len(tokens)
+            rows.append(tokens)
+        total = sum(map(len, rows))
+        if total > self.max_embed_tokens:  # (its computing holds the worker's loop)
+            raise Rejected(f"input: {len(rows)} inputs of {total} tokens in all are more than "
+                           f"the {self.max_embed_tokens} tokens one request may hold here; "
+                           "send fewer inputs per request")
+        vectors = []
+        for tokens in rows:
             sums = [sum(col) for col in zip(*(_token_vector(t, full)[:size] for t in tokens))]
             norm = math.sqrt(sum(x * x for x in sums)) or 1.0
             vectors.append([x / norm for x in sums])
