@@ -234,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--heartbeat-timeout", type=float, default=10.0,
                    help="seconds a worker may leave pings unanswered before it is restarted")
     g.add_argument("--max-restarts", type=int, default=5,
-                   help="most worker restarts within 60 s before the worker is left down")
+                   help="most worker restarts within 60 s before the worker is restarted only "
+                   "every 5 s (an error logged), until it stays up for 60 s; never left down")
     bound_numbers(p)  # (each numeric option's range: server.option_bounds)
     return p
 

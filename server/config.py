@@ -44,8 +44,9 @@ class EngineConfig:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
     #: Restart backoff after a worker dies (doubling from ``restart_backoff`` up to
-    #: ``restart_backoff_max``), and the most restarts in ``restart_window`` seconds before
-    #: the worker is left down.
+    #: ``restart_backoff_max``), and its budget: the most restarts in ``restart_window``
+    #: seconds before a spawned worker is restarted only at ``restart_backoff_max`` (never
+    #: left down), until it stays up for ``restart_window`` (server.restarts).
     restart_backoff: float = 0.1
     restart_backoff_max: float = 5.0
     max_restarts: int = 5

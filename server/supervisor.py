@@ -27,12 +27,19 @@ Theory of operation
    (:mod:`server.observability.group`). ``DIR`` is locked as long as the supervisor
    lives; at start, the directories of supervisors that were killed are removed
    (:mod:`server.private_dir`).
-3. Supervision: a child that exits is restarted (:class:`~server.supervisor_plan.Restarts`:
+3. Supervision: a child that exits is restarted (:class:`~server.restarts.Restarts`:
    backoff from 0.1 s, doubling to 5 s), a worker on the same socket path, so that the
    frontends reconnect by themselves. A dead frontend's connections to the workers end,
    and the workers abort its requests; the other frontends are not touched. A child that
-   cannot start the first time, or dies more than ``--max-restarts`` times within 60 s,
-   ends the supervisor with status 1 and one line.
+   cannot start the first time ends the supervisor with status 1 and one line. A worker
+   that dies more than ``--max-restarts`` times within 60 s is over its budget: restarted
+   every 5 s (one error line for the episode) until it stays up for 60 s, as a frontend
+   retries a worker it spawned, while the frontends serve on the other workers; a
+   frontend over its budget ends the supervisor with status 1 (a frontend that keeps
+   dying leaves its share of new connections waiting in its socket's queue: better the
+   orchestrator restarts the whole). A child the supervisor could not start for its own
+   reasons (out of descriptors or memory: :func:`~server.restarts.starter_fault`) is
+   retried without that counting against its budget.
 4. SIGTERM/SIGINT: SIGTERM to every frontend (each drains with ``--shutdown-timeout`` as
    a server on its own does); once they are all gone, the workers get SIGTERM, then
    SIGKILL after a grace. A second signal is forwarded too (each frontend hurries).
@@ -71,7 +78,8 @@ from .http.serve import hypercorn_config
 from .observability.group import peer_socket
 from .manager.transport import kill_group
 from .private_dir import make_private_directory, remove_stale_directories
-from .supervisor_plan import Plan, Restarts, plan
+from .restarts import Restarts, starter_fault
+from .supervisor_plan import Plan, plan
 
 __all__ = ["supervise"]
 
@@ -225,7 +233,10 @@ class Supervisor:
                 os.unlink(path)  # a killed predecessor's
             except FileNotFoundError:
                 pass
-            child = Child(argv, env=env)
+            child = await self._start(f"engine worker {index}", first, restarts, argv,
+                                      env=env)
+            if child is None:
+                continue
             try:
                 if not await self._until(lambda: os.path.exists(path), child,
                                          self.config.engine.startup_timeout):
@@ -245,7 +256,7 @@ class Supervisor:
                     log.info("engine worker %d stopped (%s)", index, describe(child.popen.wait()))
                 else:
                     await child.stop(_GRACE)  # (closes its pidfd)
-            await self._restart_after(f"engine worker {index}", why, child, restarts)
+            await self._restart_after(f"engine worker {index}", why, restarts, child)
 
     async def _frontend(self, index: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
         fd = self.sockets[index].fileno()
@@ -263,7 +274,10 @@ class Supervisor:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-            child = Child(argv, pass_fds=fds)
+            child = await self._start(f"frontend {index}", first, restarts, argv,
+                                      give_up=True, pass_fds=fds)
+            if child is None:
+                continue
             self.frontends[index] = child
             try:
                 if self.stopping.is_set():  # a signal came while it started
@@ -286,18 +300,49 @@ class Supervisor:
             if self.stopping.is_set():
                 log.info("frontend %d stopped (%s)", index, why)
                 break
-            await self._restart_after(f"frontend {index}", why, child, restarts)
+            await self._restart_after(f"frontend {index}", why, restarts, child,
+                                      give_up=True)
         if first:
             task_status.started()
 
-    async def _restart_after(self, name: str, why: str, child: Child, restarts: Restarts) -> None:
+    async def _start(self, name: str, first: bool, restarts: Restarts, argv: list[str], *,
+                     give_up: bool = False, **options) -> Child | None:
+        """Start child ``name``; None when that failed (logged), after its restart's wait
+        (``give_up``: as :meth:`_restart_after`'s). A failure of the first start ends the
+        supervisor; a later one for the supervisor's own reasons (out of descriptors,
+        memory or processes) is not the child's fault: retried without counting against
+        its budget."""
+        try:
+            return Child(argv, **options)
+        except OSError as exc:
+            if first:
+                raise self.give_up(f"{name} could not be started: {exc}") from None
+            why = f"could not be started ({exc})"
+            if starter_fault(exc):
+                why += ": the supervisor's own resources, not counted against its restarts"
+            await self._restart_after(name, why, restarts, None,
+                                      charged=not starter_fault(exc), give_up=give_up)
+            return None
+
+    async def _restart_after(self, name: str, why: str, restarts: Restarts,
+                             child: Child | None, *, charged: bool = True,
+                             give_up: bool = False) -> None:
+        """Wait before child ``name`` is started again after it died (``why``), or could
+        not be started (``child`` None). Over its budget: ``give_up`` ends the supervisor,
+        else it is restarted at the capped backoff and that is logged once (the episode)."""
         now = time.monotonic()
-        delay = restarts.died(now, now - child.started)
-        if delay is None:
-            raise self.give_up(f"{name} died more than {restarts.limit} times within "
-                        f"{restarts.window:.0f} s (last: {why})")
-        log.error("%s (pid %d) exited (%s); restarting in %.1f s", name, child.pid, why, delay)
-        with trio.move_on_after(delay):
+        restart = restarts.died(now, now - child.started if child is not None else 0.0,
+                                charged=charged)
+        over = f"{name} died more than {restarts.limit} times within {restarts.window:.0f} s"
+        if restart.over_budget_now and give_up:
+            raise self.give_up(f"{over} (last: {why})")
+        what = f"{name} (pid {child.pid}) exited ({why})" if child is not None \
+            else f"{name} {why}"
+        log.error("%s; restarting in %.1f s", what, restart.delay)
+        if restart.over_budget_now:
+            log.error("%s: restarting it every %.0f s until it stays up for %.0f s", over,
+                      restart.delay, restarts.window)
+        with trio.move_on_after(restart.delay):
             await self.stopping.wait()
 
     async def _until(self, ready, child: Child, timeout: float) -> bool:

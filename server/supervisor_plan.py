@@ -1,4 +1,4 @@
-"""What the supervisor of ``--api-servers N`` runs, and when it restarts it. Sans-IO.
+"""What the supervisor of ``--api-servers N`` runs. Sans-IO.
 
 ``plan(args, parser, ...)`` splits the server's command line in two: the engine options go
 to each worker (``python -m server.workers --listen unix:PATH ...``), the serving options to
@@ -8,21 +8,18 @@ follows the option's home: an option of :func:`server.engine_args.add_engine_arg
 those only the supervisor honours (``SUPERVISOR_DESTS``). ``--served-model-name`` and
 ``--sim-faults`` go to both (the served name; whether a request's ``fault`` field is accepted).
 
-:class:`Restarts` is the backoff of one child: 0.1 s after a death, doubling up to 5 s,
-starting over after the child lived ``window`` seconds; more than ``limit`` restarts within
-``window``: give up (the supervisor then exits 1).
+When a child that died is restarted is :class:`server.restarts.Restarts`' decision.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections import deque
 from dataclasses import dataclass
 
 from .engine_args import add_engine_arguments, resolve_model_args
 
-__all__ = ["Plan", "Restarts", "SUPERVISOR_DESTS", "options_argv", "plan"]
+__all__ = ["Plan", "SUPERVISOR_DESTS", "options_argv", "plan"]
 
 #: Options the supervisor itself honours; they reach no child as given.
 SUPERVISOR_DESTS = frozenset({
@@ -107,30 +104,3 @@ def plan(parser: argparse.ArgumentParser, args: argparse.Namespace,
         worker=[python, "-m", "server.workers", *options_argv(parser, args, engine)],
         frontend=[python, "-m", "server", *options_argv(parser, args, frontend)],
     )
-
-
-class Restarts:
-    """When to restart one child after it died (module docstring)."""
-
-    def __init__(self, limit: int, *, window: float = 60.0, first: float = 0.1,
-                 cap: float = 5.0) -> None:
-        self.limit = limit
-        self.window = window
-        self.first = first
-        self.cap = cap
-        self._delay = first
-        self._deaths: deque[float] = deque()
-
-    def died(self, now: float, lived: float) -> float | None:
-        """The delay before the restart of a child that died at ``now`` after ``lived``
-        seconds; None when it died more than ``limit`` times within ``window``."""
-        if lived >= self.window:
-            self._delay = self.first
-        self._deaths.append(now)
-        while self._deaths and self._deaths[0] < now - self.window:
-            self._deaths.popleft()
-        if len(self._deaths) > self.limit:
-            return None
-        delay = self._delay
-        self._delay = min(self._delay * 2, self.cap)
-        return delay

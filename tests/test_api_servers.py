@@ -6,7 +6,8 @@ private socket), ``/metrics`` sums them; a SIGKILLed frontend's streams end, its
 are aborted in the worker (the worker's own count, by PING), the other frontend's streams
 go on untouched, and it is restarted; SIGTERM drains every frontend and leaves no process;
 a SIGKILLed supervisor leaves no process (the parent-death signal); a worker that cannot
-start ends the supervisor with one line. The sans-IO parts (merging expositions, the
+start ends the supervisor with one line; a worker killed past its restart budget is
+restarted at the capped backoff while the frontends serve on. The sans-IO parts (merging expositions, the
 restart policy, the split of the command line) are tested without processes.
 """
 
@@ -16,6 +17,7 @@ import os
 import re
 import signal
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,7 +25,8 @@ import trio
 
 from server.cli import build_parser, config_from_args
 from server.observability.merge import merge_expositions
-from server.supervisor_plan import Restarts, plan
+from server.restarts import Restart, Restarts
+from server.supervisor_plan import plan
 from tests.conftest import pid_exists
 from tests.remote import local_metrics, parse_samples, supervised, worker_counts
 from tests.sse_record import SSE, stream_into
@@ -226,6 +229,56 @@ async def test_a_killed_supervisor_leaves_no_process(tmp_path):
         await wait_gone([*frontends.values(), *workers], 5)
 
 
+def worker_pid(sup, index: int) -> int | None:
+    """The supervisor's engine worker ``index`` (it listens on ``worker-INDEX.sock``)."""
+    for pid in sup.children()[1]:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"worker-{index}.sock".encode() in argv:
+            return pid
+    return None
+
+
+async def test_a_worker_killed_past_its_budget_is_restarted_and_the_server_serves_on(tmp_path):
+    # Issue 42: a worker that died more than --max-restarts times within 60 s made the
+    # supervisor give up and exit 1; now it is restarted at the capped backoff (5 s).
+    async with supervised(tmp_path, "--engine-workers", "2", "--max-restarts", "1") as sup:
+        socket_file = sup.directory() / "worker-0.sock"
+        killed: list[int] = []
+        alive = ("trio_llm:workers_alive", frozenset({("model_name", "sim")}))
+
+        async def workers_alive() -> list[float]:
+            return [(await local_metrics(sup.directory(), i))[alive] for i in (0, 1)]
+
+        async with httpx.AsyncClient(base_url=sup.url, timeout=30,
+                                     limits=new_connections()) as http:
+            for _ in range(3):  # one more death than the budget allows, and one at the cap
+                with trio.fail_after(120):
+                    while (pid := worker_pid(sup, 0)) in (None, *killed) \
+                            or not socket_file.exists():
+                        assert sup.proc.returncode is None, sup.text()
+                        await trio.sleep(0.05)
+                killed.append(pid)
+                os.kill(pid, signal.SIGKILL)
+                for _ in range(4):  # served on (by the other worker, or moved there)
+                    r = await http.post("/v1/completions",
+                                        json={"prompt": "p", "max_tokens": 2})
+                    assert r.status_code == 200, r.text
+            # left alone, it comes back and both frontends reconnect to it
+            with trio.fail_after(120):
+                while await workers_alive() != [2, 2]:
+                    assert sup.proc.returncode is None, sup.text()
+                    await trio.sleep(0.1)
+            r = await http.post("/v1/completions", json={"prompt": "p", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        assert sup.proc.returncode is None
+        assert worker_pid(sup, 0) not in (None, *killed)
+        assert sup.text().count("engine worker 0 died more than 1 times within 60 s: "
+                                "restarting it every 5 s until it stays up for 60 s") == 1
+
+
 async def test_a_worker_that_cannot_start_ends_the_supervisor_with_one_line(tmp_path):
     # (no vLLM in this environment: the worker fails at once)
     proc = await trio.run_process(
@@ -303,13 +356,19 @@ def test_metrics_merge_sums_counters_and_histograms_and_labels_gauges():
         ("h_sum", None, 5.0)]
 
 
-def test_restarts_back_off_and_give_up():
+def test_restarts_back_off_cap_past_the_budget_and_start_over():
     r = Restarts(3, window=60.0)
-    assert [r.died(t, 1.0) for t in (0.0, 1.0, 2.0)] == [0.1, 0.2, 0.4]
-    assert r.died(3.0, 1.0) is None  # a fourth death within 60 s
-    r = Restarts(3, window=60.0)
-    assert r.died(0.0, 1.0) == 0.1 and r.died(1.0, 1.0) == 0.2
-    assert r.died(100.0, 99.0) == 0.1  # it lived long: the backoff starts over
+    assert [r.died(t, 1.0).delay for t in (0.0, 1.0, 2.0)] == [0.1, 0.2, 0.4]
+    fourth = r.died(3.0, 1.0)  # a fourth death within 60 s: over the budget, at the cap
+    assert fourth == Restart(5.0, over_budget_now=True) and r.over_budget
+    assert r.died(4.0, 1.0) == Restart(5.0)  # (said once an episode)
+    assert r.died(5.0, 0.0, charged=False) == Restart(5.0) and r.charged() == 5
+    assert r.died(100.0, 99.0) == Restart(0.1) and not r.over_budget  # it lived long
+    r = Restarts(1, window=60.0)
+    for t in range(5):  # not charged: backs off, spends no budget
+        assert r.died(float(t), 0.0, charged=False).delay == min(0.1 * 2 ** t, 5.0)
+    assert r.charged() == 0 and not r.over_budget
+    assert Restarts(None).died(0.0, 0.0) == Restart(0.1)  # no budget (a remote worker)
 
 
 async def test_a_killed_supervisors_directory_is_removed_by_the_next_one(tmp_path, monkeypatch):

@@ -173,12 +173,13 @@ async def test_one_pools_worker_sigkilled_while_the_other_streams_on():
 
 
 async def test_health_says_which_pool_is_down_and_the_other_serves():
-    models = (model("a", max_restarts=0), model("b"))
+    # over its budget at its first death: restarted only after the capped backoff, 600 s
+    models = (model("a", max_restarts=0, restart_backoff_max=600.0), model("b"))
     async with running_server(models=models) as url:
         a = pool(url, "a").engine
         os.kill(a.statistics().workers[0].pid, signal.SIGKILL)
         with trio.fail_after(20):
-            while not a.workers[0].gave_up:
+            while not a.workers[0].over_budget:
                 await trio.sleep(0.05)
         async with httpx.AsyncClient(base_url=url) as http:
             health, ready = await http.get("/health"), await http.get("/ready")

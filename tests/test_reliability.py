@@ -7,11 +7,12 @@ the property, and every bound on a duration is causal (a failure cannot be detec
 the request that caused it was sent). How fast a killed worker's streams end is not asserted
 here (a loaded machine stretches it); in virtual time it is exact (tests/test_stream_fake.py).
 The restart backoff schedule is checked exactly, on trio's virtual clock, with a minimal
-stand-in process (see ``test_restart_backoff_doubles_resets_and_gives_up``).
+stand-in process (see ``test_restart_backoff_doubles_caps_past_the_budget_and_resets``).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
@@ -19,7 +20,9 @@ import httpx
 import trio
 
 from server.config import EngineConfig
-from server.manager.worker import WorkerClient
+from server import SamplingParams
+from server.manager.engine import open_engine
+from server.manager.worker import WorkerClient, spawn_process
 from server.worker_protocol import wire
 from tests.fakes import all_outputs
 from tests.conftest import FAST_SIM, assert_engine_idle, pid_exists, running_server
@@ -215,31 +218,43 @@ async def test_garbage_on_the_pipe_is_treated_as_death():
 # -- restarts: backoff and the limit ---------------------------------------------------------
 
 
-async def test_restart_limit_leaves_the_worker_down_and_health_503():
-    config = fault_config(max_restarts=2, restart_backoff=0.05, restart_window=60.0)
-    crash = {"prompt": "p", "max_tokens": 20, "fault": {"kind": "crash", "after": 0}}
+async def test_a_worker_killed_past_its_budget_comes_back_and_ready_says_degraded():
+    # Issue 42: a worker SIGKILLed more than max_restarts times within the window was left
+    # down for good while /health and /ready said 200. Now it is retried at the capped
+    # backoff and comes back, and meanwhile the probes say the pool is degraded.
+    config = fault_config(workers=2, max_restarts=1, restart_backoff=0.05,
+                          restart_backoff_max=2.0, restart_window=600.0)
+    degraded = {"status": "degraded", "workers_alive": 1, "workers": 2}
     async with running_server(config) as url:
         engine = url.engine
-        pids = set()
+        worker = engine.workers[0]
+        await all_workers_up(engine)
+        killed: list[int] = []
+        seen: dict[str, list] = {"/ready": [], "/health": []}
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-            for _death in range(3):
-                await wait_until(lambda: engine.statistics().workers[0].alive, timeout=30)
-                assert (await http.get("/health")).status_code == 200
-                pids.add(engine.statistics().workers[0].pid)
-                r = await http.post("/v1/completions", json=crash)
-                assert r.status_code == 500 and r.json()["error"]["code"] == "worker_died"
-            await wait_until(lambda: engine.statistics().workers[0].gave_up, timeout=30)
-            stats = engine.statistics().workers[0]
-            assert stats.restarts == 2 and not stats.alive and stats.pid is None
-            assert len(pids) == 3 and not any(pid_exists(p) for p in pids)
-            health = await http.get("/health")
-            assert health.status_code == 503 and health.headers["retry-after"] == "1"
-            r = await http.post("/v1/completions", json={"prompt": "p", "max_tokens": 2})
-            assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker"
-            assert r.headers["retry-after"] == "1"
-            await trio.sleep(0.5)  # it stays down: no further restart
-            assert engine.statistics().workers[0].restarts == 2
-            assert (await http.get("/health")).status_code == 503
+            for _ in range(3):  # one more death than the budget allows, and one at the cap
+                await wait_until(lambda: worker.alive and worker.pid not in killed, timeout=60)
+                killed.append(worker.pid)
+                os.kill(killed[-1], signal.SIGKILL)
+                await wait_until(lambda: not worker.alive, timeout=60)
+                # probed while worker 0 is down (down before and after, and not restarted
+                # in between), the other one serving
+                restarts = worker.restarts
+                for path in seen:
+                    answer = await http.get(path)
+                    if not worker.alive and worker.restarts == restarts:
+                        seen[path].append((answer.status_code, answer.json()))
+                r = await http.post("/v1/completions", json={"prompt": "p", "max_tokens": 2})
+                assert r.status_code == 200
+            assert worker.over_budget
+            # left alone, it comes back (not left down), and the pool is whole again
+            await all_workers_up(engine, timeout=120)
+            assert worker.over_budget  # (until it stays up for the restart window)
+            ready = await http.get("/ready")
+            assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
+        assert worker.restarts == 3 and not any(pid_exists(p) for p in killed)
+        assert seen["/ready"] and all(a == (200, degraded) for a in seen["/ready"]), seen
+        assert all(a == (200, degraded) for a in seen["/health"]), seen
 
 
 class _ShortLivedProcess:
@@ -277,9 +292,9 @@ class _ShortLivedProcess:
         pass
 
 
-async def test_restart_backoff_doubles_resets_and_gives_up(autojump_clock):
+async def test_restart_backoff_doubles_caps_past_the_budget_and_resets(autojump_clock, caplog):
     # Virtual time: every process lives ``lifetimes[k]`` seconds after its HELLO.
-    lifetimes = iter([0, 0, 0, 0, 0, 100, 0, 0, 0, 0, 0, 0, 0, 0])
+    lifetimes = iter([0, 0, 0, 0, 0, 100, 0, 0, 0])
     spawned = []
 
     async def spawn(config):
@@ -288,8 +303,8 @@ async def test_restart_backoff_doubles_resets_and_gives_up(autojump_clock):
 
     config = EngineConfig(
         restart_backoff=0.1,
-        restart_backoff_max=0.5,
-        max_restarts=5,
+        restart_backoff_max=5.0,
+        max_restarts=2,
         restart_window=60.0,
         heartbeat_interval=1000.0,
         heartbeat_timeout=1000.0,
@@ -297,15 +312,52 @@ async def test_restart_backoff_doubles_resets_and_gives_up(autojump_clock):
     worker = WorkerClient(0, config, spawn)
     async with trio.open_nursery() as nursery:
         await nursery.start(worker.run)
-        await wait_until(lambda: worker.gave_up, timeout=1000)
+        await wait_until(lambda: len(spawned) == 9, timeout=1000)
         nursery.cancel_scope.cancel()
     gaps = [round(b - a, 6) for a, b in zip(spawned, spawned[1:])]
-    # 0.1, 0.2, 0.4, then capped at 0.5; the 6th process lived 100 s (past the restart
-    # window), so the backoff starts over at 0.1 and the window forgets the earlier deaths.
-    assert gaps == [0.1, 0.2, 0.4, 0.5, 0.5, 100.1, 0.2, 0.4, 0.5, 0.5]
-    # Then deaths at 101.7, 101.8, 102.0, 102.4, 102.9 and 103.4: the 6th within 60 s is one
-    # too many (max_restarts=5), so the worker is left down.
-    assert worker.gave_up and worker.restarts == 10 and not worker.alive
+    # 0.1, 0.2, then the third death within 60 s is over the budget (max_restarts=2): the
+    # cap, 5 s, from then on (not left down). The 6th process lived 100 s (past the restart
+    # window): its normal backoff is back (0.1, 0.2) and the window forgot the earlier
+    # deaths, until the third within 60 s again.
+    assert gaps == [0.1, 0.2, 5.0, 5.0, 5.0, 100.1, 0.2, 5.0]
+    assert worker.over_budget and worker.restarts == 8
+    # one error line per episode, not one per retry
+    episodes = [r for r in caplog.records if "until it stays up" in r.getMessage()]
+    assert [r.levelname for r in episodes] == ["ERROR", "ERROR"]
+
+
+async def test_spawns_failing_for_the_frontends_own_reasons_spend_no_restart_budget(caplog):
+    # Issue 42: with the frontend out of descriptors (a flood of connections), each spawn
+    # fails with EMFILE; those failures spent the worker's whole budget in seconds and it
+    # was left down. The spawn function is the documented hook (open_engine's ``spawn``):
+    # the real one, after it raised EMFILE as the pipe's creation would.
+    failing = 0
+
+    async def spawn(config):
+        nonlocal failing
+        if failing:
+            failing -= 1
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return await spawn_process(config)
+
+    config = fault_config(max_restarts=1, restart_backoff=0.02, restart_backoff_max=0.2,
+                          restart_window=600.0)
+    async with open_engine(config, spawn=spawn) as engine:
+        worker = engine.workers[0]
+        failing = 6  # more than the budget, after the one death it allows
+        victim = worker.pid
+        os.kill(victim, signal.SIGKILL)
+        await wait_until(lambda: worker.alive and worker.pid != victim, timeout=120)
+        assert failing == 0 and worker.restarts == 7 and not worker.over_budget
+        async with engine.generate("p", SamplingParams(max_tokens=3)) as stream:
+            assert (await all_outputs(stream))[-1].finish_reason == "length"
+    lines = [r.getMessage() for r in caplog.records if r.name == "server.worker"
+             and "could not be started" in r.getMessage()]
+    assert len(lines) == 6 and all("Too many open files" in line and "not counted" in line
+                                   for line in lines), lines
+    # still backed off, doubling to the cap
+    assert [line.rsplit(" in ", 1)[1] for line in lines] == [
+        "0.04 s", "0.08 s", "0.16 s", "0.20 s", "0.20 s", "0.20 s"]
 
 
 # -- /health proves progress -----------------------------------------------------------------

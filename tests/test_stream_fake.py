@@ -664,18 +664,24 @@ async def test_protocol_violation_by_the_worker_ends_its_session(autojump_clock,
         assert spawn.processes[0].exited  # stopped, though it never read its closed pipe
 
 
-async def test_restarts_give_up_after_max_restarts(autojump_clock):
+async def test_past_max_restarts_the_worker_is_retried_at_the_capped_backoff(autojump_clock):
     config = sim_config(max_restarts=2, restart_backoff=0.1, restart_window=60.0)
     async with open_fake_engine(config) as (engine, spawn):
-        spawn.fail_next_starts = 100
+        spawn.fail_next_starts = 4
         spawn.processes[0].kill()
-        await wait_for(lambda: engine.statistics().workers[0].gave_up, timeout=30)
+        await wait_for(lambda: engine.statistics().workers[0].over_budget, timeout=30)
         stats = engine.statistics()
         assert stats.workers_alive == 0 and stats.workers[0].restarts == 2
         assert len(spawn.processes) == 3  # the first, then two restarts that failed
         with pytest.raises(server.ServiceUnavailable):
             engine.generate("a")
         assert engine.statistics().open_streams == 0
+        # not left down: retried at the cap until a start succeeds
+        await wait_for(lambda: engine.statistics().workers_alive == 1, timeout=60)
+        assert len(spawn.processes) == 6  # the first, four that failed, the one that is up
+        assert engine.statistics().workers[0].over_budget  # (until it lived 60 s)
+        async with engine.generate("again", SamplingParams(max_tokens=3)) as stream:
+            assert [o async for o in stream][-1].finish_reason == "length"
 
 
 async def test_a_failed_respawn_is_a_failed_restart(autojump_clock):

@@ -412,29 +412,46 @@ class LLMServerApp(QuartTrio):
 
     def probe_answer(self, path: str) -> tuple[int, dict]:
         """The status and JSON body of ``/health`` or ``/ready``, for the API port's routes
-        and the probe port (:mod:`server.connections.probes`) alike.
+        and the probe port (:mod:`server.connections.probes`) alike (docs/operations.md,
+        "Health checks").
 
-        ``/health`` is liveness: 200 while every model's pool is up (several models: the
-        body says which). ``/ready`` is readiness: 503 also while saturated, so that a load
-        balancer sends new requests elsewhere while this server is full; with several
-        models, 503 while any pool is down or while every pool is saturated."""
+        Each pool is ``unavailable`` while no worker of it answers pings (or its engine is
+        not running or draining), ``degraded`` while some but not all of its workers do
+        (one crashed and is being restarted), and ``ok`` (``/health``) or ``ready``
+        (``/ready``) otherwise; for ``/ready`` also ``saturated`` while an admission limit
+        is reached. ``/health`` is liveness: 503 while any pool is unavailable, else 200,
+        ``degraded`` included (restarting the server would not help a worker that is being
+        restarted). ``/ready`` is readiness: 503 while any pool is unavailable or every pool
+        is saturated, else 200; ``degraded`` is a 200, so that a load balancer keeps the
+        capacity there is, and its body says how much (``workers_alive`` of ``workers``)
+        rather than claim a full pool. With several models the body says each one's
+        state, and the counts per model."""
+        pools = self.models.pools
+        counts = {p.name: p.workers() for p in pools}
+        state: dict[str, str] = {}
+        for p in pools:
+            answering, total = counts[p.name]
+            state[p.name] = (
+                "unavailable" if not p.healthy() else
+                "saturated" if path == "/ready" and self.saturated(p) else
+                "degraded" if answering < total else
+                "ok" if path == "/health" else "ready"
+            )
+        states = set(state.values())
         several = self.models.several
-        if path == "/health":
-            up = {p.name: "ok" if p.healthy() else "unavailable" for p in self.models.pools}
-            if "unavailable" in up.values():
-                return 503, _status_body("unavailable", up if several else None)
-            return 200, _status_body("ok", up if several else None)
-        state = {
-            p.name: "unavailable" if not p.healthy() else
-            "saturated" if self.saturated(p) else "ready"
-            for p in self.models.pools
-        }
-        models = state if several else None
-        if "unavailable" in state.values():
-            return 503, _status_body("unavailable", models)
-        if "ready" not in state.values():
-            return 503, _status_body("saturated", models)
-        return 200, _status_body("ready", models)
+        if "unavailable" in states:
+            return 503, _status_body("unavailable", state if several else None)
+        if states == {"saturated"}:
+            return 503, _status_body("saturated", state if several else None)
+        if "degraded" not in states:
+            return 200, _status_body("ok" if path == "/health" else "ready",
+                                     state if several else None)
+        body = _status_body("degraded", state if several else None)
+        alive = {name: n for name, (n, _) in counts.items()}
+        workers = {name: n for name, (_, n) in counts.items()}
+        body["workers_alive"] = alive if several else alive[pools[0].name]
+        body["workers"] = workers if several else workers[pools[0].name]
+        return 200, body
 
     # -- the small routes --------------------------------------------------------------------
 

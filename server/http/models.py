@@ -82,6 +82,14 @@ class Pool:
         """Up: accepting, with at least one worker that answered a ping recently."""
         return self.engine is not None and self.engine.healthy()
 
+    def workers(self) -> tuple[int, int]:
+        """(workers answering pings, workers of the pool), for the probes; (0, 0) while
+        the engine is not running."""
+        engine = self.engine
+        if engine is None:
+            return 0, 0
+        return engine.workers_answering(), len(engine.workers)
+
 
 class ModelTable:
     """The pools of a server, by served name; the first is the default (a request with no

@@ -49,7 +49,8 @@ class WorkerStatistics:
     pid: int | None
     outstanding: int
     restarts: int
-    gave_up: bool
+    #: Over its restart budget: retried at the capped backoff (server.restarts).
+    over_budget: bool
     #: Requests running and waiting in the worker, from its latest heartbeat answer.
     running: int = 0
     waiting: int = 0
@@ -398,6 +399,11 @@ class Engine:
         """True while accepting and at least one worker answered a ping recently."""
         return self._accepting and any(w.healthy() for w in self.workers)
 
+    def workers_answering(self) -> int:
+        """The workers that answered a ping recently (``WorkerClient.healthy``): what the
+        probes count against ``len(workers)`` to say a pool is degraded."""
+        return sum(w.healthy() for w in self.workers)
+
     async def wait_ready(self) -> None:
         """Wait until every worker has loaded its engine once (said HELLO); at once if
         they have. A worker restarting later does not make this wait again."""
@@ -415,7 +421,7 @@ class Engine:
     def statistics(self) -> EngineStatistics:
         workers = tuple(
             WorkerStatistics(
-                w.index, w.alive, w.healthy(), w.pid, w.outstanding, w.restarts, w.gave_up,
+                w.index, w.alive, w.healthy(), w.pid, w.outstanding, w.restarts, w.over_budget,
                 w.running, w.waiting, w.report,
             )
             for w in self.workers

@@ -41,14 +41,16 @@ worker breaks the protocol, or it hangs (no answer to pings: a dead network link
 same). Then every choice the worker held moves to another worker (the engine's ``migrate``
 hook, :mod:`server.manager.migration`) or ends with an ``error`` output at once, the link is
 closed (a process: close the pipe, SIGTERM, SIGKILL, each after a grace period; shielded),
-and a new session starts after a backoff. A spawned worker is left down after too many
-restarts in a while; a remote one is reconnected to forever (the backoff is capped), since
-it is restarted by whoever runs it, not by us.
+and a new session starts after a backoff (:mod:`server.restarts`). A spawned worker that
+restarted too often in a while is over its budget: it is retried at the capped backoff,
+never left down, and says so once (an error in the log); a spawn that failed for the
+frontend's own reasons (out of descriptors: EMFILE) is not charged to it. A remote one has
+no budget: it is reconnected to at the backoff, since it is restarted by whoever runs it,
+not by us.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import math
@@ -71,6 +73,7 @@ from .pacing import Pacer
 from .routing import NAMING
 from .silence import MAX_STRETCH, CpuStall, LoopLag, judge, read_cpu_stall
 from .stream import Choice
+from ..restarts import Restarts, starter_fault
 from .transport import Link, SessionEnded, open_connected, open_spawned, tls_context
 
 __all__ = ["WorkerClient", "WorkerStartupError", "spawn_process"]
@@ -205,7 +208,9 @@ class WorkerClient:
         self.alive = False
         self.pid: int | None = None
         self.restarts = 0
-        self.gave_up = False
+        #: Over its restart budget: retried at the capped backoff until it stays up for
+        #: the restart window (server.restarts).
+        self.over_budget = False
         self.last_heard = -math.inf
         #: Silences past the heartbeat timeout not taken for hung (the frontend's loop was
         #: late or the host's CPU under pressure meanwhile: server.manager.silence), and
@@ -386,36 +391,32 @@ class WorkerClient:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Keep a worker process running until cancelled; ``started(self)`` after the first
-        HELLO. Raises :class:`WorkerStartupError` if the very first process fails to start."""
+        HELLO. Raises :class:`WorkerStartupError` if the very first process fails to start.
+        A spawned worker over its restart budget is retried at the capped backoff, never
+        left down; a start that failed for the frontend's own reasons is not charged to it
+        (:mod:`server.restarts`)."""
         config = self.config
-        recent: collections.deque[float] = collections.deque()
-        backoff = config.restart_backoff
+        restarts = Restarts(config.max_restarts if self.address is None else None,
+                            window=config.restart_window, first=config.restart_backoff,
+                            cap=config.restart_backoff_max)
         first = True
         while True:
             started_at = trio.current_time()
-            reason = await self._session(task_status if first else None, first)
+            reason, charged = await self._session(task_status if first else None, first)
             first = False
-            if self.gave_up:
-                break
             now = trio.current_time()
-            if now - started_at > config.restart_window:
-                backoff = config.restart_backoff
-            recent.append(now)
-            while recent and now - recent[0] > config.restart_window:
-                recent.popleft()
-            if len(recent) > config.max_restarts and self.address is None:
-                log.error(
-                    "worker %d: %d restarts in %.0f s, leaving it down (%s)",
-                    self.index, len(recent), config.restart_window, reason,
-                )
-                self.gave_up = True
-                break
-            log.warning("worker %d: %s; %s in %.2f s", self.index, reason,
-                        "restarting" if self.address is None else "reconnecting", backoff)
-            await trio.sleep(backoff)
-            backoff = min(backoff * 2, config.restart_backoff_max)
+            restart = restarts.died(now, now - started_at, charged=charged)
+            self.over_budget = restarts.over_budget
+            if restart.over_budget_now:
+                log.error("worker %d: %d restarts in %.0f s (%s); retrying every %g s until "
+                          "it stays up for %.0f s", self.index, restarts.charged(),
+                          config.restart_window, reason, restart.delay, config.restart_window)
+            else:
+                log.warning("worker %d: %s; %s in %.2f s", self.index, reason,
+                            "restarting" if self.address is None else "reconnecting",
+                            restart.delay)
+            await trio.sleep(restart.delay)
             self.restarts += 1
-        await trio.sleep_forever()
 
     async def _open_link(self) -> Link:
         if self.address is None:
@@ -440,7 +441,9 @@ class WorkerClient:
                 log.error("worker %d: %s", self.index, reason)
         return reason
 
-    async def _session(self, task_status, first: bool) -> str:
+    async def _session(self, task_status, first: bool) -> tuple[str, bool]:
+        """One session, to its end: why it ended, and whether that counts against the
+        worker's restart budget (not a spawn that failed for the frontend's own reasons)."""
         config = self.config
         try:
             link = await self._open_link()
@@ -449,9 +452,12 @@ class WorkerClient:
                 raise WorkerStartupError(
                     f"engine worker {self.index} could not be started: {exc}"
                 ) from exc
-            return f"could not be started ({exc})"
+            if starter_fault(exc):  # (EMFILE: a flood of connections took the descriptors)
+                return (f"could not be started, for want of the frontend's own resources "
+                        f"({exc}): not counted against its restarts"), False
+            return f"could not be started ({exc})", True
         except SessionEnded as exc:  # could not connect
-            return self._startup_failed(first, exc)
+            return self._startup_failed(first, exc), True
         self.pid = link.pid
         self._outbox.clear()
         reason = "stopped"
@@ -462,7 +468,7 @@ class WorkerClient:
                     self.info = await link.handshake()
             except (_SessionEnded, trio.TooSlowError) as exc:
                 reason = self._startup_failed(first, exc)
-                return reason
+                return reason, True
             self.routed_notices = (config.routing == "prefix"
                                    and self.info.get(wire.ROUTED_KEY) is True)
             topics = [wire.routed_topic(NAMING)] if self.routed_notices else []
@@ -498,7 +504,7 @@ class WorkerClient:
                 assert isinstance(first_end, _SessionEnded)
                 reason = first_end.reason
                 cause = first_end.cause
-            return reason
+            return reason, True
         finally:
             self.alive = False
             self.kv_index = None  # (the next session's cache is another)

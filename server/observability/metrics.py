@@ -320,6 +320,11 @@ class Metrics(RequestMetrics):
         alive = GaugeMetricFamily(
             PREFIX + "workers_alive", "Engine worker processes up and serving.", labels=labels
         )
+        configured = GaugeMetricFamily(
+            PREFIX + "workers",
+            "Engine workers of the pool (spawned or remote), up or not: workers_alive below "
+            "it is a degraded pool.", labels=labels,
+        )
         in_flight = GaugeMetricFamily(
             PREFIX + "num_requests_in_flight",
             "Generation requests dispatched to the engine whose streams are still open.",
@@ -328,8 +333,10 @@ class Metrics(RequestMetrics):
         for model, _ in pools:
             now = running_now.get(model)
             alive.add_metric([model], now.workers_alive if now is not None else 0)
+            configured.add_metric([model], len(now.workers) if now is not None else 0)
             in_flight.add_metric([model], now.open_streams if now is not None else 0)
         yield alive
+        yield configured
         yield in_flight
         yield from _kv_families(pools)
         routed = [(model, s.routing) for model, s in stats if s.routing is not None]
