@@ -199,12 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-concurrent-sequences", type=int, default=None,
                    help="sequences (prompts x n) in flight beyond which new requests get 503 "
                    "with Retry-After; a request asking for more than this alone is a 400 "
-                   "(None or 0: no limit; requests beyond what the workers run at once wait "
+                   "(unset or 0: no limit; requests beyond what the workers run at once wait "
                    "in the engine's queue, as vLLM's do)")
     g.add_argument("--max-queue-time", type=float, default=None, metavar="SECONDS",
                    help="a request that has not started (no output from the engine yet) "
                    "this many seconds after it was queued is aborted and answered 503 "
-                   "server_overloaded with Retry-After (None or 0: no limit, as vLLM)")
+                   "server_overloaded with Retry-After (unset or 0: no limit, as vLLM)")
     g.add_argument("--queued-heartbeat-s", type=float, default=15.0,
                    help="a streaming request still queued after this many seconds starts its "
                    "response and sends an SSE comment this often until its first token, so "

@@ -1,4 +1,5 @@
-"""The range of each numeric command-line option, checked as argparse reads it.
+"""The range of each numeric command-line option (the server's, and a listening worker's),
+checked as argparse reads it.
 
 Why: ``--max-body-bytes -1`` started a server that answered every request 413 "larger
 than -1 bytes", and other negative or zero limits started too. A value outside its option's
@@ -69,6 +70,9 @@ BOUNDS: dict[str, Bounds] = {
     "engine_workers": _COUNT, "max_model_len": _COUNT, "max_batch": _COUNT,
     "worker_startup_timeout": _SECONDS, "tensor_parallel_size": _COUNT,
     "gpu_memory_utilization": Bounds(0, 1, above=True), "devices_per_worker": _COUNT,
+    # a listening worker (python -m server.workers --listen)
+    "frontend_timeout": _SECONDS, "max_buffer_bytes": _COUNT, "max_frontends": _COUNT,
+    "max_total_buffer_bytes": _COUNT,
     # the sim engine
     "sim_itl_ms": _ZERO_OK, "sim_ttft_ms": _ZERO_OK, "sim_prefill_us_per_token": _ZERO_OK,
     "sim_max_batch": _COUNT, "sim_reasoning_tokens": _ZERO_OK,
@@ -89,6 +93,7 @@ def _checked(convert, bounds: Bounds):
         return value
 
     read.__name__ = getattr(convert, "__name__", "number")
+    read.bounds = bounds  # type: ignore[attr-defined]  # (checked: not wrapped twice)
     return read
 
 
@@ -97,5 +102,5 @@ def bound_numbers(parser: argparse.ArgumentParser, bounds: dict[str, Bounds] = B
     its range (its type, int or float, kept). Call it once the parser has every option."""
     for action in parser._actions:
         found = bounds.get(action.dest)
-        if found is not None and action.type is not None:
+        if found is not None and action.type is not None and not hasattr(action.type, "bounds"):
             action.type = _checked(action.type, found)

@@ -4,7 +4,6 @@ subprocess timeout, far above the second or two a refusal takes)."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -13,7 +12,6 @@ import pytest
 
 from server.cli import build_parser
 from server.engine_args import VLLM_FLAGS
-from server.option_bounds import BOUNDS
 
 #: A hang guard, not a bound on speed: a refusal is an import and a parse.
 GUARD = 120
@@ -67,16 +65,22 @@ def test_bad_model_config_files_are_refused_at_start(tmp_path):
 VLLMS = {flag[2:].replace("-", "_") for flag, _, _ in VLLM_FLAGS}
 
 
-def test_every_numeric_option_has_a_range():
+@pytest.mark.parametrize("program", ["server", "listening worker"])
+def test_every_numeric_option_has_a_range(program, capsys):
     """A new numeric option gets its range in server.option_bounds (or is vLLM's)."""
-    parser = build_parser()
+    from server.workers.listen import build_parser as worker_parser
+
+    parser = build_parser() if program == "server" else worker_parser()
     numeric = {a.dest for a in parser._actions
-               if a.type is not None and a.type not in (str,) and a.option_strings
-               and not isinstance(a, argparse._StoreTrueAction)
-               and getattr(a.type, "__name__", "") in ("int", "float", "_seconds")}
-    unbounded = numeric - set(BOUNDS) - VLLMS
+               if a.type is not None and a.option_strings
+               and getattr(a.type, "__name__", "") in ("int", "float")}
+    unbounded = {d for d in numeric - VLLMS
+                 if not hasattr(next(a for a in parser._actions if a.dest == d).type, "bounds")}
     assert not unbounded, f"give these a range in server/option_bounds.py: {sorted(unbounded)}"
-    for dest in set(BOUNDS):
-        action = next(a for a in parser._actions if a.dest == dest)
-        with pytest.raises(SystemExit):
-            parser.parse_args([action.option_strings[0], "-1"])
+    for action in parser._actions:
+        if hasattr(action.type, "bounds"):
+            flag = action.option_strings[0]
+            with pytest.raises(SystemExit):
+                parser.parse_args([flag, "-1"])
+            assert f"argument {'/'.join(action.option_strings)}: expected" in \
+                capsys.readouterr().err

@@ -95,6 +95,7 @@ import time
 import traceback
 
 from ..engine_args import add_engine_arguments, engine_options
+from ..option_bounds import bound_numbers
 from ..worker_protocol import handshake, limits, wire
 from ..worker_protocol.parts import PartQueue, is_big_answer
 from ..worker_protocol.wire import OutputRow
@@ -862,6 +863,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "output); beyond it the connection holding the most is dropped and its "
                    "requests aborted")
     add_engine_arguments(p, spawned=False)
+    bound_numbers(p)  # (each numeric option's range: server.option_bounds)
     return p
 
 
@@ -884,10 +886,6 @@ def _main(argv: list[str]) -> None:
             f"{PROG}: --listen {address} is reachable from other machines: set a shared "
             f"secret (${handshake.SECRET_ENV} or --secret-file), or listen on loopback"
         )
-    for option, value in (("--max-frontends", args.max_frontends),
-                          ("--max-total-buffer-bytes", args.max_total_buffer_bytes)):
-        if value < 1:
-            raise SystemExit(f"{PROG}: {option} must be at least 1, not {value}")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise SystemExit(f"{PROG}: --tls-cert and --tls-key go together")
     tls = None
