@@ -15,7 +15,9 @@ content event's arrival. Then, phase by phase:
   - ``token-ids``: completions with a prompt of 1.9M token ids (a 3.8 MB body);
   - ``logprobs``: completions, n=16 x 900 tokens, ``logprobs`` 20, not streamed (~19 MB);
   - ``schema-deep``, ``schema-enum`` (not in the default set): a schema nested 300 deep,
-    one with a 100,000-value enum.
+    one with a 100,000-value enum;
+  - ``token-strs`` (not in the default set): the ``tokenize`` kind with
+    ``return_token_strs`` (its answer carries every token's string too: ~24 MB).
 
 * ``baseline``: no heavy request, three times as long as the longest heavy phase (at least
   5 s), after them (``--baseline auto``, the default; not when a phase did not recover);

@@ -93,6 +93,12 @@ def heavy_request(kind: str, model: str, tokenize_chars: int = TOKENIZE_CHARS) -
         body = _dumps({"model": model, "prompt": "x" * tokenize_chars})
         return HeavyRequest(kind, "/tokenize", body,
                             f"/tokenize of a {tokenize_chars / 1e6:g} MB one-word prompt")
+    if kind == "token-strs":
+        body = _dumps({"model": model, "prompt": "x" * tokenize_chars,
+                       "return_token_strs": True})
+        return HeavyRequest(kind, "/tokenize", body,
+                            f"/tokenize of a {tokenize_chars / 1e6:g} MB one-word prompt, "
+                            "return_token_strs")
     if kind == "token-ids":
         body = _dumps({"model": model, "prompt": [1] * 1_900_000, "max_tokens": 1})
         return HeavyRequest(kind, "/v1/completions", body,
@@ -106,7 +112,8 @@ def heavy_request(kind: str, model: str, tokenize_chars: int = TOKENIZE_CHARS) -
 
 
 #: Every kind, in the order they run; the issue's four are :data:`DEFAULT_KINDS`.
-HEAVY_KINDS = ("schema", "tokenize", "token-ids", "logprobs", "schema-deep", "schema-enum")
+HEAVY_KINDS = ("schema", "tokenize", "token-ids", "logprobs", "schema-deep", "schema-enum",
+               "token-strs")
 DEFAULT_KINDS = HEAVY_KINDS[:4]
 
 
