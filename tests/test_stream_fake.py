@@ -682,6 +682,8 @@ async def test_past_max_restarts_the_worker_is_retried_at_the_capped_backoff(aut
         assert engine.statistics().workers[0].over_budget  # (until it lived 60 s)
         async with engine.generate("again", SamplingParams(max_tokens=3)) as stream:
             assert [o async for o in stream][-1].finish_reason == "length"
+        await trio.sleep(60)
+        assert not engine.statistics().workers[0].over_budget
 
 
 async def test_a_failed_respawn_is_a_failed_restart(autojump_clock):

@@ -208,9 +208,10 @@ class WorkerClient:
         self.alive = False
         self.pid: int | None = None
         self.restarts = 0
-        #: Over its restart budget: retried at the capped backoff until it stays up for
-        #: the restart window (server.restarts).
-        self.over_budget = False
+        #: Over its restart budget at its last death (see over_budget), and when its
+        #: current session began.
+        self._over_budget = False
+        self._session_start = -math.inf
         self.last_heard = -math.inf
         #: Silences past the heartbeat timeout not taken for hung (the frontend's loop was
         #: late or the host's CPU under pressure meanwhile: server.manager.silence), and
@@ -401,12 +402,12 @@ class WorkerClient:
                             cap=config.restart_backoff_max)
         first = True
         while True:
-            started_at = trio.current_time()
+            started_at = self._session_start = trio.current_time()
             reason, charged = await self._session(task_status if first else None, first)
             first = False
             now = trio.current_time()
             restart = restarts.died(now, now - started_at, charged=charged)
-            self.over_budget = restarts.over_budget
+            self._over_budget = restarts.over_budget
             if restart.over_budget_now:
                 log.error("worker %d: %d restarts in %.0f s (%s); retrying every %g s until "
                           "it stays up for %.0f s", self.index, restarts.charged(),
@@ -787,6 +788,14 @@ class WorkerClient:
             choice.end("error", kind, message)
 
     # -- introspection -----------------------------------------------------------------------
+
+    @property
+    def over_budget(self) -> bool:
+        """Over its restart budget (:mod:`server.restarts`): restarted at the capped
+        backoff, until a session of it stays up for the restart window."""
+        return self._over_budget and not (
+            self.alive and trio.current_time() - self._session_start >= self.config.restart_window
+        )
 
     def healthy(self) -> bool:
         """Alive and heard from within three heartbeat periods, or decoding a big frame
