@@ -295,7 +295,7 @@ async def test_a_worker_that_cannot_start_ends_the_supervisor_with_one_line(tmp_
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--api-servers", "0"], "--api-servers must be at least 1"),
+    # (--api-servers 0: argparse's own refusal, tests/test_bad_configuration.py)
     (["--api-servers", "2", "--listen-fd", "3"], "--listen-fd is not an option of --api-servers"),
     (["--listen-fd", "3", "--port", "9000"], "--port: not with --listen-fd"),
     (["--api-servers", "2", "--health-listen-fd", "3"],

@@ -55,7 +55,7 @@ async def _stream_one(url: str) -> tuple[str, str | None]:
 async def _http_fallback_gauge(url: str) -> str:
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         text = (await http.get("/metrics")).text
-    (line,) = [x for x in text.splitlines() if x.startswith("trio_llm:http_fallback ")]
+    (line,) = [x for x in text.splitlines() if x.startswith("trio_llm:http_fallback{")]
     return line.split()[1]
 
 

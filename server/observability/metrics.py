@@ -250,13 +250,14 @@ class Metrics(RequestMetrics):
         )
         yield from self._engine_families(pools)
         yield from self._connection_families(pools[0][0])
-        if self.http_fallback is not None:
+        if self.http_fallback is not None:  # (labelled as the connections' families are)
             gauge = GaugeMetricFamily(
                 PREFIX + "http_fallback",
                 "1 while HTTP is served through hypercorn's public serve() "
                 "(--allow-http-fallback, or TRIO_LLM_HTTP_FALLBACK): no connection limit, "
-                "bounded writes or request-head checks; 0 on the server's own HTTP path.")
-            gauge.add_metric([], float(self.http_fallback))
+                "bounded writes or request-head checks; 0 on the server's own HTTP path.",
+                labels=["model_name"])
+            gauge.add_metric([pools[0][0]], float(self.http_fallback))
             yield gauge
 
     def _connection_families(self, model: str) -> Iterator[Metric]:
