@@ -15,6 +15,7 @@ import pytest
 import trio
 
 from server.config import EngineConfig, Limits
+from server.errors import ClientError
 from server.openai import schema
 from server.openai.responses import parse_responses
 from server.openai.tool_parsers import CALLS_OR_DOCUMENT
@@ -109,6 +110,41 @@ def test_auto_with_a_json_format_is_the_union_of_calls_and_document():
     none = _parse({"tools": TOOLS, "tool_choice": "none", "response_format": FORMAT})
     assert none.tools.parse is None
     assert none.params.extra["response_format"]["schema"] == ANSWER
+
+
+#: Documents whose root may be an array: with tools (auto) an array answer would start as the
+#: calls do ('[') and be read as calls, its content lost.
+ARRAYS = [{"type": "array", "items": {"type": "string"}}, {}, {"properties": {}},
+          {"anyOf": [{"type": "object"}, {"type": "array"}]}, {"type": ["array", "null"]},
+          {"$ref": "#/$defs/L", "$defs": {"L": {"type": "array"}}},
+          {"enum": [["a"], "b"]}, {"oneOf": [{"$ref": "#"}, {"type": "string"}]}]
+
+
+def _array_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "list", "schema": schema}}
+
+
+def test_a_document_that_may_be_an_array_is_refused_with_tools():
+    """The calls and the document are told apart by the first character ('[': calls), so
+    with tools (auto) a document whose root may be an array is a 400 naming the format
+    (parse_text would read ``["a","b"]`` as calls and lose it), whatever spells it; an
+    array root with tool_choice none or required, or without tools, is as it was, and so
+    are roots that are never arrays."""
+    for document in ARRAYS:
+        with pytest.raises(ClientError, match="may be a JSON array") as caught:
+            _parse({"tools": TOOLS, "response_format": _array_format(document)})
+        assert caught.value.param == "response_format"
+    with pytest.raises(ClientError) as caught:
+        _parse({"tools": TOOLS, "structured_outputs": {"json": {"type": "array"}}})
+    assert caught.value.param == "structured_outputs"
+    for body in ({"tool_choice": "none", "tools": TOOLS}, {"tool_choice": "required",
+                                                            "tools": TOOLS}, {}):
+        _parse({"response_format": _array_format(ARRAYS[0]), **body})
+    for document in ({"type": "string"}, {"const": {"a": 1}}, {"enum": ["a", None]},
+                     {"anyOf": [{"type": "object"}, {"$ref": "#/$defs/S"}],
+                      "$defs": {"S": {"type": ["string", "null"]}}},
+                     {"allOf": [{}, {"type": "object"}]}):
+        _parse({"tools": TOOLS, "response_format": _array_format(document)})
 
 
 def test_responses_echoes_auto_without_tools():
@@ -284,6 +320,30 @@ async def test_the_sim_forces_calls_and_chooses_with_a_format_over_http():
             assert r.output[0].type in ("function_call", "message")
             r = await client.responses.create(model="sim", input="hi")
             assert r.tool_choice == "auto" and r.status == "completed"
+
+
+async def test_an_array_document_with_tools_is_a_400_over_http():
+    """Tools (auto) and a document that may be an array: a 400 naming the format, on chat
+    streaming and not and on Responses (before, the sim's array answer was read as calls:
+    an empty answer); without tools the sim writes the array."""
+    fmt = _array_format(ARRAYS[0])
+    with trio.fail_after(120):
+        async with running_server(tool_call_parser="hermes") as url:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            for stream in (False, True):
+                with pytest.raises(openai.BadRequestError, match="may be a JSON array") as bad:
+                    await client.chat.completions.create(
+                        model="sim", messages=CHAT, tools=TOOLS, response_format=fmt,
+                        seed=1, stream=stream)
+                assert bad.value.body["param"] == "response_format"
+            with pytest.raises(openai.BadRequestError, match="may be a JSON array") as bad:
+                await client.responses.create(
+                    model="sim", input="hi", tools=[{"type": "function", **SEARCH["function"]}],
+                    text={"format": {"type": "json_schema", "name": "a", "schema": {}}})
+            assert bad.value.body["param"] == "text.format"
+            r = await client.chat.completions.create(model="sim", messages=CHAT,
+                                                     response_format=fmt, seed=1)
+            jsonschema.validate(json.loads(r.choices[0].message.content), ARRAYS[0])
 
 
 # -- the transformers engine: the grammar's union, on a random model ----------------------------

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 from ..errors import ClientError
 from .json_schema import check_grammar_ints, check_refs, rebase
@@ -210,13 +211,25 @@ def calls_or_document(tools: ToolChoice, fmt: dict) -> tuple[ToolChoice, dict] |
     calls (the array ``required`` forces, :func:`_grammar`) or the document. The format
     over the whole output would leave the model no way to call a tool. None when this
     does not apply (another tool_choice, or a regex, choice or grammar constraint: those
-    hold over the whole output, as in vLLM)."""
+    hold over the whole output, as in vLLM). A document whose root may be an array
+    (``{"type": "array"}``, ``{}``, an ``anyOf`` with an array) is a 400 naming the format:
+    the parser tells the branches apart by the first character, ``[`` for the calls, and
+    an array document would be read as calls and lost (:func:`_may_be_array`)."""
     if tools.parse in (None, "forced") or fmt.get("type") not in ("json_schema", "json_object"):
         return None
     calls = read_tools({"tools": tools.tools, "tool_choice": "required",
                         "parallel_tool_calls": tools.parallel}, tools.parse)
     assert calls is not None and calls.grammar is not None
     document = fmt["schema"] if fmt["type"] == "json_schema" else {"type": "object"}
+    if _may_be_array(document, document, 0):
+        field = fmt.get("origin", "response_format")
+        raise ClientError(
+            f"'{field}' with 'tools' (tool_choice 'auto'): the document's schema may be a JSON "
+            "array, which could not be told from the array of tool calls the model may write "
+            "instead; give the schema a root 'type' other than 'array' (an object, as "
+            "OpenAI's structured outputs require), or send tool_choice 'none' or 'required'.",
+            param=field,
+        )
     # Both under one root: the calls' tool parameters already sit in its $defs, and the
     # document joins them there with its own references rebased (xgrammar's pointers cannot
     # index into the anyOf list).
@@ -228,6 +241,53 @@ def calls_or_document(tools: ToolChoice, fmt: dict) -> tuple[ToolChoice, dict] |
     if "origin" in fmt:
         engine_fmt["origin"] = fmt["origin"]
     return ToolChoice(tools.tools, CALLS_OR_DOCUMENT, tools.parallel, None), engine_fmt
+
+
+#: How many references :func:`_may_be_array` follows before it takes the answer to be yes.
+_MAX_HOPS = 32
+
+
+def _may_be_array(root, node, hops: int) -> bool:
+    """Whether a JSON array may be valid for the schema ``node`` (of the document ``root``,
+    whose references are local pointers, :func:`check_refs`): yes unless its ``type``,
+    ``const``, ``enum``, ``$ref``, ``allOf``, ``anyOf`` or ``oneOf`` rule arrays out
+    (``{}``, and a schema of only object keywords without ``type``, admit arrays)."""
+    if not isinstance(node, dict):
+        return node is not False
+    if hops > _MAX_HOPS:
+        return True
+    kind = node.get("type")
+    if isinstance(kind, str) and kind != "array":
+        return False
+    if isinstance(kind, list) and "array" not in kind:
+        return False
+    if "const" in node and not isinstance(node["const"], list):
+        return False
+    enum = node.get("enum")
+    if isinstance(enum, list) and not any(isinstance(v, list) for v in enum):
+        return False
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not _may_be_array(root, _pointed(root, ref), hops + 1):
+        return False
+    every = node.get("allOf")
+    if isinstance(every, list) and not all(_may_be_array(root, s, hops + 1) for s in every):
+        return False
+    for key in ("anyOf", "oneOf"):
+        some = node.get(key)
+        if isinstance(some, list) and not any(_may_be_array(root, s, hops + 1) for s in some):
+            return False
+    return True
+
+
+def _pointed(root, ref: str):
+    """The subschema a local JSON pointer names (True, any value, when it names nothing)."""
+    node = root
+    for token in ref[2:].split("/") if ref.startswith("#/") else ():
+        token = unquote(token).replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or token not in node:
+            return True
+        node = node[token]
+    return node
 
 
 def history_message(m: dict, i: int, role: str, text: str, tools_ok: bool) -> dict:
