@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from loadgen_lib import smoke
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -32,7 +34,8 @@ def run(n: int, args) -> dict:
         subprocess.run(
             [sys.executable, str(ROOT / "bench" / "loadgen.py"), "-q", "--spawn-server", server,
              "--concurrency", str(args.concurrency), "--duration", str(args.duration),
-             "--prompt-tokens", "128", "--max-tokens", "256", "--json-out", out.name],
+             "--prompt-tokens", "128", "--max-tokens", str(args.max_tokens),
+             "--json-out", out.name],
             check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
         )
         return json.loads(Path(out.name).read_text())
@@ -43,7 +46,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=1024)
     p.add_argument("--duration", type=float, default=12.0)
     p.add_argument("--order", default="1,2,1,2", help="the N of each run, in order")
-    args = p.parse_args()
+    p.add_argument("--max-tokens", type=int, default=256)
+    args = smoke.parse_args(p, concurrency=4, duration=0.5, order="2", max_tokens=16)
     rows = []
     for n in (int(x) for x in args.order.split(",")):
         load = os.getloadavg()[0]

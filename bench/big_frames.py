@@ -17,6 +17,7 @@ import time
 
 import trio
 
+from loadgen_lib import smoke
 from server.manager.worker import decode_frames
 from server.openai.encode import dumps_document, dumps_sliced
 from server.worker_protocol import wire
@@ -75,7 +76,7 @@ async def _main(rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
-    trio.run(_main, parser.parse_args().rounds)
+    trio.run(_main, smoke.parse_args(parser, rounds=1).rounds)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import multiprocessing
 import os
 import time
 
+from loadgen_lib import smoke
+
 MAX_SECONDS = 3600.0
 
 
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="processes spinning at once (default: every core)")
     parser.add_argument("--seconds", type=float, default=60.0,
                         help=f"how long (at most {MAX_SECONDS:.0f})")
-    args = parser.parse_args(argv)
+    args = smoke.parse_args(parser, argv, cores=2, seconds=0.5)
     if not 1 <= args.cores <= 256:
         parser.error("--cores must be 1 to 256")
     if not 0 < args.seconds <= MAX_SECONDS:

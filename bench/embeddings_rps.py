@@ -30,6 +30,8 @@ import time
 import httpx
 import trio
 
+from loadgen_lib import smoke
+
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "trio", "worker",
          "pipe", "frame", "batch", "step", "model", "token")
 
@@ -97,7 +99,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--sizes", default="1,16,256")
     p.add_argument("--base64", action="store_true")
-    args = p.parse_args()
+    args = smoke.parse_args(p, seconds=0.3, concurrency=2, sizes="1,16")
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", "--engine", "sim", "--port", str(port),

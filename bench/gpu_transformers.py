@@ -38,6 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from bench.loadgen_lib import smoke  # noqa: E402
+
 SHAPES = {  # hidden, layers, heads (kv heads: half), intermediate = 2 * hidden
     "tiny": (64, 4, 4),  # 0.2M parameters
     "60m": (768, 12, 12),
@@ -108,7 +110,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-batch", type=int, default=64)
-    args = p.parse_args(argv)
+    args = smoke.parse_args(p, argv, random="tiny", device="cpu", concurrency="1",
+                            max_tokens=4, prompt_tokens=8, max_batch=4)
+    if args.smoke and args.device == "cpu":
+        smoke.skipped("the GPU: on the CPU (--smoke --device cuda runs on one)")
     if not args.model_path and not args.random:
         p.error("give --model-path DIR or --random SIZE")
 
@@ -124,7 +129,7 @@ def main(argv=None) -> int:
             build_random(args.random, Path(tmp) / f"random-{args.random}")
         )
         t0 = time.perf_counter()
-        greedy = check_greedy(model_path, args.device, args.dtype, 32)
+        greedy = check_greedy(model_path, args.device, args.dtype, 4 if args.smoke else 32)
         log(f"greedy equality: {greedy} ({time.perf_counter() - t0:.1f} s)")
 
         import trio

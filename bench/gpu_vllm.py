@@ -8,6 +8,8 @@ Run on a machine with one GPU and vLLM's CUDA build, from the repository root, o
     python bench/gpu_vllm.py --shape llama-3.2-1b      # Llama-3.2-1B's
     python bench/gpu_vllm.py --model-path /models/X    # a real checkpoint instead
     python bench/gpu_vllm.py --tiny                    # CPU, vLLM's CPU build: proves the script
+    python bench/gpu_vllm.py --smoke                   # seconds: --tiny, our server on the sim
+                                                       # (ours-sim), no vLLM: what CI runs
 
 Steps (a few minutes on one GPU; ``--tiny`` takes about ten on two busy cores, most of it
 the two servers' startup):
@@ -54,6 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from bench.loadgen_lib import smoke  # noqa: E402
 from vllm_frontend import _free_port, _server_cmd, _wait_up, stop_server  # noqa: E402
 
 #: The configs of the real models (their config.json's sizes), for random weights.
@@ -258,7 +261,7 @@ def _device() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    which = p.add_mutually_exclusive_group(required=True)
+    which = p.add_mutually_exclusive_group()  # (one of them, or --smoke: --tiny)
     which.add_argument("--shape", choices=sorted(SHAPES),
                        help="random weights in this model's config")
     which.add_argument("--model-path", help="a local model directory")
@@ -275,7 +278,13 @@ def main(argv=None) -> int:
                    "CPU_ENGINE with --tiny)")
     p.add_argument("--startup-timeout", type=float, default=1800)
     p.add_argument("--keep", help="build the model into this directory and keep it")
-    args = p.parse_args(argv)
+    args = smoke.parse_args(p, argv, tiny=True, servers="ours-sim", concurrency=[1],
+                            min_requests=2, max_tokens=4, prompt_tokens=8)
+    if not (args.shape or args.model_path or args.tiny):
+        p.error("one of the arguments --shape --model-path --tiny is required")
+    if args.smoke and "ours-sim" in args.servers:
+        smoke.skipped("the GPU and vLLM, ours-sim instead (--smoke --servers ours,vllm runs "
+                      "vLLM on the tiny model)")
     if args.engine is None:
         args.engine = CPU_ENGINE if args.tiny else GPU_ENGINE
     args.concurrency = args.concurrency or [1, 64, 256]

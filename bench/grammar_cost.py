@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.loadgen_lib import smoke  # noqa: E402
+
 SCHEMA = {
     "type": "object", "additionalProperties": False,
     "required": ["unit", "ok", "count", "tags"],
@@ -61,7 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
-    args = p.parse_args(argv)
+    args = smoke.parse_args(p, argv, requests=2, max_tokens=4, repeat=1)
     import torch
 
     torch.set_num_threads(1)

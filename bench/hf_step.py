@@ -33,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.loadgen_lib import smoke  # noqa: E402
+
 #: As bench/isolation.py's TINY.
 TINY = {"hidden_size": 256, "heads": 4, "layers": 2, "vocab_size": 1000,
         "max_position_embeddings": 2048}
@@ -78,7 +80,7 @@ def main() -> None:
                          "row, so the batch only grows)")
     ap.add_argument("--attn", default=None,
                     help="attn_implementation (default: the engine's choice)")
-    args = ap.parse_args()
+    args = smoke.parse_args(ap, rows=2, steps=4, every=2, logprobs_rows=2, top=2)
 
     import torch
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.loadgen_lib import smoke  # noqa: E402
+
 
 def _schedstat() -> tuple[float, float]:
     """(seconds on a CPU, seconds runnable but waiting) of this thread so far."""
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--num-threads", type=int, default=1)
-    args = p.parse_args(argv)
+    args = smoke.parse_args(p, argv, prompt_tokens="16,64", requests=2)
     from server.workers.hf import TransformersEngine
     from tests.tiny_model import build_tiny_model
 

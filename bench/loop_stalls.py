@@ -35,6 +35,8 @@ import time
 
 import trio
 
+from loadgen_lib import smoke
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -202,7 +204,7 @@ if __name__ == "__main__":
                         help="serve and probe the server's probe port too")
     parser.add_argument("--burst-to", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--idle", action="store_true", help=argparse.SUPPRESS)
-    options = parser.parse_args()
+    options = smoke.parse_args(parser, connections=20, health_port=True)
     if options.burst_to:
         burst_client(options.burst_to, options.connections, options.idle)
     else:

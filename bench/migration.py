@@ -39,6 +39,7 @@ import trio
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.loadgen_lib import smoke  # noqa: E402
 from bench.loadgen_lib.spawn import SpawnedServer  # noqa: E402
 from bench.loadgen_lib.stats import percentile  # noqa: E402
 
@@ -129,7 +130,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--engine", choices=("sim", "vllm"), default="sim")
     p.add_argument("--model-path", help="the vllm engine's model directory")
-    args = p.parse_args()
+    args = smoke.parse_args(p, streams=4, workers=2, prompt_words=10, max_tokens=10,
+                            kill_after=2, itl_ms=50.0, prefill_us=100.0)
+    if args.smoke and args.engine == "sim":
+        smoke.skipped("the vllm engine (--smoke --engine vllm --model-path DIR runs it)")
     args.model = "sim" if args.engine == "sim" else os.path.basename(
         os.path.normpath(args.model_path or ""))
     if args.engine == "vllm" and not args.model_path:

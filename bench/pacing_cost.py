@@ -32,6 +32,7 @@ import trio
 import trio.testing
 
 import server
+from loadgen_lib import smoke
 from server.testing import open_in_memory_engine, sim_engine_config
 
 
@@ -80,7 +81,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--variants", default="task-0,sink-0,task-20,sink-20")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, streams=8, tokens=8, repeat=1)
     variants = args.variants.split(",")
     best: dict[str, tuple[float, float]] = {}
     for r in range(args.repeat):

@@ -30,6 +30,8 @@ import time
 
 import trio
 
+from loadgen_lib import smoke
+
 _HEAD = struct.Struct("<Id")  # length of the rest, the child's clock when written
 
 
@@ -98,7 +100,7 @@ def main() -> None:
     p.add_argument("--tick-ms", type=float, default=10.0)
     p.add_argument("--ticks", type=int, default=20)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = smoke.parse_args(p, mb=1.0, rounds=1, ticks=3)
     if args.child:
         child(args.mb, int(args.pipe_kib), args.tick_ms, args.ticks)
         return

@@ -37,6 +37,7 @@ import trio
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.loadgen_lib import smoke  # noqa: E402
 from bench.loadgen_lib.spawn import SpawnedServer  # noqa: E402
 from bench.loadgen_lib.stats import percentile  # noqa: E402
 
@@ -155,7 +156,9 @@ def main() -> None:
     p.add_argument("--balance", type=int, default=8, help="--routing-balance")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--policies", default="prefix,least-loaded,round-robin")
-    args = p.parse_args()
+    args = smoke.parse_args(p, conversations=2, turns=2, workers=2, system_words=50,
+                            question_words=5, answer_tokens=4, think=0.05, ramp=0.1,
+                            policies="prefix")
 
     async def run_all() -> None:
         rows = [await run_policy(args, "prefix", 1, args.cache_tokens * args.workers)]

@@ -27,6 +27,7 @@ import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.loadgen_lib import smoke  # noqa: E402
 from bench.loadgen_lib.spawn import SpawnedServer  # noqa: E402
 
 
@@ -58,7 +59,9 @@ def main() -> None:
     p.add_argument("--api-servers", type=int, default=1)
     p.add_argument("--conversations", type=int, default=2, help="per kind of prompt (even)")
     p.add_argument("--prompts", default="text,ids", help="text, ids or both")
-    args = p.parse_args()
+    args = smoke.parse_args(p, engine="sim", routing="prefix")
+    if args.smoke and args.engine == "sim":
+        smoke.skipped("the vllm engine (--smoke --engine vllm runs it)")
     model = args.model_path
     if args.engine == "sim":
         served = "sim"

@@ -28,6 +28,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from loadgen_lib import smoke
+
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "bench secret, not a real one: 0123456789"
 
@@ -125,7 +127,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--itl-ms", type=float, default=8.0)
     p.add_argument("--variants", default="pipe,tcp,tls")
-    args = p.parse_args()
+    args = smoke.parse_args(p, concurrency=2, duration=0.5, max_tokens=8, variants="pipe,tls")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                             capture_output=True, text=True).stdout.strip()
     results = {}

@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.loadgen_lib import smoke  # noqa: E402
 from server.openai.encode import ChunkEncoder  # noqa: E402
 from server.openai.responses_events import ResponseEvents, new_response, response_usage  # noqa: E402
 
@@ -40,7 +41,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--events", type=int, default=100_000)
     p.add_argument("--repeat", type=int, default=5)
-    args = p.parse_args()
+    args = smoke.parse_args(p, events=100, repeat=1)
     n = args.events
     enc = ChunkEncoder(chat=True, response_id="chatcmpl-x", created=0, model="m")
     ev = ResponseEvents(new_response("resp_x", 0, "m", {}), reasoning_parser=None, tools=None)

@@ -30,6 +30,7 @@ import time
 import trio
 
 import server
+from loadgen_lib import smoke
 from server.testing import open_in_memory_engine, open_in_memory_spawner
 from server.worker_protocol import wire
 
@@ -107,4 +108,4 @@ if __name__ == "__main__":
     p.add_argument("--form", choices=("packed", "list"), default="packed",
                    help="the ids as a worker that reads packed ids sends them (wire.PACKED_IDS, "
                    "the default), or as a msgpack array (an older worker)")
-    trio.run(main, p.parse_args())
+    trio.run(main, smoke.parse_args(p, streams=2, ids=100_000, rounds=1))

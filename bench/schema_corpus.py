@@ -326,8 +326,21 @@ def build_corpus(*, per_source: int = 100, max_bytes: int = 8192, sources=SOURCE
     return corpus
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
+    """Build the corpus, print how many schemas each source gave."""
+    import argparse
     import collections
 
-    c = build_corpus()
+    from loadgen_lib import smoke  # (run as a script: bench/ is on the path)
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--per-source", type=int, default=100)
+    p.add_argument("--quick", action="store_true", help="pydantic models of small packages only")
+    args = smoke.parse_args(p, argv, per_source=5, quick=True)
+    c = build_corpus(per_source=args.per_source, quick=args.quick)
     print(collections.Counter(s for s, _, _ in c))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

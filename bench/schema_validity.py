@@ -50,6 +50,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.loadgen_lib import smoke  # noqa: E402
 from bench.loadgen_lib.spawn import SpawnedServer  # noqa: E402
 from bench.schema_corpus import SOURCES, build_corpus  # noqa: E402
 
@@ -235,8 +236,11 @@ def main(argv=None) -> int:
                         "speaks for it during long steps on a busy machine)")
     p.add_argument("--num-threads", type=int, default=1, help="the worker's torch threads")
     p.add_argument("--json-out", help="write every row (status, finish, output) here")
-    args = p.parse_args(argv)
-    if args.quick:
+    p.add_argument("--limit", type=int, default=None,
+                   help="send at most this many schemas, evenly spaced over the corpus")
+    args = smoke.parse_args(p, argv, quick=True, per_source=2, seeds=1, max_tokens=16,
+                            concurrency=2, limit=6)
+    if args.quick and not args.smoke:
         args.per_source, args.seeds, args.max_tokens = 15, 2, 160
     modes = [m for m in args.modes.split(",") if m]
     try:
@@ -263,6 +267,8 @@ def main(argv=None) -> int:
         sources = [s for s in SOURCES if not (args.quick and s == "dataclasses")]
         corpus = build_corpus(per_source=args.per_source, max_bytes=args.max_bytes,
                               sources=sources, quick=args.quick)
+        if args.limit is not None:
+            corpus = corpus[::max(1, len(corpus) // args.limit)][:args.limit]
         corpus_s = time.perf_counter() - started
         print(f"corpus: {len(corpus)} schemas "
               f"({dict(collections.Counter(s for s, _, _ in corpus))}), built in {corpus_s:.0f} s",

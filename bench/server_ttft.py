@@ -16,10 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.loadgen_lib import smoke  # noqa: E402
 from bench.loadgen_lib.stats import percentile  # noqa: E402
 
 
@@ -39,22 +42,45 @@ def first_token_times(path: str) -> list[float]:
     return times
 
 
-def main() -> None:
+def smoke_log(directory: str) -> str:
+    """A log of a few requests: ``bench/loadgen.py --smoke`` against a server spawned with
+    ``--log-format json``."""
+    path = os.path.join(directory, "server.log")
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "loadgen.py"),
+                    "--smoke", "--quiet", "--spawn-server", "--engine-workers 1 --log-format json",
+                    "--server-log", path], check=True, stdout=subprocess.DEVNULL)
+    return path
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("logs", nargs="+", help="server logs written with --log-format json")
+    parser.add_argument("logs", nargs="*", help="server logs written with --log-format json "
+                        "(with --smoke: none, the log of a few requests made here)")
     parser.add_argument("--configured-ms", type=float, default=22.56,
                         help="the engine's configured time to first token (default: %(default)s)")
-    args = parser.parse_args()
-    for path in args.logs:
+    args = smoke.parse_args(parser)
+    if not args.logs and not args.smoke:
+        parser.error("give at least one log")
+    with tempfile.TemporaryDirectory() as tmp:
+        return report(args.logs or [smoke_log(tmp)], args.configured_ms, args.smoke)
+
+
+def report(logs: list[str], configured_ms: float, strict: bool) -> int:
+    """Print each log's figures; 1 when ``strict`` and a log has no first token (the log's
+    format no longer what this reads)."""
+    for path in logs:
         times = sorted(first_token_times(path))
         if not times:
             print(f"{path}: no request with a first token")
+            if strict:
+                return 1
             continue
         p50, p90 = percentile(times, 50), percentile(times, 90)
-        c = args.configured_ms
+        c = configured_ms
         print(f"{path}: {len(times)} requests, server TTFT p50 {p50:.2f} p90 {p90:.2f} ms; "
               f"minus {c:g} ms: p50 {p50 - c:.2f} p90 {p90 - c:.2f} ms")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -29,6 +29,7 @@ import httpx
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
+from bench.loadgen_lib import smoke  # noqa: E402
 from tests.conftest import children_of, pid_exists  # noqa: E402
 
 SHAPE = {"hidden_size": 256, "heads": 4, "layers": 2, "vocab_size": 1000,
@@ -103,7 +104,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--server-arg", action="append", default=[],
                         help="one more argument for the server (repeatable)")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, engine="sim", runs=1)
+    if args.smoke and args.engine == "sim":
+        smoke.skipped("the vllm engine (--smoke --engine vllm runs it)")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = None
         if args.engine == "vllm":

@@ -51,6 +51,8 @@ from pathlib import Path
 
 import trio
 
+from loadgen_lib import smoke
+
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 
@@ -508,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-arg", dest="server_args", action="append", default=[],
                    metavar="ARG", help="one more argument for the server (repeatable), "
                    "e.g. --server-arg=--keep-alive-timeout --server-arg=5")
-    args = p.parse_args(argv)
+    args = smoke.parse_args(p, argv, duration=3.0, concurrency=4, kill_every=1.5)
     return trio.run(soak, args)
 
 

@@ -44,6 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.loadgen_lib import smoke  # noqa: E402
+
 #: As bench/isolation.py's TINY.
 TINY = {"hidden_size": 256, "heads": 4, "layers": 2, "vocab_size": 1000,
         "max_position_embeddings": 2048}
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
                    help="sys.setswitchinterval for this process (default: Python's 5 ms)")
     p.add_argument("--no-process", action="store_true",
                    help="prepare everything in the worker's threads (no helper process)")
-    args = p.parse_args(argv)
+    args = smoke.parse_args(p, argv, rows=2, baseline=0.3, kinds="schema")
     import torch
 
     from server.workers import prepare

@@ -45,6 +45,7 @@ import trio
 import trio.testing
 
 import server
+from loadgen_lib import smoke
 from server.worker_protocol import wire
 
 # ------------------------------------------------------------------------------------------
@@ -89,13 +90,15 @@ class Pacer:
 
 
 class _Stdin(trio.abc.SendStream):
-    """The worker's stdin: collects the SUBMITted rids."""
+    """The worker's stdin: collects the SUBMITted rids. Closing it ends the fake worker (its
+    stdout's EOF), as a real worker exits when its stdin closes."""
 
     def __init__(self, expected: int) -> None:
         self.decoder = wire.FrameDecoder()
         self.rids: list[int] = []
         self.expected = expected
         self.submitted = trio.Event()
+        self.closed = trio.Event()
 
     async def send_all(self, data) -> None:
         await trio.lowlevel.checkpoint()
@@ -109,6 +112,7 @@ class _Stdin(trio.abc.SendStream):
         await trio.lowlevel.checkpoint()
 
     async def aclose(self) -> None:
+        self.closed.set()
         await trio.lowlevel.checkpoint()
 
 
@@ -121,7 +125,7 @@ class _Stdout(trio.abc.ReceiveStream):
         self.text = text
         self.frames: list[bytes] = []
         self.sent_hello = False
-        self.closed = trio.Event()
+        self.closed = stdin.closed  # the worker ends when either pipe closes
 
     async def receive_some(self, max_bytes=None) -> bytes:
         await trio.lowlevel.checkpoint()
@@ -153,15 +157,18 @@ class _Stdout(trio.abc.ReceiveStream):
 
 
 class _Process:
+    """What the transport reads of a :class:`trio.Process`: pipes, ``wait``, ``returncode``."""
+
     pid = 0
 
     def __init__(self, stdin: _Stdin, stdout: _Stdout) -> None:
         self.stdin = stdin
         self.stdout = stdout
-        self.exited = trio.Event()
+        self.returncode: int | None = None
 
     async def wait(self) -> int:
         await self.stdout.closed.wait()
+        self.returncode = 0
         return 0
 
     def terminate(self) -> None:
@@ -246,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=512, help="concurrent streams (512)")
     parser.add_argument("--steps", type=int, default=200, help="chunks per stream (200)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each variant (3)")
-    args = parser.parse_args(argv)
+    args = smoke.parse_args(parser, argv, streams=8, steps=5, repeat=1)
     if args.streams < 1 or args.steps < 1 or args.repeat < 1:
         parser.error("--streams, --steps and --repeat must be positive")
 

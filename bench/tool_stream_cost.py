@@ -38,6 +38,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.loadgen_lib import smoke  # noqa: E402
 from bench.loadgen_lib.procstat import CLK_TCK, read_stat  # noqa: E402
 
 TOOL = {"type": "function", "function": {
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--repeat", type=int, default=3)
-    args = p.parse_args(argv)
+    args = smoke.parse_args(p, argv, streams=2, max_tokens=16, repeat=1)
     cmd = [sys.executable, "-m", "server", "--engine", "sim", "--port", "0",
            "--tool-call-parser", "hermes", "--stream-interval-ms", "0", "--sim-itl-ms", "4",
            "--sim-ttft-ms", "1", "--sim-prefill-us-per-token", "0", "--shutdown-timeout", "0"]

@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 import trio  # noqa: E402
 
 import server  # noqa: E402
+from bench.loadgen_lib import smoke  # noqa: E402
 from server import SamplingParams  # noqa: E402
 
 
@@ -60,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    return smoke.parse_args(p, argv, concurrency="1,2", rounds=1, max_tokens=4, prompt_tokens=8)
 
 
 def make_prompts(n: int, approx_tokens: int, seed: int) -> list[str]:

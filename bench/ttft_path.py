@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import trio  # noqa: E402
 
 import server  # noqa: E402
+from bench.loadgen_lib import smoke  # noqa: E402
 from bench.loadgen_lib.spawn import SpawnedServer  # noqa: E402
 from server.worker_protocol import wire  # noqa: E402
 
@@ -112,7 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=40, help="requests per measure")
     parser.add_argument("--prompt-tokens", type=int, default=128)
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, n=3, prompt_tokens=8)
     prompt = " ".join(["w"] * args.prompt_tokens)
     configured = SIM["ttft_ms"] + SIM["prefill_us_per_token"] * args.prompt_tokens / 1000.0
     print(f"sim configured time to first token: {configured:.2f} ms")

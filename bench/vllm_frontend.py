@@ -15,7 +15,9 @@ so every request makes exactly ``--max-tokens`` tokens), at each concurrency of
 * ``ours-process``: ours with ``--engine-core process``: vLLM's engine core in a process
   of its own beside the worker, as vLLM's server runs it (issue 28 item 2);
 * ``vllm``: vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``, what
-  ``vllm serve`` runs) at its defaults.
+  ``vllm serve`` runs) at its defaults;
+* ``ours-sim``: our server on the sim engine (no vLLM: ``--smoke``'s, which proves the
+  script's load and report without loading vLLM).
 
 For each it reports the frontend's CPU per delivered token (``frontend_cpu_us_per_token``:
 our frontend process; vLLM's API-server process, its engine-core process being the
@@ -53,11 +55,16 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.loadgen_lib import smoke  # noqa: E402
+
 #: Engine settings both servers get (vLLM's CPU build: float32, a fixed small KV cache).
 ENGINE = {"dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20}
 
 
 def _server_cmd(kind: str, model: str, port: int, engine: dict) -> list[str]:
+    if kind == "ours-sim":  # (--smoke's: our server and the same load, without vLLM)
+        return [sys.executable, "-m", "server", "--engine", "sim", "--model", "m", "--port",
+                str(port), "--disable-log-requests"]
     if kind == "vllm":
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--port", str(port), "--host", "127.0.0.1", "--served-model-name", "m",
@@ -165,7 +172,10 @@ def main(argv=None) -> int:
     p.add_argument("--engine", type=json.loads, default=ENGINE,
                    help="engine arguments for both servers, as JSON (default: the CPU "
                    "settings above; on a GPU e.g. '{\"max_model_len\": 4096}')")
-    args = p.parse_args(argv)
+    args = smoke.parse_args(p, argv, servers="ours-sim", concurrency=[1], rounds=1,
+                            min_requests=2, max_tokens=4, prompt_tokens=8)
+    if args.smoke and "ours-sim" in args.servers:
+        smoke.skipped("vLLM, ours-sim instead (--smoke --servers ours,vllm runs vLLM)")
     model = args.model_path
     if model is None:
         from tests.tiny_model import build_tiny_model

@@ -21,4 +21,6 @@ Modules, from the wire up:
 * ``report``: progress line, summary, table, plot
 * ``spawn``: ``--spawn-server``
 * ``cli``: options and ``main``
+
+and ``smoke``: the ``--smoke`` option of every bench script (tests/test_bench_smoke.py).
 """

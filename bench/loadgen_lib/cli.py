@@ -10,6 +10,7 @@ import resource
 import trio
 
 from .report import format_table, log
+from . import smoke
 from .runner import run_benchmark
 from .spawn import SpawnedServer
 from .target import check_loopback_url
@@ -175,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = smoke.parse_args(parser, argv, spawn_server="--engine-workers 1", concurrency=2,
+                            requests=4, prompt_tokens=8, max_tokens=8)
     if args.burst:
         given = [opt for opt, value in (("--requests", args.requests), ("--duration", args.duration),
                                         ("--warmup", args.warmup)) if value is not None]
