@@ -46,6 +46,7 @@ from ..errors import (
     ServerError,
     ServiceUnavailable,
 )
+from ..manager.deadlines import QUEUE_TIMEOUT, queue_timeout_error
 from ..observability.logs import request_id_from_header
 from ..observability.record import RequestRecord
 from ..openai import schema
@@ -280,7 +281,11 @@ def _abort_error(cause: str) -> ServerError:
     """What a non-streaming request aborted by the server is answered with."""
     if cause == "timeout":
         return RequestTimeout("The request took longer than the server's request timeout.")
-    return ServiceUnavailable("The server is shutting down.", code="shutting_down")
+    if cause == QUEUE_TIMEOUT:
+        return queue_timeout_error()
+    if cause == "shutdown":
+        return ServiceUnavailable("The server is shutting down.", code="shutting_down")
+    return EngineError(f"The server aborted the request ({cause}).")
 
 
 def failure(stream, out) -> ServerError | None:

@@ -21,11 +21,23 @@ import weakref
 
 import trio
 
-__all__ = ["DeadlineQueue", "QUEUE_TIMEOUT", "TIMEOUT"]
+from ..errors import ServiceUnavailable
+
+__all__ = ["DeadlineQueue", "QUEUE_TIMEOUT", "TIMEOUT", "queue_timeout_error"]
 
 #: The causes of a deadline's abort (the stream's ``abort_cause``).
 TIMEOUT = "timeout"
 QUEUE_TIMEOUT = "queue_timeout"
+
+
+def queue_timeout_error() -> ServiceUnavailable:
+    """What a request the queue-time limit aborted before it started gets (a 503 with
+    Retry-After: the server is overloaded, not broken)."""
+    return ServiceUnavailable(
+        "The request waited longer than the server's queue-time limit without starting "
+        "(the server is overloaded); retry later.",
+        code="server_overloaded",
+    )
 
 
 class DeadlineQueue:
