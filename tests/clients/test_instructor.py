@@ -2,7 +2,8 @@
 SDK, in the modes that need no model cooperation beyond the grammar: TOOLS (a named forced
 call), TOOLS_STRICT, JSON_SCHEMA-style ``response_format`` (instructor's JSON_SCHEMA mode
 sends OpenAI's ``json_schema``), ``create_partial`` (streaming) and
-``create_with_completion``. (``create_iterable`` is served too, but its wrapper's ``tasks``
+``create_with_completion``; and its default call (no ``max_tokens``, no ``temperature``,
+no retries set: issue 41). (``create_iterable`` is served too, but its wrapper's ``tasks``
 is optional: the random model may answer ``{}``, which instructor's stream parser then reads
 as one empty item.)"""
 
@@ -21,6 +22,10 @@ ARGS = {"model": MODEL, "messages": CHAT, "max_tokens": 300, "temperature": 0, "
 
 
 def drive(url: str) -> None:
+    default = instructor.from_openai(openai.OpenAI(base_url=url + "/v1", api_key="x"))
+    booking = default.chat.completions.create(model=MODEL, messages=CHAT, response_model=Booking)
+    assert isinstance(booking, Booking)
+
     raw = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     for mode in (instructor.Mode.TOOLS, instructor.Mode.TOOLS_STRICT, instructor.Mode.JSON_SCHEMA):
         client = instructor.from_openai(raw, mode=mode)

@@ -1,6 +1,7 @@
 """langchain-openai's ``ChatOpenAI``: ``invoke``, ``stream`` (with usage), ``bind_tools``
 with a forced call and the call sent back on the next turn, ``with_structured_output`` in
-its methods; over chat completions and over the Responses API (``use_responses_api``)."""
+its methods, and the default ``invoke`` (no ``max_tokens`` or ``temperature``: issue 41);
+over chat completions and over the Responses API (``use_responses_api``)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ def chat_model(url: str, **kw):
 
 
 def drive(url: str, responses: bool) -> None:
+    default = langchain_openai.ChatOpenAI(base_url=url + "/v1", api_key="x", model=MODEL,
+                                          use_responses_api=responses)
+    assert isinstance(default.invoke(ASK).text, str)
+
     llm = chat_model(url, use_responses_api=responses)
     said = llm.invoke(ASK)
     assert isinstance(said.content, (str, list)) and said.usage_metadata["output_tokens"] > 0

@@ -3,7 +3,9 @@ an evaluation drives them, without the hub: ``local-completions`` with its defau
 (token-id prompts, ``echo`` and ``logprobs: 1`` for loglikelihoods; the tokenizer from the
 model's directory), loglikelihoods checked against the model run directly in transformers,
 rolling loglikelihoods and ``generate_until``; ``local-chat-completions`` generating with
-stop sequences."""
+stop sequences, and with lm-eval's defaults (no generation arguments: lm-eval then sends
+its own ``max_tokens``, 256, and ``temperature`` 0, so it never sends a body without a
+token limit)."""
 
 from __future__ import annotations
 
@@ -65,6 +67,8 @@ def drive(url: str, model_dir) -> None:
     messages = JsonChatStr(json.dumps([{"role": "user", "content": "the quick brown fox"}]))
     texts = chat.generate_until([Instance("generate_until", {}, (messages, until), 0)])
     assert isinstance(texts[0], str) and "." not in texts[0]
+    texts = chat.generate_until([Instance("generate_until", {}, (messages, {}), 0)])
+    assert isinstance(texts[0], str)
 
 
 async def test_lm_eval_api_models(model_dir):

@@ -5,7 +5,8 @@ its native mode (``response_format``), streamed, and a function tool.
 With a function tool and a tool output, pydantic-ai sends ``tool_choice: required`` over
 both tools: which one the random model calls is its choice, so the run ends with the output
 or, after calling the tool every turn, at the request limit; either way each call was valid
-and served."""
+and served. An agent with no model settings (no ``max_tokens``: issue 41) answers in
+text."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ async def run_agents(url: str) -> None:
     calls: list[Guest] = []
     for cls in (OpenAIChatModel, OpenAIResponsesModel):
         model = cls(MODEL, provider=provider)
+        assert isinstance((await Agent(model).run(ASK)).output, str)
         for output in (Booking, NativeOutput(Booking)):
             result = await Agent(model, output_type=output, model_settings=settings).run(ASK)
             assert isinstance(result.output, Booking), (cls, output)
