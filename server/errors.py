@@ -173,7 +173,7 @@ class ServiceUnavailable(ServerError):
         self.retry_after = retry_after
 
 
-# Error kinds as they travel on the worker pipe: [kind, message].
+# Error kinds as they travel on the worker pipe: [kind, message] (or [kind, message, param]).
 WIRE_KINDS: dict[str, type[ServerError]] = {
     "invalid_request": ClientError,
     "not_found": NotFound,
@@ -184,9 +184,13 @@ WIRE_KINDS: dict[str, type[ServerError]] = {
 }
 
 
-def error_from_wire(kind: str, message: str) -> ServerError:
-    """Build the exception for a wire error kind; unknown kinds are engine errors."""
-    return WIRE_KINDS.get(kind, EngineError)(message)
+def error_from_wire(kind: str, message: str, param: str | None = None) -> ServerError:
+    """Build the exception for a wire error kind (unknown kinds are engine errors), naming
+    ``param``, the client's field the worker refused (None: it named none)."""
+    exc = WIRE_KINDS.get(kind, EngineError)(message)
+    if param is not None:
+        exc.param = printable(param)
+    return exc
 
 
 def error_body(exc: ServerError) -> dict:

@@ -1,7 +1,7 @@
 """What a generation stream yields: :class:`RequestOutput`, a plain value.
 
 End of stream is a value too: the last output of a choice has ``finish_reason`` set. Errors
-that end a stream travel as a value (``error_kind`` and ``error``), never as a stored
+that end a stream travel as a value (``error_kind``, ``error`` and ``error_param``), never as a stored
 exception, so a finished request holds no traceback and no reference cycle.
 """
 
@@ -33,6 +33,7 @@ class RequestOutput:
         "finish_reason",
         "error_kind",
         "error",
+        "error_param",
         "cached_tokens",
         "logprobs",
         "prompt_logprobs",
@@ -51,6 +52,7 @@ class RequestOutput:
         error_kind: str | None = None,
         error: str | None = None,
         cached_tokens: int | None = None,
+        error_param: str | None = None,
     ) -> None:
         self.index = index
         self.text = text
@@ -60,6 +62,8 @@ class RequestOutput:
         self.finish_reason = finish_reason
         self.error_kind = error_kind
         self.error = error
+        #: The client's field the worker's refusal named (None: none).
+        self.error_param = error_param
         #: Prompt tokens found in the engine's prefix cache, when the engine reports it
         #: (vLLM); None otherwise.
         self.cached_tokens = cached_tokens
@@ -84,7 +88,7 @@ class RequestOutput:
         """A fresh exception describing the error that ended this choice, or None."""
         if self.error_kind is None:
             return None
-        return error_from_wire(self.error_kind, self.error or "engine error")
+        return error_from_wire(self.error_kind, self.error or "engine error", self.error_param)
 
     def __repr__(self) -> str:
         extra = f", finish_reason={self.finish_reason!r}" if self.finish_reason else ""

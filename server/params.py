@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .worker_protocol.wire import ERROR_PARAM_KEY
+
 __all__ = ["MAX_TOKEN_ID", "SamplingParams", "context_error", "is_token_ids", "truncated"]
 
 #: The largest token id a request may carry: int32's, what engines index vocabularies with.
@@ -61,7 +63,8 @@ class SamplingParams:
             raise ValueError("n must be at least 1")
 
     def to_wire(self, sample_index: int = 0) -> dict:
-        """The dict sent to the worker for sample ``sample_index`` of this request."""
+        """The dict sent to the worker for sample ``sample_index`` of this request (asking
+        that a refusal name the field at fault: ``wire.ERROR_PARAM_KEY``)."""
         wire = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
@@ -69,6 +72,7 @@ class SamplingParams:
             "seed": None if self.seed is None else _wrap64(self.seed + sample_index),
             "stop": list(self.stop),
             "ignore_eos": self.ignore_eos,
+            ERROR_PARAM_KEY: True,
         }
         if self.extra:
             wire.update(self.extra)

@@ -31,7 +31,8 @@ values = st.recursive(
     max_leaves=10,
 )
 
-_error = st.tuples(_small_text, _small_text).map(list)
+_error = (st.tuples(_small_text, _small_text).map(list)
+          | st.tuples(_small_text, _small_text, _small_text | st.none()).map(list))
 _params = st.fixed_dictionaries(
     {}, optional={"max_tokens": st.integers(1, 8) | st.none() | values,
                   "temperature": st.floats(0, 2) | values, "seed": _ints | st.none(),

@@ -276,7 +276,7 @@ async def test_transformers_embeddings_end_to_end(embedder_dir, tmp_path):
                 assert r.status_code == 200 and len(r.json()["data"]) == 1, r.text
                 bad = [
                     ({"input": "a", "dimensions": 8}, "dimensions"),  # not a Matryoshka model
-                    ({"input": [[1, 10**6]]}, None),  # a token id out of the vocabulary
+                    ({"input": [[1, 10**6]]}, "input[0]"),  # a token id out of the vocabulary
                 ]
                 for body, param in bad:
                     r = await http.post("/v1/embeddings", json=body)

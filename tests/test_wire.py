@@ -494,3 +494,60 @@ def test_a_worker_packs_a_reply_with_any_long_list_a_slice_at_a_time():
             [wire.TOKENIZED, 7, {**result, "tokens": ids}, None]]
     short = {"tokens": wire.pack_ids(ids), "token_strs": None}
     assert type(tokenize_reply(7, lambda request: short, {})[2]) is dict
+
+
+# -- refusals that name the field (issue 41 item 8) -------------------------------------------
+
+def test_an_err_of_two_or_three_items_passes_and_no_other():
+    """A frontend takes ``[kind, message]`` (an older worker's, or a refusal of no field)
+    and ``[kind, message, param]`` in a STEP's error row and in a TOKENIZED."""
+    for err in (["invalid_request", "no"], ["invalid_request", "no", "max_tokens"],
+                ["invalid_request", "no", None]):
+        wire.check_reply([wire.STEP, [], [[1, "", 0, "error", err]]])
+        wire.check_reply([wire.TOKENIZED, 1, None, err])
+        assert wire.final_ok("error", err)
+    for err in (["k", "m", 3], ["k", "m", "p", "q"], ["k", "m", b"p"]):
+        with pytest.raises(wire.ProtocolError, match="malformed"):
+            wire.check_reply([wire.STEP, [], [[1, "", 0, "error", err]]])
+        with pytest.raises(wire.ProtocolError, match="malformed"):
+            wire.check_reply([wire.TOKENIZED, 1, None, err])
+
+
+def test_a_worker_names_the_field_only_to_a_request_that_asks():
+    """The third item goes only to a request carrying ``error_param`` (a frontend of this
+    version: every SUBMIT's params and TOKENIZE request); an older frontend, which ends
+    the connection on a three-item err, gets two."""
+    from server import SamplingParams
+    from server.workers.main import handle_message
+    from server.workers.sim import SimEngine
+
+    asks = {wire.ERROR_PARAM_KEY: True}
+    assert SamplingParams().to_wire()[wire.ERROR_PARAM_KEY] is True
+    assert wire.error("invalid_request", "no", "max_tokens", asks) == [
+        "invalid_request", "no", "max_tokens"]
+    assert wire.error("invalid_request", "no", "max_tokens", {}) == ["invalid_request", "no"]
+    assert wire.error("invalid_request", "no", None, asks) == ["invalid_request", "no"]
+
+    engine = SimEngine(max_model_len=64)
+    too_far = {"max_tokens": 4, "truncate_prompt_tokens": 1000}
+    for params, err in (
+        ({**too_far, **asks}, ["invalid_request", "truncate_prompt_tokens"]),
+        (too_far, ["invalid_request"]),
+        ({"max_tokens": 100, **asks}, ["invalid_request", "prompt"]),
+        ({"max_tokens": "many", **asks}, ["invalid_request", "max_tokens"]),
+        ({"max_tokens": 4, "seed": "x", **asks}, ["invalid_request", "seed"]),
+    ):
+        outputs: list = []
+        handle_message(engine, [wire.SUBMIT, 1, "a b c", params], [], outputs)
+        ((rid, _, _, finish, got),) = outputs
+        assert finish == "error" and [got[0], *got[2:]] == err, (params, got)
+    chat = {"messages": [{"role": "user", "content": "x " * 80}]}
+    outputs = []
+    handle_message(engine, [wire.SUBMIT, 2, chat, {"max_tokens": 4, **asks}], [], outputs)
+    assert outputs[0][4][2] == "messages"
+    embed = {"op": "embed", "input": ["a"], "dimensions": 10**6}
+    for request, n in (({**embed, **asks}, 3), (embed, 2)):
+        reply = handle_message(engine, [wire.TOKENIZE, 1, request], [], [])
+        assert reply is not None and reply[2] is None and len(reply[3]) == n
+        wire.check_reply(reply)
+        assert reply[3][2:] == (["dimensions"] if n == 3 else [])

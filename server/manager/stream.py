@@ -182,6 +182,7 @@ class Choice:
         "finish_reason",
         "error_kind",
         "error",
+        "error_param",
         "cached_tokens",
         "logprobs",
         "prompt_logprobs",
@@ -235,6 +236,8 @@ class Choice:
         self.finish_reason: str | None = None
         self.error_kind: str | None = None
         self.error: str | None = None
+        #: The client's field a worker's refusal named (a three-item ``err``), or None.
+        self.error_param: str | None = None
         #: Prompt tokens the engine found in its prefix cache (None: it does not say).
         self.cached_tokens: int | None = None
         #: Logprob entries of the pending tokens (only for requests that asked), and of the
@@ -293,8 +296,10 @@ class Choice:
         if finish is not None:
             self.done = True
             self.finish_reason = finish
-            if err is not None:
-                self.error_kind, self.error = err
+            if err is not None:  # [kind, message] or [kind, message, param]
+                self.error_kind, self.error = err[0], err[1]
+                if len(err) > 2:
+                    self.error_param = err[2]
         waker = self.waker
         if not self.queued and not waker.closed:
             # A consumer parked with nothing ready, that gave its stream a sink: the sink
@@ -337,6 +342,7 @@ class Choice:
             self.error_kind,
             self.error,
             self.cached_tokens,
+            self.error_param,
         )
         if self.logprobs is not None or self.prompt_logprobs is not None:
             out.logprobs, self.logprobs = self.logprobs, None
@@ -568,7 +574,8 @@ class RequestStream:
                     raise _queue_timeout()
                 for c in choices:
                     if c.done and c.error_kind is not None and c.completion_tokens == 0:
-                        out = RequestOutput(0, "", 0, 0, 0, "error", c.error_kind, c.error)
+                        out = RequestOutput(0, "", 0, 0, 0, "error", c.error_kind, c.error,
+                                            None, c.error_param)
                         await self.aclose()
                         # No local holds the exception: with the traceback holding this
                         # frame, that would be a cycle only the collector frees.

@@ -326,9 +326,11 @@ class WorkerClient:
         between engine steps. Raises the worker's error (a client fault is a ClientError)."""
         if self.reads_packed:
             request = _packed_request(request)
+        # (a refusal names the field at fault: a worker of this version adds it to err)
+        request = {**request, wire.ERROR_PARAM_KEY: True}
         result, err = await self._round_trip(lambda seq: [wire.TOKENIZE, seq, request])
         if err is not None:
-            raise error_from_wire(err[0], err[1])
+            raise error_from_wire(*err)
         return result
 
     @property

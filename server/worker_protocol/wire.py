@@ -53,7 +53,8 @@ Worker -> frontend::
                                     a map last: ENGINE_STATS
     [TOKENIZED, seq, result, err]   result: {"tokens": [...], "max_model_len": n},
                                     {"prompt": str} or {"data": [float32 LE bytes, ...],
-                                    "prompt_tokens": n}; or err: [kind, message]
+                                    "prompt_tokens": n}; or err: [kind, message] (or
+                                    [kind, message, param]: see ERROR_PARAM_KEY)
     [PART, data, more]              a worker asked for parts (a pipe worker by its
                                     argument, a listening one by SUBSCRIBE) sends a
                                     TOKENIZED of BIG_FRAME or more as the pieces of its
@@ -65,7 +66,9 @@ A worker started with ``--listen`` opens each connection with a handshake first
 The rows of a STEP are :class:`AcceptRow` and :class:`OutputRow` (sent as arrays in their
 field order; the frontend unpacks them in that order). In an output, ``finish`` is None or
 one of stop/length/abort/error and ``err`` is None or ``[kind, message]`` (kinds in
-:data:`server.errors.WIRE_KINDS`). A request that is rejected
+:data:`server.errors.WIRE_KINDS`), or ``[kind, message, param]`` (the client's field at
+fault, or nil) for a request whose params asked with :data:`ERROR_PARAM_KEY` (a TOKENIZED's
+``err`` too, for a TOKENIZE request that asked). A request that is rejected
 (client fault, such as a prompt over the context limit) gets a terminal output with
 ``finish="error"`` and no accept. An abort of a request the worker holds is answered by a
 terminal ``abort`` output in the worker's next frame; of any other rid, by nothing.
@@ -92,8 +95,9 @@ reads it: :func:`check_request` (what a worker accepts from a frontend),
 :func:`check` (the handshake's messages). A message of a type the receiver does not expect
 there, with the wrong number of items, or an item of the wrong type (a rid that is not an
 integer, a row that is not ``[rid, text, ntok, finish, err]``, a count below zero, an
-``err`` that is not ``[kind, message]``...) raises :class:`ProtocolError`, whose text names
-the message and shows it clipped: the receiver ends that connection only. The *content* of a
+``err`` that is not ``[kind, message]`` or ``[kind, message, param]``...) raises
+:class:`ProtocolError`, whose text names the message and shows it clipped: the receiver
+ends that connection only. The *content* of a
 well-formed SUBMIT or TOKENIZE (the prompt's items, the params' values) is the engine's to
 judge: it answers a request it cannot take with an error output, as for any client fault.
 """
@@ -142,6 +146,8 @@ __all__ = [
     "PACK_MIN",
     "pack_ids",
     "hello_info",
+    "ERROR_PARAM_KEY",
+    "error",
     "ENGINE_STATS",
     "ITERATION_TOKEN_BUCKETS",
     "ProtocolError",
@@ -291,6 +297,23 @@ def pack_ids(ids: object) -> object:
     except (OverflowError, TypeError):  # a negative, a huge or a non-int item
         return ids
     return packed
+
+
+#: The key of a SUBMIT's params and of a TOKENIZE request saying the frontend reads an
+#: ``err`` of three items, ``[kind, message, param]`` (:func:`error`). A worker sends the
+#: third item only to a request that asks, so that an older frontend (which ends the
+#: connection on a three-item ``err``) keeps working; an older worker ignores the key.
+ERROR_PARAM_KEY = "error_param"
+
+
+def error(kind: str, message: str, param: str | None, request: object) -> list:
+    """The ``err`` of a refusal answering ``request`` (a SUBMIT's params, a TOKENIZE
+    request): ``[kind, message, param]`` when the request asks (:data:`ERROR_PARAM_KEY`)
+    and ``param`` (the client's field at fault) is known, else ``[kind, message]``. Only
+    refusals pay for it: the flag is read when one is built."""
+    if param is not None and type(request) is dict and request.get(ERROR_PARAM_KEY) is True:
+        return [kind, message, param]
+    return [kind, message]
 
 
 def hello_info(info: dict) -> dict:
@@ -752,8 +775,11 @@ def _count(x: object) -> bool:
 
 
 def _error(x: object) -> bool:
-    """``[kind, message]``"""
-    return type(x) is list and len(x) == 2 and type(x[0]) is str and type(x[1]) is str
+    """``[kind, message]``, or ``[kind, message, param]`` (a string or nil: see
+    :func:`error`)"""
+    return (type(x) is list and (len(x) == 2 or (len(x) == 3 and (x[2] is None
+                                                                   or type(x[2]) is str)))
+            and type(x[0]) is str and type(x[1]) is str)
 
 
 def _all(rows: object, row_ok: Callable[[object], bool]) -> bool:

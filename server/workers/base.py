@@ -43,18 +43,27 @@ __all__ = [
     "Engine", "EngineBroken", "HFTokenizing", "Rejected", "WorkerCrash", "WorkerGarbage",
     "WorkerHang",
     "TRUNCATION_FIELDS", "check_context", "encode_prompt", "encode_text", "finite_logprob",
-    "one_line", "refuse_fault", "tokenize_request", "truncate_prompt",
+    "malformed", "one_line", "prompt_param", "refuse_fault", "tokenize_request", "truncate_prompt",
     "MAX_LOGPROBS",
 ]
 
 
 class Rejected(Exception):
-    """The request cannot be served; ``kind`` is a wire error kind (see server.errors)."""
+    """The request cannot be served; ``kind`` is a wire error kind (see server.errors),
+    ``param`` the client's field at fault when the refusal concerns one (the body's name
+    for it: ``max_tokens``, ``messages``, ``response_format``...), else None."""
 
-    def __init__(self, message: str, kind: str = "invalid_request") -> None:
+    def __init__(self, message: str, kind: str = "invalid_request",
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.param = param
+
+    def err(self, request: object) -> list:
+        """The wire ``err`` answering ``request`` (its SUBMIT params or TOKENIZE request):
+        with ``param`` only when the request asks (:func:`wire.error`)."""
+        return wire.error(self.kind, self.message, self.param, request)
 
 
 class EngineBroken(Exception):
@@ -104,20 +113,37 @@ def truncate_prompt(ids, params: dict, max_model_len: int):
     k = params.get("truncate_prompt_tokens")
     if k is not None and k > max_model_len:
         raise Rejected(f"truncate_prompt_tokens={k} cannot be greater than max_total_tokens = "
-                       f"{max_model_len}. Please request a smaller truncation size.")
+                       f"{max_model_len}. Please request a smaller truncation size.",
+                       param="truncate_prompt_tokens")
     return truncated(ids, params, max_model_len)
 
 
-def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
-    """Reject a request that cannot fit the model's context, with OpenAI's wording.
+def malformed(field: str) -> Rejected:
+    """The refusal of a wire parameter ``field`` of the wrong type or out of range (the
+    frontend checks each first: this is a worker not trusting its peer), naming it."""
+    return Rejected(f"malformed sampling parameter {field!r}", param=field)
+
+
+def prompt_param(prompt: object) -> str:
+    """The client's field a wire prompt came from, for a refusal of it: chat's
+    ``messages`` (``{"messages": [...]}``; OpenAI's context_length_exceeded names it so),
+    else ``prompt`` (/v1/completions, /tokenize). The frontend renames it for an endpoint
+    that calls it otherwise (/v1/responses: ``input``)."""
+    return "messages" if isinstance(prompt, dict) else "prompt"
+
+
+def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                  param: str = "prompt") -> int:
+    """Reject a request that cannot fit the model's context, with OpenAI's wording,
+    naming ``param`` (the prompt's field, :func:`prompt_param`).
 
     Returns the effective max_tokens: ``None`` (no limit asked) means what fits.
     """
     if prompt_tokens < 1:
-        raise Rejected("The prompt must contain at least one token.")
+        raise Rejected("The prompt must contain at least one token.", param=param)
     error = context_error(prompt_tokens, max_tokens, max_model_len)
     if error is not None:
-        raise Rejected(error)
+        raise Rejected(error, param=param)
     return max_model_len - prompt_tokens if max_tokens is None else max_tokens
 
 
@@ -130,7 +156,7 @@ def refuse_fault(engine, fault: object) -> None:
         return
     name = engine.info.get("engine", "this")
     raise Rejected(f"'fault' is a test hook of the sim engine started with --sim-faults; "
-                   f"this worker's {name} engine does not take it")
+                   f"this worker's {name} engine does not take it", param="fault")
 
 
 def one_line(exc: BaseException) -> str:
@@ -180,25 +206,26 @@ def encode_prompt(
     template's ``tools``. ``fits(text)``, when given, may refuse a text before it is
     tokenized (see :meth:`HFTokenizing.fits`). ``add_special_tokens``: the tokenizer's own
     (a BOS) are added to a rendered chat too (vLLM's /tokenize option; generation renders
-    without them, as vLLM). Client faults raise :class:`Rejected`."""
+    without them, as vLLM). Client faults raise :class:`Rejected` naming the prompt's
+    field (:func:`prompt_param`)."""
     if isinstance(prompt, str):
         if fits is not None:
-            fits(prompt)
+            fits(prompt, "prompt")
         return encode_text(tokenizer, prompt)
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
         if bad is not None:  # (vLLM's words: "out of vocabulary")
             raise Rejected(f"token id {bad} is out of vocabulary (this model's token ids are "
-                           f"0 to {vocab_size - 1})")
+                           f"0 to {vocab_size - 1})", param="prompt")
         return list(prompt)
     if isinstance(prompt, dict):
         messages = prompt.get("messages")
         if not isinstance(messages, list):
-            raise Rejected("messages must be a list")
+            raise Rejected("messages must be a list", param="messages")
         if not chat:
             raise Rejected(
                 f"model {model!r} has no chat template, so it cannot serve chat completions; "
-                "use /v1/completions with a prompt"
+                "use /v1/completions with a prompt", param="messages"
             )
         try:
             text = tokenizer.apply_chat_template(
@@ -208,11 +235,12 @@ def encode_prompt(
                 **(template_kwargs or {}),
             )
         except Exception as exc:
-            raise Rejected(f"cannot render the chat template: {one_line(exc)}") from None
+            raise Rejected(f"cannot render the chat template: {one_line(exc)}",
+                           param="messages") from None
         if fits is not None:
-            fits(text)
+            fits(text, "messages")
         return encode_text(tokenizer, text, add_special_tokens=add_special_tokens)
-    raise Rejected("prompt must be a string or a list of token ids")
+    raise Rejected("prompt must be a string or a list of token ids", param="prompt")
 
 
 def tokenize_request(
@@ -229,9 +257,9 @@ def tokenize_request(
     if op == "detokenize":
         ids = request.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-            raise Rejected("tokens must be a list of token ids")
+            raise Rejected("tokens must be a list of token ids", param="tokens")
         if any(not 0 <= t < vocab_size for t in ids):
-            raise Rejected(f"token ids must be between 0 and {vocab_size - 1}")
+            raise Rejected(f"token ids must be between 0 and {vocab_size - 1}", param="tokens")
         return {"prompt": tokenizer.decode(ids)}
     if op != "tokenize":
         raise Rejected(f"unknown tokenize operation {op!r}")
@@ -247,7 +275,9 @@ def tokenize_request(
         template_kwargs = request.get("template_kwargs")
         if (tools is not None and not isinstance(tools, list)) or (
                 template_kwargs is not None and not isinstance(template_kwargs, dict)):
-            raise Rejected("tools must be a list and template_kwargs an object")
+            raise Rejected("tools must be a list and template_kwargs an object",
+                           param="tools" if isinstance(template_kwargs, dict) or
+                           template_kwargs is None else "chat_template_kwargs")
         ids = encode_prompt(prompt, tokenizer, vocab_size=vocab_size, chat=chat, model=model,
                             template_kwargs=template_kwargs, tools=tools,
                             add_special_tokens=request.get("add_special_tokens") is True)
@@ -317,7 +347,7 @@ class HFTokenizing:
             template_kwargs=template_kwargs, tools=tools, fits=self.fits,
         )
 
-    def fits(self, text: str) -> None:
+    def fits(self, text: str, param: str = "prompt") -> None:
         """Refuse, before tokenizing it, a prompt text that cannot fit the context: one of
         more UTF-8 bytes than ``max_model_len`` tokens of the vocabulary's longest token
         can hold (a token's string in the vocabulary is at least as long as its text, for
@@ -335,8 +365,8 @@ class HFTokenizing:
             raise Rejected(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, your prompt has {size} bytes of text, more than "
-                f"{self.max_model_len} tokens can hold. Please reduce the length of the prompt."
-            )
+                f"{self.max_model_len} tokens can hold. Please reduce the length of the prompt.",
+                param=param)
 
 
 #: The most alternatives per token a request may ask for (OpenAI: 5 for completions, 20 for

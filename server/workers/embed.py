@@ -37,26 +37,29 @@ def check_embed_request(request: dict, info: dict) -> tuple[list, dict]:
     embedding = info.get("embedding")
     if not isinstance(embedding, dict):
         raise Rejected(f"model {info.get('model')!r} is not an embedding model: the "
-                       f"{info.get('engine', 'this')} engine serves it for generation only")
+                       f"{info.get('engine', 'this')} engine serves it for generation only",
+                       param="model")
     inputs = request.get("input")
     if (not isinstance(inputs, list) or not 0 < len(inputs) <= MAX_INPUTS
             or not all(isinstance(i, str) or is_token_ids(i) for i in inputs)):
-        raise Rejected(f"input must be 1 to {MAX_INPUTS} strings or lists of token ids")
+        raise Rejected(f"input must be 1 to {MAX_INPUTS} strings or lists of token ids",
+                       param="input")
     dimensions = request.get("dimensions")
     if dimensions is not None:
         allowed = embedding.get("dimensions")
         if (not isinstance(dimensions, int) or isinstance(dimensions, bool)
                 or not 0 < dimensions <= embedding["size"]):
-            raise Rejected(f"dimensions must be between 1 and {embedding['size']}")
+            raise Rejected(f"dimensions must be between 1 and {embedding['size']}",
+                           param="dimensions")
         if dimensions != embedding["size"] and not (
                 allowed is True or (isinstance(allowed, list) and dimensions in allowed)):
             raise Rejected(f"model {info.get('model')!r} does not support dimensions "
-                           f"{dimensions}")
+                           f"{dimensions}", param="dimensions")
     options: dict = {"dimensions": dimensions}
     fault = request.get("fault")
     if fault is not None:
         if not isinstance(fault, dict):
-            raise Rejected("'fault' must be an object")
+            raise Rejected("'fault' must be an object", param="fault")
         options["fault"] = fault
     return inputs, options
 
@@ -72,12 +75,13 @@ def token_rows(inputs: list, tokenizer, *, vocab_size: int, max_model_len: int) 
         else:
             ids = list(item)
             if any(not 0 <= t < vocab_size for t in ids):
-                raise Rejected(f"input[{i}]: token ids must be between 0 and {vocab_size - 1}")
+                raise Rejected(f"input[{i}]: token ids must be between 0 and {vocab_size - 1}",
+                               param=f"input[{i}]")
         if not ids:
-            raise Rejected(f"input[{i}] has no tokens")
+            raise Rejected(f"input[{i}] has no tokens", param=f"input[{i}]")
         if len(ids) > max_model_len:
             raise Rejected(f"input[{i}] has {len(ids)} tokens; this model's maximum "
-                           f"context length is {max_model_len} tokens")
+                           f"context length is {max_model_len} tokens", param=f"input[{i}]")
         rows.append(ids)
     return rows
 
@@ -99,8 +103,8 @@ def _packed(vector) -> bytes:
 
 
 def embed_request(engine, request: dict) -> list:
-    """``[result, None]`` or ``[None, [kind, message]]`` for an ``embed`` request (one
-    carrying a ``fault`` for an engine that does not take it: refused, 400)."""
+    """``[result, None]`` or ``[None, err]`` for an ``embed`` request (one carrying a
+    ``fault`` for an engine that does not take it: refused, 400)."""
     embed = getattr(engine, "embed", None)
     try:
         refuse_fault(engine, request.get("fault"))
@@ -111,6 +115,6 @@ def embed_request(engine, request: dict) -> list:
         return [{"data": [_packed(v) for v in vectors], "prompt_tokens": int(prompt_tokens)},
                 None]
     except Rejected as exc:
-        return [None, [exc.kind, exc.message]]
+        return [None, exc.err(request)]
     except Exception as exc:
         return [None, ["engine_error", f"the engine could not embed: {exc!r:.200}"]]

@@ -190,7 +190,7 @@ class TransformersEmbedder(HFTokenizing):
         if longest * len(rows) > self.max_embed_tokens:
             raise Rejected(f"input: {len(rows)} inputs of up to {longest} tokens are more than "
                            f"the {self.max_embed_tokens} padded tokens one request may hold "
-                           "here; send fewer inputs per request")
+                           "here; send fewer inputs per request", param="input")
         device = self.model.device
         batch = torch.zeros((len(rows), longest), dtype=torch.long)
         mask = torch.zeros((len(rows), longest), dtype=torch.long)

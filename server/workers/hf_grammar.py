@@ -67,7 +67,7 @@ from .prepare import DaemonPool
 
 __all__ = [
     "Grammars", "COMPILE_THREADS", "MAX_SCHEMA_BYTES", "COMPILE_TIMEOUT", "constraint_key",
-    "describe",
+    "describe", "format_param",
 ]
 
 #: Default budgets (engine options ``grammar_max_bytes`` and ``grammar_timeout``).
@@ -90,6 +90,16 @@ def describe(response_format: dict) -> str:
     return "response_format"
 
 
+def format_param(response_format: dict) -> str:
+    """The client's field a refusal of this constraint names (its ``param``): the tool
+    whose parameters schema made the forced call's grammar (``tools``), vLLM's
+    ``structured_outputs``, or ``response_format``."""
+    origin = response_format.get("origin")
+    if origin == "tool_choice":
+        return "tools"
+    return "structured_outputs" if origin == "structured_outputs" else "response_format"
+
+
 #: The constraint kinds besides JSON (vLLM's structured_outputs, server.openai.structured;
 #: a structural tag's text is its JSON): the cache key of each is the kind, a NUL, and its
 #: text (a JSON schema's key starts "{").
@@ -110,12 +120,14 @@ def constraint_key(response_format: dict, max_bytes: int) -> str:
     if kind == "json_schema":
         return schema_text(response_format, max_bytes)
     if kind not in TEXT_KINDS:
-        raise Rejected(f"unknown response_format type {kind!r}")
+        raise Rejected(f"unknown response_format type {kind!r}",
+                       param=format_param(response_format))
     value = response_format.get(kind)
     text = "\x00".join(value or ()) if kind == "choice" else str(value)
     if len(text.encode()) > max_bytes:
         raise Rejected(f"{describe(response_format)}: the {kind} is too large to compile: more "
-                       f"than this server's limit of {max_bytes} bytes")
+                       f"than this server's limit of {max_bytes} bytes",
+                       param=format_param(response_format))
     return kind + "\x00" + text
 
 
@@ -130,7 +142,8 @@ def schema_text(response_format: dict, max_bytes: int) -> str:
     if size > max_bytes:
         raise Rejected(
             f"{describe(response_format)}: the JSON schema is too large to compile: {size} "
-            f"bytes, more than this server's limit of {max_bytes}")
+            f"bytes, more than this server's limit of {max_bytes}",
+            param=format_param(response_format))
     return schema
 
 
@@ -204,13 +217,13 @@ class Grammars:
         a regex, grammar or choice of vLLM's ``structured_outputs``), from the cache
         or compiled within the budgets. Any thread (blocks up to ``timeout``); an invalid,
         unsupported, too large or too slow schema is :class:`Rejected` naming the problem."""
-        name = describe(response_format)
+        name, param = describe(response_format), format_param(response_format)
         key = constraint_key(response_format, self.max_bytes)
         problem = None
         if response_format.get("type") == "json_schema":
             problem = unenforced(response_format.get("schema"))
             if problem and self._guidance is None:
-                raise Rejected(f"{name}: unsupported JSON schema: {problem}")
+                raise Rejected(f"{name}: unsupported JSON schema: {problem}", param=param)
             if problem:
                 key = GUIDED + key
         what = "JSON schema" if key.startswith("{") or problem else key.partition("\x00")[0]
@@ -228,12 +241,14 @@ class Grammars:
             raise Rejected(
                 f"{name}: the {what} did not compile within this server's limit of "
                 f"{self.timeout:g} s (simplify it: fewer properties, less nesting, shorter "
-                "enums)") from None
+                "enums)", param=param) from None
         except Exception as exc:
             if problem:
                 raise Rejected(f"{name}: unsupported JSON schema: {problem}; nor can "
-                               f"llguidance enforce the schema: {one_line(exc)}") from None
-            raise Rejected(f"{name}: unsupported {what}: {one_line(exc)}") from None
+                               f"llguidance enforce the schema: {one_line(exc)}",
+                               param=param) from None
+            raise Rejected(f"{name}: unsupported {what}: {one_line(exc)}",
+                           param=param) from None
 
     def matcher(self, compiled):
         """A fresh matcher for a compiled grammar (quick: the loop's thread)."""

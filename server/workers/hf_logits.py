@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from ..openai.fields import UNSUPPORTED, is_neutral
-from .base import Rejected
+from .base import Rejected, malformed
 
 __all__ = ["Rules", "process", "SAMPLING_FIELDS"]
 
@@ -84,31 +84,45 @@ class Rules:
         cls, params: dict, prompt: list[int], *, vocab_size: int, device, tokenizer=None
     ) -> Rules | None:
         """The rules of a request's wire params, or None when it has none (the usual case).
-        Values were validated by the HTTP layer; token ids are checked here (Rejected).
-        ``tokenizer`` tokenizes ``bad_words``."""
+        Values were validated by the HTTP layer; token ids are checked here, and a value of
+        the wrong type is refused naming its field (Rejected). ``tokenizer`` tokenizes
+        ``bad_words``."""
         if all(is_neutral(params.get(name), NEUTRAL[name]) for name in SAMPLING_FIELDS):
             return None
         rules = cls()
-        rules.top_k = int(params.get("top_k") or 0)
-        if rules.top_k < 0:
-            rules.top_k = 0  # -1: off, as 0
-        rules.min_p = float(params.get("min_p") or 0.0)
-        rules.presence = float(params.get("presence_penalty") or 0.0)
-        rules.frequency = float(params.get("frequency_penalty") or 0.0)
-        rules.repetition = float(params.get("repetition_penalty") or 1.0)
-        rules.min_tokens = int(params.get("min_tokens") or 0)
-        rules.stop_ids = frozenset(_token_ids(params.get("stop_token_ids") or (), vocab_size,
-                                              "stop_token_ids"))
-        bias = params.get("logit_bias") or {}
-        rules.bias_ids = _token_ids([int(k) for k in bias], vocab_size, "logit_bias")
-        rules.bias_values = [float(v) for v in bias.values()]
-        allowed = params.get("allowed_token_ids")
-        if allowed is not None:
-            rules.allowed = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            rules.allowed[torch.tensor(_token_ids(allowed, vocab_size, "allowed_token_ids"),
-                                       dtype=torch.long, device=device)] = True
-        if params.get("bad_words"):
-            rules.bad = bad_words_ids(params["bad_words"], tokenizer)
+        field = "top_k"  # (the one being read)
+        try:
+            rules.top_k = int(params.get("top_k") or 0)
+            if rules.top_k < 0:
+                rules.top_k = 0  # -1: off, as 0
+            field = "min_p"
+            rules.min_p = float(params.get("min_p") or 0.0)
+            field = "presence_penalty"
+            rules.presence = float(params.get("presence_penalty") or 0.0)
+            field = "frequency_penalty"
+            rules.frequency = float(params.get("frequency_penalty") or 0.0)
+            field = "repetition_penalty"
+            rules.repetition = float(params.get("repetition_penalty") or 1.0)
+            field = "min_tokens"
+            rules.min_tokens = int(params.get("min_tokens") or 0)
+            field = "stop_token_ids"
+            rules.stop_ids = frozenset(_token_ids(params.get("stop_token_ids") or (),
+                                                  vocab_size, field))
+            field = "logit_bias"
+            bias = params.get("logit_bias") or {}
+            rules.bias_ids = _token_ids([int(k) for k in bias], vocab_size, field)
+            rules.bias_values = [float(v) for v in bias.values()]
+            field = "allowed_token_ids"
+            allowed = params.get("allowed_token_ids")
+            if allowed is not None:
+                rules.allowed = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+                rules.allowed[torch.tensor(_token_ids(allowed, vocab_size, field),
+                                           dtype=torch.long, device=device)] = True
+            field = "bad_words"
+            if params.get("bad_words"):
+                rules.bad = bad_words_ids(params["bad_words"], tokenizer)
+        except (TypeError, ValueError, AttributeError):
+            raise malformed(field) from None
         if rules.presence or rules.frequency:
             rules.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
         if rules.repetition != 1.0:
@@ -150,7 +164,8 @@ def bad_words_ids(words: list[str], tokenizer) -> list[list[int]]:
 def _token_ids(ids, vocab_size: int, field: str) -> list[int]:
     out = [int(t) for t in ids]
     if any(not 0 <= t < vocab_size for t in out):
-        raise Rejected(f"'{field}' token ids must be between 0 and {vocab_size - 1}")
+        raise Rejected(f"'{field}' token ids must be between 0 and {vocab_size - 1}",
+                       param=field)
     return out
 
 

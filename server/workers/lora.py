@@ -111,13 +111,15 @@ class AdapterTable:
             raise Rejected("loading LoRA adapters at run time is off on this server (start "
                            "it with --allow-runtime-lora and --lora-dir DIR)")
         if not isinstance(path, str) or not path or "\0" in path:
-            raise Rejected("lora_path must be a non-empty string")
+            raise Rejected("lora_path must be a non-empty string", param="lora_path")
         real = os.path.realpath(os.path.join(self.lora_dir, path))
         if os.path.commonpath([real, self.lora_dir]) != self.lora_dir or real == self.lora_dir:
             raise Rejected(f"lora_path {path!r} is outside this server's LoRA directory "
-                           "(--lora-dir): only adapters in it can be loaded at run time")
+                           "(--lora-dir): only adapters in it can be loaded at run time",
+                           param="lora_path")
         if not os.path.isdir(real):
-            raise Rejected(f"lora_path {path!r}: no such adapter directory", "not_found")
+            raise Rejected(f"lora_path {path!r}: no such adapter directory", "not_found",
+                           param="lora_path")
         return real
 
     def add(self, name: object, path: str) -> tuple[int, str, bool]:
@@ -125,12 +127,14 @@ class AdapterTable:
         again is not new (idempotent: a replayed load), a name serving another path is
         :class:`Rejected` (vLLM's 400)."""
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise Rejected("lora_name must be a string of 1 to 256 printable characters")
+            raise Rejected("lora_name must be a string of 1 to 256 printable characters",
+                           param="lora_name")
         held = self._by_name.get(name)
         if held is not None:
             if held[1] == path:
                 return held[0], path, False
-            raise Rejected(f"The lora adapter '{name}' has already been loaded.")
+            raise Rejected(f"The lora adapter '{name}' has already been loaded.",
+                           param="lora_name")
         lora_id = self._next_id
         self._next_id += 1
         self._by_name[name] = (lora_id, path)
@@ -145,7 +149,8 @@ class AdapterTable:
         requests still use it: :meth:`release` returns it then). Unknown: 404."""
         held = self._by_name.pop(name, None) if isinstance(name, str) else None
         if held is None:
-            raise Rejected(f"The lora adapter '{name}' cannot be found.", "not_found")
+            raise Rejected(f"The lora adapter '{name}' cannot be found.", "not_found",
+                           param="lora_name")
         lora_id = held[0]
         if self._users.get(lora_id):
             self._retired.add(lora_id)
@@ -157,7 +162,8 @@ class AdapterTable:
         served is a 404 (``model_not_found``)."""
         held = self._by_name.get(name)
         if held is None:
-            raise Rejected(f"The model '{name}' does not exist.", "model_not_found")
+            raise Rejected(f"The model '{name}' does not exist.", "model_not_found",
+                           param="model")
         self._rids[rid] = held[0]
         self._users.setdefault(held[0], set()).add(rid)
         return held
@@ -185,7 +191,7 @@ class AdapterTable:
 
 
 def lora_request(engine, request: dict) -> list:
-    """``[result, None]`` or ``[None, [kind, message]]`` for a ``load_lora`` or
+    """``[result, None]`` or ``[None, err]`` for a ``load_lora`` or
     ``unload_lora`` request to ``engine`` (which has ``load_lora(name, path)`` and
     ``unload_lora(name)`` when it serves adapters)."""
     op = request.get("op")
@@ -200,6 +206,6 @@ def lora_request(engine, request: dict) -> list:
             return [call(request.get("name"), request.get("path")), None]
         return [call(request.get("name")), None]
     except Rejected as exc:
-        return [None, [exc.kind, exc.message]]
+        return [None, exc.err(request)]
     except Exception as exc:
         return [None, ["engine_error", f"the engine could not {op}: {exc!r:.200}"]]

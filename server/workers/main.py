@@ -123,18 +123,19 @@ def handle_message(engine, msg: list, accepts: list, outputs: list,
             try:
                 refuse_fault(engine, params["fault"])
             except Rejected as exc:
-                outputs.append(OutputRow(rid, "", 0, "error", [exc.kind, exc.message]))
+                outputs.append(OutputRow(rid, "", 0, "error", exc.err(params)))
                 return None
         if len(msg) > 4:  # a LoRA adapter: the engine's, or this request's 404
             if not engine.info.get("lora"):
-                outputs.append(OutputRow(rid, "", 0, "error", [
-                    "model_not_found", f"The model '{msg[4]:.256}' does not exist."]))
+                outputs.append(OutputRow(rid, "", 0, "error", wire.error(
+                    "model_not_found", f"The model '{msg[4]:.256}' does not exist.", "model",
+                    params)))
                 return None
             params = {**params, "lora": msg[4]}
         if preparer is not None:
             preparer.submit(rid, prompt, params)
         else:
-            admit(rid, lambda: engine.add(rid, prompt, params), accepts, outputs)
+            admit(rid, lambda: engine.add(rid, prompt, params), accepts, outputs, params)
     elif kind == wire.ABORT:
         if (preparer is not None and preparer.abort(msg[1])) or engine.abort(msg[1]):
             outputs.append(OutputRow(msg[1], "", 0, "abort", None))

@@ -23,7 +23,7 @@ compile     a grammar key (hf_grammar)        the compiled grammar's JSON (xgram
 ping        nil                               nothing (the process is ready)
 ==========  ================================  =========================================
 
-Status 1 (REJECTED): the payload is msgpack ``[kind, message]``, a client fault; status
+Status 1 (REJECTED): the payload is msgpack ``[kind, message, param]``, a client fault; status
 2 (FAILED): the payload is a UTF-8 line. Each request runs in a thread of its own (at most
 as many as the worker's preparation and compile threads send at once); replies come in
 the order they finish.
@@ -87,7 +87,7 @@ def _serve(tok, grammars, fd_out: int, seq: int, op: str, arg, lock: threading.L
     try:
         status, payload = OK, _answer(tok, grammars, op, arg)
     except Rejected as exc:
-        status, payload = REJECTED, msgpack.packb([exc.kind, exc.message])
+        status, payload = REJECTED, msgpack.packb([exc.kind, exc.message, exc.param])
     except Exception as exc:
         status, payload = FAILED, one_line(exc).encode()
     head = LENGTH.pack(HEAD.size + len(payload)) + HEAD.pack(seq, status)

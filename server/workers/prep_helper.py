@@ -159,8 +159,8 @@ class PrepHelper:
             pass
         status, payload = future.result()
         if status == REJECTED:
-            kind, message = msgpack.unpackb(payload, raw=False)
-            raise Rejected(message, kind)
+            kind, message, param = msgpack.unpackb(payload, raw=False)
+            raise Rejected(message, kind, param)
         if status == FAILED:
             raise Rejected(f"the engine could not prepare this request: "
                            f"{payload.decode(errors='replace')}", "engine_error")

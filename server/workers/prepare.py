@@ -120,13 +120,14 @@ def lower_priority(nice: int) -> bool:
     return True
 
 
-def admit(rid: int, add, accepts: list, outputs: list) -> None:
-    """Run ``add()`` (an engine's add for ``rid``): its prompt_tokens become an accept, a
-    :class:`Rejected` or any other failure an error output for ``rid`` alone."""
+def admit(rid: int, add, accepts: list, outputs: list, params: dict | None = None) -> None:
+    """Run ``add()`` (an engine's add for ``rid``, whose SUBMIT had ``params``): its
+    prompt_tokens become an accept, a :class:`Rejected` or any other failure an error
+    output for ``rid`` alone (naming the field at fault when the params ask)."""
     try:
         accepts.append(AcceptRow(rid, add()))
     except Rejected as exc:
-        outputs.append(OutputRow(rid, "", 0, "error", [exc.kind, exc.message]))
+        outputs.append(OutputRow(rid, "", 0, "error", exc.err(params)))
     except Exception as exc:  # a request the engine chokes on fails alone
         message = f"the engine could not take this request: {exc!r:.200}"
         outputs.append(OutputRow(rid, "", 0, "error", ["engine_error", message]))
@@ -147,7 +148,7 @@ def tokenize_reply(seq, tokenize, request: dict) -> list:
             return [wire.TOKENIZED, seq, wire.pack_sliced(result), None]
         return [wire.TOKENIZED, seq, result, None]
     except Rejected as exc:
-        return [wire.TOKENIZED, seq, None, [exc.kind, exc.message]]
+        return [wire.TOKENIZED, seq, None, exc.err(request)]
     except Exception as exc:
         message = f"the engine could not tokenize: {exc!r:.200}"
         return [wire.TOKENIZED, seq, None, ["engine_error", message]]
@@ -168,8 +169,9 @@ class Preparer:
         self._closed = False
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        #: finished work, appended by the pool's threads: ("submit" | "tokenize", id, future)
-        self._done: collections.deque[tuple[str, int, Future]] = collections.deque()
+        #: finished work, appended by the pool's threads: ("submit" | "tokenize", id,
+        #: future, the SUBMIT's params or the TOKENIZE request)
+        self._done: collections.deque[tuple[str, int, Future, dict]] = collections.deque()
         #: requests being prepared: rid -> their future
         self._preparing: dict[int, Future] = {}
         self._prepared_total = 0
@@ -195,12 +197,12 @@ class Preparer:
         """Prepare request ``rid`` in the pool; :meth:`collect` admits it."""
         future = self._pool.submit(self.engine.prepare, prompt, params)
         self._preparing[rid] = future
-        future.add_done_callback(lambda f: self._finished("submit", rid, f))
+        future.add_done_callback(lambda f: self._finished("submit", rid, f, params))
 
     def tokenize(self, seq, request: dict) -> None:
         """Answer TOKENIZE ``seq`` in the pool; :meth:`collect` returns its reply."""
         future = self._pool.submit(tokenize_reply, seq, self.engine.tokenize, request)
-        future.add_done_callback(lambda f: self._finished("tokenize", seq, f))
+        future.add_done_callback(lambda f: self._finished("tokenize", seq, f, request))
 
     def abort(self, rid: int) -> bool:
         """Forget ``rid`` if it is being prepared (True); its result will be dropped."""
@@ -223,14 +225,14 @@ class Preparer:
         replies = []
         done = self._done
         while done:
-            kind, key, future = done.popleft()
+            kind, key, future, params = done.popleft()
             if kind == "tokenize":
                 replies.append(_result(future, key))
             elif self._preparing.get(key) is future:  # not aborted (nor replaced) meanwhile
                 del self._preparing[key]
                 self._prepared_total += 1
                 admit(key, functools.partial(_add_prepared, self.engine, key, future),
-                      accepts, outputs)
+                      accepts, outputs, params)
             else:  # aborted while preparing: answered then
                 self._dropped_total += 1
         return replies
@@ -247,11 +249,11 @@ class Preparer:
             os.close(self._wake_r)
             os.close(self._wake_w)
 
-    def _finished(self, kind: str, key, future: Future) -> None:
+    def _finished(self, kind: str, key, future: Future, request: dict) -> None:
         """In a pool thread (or the loop's, for a cancelled future): queue it, wake the loop."""
         if future.cancelled():
             return
-        self._done.append((kind, key, future))
+        self._done.append((kind, key, future, request))
         with self._wake_lock:
             if self._closed:
                 return

@@ -81,9 +81,11 @@ from .base import (
     WorkerGarbage,
     WorkerHang,
     check_context,
+    malformed,
+    prompt_param,
     truncate_prompt,
 )
-from .hf_grammar import describe
+from .hf_grammar import describe, format_param
 from .resume import resume_of
 from .sim_cache import PrefixCache
 from .sim_json import Unbuildable, instance
@@ -262,16 +264,17 @@ class SimEngine:
         for i, item in enumerate(inputs):
             tokens = item.split() if isinstance(item, str) else item
             if not tokens:
-                raise Rejected(f"input[{i}] has no tokens")
+                raise Rejected(f"input[{i}] has no tokens", param=f"input[{i}]")
             if len(tokens) > self.max_model_len:
                 raise Rejected(f"input[{i}] has {len(tokens)} tokens; this model's maximum "
-                               f"context length is {self.max_model_len} tokens")
+                               f"context length is {self.max_model_len} tokens",
+                               param=f"input[{i}]")
             rows.append(tokens)
         total = sum(map(len, rows))
         if total > self.max_embed_tokens:  # (its computing holds the worker's loop)
             raise Rejected(f"input: {len(rows)} inputs of {total} tokens in all are more than "
                            f"the {self.max_embed_tokens} tokens one request may hold here; "
-                           "send fewer inputs per request")
+                           "send fewer inputs per request", param="input")
         vectors = []
         for tokens in rows:
             sums = [sum(col) for col in zip(*(_token_vector(t, full)[:size] for t in tokens))]
@@ -284,11 +287,12 @@ class SimEngine:
         if isinstance(prompt, dict):
             messages = prompt.get("messages")
             if not isinstance(messages, list):
-                raise Rejected("messages must be a list")
+                raise Rejected("messages must be a list", param="messages")
             try:
                 text = render_chat(messages)
             except (KeyError, TypeError):
-                raise Rejected("each message needs a role and a content") from None
+                raise Rejected("each message needs a role and a content",
+                               param="messages") from None
             seed_bytes = text.encode()
             tokens: list = text.split()
         elif isinstance(prompt, str):
@@ -298,23 +302,28 @@ class SimEngine:
             seed_bytes = repr(prompt).encode()
             tokens = prompt
         else:
-            raise Rejected("prompt must be a string or a list of token ids")
+            raise Rejected("prompt must be a string or a list of token ids", param="prompt")
         tokens = truncate_prompt(tokens, params, self.max_model_len)
         prompt_tokens = len(tokens)
+        field = "max_tokens"  # (the one being read: a malformed one is refused by name)
         try:
             max_tokens = params.get("max_tokens", 16)
             max_tokens = None if max_tokens is None else int(max_tokens)
+            field = "temperature"
             temperature = float(params.get("temperature", 1.0))
+            field = "seed"
             seed = params.get("seed")
+            seed = None if seed is None else int(seed)
+            field = "stop"
             stop = [s for s in params.get("stop") or () if s]
         except (TypeError, ValueError):
-            raise Rejected("malformed sampling parameters") from None
+            raise malformed(field) from None
         if max_tokens is not None and max_tokens < 1:
-            raise Rejected("max_tokens must be at least 1")
+            raise Rejected("max_tokens must be at least 1", param="max_tokens")
         resumed = resume_of(params.get("resume"))
         generated = resumed[0] if resumed is not None else []
         max_tokens = check_context(prompt_tokens + len(generated), max_tokens,
-                                   self.max_model_len) + len(generated)
+                                   self.max_model_len, prompt_param(prompt)) + len(generated)
 
         req = _Req()
         req.rid = rid
@@ -355,7 +364,8 @@ class SimEngine:
         fault = params.get("fault")
         if self.faults and isinstance(fault, dict):
             if fault.get("kind") not in FAULT_KINDS:
-                raise Rejected(f"fault.kind must be one of {', '.join(FAULT_KINDS)}")
+                raise Rejected(f"fault.kind must be one of {', '.join(FAULT_KINDS)}",
+                               param="fault")
             req.fault = fault["kind"]
             req.fault_after = int(fault.get("after", 0))
             req.fault_seconds = float(fault.get("seconds", 0.0))
@@ -562,7 +572,7 @@ def _formatted(fmt: dict, rng: int) -> list[str]:
         else:
             raise Unbuildable(f"the sim engine writes JSON and choices, not a {kind}")
     except Unbuildable as exc:
-        raise Rejected(f"{describe(fmt)}: {exc}") from None
+        raise Rejected(f"{describe(fmt)}: {exc}", param=format_param(fmt)) from None
     return [text[i:i + _CHARS_PER_TOKEN] for i in range(0, len(text), _CHARS_PER_TOKEN)] or [""]
 
 

@@ -88,6 +88,7 @@ from .base import (
     check_context,
     finite_logprob,
     one_line,
+    prompt_param,
     truncate_prompt,
 )
 from .hub import model_files
@@ -525,7 +526,8 @@ class VLLMEngine(HelperTokenizing):
         resumed = resume_of(params.get("resume"))
         text = None
         if resumed is None:
-            max_tokens = check_context(len(ids), params.get("max_tokens"), self.max_model_len)
+            max_tokens = check_context(len(ids), params.get("max_tokens"), self.max_model_len,
+                                       prompt_param(prompt))
             sampling = self.sampling_params(params, max_tokens)
         else:
             ids, sampling, text = self._resume(ids, params, *resumed)
@@ -789,7 +791,7 @@ class VLLMEngine(HelperTokenizing):
         """The ``vllm.SamplingParams`` of a request's wire params (a client fault in them,
         as vLLM judges it, is :class:`Rejected` with vLLM's words)."""
         if params.get("fault") is not None:
-            raise Rejected("fault injection is a feature of the sim engine only")
+            raise Rejected("fault injection is a feature of the sim engine only", param="fault")
         kwargs = {
             "n": 1,
             "max_tokens": max_tokens,

@@ -92,7 +92,8 @@ class VLLMAdapters:
             ok = self._llm.add_lora(self._LoRARequest(name, lora_id, real))
         except self._client_errors as exc:  # a bad adapter (its files, its rank): 400
             self.table.discard(name)
-            raise Rejected(f"cannot load LoRA adapter {name!r}: {one_line(exc)}") from None
+            raise Rejected(f"cannot load LoRA adapter {name!r}: {one_line(exc)}",
+                           param="lora_path") from None
         except Exception:
             self.table.discard(name)
             raise
