@@ -148,6 +148,88 @@ def test_the_transformers_extra_installs_llguidance():
         assert theirs.specifier.contains(installed), (theirs, installed)
 
 
+# -- a structural tag's schemas are checked as a json_schema's --------------------------------
+
+#: A set of strings (pydantic's ``set[str]``): xgrammar drops ``uniqueItems``.
+UNIQUE = {"type": "object", "required": ["tags"], "properties": {
+    "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}
+#: Structural tags with that schema, each with the param its refusal names.
+_UNENFORCED_TAGS = [
+    ({"type": "structural_tag", "triggers": ["<f"], "structures": [
+        {"begin": "<f>", "schema": TAGGED, "end": "</f>"},
+        {"begin": "<fu>", "schema": UNIQUE, "end": "</fu>"}]},
+     "response_format.structures[1].schema"),
+    ({"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f"], "tags": [
+        {"type": "tag", "begin": "<f>", "end": "</f>", "content": {
+            "type": "sequence", "elements": [{"type": "const_string", "value": "x"}, {
+                "type": "json_schema", "json_schema": UNIQUE}]}}]}},
+     "response_format.format.tags[0].content.elements[1].json_schema"),
+]
+
+
+def test_a_tags_schemas_are_checked_as_a_json_schemas():
+    from server.workers.hf_schema_check import tag_schemas, tag_unenforced
+
+    for tag, param in _UNENFORCED_TAGS:
+        where, why = tag_unenforced(json.dumps(tag))
+        assert param == "response_format." + where and "'uniqueItems' at #/properties/tags" in why
+    assert tag_unenforced(json.dumps(FORMAT_TAG)) is None
+    assert tag_unenforced(json.dumps(LEGACY_TAG)) is None
+    assert [w for w, _ in tag_schemas(FORMAT_TAG)] == ["format.content.json_schema"]
+    assert [w for w, _ in tag_schemas({"format": {"type": "qwen_xml_parameter",
+                                                  "json_schema": UNIQUE}})] == [
+        "format.json_schema"]
+
+
+def _grammars(model_dir):
+    from transformers import AutoTokenizer
+
+    from server.workers.hf_grammar import Grammars
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return tokenizer, Grammars(tokenizer, vocab_size=len(tokenizer),
+                               stop_ids={tokenizer.eos_token_id}, guidance=True)
+
+
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("torch", "transformers", "xgrammar")),
+    reason="needs the transformers extra")
+def test_the_grammar_path_refuses_a_tags_unenforced_schema_and_keeps_strings_strict(model_dir):
+    """A structural tag whose schema has a keyword xgrammar drops is refused naming its
+    place (llguidance, which serves such a json_schema, takes no tag); a tag's bounded
+    string takes no raw control character, as a json_schema's does (``_json_strings``)."""
+    from server.workers.base import Rejected
+
+    tokenizer, grammars = _grammars(model_dir)
+    try:
+        for tag, param in _UNENFORCED_TAGS:
+            text = json.dumps(tag)
+            for origin, named in ((None, param),
+                                  ("structured_outputs", "structured_outputs.structural_tag")):
+                fmt = {"type": "structural_tag", "structural_tag": text}
+                if origin:
+                    fmt["origin"] = origin
+                with pytest.raises(Rejected, match="uniqueItems") as info:
+                    grammars.compile(fmt)
+                assert info.value.param == named
+        bounded = {"type": "object", "required": ["a"], "additionalProperties": False,
+                   "properties": {"a": {"type": "string", "maxLength": 4}}}
+        tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<f>", "content": {
+            "type": "json_schema", "json_schema": bounded}, "end": "</f>"}}
+        compiled = grammars.compile({"type": "structural_tag",
+                                     "structural_tag": json.dumps(tag)})
+
+        def takes(text: str) -> bool:
+            matcher = grammars.matcher(compiled)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            return all(matcher.accept_token(t) for t in ids)
+
+        assert takes('<f>{"a":"ab"}</f>')
+        assert not takes('<f>{"a":"a\x01"}</f>')
+    finally:
+        grammars.close()
+
+
 # -- the transformers engine, through the HTTP server ----------------------------------------
 
 needs_hf = pytest.mark.skipif(
@@ -248,6 +330,10 @@ async def test_lark_gbnf_and_structural_tags_on_the_transformers_engine(model_di
                     error = await refusal(http, structured_outputs={"grammar": grammar})
                     assert f"read as {read_as}" in error["message"], error
                     assert "GBNF/EBNF" in error["message"] and "Lark" in error["message"]
+                # a tag's schema with a keyword xgrammar drops: a 400 naming its place
+                for tag, param in _UNENFORCED_TAGS:
+                    error = await refusal(http, response_format=tag)
+                    assert error["param"] == param and "uniqueItems" in error["message"], error
                 # a format xgrammar refuses: a 400 with its reason
                 error = await refusal(http, response_format={
                     "type": "structural_tag", "format": {"type": "no-such-format"}})
@@ -317,6 +403,16 @@ def vllm_checks(path: str) -> None:
             assert finish == "stop" and m and 0 <= json.loads(m[1])["x"] <= 999, text
             text, finish = _run(vllm, 30 + seed, {"response_format": {"type": "json_object"}})
             assert text.startswith("{") and not free_whitespace(text), text
+        # a tag's schema with a keyword xgrammar drops: refused by its place (vLLM checks a
+        # json_schema's keywords, not a tag's)
+        for tag, param in _UNENFORCED_TAGS:
+            try:
+                _run(vllm, 40, {"response_format": {
+                    "type": "structural_tag", "structural_tag": json.dumps(tag)}})
+            except Rejected as exc:
+                assert exc.param == param and "uniqueItems" in exc.message, exc.message
+            else:
+                raise AssertionError("a structural tag's uniqueItems was accepted")
     finally:
         vllm.close()
     print("vllm structured checks passed")

@@ -17,7 +17,10 @@ refused (a 400 naming ``response_format`` or the forced tool call, with the reas
 schema with a keyword xgrammar would not enforce (:mod:`.hf_schema_check`) is compiled by
 llguidance instead (:mod:`.hf_llguidance`, when installed and the engine asks for it), in
 the same threads, budgets and cache (its key prefixed ``llguidance``); one that llguidance
-refuses too is a 400 naming the keyword and llguidance's reason. A
+refuses too is a 400 naming the keyword and llguidance's reason; the schemas inside a
+structural tag are checked the same way, and one with such a keyword is a 400 naming its
+place in the tag (``response_format.structures[0].schema``: llguidance takes no structural
+tag). A
 compilation runs in one of ``COMPILE_THREADS`` threads of its own, which a preparation
 waits for at most ``timeout``: a thread cannot be killed, so an overlong one finishes in
 the background and its result goes to the cache, and at most ``COMPILE_THREADS`` of them
@@ -32,7 +35,7 @@ document forever with blanks. ``{"type": "json_object"}`` is the schema ``{"type
 "object"}`` (vLLM's), so it too is an object without free whitespace (xgrammar's built-in
 JSON grammar would take an array or a bare value, padded with tabs and newlines). A
 ``grammar`` may be GBNF/EBNF or Lark, and a ``structural_tag`` is compiled as vLLM compiles
-it (:mod:`.hf_grammar_text`).
+it (:mod:`.hf_grammar_text`), its JSON strings narrowed as a schema's (below).
 
 xgrammar 0.2.8 writes a string bounded by ``minLength``/``maxLength`` as a repetition of
 "any character but a quote, a backslash, CR or LF": raw control characters (U+0000 to
@@ -59,15 +62,15 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from .base import Rejected, one_line
-from .hf_grammar_text import compile_structural_tag, compile_text_grammar
+from .hf_grammar_text import compile_text_grammar, structural_tag_grammar
 from .hf_llguidance import Guidance
-from .hf_schema_check import unenforced
+from .hf_schema_check import tag_unenforced, unenforced
 from .prep_helper import HelperDied
 from .prepare import DaemonPool
 
 __all__ = [
     "Grammars", "COMPILE_THREADS", "MAX_SCHEMA_BYTES", "COMPILE_TIMEOUT", "constraint_key",
-    "describe", "format_param",
+    "describe", "format_param", "tag_param",
 ]
 
 #: Default budgets (engine options ``grammar_max_bytes`` and ``grammar_timeout``).
@@ -98,6 +101,15 @@ def format_param(response_format: dict) -> str:
     if origin == "tool_choice":
         return "tools"
     return "structured_outputs" if origin == "structured_outputs" else "response_format"
+
+
+def tag_param(response_format: dict, where: str) -> str:
+    """The ``param`` of a refusal of a structural tag's schema at ``where`` (in the tag,
+    :func:`.hf_schema_check.tag_schemas`): its path under ``response_format``, or vLLM's
+    ``structured_outputs.structural_tag`` (a JSON text: the message says where)."""
+    if response_format.get("origin") == "structured_outputs":
+        return "structured_outputs.structural_tag"
+    return f"response_format.{where}"
 
 
 #: The constraint kinds besides JSON (vLLM's structured_outputs, server.openai.structured;
@@ -226,6 +238,14 @@ class Grammars:
                 raise Rejected(f"{name}: unsupported JSON schema: {problem}", param=param)
             if problem:
                 key = GUIDED + key
+        elif response_format.get("type") == "structural_tag":  # its schemas, as json_schema's
+            found = tag_unenforced(response_format.get("structural_tag"))
+            if found:
+                where, why = found
+                raise Rejected(
+                    f"{name}: unsupported JSON schema at {where} of the structural tag: {why}; "
+                    "llguidance, which enforces such schemas, does not take structural tags",
+                    param=tag_param(response_format, where))
         what = "JSON schema" if key.startswith("{") or problem else key.partition("\x00")[0]
         future = self._future(key)
         try:
@@ -296,7 +316,8 @@ class Grammars:
         if kind == "grammar":
             return compile_text_grammar(self._compiler, text)
         if kind == "structural_tag":
-            return compile_structural_tag(self._xgr, self._compiler, text)
+            grammar = structural_tag_grammar(self._xgr, text)
+            return self._compiler.compile_grammar(_json_strings(self._xgr, grammar))
         # choice: exactly one of the strings, as a grammar of string literals
         literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in text.split("\x00"))
         return self._compiler.compile_grammar("root ::= " + literals)

@@ -7,7 +7,7 @@ Example::
 
     is_lark('?start: "a" "b"+')                              # True
     compile_text_grammar(compiler, 'root ::= "a" "b"+')      # GBNF/EBNF
-    compile_structural_tag(xgrammar, compiler, tag_json)     # response_format's JSON text
+    structural_tag_grammar(xgrammar, tag_json)               # response_format's JSON text
 
 A ``grammar`` is in one of two dialects, told apart by vLLM's rule
 (``vllm.v1.structured_output.utils.grammar_is_likely_lark``): a grammar with a rule
@@ -20,8 +20,9 @@ xgrammar module and compiler are the caller's.
 
 A ``structural_tag`` is the JSON text of ``response_format`` ``{"type": "structural_tag",
 ...}``: vLLM's legacy form (``structures`` of ``begin``/``schema``/``end`` and their
-``triggers``) or xgrammar's (``format``), compiled as vLLM does; the JSON inside a tag is
-written with xgrammar's whitespace rules for tags, as vLLM's.
+``triggers``) or xgrammar's (``format``), built as vLLM does; the JSON inside a tag is
+written with xgrammar's whitespace rules for tags, as vLLM's. Its schemas are checked
+first (:func:`.hf_schema_check.tag_unenforced`), as a ``json_schema``'s are.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import json
 import re
 
-__all__ = ["is_lark", "compile_text_grammar", "compile_structural_tag", "DIALECTS"]
+__all__ = ["is_lark", "compile_text_grammar", "structural_tag_grammar", "DIALECTS"]
 
 #: What a grammar may be, for a refusal.
 DIALECTS = ("a grammar must be GBNF/EBNF (xgrammar's dialect: 'root ::= ...') or Lark "
@@ -57,11 +58,12 @@ def compile_text_grammar(compiler, text: str):
         raise ValueError(f"read as {read_as}: {reason}; {DIALECTS}") from None
 
 
-def compile_structural_tag(xgrammar, compiler, text: str):
-    """A ``structural_tag`` (its JSON text) compiled as vLLM's xgrammar backend does."""
+def structural_tag_grammar(xgrammar, text: str):
+    """A ``structural_tag`` (its JSON text) as the grammar vLLM's xgrammar backend compiles
+    (a ``Grammar``: the caller narrows its strings before compiling it)."""
     tag = json.loads(text)
     if "structures" in tag:  # vLLM's legacy form
         items = [xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]),
                                             end=s["end"]) for s in tag["structures"]]
-        return compiler.compile_structural_tag(items, tag["triggers"])
-    return compiler.compile_structural_tag(text)
+        return xgrammar.Grammar.from_structural_tag(items, tag["triggers"])
+    return xgrammar.Grammar.from_structural_tag(text)

@@ -38,18 +38,28 @@ what is never referenced is still refused, as the check does not follow referenc
   or when both are objects requiring a property whose ``const``/``enum`` values differ, as
   in pydantic's discriminated unions.
 
+The JSON schemas inside a structural tag are compiled by the same converter, so they are
+checked the same way (:func:`tag_unenforced`): each ``structures[i].schema`` of vLLM's
+legacy form, and each ``json_schema`` of a ``format`` node that has one (``json_schema``,
+``qwen_xml_parameter``), wherever it is nested. llguidance takes no structural tag in
+xgrammar's terms, so there such a schema is refused, never routed.
+
 Example::
 
     unenforced({"type": "array", "uniqueItems": True})
     # "'uniqueItems' at # is not enforced by the grammar (xgrammar drops it: ...)"
+    tag_unenforced('{"type": "structural_tag", "triggers": ["<f"], "structures": '
+                   '[{"begin": "<f>", "schema": {"not": {}}, "end": "</f>"}]}')
+    # ("structures[0].schema", "'not' at # is not enforced by the grammar (...)")
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from urllib.parse import unquote
 
-__all__ = ["unenforced"]
+__all__ = ["tag_schemas", "tag_unenforced", "unenforced"]
 
 #: Keywords whose value is a map of names to subschemas.
 _MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -96,6 +106,47 @@ def unenforced(schema) -> str | None:
         return _walk(schema, schema, "#")
     except RecursionError:
         return None  # too deep to walk: the reference check refuses such schemas first
+
+
+#: The structural tag ``format`` nodes that hold a JSON schema (under ``json_schema``).
+_SCHEMA_FORMATS = ("json_schema", "qwen_xml_parameter")
+
+
+def tag_schemas(tag) -> Iterator[tuple[str, object]]:
+    """Each JSON schema of a structural tag (its parsed JSON), with where it is in the tag
+    (``structures[0].schema``, ``format.tags[1].content.json_schema``)."""
+    if not isinstance(tag, dict):
+        return
+    structures = tag.get("structures")
+    if isinstance(structures, list):
+        for i, item in enumerate(structures):
+            if isinstance(item, dict):
+                yield f"structures[{i}].schema", item.get("schema")
+    stack: list[tuple[str, object]] = [("format", tag.get("format"))]
+    while stack:  # (a loop, not recursion: a tag's nesting is the client's)
+        path, node = stack.pop()
+        if isinstance(node, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(node))))
+        elif isinstance(node, dict):
+            if node.get("type") in _SCHEMA_FORMATS and "json_schema" in node:
+                yield f"{path}.json_schema", node["json_schema"]
+                continue
+            stack.extend((f"{path}.{k}", v) for k, v in reversed(list(node.items())))
+
+
+def tag_unenforced(text) -> tuple[str, str] | None:
+    """The first schema of a structural tag (its JSON text) with a keyword the grammar
+    would not enforce: (where it is in the tag, :func:`unenforced`'s message); None when
+    every keyword is enforced (or the text is not JSON: the compiler refuses it)."""
+    try:
+        tag = json.loads(text)
+    except (TypeError, ValueError):
+        return None
+    for where, schema in tag_schemas(tag):
+        problem = unenforced(schema)
+        if problem:
+            return where, problem
+    return None
 
 
 def _walk(root, node, path: str) -> str | None:

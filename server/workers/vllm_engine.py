@@ -47,6 +47,9 @@ What the frontend sends, this module turns into vLLM's terms:
   the tokenizer's threads take the GIL or the core from the step loop;
 - sampling fields become a ``vllm.SamplingParams`` with ``output_kind=DELTA``: every step
   gives each request its new text, detokenized and with stop strings applied by vLLM;
+  structured output is vLLM's, which refuses a json_schema whose keywords xgrammar would
+  drop but compiles a structural tag's schemas unchecked: those are checked here
+  (:func:`~server.workers.hf_schema_check.tag_unenforced`) and refused by their place;
 - a request whose params ask (``"token_ids": true``, the frontend's migration) gets the ids
   of its new tokens as a note ``{"token_ids": [...]}`` with each output, and a request with
   ``"resume"`` continues one whose worker died (:mod:`server.workers.vllm_resume`: which
@@ -100,7 +103,8 @@ from .vllm_stats import VLLMStats, cache_config_info
 from .vllm_events import KVEventSubscriber
 from .torch_threads import set_serving_threads, threads_in_use
 
-from .hf_grammar import MAX_SCHEMA_BYTES, constraint_key
+from .hf_grammar import MAX_SCHEMA_BYTES, constraint_key, describe, tag_param
+from .hf_schema_check import tag_unenforced
 
 __all__ = ["ENGINE_CORES", "VLLMEngine", "VLLM_SAMPLING"]
 
@@ -429,6 +433,12 @@ class VLLMEngine(HelperTokenizing):
             self._events.wait_connected(5.0)
         #: vLLM's priority scheduling: a request's ``priority`` orders the waiting queue.
         self.priority_policy = str(config.scheduler_config.policy) == "priority"
+        #: Whether vLLM compiles structural tags with xgrammar (this server's default
+        #: backend; "auto" chooses it for every tag): their schemas are then checked as
+        #: the transformers engine checks them (vLLM checks a json_schema's, not a tag's).
+        backend = getattr(getattr(config, "structured_outputs_config", None), "backend",
+                          "xgrammar")
+        self._check_tags = backend in ("xgrammar", "auto")
         self.tokenizer = self._llm.get_tokenizer()
         self.vocab_size = config.model_config.get_vocab_size()
         template = getattr(self.tokenizer, "chat_template", None)
@@ -815,6 +825,13 @@ class VLLMEngine(HelperTokenizing):
                     json=response_format.get("schema") or {}
                 )
             else:  # regex, grammar (GBNF or Lark: vLLM tells them apart), choice, structural_tag
+                found = (tag_unenforced(response_format.get("structural_tag"))
+                         if kind == "structural_tag" and self._check_tags else None)
+                if found:  # xgrammar would drop the keyword, and vLLM does not look
+                    raise Rejected(
+                        f"{describe(response_format)}: unsupported JSON schema at {found[0]} "
+                        f"of the structural tag: {found[1]}", param=tag_param(
+                            response_format, found[0]))
                 kwargs["structured_outputs"] = StructuredOutputsParams(
                     **{kind: response_format[kind]}
                 )
