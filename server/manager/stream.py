@@ -48,9 +48,9 @@ from typing import TYPE_CHECKING
 import outcome
 import trio
 
-from ..errors import ServerError, ServiceUnavailable
+from ..errors import ServerError
 from ..outputs import RequestOutput
-from .deadlines import QUEUE_TIMEOUT
+from .deadlines import QUEUE_TIMEOUT, queue_timeout_error
 
 if TYPE_CHECKING:
     from .pacing import Pacer
@@ -358,15 +358,6 @@ class Choice:
         return out
 
 
-def _queue_timeout() -> ServiceUnavailable:
-    """What a request the queue-time limit aborted before it started gets."""
-    return ServiceUnavailable(
-        "The request waited longer than the server's queue-time limit without starting "
-        "(the server is overloaded); retry later.",
-        code="server_overloaded",
-    )
-
-
 def _error_of(out: RequestOutput) -> ServerError:
     """The exception of an error output (which always carries its kind)."""
     exc = out.exception()
@@ -571,7 +562,7 @@ class RequestStream:
             while True:
                 if self.abort_cause == QUEUE_TIMEOUT:
                     await self.aclose()  # (waits, bounded, for the engine's abort)
-                    raise _queue_timeout()
+                    raise queue_timeout_error()
                 for c in choices:
                     if c.done and c.error_kind is not None and c.completion_tokens == 0:
                         out = RequestOutput(0, "", 0, 0, 0, "error", c.error_kind, c.error,
