@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import re
+import socket
 
 import httpx
 import pytest
@@ -161,7 +162,80 @@ async def test_a_probe_with_a_body_is_answered_and_the_connection_closed(caplog,
 
 def test_the_cap_is_logged_at_once_then_once_per_interval():
     report = probes.CapReport(interval=10.0)
-    assert report.refused(100.0) == 1
-    assert [report.refused(t) for t in (101.0, 105.0, 109.9)] == [None] * 3
-    assert report.refused(110.0) == 4
-    assert report.refused(200.0) == 1
+    assert report.met(100.0, refused=True) == (0, 1)
+    assert [report.met(t, refused=r) for t, r in
+            ((101.0, True), (105.0, False), (109.9, True))] == [None] * 3
+    assert report.met(110.0, refused=False) == (2, 2)
+    assert report.met(200.0, refused=False) == (1, 0)
+
+
+# -- a connect at the cap makes room: clients that reconnect at once cannot keep probes out ---
+
+#: Reconnecting hostile clients: more than the cap, so that some always wait to get in
+#: (before the fix: so that a slot that frees is taken again within milliseconds).
+RECONNECTING = 80
+#: Each one's connects at most (the loop is bounded even if the test's end never came).
+CONNECTS_EACH = 2000
+
+
+async def reconnect_waiting_for_a_head(stream: trio.SocketStream) -> None:
+    await stream.send_all(b"GET /health HTTP/1.1\r\n")
+
+
+async def reconnect_with_a_body(stream: trio.SocketStream) -> None:
+    await stream.send_all(WITH_BODY)
+
+
+async def reconnect_pipelining(stream: trio.SocketStream) -> None:
+    with contextlib.suppress(trio.BrokenResourceError):
+        await stream.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * 2000)
+
+
+async def reconnecting(port: int, hold, connects: list[int]) -> None:
+    """Hold a connection as ``hold`` does until the server ends it, then at once another:
+    the attacker of issue 42 round 3, who keeps every slot taken although each connection
+    is bounded (its end is seen within 0.1 s; the next connect 20 ms later)."""
+    for _ in range(CONNECTS_EACH):
+        connects[0] += 1
+        try:
+            async with await small_window_socket(f"http://127.0.0.1:{port}") as stream:
+                await hold(stream)
+                while not _ended(stream):  # (nothing read: answers stay unread, as a holder's)
+                    await trio.sleep(0.1)
+        except (trio.BrokenResourceError, OSError):
+            pass
+        await trio.sleep(0.02)
+
+
+def _ended(stream: trio.SocketStream) -> bool:
+    """Whether the server has closed or reset ``stream``, seen without reading what it
+    sent (the TCP state: anything but ESTABLISHED, e.g. CLOSE_WAIT or CLOSE)."""
+    state = stream.socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+    return state != 1  # (TCP_ESTABLISHED)
+
+
+@pytest.mark.parametrize(
+    "hold", [reconnect_waiting_for_a_head, reconnect_with_a_body, reconnect_pipelining])
+async def test_clients_that_reconnect_at_once_do_not_keep_probes_out(hold, caplog, monkeypatch):
+    monkeypatch.setattr(probes, "LIMITS", QUICK)
+    caplog.set_level(logging.INFO, logger="server")
+    async with running_server(health_port=0):
+        port = probe_port(caplog)
+        connects = [0]
+        async with trio.open_nursery() as hostile:
+            for _ in range(RECONNECTING):
+                hostile.start_soon(reconnecting, port, hold, connects)
+            with trio.fail_after(120):  # (a hang guard)
+                # the cap is met, and they reconnect: each one's connection has ended once
+                while ("probe port: 64 connections open, its cap" not in caplog.text
+                       or connects[0] < 2 * RECONNECTING):
+                    await trio.sleep(0.05)
+            # Each probe on a new connection is answered, on its first try: the connect
+            # ends the hostile connection that waited longest on its client. (Refused at
+            # the cap, as before, a probe got in only by winning the moment a slot freed.)
+            with trio.fail_after(120):
+                answers = [await probe_once(port) for _ in range(10)]
+            assert all(a.startswith(b"HTTP/1.1 200 ") for a in answers), answers
+            hostile.cancel_scope.cancel()
+        assert re.search(r"its cap: ended the one waiting longest on its client for [1-9]\d* "
+                         r"connect\(s\)", caplog.text), caplog.text

@@ -19,10 +19,18 @@ connection can end the listener: each one's errors end that connection only. The
 parsed here are bounded by h11 (16 KiB of head; more is a 431) and a request h11 cannot
 parse gets its 400 before the connection closes.
 
-The port holds at most ``max_connections`` connections (a connect beyond that is closed at
-once: probes are few), so no connection may hold a slot for long (issue 42: 64 connections
-that sent a body never, a head slowly or requests without reading the answers held the
-port shut, and the liveness probes with it). The bounds, :class:`ProbeLimits`:
+The port holds at most ``max_connections`` connections (probes are few), so no connection
+may hold a slot for long (issue 42: 64 connections that sent a body never, a head slowly or
+requests without reading the answers held the port shut, and the liveness probes with it).
+And a connect at the cap first **makes room**: it ends the connection that has waited
+longest on its client (:class:`Waiting`: for a request head, for the client to take an
+answer the socket could not take at once, or for the end of an unread body), as the API
+port ends its oldest idle keep-alive and the listening worker its oldest unauthenticated
+connection. Only when every connection is being answered is the connect closed at once.
+Bounding each connection was not enough: an attacker reopening ~13 connections a second
+kept the 64 slots busy although each ended after its 5 s, and a probe got in only if it
+won the moment a slot freed. Now the attacker's oldest connection goes, and the probe,
+the newest, sends its head at once and is answered. The bounds, :class:`ProbeLimits`:
 
 * **One deadline per request head**: the whole head must arrive within ``head_timeout`` of
   the connection being ready for it (accepted, or the previous answer sent), however it
@@ -37,8 +45,8 @@ port shut, and the liveness probes with it). The bounds, :class:`ProbeLimits`:
 * **At most ``lifetime`` seconds of keep-alive**: the first answer after it says
   ``Connection: close``, so that even a client that reads just fast enough gives its slot
   back.
-* **The cap is logged** when it refuses a connect: at once, then at most once per
-  ``log_interval`` with the number refused since (:class:`CapReport`).
+* **The cap is logged** when a connect meets it (made room, or refused): at once, then at
+  most once per ``log_interval`` with the numbers since (:class:`CapReport`).
 
 The decisions (what a request gets, when to log) are sans-IO; :func:`serve_probes` does
 the I/O. The limits are constants, documented in docs/operations.md; tests set smaller
@@ -49,7 +57,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import h11
@@ -57,7 +67,9 @@ import trio
 
 from ..openai.encode import dumps
 
-__all__ = ["LIMITS", "PROBE_PATHS", "CapReport", "ProbeLimits", "answer_bytes", "serve_probes"]
+__all__ = [
+    "LIMITS", "PROBE_PATHS", "CapReport", "ProbeLimits", "Waiting", "answer_bytes", "serve_probes",
+]
 
 log = logging.getLogger("server.probes")
 
@@ -72,7 +84,8 @@ _RECEIVE_SIZE = 16384
 class ProbeLimits:
     """The probe port's bounds (module docstring); seconds unless said otherwise."""
 
-    #: Connections served at once; a connect beyond is closed at once.
+    #: Connections served at once; a connect beyond first ends the one that waited longest
+    #: on its client, and is closed at once if none waits.
     max_connections: int = 64
     #: A request's whole head must arrive within this, from the connection being ready.
     head_timeout: float = 5.0
@@ -91,22 +104,54 @@ LIMITS = ProbeLimits()
 
 
 class CapReport:
-    """When to log the connects refused at the cap: the first at once, then at most one
-    line per ``interval`` seconds, with the number refused since the last line. Sans-IO."""
+    """When to log the connects that met the cap: the first at once, then at most one line
+    per ``interval`` seconds, with the numbers since the last line. Sans-IO."""
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
-        self._unreported = 0
+        self._made_room = 0
+        self._refused = 0
         self._next = -math.inf
 
-    def refused(self, now: float) -> int | None:
-        """Count one refused connect at ``now``; the number to log now, or None."""
-        self._unreported += 1
+    def met(self, now: float, *, refused: bool) -> tuple[int, int] | None:
+        """Count one connect at the cap at ``now`` (``refused``, or it made room); the
+        numbers to log now, ``(made room, refused)``, or None."""
+        if refused:
+            self._refused += 1
+        else:
+            self._made_room += 1
         if now < self._next:
             return None
-        count, self._unreported = self._unreported, 0
+        counts = self._made_room, self._refused
+        self._made_room = self._refused = 0
         self._next = now + self.interval
-        return count
+        return counts
+
+
+class Waiting:
+    """The connections that wait on their client now, the longest waiting first: the ones
+    a connect at the cap may end to make room (module docstring). Each is represented by
+    the cancel scope around its whole connection."""
+
+    def __init__(self) -> None:
+        self._scopes: dict[trio.CancelScope, None] = {}  # (insertion-ordered)
+
+    @contextmanager
+    def on_client(self, scope: trio.CancelScope) -> Iterator[None]:
+        """While the block waits on the client, ``scope``'s connection may be ended."""
+        self._scopes[scope] = None
+        try:
+            yield
+        finally:
+            self._scopes.pop(scope, None)
+
+    def end_longest(self) -> bool:
+        """End the connection that has waited longest; whether there was one."""
+        for scope in self._scopes:
+            del self._scopes[scope]
+            scope.cancel()
+            return True
+        return False
 
 
 async def serve_probes(
@@ -123,11 +168,13 @@ async def serve_probes(
     limits = limits or LIMITS
     open_connections = 0
     report = CapReport(limits.log_interval)
+    waiting = Waiting()
 
     async def serve_one(stream: trio.SocketStream) -> None:
         nonlocal open_connections
         try:
-            await _serve_connection(stream, answer, limits)
+            with trio.CancelScope() as scope:  # (cancelled to make room: waiting)
+                await _serve_connection(_Probe(stream, limits, waiting, scope), answer)
         except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
             pass  # the peer went away or spoke nonsense: only this connection ends
         except Exception:  # a bug here must not end the probes, let alone the server
@@ -147,15 +194,21 @@ async def serve_probes(
                 await trio.sleep(0.1)
                 continue
             if open_connections >= limits.max_connections:
-                await stream.aclose()
-                count = report.refused(trio.current_time())
-                if count is not None:
+                # (the one ended counts as open until its task has closed it: briefly one
+                # more than the cap)
+                refused = not waiting.end_longest()
+                if refused:
+                    await stream.aclose()
+                counts = report.met(trio.current_time(), refused=refused)
+                if counts is not None:
                     log.warning(
-                        "probe port: %d connections open, its cap: refused %d connect(s) "
-                        "since the last such line (probes fail meanwhile)",
-                        open_connections, count,
+                        "probe port: %d connections open, its cap: ended the one waiting "
+                        "longest on its client for %d connect(s), refused %d connect(s) "
+                        "since the last such line (a refused probe fails)",
+                        open_connections, *counts,
                     )
-                continue
+                if refused:
+                    continue
             open_connections += 1
             nursery.start_soon(serve_one, stream)
 
@@ -165,31 +218,48 @@ async def serve_probes(
         task_status.started()
 
 
-async def _serve_connection(stream: trio.SocketStream, answer, limits: ProbeLimits) -> None:
+@dataclass
+class _Probe:
+    """One connection of the probe port, and what its I/O needs."""
+
+    stream: trio.SocketStream
+    limits: ProbeLimits
+    waiting: Waiting
+    #: Around the whole connection: cancelled to make room (:class:`Waiting`).
+    scope: trio.CancelScope
+
+    def on_client(self) -> AbstractContextManager[None]:
+        """While the block waits on the client, this connection may be ended for room."""
+        return self.waiting.on_client(self.scope)
+
+
+async def _serve_connection(probe: _Probe, answer) -> None:
     conn = h11.Connection(h11.SERVER)
     try:
-        await _serve_requests(stream, conn, answer, limits)
+        await _serve_requests(probe, conn, answer)
     except h11.RemoteProtocolError as exc:  # a bad request: its status (400, 431), then close
         if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             response = h11.Response(status_code=exc.error_status_hint,
                                     headers=[(b"content-length", b"0"),
                                              (b"connection", b"close")])
-            await _send(stream, conn.send(response) + conn.send(h11.EndOfMessage()), limits)
+            await _send(probe, conn.send(response) + conn.send(h11.EndOfMessage()))
 
 
-async def _serve_requests(stream, conn: h11.Connection, answer, limits: ProbeLimits) -> None:
+async def _serve_requests(probe: _Probe, conn: h11.Connection, answer) -> None:
+    limits = probe.limits
     last_call = trio.current_time() + limits.lifetime
     while True:
         request = None
-        with trio.move_on_after(limits.head_timeout):
-            request = await _receive_request(stream, conn)
+        with trio.move_on_after(limits.head_timeout), probe.on_client():
+            request = await _receive_request(probe.stream, conn)
         if request is None:
             return  # the head did not arrive in time, or the client closed
         close = trio.current_time() >= last_call
-        if not await _send(stream, answer_bytes(conn, request, answer, close=close), limits):
+        if not await _send(probe, answer_bytes(conn, request, answer, close=close)):
             return
         if conn.their_state is not h11.DONE:  # its body is unread: the connection ends
-            await _linger(stream, limits.linger)
+            with probe.on_client():
+                await _linger(probe.stream, limits.linger)
             return
         if conn.our_state is not h11.DONE:  # MUST_CLOSE: Connection: close, HTTP/1.0
             return
@@ -235,12 +305,27 @@ def answer_bytes(conn: h11.Connection, request: h11.Request, answer, *, close: b
     return out + conn.send(h11.EndOfMessage())
 
 
-async def _send(stream, data: bytes, limits: ProbeLimits) -> bool:
-    """Send ``data`` within ``send_timeout``; whether it was all sent."""
-    with trio.move_on_after(limits.send_timeout):
-        await stream.send_all(data)
+async def _send(probe: _Probe, data: bytes) -> bool:
+    """Send ``data`` within ``send_timeout``; whether it was all sent. What the socket does
+    not take at once waits on the client (it has not read earlier answers): meanwhile this
+    connection may be ended for room."""
+    with trio.move_on_after(probe.limits.send_timeout):
+        sent = _send_now(probe.stream, data)
+        if sent < len(data):
+            with probe.on_client():
+                await probe.stream.send_all(data[sent:])
         return True
     return False
+
+
+def _send_now(stream: trio.SocketStream, data: bytes) -> int:
+    """What the socket takes of ``data`` without waiting (it is non-blocking)."""
+    try:
+        return os.write(stream.socket.fileno(), data)
+    except BlockingIOError:
+        return 0
+    except OSError as exc:  # (reset, EPIPE: as send_all says it)
+        raise trio.BrokenResourceError(exc) from exc
 
 
 async def _linger(stream, seconds: float) -> None:
