@@ -10,6 +10,7 @@ every ``fail_after`` is a hang guard; memory is read from /proc (VmHWM: the peak
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -19,7 +20,6 @@ import pytest
 import trio
 
 from server import SamplingParams, open_engine
-from server.manager.worker import WorkerStartupError
 from server.worker_protocol import handshake, wire
 from tests.remote import SECRET, listening_worker, remote_config, wait_until
 from tests.test_malformed_frames import HandFrontend
@@ -170,22 +170,40 @@ async def test_an_auth_with_a_1_byte_cnonce_is_refused(tmp_path):
                      r"AUTH", w.text()), w.text()
 
 
-async def test_over_the_connection_cap_a_new_frontend_is_refused_with_a_line(tmp_path):
-    async with listening_worker(tmp_path, "127.0.0.1:0", "--max-frontends", "2") as w:
-        async with open_engine(remote_config(w)) as first:
-            async with open_engine(remote_config(w)) as second:
-                with trio.fail_after(60):
-                    with pytest.raises(WorkerStartupError, match=r"the worker refused us: this worker "
-                                       r"serves 2 frontends already \(--max-frontends 2\)"):
-                        async with open_engine(remote_config(w)):
-                            pass
-                assert await first.ping_all() == [(0, 0)]
-                assert await second.ping_all() == [(0, 0)]
-        # once one left, another is served
-        async with open_engine(remote_config(w)) as third:
-            assert await third.ping_all() == [(0, 0)]
-    assert re.search(r"connection from 127\.0\.0\.1:\d+ ended: refused: this worker serves 2 "
-                     r"frontends already \(--max-frontends 2\)", w.text()), w.text()
+async def test_a_frontend_over_the_cap_starts_retries_and_connects_once_there_is_room(
+        tmp_path, caplog):
+    """--max-frontends 1 (a rolling restart, or a dead frontend's connection still counted):
+    the second frontend is not refused as with wrong credentials, which would end its
+    server at once (WorkerStartupError, exit 1) or log an error per retry; the worker
+    closes its connection before HELLO, and it retries until the first goes away."""
+    caplog.set_level(logging.INFO, logger="server")
+    async with listening_worker(tmp_path, "127.0.0.1:0", "--max-frontends", "1") as w:
+        with trio.fail_after(120):  # (a hang guard: real processes)
+            async with trio.open_nursery() as nursery:
+                first_up, first_go = trio.Event(), trio.Event()
+
+                async def first_frontend() -> None:
+                    async with open_engine(remote_config(w)) as first:
+                        assert await first.ping_all() == [(0, 0)]
+                        first_up.set()
+                        await first_go.wait()
+
+                nursery.start_soon(first_frontend)
+                await first_up.wait()
+                # started as the HTTP server starts its engine: the workers come up behind it
+                config = remote_config(w, restart_backoff=0.05, restart_backoff_max=0.2)
+                async with open_engine(config, wait_ready=False) as second:
+                    client = second.workers[0]
+                    await wait_until(lambda: client.restarts >= 3, 100)  # it keeps trying
+                    assert not client.alive
+                    first_go.set()  # the first goes away: the second gets its place
+                    await client.wait_ready()
+                    assert await second.ping_all() == [(0, 0)]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert "after our AUTH (as a worker at its --max-frontends does)" in caplog.text
+    assert re.search(r"connection from 127\.0\.0\.1:\d+ ended: this worker serves 1 "
+                     r"frontends already \(--max-frontends 1\): closed before HELLO",
+                     w.text()), w.text()
 
 
 async def test_the_connections_together_hold_at_most_the_buffer_budget(tmp_path):

@@ -198,7 +198,11 @@ class _ConnectedLink(Link):
             await self.send.send_all(wire.encode([wire.AUTH, cnonce, proof]))
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise SessionEnded(f"connection broke during the handshake: {exc}") from None
-        msg = await self._next_message("the handshake", wire.HELLO, wire.REFUSED)
+        # (a worker serving its --max-frontends already closes here, without REFUSED: we
+        # retry it as any dropped connection)
+        msg = await self._next_message(
+            "the handshake, after our AUTH (as a worker at its --max-frontends does)",
+            wire.HELLO, wire.REFUSED)
         if msg[0] == wire.REFUSED:
             raise SessionEnded(f"the worker refused us: {msg[1]:.200}", refused=True)
         if len(msg) != 3:

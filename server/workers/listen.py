@@ -49,7 +49,8 @@ bytes, and no frame decoded to more objects than a budget (a request over it get
 ``invalid_request`` error; anything else over a bound ends the connection). All
 connections together hold at most ``--max-total-buffer-bytes`` of unfinished frames and
 unsent output (past it, the one holding the most is dropped); at most ``--max-frontends``
-connections are authenticated at once (one more is refused), and at most
+connections are authenticated at once (one more is closed after its AUTH, without REFUSED,
+which frontends take for a credential error: a full worker is one to retry), and at most
 :data:`_MAX_UNAUTHENTICATED_CONNS` wait to authenticate (the oldest goes); the lines of
 connections that end before authenticating are throttled (one per :data:`_QUIET` seconds,
 the rest counted).
@@ -460,8 +461,12 @@ class Server:
                 self._refuse(conn, "authentication failed: wrong secret")
         ready = sum(1 for c in self.conns if c.state == "ready")
         if ready >= self.max_frontends:
-            self._refuse(conn, f"this worker serves {ready} frontends already "
-                         f"(--max-frontends {self.max_frontends})")
+            # Closed without REFUSED: every frontend reads REFUSED as a credential error
+            # (the first time, its server exits), but retries a dropped connection with
+            # backoff, and a full worker is worth retrying (docs/protocol.md).
+            raise _Closed(f"this worker serves {ready} frontends already "
+                          f"(--max-frontends {self.max_frontends}): closed before HELLO, "
+                          "the frontend retries")
         conn.state = "ready"
         conn.decoder.limits = limits.REQUESTS
         mine = None if secret is None else handshake.worker_proof(secret, conn.nonce, cnonce)
