@@ -99,7 +99,8 @@ async def test_streams_go_on_while_a_big_tokenize_answer_is_decoded():
             assert not got
             held.release()
         assert got == [answer]
-        assert asked == [{"op": "tokenize", "prompt": "x", "packed_ids": True}]
+        assert asked == [{"op": "tokenize", "prompt": "x", "packed_ids": True,
+                          wire.ERROR_PARAM_KEY: True}]
 
 
 async def _inject_beside_a_stream(engine, spawn, body: bytes) -> list:
@@ -260,7 +261,9 @@ async def test_an_older_worker_is_sent_id_lists_and_may_answer_them(monkeypatch)
         spawn.processes[0].engine.tokenize = tokenize
         assert (await engine.tokenize({"op": "tokenize", "prompt": "x"}))["tokens"] == ids
         await engine.tokenize({"op": "detokenize", "tokens": ids})
-        assert asked == [{"op": "tokenize", "prompt": "x"}, {"op": "detokenize", "tokens": ids}]
+        flag = {wire.ERROR_PARAM_KEY: True}  # (every frontend asks refusals to name the field)
+        assert asked == [{"op": "tokenize", "prompt": "x", **flag},
+                         {"op": "detokenize", "tokens": ids, **flag}]
         with trio.fail_after(60):
             outs = await all_outputs(engine.generate(ids, server.SamplingParams(max_tokens=2)))
         assert outs[-1].finish_reason == "length" and outs[0].prompt_tokens == len(ids)

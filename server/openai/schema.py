@@ -225,7 +225,7 @@ def _fits(prompt: list, max_tokens: int | None, max_model_len: int | None) -> li
     if max_model_len and prompt and isinstance(prompt[0], int):
         error = context_error(len(prompt), max_tokens, max_model_len)
         if error is not None:
-            raise ClientError(error)
+            raise ClientError(error, param="prompt")  # (as the worker names it)
     return prompt
 
 
