@@ -5,8 +5,8 @@ Theory of operation
 The HTTP layer's direct path (:mod:`server.connections.accept`, :mod:`server.connections.connection`,
 :mod:`server.connections.http11`, :mod:`server.connections.sink`) subclasses hypercorn's connection,
 HTTP/1.1 protocol and request stream, and hooks into h11's reader and chunked writer. That
-saves about 40 % of the frontend's CPU per streamed token (docs/benchmarks.md, "The
-direct path and the fallback") and gives the server its connection limit, per-connection
+saves about 40 % of the frontend's CPU per streamed token (docs/benchmarks.md, "The HTTP
+path: direct and fallback") and gives the server its connection limit, per-connection
 error boundary, progress-bounded writes and request-head refusals. It also depends on
 names the libraries may change in any release. So:
 
@@ -32,7 +32,7 @@ behaviour in the last column, which the version check covers):
 =============================================  ================================================
 name                                           relied on for
 =============================================  ================================================
-hypercorn ``trio.run.worker_serve``            not used, replaced: ``listen.serve_app`` is its
+hypercorn ``trio.run.worker_serve``            not used, replaced: ``accept.serve_app`` is its
 (internals: ``Lifespan``, ``WorkerContext``,   loop with a per-connection boundary, a
 ``Config.create_sockets``, ``wrap_app``)       connection limit and a backlog; it builds the
                                                lifespan, the worker context and the sockets
