@@ -8,19 +8,18 @@ process it spawned, or one connection to a worker that listens (``address``; see
 :mod:`server.manager.transport`), with three tasks in one nursery:
 
 * the **router** reads frames from the worker's stdout and hands each output to the
-  :class:`~server.manager.stream.Choice` its rid names (late output for a rid the table no
-  longer holds is dropped: that is how the abort-versus-finish race ends harmlessly); a
+  :class:`~server.manager.stream.Choice` its rid names. Late output for a rid the table no
+  longer holds is dropped: that is how the abort-versus-finish race ends harmlessly. A
   frame of :data:`~server.worker_protocol.wire.BIG_FRAME` or more is decoded in a thread,
-  a piece per call (``decode_sliced``), so the event loop serves every other stream
-  meanwhile; the router waits for a big STEP, so outputs keep their order, but not for a
-  big TOKENIZED (a /tokenize answer of millions of ids: seconds of decoding), which
-  answers one round trip only and is decoded and filed by a task of its own
-  (``_decode_aside``; at most ``_ASIDES`` at once, a further one in the router's way)
-  while the router goes on routing the other streams' outputs. A worker we spawn, and a
-  listening one that offers it (the session then subscribes: ``wire.PARTS_TOPIC``), sends
-  such an answer in PART frames between its STEPs (:mod:`server.worker_protocol.parts`):
-  the link's decoder joins them, the answer arriving with its last piece (the router reads
-  through ``decode_frames`` meanwhile), and one cut off by the session's end is lost with
+  a piece per call (``decode_sliced``), so that the event loop serves the other streams
+  meanwhile. The router waits for a big STEP, to keep outputs in order. It does not wait
+  for a big TOKENIZED (a /tokenize answer of millions of ids: seconds of decoding), which
+  concerns one round trip only: a task of its own decodes and files it (``_decode_aside``,
+  at most ``_ASIDES`` at once; a further one is decoded in the router's way). A worker we
+  spawn sends such an answer in PART frames between its STEPs, and so does a listening one
+  whose session subscribed to ``wire.PARTS_TOPIC`` (:mod:`server.worker_protocol.parts`;
+  docs/protocol.md, "Answers in parts"). The link's decoder joins the parts while the
+  router reads on (``decode_frames``); an answer cut off by the session's end is lost with
   it, as a frame half read was. Such an answer has fully
   arrived: when the session ends meanwhile (the worker exits after answering, the
   connection drops, the server stops), its decode goes on, shielded, for at most
@@ -117,12 +116,12 @@ _ASIDES = 2
 
 async def decode_frames(decoder: wire.FrameDecoder, data: bytes | bytearray,
                         aside: Callable[[bytes], bool] | None = None) -> list:
-    """The messages ``data`` completed, in order: a frame of :data:`wire.BIG_FRAME` or
-    more decoded in a thread (:meth:`wire.FrameDecoder.decode_sliced`), the others here;
-    with ``aside``, a big TOKENIZED frame is handed to ``aside(body)`` (the router's: its
-    answer concerns one round trip only, so the frames after it need not wait for it),
-    and decoded here when that declines it (False: enough are being decoded aside).
-    Raises :class:`wire.ProtocolError` as ``feed`` does (``messages``: the good ones
+    """The messages ``data`` completed, in order. A frame of :data:`wire.BIG_FRAME` or
+    more is decoded in a thread (:meth:`wire.FrameDecoder.decode_sliced`), the others
+    here. With ``aside`` (the router's), a big TOKENIZED frame is handed to
+    ``aside(body)``: its answer concerns one round trip only, so the frames after it need
+    not wait for it. It is decoded here when ``aside`` declines it (returns False: enough
+    are being decoded aside). Raises :class:`wire.ProtocolError` as ``feed`` does (``messages``: the good ones
     before the bad one)."""
     error: wire.ProtocolError | None = None
     try:
@@ -641,11 +640,11 @@ class WorkerClient:
     def _route(self, messages: list) -> None:
         """Hand each output to its choice. A plain function, so that nothing it touched
         (the last choice, its waker) stays referenced by the router between frames. Each
-        message is checked first (wire.check_reply): a malformed one raises ProtocolError,
-        which ends the session, before anything of that message is applied; except a STEP's
-        output rows, each checked as it is routed (one pass over the rows, not two: the hot
-        path), so that the rows before a malformed one are delivered, as the messages
-        before a malformed one are (``ProtocolError.messages``)."""
+        message is checked (wire.check_reply) before anything of it is applied: a malformed
+        one raises ProtocolError, which ends the session. A STEP's output rows are the
+        exception, each checked as it is routed, so that the hot path walks them once. So
+        the rows before a malformed one are delivered, as the messages before a malformed
+        one are (``ProtocolError.messages``)."""
         states = self.states
         check_reply = wire.check_reply
         final_ok = wire.final_ok
