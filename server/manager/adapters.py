@@ -17,10 +17,10 @@ worker at once; if any refuses, the others unload it again and the client gets t
 worker's error. A name is served (requests may name it) only once every worker has it.
 
 A worker that starts later (a restart, a reconnection to a listening worker) gets the
-table replayed before anything else: :meth:`AdapterRegistry.replay` is the list of ops
-(unloads of start-up adapters unloaded at run time, then loads of run-time ones) that the
-worker's session queues ahead of any request, so the worker applies them, in order, before
-it reads a SUBMIT that may need them. A replayed load that fails there (its files removed
+table replayed before anything else. :meth:`AdapterRegistry.replay` is that list of ops:
+unloads of start-up adapters unloaded at run time, then loads of run-time ones. The
+worker's session queues them ahead of any request, so the worker applies them, in order,
+before it reads a SUBMIT that may need them. A replayed load that fails there (its files removed
 meanwhile) is logged; requests for that adapter routed to that worker get its 404.
 
 Unloading removes the name first (new requests get a 404 here), then sends
