@@ -5,14 +5,14 @@ Theory of operation
 When a worker's session ends (the process died, the connection to a listening worker
 closed, it hung or broke the protocol), its :class:`~server.manager.worker.WorkerClient`
 hands the choices it still held to :meth:`Migrator.migrate`, in its own task, before it
-ends them. For each request (the choices sharing one waker: they move together, to one
-worker, as they were dispatched together) the migrator picks another live worker with the
+ends them. The choices of one request (those sharing one waker) move together, to one
+worker, as they were dispatched together. The migrator picks that worker with the
 engine's routing policy and submits to it, at once and without blocking, a *continuation*
-of each choice: the same prompt and wire params (seed and sampling fields included), with
-``max_tokens`` reduced by the tokens already generated and
-``"resume": {"token_ids": [...], "text_chars": k}``: the ids of those tokens (the worker
-sent them as notes, because the params asked with ``"token_ids": true``) and how many
-characters of text the client already has. The worker resumes from there: it prefills the
+of each choice. A continuation is the same prompt and wire params (seed and sampling
+fields included), with ``max_tokens`` reduced by the tokens already generated, and
+``"resume": {"token_ids": [...], "text_chars": k}``. Those are the ids of the tokens
+generated (the worker sent them as notes, because the params asked with ``"token_ids":
+true``) and how many characters of text the client already has. The worker resumes from there: it prefills the
 prompt and the generated tokens, replays its generator through them where it can, and
 sends only text the client does not have (see the engine's docs). The choice keeps its
 state (counters, pending text, the consumer's waker): the consumer sees nothing but a
