@@ -11,12 +11,12 @@ A session (see :mod:`server.manager.worker`) does, whatever the transport::
     ... router reads link.receive, writer writes link.send (or link.fd directly) ...
     await link.aclose()                # shielded by the caller; bounded here
 
-*Spawned*: the process's stdout/stdin; the handshake waits for HELLO; closing closes the
-pipe, then SIGTERM, then SIGKILL, each after ``shutdown_grace`` (the worker exits when its
-pipe closes); then SIGKILL to what is left of the worker's process group (it was started
-as a group leader): processes the worker started and could not stop, because it was
-SIGKILLed or they would not stop (vLLM's engine core process has no parent-death
-handling of its own), never outlive it.
+*Spawned*: the process's stdout/stdin; the handshake waits for HELLO. Closing closes the
+pipe, then sends SIGTERM, then SIGKILL, each after ``shutdown_grace`` (the worker exits
+when its pipe closes). Then what is left of the worker's process group (it was started as
+a group leader) gets SIGKILL. So the processes the worker started never outlive it, even
+when it was SIGKILLed or they would not stop (vLLM's engine core process has no
+parent-death handling of its own).
 
 *Connected*: a TCP or unix socket, TLS when ``worker_tls_ca`` is set; the handshake is the
 challenge-response of :mod:`server.worker_protocol.handshake`, then HELLO; closing closes
