@@ -36,10 +36,9 @@ module lists every private name relied on), and differs from upstream in these w
 * Closing is shielded: a connection cancelled at shutdown still releases its socket.
 * **No reference cycle of the connection's and its requests' HTTP objects outlives them**
   (this module's and :mod:`~server.connections.http11`'s, hypercorn's and h11's under
-  them), so that they are freed as they end, not in a collection of the garbage collector:
-  hypercorn's objects refer to one another both ways, and at 40 connections a second the
-  collections they needed paused the event loop for ~60 ms every 20 s
-  (``docs/benchmarks.md``).
+  them), so that they are freed as they end, not by the garbage collector. Hypercorn's
+  objects refer to one another both ways; at 40 connections a second, the collections they
+  needed paused the event loop for ~60 ms every 20 s (``docs/changelog.md``, 2026-12-03).
 
 Writes that no longer yield to the scheduler made one race of hypercorn's likely: an answer
 given before the request body was read (a 401) can be complete before hypercorn's reader
