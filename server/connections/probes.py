@@ -3,18 +3,18 @@
 Why it exists
 -------------
 A burst of connects on the public port fills its accept queue, and the kernel then drops
-new connects there, a probe's among them; the client retries its SYN after 1, 3, 7 s, so
-a kubelet probe with its default 1 s timeout fails and the pod is restarted or taken out
-of rotation while the server is merely busy (issue 23, docs/benchmarks.md "Loop stalls
-from big bodies and connect bursts"). A second listening socket has an accept queue of its
+new connects there, a probe's among them. The client retries its SYN after 1, 3, 7 s, so a
+kubelet probe with its default 1 s timeout fails: the pod is restarted or taken out of
+rotation while the server is merely busy (issue 23, docs/benchmarks.md "Loop stalls from
+big bodies and connect bursts"). A second listening socket has an accept queue of its
 own: probes sent there are never queued behind the public port's connects.
 
 Theory of operation
 -------------------
 This is deliberately not the HTTP path of the API (no hypercorn, no ASGI, no Quart): each
-connection is a small h11 loop in one task that answers ``GET``/``HEAD`` of ``/health``
-and ``/ready`` from ``answer(path)`` (the app's own probe answers, so the two ports always
-agree), ``404`` for any other path and ``405`` for any other method, with keep-alive. No
+connection is a small h11 loop in one task, with keep-alive. It answers ``GET``/``HEAD``
+of ``/health`` and ``/ready`` from ``answer(path)``, the app's own probe answers, so that
+the two ports always agree; ``404`` for any other path and ``405`` for any other method. No
 connection can end the listener: each one's errors end that connection only. The requests
 parsed here are bounded by h11 (16 KiB of head; more is a 431) and a request h11 cannot
 parse gets its 400 before the connection closes.
@@ -23,10 +23,10 @@ The port holds at most ``max_connections`` connections (probes are few), so no c
 may hold a slot for long (issue 42: 64 connections that sent a body never, a head slowly or
 requests without reading the answers held the port shut, and the liveness probes with it).
 And a connect at the cap first **makes room**: it ends the connection that has waited
-longest on its client (:class:`Waiting`: for a request head, for the client to take an
-answer the socket could not take at once, or for the end of an unread body), as the API
-port ends its oldest idle keep-alive and the listening worker its oldest unauthenticated
-connection. Only when every connection is being answered is the connect closed at once.
+longest on its client, as the API port ends its oldest idle keep-alive and the listening
+worker its oldest unauthenticated connection. A connection waits (:class:`Waiting`) for a
+request head, for the client to take an answer the socket could not take at once, or for
+the end of an unread body. Only when every connection is being answered is the connect closed at once.
 Bounding each connection was not enough: an attacker reopening ~13 connections a second
 kept the 64 slots busy although each ended after its 5 s, and a probe got in only if it
 won the moment a slot freed. Now the attacker's oldest connection goes, and the probe,
