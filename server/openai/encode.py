@@ -248,14 +248,20 @@ def completion_body(
     prompt_token_ids: list | None = None,
     prompt_logprobs: list | None = None,
 ) -> bytes:
-    """The body of a non-streaming completions or chat response (``logprobs``: each
-    choice's logprobs object, for requests that asked; ``reasoning``: each chat choice's
-    ``reasoning`` (and ``reasoning_content``), with --reasoning-parser; ``tool_calls``: each chat choice's
-    calls, for requests with tools; ``token_ids`` and ``prompt_token_ids``: each choice's ids,
-    for requests that asked, ``return_token_ids``: vLLM's fields, null when not asked, as
-    vLLM's answer has them; a chat answer's prompt ids are its one prompt's, on the
-    response; ``prompt_logprobs``: each choice's, vLLM's shape, for requests that asked,
-    likewise)."""
+    """The body of a non-streaming completions or chat response.
+
+    The optional lists hold one item per choice, and are None where the request did not
+    ask:
+
+    * ``logprobs``: each choice's logprobs object;
+    * ``reasoning``: each chat choice's ``reasoning`` (and ``reasoning_content``), with
+      --reasoning-parser;
+    * ``tool_calls``: each chat choice's calls, for requests with tools;
+    * ``token_ids`` and ``prompt_token_ids``: each choice's ids, with ``return_token_ids``.
+      They are vLLM's fields, null when not asked, as vLLM's answer has them. A chat
+      answer's prompt ids are its one prompt's, on the response;
+    * ``prompt_logprobs``: each choice's, in vLLM's shape, null when not asked.
+    """
     lps = logprobs or [None] * len(texts)
     prompt_lps = prompt_logprobs or [None] * len(texts)
     ids = token_ids or [None] * len(texts)
