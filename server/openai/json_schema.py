@@ -12,11 +12,12 @@ schema now sits, so any pointer (``$defs``, ``definitions``, a chain of referenc
 itself for recursion) still resolves, to the same subschema.
 
 :func:`check_refs` is applied first to every schema a grammar is compiled from (the
-``parameters`` of a forced tool call, ``response_format``): a reference the grammar engine
-cannot resolve would otherwise be an error from deep in the engine (or, for a URL, silently
-ignored by xgrammar), so it is a 400 here naming the field and the reference: references
-to other documents, to ``$anchor`` names, ``$dynamicRef`` / ``$recursiveRef``, pointers to
-nothing, and pointers through a list (``#/anyOf/0``: xgrammar resolves object keys only).
+``parameters`` of a forced tool call, ``response_format``). A reference the grammar engine
+cannot resolve would otherwise be an error from deep in the engine, or, for a URL, silently
+ignored by xgrammar. So it is a 400 here naming the field and the reference. Such are
+references to other documents, to ``$anchor`` names, ``$dynamicRef`` / ``$recursiveRef``,
+pointers to nothing, and pointers through a list (``#/anyOf/0``: xgrammar resolves object
+keys only).
 
 Keywords whose values are data, not schemas (``enum``, ``const``, ``default``,
 ``examples``), are left alone; under ``properties`` (and the other keyword maps) the keys
