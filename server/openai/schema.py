@@ -758,11 +758,15 @@ def _check_answer_size(
 
 
 def _prompt_tokens_bound(prompt, tools: ToolChoice | None, context: int) -> int:
-    """At most how many tokens ``prompt`` makes, before a worker tokenizes it: a token-id
-    prompt's length; a text's UTF-8 bytes (byte-level and byte-fallback tokenizers make at
-    most one token a byte) and 16 special tokens; a chat's messages and tools as JSON, and
-    256 tokens of its template's own text (the JSON's keys and quotes already exceed a
-    template's markers for each message); never more than the context."""
+    """At most how many tokens ``prompt`` makes, before a worker tokenizes it, and never
+    more than the context.
+
+    * A token-id prompt: its length.
+    * A text: its UTF-8 bytes (byte-level and byte-fallback tokenizers make at most one
+      token a byte) and 16 special tokens.
+    * A chat: its messages and tools as JSON, and 256 tokens of its template's own text
+      (the JSON's keys and quotes already exceed a template's markers for each message).
+    """
     if is_token_ids(prompt):
         return min(len(prompt), context)
     if isinstance(prompt, str):
