@@ -32,12 +32,12 @@ Theory of operation
    frontends reconnect by themselves. A dead frontend's connections to the workers end,
    and the workers abort its requests; the other frontends are not touched. A child that
    cannot start the first time ends the supervisor with status 1 and one line. A worker
-   that dies more than ``--max-restarts`` times within 60 s is over its budget: restarted
-   every 5 s (one error line for the episode) until it stays up for 60 s, as a frontend
-   retries a worker it spawned, while the frontends serve on the other workers; a
-   frontend over its budget ends the supervisor with status 1 (a frontend that keeps
-   dying leaves its share of new connections waiting in its socket's queue: better the
-   orchestrator restarts the whole). A child the supervisor could not start for its own
+   that dies more than ``--max-restarts`` times within 60 s is over its budget. It is
+   restarted every 5 s (one error line for the episode) until it stays up for 60 s, as a
+   frontend retries a worker it spawned, while the frontends serve on the other workers.
+   A frontend over its budget ends the supervisor with status 1: a frontend that keeps
+   dying leaves its share of new connections waiting in its socket's queue, so better the
+   orchestrator restarts the whole. A child the supervisor could not start for its own
    reasons (out of descriptors or memory: :func:`~server.restarts.starter_fault`) is
    retried without that counting against its budget.
 4. SIGTERM/SIGINT: SIGTERM to every frontend (each drains with ``--shutdown-timeout`` as
