@@ -8,9 +8,11 @@ range is refused at start, in argparse's one line naming the option (``argument
 a ``--model-config`` file alike (both are read by the same parser). NaN and infinities are
 never a value.
 
-:data:`BOUNDS` names each option's least value (and its greatest, for ports and fractions);
-0 is allowed where the option's help gives 0 a meaning ("0: never", "0: no limit"). Options
-passed through to vLLM as they are (``--seed``, ``--max-logprobs``, ...) are vLLM's to check.
+:class:`Bounds` is an option's least value (and its greatest, for ports and fractions),
+given in its option table's entry (server.option_table.Option.bounds; :data:`BOUNDS` for a
+listening worker's own options); 0 is allowed where the option's help gives 0 a meaning
+("0: never", "0: no limit"). Options passed through to vLLM as they are (``--seed``,
+``--max-logprobs``, ...) are vLLM's to check.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import argparse
 import math
 from dataclasses import dataclass
 
-__all__ = ["BOUNDS", "Bounds", "bound_numbers"]
+__all__ = ["BOUNDS", "COUNT", "FRACTION", "PORT", "SECONDS", "ZERO_OK", "Bounds",
+           "bound_numbers", "checked"]
 
 
 @dataclass(frozen=True)
@@ -45,42 +48,45 @@ class Bounds:
         return f"{kind} {'greater than' if self.above else 'of at least'} {self.low:g}"
 
 
-_PORT = Bounds(0, 65535)
-_COUNT = Bounds(1)  # a size, a count: 0 would refuse everything
-_ZERO_OK = Bounds(0)  # 0 has a meaning (never, none, no limit, at once)
-_SECONDS = Bounds(0, above=True)  # a timeout whose 0 has no meaning
+PORT = Bounds(0, 65535)
+COUNT = Bounds(1)  # a size, a count: 0 would refuse everything
+ZERO_OK = Bounds(0)  # 0 has a meaning (never, none, no limit, at once)
+SECONDS = Bounds(0, above=True)  # a timeout whose 0 has no meaning
+FRACTION = Bounds(0, 1, above=True)
 
+#: Each option's range, by dest (until every option carries its own: Option.bounds).
 BOUNDS: dict[str, Bounds] = {
     # serving
-    "port": _PORT, "health_port": _PORT, "keep_alive_timeout": _SECONDS,
-    "read_timeout": _SECONDS, "send_timeout": _ZERO_OK, "backlog": _COUNT,
-    "max_connections": _COUNT,
+    "port": PORT, "health_port": PORT, "keep_alive_timeout": SECONDS,
+    "read_timeout": SECONDS, "send_timeout": ZERO_OK, "backlog": COUNT,
+    "max_connections": COUNT,
     # routing, several frontends
-    "routing_balance": _ZERO_OK, "max_migrations": _ZERO_OK, "api_servers": _COUNT,
-    "listen_fd": _ZERO_OK, "health_listen_fd": _ZERO_OK, "frontend_index": _ZERO_OK,
+    "routing_balance": ZERO_OK, "max_migrations": ZERO_OK, "api_servers": COUNT,
+    "listen_fd": ZERO_OK, "health_listen_fd": ZERO_OK, "frontend_index": ZERO_OK,
     # limits and timeouts
-    "max_concurrent_requests": _COUNT, "max_concurrent_sequences": _ZERO_OK,
-    "max_queue_time": _ZERO_OK, "queued_heartbeat_s": _ZERO_OK, "request_timeout": _SECONDS,
-    "shutdown_timeout": _ZERO_OK, "stream_interval_ms": _ZERO_OK, "drain_timeout": _ZERO_OK,
-    "max_body_bytes": _COUNT, "max_n": _COUNT, "max_tokens_cap": _COUNT,
-    "max_prompts": _COUNT, "max_answer_logprobs": _ZERO_OK, "heartbeat_timeout": _SECONDS,
-    "max_restarts": _ZERO_OK,
+    "max_concurrent_requests": COUNT, "max_concurrent_sequences": ZERO_OK,
+    "max_queue_time": ZERO_OK, "queued_heartbeat_s": ZERO_OK, "request_timeout": SECONDS,
+    "shutdown_timeout": ZERO_OK, "stream_interval_ms": ZERO_OK, "drain_timeout": ZERO_OK,
+    "max_body_bytes": COUNT, "max_n": COUNT, "max_tokens_cap": COUNT,
+    "max_prompts": COUNT, "max_answer_logprobs": ZERO_OK, "heartbeat_timeout": SECONDS,
+    "max_restarts": ZERO_OK,
     # the engine
-    "grammar_max_bytes": _COUNT, "grammar_timeout": _SECONDS, "num_threads": _COUNT,
-    "engine_workers": _COUNT, "max_model_len": _COUNT, "max_batch": _COUNT,
-    "worker_startup_timeout": _SECONDS, "tensor_parallel_size": _COUNT,
-    "gpu_memory_utilization": Bounds(0, 1, above=True), "devices_per_worker": _COUNT,
+    "grammar_max_bytes": COUNT, "grammar_timeout": SECONDS, "num_threads": COUNT,
+    "engine_workers": COUNT, "max_model_len": COUNT, "max_batch": COUNT,
+    "worker_startup_timeout": SECONDS, "tensor_parallel_size": COUNT,
+    "gpu_memory_utilization": FRACTION, "devices_per_worker": COUNT,
     # a listening worker (python -m server.workers --listen)
-    "frontend_timeout": _SECONDS, "max_buffer_bytes": _COUNT, "max_frontends": _COUNT,
-    "max_total_buffer_bytes": _COUNT,
+    "frontend_timeout": SECONDS, "max_buffer_bytes": COUNT, "max_frontends": COUNT,
+    "max_total_buffer_bytes": COUNT,
     # the sim engine
-    "sim_itl_ms": _ZERO_OK, "sim_ttft_ms": _ZERO_OK, "sim_prefill_us_per_token": _ZERO_OK,
-    "sim_max_batch": _COUNT, "sim_reasoning_tokens": _ZERO_OK,
-    "sim_prefix_cache_tokens": _ZERO_OK, "sim_prefix_block_size": _COUNT,
+    "sim_itl_ms": ZERO_OK, "sim_ttft_ms": ZERO_OK, "sim_prefill_us_per_token": ZERO_OK,
+    "sim_max_batch": COUNT, "sim_reasoning_tokens": ZERO_OK,
+    "sim_prefix_cache_tokens": ZERO_OK, "sim_prefix_block_size": COUNT,
 }
 
 
-def _checked(convert, bounds: Bounds):
+def checked(convert, bounds: Bounds):
+    """``convert`` (int or float) refusing, in argparse's words, a value out of ``bounds``."""
     kind = "an integer" if convert is int else "a number"
 
     def read(text: str):
@@ -103,4 +109,4 @@ def bound_numbers(parser: argparse.ArgumentParser, bounds: dict[str, Bounds] = B
     for action in parser._actions:
         found = bounds.get(action.dest)
         if found is not None and action.type is not None and not hasattr(action.type, "bounds"):
-            action.type = _checked(action.type, found)
+            action.type = checked(action.type, found)
