@@ -64,7 +64,7 @@ def build_random(size: str, path: Path) -> Path:
 def check_greedy(model_path: str, device: str, dtype: str | None, max_tokens: int) -> dict:
     import torch
 
-    from server.workers.hf import TransformersEngine
+    from server.engines.transformers.engine import TransformersEngine
     from tests.tiny_model import WORDS
 
     engine = TransformersEngine(model_path=model_path, device=device, dtype=dtype, max_batch=16)

@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from server.workers.hf import TransformersEngine
+    from server.engines.transformers.engine import TransformersEngine
 
     path = args.model_path
     if path is None:

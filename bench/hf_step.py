@@ -85,7 +85,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from server.workers.hf import TransformersEngine
+    from server.engines.transformers.engine import TransformersEngine
     from tests.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--num-threads", type=int, default=1)
     args = smoke.parse_args(p, argv, prompt_tokens="16,64", requests=2)
-    from server.workers.hf import TransformersEngine
+    from server.engines.transformers.engine import TransformersEngine
     from tests.tiny_model import build_tiny_model
 
     model = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny", max_position_embeddings=16384)

@@ -67,7 +67,7 @@ _REASONS = [
     (r"beyond 64 bits", "integer beyond 64 bits"),
     (r"too large to compile", "schema too large"),
     (r"did not compile within", "compile timeout"),
-    (r"'([^']+)' at \S+ is not enforced by the grammar", None),  # server.workers.hf_schema_check
+    (r"'([^']+)' at \S+ is not enforced by the grammar", None),  # server.engines.transformers.schema_check
     (r"context|prompt .*tokens", "prompt over the context"),
 ]
 

@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     import torch
 
     from server.workers import prepare
-    from server.workers.hf import TransformersEngine
+    from server.engines.transformers.engine import TransformersEngine
     from tests.tiny_model import build_tiny_model
 
     if args.switch_interval is not None:

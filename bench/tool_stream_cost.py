@@ -73,7 +73,7 @@ async def run(url: str, pid: int, streams: int, max_tokens: int, tools: bool) ->
 
 def parser_alone(max_tokens: int, rounds: int = 200) -> float:
     from server.openai.tool_parsers import ToolCallParser
-    from server.workers.sim import _tool_call
+    from server.engines.sim.engine import _tool_call
 
     pieces = _tool_call([TOOL], max_tokens, 1)
     start = time.perf_counter()

@@ -5,7 +5,7 @@
     python bench/vllm_threads.py [--tokens 256] [--runs 3]
 
 Builds the tests' tiny vLLM model (tests/test_vllm_engine.py's shape, float32), starts the
-engine as a worker process does (:class:`server.workers.vllm_engine.VLLMEngine`, engine core
+engine as a worker process does (:class:`server.engines.vllm.engine.VLLMEngine`, engine core
 in this process), and times one greedy request of ``--tokens`` tokens (``ignore_eos``)
 ``--runs`` times, stepping the engine as the worker loop does. Prints torch's intra-op thread
 count once the engine is built, the host's load average, and each run's seconds; the last
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from server.workers.vllm_engine import VLLMEngine
+    from server.engines.vllm.engine import VLLMEngine
     from tests.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:

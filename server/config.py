@@ -23,7 +23,7 @@ class EngineConfig:
 
     ``engine_options`` go to the engine's constructor in each worker process (for the sim
     engine: ``itl_ms``, ``ttft_ms``, ``prefill_us_per_token``, ``max_batch``,
-    ``max_model_len``, ``faults``; see :class:`server.workers.sim.SimEngine`).
+    ``max_model_len``, ``faults``; see :class:`server.engines.sim.engine.SimEngine`).
     """
 
     engine: str = "sim"

@@ -341,9 +341,9 @@ def engine_options(args: argparse.Namespace, prog: str) -> dict:
 
 
 def _vllm_options(args: argparse.Namespace, prog: str) -> dict:
-    """The vllm engine's options (server.workers.vllm_engine.VLLMEngine) from the command
+    """The vllm engine's options (server.engines.vllm.engine.VLLMEngine) from the command
     line; --engine-arg pairs are checked for form here, their names by vLLM in the worker."""
-    from .workers.vllm_args import parse_engine_args
+    from .engines.vllm.args import parse_engine_args
 
     if not args.model_path:
         raise SystemExit(f"{prog}: --engine vllm needs a model (MODEL, --model or "
@@ -381,7 +381,7 @@ def _vllm_options(args: argparse.Namespace, prog: str) -> dict:
 
 
 def _lora_options(args: argparse.Namespace, engine_args: dict, prog: str) -> dict:
-    """The vllm engine's LoRA options (server.workers.vllm_lora), checked for form."""
+    """The vllm engine's LoRA options (server.engines.vllm.lora), checked for form."""
     from .workers.lora import parse_lora_modules
 
     options: dict = {}

@@ -41,7 +41,7 @@ from server.testing import (
     open_in_memory_spawner as open_fake_spawner,
     sim_engine_config as sim_config,
 )
-from server.workers.sim import SimEngine
+from server.engines.sim.engine import SimEngine
 
 __all__ = [
     "Frame",

@@ -21,7 +21,7 @@ from server.worker_protocol import parts, wire
 from server.worker_protocol.wire import OutputRow
 from server.workers.base import EngineBroken
 from server.workers.main import serve
-from server.workers.sim import SimEngine
+from server.engines.sim.engine import SimEngine
 from tests.fakes import open_real_engine
 
 LIMIT = 240  # seconds: a test that starts a process importing torch (busy CI cores)

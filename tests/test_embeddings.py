@@ -22,7 +22,7 @@ from server.errors import ClientError, NotFound
 from server.http.embeddings import parse_embeddings
 from server.worker_protocol import wire
 from server.workers.main import handle_message
-from server.workers.sim import SimEngine
+from server.engines.sim.engine import SimEngine
 from tests.conftest import JSON, running_server
 
 SIM_INFO = SimEngine().info
@@ -187,7 +187,7 @@ async def test_sim_end_to_end_with_the_openai_sdk(server_url):
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from server.workers.hf_embed import TransformersEmbedder, pooling_of  # noqa: E402
+from server.engines.transformers.embed import TransformersEmbedder, pooling_of  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
 torch.set_num_threads(1)  # two shared cores (see tests/test_transformers_engine.py)
@@ -304,7 +304,7 @@ async def test_a_generation_model_refuses_embeddings(tmp_path):
                 r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
                 assert r.status_code == 200
     # The worker refuses too, should a frontend send it anyway.
-    from server.workers.hf import TransformersEngine
+    from server.engines.transformers.engine import TransformersEngine
 
     reply = handle_message(TransformersEngine(model_path=str(path)),
                            [wire.TOKENIZE, 1, {"op": "embed", "input": ["hi"]}], [], [])

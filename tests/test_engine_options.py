@@ -14,7 +14,7 @@ from server.errors import ClientError
 from server.openai import schema
 from server.worker_protocol import wire
 from server.workers.main import step_message
-from server.workers.vllm_args import parse_engine_args
+from server.engines.vllm.args import parse_engine_args
 
 VLLM_INFO = {"engine": "vllm", "model": "m", "sampling": ["top_k", "min_p", "logit_bias",
                                                           "stop_token_ids", "min_tokens"]}
@@ -316,15 +316,15 @@ def _engine_info(engine: str) -> dict:
     """An engine's HELLO declarations, from the engine's own constants. The transformers
     engine's need torch (its extra): skipped without it."""
     from server.workers.base import MAX_LOGPROBS
-    from server.workers.vllm_engine import VLLM_SAMPLING  # (imports vllm only when built)
+    from server.engines.vllm.engine import VLLM_SAMPLING  # (imports vllm only when built)
 
     if engine == "sim":
-        from server.workers.sim import SimEngine
+        from server.engines.sim.engine import SimEngine
 
         return {"engine": "sim", "sampling": SimEngine().info["sampling"]}
     if engine == "transformers":
         pytest.importorskip("torch", reason="the transformers extra is not installed")
-        from server.workers.hf_logits import SAMPLING_FIELDS
+        from server.engines.transformers.logits import SAMPLING_FIELDS
 
         # (the transformers engine declares response_format when xgrammar is installed)
         return {"engine": "transformers",

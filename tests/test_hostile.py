@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server.config import EngineConfig, Limits
-from server.workers.sim import FAULT_KINDS
+from server.engines.sim.engine import FAULT_KINDS
 from tests.conftest import FAST_SIM, JSON, assert_engine_idle, running_server
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The transformers engine's second grammar backend (server.workers.hf_llguidance): a JSON
+"""The transformers engine's second grammar backend (server.engines.transformers.guidance): a JSON
 schema with a keyword xgrammar would drop but llguidance enforces (pydantic's ``HttpUrl``:
 ``format: uri`` beside ``maxLength``) is served, on every path a schema reaches the grammar,
 and every answer parses strictly and validates; one that neither enforces (pydantic's
@@ -24,7 +24,7 @@ import httpx  # noqa: E402
 import trio  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, UrlConstraints  # noqa: E402
 
-from server.workers.hf_schema_check import unenforced  # noqa: E402
+from server.engines.transformers.schema_check import unenforced  # noqa: E402
 from tests.conftest import running_server  # noqa: E402
 from tests.test_transformers_engine import LIMIT, MODEL, hf_config  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402

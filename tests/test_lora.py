@@ -14,7 +14,7 @@ from server.worker_protocol import wire
 from server.workers.base import Rejected
 from server.workers.lora import AdapterTable, parse_lora_modules
 from server.workers.main import handle_message
-from server.workers.sim import SimEngine
+from server.engines.sim.engine import SimEngine
 
 
 @pytest.fixture

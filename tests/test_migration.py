@@ -290,7 +290,7 @@ async def test_a_listening_workers_end_moves_its_streams_to_the_other(tmp_path):
 def _run_sim(params: dict, cut: int | None = None, **options) -> tuple[str, int, str, list]:
     """One request on a sim engine (fake clock); at ``cut`` tokens, a fresh engine resumes
     it from what a frontend has: the token ids, the text's length, the tokens left."""
-    from server.workers.sim import SimEngine
+    from server.engines.sim.engine import SimEngine
 
     class Clock:
         t = 0.0
@@ -350,7 +350,7 @@ def test_sim_resumes_exactly_at_every_cut():
 
 def test_sim_refuses_a_malformed_resume():
     from server.workers.base import Rejected
-    from server.workers.sim import SimEngine
+    from server.engines.sim.engine import SimEngine
 
     engine = SimEngine()
     for resume in ({"token_ids": ["x"], "text_chars": 0}, {"token_ids": [1]},

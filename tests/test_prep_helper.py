@@ -19,7 +19,7 @@ import trio  # noqa: E402
 import server  # noqa: E402
 from server.worker_protocol import wire  # noqa: E402
 from server.workers.base import Rejected  # noqa: E402
-from server.workers.hf import TransformersEngine  # noqa: E402
+from server.engines.transformers.engine import TransformersEngine  # noqa: E402
 from tests.conftest import child_pids, children_of, pid_exists  # noqa: E402
 from tests.test_worker_prepare import json_schema, wide_schema  # noqa: E402
 from tests.test_worker_probe import _cpu_seconds  # noqa: E402

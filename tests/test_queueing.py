@@ -152,7 +152,7 @@ def test_the_transformers_engine_queues_beyond_its_batch_in_arrival_order(tmp_pa
     a slot frees, first come first served (the sim's queue is shown above; the vllm
     engine's is vLLM's scheduler)."""
     pytest.importorskip("torch")
-    from server.workers.hf import TransformersEngine
+    from server.engines.transformers.engine import TransformersEngine
     from tests.tiny_model import build_tiny_model
 
     engine = TransformersEngine(model_path=str(build_tiny_model(tmp_path / "tiny")),

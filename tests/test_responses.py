@@ -379,7 +379,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_reasoning_and_calls_in_the_input_reach_the_template(model_dir):
-    from server.workers.hf import TransformersEngine
+    from server.engines.transformers.engine import TransformersEngine
 
     engine = TransformersEngine(model_path=str(model_dir), max_batch=1)
     engine.tokenizer.chat_template = (  # a Qwen3-like template's use of reasoning_content

@@ -78,7 +78,7 @@ def multibyte_across_tokens(engine, ids: list[int]) -> bool:
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    from server.workers.hf import TransformersEngine
+    from server.engines.transformers.engine import TransformersEngine
 
     path = build_tiny_model(tmp_path_factory.mktemp("hf") / "tiny")
     return TransformersEngine(model_path=str(path))
@@ -103,11 +103,11 @@ def test_transformers_resumes_exactly_at_every_cut(hf):
 
 def test_transformers_resumes_through_an_llguidance_matcher(hf):
     """A schema xgrammar would not enforce (a pattern's string bounded in length) runs on
-    llguidance (server.workers.hf_llguidance), whose matcher is replayed the same way: seeded
+    llguidance (server.engines.transformers.guidance), whose matcher is replayed the same way: seeded
     sampling, resumed at every other cut, equals the uninterrupted run, which ends with the
     document complete."""
     pytest.importorskip("llguidance")
-    from server.workers.hf_schema_check import unenforced
+    from server.engines.transformers.schema_check import unenforced
 
     schema = {"type": "object", "required": ["id", "n"], "properties": {
         "id": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 5},
@@ -146,7 +146,7 @@ def test_vllm_resumes_at_every_cut(tmp_path):
 
 def vllm_checks(path: str) -> None:
     """The vllm engine's checks (run by the test above, in a process of its own)."""
-    from server.workers.vllm_engine import VLLMEngine
+    from server.engines.vllm.engine import VLLMEngine
 
     vllm = VLLMEngine(model_path=path, max_model_len=1024, dtype="float32",
                       engine_args={"kv_cache_memory_bytes": 64 << 20})

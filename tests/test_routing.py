@@ -1,7 +1,7 @@
 """Routing decisions, sans-IO (server.manager.routing), checked against brute-force models:
 the prefix index against "longest common block prefix with any prompt sent", LRU eviction
 against a list, and pick() against the policy written out longhand. Also the sim engine's
-prefix cache (server.workers.sim_cache), against vLLM's rules."""
+prefix cache (server.engines.sim.cache), against vLLM's rules."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from server.manager.routing import (
     canonical_text,
     prompt_blocks,
 )
-from server.workers.sim import SimEngine
+from server.engines.sim.engine import SimEngine
 
 B = 8  # characters per block in these tests
 

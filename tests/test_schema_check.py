@@ -1,4 +1,4 @@
-"""server.workers.hf_schema_check: the JSON Schema keywords xgrammar would drop are found
+"""server.engines.transformers.schema_check: the JSON Schema keywords xgrammar would drop are found
 (issue 29 item 7; bench/schema_validity.py found each in answers that did not validate),
 and what it enforces passes. Sans-IO: no model, no xgrammar."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.workers.hf_schema_check import unenforced
+from server.engines.transformers.schema_check import unenforced
 
 S = {"type": "string"}
 

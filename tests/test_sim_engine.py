@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from server.workers.base import Rejected, WorkerCrash, WorkerGarbage, WorkerHang
-from server.workers.sim import SimEngine, count_tokens, render_chat
+from server.engines.sim.engine import SimEngine, count_tokens, render_chat
 
 
 class Clock:

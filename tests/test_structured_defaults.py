@@ -19,7 +19,7 @@ import pytest
 from server.config import Limits
 from server.errors import ClientError
 from server.openai import schema
-from server.workers.hf_grammar_text import is_lark
+from server.engines.transformers.grammar_text import is_lark
 from tests.tiny_model import build_tiny_model
 from tests.vllm_reference import checks_apart
 
@@ -110,7 +110,7 @@ def test_malformed_structural_tags_are_refused_by_name(body, param):
 
 def test_the_sim_engine_refuses_a_structural_tag_by_name():
     from server.workers.base import Rejected
-    from server.workers.sim import SimEngine
+    from server.engines.sim.engine import SimEngine
 
     sim = SimEngine()
     fmt = _chat({"response_format": FORMAT_TAG}, sim.info).params.to_wire()["response_format"]
@@ -168,7 +168,7 @@ _UNENFORCED_TAGS = [
 
 
 def test_a_tags_schemas_are_checked_as_a_json_schemas():
-    from server.workers.hf_schema_check import tag_schemas, tag_unenforced
+    from server.engines.transformers.schema_check import tag_schemas, tag_unenforced
 
     for tag, param in _UNENFORCED_TAGS:
         where, why = tag_unenforced(json.dumps(tag))
@@ -184,7 +184,7 @@ def test_a_tags_schemas_are_checked_as_a_json_schemas():
 def _grammars(model_dir):
     from transformers import AutoTokenizer
 
-    from server.workers.hf_grammar import Grammars
+    from server.engines.transformers.grammar import Grammars
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return tokenizer, Grammars(tokenizer, vocab_size=len(tokenizer),
@@ -363,7 +363,7 @@ def _run(vllm, rid: int, params: dict) -> tuple[str, str]:
 def vllm_checks(path: str) -> None:
     """The vllm engine's checks (run by the test above, in a process of its own)."""
     from server.workers.base import Rejected
-    from server.workers.vllm_engine import VLLMEngine
+    from server.engines.vllm.engine import VLLMEngine
 
     options = {"model_path": path, "max_model_len": 1024, "dtype": "float32"}
     memory = {"kv_cache_memory_bytes": 64 << 20}

@@ -230,7 +230,7 @@ def model_dir(tmp_path_factory):
 
 def test_forced_calls_are_always_valid_in_the_engine(model_dir):
     from server.openai.tools import read_tools
-    from server.workers.hf import TransformersEngine
+    from server.engines.transformers.engine import TransformersEngine
 
     engine = TransformersEngine(model_path=str(model_dir), max_batch=8)
     rid = 0

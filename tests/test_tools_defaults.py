@@ -20,8 +20,8 @@ from server.openai import schema
 from server.openai.responses import parse_responses
 from server.openai.tool_parsers import CALLS_OR_DOCUMENT
 from server.workers.base import Rejected
-from server.workers.sim import SimEngine
-from server.workers.sim_json import Unbuildable, instance
+from server.engines.sim.engine import SimEngine
+from server.engines.sim.structured import Unbuildable, instance
 from tests.client_models import Booking
 from tests.conftest import running_server
 

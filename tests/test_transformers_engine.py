@@ -32,10 +32,10 @@ import server  # noqa: E402
 from server import SamplingParams  # noqa: E402
 from server.errors import ClientError  # noqa: E402
 from server.workers.base import Rejected  # noqa: E402
-from server.workers.hf import TransformersEngine, load_model  # noqa: E402
-from server.workers.hf_logits import Rules, bad_words_ids  # noqa: E402
-from server.workers.hf_sample import sample  # noqa: E402
-from server.workers.hf_text import RequestText  # noqa: E402
+from server.engines.transformers.engine import TransformersEngine, load_model  # noqa: E402
+from server.engines.transformers.logits import Rules, bad_words_ids  # noqa: E402
+from server.engines.transformers.sample import sample  # noqa: E402
+from server.engines.transformers.text import RequestText  # noqa: E402
 from tests.tiny_model import WORDS, build_tiny_model  # noqa: E402
 
 # One thread each, here and in the workers: this machine's two cores are shared, and torch's
@@ -610,9 +610,9 @@ def test_the_batch_cache_changes_in_place_and_computes_what_copies_compute(engin
     """Rows join (shorter and longer than the batch), leave (the last rows take their
     places) and step, at random: the logits equal those of a batch on transformers' own
     layers, row for row; and in steady state the keys and values stay in the same buffers
-    (server/workers/hf_cache.py), where transformers' layers copied them at every step."""
-    from server.workers.hf_batch import KVBatch
-    from server.workers.hf_cache import RoomyLayer
+    (server/engines/transformers/cache.py), where transformers' layers copied them at every step."""
+    from server.engines.transformers.batch import KVBatch
+    from server.engines.transformers.cache import RoomyLayer
 
     config = engine.model.config
     rng = random.Random(7)
@@ -698,12 +698,12 @@ def test_the_batch_cache_changes_in_place_and_computes_what_copies_compute(engin
 
 
 def test_rows_that_leave_or_join_while_the_cache_migrates_keep_their_columns(engine):
-    """While new buffers are filled a chunk of columns per step (server/workers/hf_cache.py),
+    """While new buffers are filled a chunk of columns per step (server/engines/transformers/cache.py),
     the longest row leaves (the last row takes its place, and the padding columns no row
     needs are dropped), another row leaves (the place of the copy after the drop), and a
     row as long as the batch joins: after the switch to the new buffers, the logits still
     equal those of a batch on transformers' own layers."""
-    from server.workers.hf_batch import KVBatch
+    from server.engines.transformers.batch import KVBatch
 
     rng = random.Random(11)
     roomy, plain = KVBatch(engine.model), KVBatch(engine.model)
@@ -751,12 +751,12 @@ def test_rows_that_leave_or_join_while_the_cache_migrates_keep_their_columns(eng
 
 def test_cpu_attention_equals_transformers_sdpa_on_a_padded_batch(engine, model_dir):
     """On a CPU the engine's model attends with grouped heads and the padding mask together
-    (server/workers/hf_attention.py), where transformers' sdpa copies the cache per query
+    (server/engines/transformers/attention.py), where transformers' sdpa copies the cache per query
     head: the same logits, for rows of different lengths joining and leaving."""
-    from server.workers import hf_attention
-    from server.workers.hf_batch import KVBatch
+    from server.engines.transformers import attention
+    from server.engines.transformers.batch import KVBatch
 
-    assert engine.model.config._attn_implementation == hf_attention.NAME
+    assert engine.model.config._attn_implementation == attention.NAME
     assert engine.model.config.num_key_value_heads < engine.model.config.num_attention_heads
     theirs, _ = load_model(model_dir, attn="sdpa")
     ours_b, theirs_b = KVBatch(engine.model), KVBatch(theirs)
@@ -799,7 +799,7 @@ def test_an_abort_in_the_middle_of_the_batch_leaves_the_others_exact(engine):
 
 
 def test_models_that_choose_their_own_attention_load_with_it(model_dir, tmp_path):
-    """The CPU attention (server/workers/hf_attention.py) is asked for only where the model
+    """The CPU attention (server/engines/transformers/attention.py) is asked for only where the model
     looks attention up in transformers' registry: Falcon's layers pick their own classes
     from the name, and know only transformers' ones."""
     import shutil

@@ -15,7 +15,7 @@ import openai
 import pytest
 import trio
 
-from server.workers.hf import TransformersEngine
+from server.engines.transformers.engine import TransformersEngine
 from tests.remote import stop
 from tests.tiny_model import build_tiny_model
 

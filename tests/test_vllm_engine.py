@@ -426,7 +426,7 @@ def test_flat_logprobs_read_as_the_dicts_of_each_position():
     # flat lists, once in a dict) and a prompt's first position (none) included.
     from vllm.logprobs import FlatLogprobs, Logprob
 
-    from server.workers.vllm_engine import _entries
+    from server.engines.vllm.engine import _entries
 
     positions = [  # rows (token id, logprob, rank, text), the sampled token's first
         None,

@@ -28,7 +28,7 @@ from server.observability.metrics import _kv_families  # noqa: E402
 from server.worker_protocol.kv_blocks import (  # noqa: E402
     CLEARED, REMOVED, STORED, block_digests, seed_of,
 )
-from server.workers.vllm_events import KVEventSubscriber, KVEventTranslator  # noqa: E402
+from server.engines.vllm.events import KVEventSubscriber, KVEventTranslator  # noqa: E402
 from tests.remote import listening_worker, remote_config, wait_until  # noqa: E402
 from tests.test_vllm_engine import CONTEXT, MODEL, SHAPE  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402

@@ -35,7 +35,7 @@ def _generate(engine, rid: int, prompt, params: dict) -> tuple[int, str]:
 
 def vllm_helper_checks(path: str) -> None:
     """The checks (run by the test above, in a process of its own)."""
-    from server.workers.vllm_engine import VLLMEngine
+    from server.engines.vllm.engine import VLLMEngine
 
     # everything through the helper (threshold 0 bytes); one vLLM build, which must come
     # before tests.conftest's import (vLLM's kernel dispatcher scans the loaded modules'
@@ -53,7 +53,7 @@ def vllm_helper_checks(path: str) -> None:
 def _checks(engine) -> None:
     from server.worker_protocol import wire
     from server.workers.base import HFTokenizing, Rejected, encode_text
-    from server.workers.vllm_engine import VLLMEngine
+    from server.engines.vllm.engine import VLLMEngine
     from tests.conftest import child_pids
     from tests.test_tokenize_fast import TEXTS
 

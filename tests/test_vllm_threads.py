@@ -1,5 +1,5 @@
 """Issue 41 item 10: the vllm worker runs torch with the threads vLLM's own server gives the
-process that runs its model (server.workers.torch_threads), not one per core, which on a
+process that runs its model (server.engines.vllm.torch_threads), not one per core, which on a
 loaded host spin against each other (docs/benchmarks.md: 256 tokens in 74 s against ~2 s).
 
 The decision directly; then a real vllm worker (one engine load: slow), whose HELLO says
@@ -21,7 +21,7 @@ if importlib.util.find_spec("vllm") is None:
 
 from server.config import EngineConfig  # noqa: E402
 from server.manager.engine import open_engine  # noqa: E402
-from server.workers.torch_threads import serving_threads  # noqa: E402
+from server.engines.vllm.torch_threads import serving_threads  # noqa: E402
 from tests.test_vllm_engine import CONTEXT, MODEL, SHAPE  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 

@@ -519,7 +519,7 @@ def test_a_worker_names_the_field_only_to_a_request_that_asks():
     the connection on a three-item err, gets two."""
     from server import SamplingParams
     from server.workers.main import handle_message
-    from server.workers.sim import SimEngine
+    from server.engines.sim.engine import SimEngine
 
     asks = {wire.ERROR_PARAM_KEY: True}
     assert SamplingParams().to_wire()[wire.ERROR_PARAM_KEY] is True

@@ -23,7 +23,7 @@ import trio  # noqa: E402
 import server  # noqa: E402
 from server import SamplingParams  # noqa: E402
 from server.workers.base import Rejected  # noqa: E402
-from server.workers.hf import TransformersEngine  # noqa: E402
+from server.engines.transformers.engine import TransformersEngine  # noqa: E402
 from server.workers.prepare import Preparer  # noqa: E402
 from tests.test_transformers_engine import collect  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402

@@ -3,7 +3,7 @@ own, answering one JSON line per JSON line on stdin.
 
 Its own process because vLLM, when it builds an engine, walks every loaded module's globals
 with ``hasattr``, and Quart's context-local proxies (loaded in the test process) raise
-RuntimeError from it. It also runs the checks of :class:`server.workers.vllm_engine.VLLMEngine`
+RuntimeError from it. It also runs the checks of :class:`server.engines.vllm.engine.VLLMEngine`
 that need vLLM in process (wrapping this LLM's engine, no second model load).
 
 Requests: ``{"op": "generate", "prompts": [...], "max_tokens": n, "params": {...}}`` ->
@@ -41,7 +41,7 @@ def checks_apart(tmp_path, checks: str) -> None:
 
 
 def main() -> None:
-    from server.workers.vllm_engine import ENVIRONMENT
+    from server.engines.vllm.engine import ENVIRONMENT
 
     # Answers on a private copy of stdout; vLLM's own prints go to stderr.
     out = os.fdopen(os.dup(1), "w")
@@ -94,7 +94,7 @@ def main() -> None:
 def engine_failure(llm) -> dict:
     """A failure inside vLLM's step: every held request fails, and EngineBroken says so."""
     from server.workers.base import EngineBroken
-    from server.workers.vllm_engine import VLLMEngine
+    from server.engines.vllm.engine import VLLMEngine
 
     engine = VLLMEngine(llm_engine=llm.llm_engine, warmup=False)
     prompt_tokens = [
@@ -122,7 +122,7 @@ def engine_failure(llm) -> dict:
 
 def engine_abort(llm) -> dict:
     """An abort removes the request from vLLM's scheduler before it returns."""
-    from server.workers.vllm_engine import VLLMEngine
+    from server.engines.vllm.engine import VLLMEngine
 
     engine = VLLMEngine(llm_engine=llm.llm_engine, warmup=False)
     engine.add(7, "hello", {"max_tokens": 50, "temperature": 0})

@@ -10,7 +10,7 @@ more kinds of constraint. Exactly one of:
 - ``{"choice": ["yes", "no", ...]}`` (exactly one of these strings),
 - ``{"grammar": "..."}`` (GBNF/EBNF, xgrammar's dialect: ``root ::= ...``; or Lark, as
   outlines' ``CFG`` sends: ``start: ...``; told apart as vLLM does,
-  :mod:`server.workers.hf_grammar_text`),
+  :mod:`server.engines.transformers.grammar_text`),
 - ``{"structural_tag": "..."}`` (the JSON text of a structural tag, below).
 
 It becomes the same engine parameter as ``response_format`` (the engine's

@@ -2,7 +2,7 @@
 
 Real worker processes run on real time: under pytest-trio's ``autojump_clock`` their
 startup timeout passes in virtual time before they say HELLO. This kit runs the real sim
-engine (:class:`server.workers.sim.SimEngine`) in a Trio task instead, behind the real wire
+engine (:class:`server.engines.sim.engine.SimEngine`) in a Trio task instead, behind the real wire
 protocol on in-memory streams, with the worker loop's own message handling: the engine,
 the request manager, cancellation, pacing and timeouts all behave as in production, and
 virtual time jumps over every wait. The project's own tests run on it.
@@ -55,7 +55,7 @@ from ..manager.unwrap import body_errors_unwrapped
 from ..worker_protocol import wire
 from ..workers.base import WorkerCrash, WorkerGarbage, WorkerHang
 from ..workers.main import handle_message, step_message
-from ..workers.sim import SimEngine
+from ..engines.sim.engine import SimEngine
 from .asgi import ASGIClient, ASGIResponse, open_asgi_client
 
 __all__ = [

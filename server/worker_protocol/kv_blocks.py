@@ -1,6 +1,6 @@
 """KV-cache blocks as the wire names them: chained digests of token-id blocks. Sans-IO.
 
-A worker whose engine reports its KV cache (vLLM's KV events, ``server.workers.vllm_events``)
+A worker whose engine reports its KV cache (vLLM's KV events, ``server.engines.vllm.events``)
 tells its frontends which blocks it holds, and the frontend asks which leading blocks of a
 prompt a worker holds (``server.manager.kv_index``). Both must name a block the same way,
 without the engine's own block hashes (vLLM's chain starts from a seed of its process, and

@@ -1,1 +1,2 @@
-"""Engine worker processes: the loop (``main``), the engine interface (``base``), engines."""
+"""Engine worker processes: the loop (``main``, or ``listen`` as a network service) and what
+every engine shares (``base``, ``prepare``, ``pulse``); the engines are in :mod:`server.engines`."""

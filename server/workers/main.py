@@ -67,19 +67,19 @@ def build_engine(config: dict):
     kind = config.get("engine", "sim")
     options = dict(config.get("options") or {})
     if kind == "sim":
-        from .sim import SimEngine
+        from ..engines.sim.engine import SimEngine
 
         return SimEngine(**options)
     if kind == "transformers":
-        from .hf_embed import TransformersEmbedder, is_embedding_model
+        from ..engines.transformers.embed import TransformersEmbedder, is_embedding_model
 
         if is_embedding_model(options.get("model_path") or ""):
             return TransformersEmbedder(**options)
-        from .hf import TransformersEngine
+        from ..engines.transformers.engine import TransformersEngine
 
         return TransformersEngine(**options)
     if kind == "vllm":
-        from .vllm_engine import VLLMEngine
+        from ..engines.vllm.engine import VLLMEngine
 
         return VLLMEngine(**options)
     raise SystemExit(f"unknown engine {kind!r}")

@@ -19,7 +19,7 @@ op          arg                               payload when the status is OK (0)
 ==========  ================================  =========================================
 tokenize    a TOKENIZE request (dict)         the result's msgpack (wire.pack_sliced)
 encode      [prompt, template_kwargs, tools]  the prompt's ids, int32 native order
-compile     a grammar key (hf_grammar)        the compiled grammar's JSON (xgrammar)
+compile     a grammar key (grammar.py)        the compiled grammar's JSON (xgrammar)
 ping        nil                               nothing (the process is ready)
 ==========  ================================  =========================================
 
@@ -120,13 +120,13 @@ def main(argv: list[str]) -> None:
         pass
     fd_out = os.dup(1)
     os.dup2(2, 1)  # a stray print goes to stderr, not into a reply
-    from .hf_text import load_tokenizer
+    from ..engines.transformers.text import load_tokenizer
 
     tokenizer = load_tokenizer(config["model_path"])
     tok = _Tokenizing(tokenizer, config)
     grammars = None
     if config.get("grammar") is not None:
-        from .hf_grammar import Grammars
+        from ..engines.transformers.grammar import Grammars
 
         grammars = Grammars(tokenizer, vocab_size=config["vocab_size"],
                             stop_ids=config["stop_ids"], **config["grammar"])

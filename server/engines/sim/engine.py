@@ -14,7 +14,7 @@ It behaves like a real engine from the frontend's point of view:
 * **Token counts.** The sim tokenizer counts whitespace-separated words of the prompt (or the
   length of a token-id list). Chat messages are rendered with :data:`CHAT_TEMPLATE` first.
 * **Prefix cache** (only with ``prefix_cache_tokens > 0``): a model of vLLM's automatic
-  prefix caching (:class:`server.workers.sim_cache.PrefixCache`: blocks of
+  prefix caching (:class:`server.engines.sim.cache.PrefixCache`: blocks of
   ``prefix_block_size`` words, chained hashes, LRU eviction). A request's first token then
   comes ``prefill_us_per_token`` per *uncached* prompt token after ``ttft_ms``, and its
   last output carries a note ``{"cached_tokens": n}`` as vLLM's does.
@@ -26,7 +26,7 @@ It behaves like a real engine from the frontend's point of view:
   greedy), with ``stop`` (``length`` if the context ends first); ``ignore_eos`` runs it to
   the context. With ``max_tokens`` the answer is that long exactly, as benchmarks and
   tests count on.
-* **Structured output** (:mod:`server.workers.sim_json`). A ``response_format`` is
+* **Structured output** (:mod:`server.engines.sim.structured`). A ``response_format`` is
   answered with an instance of its schema (``{}`` for ``json_object``; one of the strings of
   a ``choice``), a few characters a token, then ``stop`` (``length`` when ``max_tokens`` is
   too short); its ``anyOf`` branches and ``enum`` values are drawn with the request's
@@ -73,8 +73,8 @@ import time
 import zlib
 from collections.abc import ValuesView
 
-from ..worker_protocol.wire import OutputRow
-from .base import (
+from ...worker_protocol.wire import OutputRow
+from ...workers.base import (
     TRUNCATION_FIELDS,
     Rejected,
     WorkerCrash,
@@ -85,11 +85,11 @@ from .base import (
     prompt_param,
     truncate_prompt,
 )
-from .hf_grammar import describe, format_param
-from .resume import resume_of
-from .sim_cache import PrefixCache
-from .sim_json import Unbuildable, instance
-from .stops import StopMatcher
+from ..transformers.grammar import describe, format_param
+from ...workers.resume import resume_of
+from .cache import PrefixCache
+from .structured import Unbuildable, instance
+from ...workers.stops import StopMatcher
 
 __all__ = ["SimEngine", "CHAT_TEMPLATE", "render_chat", "count_tokens", "end_of_sequence",
            "token_text"]

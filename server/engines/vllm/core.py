@@ -1,7 +1,7 @@
 """vLLM's engine core in a process of its own (``--engine-core process``), waited on with
 the worker's pipe.
 
-Example (what :class:`~server.workers.vllm_engine.VLLMEngine` does with a multiprocess
+Example (what :class:`~server.engines.vllm.engine.VLLMEngine` does with a multiprocess
 ``LLMEngine``)::
 
     core = CoreProcess(llm)                 # llm: LLMEngine(..., multiprocess_mode=True)

@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from .base import HFTokenizing, Rejected, one_line
-from .embed import matryoshka, token_rows
-from .hf import _DTYPES, _context_length
+from ...workers.base import HFTokenizing, Rejected, one_line
+from ...workers.embed import matryoshka, token_rows
+from .engine import _DTYPES, _context_length
 
 __all__ = ["TransformersEmbedder", "is_embedding_model", "pooling_of", "pool"]
 

@@ -14,8 +14,8 @@ Compiling a schema can take seconds (thousands of properties, deep nesting, huge
 on the engine loop, within two budgets: a schema's JSON of more than ``max_bytes`` is
 refused before compiling, and a compilation that takes longer than ``timeout`` seconds is
 refused (a 400 naming ``response_format`` or the forced tool call, with the reason). A
-schema with a keyword xgrammar would not enforce (:mod:`.hf_schema_check`) is compiled by
-llguidance instead (:mod:`.hf_llguidance`, when installed and the engine asks for it), in
+schema with a keyword xgrammar would not enforce (:mod:`.schema_check`) is compiled by
+llguidance instead (:mod:`.guidance`, when installed and the engine asks for it), in
 the same threads, budgets and cache (its key prefixed ``llguidance``); one that llguidance
 refuses too is a 400 naming the keyword and llguidance's reason; the schemas inside a
 structural tag are checked the same way, and one with such a keyword is a 400 naming its
@@ -35,7 +35,7 @@ document forever with blanks. ``{"type": "json_object"}`` is the schema ``{"type
 "object"}`` (vLLM's), so it too is an object without free whitespace (xgrammar's built-in
 JSON grammar would take an array or a bare value, padded with tabs and newlines). A
 ``grammar`` may be GBNF/EBNF or Lark, and a ``structural_tag`` is compiled as vLLM compiles
-it (:mod:`.hf_grammar_text`), its JSON strings narrowed as a schema's (below).
+it (:mod:`.grammar_text`), its JSON strings narrowed as a schema's (below).
 
 xgrammar 0.2.8 writes a string bounded by ``minLength``/``maxLength`` as a repetition of
 "any character but a quote, a backslash, CR or LF": raw control characters (U+0000 to
@@ -61,12 +61,12 @@ import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from .base import Rejected, one_line
-from .hf_grammar_text import compile_text_grammar, structural_tag_grammar
-from .hf_llguidance import Guidance
-from .hf_schema_check import tag_unenforced, unenforced
-from .prep_helper import HelperDied
-from .prepare import DaemonPool
+from ...workers.base import Rejected, one_line
+from .grammar_text import compile_text_grammar, structural_tag_grammar
+from .guidance import Guidance
+from .schema_check import tag_unenforced, unenforced
+from ...workers.prep_helper import HelperDied
+from ...workers.prepare import DaemonPool
 
 __all__ = [
     "Grammars", "COMPILE_THREADS", "MAX_SCHEMA_BYTES", "COMPILE_TIMEOUT", "constraint_key",
@@ -80,7 +80,7 @@ COMPILE_TIMEOUT = 10.0
 COMPILE_THREADS = 2
 #: Compiled grammars kept.
 CACHE_SIZE = 64
-#: The cache key's prefix of a JSON schema compiled by llguidance (:mod:`.hf_llguidance`).
+#: The cache key's prefix of a JSON schema compiled by llguidance (:mod:`.guidance`).
 GUIDED = "llguidance\x00"
 
 
@@ -105,7 +105,7 @@ def format_param(response_format: dict) -> str:
 
 def tag_param(response_format: dict, where: str) -> str:
     """The ``param`` of a refusal of a structural tag's schema at ``where`` (in the tag,
-    :func:`.hf_schema_check.tag_schemas`): its path under ``response_format``, or vLLM's
+    :func:`.schema_check.tag_schemas`): its path under ``response_format``, or vLLM's
     ``structured_outputs.structural_tag`` (a JSON text: the message says where)."""
     if response_format.get("origin") == "structured_outputs":
         return "structured_outputs.structural_tag"

@@ -34,7 +34,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from ..worker_protocol.kv_blocks import CLEARED, REMOVED, STORED, block_digests, seed_of
+from ...worker_protocol.kv_blocks import CLEARED, REMOVED, STORED, block_digests, seed_of
 
 __all__ = ["KVEventSubscriber", "KVEventTranslator"]
 

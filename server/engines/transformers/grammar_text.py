@@ -22,7 +22,7 @@ A ``structural_tag`` is the JSON text of ``response_format`` ``{"type": "structu
 ...}``: vLLM's legacy form (``structures`` of ``begin``/``schema``/``end`` and their
 ``triggers``) or xgrammar's (``format``), built as vLLM does; the JSON inside a tag is
 written with xgrammar's whitespace rules for tags, as vLLM's. Its schemas are checked
-first (:func:`.hf_schema_check.tag_unenforced`), as a ``json_schema``'s are.
+first (:func:`.schema_check.tag_unenforced`), as a ``json_schema``'s are.
 """
 
 from __future__ import annotations

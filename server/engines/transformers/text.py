@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
-from .base import one_line
-from .stops import StopMatcher
+from ...workers.base import one_line
+from ...workers.stops import StopMatcher
 
 __all__ = ["RequestText", "PROMPT_CONTEXT", "load_tokenizer"]
 

@@ -18,7 +18,7 @@ is both, in the caller's thread). Each :meth:`step` is one
 round of continuous batching:
 
 1. **decode**: one forward pass gives one token to every running request
-   (:class:`~server.workers.hf_batch.KVBatch`: a left-padded KV cache, one row per request);
+   (:class:`~server.engines.transformers.batch.KVBatch`: a left-padded KV cache, one row per request);
 2. requests that finished (EOS, a stop string, ``max_tokens``) leave the batch, and their
    cache rows are freed;
 3. **admit**: waiting requests, in FIFO order, up to ``max_batch`` running and at most
@@ -30,14 +30,14 @@ An abort removes the request's row at once (:meth:`abort` frees its cache before
 :meth:`next_deadline` is 0 while any request is running or waiting (the loop steps as fast
 as the model allows) and None when idle.
 
-Text is made here, in the worker (:mod:`server.workers.hf_text`): the frontend receives
+Text is made here, in the worker (:mod:`server.engines.transformers.text`): the frontend receives
 finished UTF-8 text and never loads a tokenizer. See ``docs/transformers.md`` for why.
 
 **Resuming** (docs/routing.md, "Migration"): a request whose params ask (``"token_ids":
 true``) gets a note ``{"token_ids": [id]}`` with each token; one with ``"resume":
 {"token_ids": G, "text_chars": k}`` continues one whose worker died, exactly: its prompt
 is the prompt and G (one prefill), and everything per request is replayed through G before
-it runs: the generator (one draw per sampled token, :mod:`server.workers.hf_sample`), the
+it runs: the generator (one draw per sampled token, :mod:`server.engines.transformers.sample`), the
 sampling rules (penalties, ``min_tokens``, bad words), the grammar's matcher (xgrammar's or llguidance's
 ``accept_token``), the detokenizer and stop matcher; the text they released past the
 client's ``k`` characters goes out first.
@@ -67,8 +67,8 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
         "install them with: pip install -e '.[transformers]'"
     ) from None
 
-from ..worker_protocol.wire import OutputRow
-from .base import (
+from ...worker_protocol.wire import OutputRow
+from ...workers.base import (
     MAX_LOGPROBS,
     Rejected,
     TRUNCATION_FIELDS,
@@ -79,16 +79,16 @@ from .base import (
     prompt_param,
     truncate_prompt,
 )
-from . import hf_attention
-from .hf_batch import KVBatch, UnsupportedModel, sliding_window
-from .hf_grammar import COMPILE_TIMEOUT, MAX_SCHEMA_BYTES, Grammars
-from .hf_llguidance import failure
-from .hf_logits import SAMPLING_FIELDS, Rules, process
-from .hf_sample import sample
-from .hf_text import RequestText, load_tokenizer
-from .hub import model_files
-from .prep_helper import PROCESS_BYTES, HelperTokenizing
-from .resume import resume_of
+from . import attention
+from .batch import KVBatch, UnsupportedModel, sliding_window
+from .grammar import COMPILE_TIMEOUT, MAX_SCHEMA_BYTES, Grammars
+from .guidance import failure
+from .logits import SAMPLING_FIELDS, Rules, process
+from .sample import sample
+from .text import RequestText, load_tokenizer
+from ...workers.hub import model_files
+from ...workers.prep_helper import PROCESS_BYTES, HelperTokenizing
+from ...workers.resume import resume_of
 
 __all__ = ["TransformersEngine", "load_model"]
 
@@ -124,8 +124,8 @@ def load_model(model_path: str | Path, *, device: str = "cpu", dtype: str | None
     if attn:
         kwargs["attn_implementation"] = attn
     elif device == "cpu" and _attends_through_the_registry(path):
-        # grouped-query attention without copying the cache (hf_attention)
-        kwargs["attn_implementation"] = hf_attention.implementation()
+        # grouped-query attention without copying the cache (attention.py)
+        kwargs["attn_implementation"] = attention.implementation()
     try:
         try:
             model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -143,7 +143,7 @@ def load_model(model_path: str | Path, *, device: str = "cpu", dtype: str | None
 
 def _attends_through_the_registry(path: Path) -> bool:
     """Whether the model's class looks its attention up in transformers' registry (where
-    :mod:`server.workers.hf_attention` registers), rather than choosing its own classes
+    :mod:`server.engines.transformers.attention` registers), rather than choosing its own classes
     (Falcon's, say, know only ``eager``, ``sdpa`` and flash attention)."""
     try:
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
@@ -351,7 +351,7 @@ class TransformersEngine(HelperTokenizing):
         its grammar's matcher is replayed in :meth:`add_prepared`, where it is made)."""
         if any(not 0 <= t < self.vocab_size for t in generated):
             raise Rejected("resume: a token id is not the model's", "engine_error")
-        if req.rng is not None:  # one uniform draw per sampled token (hf_sample)
+        if req.rng is not None:  # one uniform draw per sampled token (sample.py)
             torch.rand(len(generated), generator=req.rng)
         sent = []
         for tok in generated:

@@ -25,7 +25,7 @@ floating-point rounding, which differs between batch shapes).
   are padding in every remaining row are cut off, so the batch is never longer than its
   longest remaining row.
 
-Full-attention layers are kept as :class:`~server.workers.hf_cache.RoomyLayer`: views of
+Full-attention layers are kept as :class:`~server.engines.transformers.cache.RoomyLayer`: views of
 larger buffers, so that a step writes one column, a leaving row costs the copy of one row, and a
 joining one the copy of its own cache, where transformers' own layer copied the whole
 cache at each of these (see that module). Sliding-window layers keep transformers' own
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from .hf_cache import RoomyLayer
+from .cache import RoomyLayer
 
 __all__ = ["KVBatch", "UnsupportedModel", "sliding_window"]
 

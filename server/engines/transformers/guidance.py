@@ -1,5 +1,5 @@
 """Structured output's second backend on the transformers engine: llguidance, for the JSON
-schemas whose keywords xgrammar would drop (:mod:`.hf_schema_check`) and llguidance
+schemas whose keywords xgrammar would drop (:mod:`.schema_check`) and llguidance
 enforces.
 
 Example::
@@ -14,9 +14,9 @@ Example::
 
 Theory of operation
 -------------------
-xgrammar stays the engine's grammar (:mod:`.hf_grammar`): quicker to compile, and what the
-tests and benchmarks were written against. When :func:`.hf_schema_check.unenforced` finds a
-keyword xgrammar would drop, :class:`~.hf_grammar.Grammars` compiles the schema here
+xgrammar stays the engine's grammar (:mod:`.grammar`): quicker to compile, and what the
+tests and benchmarks were written against. When :func:`.schema_check.unenforced` finds a
+keyword xgrammar would drop, :class:`~.grammar.Grammars` compiles the schema here
 instead, in the same compile threads, under the same time budget and in the same cache
 (keyed apart). llguidance's JSON compiler is strict: a keyword or ``format`` it does not
 implement (``uniqueItems``, ``contains``, ``not``, ``if``, ``dependentRequired``,

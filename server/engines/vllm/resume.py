@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from .base import Rejected
+from ...workers.base import Rejected
 
 __all__ = ["ResumedText", "not_resumable"]
 

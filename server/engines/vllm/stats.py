@@ -1,6 +1,6 @@
 """vLLM's own statistics, taken through its public stat-logger interface, for the frontend.
 
-Example (what :class:`~server.workers.vllm_engine.VLLMEngine` does)::
+Example (what :class:`~server.engines.vllm.engine.VLLMEngine` does)::
 
     stats = VLLMStats()
     llm = LLMEngine.from_engine_args(args, stat_loggers=[stats.logger_factory()])
@@ -38,7 +38,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Any
 
-from ..worker_protocol.wire import ITERATION_TOKEN_BUCKETS
+from ...worker_protocol.wire import ITERATION_TOKEN_BUCKETS
 
 __all__ = ["VLLMStats", "cache_config_info"]
 

@@ -1,7 +1,7 @@
 """LoRA adapters on the vllm engine: the adapter table (:mod:`server.workers.lora`) in
 vLLM's terms.
 
-Example (inside :class:`~server.workers.vllm_engine.VLLMEngine`, engine built with
+Example (inside :class:`~server.engines.vllm.engine.VLLMEngine`, engine built with
 ``enable_lora=True``)::
 
     adapters = VLLMAdapters(llm_engine, {"sql": "/loras/sql"}, lora_dir="/loras",
@@ -21,8 +21,8 @@ load a request's adapter from its path on first use, which is why requests get t
 
 from __future__ import annotations
 
-from .base import Rejected, one_line
-from .lora import AdapterTable
+from ...workers.base import Rejected, one_line
+from ...workers.lora import AdapterTable
 
 __all__ = ["VLLMAdapters"]
 

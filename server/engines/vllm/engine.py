@@ -24,7 +24,7 @@ core runs is the ``engine_core`` option:
 - ``"process"``: vLLM's own busy-looping engine core process (its multiprocess client, as
   ``vllm serve`` runs it): the core schedules and runs the next step while this process
   turns the last one's tokens into text and serves the pipe. :meth:`step` takes every
-  output the core has sent (:mod:`server.workers.vllm_core`: the loop waits on
+  output the core has sent (:mod:`server.engines.vllm.core`: the loop waits on
   :meth:`wakeup_fd` beside its pipe; it never blocks in ``LLMEngine.step``), and a core
   that dies fails every held request (:class:`EngineBroken`).
 
@@ -33,7 +33,7 @@ are descendants of this worker: :meth:`close` shuts them down; the frontend star
 worker in a process group of its own and kills what is left of the group when the worker
 is gone, even SIGKILLed (:mod:`server.manager.transport`); and the engine core process
 gets SIGKILL from the kernel when the worker dies
-(:func:`~server.workers.vllm_core.tied_to_this_process`), which is all a listening worker
+(:func:`~server.engines.vllm.core.tied_to_this_process`), which is all a listening worker
 started on its own has.
 
 What the frontend sends, this module turns into vLLM's terms:
@@ -49,20 +49,20 @@ What the frontend sends, this module turns into vLLM's terms:
   gives each request its new text, detokenized and with stop strings applied by vLLM;
   structured output is vLLM's, which refuses a json_schema whose keywords xgrammar would
   drop but compiles a structural tag's schemas unchecked: those are checked here
-  (:func:`~server.workers.hf_schema_check.tag_unenforced`) and refused by their place;
+  (:func:`~server.engines.transformers.schema_check.tag_unenforced`) and refused by their place;
 - a request whose params ask (``"token_ids": true``, the frontend's migration) gets the ids
   of its new tokens as a note ``{"token_ids": [...]}`` with each output, and a request with
-  ``"resume"`` continues one whose worker died (:mod:`server.workers.vllm_resume`: which
+  ``"resume"`` continues one whose worker died (:mod:`server.engines.vllm.resume`: which
   requests can, and their text across the cut);
 - a request's prefix-cache hits reach the frontend as a note ``{"cached_tokens": n}`` with
   its last output (``usage.prompt_tokens_details.cached_tokens``), and vLLM's own times of
   the request (queue, prefill, decode, inference) as ``{"times": {...}}``;
 - vLLM's statistics come through its public stat-logger interface
-  (:mod:`server.workers.vllm_stats`): the scheduler's running and waiting counts for PONGs,
+  (:mod:`server.engines.vllm.stats`): the scheduler's running and waiting counts for PONGs,
   and the engine's own gauges and counters (KV-cache usage, preemptions, tokens per step)
   with each PONG (:meth:`engine_stats`);
 - a request for a LoRA adapter (vLLM built with ``enable_lora``) gets its ``LoRARequest``
-  from the adapter table (:mod:`server.workers.vllm_lora`), which also serves the
+  from the adapter table (:mod:`server.engines.vllm.lora`), which also serves the
   ``load_lora`` and ``unload_lora`` ops.
 
 A failure inside ``LLMEngine.step`` fails every request this engine holds and raises
@@ -83,8 +83,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..worker_protocol.wire import OutputRow
-from .base import (
+from ...worker_protocol.wire import OutputRow
+from ...workers.base import (
     EngineBroken,
     Rejected,
     TRUNCATION_FIELDS,
@@ -94,17 +94,17 @@ from .base import (
     prompt_param,
     truncate_prompt,
 )
-from .hub import model_files
-from .prep_helper import PROCESS_BYTES, HelperTokenizing
-from .resume import resume_of
-from .vllm_resume import ResumedText, detokenizer_class, not_resumable
-from .vllm_core import LIVENESS, without_collections
-from .vllm_stats import VLLMStats, cache_config_info
-from .vllm_events import KVEventSubscriber
+from ...workers.hub import model_files
+from ...workers.prep_helper import PROCESS_BYTES, HelperTokenizing
+from ...workers.resume import resume_of
+from .resume import ResumedText, detokenizer_class, not_resumable
+from .core import LIVENESS, without_collections
+from .stats import VLLMStats, cache_config_info
+from .events import KVEventSubscriber
 from .torch_threads import set_serving_threads, threads_in_use
 
-from .hf_grammar import MAX_SCHEMA_BYTES, constraint_key, describe, tag_param
-from .hf_schema_check import tag_unenforced
+from ..transformers.grammar import MAX_SCHEMA_BYTES, constraint_key, describe, tag_param
+from ..transformers.schema_check import tag_unenforced
 
 __all__ = ["ENGINE_CORES", "VLLMEngine", "VLLM_SAMPLING"]
 
@@ -200,8 +200,8 @@ def _build_engine(model_path: str | None, named: dict, engine_args: dict,
     kwargs["model"] = str(path)
     kwargs.setdefault("served_model_name", hub_id or path.resolve().name)
     tied: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    if multiprocess:  # the engine core process dies with this one (server.workers.vllm_core)
-        from .vllm_core import tied_to_this_process
+    if multiprocess:  # the engine core process dies with this one (server.engines.vllm.core)
+        from .core import tied_to_this_process
 
         tied = tied_to_this_process()
     try:
@@ -363,7 +363,7 @@ class VLLMEngine(HelperTokenizing):
         self.grammar_max_bytes = grammar_max_bytes
         #: What vLLM's stat loggers are told (not with a caller's ``llm_engine``).
         self._stats = VLLMStats()
-        #: vLLM's KV cache events (server.workers.vllm_events), while prefix caching is on,
+        #: vLLM's KV cache events (server.engines.vllm.events), while prefix caching is on,
         #: and when to drain them again with nothing held (their last step's may come late).
         self._events: KVEventSubscriber | None = None
         self._tail: float | None = None
@@ -384,7 +384,7 @@ class VLLMEngine(HelperTokenizing):
             if "kv_events_config" not in engine_args and enable_prefix_caching is not False:
                 # vLLM's KV events, forwarded for the frontend's routing (a caller's own
                 # kv_events_config is left alone: its events go where it says)
-                from .vllm_events import KVEventSubscriber
+                from .events import KVEventSubscriber
 
                 self._events = KVEventSubscriber()
                 engine_args["kv_events_config"] = self._events.engine_config()
@@ -402,7 +402,7 @@ class VLLMEngine(HelperTokenizing):
         self._core = None
         self._check_at = 0.0
         if getattr(self._llm.engine_core, "outputs_queue", None) is not None:
-            from .vllm_core import CoreProcess
+            from .core import CoreProcess
 
             try:
                 self._core = CoreProcess(self._llm)
@@ -453,7 +453,7 @@ class VLLMEngine(HelperTokenizing):
             "device": str(config.device_config.device_type),
             "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
             "engine_core": "worker" if self._core is None else "process",
-            "torch_threads": threads_in_use(),  # (server.workers.torch_threads)
+            "torch_threads": threads_in_use(),  # (server.engines.vllm.torch_threads)
             "async_scheduling": bool(config.scheduler_config.async_scheduling),
             "prefix_caching": self.prefix_caching,
             "max_batch": self.max_batch,
@@ -482,21 +482,21 @@ class VLLMEngine(HelperTokenizing):
         #: ``[rid, dict]`` details for the frontend, sent with the next STEP (the worker
         #: loop takes them).
         self.notes: list[list] = []
-        #: With vLLM's pooling runner: embeddings only (server.workers.vllm_pool).
+        #: With vLLM's pooling runner: embeddings only (server.engines.vllm.pool).
         self._pooling = None
         if getattr(config.model_config, "runner_type", None) == "pooling":
-            from .vllm_pool import VLLMPooling
+            from .pool import VLLMPooling
 
             self._pooling = VLLMPooling(self._llm, self.tokenizer, vocab_size=self.vocab_size,
                                         max_model_len=self.max_model_len)
             self.info["generate"] = False
             self.info["embedding"] = self._pooling.describe(config.model_config)
         elif detokenizer_class() is not None:
-            self.info["resume"] = True  # (server.workers.vllm_resume)
-        #: LoRA adapters (vLLM built with enable_lora): server.workers.vllm_lora.
+            self.info["resume"] = True  # (server.engines.vllm.resume)
+        #: LoRA adapters (vLLM built with enable_lora): server.engines.vllm.lora.
         self._adapters = None
         if config.lora_config is not None:
-            from .vllm_lora import VLLMAdapters
+            from .lora import VLLMAdapters
 
             self._adapters = VLLMAdapters(
                 self._llm, lora_modules or {}, lora_dir=lora_dir,
@@ -553,7 +553,7 @@ class VLLMEngine(HelperTokenizing):
 
     def helper_config(self) -> dict | None:
         """The preparation helper's configuration: it loads the tokenizer with transformers
-        (:func:`server.workers.hf_text.load_tokenizer`), as vLLM's default tokenizer mode
+        (:func:`server.engines.transformers.text.load_tokenizer`), as vLLM's default tokenizer mode
         does, so only where that gives vLLM's tokenizer: a fast one of ``transformers``'
         (vLLM's cached wrapper subclasses its class), from a local directory, with no
         remote code; otherwise None (every prompt is prepared in the worker's threads)."""
@@ -572,7 +572,7 @@ class VLLMEngine(HelperTokenizing):
     def _resume(self, ids: list[int], params: dict, generated: list[int],
                 text_chars: int) -> tuple[list[int], Any, ResumedText]:
         """A resumed request's prompt (``ids`` and the generated tokens), its sampling
-        params, and its text state (:mod:`server.workers.vllm_resume`)."""
+        params, and its text state (:mod:`server.engines.vllm.resume`)."""
         if not self.info.get("resume"):
             raise Rejected("resume: this vLLM cannot resume requests", "engine_error")
         field = not_resumable(params)
@@ -786,7 +786,7 @@ class VLLMEngine(HelperTokenizing):
     def close_before_exit(self) -> None:
         """:meth:`close`, in a worker whose process exits next: without vLLM's garbage
         collections, which only give memory back to this process
-        (:func:`~server.workers.vllm_core.without_collections`)."""
+        (:func:`~server.engines.vllm.core.without_collections`)."""
         with without_collections():
             self.close()
 

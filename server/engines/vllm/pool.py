@@ -2,7 +2,7 @@
 runner=pooling``, or a model vLLM itself runs as a pooling model).
 
 When and why: a vLLM engine built with ``runner="pooling"`` cannot generate; the vllm
-engine (:mod:`server.workers.vllm_engine`) then hands its ``embed`` here and refuses
+engine (:mod:`server.engines.vllm.engine`) then hands its ``embed`` here and refuses
 generation. vLLM pools as the model says (its own reading of sentence-transformers'
 ``modules.json``, else the architecture's default: last token for a decoder such as
 ``LlamaModel``) and normalises.
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Rejected, one_line
-from .embed import matryoshka, token_rows
+from ...workers.base import Rejected, one_line
+from ...workers.embed import matryoshka, token_rows
 
 __all__ = ["VLLMPooling"]
 

@@ -1,7 +1,7 @@
 """Attention for the transformers engine's padded batch on a CPU: grouped-query attention
 without copying the cache.
 
-Why: the running batch is left-padded (:mod:`server.workers.hf_batch`), so every decode step
+Why: the running batch is left-padded (:mod:`server.engines.transformers.batch`), so every decode step
 passes an attention mask. transformers' ``sdpa`` attention then expands a grouped-query
 model's keys and values to one copy per query head (``repeat_kv``) before calling
 ``scaled_dot_product_attention``, because CUDA's fast kernels take no mask with grouped
@@ -13,7 +13,7 @@ bit) in a seventh of the time.
 
 :func:`implementation` registers this as an attention implementation of its own name with
 transformers (an addition to its registry, used only by models loaded with that name; the
-mask is ``sdpa``'s) and returns the name; :func:`server.workers.hf.load_model` asks for it
+mask is ``sdpa``'s) and returns the name; :func:`server.engines.transformers.engine.load_model` asks for it
 on a CPU when the operator named no implementation. Anything this does not cover (no mask,
 no grouped heads, a device other than a CPU, dropout in training, a position bias) goes to
 transformers' own ``sdpa`` unchanged.

@@ -17,7 +17,7 @@ sampler's top-k/min-p/top-p):
   ``RepetitionPenaltyLogitsProcessor``);
 - ``frequency_penalty`` (``f``) and ``presence_penalty`` (``p``): each token's logit loses
   ``f * count + p * (count > 0)``, its count in the output so far;
-- ``top_k`` and ``min_p`` act in :func:`server.workers.hf_sample.sample` (sampled rows);
+- ``top_k`` and ``min_p`` act in :func:`server.engines.transformers.sample.sample` (sampled rows);
 - ``stop_token_ids`` end the request (the engine checks :attr:`Rules.stop_ids`);
 - ``allowed_token_ids``: every other token's logit is -inf;
 - ``bad_words``: each word's token ids (as :func:`bad_words_ids` tokenizes it, vLLM's way:
@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import torch
 
-from ..openai.fields import UNSUPPORTED, is_neutral
-from .base import Rejected, malformed
+from ...openai.fields import UNSUPPORTED, is_neutral
+from ...workers.base import Rejected, malformed
 
 __all__ = ["Rules", "process", "SAMPLING_FIELDS"]
 
-#: The request fields this module (with hf_sample's top_k and min_p) honours.
+#: The request fields this module (with sample.py's top_k and min_p) honours.
 SAMPLING_FIELDS = (
     "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "min_tokens", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words",

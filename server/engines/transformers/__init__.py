@@ -1,0 +1,1 @@
+"""The transformers engine: a local Hugging Face model with continuous batching (docs/transformers.md)."""

@@ -1,0 +1,1 @@
+"""The vllm engine: vLLM's engine, one per worker process (docs/vllm.md)."""
