@@ -121,7 +121,7 @@ async def test_a_malformed_frame_ends_only_its_connection_and_the_worker_serves_
     lines = [line for line in w.text().splitlines() if "protocol violation" in line]
     assert len(lines) == len(ISSUE_FRAMES), w.text()
     for line, frame in zip(lines, ISSUE_FRAMES):
-        kind = {1: "SUBMIT", 2: "ABORT", 3: "PING", 7: "TOKENIZE"}[frame[0]]
+        kind = wire.NAMES[frame[0]]
         assert re.search(r"frontend 127\.0\.0\.1:\d+ disconnected \(protocol violation: "
                          rf"malformed {kind}: .*\); aborted 0 request\(s\)$", line), line
     assert "Traceback" not in w.text()

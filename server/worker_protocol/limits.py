@@ -102,15 +102,17 @@ class Limits:
         """The largest frame of message type ``kind`` (None: not a message's start)."""
         return self.caps.get(kind, self.small) if kind is not None else self.small
 
+    @staticmethod
+    def walks(body: bytes) -> bool:
+        """Whether ``body`` is decoded by :meth:`decode`'s walk: over :data:`PLAIN` bytes
+        (a smaller one is decoded in one call, by its reader)."""
+        return len(body) > PLAIN
+
     def decode(self, body: bytes) -> object:
-        """``body``'s msgpack value (as ``wire.FrameDecoder.decode`` would have it), unless
-        it passes a bound: then :class:`wire.Oversized` for a SUBMIT or TOKENIZE with an
-        integer id, else :class:`wire.ProtocolError`. A body of :data:`PLAIN` bytes or
-        fewer is decoded in one call."""
+        """``body``'s msgpack value, as lists and maps (for its reader to type), walked
+        within the bounds: past one, :class:`wire.Oversized` for a SUBMIT or CALL with an
+        integer id, else :class:`wire.ProtocolError`."""
         try:
-            if len(body) <= PLAIN:
-                return msgpack.unpackb(body, use_list=True, raw=False,
-                                       ext_hook=wire.unpack_ext)
             walk = _Walk(body, self)
             value = walk.value(0)
             if walk.unpacker.tell() != len(body):
@@ -192,13 +194,13 @@ def _refusal(body: bytes, reason: str) -> Exception:
     """What a frame over a bound of the walk gets: the request's own error, when it is a
     SUBMIT or TOKENIZE whose id is readable; else the end of the connection."""
     kind, ident = wire.peek_head(body)
-    if kind in (wire.SUBMIT, wire.TOKENIZE) and ident is not None:
+    if kind in (wire.SUBMIT, wire.CALL) and ident is not None:
         return wire.Oversized(kind, ident, f"the request is too large for the worker to "
                               f"decode: {reason}")
     return wire.ProtocolError(f"a frame over the decoding limits: {reason}")
 
 
 #: A listening worker's reader once its frontend authenticated.
-REQUESTS = Limits({wire.SUBMIT: wire.MAX_FRAME, wire.TOKENIZE: wire.MAX_FRAME})
+REQUESTS = Limits({wire.SUBMIT: wire.MAX_FRAME, wire.CALL: wire.MAX_FRAME})
 #: ... and before: the AUTH message only.
 HANDSHAKE = Limits({})

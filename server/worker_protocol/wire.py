@@ -3,75 +3,27 @@
 Theory of operation
 -------------------
 Each direction of the pipe carries *frames*: a 4-byte big-endian length, then that many bytes
-of msgpack. Every frame holds one message, a list whose first item is the message type. The
+of msgpack. Every frame holds one message, an array whose first item is the message type. The
 frontend may write several frames in one ``write``; the worker writes at most one STEP frame
 per loop iteration, however many requests advanced in it. See ``docs/protocol.md``.
 
-Frontend -> worker::
+The messages are types (:mod:`server.worker_protocol.messages`, msgspec ``Struct`` classes
+that travel as those arrays): frontend -> worker SUBMIT, ABORT, PING, CALL, SHUTDOWN (and, to a
+listening worker, SUBSCRIBE); worker -> frontend HELLO, STEP, PONG, RESULT, PART; the
+handshake's CHALLENGE, AUTH, REFUSED (:mod:`server.worker_protocol.handshake`). CALL is a
+round trip to the engine besides generation, its request's ``op`` the method: tokenize,
+detokenize, info, embed, load_lora, unload_lora; RESULT answers it. (They were named
+TOKENIZE and TOKENIZED: the numbers and bytes are the same.)
 
-    [SUBMIT, rid, prompt, params]   prompt: str, list[int], or {"messages": [...]} for chat
-    [SUBMIT, rid, prompt, params, adapter]   run with the LoRA adapter of that name
-    [SUBMIT, rid, prompt, params, adapter | nil, names]   to a listening worker whose HELLO
-                                    says "routed_notices": the prompt's block names, which
-                                    it passes on to its other frontends (ROUTED_KEY)
-    [SUBSCRIBE, ["routed/N"]]       to such a worker: send me the others' routed notices
-                                    of block naming N (and take my names as of naming N)
-    [SUBSCRIBE, ["parts"]]          to a listening worker whose HELLO says "answer_parts": send
-                                    me big answers in PART frames (PARTS_KEY); one
-                                    SUBSCRIBE may name both topics
-    [ABORT, rid]                    unknown or finished rid: a no-op
-    [PING, seq]
-    [TOKENIZE, seq, request]        {"op": "tokenize", "prompt": str | {"messages": [...]},
-                                    "add_special_tokens": bool} or {"op": "detokenize",
-                                    "tokens": [int, ...]} or {"op": "info"} or
-                                    {"op": "embed", "input": [str | [int, ...], ...],
-                                    "dimensions": int | None} or {"op": "load_lora",
-                                    "name": str, "path": str} or {"op": "unload_lora",
-                                    "name": str} (server.workers.lora)
-    [SHUTDOWN]
-
-Worker -> frontend::
-
-    [HELLO, info]                   once, when the engine is loaded (info: dict)
-    [STEP, accepts, outputs]        accepts: [[rid, prompt_tokens], ...]
-                                    outputs: [[rid, text, ntok, finish, err], ...]
-    [STEP, accepts, outputs, notes] notes: [[rid, {"cached_tokens": n}], ...], only when
-                                    the engine has any (they precede the outputs); also
-                                    {"token_ids": [...]}: the ids of the row's new tokens,
-                                    for a request whose params ask (``token_ids: true``);
-                                    {"prompt_token_ids": [...]}: the prompt's, once, for a
-                                    request whose params ask (``prompt_token_ids: true``);
-                                    [nil, {"kv_events": [...]}]: no request's, the blocks
-                                    the engine's KV cache stored and removed in this
-                                    step (server.worker_protocol.kv_blocks);
-                                    [nil, {"routed": [name, ...]}]: another frontend
-                                    sent this worker a prompt of those blocks
-    [PONG, seq, running, waiting]   seq 0: unasked, while one engine step runs long (the
-                                    worker's pulse); a listening worker adds the requests
-                                    this connection holds;
-                                    an engine that reports its own statistics (vllm) adds
-                                    a map last: ENGINE_STATS
-    [TOKENIZED, seq, result, err]   result: {"tokens": [...], "max_model_len": n},
-                                    {"prompt": str} or {"data": [float32 LE bytes, ...],
-                                    "prompt_tokens": n}; or err: [kind, message] (or
-                                    [kind, message, param]: see ERROR_PARAM_KEY)
-    [PART, data, more]              a worker asked for parts (a pipe worker by its
-                                    argument, a listening one by SUBSCRIBE) sends a
-                                    TOKENIZED of BIG_FRAME or more as the pieces of its
-                                    body, between its STEPs (server.worker_protocol.parts)
-
-A worker started with ``--listen`` opens each connection with a handshake first
-(CHALLENGE, AUTH, then HELLO or REFUSED; see :mod:`server.worker_protocol.handshake`).
-
-The rows of a STEP are :class:`AcceptRow` and :class:`OutputRow` (sent as arrays in their
-field order; the frontend unpacks them in that order). In an output, ``finish`` is None or
-one of stop/length/abort/error and ``err`` is None or ``[kind, message]`` (kinds in
-:data:`server.errors.WIRE_KINDS`), or ``[kind, message, param]`` (the client's field at
-fault, or nil) for a request whose params asked with :data:`ERROR_PARAM_KEY` (a TOKENIZED's
-``err`` too, for a TOKENIZE request that asked). A request that is rejected
-(client fault, such as a prompt over the context limit) gets a terminal output with
-``finish="error"`` and no accept. An abort of a request the worker holds is answered by a
-terminal ``abort`` output in the worker's next frame; of any other rid, by nothing.
+*Shapes.* A receiver decodes each frame with the :class:`Reader` of what it takes there
+(:data:`REQUESTS` in a pipe worker, :data:`LISTENER_REQUESTS` in a listening one,
+:data:`REPLIES` in a frontend after HELLO, :func:`reader` for the handshake's): a message of
+a type it does not expect, with the wrong number of items, or an item of the wrong type
+raises :class:`ProtocolError`, whose text names the message and shows it clipped: the
+receiver ends that connection only. The *content* of a well-formed SUBMIT or CALL (the
+prompt's items, the params' values) is the engine's to judge: it answers a request it
+cannot take with an error output, as for any client fault. A peer that sends a frame over
+:data:`MAX_FRAME`, or bytes that are not msgpack, is broken: the same.
 
 Integers beyond msgpack's 64 bits (legal in JSON payloads the frontend passes on: tool-call
 arguments, schemas, template variables) travel as the extension type :data:`BIG_INT`, their
@@ -82,136 +34,52 @@ travel as the extension type :data:`PACKED_IDS`, little-endian uint32s, and come
 the same ``list`` of ints: the sender wraps it with :func:`pack_ids`, and only towards a
 peer that can read it (a worker says ``"packed_ids": true`` in its HELLO,
 :func:`hello_info`; a frontend asks for a packed /tokenize answer with ``"packed_ids":
-true`` in the TOKENIZE request). 3.5M ids decode in a few hundred milliseconds of
+true`` in the CALL's request). 3.5M ids decode in a few hundred milliseconds of
 ``array.tolist`` instead of seconds of msgpack item by item (:func:`decode_sliced`), and
 pack in a ``memcpy``. A payload whose length is not a multiple of 4 is a protocol violation.
-
-A peer that sends a frame over :data:`MAX_FRAME`, or bytes that are not msgpack, is broken:
-:class:`ProtocolError` is raised and the connection must be dropped.
-
-*Shapes.* Every message a side receives is checked against the table above before anything
-reads it: :func:`check_request` (what a worker accepts from a frontend),
-:func:`check_reply` (what a frontend accepts from a worker once it said HELLO) and
-:func:`check` (the handshake's messages). A message of a type the receiver does not expect
-there, with the wrong number of items, or an item of the wrong type (a rid that is not an
-integer, a row that is not ``[rid, text, ntok, finish, err]``, a count below zero, an
-``err`` that is not ``[kind, message]`` or ``[kind, message, param]``...) raises
-:class:`ProtocolError`, whose text names the message and shows it clipped: the receiver
-ends that connection only. The *content* of a
-well-formed SUBMIT or TOKENIZE (the prompt's items, the params' values) is the engine's to
-judge: it answers a request it cannot take with an error output, as for any client fault.
 """
 
 from __future__ import annotations
 
 import array
 import functools
-import operator
 import reprlib
 import re
 import struct
 import sys
-from typing import Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, Union
 
 import msgpack
+import msgspec
 
-from .kv_blocks import CLEARED, DIGEST_BYTES, REMOVED, STORED
+from .messages import (
+    ABORT, AUTH, CALL, CHALLENGE, FINISHES, HELLO, ITERATION_TOKEN_BUCKETS, NAMES, PART,
+    PARTS_TOPIC, PING, PONG, REFUSED, RESULT, ROUTED_MAX, SHUTDOWN, STEP, SUBMIT,
+    SUBSCRIBE, UNSET, Abort, AcceptRow, Auth, Call, Challenge, EngineStats, Hello, KvEvent,
+    Message, Note, NoteRow, OutputRow, Part, Ping, PipeSubmit, Pong, Refused, Result,
+    Shutdown, Step, Submit, Subscribe, Times, final_ok, note_ok,
+)
 
 __all__ = [
-    "AcceptRow",
-    "OutputRow",
-    "HELLO",
-    "SUBMIT",
-    "ABORT",
-    "PING",
-    "PONG",
-    "SHUTDOWN",
-    "STEP",
-    "TOKENIZE",
-    "TOKENIZED",
-    "CHALLENGE",
-    "AUTH",
-    "REFUSED",
-    "SUBSCRIBE",
-    "PART",
-    "TOKENIZED_HEAD",
-    "clip",
-    "ROUTED_KEY",
-    "ROUTED_MAX",
-    "PARTS_KEY",
-    "PARTS_TOPIC",
-    "routed_topic",
-    "MAX_FRAME",
-    "PACKED_IDS",
-    "PACK_MIN",
-    "pack_ids",
-    "hello_info",
-    "ERROR_PARAM_KEY",
-    "error",
-    "ENGINE_STATS",
-    "ITERATION_TOKEN_BUCKETS",
-    "ProtocolError",
-    "Oversized",
-    "FrameDecoder",
-    "peek_kind",
-    "peek_head",
-    "unpack_ext",
-    "encode",
-    "pack_sliced",
-    "decode_sliced",
-    "release_sliced",
-    "is_tokenized",
-    "BIG_FRAME",
-    "Packed",
-    "SLICE",
-    "FINISHES",
-    "REQUESTS",
-    "REPLIES",
-    "check",
-    "check_request",
-    "check_listener_request",
-    "check_reply",
+    # the message types and their classes (server.worker_protocol.messages)
+    "HELLO", "SUBMIT", "ABORT", "PING", "PONG", "SHUTDOWN", "STEP", "CALL", "RESULT",
+    "CHALLENGE", "AUTH", "REFUSED", "SUBSCRIBE", "PART", "NAMES", "Message", "Hello",
+    "Submit", "PipeSubmit", "Abort", "Ping", "Pong", "Shutdown", "Step", "Call", "Result",
+    "Challenge", "Auth", "Refused", "Subscribe", "Part", "AcceptRow", "OutputRow",
+    "NoteRow", "Note", "Times", "KvEvent", "EngineStats", "FINISHES", "UNSET", "final_ok", "note_ok",
+    "ITERATION_TOKEN_BUCKETS", "ROUTED_MAX", "PARTS_TOPIC",
+    # keys, limits, encoding and decoding
+    "RESULT_HEAD", "clip", "ROUTED_KEY", "PARTS_KEY", "routed_topic", "MAX_FRAME",
+    "PACKED_IDS", "PACK_MIN", "pack_ids", "hello_info", "ERROR_PARAM_KEY", "error",
+    "ProtocolError", "Oversized", "FrameDecoder", "peek_kind", "peek_head", "unpack_ext",
+    "encode", "as_list", "pack_sliced", "decode_sliced", "release_sliced", "is_result",
+    "BIG_FRAME", "Packed", "SLICE", "Reader", "REQUESTS", "LISTENER_REQUESTS", "REPLIES",
+    "reader", "check", "check_request", "check_listener_request", "check_reply",
+    "malformed",
 ]
 
-
-class AcceptRow(NamedTuple):
-    """The engine took request ``rid``; its prompt is ``prompt_tokens`` tokens long."""
-
-    rid: int
-    prompt_tokens: int
-
-
-class OutputRow(NamedTuple):
-    """What one request produced since the previous STEP of its worker."""
-
-    rid: int
-    #: New text (detokenized, stop strings applied).
-    text: str
-    #: New tokens.
-    ntok: int
-    #: None while it runs, else "stop", "length", "abort" or "error".
-    finish: str | None
-    #: ``[kind, message]`` when ``finish == "error"`` (kinds: server.errors.WIRE_KINDS).
-    error: list | None
-
-HELLO = 0
-SUBMIT = 1
-ABORT = 2
-PING = 3
-PONG = 4
-SHUTDOWN = 5
-STEP = 6
-TOKENIZE = 7
-TOKENIZED = 8
-# The handshake of a connection to a listening worker (server.worker_protocol.handshake).
-CHALLENGE = 9
-AUTH = 10
-REFUSED = 11
-#: Frontend -> listening worker: the notices it wants (see ROUTED_KEY).
-SUBSCRIBE = 12
-#: Pipe worker -> frontend that asked for parts: a piece of a big TOKENIZED frame's body
-#: (server.worker_protocol.parts).
-PART = 13
+#: The old names of CALL and RESULT, and of what reads a RESULT, while callers move.
+TOKENIZE, TOKENIZED = CALL, RESULT
 
 #: The key of a listening worker's HELLO info saying that it takes a SUBMIT's block names
 #: and passes them on, as the worker note ``{"routed": [name, ...]}``, to every other
@@ -219,19 +87,10 @@ PART = 13
 #: version of the frontend's block naming): a *routed notice*, so that each frontend's
 #: routing prediction knows what the others sent it (docs/routing.md).
 ROUTED_KEY = "routed_notices"
-#: The most block names a SUBMIT carries (a prompt's first ones; the prediction index's
-#: capacity, server.manager.routing.DEFAULT_CAPACITY: 128 KiB of names).
-ROUTED_MAX = 16384
-#: What a frontend may subscribe to: the routed notices of one block naming (a version,
-#: 1 to 999999; a SUBSCRIBE names one at most).
-_ROUTED_TOPIC = re.compile(r"routed/[1-9][0-9]{0,5}")
-#: The most topics one SUBSCRIBE names.
-_MAX_TOPICS = 8
 #: The key of a listening worker's HELLO info saying that a frontend may subscribe to
 #: :data:`PARTS_TOPIC`: its big answers then come as PART frames between the STEPs of its
 #: other streams (server.worker_protocol.parts), not whole, ahead of them.
 PARTS_KEY = "answer_parts"
-PARTS_TOPIC = "parts"
 
 
 def routed_topic(naming: int) -> str:
@@ -240,15 +99,6 @@ def routed_topic(naming: int) -> str:
     so that frontends naming blocks differently never mix their predictions."""
     return f"routed/{naming}"
 
-
-def _subscribe(m: list) -> bool:
-    """A SUBSCRIBE: 1 to _MAX_TOPICS known topics (:data:`PARTS_TOPIC`, routed ones), one
-    naming's routed notices at most (a connection's names are of one naming)."""
-    topics = m[1] if len(m) == 2 else None
-    if type(topics) is not list or not 0 < len(topics) <= _MAX_TOPICS:
-        return False
-    routed = sum(type(t) is str and _ROUTED_TOPIC.fullmatch(t) is not None for t in topics)
-    return routed <= 1 and routed + topics.count(PARTS_TOPIC) == len(topics)
 
 #: Largest frame either side accepts (64 MiB): a bigger length prefix means garbage.
 MAX_FRAME = 64 * 1024 * 1024
@@ -272,7 +122,7 @@ PACKED_IDS = 2
 #: is 3-4 times cheaper to build and, on the frontend's big-frame path, avoids decoding a
 #: list an item per call (seconds for millions of ids).
 PACK_MIN = 4096
-#: The key of a HELLO's info (and of a TOKENIZE request) saying the sender reads PACKED_IDS.
+#: The key of a HELLO's info (and of a CALL's request) saying the sender reads PACKED_IDS.
 PACKED_IDS_KEY = "packed_ids"
 
 #: An array typecode of 4-byte unsigned items (``I`` on every platform CPython runs on).
@@ -299,7 +149,7 @@ def pack_ids(ids: object) -> object:
     return packed
 
 
-#: The key of a SUBMIT's params and of a TOKENIZE request saying the frontend reads an
+#: The key of a SUBMIT's params and of a CALL's request saying the frontend reads an
 #: ``err`` of three items, ``[kind, message, param]`` (:func:`error`). A worker sends the
 #: third item only to a request that asks, so that an older frontend (which ends the
 #: connection on a three-item ``err``) keeps working; an older worker ignores the key.
@@ -307,7 +157,7 @@ ERROR_PARAM_KEY = "error_param"
 
 
 def error(kind: str, message: str, param: str | None, request: object) -> list:
-    """The ``err`` of a refusal answering ``request`` (a SUBMIT's params, a TOKENIZE
+    """The ``err`` of a refusal answering ``request`` (a SUBMIT's params, a CALL's
     request): ``[kind, message, param]`` when the request asks (:data:`ERROR_PARAM_KEY`)
     and ``param`` (the client's field at fault) is known, else ``[kind, message]``. Only
     refusals pay for it: the flag is read when one is built."""
@@ -334,7 +184,7 @@ def _pack_default(value):
     raise TypeError(f"cannot send a {type(value).__name__} to a worker")
 
 
-def _ids_array(data: bytes) -> array.array:
+def _ids_array(data: bytes | memoryview) -> array.array:
     if len(data) % 4:
         raise ValueError(f"packed ids of {len(data)} bytes (not a multiple of 4)")
     ids = array.array(_U32)
@@ -344,17 +194,17 @@ def _ids_array(data: bytes) -> array.array:
     return ids
 
 
-def unpack_ext(code: int, data: bytes):
+def unpack_ext(code: int, data: bytes | memoryview):
     """msgpack's ``ext_hook``: this protocol's extension values (BIG_INT, PACKED_IDS)."""
     return _unpack_ext(code, data)
 
 
-def _unpack_ext(code: int, data: bytes):
+def _unpack_ext(code: int, data: bytes | memoryview):
     if code == PACKED_IDS:
         return _ids_array(data).tolist()
     if code != BIG_INT or len(data) > _MAX_BIG_INT_DIGITS or not _DIGITS.fullmatch(data):
         raise ValueError(f"bad extension value (type {code})")
-    return int(data)
+    return int(bytes(data))  # (msgspec hands a memoryview)
 
 
 class _Deferred:
@@ -419,13 +269,15 @@ class ProtocolError(Exception):
     bytes completed before the bad one: a peer's last words before the garbage (a worker's
     outputs, say) are still its words."""
 
-    messages: list[list] = []  # (replaced, never appended to)
+    messages: list = []  # (replaced, never appended to)
     #: From :meth:`FrameDecoder.frames`: the complete frames before an oversized one.
     frames: list[bytes] = []
+    #: From :class:`Reader`: a malformed STEP's rows before its first bad one.
+    partial: Step | None = None
 
 
 class Oversized(Exception):
-    """A SUBMIT or TOKENIZE (``kind``) that its reader's limits would not decode
+    """A SUBMIT or CALL (``kind``) that its reader's limits would not decode
     (:mod:`server.worker_protocol.limits`): refused as request ``ident``'s own error
     (``message``, for the client), the connection kept. Collected in
     :attr:`FrameDecoder.refused`, in the order they came."""
@@ -437,27 +289,48 @@ class Oversized(Exception):
         self.message = message
 
 
-def encode(message: list) -> bytes:
-    """One message as one frame. A TOKENIZED whose result is :class:`Packed` (packed
-    beforehand by :func:`pack_sliced`) has it spliced in as it is: the same bytes. Any
-    other list, malformed ones included (a test's), is packed as it is.
+def _enc_hook(value):
+    """msgspec's ``enc_hook``: packed ids (a uint32 array, :func:`pack_ids`)."""
+    if type(value) is array.array and value.typecode == _U32:
+        if _SWAP:
+            value = array.array(_U32, value)
+            value.byteswap()
+        return msgspec.msgpack.Ext(PACKED_IDS, value.tobytes())
+    raise TypeError(f"cannot send a {type(value).__name__} to a worker")
 
-    >>> FrameDecoder().feed(encode([PING, 7]))
+
+_encode = msgspec.msgpack.Encoder(enc_hook=_enc_hook).encode
+
+
+def encode(message: list | Message) -> bytes:
+    """One message as one frame: a :class:`Message`, or the list it travels as (packed
+    as it is, malformed ones included: a test's). A RESULT whose result is
+    :class:`Packed` (packed beforehand by :func:`pack_sliced`) has it spliced in as it is:
+    the same bytes.
+
+    >>> FrameDecoder().feed(encode(Ping(7)))
     [[3, 7]]
     """
-    if message[0] == TOKENIZED and len(message) == 4 and type(message[2]) is Packed:
-        body = b"".join((TOKENIZED_HEAD, _packb(message[1]), message[2].data,
-                         _packb(message[3])))
+    typed = type(message) is not list
+    items: list = as_list(message) if typed else message  # type: ignore[arg-type,assignment]
+    if items[0] == RESULT and len(items) == 4 and type(items[2]) is Packed:
+        body = b"".join((RESULT_HEAD, _packb(items[1]), items[2].data, _packb(items[3])))
+    elif typed:
+        try:
+            body = _encode(items)
+        except OverflowError:  # an integer beyond 64 bits, in a client's payload: BIG_INT
+            body = _packb(items)
     else:
-        body = _packb(message)
+        body = _packb(items)
     return _HEADER.pack(len(body)) + body
 
 
 #: The items of a long list that :func:`pack_sliced` packs per call: about 2 ms of msgpack.
 SLICE = 16384
 
-#: A TOKENIZED message's first bytes: an array of four items, the first TOKENIZED.
-TOKENIZED_HEAD = b"\x94" + msgpack.packb(TOKENIZED)
+#: A RESULT message's first bytes: an array of four items, the first RESULT.
+RESULT_HEAD = b"\x94" + msgpack.packb(RESULT)
+TOKENIZED_HEAD = RESULT_HEAD
 
 _headers = msgpack.Packer(autoreset=True)
 
@@ -472,7 +345,7 @@ class Packed:
 
 
 def pack_sliced(value) -> Packed:
-    """``value`` (a TOKENIZED's result) packed as :func:`encode` would pack it, the same
+    """``value`` (a RESULT's result) packed as :func:`encode` would pack it, the same
     bytes, but a list of more than :data:`SLICE` items (3.5M token ids) a slice per call.
 
     Why: msgpack holds the GIL for a whole call, 0.4 s for 3.5M ids; a worker packs such a
@@ -500,18 +373,21 @@ def _pack_into(value, parts: list) -> None:
 
 
 #: A frame at least this large is decoded by :meth:`FrameDecoder.decode_sliced` (the
-#: frontend: in a thread). msgpack holds the GIL for a whole call: 0.3 s for a TOKENIZED of
+#: frontend: in a thread). msgpack holds the GIL for a whole call: 0.3 s for a RESULT of
 #: 1.9M token ids, during which a thread beside the event loop stops it as surely as the
 #: loop's own call; decoded an item (of a long list) per call, the loop gets its turn
 #: every few milliseconds. Smaller frames take under a few milliseconds in one call.
 BIG_FRAME = 1 << 20
 
-def is_tokenized(body: bytes) -> bool:
-    """Whether a frame body starts as a TOKENIZED message does (an array of four items, the
-    first TOKENIZED): an answer to one round trip, which the frontend may decode beside the
+def is_result(body: bytes) -> bool:
+    """Whether a frame body starts as a RESULT message does (an array of four items, the
+    first RESULT): an answer to one round trip, which the frontend may decode beside the
     frames after it (:mod:`server.manager.worker`); whether the rest is one is for the
     decoding to find."""
-    return body.startswith(TOKENIZED_HEAD)
+    return body.startswith(RESULT_HEAD)
+
+
+is_tokenized = is_result
 
 
 #: First bytes of msgpack's array and map headers (fix, 16-bit and 32-bit counts).
@@ -558,7 +434,7 @@ def peek_kind(buf: bytes | bytearray, start: int, end: int) -> int | None:
 
 def peek_head(body: bytes) -> tuple[int | None, int | None]:
     """A whole frame body's message type and, if its second item is an integer, that
-    (a SUBMIT's rid, a TOKENIZE's seq), read from its first bytes without decoding the
+    (a SUBMIT's rid, a CALL's seq), read from its first bytes without decoding the
     rest: ``(None, None)`` for what is not a message's start."""
     kind = peek_kind(body, 0, len(body))
     if kind is None or kind == MORE:
@@ -633,33 +509,37 @@ def _walk(unpacker: msgpack.Unpacker, body: bytes, deferred: _Deferred) -> objec
 class FrameDecoder:
     """Turns the bytes of a pipe, in pieces of any size, into messages.
 
-    ``feed`` returns the messages completed by the new bytes (often none, sometimes many).
-    With ``check`` (such as :func:`check_request`), each message must pass it too. With
-    ``limits`` (a :class:`server.worker_protocol.limits.Limits`: a reader whose peer may
-    be hostile), a frame longer than its type allows is refused from its first bytes, a
-    big one is decoded within the limits' budget, and a request over it is not returned
-    but put in :attr:`refused` (:class:`Oversized`) for its reader to answer.
+    ``feed`` returns the messages completed by the new bytes (often none, sometimes many):
+    with a ``reader`` (:class:`Reader`, such as :data:`REPLIES`), each decoded into its type
+    (:mod:`server.worker_protocol.messages`), or :class:`ProtocolError`; without one, as
+    lists (a test's, or a reader of any message). With ``limits`` (a
+    :class:`server.worker_protocol.limits.Limits`: a reader whose peer may be hostile), a
+    frame longer than its type allows is refused from its first bytes, a big one is
+    decoded within the limits' budget, and a request over it is not returned but put in
+    :attr:`refused` (:class:`Oversized`) for its reader to answer.
     """
 
-    __slots__ = ("_buf", "_check", "limits", "refused")
+    __slots__ = ("_buf", "reader", "limits", "refused")
 
-    def __init__(self, check: Callable[[list], object] | None = None, limits=None) -> None:
+    def __init__(self, reader: Reader | Callable[[list], object] | None = None,
+                 limits=None) -> None:
         self._buf = bytearray()
-        #: Applied to each message (raising ProtocolError), e.g. :func:`check_request`.
-        self._check = check
+        #: What the peer may send (None: any list); may be replaced between feeds (a
+        #: handshake's, then a connection's).
+        self.reader = reader
         #: The bounds of what a frame may cost (None: MAX_FRAME only); may be replaced
         #: between feeds (a handshake's, then a connection's).
         self.limits = limits
         #: The requests refused by the limits, for the reader to answer and clear.
         self.refused: list[Oversized] = []
 
-    def feed(self, data: bytes | bytearray) -> list[list]:
+    def feed(self, data: bytes | bytearray) -> list:
         error: ProtocolError | None = None
         try:
             bodies = self.frames(data)
         except ProtocolError as exc:
             bodies, error = exc.frames, exc
-        messages: list[list] = []
+        messages: list = []
         try:
             for body in bodies:
                 try:
@@ -667,6 +547,8 @@ class FrameDecoder:
                 except Oversized as refusal:
                     self.refused.append(refusal)
         except ProtocolError as exc:
+            if exc.partial is not None:  # a STEP's rows before its bad one
+                messages.append(exc.partial)
             exc.messages = messages  # the good ones before the bad one
             raise
         if error is not None:
@@ -696,7 +578,7 @@ class FrameDecoder:
                     break
                 cap = limits.cap(kind)
                 if length > cap:
-                    what = _NAMES.get(kind, f"type {kind}") if kind is not None else (
+                    what = NAMES.get(kind, f"type {kind}") if kind is not None else (
                         "non-message")
                     exc = ProtocolError(f"a {what} frame of {length} bytes exceeds its "
                                         f"limit of {cap}")
@@ -711,28 +593,37 @@ class FrameDecoder:
             del buf[:pos]
         return bodies
 
-    def decode(self, body: bytes) -> list:
-        """One frame's message (checked); ProtocolError if it is not one (with limits:
+    def decode(self, body: bytes) -> Any:
+        """One frame's message; ProtocolError if it is not one (with limits:
         :class:`Oversized` for a request over them)."""
-        if self.limits is not None:
-            return self._checked(self.limits.decode(body))
-        try:
-            message = msgpack.unpackb(body, use_list=True, raw=False, ext_hook=_unpack_ext)
-        except Exception as exc:
-            raise ProtocolError(f"undecodable frame: {exc}") from None
+        reader = self.reader
+        limits = self.limits
+        if limits is not None and limits.walks(body):
+            message = limits.decode(body)
+        elif type(reader) is Reader:
+            return reader.decode(body)
+        else:
+            try:
+                message = msgpack.unpackb(body, use_list=True, raw=False,
+                                          ext_hook=_unpack_ext)
+            except Exception as exc:
+                raise ProtocolError(f"undecodable frame: {exc}") from None
         return self._checked(message)
 
-    def decode_sliced(self, body: bytes) -> list:
+    def decode_sliced(self, body: bytes) -> Any:
         """:meth:`decode`, the same message, but a list of more than :data:`SLICE` items
         an item per call (:func:`decode_sliced`): for a frame of :data:`BIG_FRAME` or more,
         in a thread beside an event loop."""
         return self._checked(decode_sliced(body))
 
-    def _checked(self, message: object) -> list:
+    def _checked(self, message: object) -> Any:
+        reader = self.reader
+        if type(reader) is Reader:
+            return reader.convert(message)
         if type(message) is not list or not message or type(message[0]) is not int:
             raise ProtocolError(f"malformed message: {clip(message)}")
-        if self._check is not None:
-            self._check(message)
+        if reader is not None:
+            reader(message)  # type: ignore[operator]
         return message
 
     @property
@@ -741,21 +632,7 @@ class FrameDecoder:
         return len(self._buf)
 
 
-# -- shapes ------------------------------------------------------------------------------------
-
-#: The ``finish`` of a terminal output row (None while the request runs).
-FINISHES = frozenset({"stop", "length", "abort", "error"})
-#: What a worker accepts from a frontend (after the handshake).
-REQUESTS = frozenset({SUBMIT, ABORT, PING, TOKENIZE, SHUTDOWN})
-#: What a frontend accepts from a worker after its HELLO.
-REPLIES = frozenset({STEP, PONG, TOKENIZED})
-
-_NAMES = {
-    HELLO: "HELLO", SUBMIT: "SUBMIT", ABORT: "ABORT", PING: "PING", PONG: "PONG",
-    SHUTDOWN: "SHUTDOWN", STEP: "STEP", TOKENIZE: "TOKENIZE", TOKENIZED: "TOKENIZED",
-    CHALLENGE: "CHALLENGE", AUTH: "AUTH", REFUSED: "REFUSED", SUBSCRIBE: "SUBSCRIBE",
-    PART: "PART",
-}
+# -- readers: what each side takes, typed ---------------------------------------------------
 
 _repr = reprlib.Repr()
 _repr.maxlevel = 3
@@ -770,243 +647,138 @@ def clip(message: object) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _count(x: object) -> bool:
-    return type(x) is int and x >= 0  # type(): a bool is not a count (nor a rid)
+def malformed(message: object) -> ProtocolError:
+    """The error for a ``message`` of a known type with a wrong shape."""
+    kind = message[0] if type(message) is list else message.kind  # type: ignore[attr-defined]
+    if type(message) is not list:
+        message = as_list(message)  # type: ignore[arg-type]
+    return ProtocolError(f"malformed {NAMES[kind]}: {clip(message)}")
 
 
-def _error(x: object) -> bool:
-    """``[kind, message]``, or ``[kind, message, param]`` (a string or nil: see
-    :func:`error`)"""
-    return (type(x) is list and (len(x) == 2 or (len(x) == 3 and (x[2] is None
-                                                                   or type(x[2]) is str)))
-            and type(x[0]) is str and type(x[1]) is str)
+def as_list(message: Message) -> list:
+    """``message`` as the array it travels as (its trailing absent items left out)."""
+    items = [message.kind, *msgspec.structs.astuple(message)]
+    while items[-1] is UNSET:
+        items.pop()
+    return items
 
 
-def _all(rows: object, row_ok: Callable[[object], bool]) -> bool:
-    return type(rows) is list and all(map(row_ok, rows))
+class Reader:
+    """The messages one side takes from its peer at one point (after the handshake: a
+    worker's requests, a frontend's replies; during it: one type), decoded straight into
+    their types (:mod:`server.worker_protocol.messages`), shapes checked on the way.
+
+    What is not one of them raises :class:`ProtocolError`: "unexpected NAME" for a type
+    not taken here, "malformed NAME: <the message, clipped>" for a wrong shape,
+    "malformed message" for what is not a message, "undecodable frame" for what is not
+    msgpack. From a STEP whose accepts and notes are well formed, the error keeps the
+    output rows before the first bad one (``partial``), as the frames before a bad frame
+    are kept: they reached the frontend before the garbage did."""
+
+    __slots__ = ("types", "kinds", "_decoder", "_union")
+
+    def __init__(self, *types: type[Message]) -> None:
+        self.types = {t.kind: t for t in types}
+        self.kinds = frozenset(self.types)
+        self._union = Union[types]  # type: ignore[valid-type]
+        self._decoder = msgspec.msgpack.Decoder(self._union, ext_hook=_unpack_ext)
+
+    def __contains__(self, kind: object) -> bool:
+        return kind in self.kinds
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self.kinds))
+
+    def decode(self, body: bytes | bytearray) -> Message:
+        """One frame body's message."""
+        try:
+            return self._decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            try:
+                message = msgpack.unpackb(body, use_list=True, raw=False,
+                                          ext_hook=_unpack_ext)
+            except Exception:
+                raise ProtocolError(f"undecodable frame: {str(exc):.200}") from None
+            raise self._refusal(message) from None
+
+    def convert(self, message: object) -> Message:
+        """A message already decoded as lists and maps (:func:`decode_sliced`, the
+        limits' walk), typed as :meth:`decode` types it."""
+        try:
+            return msgspec.convert(message, self._union)
+        except (msgspec.ValidationError, ValueError, TypeError):
+            raise self._refusal(message) from None
+
+    def _refusal(self, message: object) -> ProtocolError:
+        if type(message) is not list or not message or type(message[0]) is not int:
+            return ProtocolError(f"malformed message: {clip(message)}")
+        kind = message[0]
+        if kind not in self.kinds:
+            name = NAMES.get(kind)
+            return ProtocolError(
+                f"unexpected message type {kind!r}" if name is None else f"unexpected {name}")
+        error = malformed(message)
+        if kind == STEP and 3 <= len(message) <= 4 and type(message[2]) is list:
+            error.partial = _salvage(message)
+        return error
 
 
-def _accept_row(r: object) -> bool:
-    return type(r) is list and len(r) == 2 and type(r[0]) is int and _count(r[1])
+def _salvage(message: list) -> Step | None:
+    """A malformed STEP's accepts and notes, with its output rows before the first bad one
+    (None if its accepts or notes are bad)."""
+    try:
+        step = msgspec.convert([STEP, message[1], [], *message[3:]], Step)
+    except (msgspec.ValidationError, ValueError, TypeError):
+        return None
+    for item in message[2]:
+        try:
+            row = msgspec.convert(item, OutputRow)
+        except (msgspec.ValidationError, ValueError, TypeError):
+            break
+        if not final_ok(row.finish, row.error):
+            break
+        step.outputs.append(row)
+    return step
 
 
-def final_ok(finish: object, err: object) -> bool:
-    """A terminal output row's ``finish`` and ``err`` (``finish`` is not None)."""
-    if finish == "error":
-        return _error(err)
-    return err is None and type(finish) is str and finish in FINISHES
+#: What a pipe worker takes from its frontend.
+REQUESTS = Reader(PipeSubmit, Abort, Ping, Call, Shutdown)
+#: What a listening worker takes from a frontend once it authenticated: SUBSCRIBE too, and
+#: a SUBMIT with block names (:data:`ROUTED_KEY`).
+LISTENER_REQUESTS = Reader(Submit, Abort, Ping, Call, Shutdown, Subscribe)
+#: What a frontend takes from a worker after its HELLO. A STEP's rows are typed; whether
+#: each row's ``finish`` and ``err`` agree (:func:`final_ok`) is for its reader to check
+#: as it reads them (the router: one pass over the rows).
+REPLIES = Reader(Step, Pong, Result)
 
-
-def _output_rows(rows: object) -> bool:
-    """Every row ``[rid, text, ntok, finish, err]``. The frontend's router does not call
-    this: it checks each row as it routes it, with the same tests (see
-    ``server.manager.worker``), and :func:`check_reply` with ``rows=False``."""
-    if type(rows) is not list:
-        return False
-    for r in rows:
-        if type(r) is not list or len(r) != 5:
-            return False
-        rid, text, ntok, finish, err = r
-        if type(rid) is not int or type(text) is not str or type(ntok) is not int or ntok < 0:
-            return False
-        if err is not None if finish is None else not final_ok(finish, err):
-            return False
-    return True
-
-
-def _number(x: object) -> bool:
-    return x is None or type(x) is float or type(x) is int
-
-
-def _logprob_entry(e: object) -> bool:
-    """``[text, logprob or nil, [[alt_text, alt_logprob], ...]]``, or with the ids (and the
-    chosen token's rank): ``[text, logprob, [[alt_text, alt_logprob, alt_id], ...], id,
-    rank]`` (alternatives best first: their ranks are 1, 2, ...)."""
-    if type(e) is not list:
-        return False
-    if len(e) == 3:
-        return type(e[0]) is str and _number(e[1]) and _all(
-            e[2], lambda a: type(a) is list and len(a) == 2 and type(a[0]) is str
-            and _number(a[1]))
-    return (
-        len(e) == 5 and type(e[0]) is str and _number(e[1]) and _count(e[3])
-        and (e[4] is None or _count(e[4]))
-        and _all(e[2], lambda a: type(a) is list and len(a) == 3 and type(a[0]) is str
-                 and _number(a[1]) and _count(a[2]))
-    )
-
-
-_is_int_type = functools.partial(operator.is_, int)
-
-
-def _ids(v: object) -> bool:
-    """A list of ints (no bools). All in C: this runs for every token when ids are asked."""
-    return type(v) is list and all(map(_is_int_type, map(type, v)))
-
-
-def _nonnegative(x: object) -> bool:
-    return (type(x) is float or type(x) is int) and x >= 0
-
-
-def _map_of(items: dict[str, Callable[[object], bool]], x: object, every: bool = False) -> bool:
-    """A map whose keys are all ``items``'s (all of them, with ``every``), each value as
-    its check says."""
-    if type(x) is not dict or (every and len(x) != len(items)):
-        return False
-    for key, value in x.items():
-        ok = items.get(key) if type(key) is str else None
-        if ok is None or not ok(value):
-            return False
-    return True
-
-
-#: A note's ``times``: the engine's own times of a finished request, in seconds.
-_TIMES: dict[str, Callable[[object], bool]] = dict.fromkeys(
-    ("queue", "prefill", "decode", "inference"), _nonnegative
-)
-
-_NOTE_ITEMS: dict[str, Callable[[object], bool]] = {
-    "token_ids": _ids,
-    "prompt_token_ids": _ids,
-    "cached_tokens": _count,
-    "logprobs": lambda v: _all(v, _logprob_entry),
-    "prompt_logprobs": lambda v: _all(v, _logprob_entry),
-    "times": lambda v: _map_of(_TIMES, v, every=True),
-}
-
-#: Upper bounds of the tokens-per-engine-step histogram of a PONG's ``iteration_tokens``
-#: (vLLM's ``iteration_tokens`` buckets).
-ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-
-#: The keys of a PONG's engine statistics (the engine's own, vllm only; every key optional):
-#: ``kv_cache_usage`` (0..1, after the latest step), ``deferred`` (of the waiting requests,
-#: those waiting for something other than a batch slot), ``preemptions`` (since the
-#: engine started), ``iteration_tokens`` (since the engine started: how many steps
-#: processed up to each bound of ITERATION_TOKEN_BUCKETS, one more slot for those above,
-#: then the sum of all their tokens).
-ENGINE_STATS: dict[str, Callable[[object], bool]] = {
-    "kv_cache_usage": lambda v: _nonnegative(v) and v <= 1,  # type: ignore[operator]
-    "deferred": _count,
-    "preemptions": _count,
-    "iteration_tokens": lambda v: type(v) is list
-    and len(v) == len(ITERATION_TOKEN_BUCKETS) + 2 and all(map(_count, v)),
+_ALL: dict[int, type[Message]] = {
+    HELLO: Hello, SUBMIT: PipeSubmit, ABORT: Abort, PING: Ping, PONG: Pong,
+    SHUTDOWN: Shutdown, STEP: Step, CALL: Call, RESULT: Result, CHALLENGE: Challenge,
+    AUTH: Auth, REFUSED: Refused, SUBSCRIBE: Subscribe, PART: Part,
 }
 
 
-def _digests(v: object) -> bool:
-    return type(v) is list and all(type(d) is bytes and len(d) == DIGEST_BYTES for d in v)
+@functools.lru_cache(maxsize=None)
+def reader(*kinds: int) -> Reader:
+    """The reader of messages of ``kinds`` (the handshake's: one or two types)."""
+    return Reader(*(_ALL[kind] for kind in kinds))
 
 
-def _kv_event(e: object) -> bool:
-    """``[STORED, [digest, ...]]``, ``[REMOVED, [digest, ...]]`` or ``[CLEARED]``
-    (server.worker_protocol.kv_blocks)."""
-    if type(e) is not list or not e:
-        return False
-    if e[0] == CLEARED:
-        return len(e) == 1
-    return len(e) == 2 and (e[0] == STORED or e[0] == REMOVED) and _digests(e[1])
+def _rules(message: list, typed: Message, rows: bool = True) -> list:
+    """``message`` (a list, ``typed`` as its reader typed it) if a STEP's notes, and with
+    ``rows`` its output rows, keep the rules across their items (:func:`note_ok`,
+    :func:`final_ok`); else :func:`malformed`."""
+    if type(typed) is Step:
+        if typed.notes is not UNSET and not all(note_ok(*note) for note in typed.notes):
+            raise malformed(message)
+        if rows and not all(final_ok(row.finish, row.error) for row in typed.outputs):
+            raise malformed(message)
+    return message
 
 
-#: The items of a note not tied to a request (its rid is nil): the worker's own news.
-_WORKER_NOTE_ITEMS: dict[str, Callable[[object], bool]] = {
-    "kv_events": lambda v: _all(v, _kv_event),
-    "routed": lambda v: _digests(v) and len(v) <= ROUTED_MAX,  # type: ignore[arg-type]
-}
-
-
-def _note_rows(rows: object) -> bool:
-    """Every row ``[rid, {...}]`` with known items (one loop: with token ids asked for,
-    there is a note per token), or ``[nil, {...}]``, the worker's own."""
-    if type(rows) is not list:
-        return False
-    for r in rows:
-        if type(r) is not list or len(r) != 2:
-            return False
-        if type(r[0]) is not int:
-            if r[0] is not None or not _map_of(_WORKER_NOTE_ITEMS, r[1]):
-                return False
-            continue
-        note = r[1]
-        if type(note) is not dict:
-            return False
-        if len(note) == 1:  # the common note: a token's id
-            ids = note.get("token_ids")
-            if ids is not None:
-                if type(ids) is not list or not all(map(_is_int_type, map(type, ids))):
-                    return False
-                continue
-        for key, value in note.items():
-            item_ok = _NOTE_ITEMS.get(key) if type(key) is str else None
-            if item_ok is None or not item_ok(value):
-                return False
-    return True
-
-
-def _pong(m: list) -> bool:
-    """``[PONG, seq, running, waiting]``, then ``mine`` from a listening worker, then the
-    engine's statistics (a map) from an engine that reports them."""
-    rest = m[4:]
-    if rest and type(rest[-1]) is dict:
-        if not _map_of(ENGINE_STATS, rest.pop()):
-            return False
-    return 4 <= len(m) <= 6 and len(rest) <= 1 and type(m[1]) is int and all(
-        map(_count, [*m[2:4], *rest]))
-
-
-def _step(m: list) -> bool:
-    n = len(m)
-    return (
-        (n == 3 or n == 4) and _all(m[1], _accept_row) and _output_rows(m[2])
-        and (n == 3 or _note_rows(m[3]))
-    )
-
-
-def _step_but_outputs(m: list) -> bool:
-    """A STEP's shape, its output rows aside (a list): see :func:`check_reply`."""
-    n = len(m)
-    return (
-        (n == 3 or n == 4) and _all(m[1], _accept_row) and type(m[2]) is list
-        and (n == 3 or _note_rows(m[3]))
-    )
-
-
-def _bytes_or_nil(x: object) -> bool:
-    return x is None or type(x) is bytes
-
-
-def _bytes32(x: object) -> bool:
-    return type(x) is bytes and len(x) == 32
-
-
-_SHAPES: dict[int, Callable[[list], bool]] = {
-    # HELLO: [HELLO, info] from a pipe worker, [HELLO, info, proof] from a listening one
-    HELLO: lambda m: (len(m) == 2 or (len(m) == 3 and _bytes_or_nil(m[2])))
-    and type(m[1]) is dict,
-    # SUBMIT: [SUBMIT, rid, prompt, params] (+ adapter: a LoRA adapter's name)
-    SUBMIT: lambda m: (len(m) == 4 or (len(m) == 5 and type(m[4]) is str))
-    and type(m[1]) is int and type(m[2]) in (str, list, dict) and type(m[3]) is dict,
-    ABORT: lambda m: len(m) == 2 and type(m[1]) is int,
-    PING: lambda m: len(m) == 2 and type(m[1]) is int,
-    PONG: _pong,
-    SHUTDOWN: lambda m: len(m) == 1,
-    STEP: _step,
-    TOKENIZE: lambda m: len(m) == 3 and type(m[1]) is int and type(m[2]) is dict,
-    # TOKENIZED: a result or an error, not both
-    TOKENIZED: lambda m: len(m) == 4 and type(m[1]) is int and (
-        (type(m[2]) is dict and m[3] is None) or (m[2] is None and _error(m[3]))),
-    # (nonces and proofs: 32 bytes, server.worker_protocol.handshake; a short nonce would
-    # make the other side's proof replayable)
-    CHALLENGE: lambda m: len(m) == 4 and type(m[1]) is int and _bytes32(m[2])
-    and type(m[3]) is bool,
-    AUTH: lambda m: len(m) == 3 and _bytes32(m[1]) and (m[2] is None or _bytes32(m[2])),
-    REFUSED: lambda m: len(m) == 2 and type(m[1]) is str,
-}
-
-
-def check(message: list, allowed: Iterable[int],
-          shapes: dict[int, Callable[[list], bool]] | None = None) -> list:
-    """``message`` (a decoded message: a list starting with an int) if it is of one of the
-    ``allowed`` types and has that type's shape; else :class:`ProtocolError` saying which.
+def check(message: list, allowed: Iterable[int]) -> list:
+    """``message`` (a decoded list) if it is of one of the ``allowed`` types and has that
+    type's shape; else :class:`ProtocolError` saying which.
 
     >>> check([PING, 7], REQUESTS)
     [3, 7]
@@ -1015,58 +787,26 @@ def check(message: list, allowed: Iterable[int],
     ...
     server.worker_protocol.wire.ProtocolError: malformed PONG: [4, 7]
     """
-    kind = message[0]
-    if kind not in allowed:
-        name = _NAMES.get(kind)
-        raise ProtocolError(
-            f"unexpected message type {kind!r}" if name is None else f"unexpected {name}"
-        )
-    if not (shapes or _SHAPES)[kind](message):
-        raise malformed(message)
-    return message
-
-
-def malformed(message: list) -> ProtocolError:
-    """The error for a ``message`` of a known type with a wrong shape."""
-    return ProtocolError(f"malformed {_NAMES[message[0]]}: {clip(message)}")
+    read = allowed if type(allowed) is Reader else reader(*sorted(allowed))
+    return _rules(message, read.convert(message))
 
 
 def check_request(message: list) -> list:
-    """A message from a frontend, once connected: one of :data:`REQUESTS`, well formed."""
-    return check(message, REQUESTS)
-
-
-def _named_submit(m: list) -> bool:
-    """A SUBMIT, or one with the prompt's block names (adapter or nil, then names)."""
-    if len(m) != 6:
-        return _SHAPES[SUBMIT](m)
-    return (_SHAPES[SUBMIT](m[:4]) and (m[4] is None or type(m[4]) is str)
-            and _digests(m[5]) and len(m[5]) <= ROUTED_MAX)
-
-
-#: What a listening worker that says ROUTED_KEY takes besides :data:`REQUESTS`.
-_LISTENER_REQUESTS = REQUESTS | {SUBSCRIBE}
-_LISTENER_SHAPES = {
-    **_SHAPES, SUBMIT: _named_submit,
-    SUBSCRIBE: _subscribe,
-}
+    """A message from a frontend to a pipe worker: one of :data:`REQUESTS`, well formed."""
+    REQUESTS.convert(message)
+    return message
 
 
 def check_listener_request(message: list) -> list:
-    """A message from a frontend to a listening worker: as :func:`check_request`, and
-    SUBSCRIBE, and a SUBMIT with block names (see :data:`ROUTED_KEY`)."""
-    return check(message, _LISTENER_REQUESTS, _LISTENER_SHAPES)
-
-
-#: As _SHAPES, a STEP's output rows unchecked (the router checks each as it routes it).
-_SHAPES_BUT_OUTPUTS = {**_SHAPES, STEP: _step_but_outputs}
+    """A message from a frontend to a listening worker: one of :data:`LISTENER_REQUESTS`."""
+    LISTENER_REQUESTS.convert(message)
+    return message
 
 
 def check_reply(message: list, *, rows: bool = True) -> list:
-    """A message from a worker after its HELLO: one of :data:`REPLIES`, well formed.
-
-    With ``rows=False`` a STEP's output rows are only checked to be a list: the caller
-    checks each row (``[rid, text, ntok, finish, err]``: types, ``ntok >= 0``, ``err`` None
-    unless ``finish`` is, then :func:`final_ok`) while it reads them, raising
-    :func:`malformed` for a bad one, so that a hot path walks the rows once, not twice."""
-    return check(message, REPLIES, None if rows else _SHAPES_BUT_OUTPUTS)
+    """A message from a worker after its HELLO: one of :data:`REPLIES`, well formed; with
+    ``rows=False`` a STEP's output rows only a list (the caller checks each)."""
+    if not rows and type(message) is list and message and message[0] == STEP and (
+            3 <= len(message) <= 4 and type(message[2]) is list):
+        return _rules(message, REPLIES.convert([STEP, message[1], [], *message[3:]]))
+    return _rules(message, REPLIES.convert(message))
