@@ -44,11 +44,11 @@ Theory of operation
    a server on its own does); once they are all gone, the workers get SIGTERM, then
    SIGKILL after a grace. A second signal is forwarded too (each frontend hurries).
 
-No child outlives the supervisor: each is started in its own process group (a Ctrl-C
+No child outlives the supervisor. Each is started in its own process group (a Ctrl-C
 reaches the supervisor only, which decides) with a parent-death signal (``prctl
-PR_SET_PDEATHSIG``: SIGKILL when the supervisor dies, even of SIGKILL), and whatever is
-left when the supervisor ends is killed, with what is left of its process group (what a
-worker started: vLLM's engine core). Children are started from the Trio thread itself,
+PR_SET_PDEATHSIG``: SIGKILL when the supervisor dies, even of SIGKILL). Whatever is left
+when the supervisor ends is killed, with what is left of its process group (what a worker
+started: vLLM's engine core). Children are started from the Trio thread itself,
 not with ``trio.lowlevel.open_process``: that forks from a worker thread, and the
 parent-death signal fires when the *thread* that forked exits (Trio's idle threads do).
 A child's exit is awaited on its pidfd.
