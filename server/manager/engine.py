@@ -274,11 +274,11 @@ class Engine:
 
     def _route_key(self, prompt: object, params: dict, adapter: str | None
                    ) -> tuple[object, bytes]:
-        """What names ``prompt``'s blocks as the engine keys its cache: the prompt as the
-        engine will run it (a token-id prompt cut by ``truncate_prompt_tokens`` as the
-        worker cuts it; a text or chat prompt's tokens are unknown here, so it is named
-        whole), and the seed of the chain (its LoRA adapter and ``cache_salt``: an engine
-        keeps their blocks apart). Every pick keys a request so: the first, and a
+        """What names ``prompt``'s blocks as the engine keys its cache. That is the prompt
+        as the engine will run it: a token-id prompt cut by ``truncate_prompt_tokens`` as
+        the worker cuts it; a text or chat prompt whole, its tokens unknown here. And the
+        seed of the chain: its LoRA adapter and ``cache_salt``, whose blocks an engine
+        keeps apart. Every pick keys a request so: the first, and a
         migration's."""
         if type(prompt) is list:
             prompt = truncated(prompt, params, self.info.get("max_model_len"))
