@@ -12,10 +12,10 @@ Example::
 ``--reasoning-parser`` picks the family, as vLLM names them:
 
 - ``qwen3`` (vLLM 0.32's): the output starts in reasoning (Qwen3's templates may open
-  ``<think>`` in the prompt; a leading ``<think>`` is dropped) until ``</think>``; when the
+  ``<think>`` in the prompt; a leading ``<think>`` is dropped) until ``</think>``. When the
   output did not open ``<think>`` itself, a ``<tool_call>`` also ends it and starts the
-  content (a model that answers with a call without thinking; inside thinking the output
-  opened, a ``<tool_call>`` is only mentioned). An answer that never closes its thinking
+  content: that is a model that answers with a call without thinking. Inside thinking the
+  output opened, a ``<tool_call>`` is only mentioned. An answer that never closes its thinking
   is all reasoning. With thinking off (the request's
   ``chat_template_kwargs.enable_thinking: false``) it is all content;
 - ``deepseek_r1``: the chat template opens the thinking in the prompt, so the output starts
