@@ -13,8 +13,8 @@ One :class:`Pacer` per worker client holds every decision about *when*:
   waits in a heap ordered by ``not_before``.
 * The router wakes the deferred consumers that are due **when the next frame arrives**, so
   that an event carries whole engine steps (at 8 ms a step and a 20 ms interval: 3 tokens,
-  not alternately 2 and 3), or **by time**, one interval after the first is due, when no
-  frame comes (a stalled or slow engine). :meth:`router_deadline` is that time; a consumer
+  not alternately 2 and 3). When no frame comes (a stalled or slow engine), it wakes them
+  **by time**, one interval after the first is due. :meth:`router_deadline` is that time; a consumer
   that defers itself while the router waits moves the router's deadline (``router_scope``).
 * A paced consumer whose time has come when news arrives is woken **soon**: one scheduler
   turn after the router woke the urgent ones (a stream's first output, its end, an error),
