@@ -11,9 +11,9 @@ docs/routing.md):
   (``h_i = H(h_{i-1}, block_i)``, as vLLM names its KV blocks), so two prompts share the
   first k block hashes exactly when they share their first k blocks. A list of token ids is
   cut into blocks of :data:`BLOCK_TOKENS` ids; a text prompt (the frontend has no token ids)
-  into blocks of ``block_chars`` characters; a chat prompt is first written in a canonical
-  form (its other fields as JSON, then each message as one line of JSON with sorted keys),
-  which a later turn extends. Only full blocks count.
+  into blocks of ``block_chars`` characters. A chat prompt is first written in a canonical
+  form, which a later turn extends: its other fields as JSON, then each message as one line
+  of JSON with sorted keys. Only full blocks count.
 * Each worker has a :class:`PrefixIndex`: the block hashes it was sent, in LRU order,
   bounded (``capacity`` blocks; the oldest are forgotten first, as the engine's own LRU
   evicts them).
@@ -261,8 +261,8 @@ class Router:
         :func:`server.manager.kv_index.prefix_tokens`) in place of its index's.
 
         The load compared is the outstanding requests plus the worker's share of the last
-        ``window`` decisions: a chat between turns has nothing outstanding, yet its next
-        turn will follow its prefix; counting recent decisions keeps a worker that holds a
+        ``window`` decisions. A chat between turns has nothing outstanding, yet its next
+        turn will follow its prefix. Counting recent decisions keeps a worker that holds a
         prefix every request shares (a common system prompt) from taking all the new
         conversations while loads are low."""
         recent = self._recent if self.policy == "prefix" else [0] * len(loads)
@@ -319,10 +319,10 @@ class Router:
     ) -> None:
         """A result from ``worker`` reported ``cached_tokens`` of ``prompt_tokens`` for a
         prompt of ``blocks``, ``matched`` of them predicted cached. When the worker had
-        clearly less (under half, and more than 4 blocks short: tokens and characters do
-        not map evenly, and an engine caches whole blocks of its own size, vLLM's 16 to
-        128 tokens), its cache evicts faster than the index assumed: forget as many of
-        the oldest blocks as were mispredicted."""
+        clearly less, its cache evicts faster than the index assumed: forget as many of
+        the oldest blocks as were mispredicted. Clearly less is under half, and more than
+        4 blocks short, since tokens and characters do not map evenly and an engine caches
+        whole blocks of its own size (vLLM's 16 to 128 tokens)."""
         stats = self.stats
         stats.prompt_tokens[worker] += prompt_tokens
         stats.cached_tokens[worker] += cached_tokens
