@@ -21,10 +21,10 @@ Theory of operation
    connections keep being hashed to its socket meanwhile: a dead frontend delays its
    share of new connections by its restart time (docs/scaling.md).
 2. It starts ``--engine-workers`` listening workers on unix sockets in ``DIR`` (no secret:
-   the directory's mode is the access control) and waits until each listens (its socket
-   file appears: a worker binds only once its engine is loaded), then the frontends, each
-   given every worker's address, and waits until each answers on its private socket
-   (:mod:`server.observability.group`). ``DIR`` is locked as long as the supervisor
+   the directory's mode is the access control). It waits until each listens (its socket
+   file appears: a worker binds only once its engine is loaded). Then it starts the
+   frontends, each given every worker's address, and waits until each answers on its
+   private socket (:mod:`server.observability.group`). ``DIR`` is locked as long as the supervisor
    lives; at start, the directories of supervisors that were killed are removed
    (:mod:`server.private_dir`).
 3. Supervision: a child that exits is restarted (:class:`~server.restarts.Restarts`:
