@@ -1,8 +1,8 @@
 """The body's own exception out of an ``open_*`` manager that runs a nursery around it.
 
 A Trio nursery raises what its tasks raised as a ``BaseExceptionGroup``, and the block of an
-``async with`` around a nursery runs *in* that nursery: so an exception raised in the body
-of ``async with open_engine(...)`` would come out grouped, ``except ClientError`` around the
+``async with`` around a nursery runs *in* that nursery. So an exception raised in the body
+of ``async with open_engine(...)`` would come out grouped: ``except ClientError`` around the
 block would not catch it, and Ctrl-C would show a grouped ``KeyboardInterrupt``. Trio's docs
 suggest unwrapping for such managers when the group holds nothing but the body's exception;
 :func:`body_errors_unwrapped` does that, and leaves every other group as it is (a background
