@@ -11,15 +11,15 @@ Example::
 What each ``tool_choice`` does (docs/api.md, "Tool calls"):
 
 - ``auto`` (the default with tools): the tools are rendered by the chat template and the
-  output is parsed with ``--tool-call-parser``; with a JSON ``response_format`` too (dspy's
-  JSONAdapter, an agent's structured final answer), the model chooses, as OpenAI's does:
-  the grammar is the union of the calls array that ``required`` forces and the document
-  (:func:`calls_or_document`), parsed as ``calls_or_document``;
+  output is parsed with ``--tool-call-parser``. With a JSON ``response_format`` too (dspy's
+  JSONAdapter, an agent's structured final answer), the model chooses, as OpenAI's does.
+  The grammar is then the union of the calls array that ``required`` forces and the
+  document (:func:`calls_or_document`), parsed as ``calls_or_document``;
 - ``none``: the tools are rendered (as vLLM does), the output is not parsed: all content;
 - ``required``, or ``{"type": "function", "function": {"name": ...}}``: the output is forced
-  by a grammar to be the JSON array ``[{"name": ..., "arguments": {...}}, ...]`` (one call of
-  that function for a named one; one call at most with ``parallel_tool_calls: false``),
-  each ``arguments`` valid for its function's ``parameters`` schema; the writer parses that
+  by a grammar to be the JSON array ``[{"name": ..., "arguments": {...}}, ...]``, each
+  ``arguments`` valid for its function's ``parameters`` schema. A named function gets one
+  call of it; ``parallel_tool_calls: false``, one call at most. The writer parses that
   array into ``tool_calls`` (the ``forced`` format of :mod:`server.openai.tool_parsers`).
 
 Served when the engine declares ``tools`` in its HELLO ``sampling`` (it renders them with
