@@ -8,10 +8,10 @@ messages, function calls and their outputs) and ``instructions`` become chat
 ``messages``; flat function ``tools`` and ``tool_choice`` become chat's nested ones;
 ``text.format`` becomes ``response_format``; ``max_output_tokens`` becomes
 ``max_completion_tokens``. The translated body goes through :func:`schema.parse_chat`, so
-every rule of the chat route (engine fields, the tool parser, the forced-call grammar,
-``tool_choice: auto`` with a JSON format letting the model write calls or the document,
-limits) holds here too, and a 400 it raises is renamed back to the Responses field the
-client sent (``text.format``, ``input[2].content``, ``tools[0].parameters``).
+every rule of the chat route holds here too: engine fields, the tool parser, the
+forced-call grammar, ``tool_choice: auto`` with a JSON format letting the model write calls
+or the document, limits. A 400 it raises is renamed back to the Responses field the client
+sent (``text.format``, ``input[2].content``, ``tools[0].parameters``).
 
 What the chat route has no counterpart for is decided here: fields nobody defines are a
 400 naming them (``unknown_parameter``, as OpenAI answers on this route), and the stateful
