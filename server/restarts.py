@@ -16,8 +16,8 @@ The policy (docs/operations.md, "Worker supervision"):
   remote worker, restarted by whoever runs it, not by us: reconnected to at the backoff).
 * **Not the child's fault.** A start that failed for the starter's own reasons
   (:func:`starter_fault`: out of descriptors, memory or processes in the frontend) is a
-  death that is not *charged*: it backs off as any, but does not count against the budget
-  (a connection flood that took every descriptor would otherwise spend it in seconds).
+  death that is not *charged*: it backs off as any, but does not count against the budget.
+  Else a connection flood that took every descriptor would spend the budget in seconds.
 """
 
 from __future__ import annotations
