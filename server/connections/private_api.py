@@ -339,11 +339,12 @@ def _read_head_strictly(reader, buf):
 
 
 class StrictH11Connection(h11.Connection):
-    """An h11 server connection whose request-head reader refuses folded header lines, and
-    that ignores what a client sends after a request that closes the connection
+    """An h11 server connection whose request-head reader refuses folded header lines.
+
+    It ignores what a client sends after a request that closes the connection
     (``Connection: close``, HTTP/1.0): that request is answered, then the connection
-    closes, as nginx does (h11 would call the extra bytes an error, and the request would
-    get a 400 instead of its answer)."""
+    closes, as nginx does. h11 would call the extra bytes an error, and the request would
+    get a 400 instead of its answer."""
 
     def next_event(self):
         if self.their_state is h11.MUST_CLOSE:
