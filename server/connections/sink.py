@@ -10,8 +10,8 @@ write the event itself: when the request's task is parked waiting for news and t
 connection offers :class:`~server.connections.http11.DirectBody`, :class:`TextSink` encodes the
 text and hands the chunk to the kernel right there. The task sleeps on, and is woken only
 for what only it does: the end of the stream, an error, an abort, a client that stopped
-reading (a socket buffer that does not take the chunk at once), and the rest of a chunk the
-kernel took only part of (``torn``: it goes out before anything else).
+reading (a socket buffer that does not take the chunk at once). It is also woken for the
+rest of a chunk the kernel took only part of (``torn``: it goes out before anything else).
 
 Nothing changes hands: the task still starts the response, owns its end and its errors,
 and the cancellation of its scope (a disconnect) still ends the request, since the task
