@@ -9,9 +9,9 @@ This module keeps hypercorn's parts (its lifespan handling, its per-connection s
 protocols) and owns the loop itself, so that it can hold these by construction:
 
 * **No connection can end the server.** Each connection runs in :meth:`ConnectionPool.serve`,
-  whose ``except`` is the per-connection boundary: whatever the connection raised ends that
+  whose ``except`` is the per-connection boundary. Whatever the connection raised ends that
   connection (its requests' tasks are cancelled with it, which aborts their engine
-  requests), is logged once with the peer and the last request id seen on it, and is
+  requests). It is logged once with the peer and the last request id seen on it, and
   counted (``trio_llm:connection_errors_total``). Cancellation still passes.
 * **A bounded number of connections** (``--max-connections``). A new connection beyond the
   limit first ends the oldest idle keep-alive connection, if there is one (as nginx reuses
