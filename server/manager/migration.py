@@ -22,12 +22,15 @@ No task is started: a migration is a few dictionary updates and one pipe write, 
 the dying session's task. Afterwards the choice's ``worker`` is the new one, so an abort,
 a client disconnect or a timeout reaches whichever worker holds the request, once.
 
-A choice is not moved, and ends with the ``worker_died`` error as without migration, when:
-it already moved ``max_migrations`` times; the worker did not send the ids of every token
-it produced (an engine that cannot say them, or that cannot resume: ``"resume"`` not in
-its HELLO); or no other live worker can take it. A choice whose abort was already
-sent (its client left, or the server aborted it) ends with ``abort`` instead: nothing is
-resumed for a consumer that is going away.
+A choice is not moved, and ends with the ``worker_died`` error as without migration, when
+
+* it already moved ``max_migrations`` times;
+* the worker did not send the ids of every token it produced (an engine that cannot say
+  them, or that cannot resume: ``"resume"`` not in its HELLO);
+* or no other live worker can take it.
+
+A choice whose abort was already sent (its client left, or the server aborted it) ends
+with ``abort`` instead: nothing is resumed for a consumer that is going away.
 """
 
 from __future__ import annotations
