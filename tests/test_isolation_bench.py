@@ -9,6 +9,7 @@ import json
 import os
 
 import httpx
+import pytest
 import trio
 
 from bench.loadgen_lib.http11 import build_request
@@ -145,6 +146,7 @@ async def test_a_crashed_worker_shows_as_a_restart_and_a_worker_died_event(fault
 def test_the_benchmarks_tiny_model_has_only_whole_ascii_tokens():
     # bench/isolation.py reads gaps between events: a token that decodes to part of a
     # character would be held back by the detokenizer and read as a gap (tests/tiny_model.py).
+    pytest.importorskip("tokenizers")
     from tests.tiny_model import SPECIAL_TOKENS, _train_tokenizer
 
     for ascii_only in (True, False):

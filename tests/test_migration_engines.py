@@ -9,12 +9,18 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-import trio
 
-from server import EngineConfig, SamplingParams
-from tests.fakes import all_outputs, open_real_engine, wait_for
-from tests.test_migration import kill_worker, resumes
-from tests.tiny_model import build_tiny_model
+# Both engines run the tiny model (vLLM brings all three).
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+import trio  # noqa: E402
+
+from server import EngineConfig, SamplingParams  # noqa: E402
+from tests.fakes import all_outputs, open_real_engine, wait_for  # noqa: E402
+from tests.test_migration import kill_worker, resumes  # noqa: E402
+from tests.tiny_model import build_tiny_model  # noqa: E402
 
 LIMIT = 1200  # seconds: vLLM's loads on a busy 2-core machine take minutes
 PROMPTS = ("the quick 東京 brown fox", "🦊 jumps over the lazy café")

@@ -10,14 +10,20 @@ import re
 import sys
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
-import trio
 
-from server.engines.transformers.engine import TransformersEngine
-from tests.remote import stop
-from tests.tiny_model import build_tiny_model
+# The transformers engine serves the hub id here (and builds the tiny model).
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+import trio  # noqa: E402
+
+from server.engines.transformers.engine import TransformersEngine  # noqa: E402
+from tests.remote import stop  # noqa: E402
+from tests.tiny_model import build_tiny_model  # noqa: E402
 
 HUB_ID = "TinyOrg/Tiny-Llama-Instruct"
 COMMIT = "0" * 40
