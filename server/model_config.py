@@ -18,9 +18,10 @@ The file::
       - name: remote
         worker-address: [10.0.0.5:9000, 10.0.0.6:9000]
 
-A model's keys are the server's options of one model (:data:`MODEL_DESTS`: the engine, its
-workers, remote workers) and of its pool (:data:`POOL_DESTS`: routing, admission limits,
-restarts), dashes or underscores, without ``--``. A pool option given on the command line
+A model's keys are the server's options of one model (``entry="model"`` in their table,
+server.cli_options: the engine, its workers, remote workers) and of its pool
+(``entry="pool"``: routing, admission limits, restarts), any of an option's spellings, dashes
+or underscores, without ``--``. A pool option given on the command line
 is every model's default; a model option there is refused (which model would it be?).
 Values: a string or number (``--key=VALUE``), a boolean for a switch, a list for a
 repeatable option, a mapping for ``engine-arg`` (``KEY=VALUE`` each, non-strings as JSON).
@@ -29,34 +30,23 @@ Anything else is refused, naming the model and the key.
 
 from __future__ import annotations
 
-import argparse
 import json
+from collections.abc import Sequence
 
 import yaml
 
-from .engine_args import ENGINE_DESTS
+from .option_table import Option, option_argv
 
-__all__ = ["MAX_FILE_BYTES", "MAX_VALUES", "MODEL_DESTS", "POOL_DESTS", "model_argvs"]
+__all__ = ["MAX_FILE_BYTES", "MAX_VALUES", "model_argvs"]
 
 #: The largest --model-config file read (a configuration of many models is a few KiB).
 MAX_FILE_BYTES = 1 << 20
 
-#: The options that say what a model is and where it runs: a model's own, never the
-#: command line's with --model-config.
-MODEL_DESTS = (
-    *(d for d in ENGINE_DESTS if d != "sim_faults"),
-    "model", "worker_address", "worker_secret_file", "worker_tls_ca",
-)
-#: The options of a model's pool: the command line's value is each model's default.
-POOL_DESTS = (
-    "routing", "routing_balance", "max_restarts", "heartbeat_timeout",
-    "max_concurrent_requests", "max_concurrent_sequences", "max_queue_time", "sim_faults",
-)
 
-
-def model_argvs(text: str, parser: argparse.ArgumentParser) -> list[tuple[str, list[str]]]:
-    """Each model's (name, options as a command line for ``parser``) of a --model-config
-    file's text, in the file's order. ValueError naming the field for what is wrong."""
+def model_argvs(text: str, options: Sequence[Option]) -> list[tuple[str, list[str]]]:
+    """Each model's (name, options as a command line of the parser of ``options``) of a
+    --model-config file's text, in the file's order. ValueError naming the field for what
+    is wrong."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -68,10 +58,9 @@ def model_argvs(text: str, parser: argparse.ArgumentParser) -> list[tuple[str, l
     models = data["models"]
     if not isinstance(models, list) or not models:
         raise ValueError("'models' must be a list of one model or more")
-    allowed = set(MODEL_DESTS + POOL_DESTS)
-    actions = {  # every spelling of an allowed option (--max-num-seqs is --max-batch)
-        flag[2:].replace("-", "_"): a for a in parser._actions if a.dest in allowed
-        for flag in a.option_strings if flag.startswith("--") and not flag.startswith("--no-")
+    allowed = [o for kind in ("model", "pool") for o in options if o.entry == kind]
+    spellings = {  # every spelling of an allowed option (--max-num-seqs is --max-batch)
+        flag[2:].replace("-", "_"): o for o in allowed for flag in o.flags
     }
     out: list[tuple[str, list[str]]] = []
     for i, entry in enumerate(models):
@@ -88,12 +77,12 @@ def model_argvs(text: str, parser: argparse.ArgumentParser) -> list[tuple[str, l
         for key, value in entry.items():
             if key == "name":
                 continue
-            action = actions.get(str(key).replace("-", "_"))
-            if action is None:
-                keys = ", ".join(d.replace("_", "-") for d in MODEL_DESTS + POOL_DESTS)
+            option = spellings.get(str(key).replace("-", "_"))
+            if option is None:
+                keys = ", ".join(o.dest.replace("_", "-") for o in allowed)
                 raise ValueError(f"{where}.{key}: not an option of a model (its keys: name, "
                                  f"{keys})")
-            argv.extend(_options(action, value, f"{where}.{key}"))
+            argv.extend(_options(option, value, f"{where}.{key}"))
         out.append((name, argv))
     return out
 
@@ -121,22 +110,20 @@ def _check_expansion(data: object) -> None:
             todo.extend(item)
 
 
-def _options(action: argparse.Action, value: object, where: str) -> list[str]:
-    flag = action.option_strings[0]
-    if action.nargs == 0:  # a switch
+def _options(option: Option, value: object, where: str) -> list[str]:
+    """The command-line words of an entry's ``value`` of ``option``: a boolean for a
+    switch, a list (or one value) for a repeatable option, a mapping for ``engine-arg``."""
+    if option.kind in ("switch", "bool"):
         if not isinstance(value, bool):
             raise ValueError(f"{where}: true or false")
-        if value:
-            return [flag]
-        negative = action.option_strings[1:]  # --no-X of a BooleanOptionalAction
-        return list(negative[:1])
-    if isinstance(action, argparse._AppendAction):  # repeatable
-        if isinstance(value, dict) and action.dest == "engine_arg":
-            return [f"{flag}={k}={v if isinstance(v, str) else json.dumps(v)}"
+        return option_argv(option, value)
+    if option.kind in ("append", "extend"):
+        if isinstance(value, dict) and option.dest == "engine_arg":
+            return [f"{option.flag}={k}={v if isinstance(v, str) else json.dumps(v)}"
                     for k, v in value.items()]
         items = value if isinstance(value, list) else [value]
-        return [f"{flag}={_scalar(v, where)}" for v in items]
-    return [f"{flag}={_scalar(value, where)}"]
+        return [f"{option.flag}={_scalar(v, where)}" for v in items]
+    return [f"{option.flag}={_scalar(value, where)}"]
 
 
 def _scalar(value: object, where: str) -> str:

@@ -54,34 +54,11 @@ ZERO_OK = Bounds(0)  # 0 has a meaning (never, none, no limit, at once)
 SECONDS = Bounds(0, above=True)  # a timeout whose 0 has no meaning
 FRACTION = Bounds(0, 1, above=True)
 
-#: Each option's range, by dest (until every option carries its own: Option.bounds).
+#: The ranges of a listening worker's own options (python -m server.workers --listen); the
+#: server's options and the engine's carry theirs in their tables (Option.bounds).
 BOUNDS: dict[str, Bounds] = {
-    # serving
-    "port": PORT, "health_port": PORT, "keep_alive_timeout": SECONDS,
-    "read_timeout": SECONDS, "send_timeout": ZERO_OK, "backlog": COUNT,
-    "max_connections": COUNT,
-    # routing, several frontends
-    "routing_balance": ZERO_OK, "max_migrations": ZERO_OK, "api_servers": COUNT,
-    "listen_fd": ZERO_OK, "health_listen_fd": ZERO_OK, "frontend_index": ZERO_OK,
-    # limits and timeouts
-    "max_concurrent_requests": COUNT, "max_concurrent_sequences": ZERO_OK,
-    "max_queue_time": ZERO_OK, "queued_heartbeat_s": ZERO_OK, "request_timeout": SECONDS,
-    "shutdown_timeout": ZERO_OK, "stream_interval_ms": ZERO_OK, "drain_timeout": ZERO_OK,
-    "max_body_bytes": COUNT, "max_n": COUNT, "max_tokens_cap": COUNT,
-    "max_prompts": COUNT, "max_answer_logprobs": ZERO_OK, "heartbeat_timeout": SECONDS,
-    "max_restarts": ZERO_OK,
-    # the engine
-    "grammar_max_bytes": COUNT, "grammar_timeout": SECONDS, "num_threads": COUNT,
-    "engine_workers": COUNT, "max_model_len": COUNT, "max_batch": COUNT,
-    "worker_startup_timeout": SECONDS, "tensor_parallel_size": COUNT,
-    "gpu_memory_utilization": FRACTION, "devices_per_worker": COUNT,
-    # a listening worker (python -m server.workers --listen)
     "frontend_timeout": SECONDS, "max_buffer_bytes": COUNT, "max_frontends": COUNT,
     "max_total_buffer_bytes": COUNT,
-    # the sim engine
-    "sim_itl_ms": ZERO_OK, "sim_ttft_ms": ZERO_OK, "sim_prefill_us_per_token": ZERO_OK,
-    "sim_max_batch": COUNT, "sim_reasoning_tokens": ZERO_OK,
-    "sim_prefix_cache_tokens": ZERO_OK, "sim_prefix_block_size": COUNT,
 }
 
 

@@ -3,10 +3,10 @@
 ``plan(args, parser, ...)`` splits the server's command line in two: the engine options go
 to each worker (``python -m server.workers --listen unix:PATH ...``), the serving options to
 each frontend (``python -m server --listen-fd FD --worker-address unix:PATH ...``). The split
-follows the option's home: an option of :func:`server.engine_args.add_engine_arguments`
-(as a listening worker takes them) belongs to the worker, the rest to the frontend, except
-those only the supervisor honours (``SUPERVISOR_DESTS``). ``--served-model-name`` and
-``--sim-faults`` go to both (the served name; whether a request's ``fault`` field is accepted).
+is each option's ``child`` in its table (server.cli_options): the engine's options go to the
+worker, the rest to the frontend, except those only the supervisor honours.
+``--served-model-name`` and ``--sim-faults`` go to both (the served name; whether a
+request's ``fault`` field is accepted).
 
 When a child that died is restarted is :class:`server.restarts.Restarts`' decision.
 """
@@ -15,51 +15,24 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .engine_args import add_engine_arguments, resolve_model_args
+from .cli_options import OPTIONS
+from .engine_args import resolve_model_args
+from .option_table import Option, option_argv
 
 __all__ = ["Plan", "SUPERVISOR_DESTS", "options_argv", "plan"]
 
 #: Options the supervisor itself honours; they reach no child as given.
-SUPERVISOR_DESTS = frozenset({
-    "help", "api_servers", "host", "port", "engine_workers", "worker_startup_timeout",
-    "devices_per_worker", "max_restarts", "listen_fd", "frontend_dir", "frontend_index",
-    "health_port", "health_listen_fd",
-    "worker_address", "worker_secret_file", "worker_tls_ca",
-})
-
-#: Engine options a frontend needs too.
-_BOTH = frozenset({"served_model_name", "sim_faults"})
+SUPERVISOR_DESTS = frozenset(o.dest for o in OPTIONS if o.child in ("supervisor", "remote"))
 
 
-def _engine_dests() -> frozenset[str]:
-    p = argparse.ArgumentParser(add_help=False)
-    add_engine_arguments(p, spawned=False)
-    return frozenset(a.dest for a in p._actions)
-
-
-def options_argv(parser: argparse.ArgumentParser, args: argparse.Namespace, dests) -> list[str]:
-    """The command-line options that give ``args``' values of ``dests`` (only those that
-    differ from ``parser``'s defaults), as ``parser`` would read them back."""
-    out: list[str] = []
-    for action in parser._actions:
-        if action.dest not in dests or not action.option_strings:
-            continue
-        value = getattr(args, action.dest)
-        if value == action.default:
-            continue
-        option = action.option_strings[0]
-        if isinstance(action, argparse.BooleanOptionalAction):
-            out.append(option if value else "--no-" + option[2:])
-        elif isinstance(action, argparse._StoreTrueAction):
-            out.append(option)
-        elif isinstance(action, argparse._AppendAction):
-            for item in value:
-                out += [option, str(item)]
-        else:
-            out += [option, str(value)]
-    return out
+def options_argv(options: Iterable[Option], args: argparse.Namespace) -> list[str]:
+    """The command-line options that give ``args``' values of ``options`` (only those that
+    differ from their defaults), as their parser would read them back."""
+    return [word for o in options if not o.positional and getattr(args, o.dest) != o.default
+            for word in option_argv(o, getattr(args, o.dest))]
 
 
 @dataclass(frozen=True)
@@ -95,12 +68,11 @@ def plan(parser: argparse.ArgumentParser, args: argparse.Namespace,
     (the model's names folded first, in place: a MODEL or ``--model`` reaches the children
     as ``--model-path`` or ``--served-model-name``)."""
     resolve_model_args(args, parser.prog)
-    engine = _engine_dests() - SUPERVISOR_DESTS
-    every = {a.dest for a in parser._actions}
-    frontend = (every - engine - SUPERVISOR_DESTS) | _BOTH
-    if getattr(args, "worker_address", None):  # remote workers: how to reach them
-        frontend |= {"worker_secret_file", "worker_tls_ca"}
+    remote = bool(getattr(args, "worker_address", None))
+    frontend = ("frontend", "both", "remote") if remote else ("frontend", "both")
     return Plan(
-        worker=[python, "-m", "server.workers", *options_argv(parser, args, engine)],
-        frontend=[python, "-m", "server", *options_argv(parser, args, frontend)],
+        worker=[python, "-m", "server.workers",
+                *options_argv((o for o in OPTIONS if o.child in ("worker", "both")), args)],
+        frontend=[python, "-m", "server",
+                  *options_argv((o for o in OPTIONS if o.child in frontend), args)],
     )
