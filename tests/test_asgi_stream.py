@@ -61,6 +61,9 @@ async def test_an_apps_exception_comes_out_as_itself(autojump_clock):
     async def answers_nothing(scope, receive, send):
         await receive()
 
+    async def fails_at_once(scope, receive, send):
+        raise KeyError("at once")
+
     client = ASGIClient(fails_after_starting)
     with pytest.raises(KeyError, match="the app's"):
         await client.post("/")
@@ -68,6 +71,8 @@ async def test_an_apps_exception_comes_out_as_itself(autojump_clock):
         async with client.stream("GET", "/") as r:
             assert await r.__anext__() == b"part"
             await r.__anext__()
+    with pytest.raises(KeyError, match="at once"):
+        await ASGIClient(fails_at_once).get("/")
     with pytest.raises(AssertionError, match="answered nothing"):
         await ASGIClient(answers_nothing).get("/")
 

@@ -35,7 +35,8 @@ The parts:
   every frame that crossed its pipe is recorded (:class:`PipeLog`).
 * :func:`sim_engine_config`, :func:`fault`: configurations and sim fault injection.
 * :func:`open_asgi_client` (:mod:`server.testing.asgi`): the HTTP app on that engine, in
-  virtual time, without sockets.
+  virtual time, without sockets; a response read whole, or as it arrives
+  (:meth:`ASGIClient.stream`, which can disconnect mid-stream).
 """
 
 from __future__ import annotations
@@ -56,11 +57,12 @@ from ..worker_protocol import wire
 from ..workers.base import WorkerCrash, WorkerGarbage, WorkerHang
 from ..workers.main import handle_message, step_message
 from ..engines.sim.engine import SimEngine
-from .asgi import ASGIClient, ASGIResponse, open_asgi_client
+from .asgi import ASGIClient, ASGIResponse, ASGIStream, open_asgi_client
 
 __all__ = [
     "ASGIClient",
     "ASGIResponse",
+    "ASGIStream",
     "Frame",
     "InMemorySpawner",
     "InMemoryWorkerProcess",
@@ -313,11 +315,16 @@ class InMemorySpawner(PipeLog):
         assert not alive, f"worker processes still running: {alive}"
 
 
-@asynccontextmanager
-async def open_in_memory_spawner(**kw) -> AsyncIterator[InMemorySpawner]:
+def open_in_memory_spawner(**kw) -> AbstractAsyncContextManager[InMemorySpawner]:
     """A :class:`InMemorySpawner` whose processes run in a nursery owned by this block. Processes
     still running at the end are killed (a test checks :meth:`~InMemorySpawner.assert_all_exited`
-    first when that matters)."""
+    first when that matters). An exception raised in the block comes out as itself, not in
+    an exception group, as from :func:`server.open_engine`."""
+    return body_errors_unwrapped(_in_memory_spawner(**kw))
+
+
+@asynccontextmanager
+async def _in_memory_spawner(**kw) -> AsyncIterator[InMemorySpawner]:
     async with trio.open_nursery() as nursery:
         spawner = InMemorySpawner(nursery, **kw)
         try:
@@ -355,7 +362,7 @@ async def _in_memory_engine(
 ) -> AsyncIterator[Engine]:
     with trio.fail_after(timeout):
         if spawner is None:
-            async with open_in_memory_spawner() as spawner:
+            async with _in_memory_spawner() as spawner:
                 async with _engine(config, spawner) as engine:
                     yield engine
         else:

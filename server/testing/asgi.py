@@ -16,18 +16,29 @@ ASGI call: the body is sent at once, and the client "disconnects" (``http.discon
 once the response is complete, or when the request's scope is cancelled (the app sees a
 client that went away). What hypercorn adds on real sockets (framing, keep-alive, the
 direct writes of :mod:`server.connections.sink`) is not here: test those on port 0.
+
+:meth:`ASGIClient.stream` reads a response as the app sends it, and can leave in the middle,
+as a client that closes its connection does::
+
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        events = r.events()
+        first, second = await anext(events), await anext(events)
+        await r.disconnect()        # the app's next receive() is http.disconnect
 """
 
 from __future__ import annotations
 
 import json as jsonlib
-from contextlib import asynccontextmanager
+import math
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import trio
 
-__all__ = ["ASGIClient", "ASGIResponse", "open_asgi_client"]
+from ..manager.unwrap import body_errors_unwrapped
+
+__all__ = ["ASGIClient", "ASGIResponse", "ASGIStream", "open_asgi_client"]
 
 
 @dataclass
@@ -47,16 +58,121 @@ class ASGIResponse:
 
     def sse(self) -> list:
         """The data of each server-sent event: parsed JSON, or the text (``"[DONE]"``)."""
-        out = []
-        for event in self.body.split(b"\n\n"):
-            if event.startswith(b"data: "):
-                data = event[6:].decode()
-                out.append(data if not data.startswith("{") else jsonlib.loads(data))
-        return out
+        events = (_event_data(event) for event in self.body.split(b"\n\n"))
+        return [data for data in events if data is not None]
+
+
+def _event_data(event: bytes):
+    """One server-sent event's data (parsed JSON, or the text), or None (a comment)."""
+    if not event.startswith(b"data: "):
+        return None
+    data = event[6:].decode()
+    return data if not data.startswith("{") else jsonlib.loads(data)
+
+
+class ASGIStream:
+    """A response read as the app sends it (:meth:`ASGIClient.stream` makes it).
+
+    ``async for chunk in stream`` yields the bytes of each body message once the app sent
+    it; :meth:`events` yields each server-sent event; :meth:`disconnect` is the client going
+    away mid-response. ``response`` holds everything the app sent so far (``status``,
+    ``headers``, ``body``, the time of each chunk). An exception of the app is raised
+    where the reading ends (the end of the body, :meth:`disconnect`, or leaving the block).
+    """
+
+    def __init__(self, body: bytes) -> None:
+        self.response: ASGIResponse | None = None
+        self._body = body
+        self._body_sent = False
+        self._chunks_in, self._chunks = trio.open_memory_channel[bytes](math.inf)
+        self._started = trio.Event()  # the response started, or the app returned
+        self._gone = trio.Event()  # the client went away (or the response is complete)
+        self._returned = trio.Event()
+        self._error: Exception | None = None
+
+    @property
+    def status(self) -> int:
+        assert self.response is not None
+        return self.response.status
+
+    def header(self, name: str) -> str | None:
+        assert self.response is not None
+        return self.response.header(name)
+
+    def __aiter__(self) -> ASGIStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._chunks.receive()
+        except trio.EndOfChannel:
+            self._raise_error()
+            raise StopAsyncIteration from None
+
+    async def events(self) -> AsyncIterator:
+        """Each server-sent event's data as it arrives: parsed JSON, or the text
+        (``"[DONE]"``); comments (a heartbeat) are skipped."""
+        pending = b""
+        async for chunk in self:
+            pending += chunk
+            *whole, pending = pending.split(b"\n\n")
+            for event in whole:
+                data = _event_data(event)
+                if data is not None:
+                    yield data
+
+    async def disconnect(self) -> None:
+        """Close the connection: the app's next ``receive()`` is ``http.disconnect``, and
+        what it sends from now on is dropped. Returns once the app has returned."""
+        self._gone.set()
+        self._chunks_in.close()
+        await self._returned.wait()
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    async def _receive(self) -> dict:
+        if not self._body_sent:
+            self._body_sent = True
+            return {"type": "http.request", "body": self._body, "more_body": False}
+        await self._gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def _send(self, message: dict) -> None:
+        await trio.lowlevel.checkpoint()
+        if self._gone.is_set():
+            return  # the client went away: nobody reads it
+        if message["type"] == "http.response.start":
+            self.response = ASGIResponse(message["status"], list(message.get("headers", [])))
+            self._started.set()
+        elif message["type"] == "http.response.body":
+            assert self.response is not None, "a body before the response started"
+            data = message.get("body", b"")
+            if data:
+                self.response.body += data
+                self.response.chunks.append((trio.current_time(), data))
+                self._chunks_in.send_nowait(data)
+            if not message.get("more_body", False):
+                self._chunks_in.close()
+                self._gone.set()  # complete: the connection's end is the app's disconnect
+
+    async def _run(self, app, scope: dict) -> None:
+        try:
+            await app(scope, self._receive, self._send)
+        except Exception as exc:
+            self._error = exc
+        finally:
+            self._chunks_in.close()
+            self._gone.set()
+            self._returned.set()
+            self._started.set()
 
 
 class ASGIClient:
-    """Requests to one ASGI app, each a direct call of the app (see the module docstring)."""
+    """Requests to one ASGI app, each a call of the app (see the module docstring)."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -69,6 +185,19 @@ class ASGIClient:
 
     async def request(self, method: str, path: str, *, json=None, body: bytes = b"",
                       headers=()) -> ASGIResponse:
+        """The whole response, once the app has returned."""
+        async with self.stream(method, path, json=json, body=body, headers=headers) as r:
+            async for _ in r:
+                pass
+        assert r.response is not None
+        return r.response
+
+    def stream(self, method: str, path: str, *, json=None, body: bytes = b"",
+               headers=()) -> AbstractAsyncContextManager[ASGIStream]:
+        """Call the app; the block starts once the response has started (status and
+        headers), and reads its body as the app sends it (:class:`ASGIStream`). Leaving the
+        block before the response is complete disconnects, and waits for the app to return.
+        """
         if json is not None:
             body = jsonlib.dumps(json).encode()
             headers = [("content-type", "application/json"), *headers]
@@ -82,38 +211,25 @@ class ASGIClient:
                         *((k.lower().encode(), v.encode()) for k, v in headers)],
             "extensions": {},
         }
-        done = trio.Event()
-        sent_body = False
-        response: ASGIResponse | None = None
+        return body_errors_unwrapped(self._stream(scope, body))
 
-        async def receive() -> dict:
-            nonlocal sent_body
-            if not sent_body:
-                sent_body = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await done.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict) -> None:
-            nonlocal response
-            await trio.lowlevel.checkpoint()
-            if message["type"] == "http.response.start":
-                response = ASGIResponse(message["status"], list(message.get("headers", [])))
-            elif message["type"] == "http.response.body":
-                assert response is not None, "a body before the response started"
-                data = message.get("body", b"")
-                if data:
-                    response.body += data
-                    response.chunks.append((trio.current_time(), data))
-                if not message.get("more_body", False):
-                    done.set()
-
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            done.set()
-        assert response is not None, "the app answered nothing"
-        return response
+    @asynccontextmanager
+    async def _stream(self, scope: dict, body: bytes) -> AsyncIterator[ASGIStream]:
+        stream = ASGIStream(body)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream._run, self.app, scope)
+            await stream._started.wait()
+            if stream.response is not None:
+                try:
+                    yield stream
+                except BaseException:
+                    stream._gone.set()  # a client that failed goes away
+                    stream._chunks_in.close()
+                    raise
+            stream._gone.set()  # (when the response is complete: it was already)
+        stream._raise_error()  # (not in the nursery, which would put it in a group)
+        if stream.response is None:
+            raise AssertionError("the app answered nothing")
 
 
 @asynccontextmanager
