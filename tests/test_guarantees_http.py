@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 
 import httpx
 import trio
@@ -176,10 +176,11 @@ async def test_a_disconnect_aborts_each_unfinished_choice_once_and_finished_ones
                 async with client.stream("POST", "/v1/completions", json=request) as response:
                     assert response.status == 200
                     ended = None
-                    async for event in response.events():
-                        if event["choices"][0].get("finish_reason") is not None:
-                            ended = event["choices"][0]
-                            break
+                    async with aclosing(response.events()) as events:
+                        async for event in events:
+                            if event["choices"][0].get("finish_reason") is not None:
+                                ended = event["choices"][0]
+                                break
                     await response.disconnect()
             assert (ended["index"], ended["finish_reason"]) == (0, "stop")
             await manager_empty(engine)
@@ -269,18 +270,18 @@ async def collect(http, path: str, body: dict) -> list[tuple[str, str]]:
 
 
 async def test_every_choice_arrives_in_full_when_one_ends_first():
-    """Completions of three prompts: the first ends at its first token (before the
-    server's first look at the stream can have seen anything else of it), the second at
-    its third, the third runs to ``max_tokens``. Chat with n=2: the first sample ends at
-    its first token. Streamed and not."""
+    """Completions of three prompts: the last ends at its first token (its end is there
+    when the server first looks at the stream, and comes after the others' outputs of that
+    step), the second at its third, the first runs to ``max_tokens``. Chat with n=2: the
+    second sample ends at its first token. Streamed and not."""
     completions = {"prompt": ["one", "two", "three"], "max_tokens": 24}
     chat = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 24}
     with trio.fail_after(TEST_LIMIT):
         async with open_recorded_server(drain_timeout=5.0) as (url, engine, spawner):
             async with httpx.AsyncClient(base_url=url, timeout=GUARD) as http:
                 for path, body, ends in (
-                    ("/v1/completions", completions, {0: 0, 1: 2}),
-                    ("/v1/chat/completions", chat, {0: 0}),
+                    ("/v1/completions", completions, {2: 0, 1: 2}),
+                    ("/v1/chat/completions", chat, {1: 0}),
                 ):
                     seed, stops, want = await find_stops(http, path, body, ends)
                     for stream in (False, True):
