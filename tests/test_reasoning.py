@@ -130,6 +130,8 @@ async def test_include_reasoning_false_drops_the_reasoning_and_keeps_the_answer(
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     from tests.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("reasoning") / "tiny")

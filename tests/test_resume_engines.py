@@ -78,6 +78,8 @@ def multibyte_across_tokens(engine, ids: list[int]) -> bool:
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     from server.engines.transformers.engine import TransformersEngine
 
     path = build_tiny_model(tmp_path_factory.mktemp("hf") / "tiny")
