@@ -9,10 +9,9 @@ a ``--model-config`` file alike (both are read by the same parser). NaN and infi
 never a value.
 
 :class:`Bounds` is an option's least value (and its greatest, for ports and fractions),
-given in its option table's entry (server.option_table.Option.bounds; :data:`BOUNDS` for a
-listening worker's own options); 0 is allowed where the option's help gives 0 a meaning
-("0: never", "0: no limit"). Options passed through to vLLM as they are (``--seed``,
-``--max-logprobs``, ...) are vLLM's to check.
+given in its option table's entry (server.option_table.Option.bounds); 0 is allowed where
+the option's help gives 0 a meaning ("0: never", "0: no limit"). Options passed through to
+vLLM as they are (``--seed``, ``--max-logprobs``, ...) are vLLM's to check.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
-__all__ = ["BOUNDS", "COUNT", "FRACTION", "PORT", "SECONDS", "ZERO_OK", "Bounds",
-           "bound_numbers", "checked"]
+__all__ = ["COUNT", "FRACTION", "PORT", "SECONDS", "ZERO_OK", "Bounds", "checked"]
 
 
 @dataclass(frozen=True)
@@ -54,13 +52,6 @@ ZERO_OK = Bounds(0)  # 0 has a meaning (never, none, no limit, at once)
 SECONDS = Bounds(0, above=True)  # a timeout whose 0 has no meaning
 FRACTION = Bounds(0, 1, above=True)
 
-#: The ranges of a listening worker's own options (python -m server.workers --listen); the
-#: server's options and the engine's carry theirs in their tables (Option.bounds).
-BOUNDS: dict[str, Bounds] = {
-    "frontend_timeout": SECONDS, "max_buffer_bytes": COUNT, "max_frontends": COUNT,
-    "max_total_buffer_bytes": COUNT,
-}
-
 
 def checked(convert, bounds: Bounds):
     """``convert`` (int or float) refusing, in argparse's words, a value out of ``bounds``."""
@@ -76,14 +67,5 @@ def checked(convert, bounds: Bounds):
         return value
 
     read.__name__ = getattr(convert, "__name__", "number")
-    read.bounds = bounds  # type: ignore[attr-defined]  # (checked: not wrapped twice)
+    read.bounds = bounds  # type: ignore[attr-defined]  # (what tests check)
     return read
-
-
-def bound_numbers(parser: argparse.ArgumentParser, bounds: dict[str, Bounds] = BOUNDS) -> None:
-    """Give each option of ``parser`` named in ``bounds`` a type that refuses values out of
-    its range (its type, int or float, kept). Call it once the parser has every option."""
-    for action in parser._actions:
-        found = bounds.get(action.dest)
-        if found is not None and action.type is not None and not hasattr(action.type, "bounds"):
-            action.type = checked(action.type, found)

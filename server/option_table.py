@@ -72,6 +72,7 @@ class Option:
     kind: str = "value"
     nargs: str | None = None
     metavar: str | None = None
+    required: bool = False
     #: Its range (a number out of it is argparse's one-line error naming the option).
     bounds: Bounds | None = None
     #: Set by one program for another (the supervisor for its frontends): out of --help.
@@ -125,6 +126,8 @@ class Option:
             kwargs["nargs"] = self.nargs
         if self.metavar is not None:
             kwargs["metavar"] = self.metavar
+        if self.required:
+            kwargs["required"] = True
         return kwargs
 
 

@@ -36,10 +36,23 @@ def _other_value(option: Option):
     return "text"
 
 
-def test_the_parser_is_the_table():
-    parser = build_parser()
+def _worker_parser():
+    from server.workers.listen import build_parser as worker_parser
+
+    return worker_parser()
+
+
+@pytest.mark.parametrize("program", ["server", "listening worker"])
+def test_the_parser_is_the_table(program):
+    from server.workers.listen import LISTEN_OPTIONS
+
+    if program == "server":
+        parser, options = build_parser(), OPTIONS
+    else:
+        parser = _worker_parser()
+        options = (*LISTEN_OPTIONS, *(o for o in ENGINE_OPTIONS if not o.spawned_only))
     actions = {a.dest: a for a in parser._actions}
-    for option in OPTIONS:
+    for option in options:
         action = actions.pop(option.dest)
         flags = () if option.positional else option.flags
         if option.kind == "bool":
@@ -53,6 +66,7 @@ def test_the_parser_is_the_table():
         assert action.help == (argparse.SUPPRESS if option.internal else option.help)
         assert _group_of(parser, action) == option.group, option.flag
         assert getattr(action.type, "bounds", None) == option.bounds, option.flag
+        assert action.required == option.required, option.flag
     assert set(actions) == {"help"}  # (nothing but the table)
 
 
@@ -108,7 +122,5 @@ def test_a_child_command_line_round_trips_to_the_same_config():
             "stream_interval", "heartbeat_timeout", "model")
     assert [getattr(again.engine, f) for f in pool] == [getattr(config.engine, f) for f in pool]
 
-    from server.workers.listen import build_parser as worker_parser
-
-    worker = worker_parser().parse_args(children.worker_argv("/d/w.sock")[3:])
+    worker = _worker_parser().parse_args(children.worker_argv("/d/w.sock")[3:])
     assert engine_options(worker, "w") == config.engine.engine_options

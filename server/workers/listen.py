@@ -96,7 +96,8 @@ import time
 import traceback
 
 from ..engine_args import add_engine_arguments, engine_options
-from ..option_bounds import bound_numbers
+from ..option_bounds import COUNT, SECONDS
+from ..option_table import Option, add_options, section
 from ..worker_protocol import handshake, limits, wire
 from ..worker_protocol.parts import PartQueue, is_big_answer
 from ..worker_protocol.wire import OutputRow
@@ -835,7 +836,35 @@ def open_listener(address: handshake.WorkerAddress, backlog: int = 128) -> socke
     return sock
 
 
+#: A listening worker's own options; the engine's follow (server.engine_args).
+LISTEN_OPTIONS: tuple[Option, ...] = section(
+    "listening",
+    Option("--listen", required=True, metavar="ADDRESS",
+           help="HOST:PORT, [IPV6]:PORT (port 0: any free port, printed) or unix:/path"),
+    Option("--secret-file", metavar="PATH",
+           help=f"the shared secret, in a file (default: ${handshake.SECRET_ENV}); "
+           "required unless the address is loopback or a unix socket"),
+    Option("--tls-cert", metavar="PATH",
+           help="serve over TLS with this PEM certificate (chain)"),
+    Option("--tls-key", metavar="PATH", help="the private key of --tls-cert (PEM)"),
+    Option("--frontend-timeout", type=float, default=30.0, bounds=SECONDS,
+           help="seconds a connected frontend may stay silent (frontends ping every "
+           "second) before its connection is dropped and its requests aborted"),
+    Option("--max-buffer-bytes", type=int, default=64 << 20, bounds=COUNT,
+           help="output waiting for a frontend that does not read, beyond which its "
+           "connection is dropped and its requests aborted"),
+    Option("--max-frontends", type=int, default=64, bounds=COUNT,
+           help="authenticated connections at most: one more is refused (REFUSED, "
+           "and a line in the log)"),
+    Option("--max-total-buffer-bytes", type=int, default=256 << 20, bounds=COUNT,
+           help="bytes all connections may hold together (unfinished frames, unsent "
+           "output); beyond it the connection holding the most is dropped and its "
+           "requests aborted"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of :data:`LISTEN_OPTIONS` and the engine's options."""
     p = argparse.ArgumentParser(
         prog="python -m server.workers",
         description="An engine worker that serves the wire protocol to frontends "
@@ -843,32 +872,8 @@ def build_parser() -> argparse.ArgumentParser:
         "See docs/scaling.md.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    g = p.add_argument_group("listening")
-    g.add_argument("--listen", required=True, metavar="ADDRESS",
-                   help="HOST:PORT, [IPV6]:PORT (port 0: any free port, printed) or "
-                   "unix:/path")
-    g.add_argument("--secret-file", default=None, metavar="PATH",
-                   help=f"the shared secret, in a file (default: ${handshake.SECRET_ENV}); "
-                   "required unless the address is loopback or a unix socket")
-    g.add_argument("--tls-cert", default=None, metavar="PATH",
-                   help="serve over TLS with this PEM certificate (chain)")
-    g.add_argument("--tls-key", default=None, metavar="PATH",
-                   help="the private key of --tls-cert (PEM)")
-    g.add_argument("--frontend-timeout", type=float, default=30.0,
-                   help="seconds a connected frontend may stay silent (frontends ping every "
-                   "second) before its connection is dropped and its requests aborted")
-    g.add_argument("--max-buffer-bytes", type=int, default=64 << 20,
-                   help="output waiting for a frontend that does not read, beyond which its "
-                   "connection is dropped and its requests aborted")
-    g.add_argument("--max-frontends", type=int, default=64,
-                   help="authenticated connections at most: one more is refused (REFUSED, "
-                   "and a line in the log)")
-    g.add_argument("--max-total-buffer-bytes", type=int, default=256 << 20,
-                   help="bytes all connections may hold together (unfinished frames, unsent "
-                   "output); beyond it the connection holding the most is dropped and its "
-                   "requests aborted")
+    add_options(p, LISTEN_OPTIONS)
     add_engine_arguments(p, spawned=False)
-    bound_numbers(p)  # (each numeric option's range: server.option_bounds)
     return p
 
 
