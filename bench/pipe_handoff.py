@@ -13,7 +13,7 @@ A pipe holds 64 KiB by default, so a 14 MB frame (3.5M packed token ids) crosses
 hand-offs between the two processes, each a wake-up of a process that may wait its turn
 for a core; ``--pipe-kib`` sets the pipe's size (``F_SETPIPE_SZ``), 0 for the system's
 default, to see whether fewer hand-offs shorten the write (measured: not at load 6, see
-docs/benchmarks.md, so the worker keeps the default)::
+docs/changelog.md, 2026-12-02, so the worker keeps the default)::
 
     nice -n 10 python bench/pipe_handoff.py --mb 14 --pipe-kib 0,1024 --rounds 3
 """

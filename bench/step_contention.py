@@ -21,7 +21,7 @@ Per phase (``baseline``, then each ``--kinds``: ``tokenize``, a 3.5 MB one-word
 ``/tokenize``; ``schema``, a 2,000-property json_schema compiled with xgrammar; ``template``,
 a chat prompt of 20,000 messages rendered by the Jinja template, pure Python) it prints the
 steps' p50 and largest wall time and the sums of the three parts over the phase. Run it
-pinned to one core to see what the 1-core figures of docs/benchmarks.md saw::
+pinned to one core to see what the 1-core figures of docs/changelog.md (2026-12-01) saw::
 
     taskset -c 1 python bench/step_contention.py                     # as the worker runs
     taskset -c 1 python bench/step_contention.py --prepare-nice 10   # niced preparation
