@@ -46,7 +46,7 @@ def test_every_script_is_found():
     assert len(SCRIPTS) >= 30 and "stream_overhead.py" in SCRIPTS, SCRIPTS
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", SCRIPTS)  # (under -n, spread: tests/conftest.py's SPREAD)
 def test_smoke_run(script):
     missing = [m for m in NEEDS.get(script, ()) if importlib.util.find_spec(m) is None]
     if missing:

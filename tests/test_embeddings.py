@@ -25,6 +25,8 @@ from server.workers.main import handle_message
 from server.engines.sim.engine import SimEngine
 from tests.conftest import JSON, running_server
 
+pytestmark = pytest.mark.slow  # (vLLM or transformers start-ups: run first under -n)
+
 SIM_INFO = SimEngine().info
 LIMIT = 240  # seconds for a test that starts processes that import torch (busy CI cores)
 

@@ -38,6 +38,8 @@ from server.engines.transformers.sample import sample  # noqa: E402
 from server.engines.transformers.text import RequestText  # noqa: E402
 from tests.tiny_model import WORDS, build_tiny_model  # noqa: E402
 
+pytestmark = pytest.mark.slow  # (vLLM or transformers start-ups: run first under -n)
+
 # One thread each, here and in the workers: this machine's two cores are shared, and torch's
 # threads spin-waiting for a busy core make a step ten times slower.
 torch.set_num_threads(1)

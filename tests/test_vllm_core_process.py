@@ -40,6 +40,8 @@ from tests.test_vllm_engine import (  # noqa: E402
 from tests.tiny_lora import build_tiny_lora  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
+pytestmark = pytest.mark.slow  # (vLLM or transformers start-ups: run first under -n)
+
 
 #: Seconds for a model load: two vLLM processes start, the core compiles (more than
 #: test_vllm_engine.py's STARTUP on a loaded 2-core machine).

@@ -34,6 +34,8 @@ import openai  # noqa: E402
 from tests.conftest import children_of, pid_exists  # noqa: E402
 from tests.tiny_model import WORDS, build_tiny_model  # noqa: E402
 
+pytestmark = pytest.mark.slow  # (vLLM or transformers start-ups: run first under -n)
+
 MODEL = "tiny-vllm"
 #: Long enough that a stream runs for seconds (a step of this model takes about a millisecond
 #: here), so that vLLM's counts, sampled once a second, see it.

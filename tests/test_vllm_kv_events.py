@@ -33,6 +33,8 @@ from tests.remote import listening_worker, remote_config, wait_until  # noqa: E4
 from tests.test_vllm_engine import CONTEXT, MODEL, SHAPE  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
+pytestmark = pytest.mark.slow  # (vLLM or transformers start-ups: run first under -n)
+
 
 def stored(hashes, parent, ids, size, extra=None, medium="GPU", group=0):
     from vllm.distributed.kv_events import BlockStored

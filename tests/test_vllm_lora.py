@@ -28,6 +28,8 @@ from tests.test_vllm_engine import SHAPE, STARTUP, Reference, Server, _prompts  
 from tests.tiny_lora import build_tiny_lora  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
+pytestmark = pytest.mark.slow  # (vLLM or transformers start-ups: run first under -n)
+
 MODEL = "tiny-lora-base"
 LORA = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 

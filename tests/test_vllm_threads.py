@@ -25,6 +25,8 @@ from server.engines.vllm.torch_threads import serving_threads  # noqa: E402
 from tests.test_vllm_engine import CONTEXT, MODEL, SHAPE  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
+pytestmark = pytest.mark.slow  # (vLLM or transformers start-ups: run first under -n)
+
 
 def test_the_model_process_on_the_cpu_build_gets_its_bound_cores():
     assert serving_threads({}, model_here=True, cpu_build=True, bound=1) == 1

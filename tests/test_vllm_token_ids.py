@@ -21,6 +21,8 @@ from transformers import AutoTokenizer  # noqa: E402
 from tests.test_vllm_engine import MODEL, SHAPE, Server  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
+pytestmark = pytest.mark.slow  # (vLLM or transformers start-ups: run first under -n)
+
 PROMPT = "the cat sat on the mat and"
 CHAT = [{"role": "user", "content": "tell me about the mat"}]
 

@@ -28,6 +28,8 @@ from server.workers.prepare import Preparer  # noqa: E402
 from tests.test_transformers_engine import collect  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
+pytestmark = pytest.mark.slow  # (vLLM or transformers start-ups: run first under -n)
+
 torch.set_num_threads(1)
 
 LIMIT = 300  # a hang guard: the 3.5 MB tokenizes took 76-84 s on 2 cores kept busy by bench/cpu_load.py
