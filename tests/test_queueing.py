@@ -181,9 +181,9 @@ def test_each_server_abort_cause_gets_its_own_answer():
     """A non-streaming request the server aborted is answered by its cause: the request
     timeout a 504, the queue-time limit a 503 server_overloaded (not "shutting down"), the
     drain a 503 shutting_down, anything else a 500."""
-    from server.http.generate import _abort_error
+    from server.http.answer import abort_error
 
-    answers = {cause: _abort_error(cause) for cause in
+    answers = {cause: abort_error(cause) for cause in
                ("timeout", "queue_timeout", "shutdown", "something new")}
     assert {c: (e.status, e.code) for c, e in answers.items()} == {
         "timeout": (504, "request_timeout"), "queue_timeout": (503, "server_overloaded"),

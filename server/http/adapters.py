@@ -24,11 +24,7 @@ from ..openai.fields import check_route_fields
 from ..openai.schema import decode_json
 from .tokenize import serve_worker_op
 
-__all__ = ["ROUTES", "adapter_cards", "handle_lora", "parse_load", "parse_unload",
-           "resolve_model"]
-
-#: Path -> operation.
-ROUTES = {"/v1/load_lora_adapter": "load", "/v1/unload_lora_adapter": "unload"}
+__all__ = ["adapter_cards", "handle_lora", "parse_load", "parse_unload", "resolve_model"]
 
 #: vLLM's fields of these bodies that this server does not honour -> the values that mean
 #: "not used".
@@ -101,9 +97,11 @@ def _answer(name: str, done: str) -> bytes:
     return f"Success: LoRA adapter '{name}' {done} successfully.".encode()
 
 
-async def handle_lora(app, scope: dict, receive, send, *, op: str, headers: list) -> None:
-    """Serve one /v1/load_lora_adapter or /v1/unload_lora_adapter request (every worker
-    of the pool; see server.manager.adapters)."""
+async def handle_lora(app, path: str, scope: dict, receive, send, headers: list,
+                      request_id: str, *, op: str) -> None:
+    """Serve one /v1/load_lora_adapter or /v1/unload_lora_adapter request (``op``: load or
+    unload; a route of :mod:`server.http.routes`) on every worker of the pool (see
+    server.manager.adapters)."""
     parse, call = (parse_load, _load) if op == "load" else (parse_unload, _unload)
     await serve_worker_op(app, scope, receive, send, headers, parse, _answer, call=call,
                           content_type=b"text/plain; charset=utf-8")

@@ -1,9 +1,11 @@
-"""The ASGI application: a Quart-Trio app whose generation routes run on raw ASGI.
+"""The ASGI application: a Quart-Trio app whose POST routes run on raw ASGI.
 
-``create_app(config)`` builds it. Quart serves the small routes (``/health``, ``/metrics``,
-``/v1/models``) and the lifespan, in whose nursery the engine runs as a service; the two
-generation routes, the hot path, go to :mod:`server.http.generate` before Quart sees them.
-Every error, Quart's own 404 and 405 included, is answered with an OpenAI-style JSON body.
+``create_app(config)`` builds it. Every endpoint is a row of :mod:`server.http.routes`:
+the POST routes (generation, embeddings, tokenize, LoRA, ``/invocations``; the hot path)
+are served by :meth:`LLMServerApp.serve_route` before Quart sees the request, the small
+GETs (``/health``, ``/metrics``, ``/v1/models``, ...) are registered with Quart. Quart also
+runs the lifespan, in whose nursery the engine runs as a service. Every error, Quart's own
+404 and 405 included, is answered with an OpenAI-style JSON body.
 
 Before any route, :meth:`LLMServerApp.__call__` does what every HTTP request needs, in order:
 
@@ -32,11 +34,10 @@ from functools import partial
 from typing import Sequence
 
 import trio
-from quart import Response, request
+from quart import Response
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from .. import __version__
 from ..config import ServerConfig
 from ..errors import (
     ClientError,
@@ -49,47 +50,21 @@ from ..errors import (
 )
 from ..manager.engine import Engine, run_engine
 from ..manager.worker import WorkerStartupError
-from ..observability import Metrics, RequestRecord, log_request, request_id_from_header
-from ..observability.group import group_exposition
+from ..observability import Metrics, request_id_from_header
 from ..observability.logs import request_id_var
 from ..observability.tracing import Tracing
 from .asgi import CLOSE, HeaderSend, header, send_empty, send_error
 from .auth import APIKeys, is_protected
 from .cors import CORSPolicy
 from ..openai.encode import dumps
-from .embeddings import PATH as EMBEDDINGS_PATH
-from .embeddings import handle_embeddings
-from .adapters import ROUTES as LORA_ROUTES
-from .adapters import adapter_cards, handle_lora
-from .tokenize import ROUTES as TOKENIZE_ROUTES
-from .tokenize import handle_tokenize
-from .generate import handle_generate
-from .invocations import PATH as INVOCATIONS_PATH
-from .invocations import handle_invocations
-from .responses_write import PATH as RESPONSES_PATH
-from .responses_write import ROUTE as RESPONSES
-from .chat_batch import PATH as CHAT_BATCH_PATH
-from .chat_batch import ROUTE as CHAT_BATCH
 from ..connections.accept import connection_info
 from .models import ModelTable, Pool
-from .orca import REQUEST_HEADER as ORCA_FORMAT
-from .orca import load_report, named_metrics
+from .routes import quart_routes, raw_routes
 
 __all__ = ["LLMServerApp", "create_app"]
 
 log = logging.getLogger("server.http")
 
-_GENERATE_ROUTES = {
-    "/v1/completions": False,
-    "/v1/chat/completions": True,
-    RESPONSES_PATH: True,
-    CHAT_BATCH_PATH: True,
-}
-#: The generation routes with shapes of their own (handle_generate's ``route``).
-_ROUTE_SHAPES = {RESPONSES_PATH: RESPONSES, CHAT_BATCH_PATH: CHAT_BATCH}
-
-
-_now = time.perf_counter
 _WWW_AUTHENTICATE = [(b"www-authenticate", b"Bearer")]
 
 
@@ -110,12 +85,6 @@ def _json_error(exc: ServerError) -> Response:
 def _status_body(status: str, models: dict | None) -> dict:
     """``{"status": ...}``, and each model's when several are served."""
     return {"status": status} if models is None else {"status": status, "models": models}
-
-
-def _status_json(code: int, body: dict) -> Response:
-    """A probe's answer, with ``Retry-After: 1`` on a 503."""
-    headers = {"Retry-After": "1"} if code == 503 else None
-    return Response(dumps(body), status=code, content_type="application/json", headers=headers)
 
 
 def _has_body(scope: dict) -> bool:
@@ -166,6 +135,8 @@ class LLMServerApp(QuartTrio):
             self.tracing = Tracing(tracer_provider)
         elif config.otlp_traces_endpoint:
             self.tracing = Tracing.from_endpoint(config.otlp_traces_endpoint)
+        #: Path -> the raw routes this app serves (server.http.routes).
+        self.raw_routes = raw_routes(config)
         self._routes()
 
     @property
@@ -211,62 +182,19 @@ class LLMServerApp(QuartTrio):
                     await send_empty(send, 204, allowed + extra)
                 return
             extra.extend(cors.response_headers(origin))
-        path = scope["path"]
-        if path == INVOCATIONS_PATH:  # SageMaker's: one of the routes below, by the body
-            await handle_invocations(self, scope, receive, send, headers=extra,
-                                     dispatch=partial(self._serve_route, request_id=request_id))
-            return
-        await self._serve_route(path, scope, receive, send, extra, request_id=request_id)
+        await self.serve_route(scope["path"], scope, receive, send, extra, request_id)
 
-    async def _serve_route(
-        self, path: str, scope, receive, send, extra: list, *, request_id: str
+    async def serve_route(
+        self, path: str, scope, receive, send, extra: list, request_id: str
     ) -> None:
         """Serve the request as one to ``path`` (the request's own path, or the one
-        ``/invocations`` dispatched it to); ``extra``: the response's headers so far."""
-        chat = _GENERATE_ROUTES.get(path)
-        if chat is not None:  # the hot path: its body messages go to hypercorn's send directly
-            orca = header(scope, ORCA_FORMAT)
-            if orca is not None and self._authorized(scope):
-                # a load balancer asks for a load report (server.http.orca)
-                try:  # (every model's pool: the report comes before the body names one)
-                    engines = self.models.engines()
-                    latest = [w.report.latest or {} for e in engines for w in e.workers
-                              if w.alive]
-                    usage = [r["kv_cache_usage"] for r in latest if "kv_cache_usage" in r]
-                    metrics = named_metrics([e.statistics() for e in engines], usage)
-                    extra = [*extra, load_report(orca, metrics)]
-                except ServerError as exc:
-                    await send_error(send, exc, [*extra, CLOSE])
-                    return
-            record = RequestRecord(request_id, path)
-            try:
-                await handle_generate(
-                    self, scope, receive, send, chat=chat, record=record, headers=extra,
-                    route=_ROUTE_SHAPES.get(path),
-                )
-            finally:
-                record.finish = _now()
-                self.metrics.of(record.model).observe(record)
-                log_request(record)
-                if self.tracing is not None:
-                    self.tracing.export(record, record.model or self._served_model(),
-                                        header(scope, b"traceparent"))
-            return
-        if path == EMBEDDINGS_PATH:
-            record = RequestRecord(request_id, path)
-            try:
-                await handle_embeddings(self, scope, receive, send, headers=extra, record=record)
-            finally:  # (its log line, as a generation request's; not its metrics)
-                record.finish = _now()
-                log_request(record)
-            return
-        op = TOKENIZE_ROUTES.get(path)
-        if op is not None:
-            await handle_tokenize(self, scope, receive, send, op=op, headers=extra)
-            return
-        op = LORA_ROUTES.get(path)
-        if op is not None:
-            await handle_lora(self, scope, receive, send, op=op, headers=extra)
+        ``/invocations`` dispatched it to); ``extra``: the response's headers so far.
+
+        A raw route (:mod:`server.http.routes`) is served here, the hot path: its body
+        messages go to hypercorn's send directly. Anything else goes to Quart."""
+        route = self.raw_routes.get(path)
+        if route is not None:
+            await route.serve(self, path, scope, receive, send, extra, request_id)
             return
         if _has_body(scope):
             # No route served from here reads a request body: the answer (404, 405, 401) may
@@ -282,7 +210,7 @@ class LLMServerApp(QuartTrio):
                 return
         await super().__call__(scope, receive, send)
 
-    def _authorized(self, scope: dict) -> bool:
+    def authorized(self, scope: dict) -> bool:
         """Whether the request may see what the server knows (its API key, if one is set)."""
         if self.api_keys is None:
             return True
@@ -453,77 +381,15 @@ class LLMServerApp(QuartTrio):
         body["workers"] = workers if several else workers[pools[0].name]
         return 200, body
 
-    # -- the small routes --------------------------------------------------------------------
+    # -- Quart's routes and error handlers ---------------------------------------------------
 
     def _routes(self) -> None:
         self.before_serving(self._start_engine)
         self.after_serving(self.stop_engine)
 
-        @self.get("/health")
-        async def health():
-            return _status_json(*self.probe_answer("/health"))
-
-        @self.get("/ready")
-        async def ready():
-            return _status_json(*self.probe_answer("/ready"))
-
-        @self.get("/metrics")
-        async def metrics():
-            accept = request.headers.get("accept")
-            group = self.server_config.frontend_dir
-            if group is None:
-                body, content_type = self.metrics.exposition(accept)
-            else:  # one of several frontends (--api-servers): answer for all of them
-                body, content_type = await group_exposition(
-                    group, self.server_config.frontend_index,
-                    self.metrics.local_exposition(), accept,
-                )
-            return Response(body, status=200, content_type=content_type)
-
-        if self.server_config.enable_tokenizer_info:
-
-            @self.get("/tokenizer_info")
-            async def tokenizer_info():
-                # A worker's tokenizer, as for /tokenize (server.http.tokenize).
-                info = await self.require_engine().tokenize({"op": "info"})
-                return Response(dumps(info), content_type="application/json")
-
-        @self.get("/load")
-        async def load():
-            # vLLM's --enable-server-load-tracking route, always on here (the count is kept
-            # anyway): generation requests in flight on this frontend.
-            body = {"server_load": sum(e.open_streams for e in self.models.engines())}
-            return Response(dumps(body), content_type="application/json")
-
-        @self.get("/version")
-        async def version():
-            # vLLM's route: "version" is vLLM's with the vllm engine (clients read it to
-            # know what vLLM serves), else this server's; both named besides.
-            info = self.engine.info if self.engine is not None else {}
-            body = {"version": info.get("vllm_version") or __version__,
-                    "server_version": __version__, "engine": info.get("engine")}
-            if info.get("vllm_version"):
-                body["vllm_version"] = info["vllm_version"]
-            return Response(dumps(body), content_type="application/json")
-
-        @self.get("/v1/models")
-        async def models():
-            data = []
-            for pool in self.models.pools:
-                card = self._model_card(pool)
-                data.append(card)
-                if pool.engine is not None:  # its LoRA adapters, as vLLM lists them
-                    data += adapter_cards(pool.engine, card)
-            body = {"object": "list", "data": data}
-            return Response(dumps(body), content_type="application/json")
-
-        @self.get("/v1/models/<path:model_id>")
-        async def model(model_id: str):
-            pool = self.models.resolve(model_id)  # (a 404 for a name nothing serves)
-            card = self._model_card(pool)
-            if card["id"] != model_id and pool.engine is not None:  # a LoRA adapter
-                card = next(c for c in adapter_cards(pool.engine, card) if c["id"] == model_id)
-            return Response(dumps(card), content_type="application/json")
+        for route in quart_routes(self.server_config):
+            self.add_url_rule(route.path, route.serve.__name__, partial(route.serve, self),
+                              methods=list(route.methods))
 
         @self.errorhandler(ServerError)
         async def server_error(exc: ServerError):
@@ -544,35 +410,6 @@ class LLMServerApp(QuartTrio):
         async def internal_error(exc: Exception):
             log.error("internal error", exc_info=exc)
             return _json_error(ServerError("Internal server error."))
-
-    def _served_model(self) -> str:
-        return self.models.default.name
-
-    def _model_card(self, pool: Pool) -> dict:
-        """A model's card, with vLLM's fields: ``root`` the model's path as configured
-        (its name when it has none: the sim, remote workers), ``parent`` null (an adapter's
-        card names its base model: :func:`adapter_cards`), and ``permission``, which
-        clients that read vLLM's cards expect."""
-        created = int(self.started_at)
-        card = {
-            "id": pool.name,
-            "object": "model",
-            "created": created,
-            "owned_by": "trio-llm-server",
-            "root": pool.config.engine.engine_options.get("model_path") or pool.name,
-            "parent": None,
-            "permission": [{
-                "id": f"modelperm-{pool.name}", "object": "model_permission",
-                "created": created, "allow_create_engine": False, "allow_sampling": True,
-                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-                "allow_fine_tuning": False, "organization": "*", "group": None,
-                "is_blocking": False,
-            }],
-        }
-        engine = pool.engine
-        if engine is not None and engine.info.get("max_model_len"):
-            card["max_model_len"] = engine.info["max_model_len"]
-        return card
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import ClientError
-from . import generate
+from .answer import write_full
 from ..openai.schema import GenerateRequest, chat_request, decode_json
 
 __all__ = ["PATH", "ROUTE", "parse_chat_batch"]
@@ -87,8 +87,8 @@ class ChatBatchRoute:
     @staticmethod
     async def write(app, answer, stream, req: GenerateRequest, response_id: str,
                     model: str) -> None:
-        await generate._write_full(answer, stream, req, response_id, model,
-                                   app.server_config.reasoning_parser)
+        await write_full(answer, stream, req, response_id, model,
+                         app.server_config.reasoning_parser)
 
 
 ROUTE = ChatBatchRoute()

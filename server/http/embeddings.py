@@ -17,21 +17,18 @@ whole request goes to the least loaded worker as one ``embed`` TOKENIZE round tr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import base64
 import sys
+import time
 from array import array
 
 from ..errors import ClientError, NotFound, clip
+from ..observability import RequestRecord, log_request
 from ..params import is_token_ids
 from ..openai.encode import dumps_document
 from ..openai.fields import check_route_fields
 from ..openai.schema import decode_json
 from .tokenize import serve_worker_op
-
-if TYPE_CHECKING:
-    from ..observability.record import RequestRecord
 
 __all__ = ["handle_embeddings", "parse_embeddings", "embeddings_answer", "HONOURED", "REFUSED",
            "MAX_INPUTS", "PATH"]
@@ -176,9 +173,15 @@ def embeddings_answer(context: tuple, result: dict) -> bytes:
     })
 
 
-async def handle_embeddings(app, scope: dict, receive, send, *, headers: list,
-                            record: RequestRecord | None = None) -> None:
-    """Serve one /v1/embeddings request; never raises into the ASGI server (but
-    Cancelled). ``record``: filled in for its request log line."""
-    await serve_worker_op(app, scope, receive, send, headers, parse_embeddings,
-                          embeddings_answer, record=record)
+async def handle_embeddings(app, path: str, scope: dict, receive, send, headers: list,
+                            request_id: str) -> None:
+    """Serve one /v1/embeddings request (a route of :mod:`server.http.routes`); never
+    raises into the ASGI server (but Cancelled). It is logged in one line, as a generation
+    request is, but not counted in the generation metrics."""
+    record = RequestRecord(request_id, path)
+    try:
+        await serve_worker_op(app, scope, receive, send, headers, parse_embeddings,
+                              embeddings_answer, record=record)
+    finally:
+        record.finish = time.perf_counter()
+        log_request(record)

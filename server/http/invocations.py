@@ -27,8 +27,6 @@ route then parses the body as it would its own.
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable
-
 import msgspec
 
 from ..errors import ClientError
@@ -91,25 +89,22 @@ def invocation_route(body: bytes) -> str:
     )
 
 
-Dispatch = Callable[[str, dict, object, object, list], Awaitable[None]]
-
-
 async def handle_invocations(
-    app, scope: dict, receive, send, *, headers: list, dispatch: Dispatch
+    app, path: str, scope: dict, receive, send, headers: list, request_id: str
 ) -> None:
-    """Serve one ``/invocations`` request; never raises into the ASGI server (but
-    Cancelled). ``dispatch(path, scope, receive, send, headers)`` serves it as a request
-    to ``path`` would be (the app's own route table)."""
+    """Serve one ``/invocations`` request (a route of :mod:`server.http.routes`); never
+    raises into the ASGI server (but Cancelled). The request is then served as one to
+    the route its body picks would be (``app.serve_route``)."""
     try:
         body = await read_json_post(app, scope, receive)
         if body is None:
             return  # the client went away
-        path = await off_loop(len(body), invocation_route, body)
+        route = await off_loop(len(body), invocation_route, body)
     except Exception as exc:
         error, extra = await refusal(exc, scope, receive, app.server_config, f"in {PATH}")
         await send_error(send, error, headers + extra)
         return
-    await dispatch(path, scope, _replay(body, receive), send, headers)
+    await app.serve_route(route, scope, _replay(body, receive), send, headers, request_id)
 
 
 def _replay(body: bytes, receive):

@@ -1,5 +1,6 @@
 """``POST /v1/responses`` on the generation path: the route object that
-:func:`server.http.generate.handle_generate` calls to parse a body and write the answer.
+:func:`server.http.generate.handle_generate` calls to parse a body and write the answer
+(with :mod:`server.http.answer`, the response side every generation route shares).
 
 The request's life is the chat route's (generate.py's theory of operation): one nursery,
 the disconnect monitor, the stream's shielded aclose; a rejection before the first output
@@ -17,7 +18,7 @@ import logging
 import time
 
 from ..errors import EngineError
-from . import generate
+from .answer import failure, started, stream_started, tokens_arrived, whole_failure
 from ..openai.encode import dumps
 from .post import off_loop
 from ..openai.responses import ResponsesRequest, parse_responses
@@ -66,7 +67,7 @@ def _usage(per_choice: list[int], out) -> dict:
 
 
 async def _write_stream(answer, stream, events: ResponseEvents, observe_itl, heartbeat) -> None:
-    per_choice = await generate._stream_started(answer, stream, heartbeat)
+    per_choice = await stream_started(answer, stream, heartbeat)
     if per_choice is None:
         return
     send = answer.send
@@ -76,11 +77,11 @@ async def _write_stream(answer, stream, events: ResponseEvents, observe_itl, hea
         await send({"type": "http.response.body", "body": events.start(), "more_body": True})
         while outs := await stream.next_batch():
             if outs[0].num_tokens:
-                last = generate.tokens_arrived(record, observe_itl, last)
+                last = tokens_arrived(record, observe_itl, last)
             for o in outs:
                 ended = o.finish_reason is not None
                 body = events.feed(o.text, last=ended and o.finish_reason != "error")
-                exc = generate.failure(stream, o)
+                exc = failure(stream, o)
                 if exc is not None:
                     record.failed(exc)
                     await answer.last(body + events.fail(exc))
@@ -98,14 +99,14 @@ async def _write_stream(answer, stream, events: ResponseEvents, observe_itl, hea
 
 
 async def _write_full(answer, stream, events: ResponseEvents) -> None:
-    per_choice = await generate._started(answer, stream)
+    per_choice = await started(answer, stream)
     if per_choice is None:
         return
     record = answer.record
     texts = []
     final = None
     async for out in stream:
-        exc = generate.whole_failure(record, stream, out)
+        exc = whole_failure(record, stream, out)
         if exc is not None:
             await answer.error(exc)
             return

@@ -32,10 +32,7 @@ from ..worker_protocol.wire import release_sliced
 if TYPE_CHECKING:
     from ..observability.record import RequestRecord
 
-__all__ = ["handle_tokenize", "parse_tokenize", "parse_detokenize", "serve_worker_op", "ROUTES"]
-
-#: Path -> operation.
-ROUTES = {"/tokenize": "tokenize", "/detokenize": "detokenize"}
+__all__ = ["handle_tokenize", "parse_tokenize", "parse_detokenize", "serve_worker_op"]
 
 #: vLLM's tokenize fields this server does not honour -> the values that mean "not used":
 #: a template from the request (Jinja the worker would run; generation refuses it too), and
@@ -209,8 +206,9 @@ def _parse_detokenize(body: bytes, model: str, info: dict) -> tuple[dict, str]:
     return parse_detokenize(body, model), "detokenize"
 
 
-async def handle_tokenize(app, scope: dict, receive, send, *, op: str, headers: list) -> None:
-    """Serve one /tokenize or /detokenize request; never raises into the ASGI server (but
-    Cancelled)."""
+async def handle_tokenize(app, path: str, scope: dict, receive, send, headers: list,
+                          request_id: str, *, op: str) -> None:
+    """Serve one /tokenize or /detokenize request (``op``; a route of
+    :mod:`server.http.routes`); never raises into the ASGI server (but Cancelled)."""
     parse = _parse_tokenize if op == "tokenize" else _parse_detokenize
     await serve_worker_op(app, scope, receive, send, headers, parse, _tokenize_answer)
