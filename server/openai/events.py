@@ -15,7 +15,7 @@ from .reasoning import ReasoningSplitter
 from .tool_parsers import new_parser
 from .tools import ToolChoice
 
-__all__ = ["RichEvents"]
+__all__ = ["RichEvents", "feed_through"]
 
 
 class RichEvents:
@@ -83,13 +83,13 @@ class RichEvents:
         finish = o.finish_reason
         thought, said = "", o.text
         if self.splitters is not None:
-            thought, said = _feed(self.splitters[o.index], said, finish is not None)
+            thought, said = feed_through(self.splitters[o.index], said, finish is not None)
             if not self.include_reasoning:  # (chat's include_reasoning: false)
                 thought = ""
         calls: list = []
         if self.tool_parsers is not None:
             parser = self.tool_parsers[o.index]
-            said, calls = _feed(parser, said, finish is not None)
+            said, calls = feed_through(parser, said, finish is not None)
             if finish == "stop" and parser.calls:
                 finish = "tool_calls"
         lp = formatter.format(o.logprobs) if formatter is not None else None
@@ -104,7 +104,7 @@ class RichEvents:
         return b"".join(chunks)
 
 
-def _feed(parser, text: str, last: bool) -> tuple:
+def feed_through(parser, text: str, last: bool) -> tuple:
     """A splitter's or parser's ``feed`` of ``text``, with its ``finish`` when ``last``."""
     a, b = parser.feed(text)
     if last:

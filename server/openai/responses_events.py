@@ -34,7 +34,7 @@ import os
 
 from ..errors import ServerError
 from .encode import dumps
-from .events import _feed
+from .events import feed_through
 from .reasoning import ReasoningSplitter
 from .tool_parsers import CallsOrDocument, ToolCallParser, new_parser
 from .tools import ToolChoice
@@ -105,10 +105,10 @@ class ResponseEvents:
         decided)."""
         thought, said = "", text
         if self._splitter is not None:
-            thought, said = _feed(self._splitter, said, last)
+            thought, said = feed_through(self._splitter, said, last)
         calls: list = []
         if self._parser is not None:
-            said, calls = _feed(self._parser, said, last)
+            said, calls = feed_through(self._parser, said, last)
         out = []
         if thought:
             out.append(self._write("reasoning", thought))
