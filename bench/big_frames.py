@@ -2,7 +2,7 @@
 answer encoded (issue 23 item 3), in process: a Trio task sleeps 1 ms in a loop and the
 largest gap between its wake-ups is printed, with the operation's own time, for
 
-* a TOKENIZED frame of 1.9M token ids (9 MB): ``FrameDecoder.feed`` on the loop (what the
+* a RESULT frame of 1.9M token ids (9 MB): ``FrameDecoder.feed`` on the loop (what the
   router did) against ``decode_frames`` (a thread, ``wire.decode_sliced``: what it does);
 * a logprobs answer (16 choices x 900 tokens x 20 alternatives, 13 MB):
   ``dumps_document`` in a thread (one msgspec call holds the GIL) against ``dumps_sliced``.
@@ -47,7 +47,7 @@ async def _case(name: str, fn) -> None:
 
 async def _main(rounds: int) -> None:
     ids = list(range(1000, 1000 + 1_900_000))
-    frame = wire.encode([wire.TOKENIZED, 1, wire.pack_sliced(
+    frame = wire.encode([wire.RESULT, 1, wire.pack_sliced(
         {"tokens": ids, "max_model_len": 2048}), None])
     alt = {"token": "u", "logprob": -2.0, "bytes": [117]}
     entry = {"token": "t", "logprob": -0.1, "bytes": [116], "top_logprobs": [alt] * 20}
@@ -67,8 +67,8 @@ async def _main(rounds: int) -> None:
         await trio.to_thread.run_sync(dumps_sliced, doc)
 
     for _ in range(rounds):
-        await _case("TOKENIZED 1.9M ids: feed on the loop", feed)
-        await _case("TOKENIZED 1.9M ids: decode_frames (thread, sliced)", sliced)
+        await _case("RESULT 1.9M ids: feed on the loop", feed)
+        await _case("RESULT 1.9M ids: decode_frames (thread, sliced)", sliced)
         await _case("logprobs answer: dumps_document in a thread", one_call)
         await _case("logprobs answer: dumps_sliced in a thread", in_pieces)
 

@@ -2,7 +2,7 @@
 (issue 23; the ~3 s gap in every stream at the end of the isolation bench's tokenize phase)
 
 In process, with the testing kit's in-memory sim worker (server.testing): ``--streams``
-streams run on one worker (the sim's 10 ms a token), then one TOKENIZE round trip is
+streams run on one worker (the sim's 10 ms a token), then one CALL round trip is
 answered by that worker with ``--ids`` token ids (packed beforehand, as the worker's helper
 process packs them: only the frontend's side is measured). Printed per round: the round
 trip's seconds, the largest gap between consecutive outputs of one stream during it (and
@@ -10,7 +10,7 @@ the median over the streams of each stream's largest), against the same figures 
 baseline window of the same length; and the event loop's own largest gap (a task sleeping
 1 ms).
 
-Compare the router before and after it decoded big TOKENIZED frames aside: run this file
+Compare the router before and after it decoded big RESULT frames aside: run this file
 with ``PYTHONPATH`` at a checkout of each (the script imports ``server`` from there).
 
 ``--form list`` sends the ids as a msgpack array, as a worker did before packed ids
@@ -93,7 +93,7 @@ async def main(args) -> None:
                     c = _perf()
                     await trio.sleep(b - a + 0.3)
                     d = _perf()
-                    print(f"round {rnd + 1}: TOKENIZE of {args.ids:,} ids "
+                    print(f"round {rnd + 1}: CALL of {args.ids:,} ids "
                           f"({len(packed.data) / 1e6:.1f} MB) in {b - a:.2f} s")
                     print(f"  during:   {_summary(streams, ticks, a, c)}")
                     print(f"  baseline: {_summary(streams, ticks, c, d)}", flush=True)

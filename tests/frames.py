@@ -80,11 +80,11 @@ WELL_FORMED = {
     wire.STEP: st.tuples(st.just(wire.STEP), _rows, st.lists(_output, max_size=3))
     | st.tuples(st.just(wire.STEP), _rows, st.lists(_output, max_size=3),
                 st.lists(_note, max_size=2)),
-    wire.TOKENIZE: st.tuples(st.just(wire.TOKENIZE), _ints,
+    wire.CALL: st.tuples(st.just(wire.CALL), _ints,
                              st.dictionaries(_small_text, values, max_size=3)),
-    wire.TOKENIZED: st.tuples(st.just(wire.TOKENIZED), _ints, st.dictionaries(
+    wire.RESULT: st.tuples(st.just(wire.RESULT), _ints, st.dictionaries(
         _small_text, values, max_size=2), st.none())
-    | st.tuples(st.just(wire.TOKENIZED), _ints, st.none(), _error),
+    | st.tuples(st.just(wire.RESULT), _ints, st.none(), _error),
     wire.CHALLENGE: st.tuples(st.just(wire.CHALLENGE), st.integers(0, 3), _nonce,
                               st.booleans()),
     wire.AUTH: st.tuples(st.just(wire.AUTH), _nonce, _nonce | st.none()),
@@ -134,9 +134,9 @@ bad_packed = st.binary(max_size=11).filter(lambda b: len(b) % 4 != 0).map(
 #: detokenize's tokens, a /tokenize answer's tokens.
 PACKED = {
     wire.SUBMIT: st.tuples(st.just(wire.SUBMIT), _ints, long_ids, _params),
-    wire.TOKENIZE: st.tuples(st.just(wire.TOKENIZE), _ints, st.fixed_dictionaries(
+    wire.CALL: st.tuples(st.just(wire.CALL), _ints, st.fixed_dictionaries(
         {"op": st.just("detokenize"), "tokens": long_ids})),
-    wire.TOKENIZED: st.tuples(st.just(wire.TOKENIZED), _ints, st.fixed_dictionaries(
+    wire.RESULT: st.tuples(st.just(wire.RESULT), _ints, st.fixed_dictionaries(
         {"tokens": long_ids, "max_model_len": _counts}), st.none()),
 }
 

@@ -1,5 +1,5 @@
 """A big answer in parts (issue 23; server.worker_protocol.parts): a pipe worker sends a
-TOKENIZED of ``wire.BIG_FRAME`` or more as PART frames, a few per pass of its loop, so the
+RESULT of ``wire.BIG_FRAME`` or more as PART frames, a few per pass of its loop, so the
 STEP frames of the other streams go between them; the frontend joins them back.
 
 Sans-IO for the splitting, joining and refusing; one real transformers worker (tiny model)
@@ -28,9 +28,9 @@ LIMIT = 240  # seconds: a test that starts a process importing torch (busy CI co
 
 
 def _tokenized(n: int, seq: int = 5) -> bytes:
-    """A TOKENIZED frame answering ``seq`` with ``n`` ids, packed as a worker packs it."""
+    """A RESULT frame answering ``seq`` with ``n`` ids, packed as a worker packs it."""
     result = {"tokens": wire.pack_ids(list(range(n))), "count": n, "max_model_len": 64}
-    return wire.encode([wire.TOKENIZED, seq, result, None])
+    return wire.encode([wire.RESULT, seq, result, None])
 
 
 BIG = (wire.BIG_FRAME // 4) + 1000  # ids enough for a big answer (4 bytes an id, packed)
@@ -59,7 +59,7 @@ def test_parts_are_joined_into_the_frame_they_came_from_in_the_place_of_the_last
     decoder = parts.PartsDecoder(wire.check_reply)
     bodies = _feed_in_pieces(decoder, stream, seed)
     assert decoder.buffered == 0
-    assert [b.startswith(wire.TOKENIZED_HEAD) for b in bodies] == [False] * len(steps) + [True]
+    assert [b.startswith(wire.RESULT_HEAD) for b in bodies] == [False] * len(steps) + [True]
     assert bytes(bodies[-1]) == big[4:]
     assert wire.decode_sliced(bodies[-1]) == msgpack.unpackb(big[4:], ext_hook=wire._unpack_ext)
     assert [decoder.decode(b)[2][0][0] for b in bodies[:-1]] == list(range(len(steps)))
@@ -190,9 +190,9 @@ class _BreakingSim(_TokenizingSim):
 async def _run_loop(shutdown: str, engine: SimEngine | None = None
                     ) -> tuple[list[int], list]:
     """The worker's own loop (server.workers.main.serve, in a thread) on a sim that steps
-    every pass (``itl_ms=0``), running one long request; once it runs, a TOKENIZE; then a
+    every pass (``itl_ms=0``), running one long request; once it runs, a CALL; then a
     SHUTDOWN: ``"answered"`` once the answer arrived, ``"first part"`` at its first PART,
-    ``"together"`` in the same write as the TOKENIZE. Returns the kinds of the frames the
+    ``"together"`` in the same write as the CALL. Returns the kinds of the frames the
     worker sent, and the answers (joined)."""
     engine = engine or _TokenizingSim(itl_ms=0.0, ttft_ms=0.0, prefill_us_per_token=0.0)
     to_worker, worker_in = os.pipe()
@@ -201,7 +201,7 @@ async def _run_loop(shutdown: str, engine: SimEngine | None = None
     os.write(worker_in, wire.encode([wire.SUBMIT, 1, "hi", params]))
     kinds: list[int] = []
     answers: list = []
-    tokenize = wire.encode([wire.TOKENIZE, 9, {"op": "tokenize"}])
+    tokenize = wire.encode([wire.CALL, 9, {"op": "tokenize"}])
     stop = wire.encode([wire.SHUTDOWN])
 
     def run_worker() -> None:
@@ -226,7 +226,7 @@ async def _run_loop(shutdown: str, engine: SimEngine | None = None
                         stopped = True
                         os.write(worker_in, stop)
                 answers.extend(joiner.decode_sliced(b) for b in joiner.frames(data)
-                               if b.startswith(wire.TOKENIZED_HEAD))
+                               if b.startswith(wire.RESULT_HEAD))
                 if answers and shutdown == "answered" and not stopped:
                     stopped = True
                     os.write(worker_in, stop)
@@ -255,7 +255,7 @@ async def test_a_worker_loop_writes_its_steps_between_the_parts_of_a_big_answer(
         run = run + 1 if kind == wire.PART else 0
         assert run <= parts.PARTS_PER_PASS
     assert kinds[first:last].count(wire.PART) >= len(IDS) * 5 // parts.PART_BYTES
-    assert wire.TOKENIZED not in kinds
+    assert wire.RESULT not in kinds
 
 
 async def test_an_engine_that_breaks_lets_the_answers_made_go_first():
@@ -296,7 +296,7 @@ async def test_a_real_worker_sends_a_big_answer_in_parts_that_the_frontend_joins
                 assert answer["tokens"] == expected
                 kinds = [f.msg[0] for f in spawn.sent]
                 assert kinds.count(wire.PART) >= len(expected) * 4 // parts.PART_BYTES
-                assert wire.TOKENIZED not in kinds  # the answer came in parts only
+                assert wire.RESULT not in kinds  # the answer came in parts only
                 await stream.aclose()
 
 
@@ -357,7 +357,7 @@ async def _listening_sim():
 
 def _by_hand(address, subscribe: bool) -> tuple[list[int], list, dict]:
     """A frontend by hand on a blocking socket: the handshake, SUBSCRIBE ["parts"] if
-    ``subscribe``, a long request, and once it runs a TOKENIZE. Returns the kinds of the
+    ``subscribe``, a long request, and once it runs a CALL. Returns the kinds of the
     frames the worker sent until the answer was whole, the answers (joined) and the
     worker's HELLO info."""
     import socket
@@ -394,9 +394,9 @@ def _by_hand(address, subscribe: bool) -> tuple[list[int], list, dict]:
                 kinds.append(message[0])
                 if message[0] == wire.STEP and not asked:
                     asked = True
-                    sock.sendall(wire.encode([wire.TOKENIZE, 9, {"op": "tokenize"}]))
+                    sock.sendall(wire.encode([wire.CALL, 9, {"op": "tokenize"}]))
             answers.extend(joiner.decode_sliced(b) for b in joiner.frames(data)
-                           if b.startswith(wire.TOKENIZED_HEAD))
+                           if b.startswith(wire.RESULT_HEAD))
         sock.sendall(wire.encode([wire.ABORT, 1]))
     finally:
         sock.close()
@@ -404,7 +404,7 @@ def _by_hand(address, subscribe: bool) -> tuple[list[int], list, dict]:
 
 
 async def test_a_listening_worker_sends_big_answers_in_parts_to_a_connection_that_asked():
-    """A connection that subscribed to parts gets a big TOKENIZED as PART frames, with its
+    """A connection that subscribed to parts gets a big RESULT as PART frames, with its
     STEPs between every :data:`parts.PARTS_PER_PASS` of them (counted on the frames, not
     timed); one that did not gets it whole."""
     with trio.fail_after(LIMIT):
@@ -412,7 +412,7 @@ async def test_a_listening_worker_sends_big_answers_in_parts_to_a_connection_tha
             kinds, answers, info = await trio.to_thread.run_sync(_by_hand, address, True)
             assert info[wire.PARTS_KEY] is True
             assert len(answers) == 1 and answers[0][2]["tokens"] == IDS
-            assert wire.TOKENIZED not in kinds
+            assert wire.RESULT not in kinds
             first = kinds.index(wire.PART)
             run = 0
             for kind in kinds[first:]:  # never more than one pass's parts in a row
@@ -423,7 +423,7 @@ async def test_a_listening_worker_sends_big_answers_in_parts_to_a_connection_tha
 
             kinds, answers, _ = await trio.to_thread.run_sync(_by_hand, address, False)
             assert len(answers) == 1 and answers[0][2]["tokens"] == IDS
-            assert wire.PART not in kinds and wire.TOKENIZED in kinds
+            assert wire.PART not in kinds and wire.RESULT in kinds
 
 
 async def test_a_frontend_subscribes_to_a_listening_workers_parts_and_joins_them():

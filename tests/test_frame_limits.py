@@ -38,7 +38,7 @@ def _submit_of_empties(n: int, rid: int = 7) -> bytes:
 
 def test_the_type_is_read_from_the_first_bytes():
     for message in ([wire.PING, 1], [wire.SUBMIT, 2**40, "x" * 70000, {}],
-                    [wire.TOKENIZE, -1, {"op": "info"}]):
+                    [wire.CALL, -1, {"op": "info"}]):
         body = wire.encode(message)[4:]
         assert wire.peek_kind(body, 0, len(body)) == message[0]
         assert wire.peek_head(body) == (message[0], message[1])
@@ -95,13 +95,13 @@ def test_a_request_over_a_budget_is_refused_as_its_own_error(frame, over):
     (refused,) = decoder.refused
     assert (refused.kind, refused.ident) == (wire.SUBMIT, 7)
     assert refused.message == f"the request is too large for the worker to decode: {over}"
-    # as a TOKENIZE, the same; as another type (or without an integer id) it ends the
+    # as a CALL, the same; as another type (or without an integer id) it ends the
     # connection
     frame = bytearray(frame)
-    frame[5 if frame[4] != 0xDC else 7] = wire.TOKENIZE
+    frame[5 if frame[4] != 0xDC else 7] = wire.CALL
     decoder.refused.clear()
     decoder.feed(bytes(frame))
-    assert [(r.kind, r.ident) for r in decoder.refused] == [(wire.TOKENIZE, 7)]
+    assert [(r.kind, r.ident) for r in decoder.refused] == [(wire.CALL, 7)]
 
 
 def test_a_frame_without_a_request_id_over_a_budget_ends_the_connection():
@@ -114,13 +114,13 @@ def test_a_frame_without_a_request_id_over_a_budget_ends_the_connection():
 def test_big_legitimate_requests_decode_as_without_limits():
     ids = list(range(1_500_000))  # (packed: more ids than the budget's values)
     messages = [
-        [wire.TOKENIZE, 1, {"op": "tokenize", "prompt": "x" * 3_500_000}],
+        [wire.CALL, 1, {"op": "tokenize", "prompt": "x" * 3_500_000}],
         [wire.SUBMIT, 2, wire.pack_ids(ids), {"max_tokens": 3, "stop": ["a"] * 100,
                                               "resume": {"token_ids": ids[:100_000]}}],
         [wire.SUBMIT, 3, {"messages": [{"role": "user", "content": "y" * 100}] * 5000},
          {"response_format": {"type": "json_schema", "schema": _nest(100)}},
          "adapter", [b"n" * 8] * wire.ROUTED_MAX],
-        [wire.TOKENIZE, 4, {"op": "embed", "input": [[1, 2, 3] * 100] * 2048}],
+        [wire.CALL, 4, {"op": "embed", "input": [[1, 2, 3] * 100] * 2048}],
     ]
     stream = b"".join(map(wire.encode, messages))
     plain = wire.FrameDecoder().feed(stream)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import random
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,6 +20,11 @@ from server.worker_protocol import wire
 from server.worker_protocol.kv_blocks import (
     CLEARED, REMOVED, STORED, block_digests, seed_of,
 )
+
+
+def _typed(events: list) -> list[wire.KvEvent]:
+    """KV events as a STEP's note carries them to the router: typed, and so checked."""
+    return msgspec.convert(events, list[wire.KvEvent])
 
 ids_lists = st.lists(st.integers(min_value=0, max_value=2**40), max_size=40)
 
@@ -100,13 +106,14 @@ def test_index_fed_events_matches_the_cache(seed):
         else:
             cache.held.clear()
             events = [[CLEARED]]
-        assert wire._all(events, wire._kv_event)
+        events = _typed(events)  # (and checked: as a STEP's note carries them)
         index.apply(events)
         if late is not None:
             late.apply(events)
         if step == 30:
             late = KVIndex(size)
-            late.apply([[STORED, [block_digests(list(p), size)[-1] for p in cache.held]]])
+            late.apply(_typed([[STORED, [block_digests(list(p), size)[-1]
+                                         for p in cache.held]]]))
         for _ in range(5):
             query = sum(rng.choices(pieces, k=rng.randint(0, 5)), [])
             names = block_digests(query, size)
@@ -118,9 +125,9 @@ def test_index_fed_events_matches_the_cache(seed):
 
 def test_an_index_past_its_capacity_forgets_rather_than_grows():
     index = KVIndex(4, capacity=3)
-    index.apply([[STORED, [b"a" * 8, b"b" * 8]]])
+    index.apply(_typed([[STORED, [b"a" * 8, b"b" * 8]]]))
     assert len(index) == 2
-    index.apply([[STORED, [b"c" * 8, b"d" * 8]]])
+    index.apply(_typed([[STORED, [b"c" * 8, b"d" * 8]]]))
     assert len(index) == 0
 
 
@@ -144,8 +151,8 @@ def test_kv_events_on_the_wire():
 def test_prefix_tokens_exact_where_reported_else_predicted():
     ids = list(range(40))
     a, b = KVIndex(8), KVIndex(4)
-    a.apply([[STORED, block_digests(ids[:24], 8)]])       # 3 blocks of 8
-    b.apply([[STORED, block_digests(ids[:8], 4)[:1]]])    # 1 block of 4
+    a.apply(_typed([[STORED, block_digests(ids[:24], 8)]]))       # 3 blocks of 8
+    b.apply(_typed([[STORED, block_digests(ids[:8], 4)[:1]]]))    # 1 block of 4
     assert prefix_tokens(ids, b"", [a, b, None], [0, 0, 16]) == [24, 4, 16]
     # another seed (an adapter, a salt): not the same blocks
     assert prefix_tokens(ids, seed_of(["x"]), [a, b], [0, 0]) == [0, 0]

@@ -128,9 +128,9 @@ def test_submit_carries_an_adapter_name_and_an_engine_without_adapters_404s_it()
     handle_message(engine, [wire.SUBMIT, 1, "hi", {"max_tokens": 2}, "ad"], accepts, outputs)
     assert accepts == [] and outputs == [
         (1, "", 0, "error", ["model_not_found", "The model 'ad' does not exist."])]
-    reply = handle_message(engine, [wire.TOKENIZE, 3, {"op": "load_lora", "name": "ad",
+    reply = handle_message(engine, [wire.CALL, 3, {"op": "load_lora", "name": "ad",
                                                        "path": "/x"}], accepts, outputs)
-    assert reply[:3] == [wire.TOKENIZED, 3, None] and reply[3][0] == "invalid_request"
+    assert reply[:3] == [wire.RESULT, 3, None] and reply[3][0] == "invalid_request"
     assert "--enable-lora" in reply[3][1]
 
 

@@ -311,8 +311,8 @@ async def test_property_generated_frames_from_a_worker_end_at_most_its_session(t
                 @given(frames.replies)
                 # (one of each outcome always: generated ones were all well formed in a CI
                 # run, 40 of 40; the share varies from run to run, 3 to 25 malformed seen)
-                @example([wire.TOKENIZED, 1, {"tokens": [1, 2], "max_model_len": 9}, None])
-                @example([wire.TOKENIZED])
+                @example([wire.RESULT, 1, {"tokens": [1, 2], "max_model_len": 9}, None])
+                @example([wire.RESULT])
                 def each(message):
                     trio.from_thread.run(one, message)
 

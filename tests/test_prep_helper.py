@@ -65,8 +65,8 @@ def test_the_helper_prepares_as_the_worker_does(model_dir):
                         {"op": "tokenize", "prompt": chat}):
             packed = there.tokenize(request)
             assert type(packed) is wire.Packed
-            assert (wire.encode([wire.TOKENIZED, 1, packed, None])
-                    == wire.encode([wire.TOKENIZED, 1, here.tokenize(request), None]))
+            assert (wire.encode([wire.RESULT, 1, packed, None])
+                    == wire.encode([wire.RESULT, 1, here.tokenize(request), None]))
         # asked for (by a frontend that reads them), long ids are packed: the same list
         plain = here.tokenize({"op": "tokenize", "prompt": "x" * 40_000})["tokens"]
         asked = here.tokenize({"op": "tokenize", "prompt": "x" * 40_000, "packed_ids": True})
@@ -145,7 +145,7 @@ async def test_a_dead_helper_fails_only_what_it_held(model_dir):
 
 
 async def test_a_big_tokenize_answer_comes_whole_through_the_frontend(model_dir):
-    """A real worker answers a /tokenize of 1.1M ids (a TOKENIZED frame over
+    """A real worker answers a /tokenize of 1.1M ids (a RESULT frame over
     wire.BIG_FRAME, its ids packed, which the frontend decodes beside its router): the ids
     are the tokenizer's, and a stream on the same worker runs beside it to its end."""
     from transformers import AutoTokenizer
@@ -158,7 +158,7 @@ async def test_a_big_tokenize_answer_comes_whole_through_the_frontend(model_dir)
         startup_timeout=LIMIT)
     prompt = "x" * 1_100_000  # (one byte of msgpack an id: over a MiB)
     expected = AutoTokenizer.from_pretrained(str(model_dir))(prompt)["input_ids"]
-    assert len(wire.encode([wire.TOKENIZED, 1, {"tokens": expected}, None])) > wire.BIG_FRAME
+    assert len(wire.encode([wire.RESULT, 1, {"tokens": expected}, None])) > wire.BIG_FRAME
     with trio.fail_after(LIMIT):
         async with server.open_engine(config) as hf:
             assert hf.workers[0].reads_packed  # (so the answer comes packed: 4 bytes an id)

@@ -53,11 +53,11 @@ class _WaitingEngine:
 
 
 def _load(pulse: Pulse, engine) -> list | None:
-    """A load_lora TOKENIZE answered on this thread, the loop's, with ``pulse`` running."""
+    """A load_lora CALL answered on this thread, the loop's, with ``pulse`` running."""
     pulse.start()
     try:
         return handle_in_pulse(
-            pulse, engine, [wire.TOKENIZE, 7, {"op": "load_lora", "name": "a", "path": "/a"}],
+            pulse, engine, [wire.CALL, 7, {"op": "load_lora", "name": "a", "path": "/a"}],
             [], [], None)
     finally:
         pulse.close()
@@ -68,7 +68,7 @@ def test_the_pulse_speaks_while_a_lora_load_waits_without_computing():
     pulse = Pulse(spoken, PERIOD)
     # (the guard: without the pulse's word the wait would end only there)
     reply = _load(pulse, _WaitingEngine(lambda: spoken.enough.wait(60)))
-    assert reply == [wire.TOKENIZED, 7, {"name": "a", "path": "/a", "loaded": True}, None]
+    assert reply == [wire.RESULT, 7, {"name": "a", "path": "/a", "loaded": True}, None]
 
 
 def test_the_pulse_speaks_for_a_waiting_load_for_lora_wait_seconds_only(monkeypatch):
@@ -98,7 +98,7 @@ def test_the_pulse_stays_silent_while_another_answer_waits_without_computing():
     pulse.start()
     try:
         reply = handle_in_pulse(pulse, _Tokenizer(),
-                                [wire.TOKENIZE, 3, {"op": "tokenize", "prompt": "x"}], [], [], None)
+                                [wire.CALL, 3, {"op": "tokenize", "prompt": "x"}], [], [], None)
     finally:
         pulse.close()
     assert reply is not None and reply[1] == 3

@@ -87,7 +87,7 @@ async def _answers(link, messages: list) -> list[list]:
     data = b""
     while len(got) < len(messages):
         for message in link.decoder.feed(data):
-            if message[0] == wire.TOKENIZED:
+            if message[0] == wire.RESULT:
                 got.append(message)
             elif message[0] == wire.STEP:
                 got += [[wire.STEP, *row] for row in message[2] if row[3] == "error"]
@@ -114,13 +114,13 @@ async def test_a_listening_worker_sends_two_item_errs_to_a_frontend_that_does_no
                 await link.handshake()
                 older = await _answers(link, [
                     [wire.SUBMIT, 1, "a b", {**old, **too_far}],
-                    [wire.TOKENIZE, 7, embed]])
+                    [wire.CALL, 7, embed]])
                 newer = await _answers(link, [
                     [wire.SUBMIT, 2, "a b", {**params, **too_far}],
-                    [wire.TOKENIZE, 8, {**embed, wire.ERROR_PARAM_KEY: True}]])
+                    [wire.CALL, 8, {**embed, wire.ERROR_PARAM_KEY: True}]])
         finally:
             await link.aclose(0)
-    for answers in (older, newer):  # (a TOKENIZED may come before the STEP, or after)
-        answers.sort(key=lambda m: m[0] == wire.TOKENIZED)
+    for answers in (older, newer):  # (a RESULT may come before the STEP, or after)
+        answers.sort(key=lambda m: m[0] == wire.RESULT)
     assert [len(older[0][5]), len(older[1][3])] == [2, 2], older
     assert newer[0][5][2] == "truncate_prompt_tokens" and newer[1][3][2] == "dimensions", newer

@@ -283,7 +283,7 @@ async def test_a_silent_frontend_is_dropped_while_long_answers_come_back_to_back
 
                     async def pump() -> None:
                         for seq in itertools.count(1):
-                            await busy.send.send_all(wire.encode([wire.TOKENIZE, seq, embed]))
+                            await busy.send.send_all(wire.encode([wire.CALL, seq, embed]))
                             await trio.sleep(0.6)
 
                     async def drain() -> None:

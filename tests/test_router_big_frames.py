@@ -1,4 +1,4 @@
-"""A worker's big frames in the frontend's router (issue 23): a big TOKENIZED (a /tokenize
+"""A worker's big frames in the frontend's router (issue 23): a big RESULT (a /tokenize
 answer of millions of ids, seconds of decoding) is decoded beside the router, so the other
 streams' outputs on that worker do not wait for it; garbage in one still ends the session.
 
@@ -23,12 +23,12 @@ from server.thread_limits import run_limiter
 from server.worker_protocol import wire
 from tests.fakes import all_outputs, open_fake_engine, wait_for
 
-#: Token ids enough for a TOKENIZED frame over wire.BIG_FRAME (about 3 bytes an id).
+#: Token ids enough for a RESULT frame over wire.BIG_FRAME (about 3 bytes an id).
 IDS = list(range(1000, 1000 + (wire.BIG_FRAME // 2)))
 
 
 class _Held:
-    """Every token of the limiter of the threads that decode big TOKENIZED frames aside,
+    """Every token of the limiter of the threads that decode big RESULT frames aside,
     held until released."""
 
     def __init__(self) -> None:
@@ -125,8 +125,8 @@ async def _inject_beside_a_stream(engine, spawn, body: bytes) -> list:
 async def test_garbage_in_a_big_tokenize_answer_ends_the_session():
     async with open_fake_engine(workers=1, restart_backoff=0.05) as (engine, spawn):
         victim = spawn.processes[0]
-        body = msgpack.packb([wire.TOKENIZED, 99, {"tokens": IDS}, None]) + b"\xc1"
-        assert len(body) >= wire.BIG_FRAME and wire.is_tokenized(body)
+        body = msgpack.packb([wire.RESULT, 99, {"tokens": IDS}, None]) + b"\xc1"
+        assert len(body) >= wire.BIG_FRAME and wire.is_result(body)
         outs = await _inject_beside_a_stream(engine, spawn, body)
         assert outs[-1].finish_reason == "error"
         assert "protocol violation" in (outs[-1].error or "")
@@ -135,12 +135,12 @@ async def test_garbage_in_a_big_tokenize_answer_ends_the_session():
 
 
 async def test_packed_ids_that_are_not_whole_uint32s_end_the_session():
-    """In a big TOKENIZED (decoded aside) or a small one (in the router)."""
+    """In a big RESULT (decoded aside) or a small one (in the router)."""
     async with open_fake_engine(workers=1, restart_backoff=0.05) as (engine, spawn):
         stats = engine.statistics
         for restarts, size in enumerate((4 * len(IDS) + 1, 4 * wire.PACK_MIN + 3), 1):
             bad = msgpack.ExtType(wire.PACKED_IDS, b"\x01" * size)
-            body = msgpack.packb([wire.TOKENIZED, 99, {"tokens": bad}, None])
+            body = msgpack.packb([wire.RESULT, 99, {"tokens": bad}, None])
             assert (len(body) >= wire.BIG_FRAME) == (restarts == 1)
             await wait_for(lambda: engine.workers[0].alive, timeout=60)
             victim = spawn.processes[-1]
@@ -154,12 +154,12 @@ async def test_packed_ids_that_are_not_whole_uint32s_end_the_session():
 
 
 async def test_big_answers_beyond_the_aside_bound_are_decoded_in_the_routers_way():
-    """A worker sending more big TOKENIZED frames than are decoded aside at once: the rest
+    """A worker sending more big RESULT frames than are decoded aside at once: the rest
     are decoded by the router itself, so the pipe pushes back instead of the frontend
     holding every frame in memory (answers nobody asked for are dropped)."""
     async with open_fake_engine(workers=1) as (engine, spawn):
         worker = spawn.processes[0]
-        body = msgpack.packb([wire.TOKENIZED, 10**6, {"tokens": IDS}, None])
+        body = msgpack.packb([wire.RESULT, 10**6, {"tokens": IDS}, None])
         held = _Held()
         async with held as limiter:
             await trio.testing.wait_all_tasks_blocked()  # (the worker is not writing)

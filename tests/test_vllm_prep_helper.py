@@ -73,8 +73,8 @@ def _checks(engine) -> None:
         packed = engine.tokenize(request)
         assert type(packed) is wire.Packed, request
         here = HFTokenizing.tokenize(engine, request)
-        assert (wire.encode([wire.TOKENIZED, 1, packed, None])
-                == wire.encode([wire.TOKENIZED, 1, here, None]))
+        assert (wire.encode([wire.RESULT, 1, packed, None])
+                == wire.encode([wire.RESULT, 1, here, None]))
     # a client fault in the helper is the same client fault
     too_long = "a" * (CONTEXT * 64)
     with pytest.raises(Rejected, match="maximum context length"):

@@ -190,7 +190,7 @@ def test_text_garbage_such_as_a_stray_print_is_an_error():
 # -- shapes: what each side accepts ----------------------------------------------------------
 
 GOOD_REQUESTS = [m for m in MESSAGES if m[0] in wire.REQUESTS] + [
-    [wire.TOKENIZE, 1, {"op": "detokenize", "tokens": [1, 2]}],
+    [wire.CALL, 1, {"op": "detokenize", "tokens": [1, 2]}],
 ]
 GOOD_REPLIES = [m for m in MESSAGES if m[0] in wire.REPLIES] + [
     [wire.PONG, 7, 3, 1, 2],  # a listening worker's: with this connection's count
@@ -202,8 +202,8 @@ GOOD_REPLIES = [m for m in MESSAGES if m[0] in wire.REPLIES] + [
         "queue": 0.5, "prefill": 0, "decode": 1.5, "inference": 1.5}}]]],
     [wire.STEP, [], [[1, "x", 1, "stop", None]], [[1, {"cached_tokens": 3}], [1, {
         "logprobs": [["x", -0.5, [["y", -1.0]]]], "prompt_logprobs": [["a", None, []]]}]]],
-    [wire.TOKENIZED, 1, {"tokens": [1], "max_model_len": 8}, None],
-    [wire.TOKENIZED, 1, None, ["invalid_request", "no"]],
+    [wire.RESULT, 1, {"tokens": [1], "max_model_len": 8}, None],
+    [wire.RESULT, 1, None, ["invalid_request", "no"]],
 ]
 
 
@@ -220,11 +220,11 @@ def test_well_formed_messages_pass_their_side_only():
 
 @pytest.mark.parametrize("message", [
     # issue 23: each of these raised IndexError or TypeError in a listening worker
-    [wire.PING], [wire.TOKENIZE], [wire.SUBMIT], [wire.ABORT], [wire.SUBMIT, [1], "hi", {}],
+    [wire.PING], [wire.CALL], [wire.SUBMIT], [wire.ABORT], [wire.SUBMIT, [1], "hi", {}],
     [wire.ABORT, [1]],
     [wire.SUBMIT, 1, "hi"], [wire.SUBMIT, 1, "hi", {}, 5], [wire.SUBMIT, 1, 5, {}],
     [wire.SUBMIT, 1, "hi", []], [wire.SUBMIT, True, "hi", {}], [wire.PING, "7"],
-    [wire.TOKENIZE, 1, "text"], [wire.SHUTDOWN, 1],
+    [wire.CALL, 1, "text"], [wire.SHUTDOWN, 1],
 ], ids=repr)
 def test_malformed_requests_are_protocol_errors(message):
     with pytest.raises(wire.ProtocolError, match="malformed"):
@@ -246,8 +246,8 @@ def test_malformed_requests_are_protocol_errors(message):
     [wire.STEP, [], [[1, "", 0, "stop", ["k", "m"]]]], [wire.STEP, [], [], [[1, 2]]],
     [wire.STEP, [], [], [[1, {"cached_tokens": "3"}]]], [wire.STEP, [], [], [[1, {"x": 1}]]],
     [wire.STEP, [], [], [[1, {"logprobs": [["x", "-1", []]]}]]], [wire.STEP, [], [], [], 1],
-    [wire.TOKENIZED, 1, None, None], [wire.TOKENIZED, 1, {}, ["k", "m"]],
-    [wire.TOKENIZED, 1, []],
+    [wire.RESULT, 1, None, None], [wire.RESULT, 1, {}, ["k", "m"]],
+    [wire.RESULT, 1, []],
 ], ids=repr)
 def test_malformed_replies_are_protocol_errors(message):
     with pytest.raises(wire.ProtocolError, match="malformed"):
@@ -326,8 +326,8 @@ def test_a_reply_packed_in_slices_is_the_same_frame(n, seed, max_model_len):
     rng = random.Random(seed)
     ids = [rng.choice((0, 127, 128, 255, 256, 65535, 65536, 2**31)) for _ in range(n)]
     result = {"tokens": ids, "max_model_len": max_model_len}
-    message = [wire.TOKENIZED, seed, result, None]
-    packed = wire.encode([wire.TOKENIZED, seed, wire.pack_sliced(result), None])
+    message = [wire.RESULT, seed, result, None]
+    packed = wire.encode([wire.RESULT, seed, wire.pack_sliced(result), None])
     assert packed == wire.encode(message)
     assert wire.FrameDecoder(wire.check_reply).feed(packed) == [message]
 
@@ -338,7 +338,7 @@ def test_property_a_frame_decoded_in_slices_is_the_same_message(data):
     """decode_sliced (the frontend's decoding of a big frame, in a thread) gives what one
     unpackb gives, for every message type, and takes the frames feed takes."""
     decoder = wire.FrameDecoder(wire.check_reply)
-    for kind in (wire.STEP, wire.PONG, wire.TOKENIZED):
+    for kind in (wire.STEP, wire.PONG, wire.RESULT):
         message = list(data.draw(frames.WELL_FORMED[kind]))
         (body,) = decoder.frames(wire.encode(message))
         assert repr(decoder.decode_sliced(body)) == repr(decoder.decode(body))
@@ -351,14 +351,14 @@ def test_property_a_frame_decoded_in_slices_is_the_same_message(data):
 def test_a_long_list_decoded_in_slices(n):
     rows = [[i, "é" * (i % 3), i % 5, None, None] for i in range(n)]
     ids = list(range(n))
-    for message in ([wire.STEP, [], rows], [wire.TOKENIZED, 3, {"tokens": ids}, None]):
+    for message in ([wire.STEP, [], rows], [wire.RESULT, 3, {"tokens": ids}, None]):
         (body,) = wire.FrameDecoder().frames(wire.encode(message))
         assert wire.FrameDecoder(wire.check_reply).decode_sliced(body) == message
     # a map key that is not a string (unpackb's strict keys), a long list cut short
     with pytest.raises(wire.ProtocolError):
-        wire.decode_sliced(msgpack.packb([wire.TOKENIZED, 3, {1: ids}, None]))
+        wire.decode_sliced(msgpack.packb([wire.RESULT, 3, {1: ids}, None]))
     with pytest.raises(wire.ProtocolError):
-        wire.decode_sliced(msgpack.packb([wire.TOKENIZED, 3, {"tokens": ids}, None])[:-100])
+        wire.decode_sliced(msgpack.packb([wire.RESULT, 3, {"tokens": ids}, None])[:-100])
 
 
 def test_frames_before_an_oversized_one_are_kept():
@@ -370,8 +370,8 @@ def test_frames_before_an_oversized_one_are_kept():
 
 def test_a_malformed_message_of_any_type_encodes_as_it_is():
     """encode() packs what it is given (the generated-frame tests send malformed messages
-    of every type; a short TOKENIZED raised IndexError in the test's own frontend)."""
-    for message in ([wire.TOKENIZED], [wire.TOKENIZED, 1], [wire.TOKENIZED, 1, None, None, 5]):
+    of every type; a short RESULT raised IndexError in the test's own frontend)."""
+    for message in ([wire.RESULT], [wire.RESULT, 1], [wire.RESULT, 1, None, None, 5]):
         assert wire.FrameDecoder().feed(wire.encode(message)) == [message]
 
 
@@ -389,9 +389,9 @@ def test_long_id_lists_travel_packed_and_arrive_as_the_same_lists(n):
     both decoders (one unpackb; the frontend's sliced one) as the list that was packed, in
     a /tokenize answer, a SUBMIT's prompt and a detokenize alike."""
     ids = _ids(n, seed=n)
-    for plain in ([wire.TOKENIZED, 5, {"tokens": ids, "max_model_len": 9}, None],
+    for plain in ([wire.RESULT, 5, {"tokens": ids, "max_model_len": 9}, None],
                   [wire.SUBMIT, 6, ids, {"max_tokens": 1}],
-                  [wire.TOKENIZE, 7, {"op": "detokenize", "tokens": ids}]):
+                  [wire.CALL, 7, {"op": "detokenize", "tokens": ids}]):
         packed = [*plain]
         if plain[0] == wire.SUBMIT:
             packed[2] = wire.pack_ids(ids)
@@ -402,14 +402,14 @@ def test_long_id_lists_travel_packed_and_arrive_as_the_same_lists(n):
         raw = msgpack.unpackb(body, ext_hook=lambda code, data: (code, data))
         sent = raw[2] if plain[0] == wire.SUBMIT else raw[2]["tokens"]
         assert sent == (wire.PACKED_IDS, struct.pack(f"<{n}I", *ids))
-        check = wire.check_reply if plain[0] == wire.TOKENIZED else wire.check_request
+        check = wire.check_reply if plain[0] == wire.RESULT else wire.check_request
         decoder = wire.FrameDecoder(check)
         assert decoder.feed(frame) == [plain]
         assert decoder.decode_sliced(body) == plain
     # a worker packs its /tokenize answer beforehand, a slice at a time: the same bytes
     result = {"tokens": wire.pack_ids(ids), "max_model_len": 9}
-    assert (wire.encode([wire.TOKENIZED, 1, wire.pack_sliced(result), None])
-            == wire.encode([wire.TOKENIZED, 1, result, None]))
+    assert (wire.encode([wire.RESULT, 1, wire.pack_sliced(result), None])
+            == wire.encode([wire.RESULT, 1, result, None]))
 
 
 def test_only_long_lists_of_uint32_are_packed():
@@ -431,7 +431,7 @@ def test_only_long_lists_of_uint32_are_packed():
 @pytest.mark.parametrize("payload", [b"\x01", b"\x01\x02\x03\x04\x05", b"\x00" * 16387])
 def test_packed_ids_that_are_not_whole_uint32s_are_a_protocol_error(payload):
     bad = msgpack.ExtType(wire.PACKED_IDS, payload)
-    for message in ([wire.TOKENIZED, 1, {"tokens": bad}, None], [wire.SUBMIT, 1, bad, {}]):
+    for message in ([wire.RESULT, 1, {"tokens": bad}, None], [wire.SUBMIT, 1, bad, {}]):
         body = msgpack.packb(message)
         with pytest.raises(wire.ProtocolError, match="not a multiple of 4"):
             wire.FrameDecoder().feed(struct.pack(">I", len(body)) + body)
@@ -444,7 +444,7 @@ def test_packed_ids_in_the_wrong_place_are_a_malformed_message():
     ids = wire.pack_ids(_ids(wire.PACK_MIN))
     for message, check in (([wire.SUBMIT, ids, "x", {}], wire.check_request),
                            ([wire.PING, ids], wire.check_request),
-                           ([wire.TOKENIZED, 1, ids, None], wire.check_reply)):
+                           ([wire.RESULT, 1, ids, None], wire.check_reply)):
         with pytest.raises(wire.ProtocolError, match="malformed"):
             wire.FrameDecoder(check).feed(wire.encode(message))
 
@@ -461,8 +461,8 @@ def test_property_packed_ids_at_any_depth_arrive_as_lists(seed, extra, depth):
         plain, packed = [plain], [packed]
     long_plain = [1] * (wire.SLICE + 1) + [plain]
     long_packed = [1] * (wire.SLICE + 1) + [packed]
-    message = [wire.TOKENIZED, 1, {"tokens": plain, "more": long_plain}, None]
-    body = wire.encode([wire.TOKENIZED, 1, {"tokens": packed, "more": long_packed}, None])[4:]
+    message = [wire.RESULT, 1, {"tokens": plain, "more": long_plain}, None]
+    body = wire.encode([wire.RESULT, 1, {"tokens": packed, "more": long_packed}, None])[4:]
     assert wire.FrameDecoder().decode(body) == message
     assert wire.decode_sliced(body) == message
 
@@ -491,7 +491,7 @@ def test_a_worker_packs_a_reply_with_any_long_list_a_slice_at_a_time():
         reply = tokenize_reply(7, lambda request, result=result: result, {})
         assert type(reply[2]) is wire.Packed
         assert wire.FrameDecoder().feed(wire.encode(reply)) == [
-            [wire.TOKENIZED, 7, {**result, "tokens": ids}, None]]
+            [wire.RESULT, 7, {**result, "tokens": ids}, None]]
     short = {"tokens": wire.pack_ids(ids), "token_strs": None}
     assert type(tokenize_reply(7, lambda request: short, {})[2]) is dict
 
@@ -500,22 +500,22 @@ def test_a_worker_packs_a_reply_with_any_long_list_a_slice_at_a_time():
 
 def test_an_err_of_two_or_three_items_passes_and_no_other():
     """A frontend takes ``[kind, message]`` (an older worker's, or a refusal of no field)
-    and ``[kind, message, param]`` in a STEP's error row and in a TOKENIZED."""
+    and ``[kind, message, param]`` in a STEP's error row and in a RESULT."""
     for err in (["invalid_request", "no"], ["invalid_request", "no", "max_tokens"],
                 ["invalid_request", "no", None]):
         wire.check_reply([wire.STEP, [], [[1, "", 0, "error", err]]])
-        wire.check_reply([wire.TOKENIZED, 1, None, err])
+        wire.check_reply([wire.RESULT, 1, None, err])
         assert wire.final_ok("error", err)
     for err in (["k", "m", 3], ["k", "m", "p", "q"], ["k", "m", b"p"]):
         with pytest.raises(wire.ProtocolError, match="malformed"):
             wire.check_reply([wire.STEP, [], [[1, "", 0, "error", err]]])
         with pytest.raises(wire.ProtocolError, match="malformed"):
-            wire.check_reply([wire.TOKENIZED, 1, None, err])
+            wire.check_reply([wire.RESULT, 1, None, err])
 
 
 def test_a_worker_names_the_field_only_to_a_request_that_asks():
     """The third item goes only to a request carrying ``error_param`` (a frontend of this
-    version: every SUBMIT's params and TOKENIZE request); an older frontend, which ends
+    version: every SUBMIT's params and CALL request); an older frontend, which ends
     the connection on a three-item err, gets two."""
     from server import SamplingParams
     from server.workers.main import handle_message
@@ -547,7 +547,7 @@ def test_a_worker_names_the_field_only_to_a_request_that_asks():
     assert outputs[0][4][2] == "messages"
     embed = {"op": "embed", "input": ["a"], "dimensions": 10**6}
     for request, n in (({**embed, **asks}, 3), (embed, 2)):
-        reply = handle_message(engine, [wire.TOKENIZE, 1, request], [], [])
+        reply = handle_message(engine, [wire.CALL, 1, request], [], [])
         assert reply is not None and reply[2] is None and len(reply[3]) == n
         wire.check_reply(reply)
         assert reply[3][2:] == (["dimensions"] if n == 3 else [])

@@ -12,7 +12,7 @@ Adapters come two ways. *Start-up* adapters (``--lora-modules``) are each worker
 options: every worker loads them before its HELLO, whose ``info["lora"]["adapters"]``
 lists them. *Run-time* adapters are loaded by a client (``POST /v1/load_lora_adapter``)
 and exist only because this table says so: :meth:`AdapterRegistry.load` sends a
-``load_lora`` op (a TOKENIZE round trip, answered between engine steps) to every live
+``load_lora`` op (a CALL round trip, answered between engine steps) to every live
 worker at once; if any refuses, the others unload it again and the client gets that
 worker's error. A name is served (requests may name it) only once every worker has it.
 

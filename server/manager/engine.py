@@ -231,7 +231,7 @@ class Engine:
         return stream
 
     async def tokenize(self, request: dict) -> dict:
-        """Answer a /tokenize, /detokenize or embed request (a TOKENIZE round trip, see
+        """Answer a /tokenize, /detokenize or embed request (a CALL round trip, see
         server.worker_protocol.wire) with the least loaded worker's tokenizer: the one requests
         are served with. Bounded like any worker round trip: a hung worker is stopped by
         the heartbeat, and its round trips fail with EngineError."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..worker_protocol.kv_blocks import CLEARED, REMOVED, STORED, block_digests, leading
+from ..worker_protocol.messages import KvEvent
 
 __all__ = ["KVIndex", "DEFAULT_CAPACITY", "prefix_tokens"]
 
@@ -56,18 +57,18 @@ class KVIndex:
     def __contains__(self, name: bytes) -> bool:
         return name in self._held
 
-    def apply(self, events: Sequence[list]) -> None:
-        """A STEP's ``kv_events`` (checked by wire.check_reply), in order."""
+    def apply(self, events: Sequence[KvEvent]) -> None:
+        """A STEP's ``kv_events``, in order."""
         held = self._held
         counts = self.events
         for event in events:
-            kind = event[0]
+            kind = event.kind
             if kind == STORED:
-                held.update(event[1])
+                held.update(event.digests)  # type: ignore[arg-type]
                 if len(held) > self.capacity:
                     held.clear()
             elif kind == REMOVED:
-                held.difference_update(event[1])
+                held.difference_update(event.digests)  # type: ignore[arg-type]
             elif kind == CLEARED:
                 held.clear()
             counts[kind] += 1

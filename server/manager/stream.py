@@ -50,6 +50,7 @@ import trio
 
 from ..errors import ServerError
 from ..outputs import RequestOutput
+from ..worker_protocol import wire
 from .deadlines import QUEUE_TIMEOUT, queue_timeout_error
 
 if TYPE_CHECKING:
@@ -254,34 +255,30 @@ class Choice:
             self.prompt_tokens = prompt_tokens
         self.waker.wake()
 
-    def note(self, note: dict) -> None:
+    def note(self, note: wire.Note) -> None:
         """Details the engine sent about this choice (before its outputs of that step)."""
-        ids = note.get("token_ids")
-        if ids is not None:
-            if self.token_ids is not None:
-                self.token_ids.extend(ids)
-            if len(note) == 1:
-                return
-        prompt_ids = note.get("prompt_token_ids")
-        if prompt_ids is not None and self.ids_taken is not None and not self.migrations:
+        unset = wire.UNSET
+        ids = note.token_ids
+        if ids is not unset and self.token_ids is not None:
+            self.token_ids += ids
+        prompt_ids = note.prompt_token_ids
+        if prompt_ids is not unset and self.ids_taken is not None and not self.migrations:
             self.prompt_ids = prompt_ids  # (a resumed one's prompt holds generated tokens)
-        cached = note.get("cached_tokens")
-        if isinstance(cached, int):
+        cached = note.cached_tokens
+        if cached is not unset:
             # resumed: of a prompt that holds the tokens generated before; usage counts
             # the client's prompt
             self.cached_tokens = min(cached, self.prompt_tokens) if self.migrations else cached
-        entries = note.get("logprobs")
-        if isinstance(entries, list):
+        entries = note.logprobs
+        if entries is not unset:
             if self.logprobs is None:
                 self.logprobs = entries
             else:
                 self.logprobs.extend(entries)
-        prompt = note.get("prompt_logprobs")
-        if isinstance(prompt, list):
-            self.prompt_logprobs = prompt
-        times = note.get("times")
-        if times is not None:  # the engine's own times of the finished request (checked)
-            self.worker.report.finished(times)
+        if note.prompt_logprobs is not unset:
+            self.prompt_logprobs = note.prompt_logprobs
+        if note.times is not unset:  # the engine's own times of the finished request
+            self.worker.report.finished(wire.as_dict(note.times))
 
     def push(self, text: str, ntok: int, finish: str | None, err: list | None) -> None:
         """Merge one engine step's output into the pending slot and wake the consumer."""

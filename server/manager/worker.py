@@ -13,7 +13,7 @@ process it spawned, or one connection to a worker that listens (``address``; see
   frame of :data:`~server.worker_protocol.wire.BIG_FRAME` or more is decoded in a thread,
   a piece per call (``decode_sliced``), so that the event loop serves the other streams
   meanwhile. The router waits for a big STEP, to keep outputs in order. It does not wait
-  for a big TOKENIZED (a /tokenize answer of millions of ids: seconds of decoding), which
+  for a big RESULT (a /tokenize answer of millions of ids: seconds of decoding), which
   concerns one round trip only: a task of its own decodes and files it (``_decode_aside``,
   at most ``_ASIDES`` at once; a further one is decoded in the router's way). A worker we
   spawn sends such an answer in PART frames between its STEPs, and so does a listening one
@@ -107,7 +107,7 @@ _GONE = object()
 #: Threads decoding big frames at once, all workers together (a flood of big answers waits
 #: its turn rather than taking every thread of Trio's pool).
 _DECODE_THREADS = 2
-#: Big TOKENIZED frames one worker's session decodes aside at once (a further one is
+#: Big RESULT frames one worker's session decodes aside at once (a further one is
 #: decoded in the router's way, so the worker's pipe pushes back and a worker cannot pile
 #: up answers in the frontend's memory), in threads of their own limiter (so a router's
 #: big STEP never queues behind them).
@@ -118,7 +118,7 @@ async def decode_frames(decoder: wire.FrameDecoder, data: bytes | bytearray,
                         aside: Callable[[bytes], bool] | None = None) -> list:
     """The messages ``data`` completed, in order. A frame of :data:`wire.BIG_FRAME` or
     more is decoded in a thread (:meth:`wire.FrameDecoder.decode_sliced`), the others
-    here. With ``aside`` (the router's), a big TOKENIZED frame is handed to
+    here. With ``aside`` (the router's), a big RESULT frame is handed to
     ``aside(body)``: its answer concerns one round trip only, so the frames after it need
     not wait for it. It is decoded here when ``aside`` declines it (returns False: enough
     are being decoded aside). Raises :class:`wire.ProtocolError` as ``feed`` does (``messages``: the good ones
@@ -133,11 +133,13 @@ async def decode_frames(decoder: wire.FrameDecoder, data: bytes | bytearray,
         for body in bodies:
             if len(body) < wire.BIG_FRAME:
                 messages.append(decoder.decode(body))
-            elif aside is not None and wire.is_tokenized(body) and aside(body):
+            elif aside is not None and wire.is_result(body) and aside(body):
                 pass
             else:
                 messages.append(await decode_big(decoder, body))
     except wire.ProtocolError as exc:
+        if exc.partial is not None:  # a STEP's rows before its bad one
+            messages.append(exc.partial)
         exc.messages = messages
         raise
     if error is not None:
@@ -157,7 +159,7 @@ async def decode_big(decoder: wire.FrameDecoder, body: bytes, *, aside: bool = F
 
 
 def _packed_request(request: dict) -> dict:
-    """A TOKENIZE ``request`` for a worker that reads packed ids: a tokenize asks for its
+    """A CALL ``request`` for a worker that reads packed ids: a tokenize asks for its
     ids packed, a detokenize sends its ids packed (``wire.pack_ids``: a long list only)."""
     op = request.get("op")
     if op == "tokenize":
@@ -219,7 +221,7 @@ class WorkerClient:
         self._excused = -math.inf
         #: The router is decoding a big frame in a thread (the worker counts as heard).
         self._decoding = False
-        self._asides = 0  # big TOKENIZED frames being decoded aside (see _router)
+        self._asides = 0  # big RESULT frames being decoded aside (see _router)
         #: The shielded scopes of those decodes, and when they are cut off (the router's
         #: end plus shutdown_grace; inf while it runs).
         self._aside_scopes: set[trio.CancelScope] = set()
@@ -246,7 +248,7 @@ class WorkerClient:
         self._outbox: list[bytes] = []
         self._outbox_ready = trio.Event()
         self._ping_seq = 0
-        #: Round trips in flight (PING, TOKENIZE): seq -> the answer, or _GONE.
+        #: Round trips in flight (PING, CALL): seq -> the answer, or _GONE.
         self._pings: dict[int, AsyncValue] = {}
         #: When this worker's consumers are woken for news (pacing).
         self.pacer = Pacer(config.stream_interval)
@@ -321,13 +323,13 @@ class WorkerClient:
         return await self._round_trip(lambda seq: [wire.PING, seq])
 
     async def tokenize(self, request: dict) -> dict:
-        """Round-trip a TOKENIZE request (see server.worker_protocol.wire); the worker answers
+        """Round-trip a CALL request (see server.worker_protocol.wire); the worker answers
         between engine steps. Raises the worker's error (a client fault is a ClientError)."""
         if self.reads_packed:
             request = _packed_request(request)
         # (a refusal names the field at fault: a worker of this version adds it to err)
         request = {**request, wire.ERROR_PARAM_KEY: True}
-        result, err = await self._round_trip(lambda seq: [wire.TOKENIZE, seq, request])
+        result, err = await self._round_trip(lambda seq: [wire.CALL, seq, request])
         if err is not None:
             raise error_from_wire(*err)
         return result
@@ -370,7 +372,7 @@ class WorkerClient:
             seq = self._ping_seq
             pending.append((op, seq, AsyncValue(None)))
             self._pings[seq] = pending[-1][2]
-            self._queue(wire.encode([wire.TOKENIZE, seq, op]))
+            self._queue(wire.encode([wire.CALL, seq, op]))
         return pending
 
     async def _replayed(self, pending: list[tuple[dict, int, AsyncValue]]) -> None:
@@ -527,6 +529,7 @@ class WorkerClient:
 
     async def _router(self, link: Link, nursery: trio.Nursery) -> None:
         decoder = link.decoder
+        decoder.reader = wire.REPLIES  # (after HELLO: what a worker may send)
 
         def aside(body: bytes) -> bool:
             if self._asides >= _ASIDES:
@@ -604,7 +607,7 @@ class WorkerClient:
             await self._wake_paced()
 
     async def _decode_aside(self, decoder: wire.FrameDecoder, body: bytes) -> None:
-        """Decode a big TOKENIZED frame (a /tokenize answer of millions of ids: seconds of
+        """Decode a big RESULT frame (a /tokenize answer of millions of ids: seconds of
         decoding) and file its answer, while the router goes on routing the frames after it
         (the other streams' outputs would wait that long otherwise). Garbage ends the
         session, as it does in the router. The answer has fully arrived, so a session that
@@ -639,47 +642,39 @@ class WorkerClient:
 
     def _route(self, messages: list) -> None:
         """Hand each output to its choice. A plain function, so that nothing it touched
-        (the last choice, its waker) stays referenced by the router between frames. Each
-        message is checked (wire.check_reply) before anything of it is applied: a malformed
-        one raises ProtocolError, which ends the session. A STEP's output rows are the
-        exception, each checked as it is routed, so that the hot path walks them once. So
-        the rows before a malformed one are delivered, as the messages before a malformed
-        one are (``ProtocolError.messages``)."""
+        (the last choice, its waker) stays referenced by the router between frames. The
+        messages come typed (wire.REPLIES: each decoded into its type, its shape checked);
+        a STEP's rules across items (a row's ``finish`` and ``err``, a note's keys) are
+        checked here, as each row is routed (one pass over the rows, not two: the hot
+        path): a bad one raises ProtocolError, which ends the session, after the rows
+        before it are delivered, as the messages before a malformed one are
+        (``ProtocolError.messages``)."""
         states = self.states
-        check_reply = wire.check_reply
         final_ok = wire.final_ok
+        unset = wire.UNSET
         for msg in messages:
-            kind = check_reply(msg, rows=False)[0]
-            if kind == wire.STEP:
-                # Rows unpacked in the field order of wire.AcceptRow and wire.OutputRow.
-                for rid, prompt_tokens in msg[1]:
+            kind = type(msg)
+            if kind is wire.Step:
+                for rid, prompt_tokens in msg.accepts:
                     choice = states.get(rid)
                     if choice is not None:
                         choice.accept(prompt_tokens)
-                if len(msg) > 3:  # notes: details that precede this frame's outputs
-                    for rid, note in msg[3]:
+                if msg.notes is not unset:  # details that precede this frame's outputs
+                    for rid, note in msg.notes:
+                        if not wire.note_ok(rid, note):
+                            raise wire.malformed(msg)
                         if rid is None:  # the worker's own: KV events, routed notices
-                            if self.kv_index is not None:
-                                self.kv_index.apply(note.get("kv_events") or ())
-                            names = note.get("routed")
-                            if names is not None and self.routed_notices:
-                                self.noticed(self.index, names)
+                            if self.kv_index is not None and note.kv_events is not unset:
+                                self.kv_index.apply(note.kv_events)
+                            if note.routed is not unset and self.routed_notices:
+                                self.noticed(self.index, note.routed)
                             continue
                         choice = states.get(rid)
                         if choice is not None:
-                            if len(note) == 1 and choice.token_ids is not None:
-                                ids = note.get("token_ids")  # (one per token: inlined)
-                                if ids is not None:
-                                    choice.token_ids += ids
-                                    continue
                             choice.note(note)
-                for row in msg[2]:  # wire.check_reply's test of a row, inline
-                    if type(row) is not list or len(row) != 5:
-                        raise wire.malformed(msg)
+                for row in msg.outputs:
                     rid, text, ntok, finish, err = row
-                    if (type(rid) is not int or type(text) is not str or type(ntok) is not int
-                            or ntok < 0 or (err is not None if finish is None
-                                            else not final_ok(finish, err))):
+                    if (err is not None if finish is None else not final_ok(finish, err)):
                         raise wire.malformed(msg)
                     choice = states.get(rid)
                     if choice is None:
@@ -688,21 +683,21 @@ class WorkerClient:
                         del states[rid]
                         self._held.value = len(states)
                     choice.push(text, ntok, finish, err)
-            elif kind == wire.TOKENIZED:
-                answer = self._pings.get(msg[1])
+            elif kind is wire.Result:
+                answer = self._pings.get(msg.seq)
                 if answer is not None:
-                    answer.value = (msg[2], msg[3])
+                    answer.value = (msg.result, msg.error)
             else:  # PONG
-                if msg[1] == 0:  # unasked (the worker's pulse in a long step): heard, no
-                    continue     # news (a listening worker's carries no engine stats)
-                self.running, self.waiting = msg[2], msg[3]
-                stats = msg[-1] if type(msg[-1]) is dict else None  # the engine's own
-                self.report.pong(msg[3], stats)
-                if len(msg) > 4 + (stats is not None):  # a listening worker: ours of them
-                    self.foreign = max(0, msg[2] + msg[3] - msg[4])
-                answer = self._pings.get(msg[1])
+                if msg.seq == 0:  # unasked (the worker's pulse in a long step): heard, no
+                    continue      # news (a listening worker's carries no engine stats)
+                self.running, self.waiting = msg.running, msg.waiting
+                stats = msg.stats
+                self.report.pong(msg.waiting, None if stats is unset else wire.as_dict(stats))
+                if msg.mine is not unset:  # a listening worker: ours of them
+                    self.foreign = max(0, msg.running + msg.waiting - msg.mine)
+                answer = self._pings.get(msg.seq)
                 if answer is not None:
-                    answer.value = (msg[2], msg[3])
+                    answer.value = (msg.running, msg.waiting)
 
     async def _writer(self, link: Link) -> None:
         send_all = link.send.send_all

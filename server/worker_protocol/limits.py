@@ -15,7 +15,7 @@ Two bounds, both applied before the objects exist (``wire.FrameDecoder(limits=..
 
 * *Frame size by message type.* A message is an array whose first item is its type, a
   small integer: the body's first bytes say the type (:func:`wire.peek_kind`) before the
-  rest has arrived. Only SUBMIT and TOKENIZE carry prompts (up to ``wire.MAX_FRAME``);
+  rest has arrived. Only SUBMIT and CALL carry prompts (up to ``wire.MAX_FRAME``);
   every other type, and a body that does not start as an array whose first item is a
   type byte, must fit in :data:`SMALL`. A frame over its type's bound is refused as soon
   as its first bytes are in, before its body is buffered.
@@ -35,14 +35,14 @@ fits) or chat messages; params, tools and schemas are JSON of at most the fronte
 ``--max-body-bytes`` (4 MiB: far fewer values than the budget unless built to be absurd);
 LoRA names, block names (16,384 at most) and SUBSCRIBE's topics are small.
 
-A SUBMIT or TOKENIZE over the budget or the depth is refused as that request's error
+A SUBMIT or CALL over the budget or the depth is refused as that request's error
 (:class:`wire.Oversized`: the worker answers ``invalid_request``, as for any request it
 cannot take), not as a protocol violation: a frontend passes on what its HTTP clients
 sent, and one client's absurd body must not end every stream its frontend has on the
 worker. Any other frame over a bound ends the connection.
 
 The frontend's reader has no such limits: its peer proved it knows the secret (or is its
-own child process), and its frames (a STEP of a full batch, a TOKENIZED of millions of
+own child process), and its frames (a STEP of a full batch, a RESULT of millions of
 ids, in PART frames) are the big ones. Nor has a pipe worker's: its frontend is its parent.
 """
 
@@ -57,7 +57,7 @@ __all__ = [
     "HANDSHAKE",
 ]
 
-#: The largest frame of any type but SUBMIT and TOKENIZE (a PING is ~12 bytes, a SUBSCRIBE
+#: The largest frame of any type but SUBMIT and CALL (a PING is ~12 bytes, a SUBSCRIBE
 #: of 8 topics ~100, an AUTH 70).
 SMALL = 4096
 #: Frames up to this size are decoded in one msgpack call (at most ~72 bytes of objects a
@@ -192,7 +192,7 @@ class _Walk:
 
 def _refusal(body: bytes, reason: str) -> Exception:
     """What a frame over a bound of the walk gets: the request's own error, when it is a
-    SUBMIT or TOKENIZE whose id is readable; else the end of the connection."""
+    SUBMIT or CALL whose id is readable; else the end of the connection."""
     kind, ident = wire.peek_head(body)
     if kind in (wire.SUBMIT, wire.CALL) and ident is not None:
         return wire.Oversized(kind, ident, f"the request is too large for the worker to "

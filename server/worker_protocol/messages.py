@@ -39,7 +39,7 @@ __all__ = [
     "Call", "Result", "Challenge", "Auth", "Refused", "Subscribe", "Part",
     "AcceptRow", "OutputRow", "NoteRow", "Note", "Times", "KvEvent", "EngineStats",
     "FINISHES", "ROUTED_MAX", "PARTS_TOPIC", "ITERATION_TOKEN_BUCKETS", "UNSET",
-    "error_ok", "final_ok", "note_ok",
+    "error_ok", "final_ok", "note_ok", "as_dict",
 ]
 
 HELLO = 0
@@ -90,14 +90,16 @@ Names = Annotated[list[Digest], Meta(max_length=ROUTED_MAX)]
 #: other side's proof replayable.
 Bytes32 = Annotated[bytes, Meta(min_length=32, max_length=32)]
 #: ``[kind, message]`` or ``[kind, message, param]`` (:func:`error_ok` checks the items).
-Err = Annotated[list[Optional[str]], Meta(min_length=2, max_length=3)]
-Finish = Literal["stop", "length", "abort", "error"]
+Err = Annotated[list, Meta(min_length=2, max_length=3)]
+#: One of :data:`FINISHES` (a ``str`` to the engines that make rows).
+Finish = Annotated[str, Meta(pattern="^(stop|length|abort|error)$")]
 
 
 def error_ok(err: list) -> bool:
-    """An ``err`` whose kind and message are strings (its length and its param's type are
-    checked by its type, :data:`Err`)."""
-    return err[0] is not None and err[1] is not None
+    """An ``err`` whose kind and message are strings, and its param, if any, a string or
+    nil (its length is checked by its type, :data:`Err`)."""
+    return type(err[0]) is str and type(err[1]) is str and (
+        len(err) == 2 or err[2] is None or type(err[2]) is str)
 
 
 def final_ok(finish: object, err: object) -> bool:
@@ -373,6 +375,12 @@ class Subscribe(Message, tag=SUBSCRIBE):
 class Part(Message, tag=PART):
     data: bytes
     more: bool
+
+
+def as_dict(struct: Struct) -> dict[str, Any]:
+    """A map-like struct's fields that are set (a note's times, a PONG's statistics)."""
+    return {name: value for name in struct.__struct_fields__
+            if (value := getattr(struct, name)) is not UNSET}
 
 
 def _subclasses(cls: type) -> list[type]:

@@ -3,14 +3,14 @@
 Theory of operation
 -------------------
 A worker's loop writes its frames with blocking writes, and a frame goes out whole: while a
-14 MB TOKENIZED (a ``/tokenize`` answer of 3.5M packed ids) crosses the pipe, the loop
+14 MB RESULT (a ``/tokenize`` answer of 3.5M packed ids) crosses the pipe, the loop
 waits for the frontend to read all of it (~0.1 s on a shared core, docs/benchmarks.md),
 and every stream on that worker waits with it. A non-blocking write would let the loop
 step on, but its STEP frames would still queue behind the big frame.
 
 So a pipe worker started with ``"parts": true`` (the frontend's worker argument,
 server.config), or a listening worker to a connection that subscribed to
-:data:`~server.worker_protocol.wire.PARTS_TOPIC`, sends a TOKENIZED frame of
+:data:`~server.worker_protocol.wire.PARTS_TOPIC`, sends a RESULT frame of
 :data:`~server.worker_protocol.wire.BIG_FRAME` or more as PART messages instead,
 :data:`PART_BYTES` of its body each::
 
@@ -20,7 +20,7 @@ server.config), or a listening worker to a connection that subscribed to
 and at most :data:`PARTS_PER_PASS` of them per pass of its loop (:class:`PartQueue`),
 whatever else that pass wrote: the STEP frames of the next passes go between the parts, so
 a stream waits for at most ~1 MiB of the answer, not for all of it. Only answers to round
-trips (TOKENIZED) are sent so: STEPs keep their order, as the routing of outputs requires.
+trips (RESULT) are sent so: STEPs keep their order, as the routing of outputs requires.
 One answer is in parts at a time (a second waits its turn, whole answers stay in order).
 Each PART is a whole frame, so anything else may come between two of them, the worker's
 pulse (an unasked PONG from another thread during a long step) included. Past
@@ -35,7 +35,7 @@ that connection's output once the socket has taken everything before them, at mo
 The frontend's :class:`PartsDecoder` joins the pieces into the frame body they came from,
 which comes out of :meth:`~PartsDecoder.frames` in the place of the last piece, as if the
 frame had arrived whole then: the router decodes it as any big frame (aside, in a thread).
-Pieces that are not ``[PART, bytes, bool]``, or a body that grows past
+Pieces that are not ``[PART, bytes, bool]`` (``wire.Part``), or a body that grows past
 :data:`~server.worker_protocol.wire.MAX_FRAME`, are a protocol violation (the session
 ends, as for any garbage). Nothing else changes: a frontend that does not ask for parts
 gets whole frames; an older worker ignores the key it does not know.
@@ -68,12 +68,13 @@ MAX_QUEUED_PARTS = 128
 
 #: A PART frame body's first bytes: an array of three items, the first PART.
 _PART_HEAD = b"\x93" + msgpack.packb(wire.PART)
+_PART = wire.reader(wire.PART)
 
 
 def is_big_answer(frame: bytes) -> bool:
-    """Whether ``frame`` (from :func:`wire.encode`: its 4-byte length first) is a TOKENIZED
+    """Whether ``frame`` (from :func:`wire.encode`: its 4-byte length first) is a RESULT
     of :data:`wire.BIG_FRAME` or more: one that goes in parts."""
-    return len(frame) - 4 >= wire.BIG_FRAME and frame.startswith(wire.TOKENIZED_HEAD, 4)
+    return len(frame) - 4 >= wire.BIG_FRAME and frame.startswith(wire.RESULT_HEAD, 4)
 
 
 def split(frame: bytes, size: int = PART_BYTES) -> Iterator[bytes]:
@@ -83,7 +84,7 @@ def split(frame: bytes, size: int = PART_BYTES) -> Iterator[bytes]:
     end = len(body)
     for start in range(0, end, size):
         stop = start + size
-        yield wire.encode([wire.PART, body[start:stop], stop < end])
+        yield wire.encode(wire.Part(body[start:stop], stop < end))  # type: ignore[arg-type]
 
 
 class PartQueue:
@@ -99,7 +100,7 @@ class PartQueue:
         self._parts = 0  # parts left to write, queued answers included
 
     def add(self, frame: bytes) -> None:
-        """Queue ``frame`` (a whole TOKENIZED frame), to go after those queued before."""
+        """Queue ``frame`` (a whole RESULT frame), to go after those queued before."""
         self._queue.append(frame)
         self._parts += -(-(len(frame) - 4) // PART_BYTES)
 
@@ -154,9 +155,8 @@ class PartsDecoder(wire.FrameDecoder):
 
     __slots__ = ("_joined", "joining")
 
-    def __init__(self, check: Callable[[list], object] | None = None, *,
-                 joining: bool = True) -> None:
-        super().__init__(check)
+    def __init__(self, reader: wire.Reader | None = None, *, joining: bool = True) -> None:
+        super().__init__(reader)
         self._joined = bytearray()
         self.joining = joining
 
@@ -180,17 +180,15 @@ class PartsDecoder(wire.FrameDecoder):
                 out.append(body)
                 continue
             try:
-                message = msgpack.unpackb(body, use_list=True, raw=False)
-            except Exception as exc:
-                raise self._error(f"undecodable frame: {exc!r:.200}", out) from None
-            if (type(message) is not list or len(message) != 3 or type(message[1]) is not bytes
-                    or type(message[2]) is not bool):
-                raise self._error(f"malformed PART: {wire.clip(message)}", out)
+                part = cast(wire.Part, _PART.decode(body))
+            except wire.ProtocolError as exc:
+                exc.frames = out
+                raise
             joined = self._joined
-            if len(joined) + len(message[1]) > wire.MAX_FRAME:
+            if len(joined) + len(part.data) > wire.MAX_FRAME:
                 raise self._error(f"a frame in parts exceeds the {wire.MAX_FRAME} limit", out)
-            joined += message[1]
-            if not message[2]:
+            joined += part.data
+            if not part.more:
                 out.append(cast(bytes, joined))  # (a bytearray: handed on, not copied)
                 self._joined = bytearray()
         return out

@@ -57,7 +57,7 @@ from .messages import (
     PARTS_TOPIC, PING, PONG, REFUSED, RESULT, ROUTED_MAX, SHUTDOWN, STEP, SUBMIT,
     SUBSCRIBE, UNSET, Abort, AcceptRow, Auth, Call, Challenge, EngineStats, Hello, KvEvent,
     Message, Note, NoteRow, OutputRow, Part, Ping, PipeSubmit, Pong, Refused, Result,
-    Shutdown, Step, Submit, Subscribe, Times, final_ok, note_ok,
+    Shutdown, Step, Submit, Subscribe, Times, as_dict, final_ok, note_ok,
 )
 
 __all__ = [
@@ -66,7 +66,8 @@ __all__ = [
     "CHALLENGE", "AUTH", "REFUSED", "SUBSCRIBE", "PART", "NAMES", "Message", "Hello",
     "Submit", "PipeSubmit", "Abort", "Ping", "Pong", "Shutdown", "Step", "Call", "Result",
     "Challenge", "Auth", "Refused", "Subscribe", "Part", "AcceptRow", "OutputRow",
-    "NoteRow", "Note", "Times", "KvEvent", "EngineStats", "FINISHES", "UNSET", "final_ok", "note_ok",
+    "NoteRow", "Note", "Times", "KvEvent", "EngineStats", "FINISHES", "UNSET", "final_ok",
+    "note_ok", "as_dict",
     "ITERATION_TOKEN_BUCKETS", "ROUTED_MAX", "PARTS_TOPIC",
     # keys, limits, encoding and decoding
     "RESULT_HEAD", "clip", "ROUTED_KEY", "PARTS_KEY", "routed_topic", "MAX_FRAME",
@@ -600,7 +601,7 @@ class FrameDecoder:
         limits = self.limits
         if limits is not None and limits.walks(body):
             message = limits.decode(body)
-        elif type(reader) is Reader:
+        elif isinstance(reader, Reader):
             return reader.decode(body)
         else:
             try:
@@ -618,7 +619,7 @@ class FrameDecoder:
 
     def _checked(self, message: object) -> Any:
         reader = self.reader
-        if type(reader) is Reader:
+        if isinstance(reader, Reader):
             return reader.convert(message)
         if type(message) is not list or not message or type(message[0]) is not int:
             raise ProtocolError(f"malformed message: {clip(message)}")
@@ -675,13 +676,20 @@ class Reader:
     output rows before the first bad one (``partial``), as the frames before a bad frame
     are kept: they reached the frontend before the garbage did."""
 
-    __slots__ = ("types", "kinds", "_decoder", "_union")
+    __slots__ = ("types", "kinds", "lists", "_decoder", "_union")
 
-    def __init__(self, *types: type[Message]) -> None:
+    def __init__(self, *types: type[Message], lists: bool = False) -> None:
         self.types = {t.kind: t for t in types}
         self.kinds = frozenset(self.types)
+        #: Whether it hands each message on as the list it travels as (:func:`as_list`),
+        #: checked as its type: for a reader written for lists (the worker loops).
+        self.lists = lists
         self._union = Union[types]  # type: ignore[valid-type]
         self._decoder = msgspec.msgpack.Decoder(self._union, ext_hook=_unpack_ext)
+
+    def as_lists(self) -> Reader:
+        """This reader, handing messages on as lists."""
+        return Reader(*self.types.values(), lists=True)
 
     def __contains__(self, kind: object) -> bool:
         return kind in self.kinds
@@ -692,7 +700,8 @@ class Reader:
     def decode(self, body: bytes | bytearray) -> Message:
         """One frame body's message."""
         try:
-            return self._decoder.decode(body)
+            message = self._decoder.decode(body)
+            return as_list(message) if self.lists else message  # type: ignore[return-value]
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             try:
                 message = msgpack.unpackb(body, use_list=True, raw=False,
@@ -705,9 +714,10 @@ class Reader:
         """A message already decoded as lists and maps (:func:`decode_sliced`, the
         limits' walk), typed as :meth:`decode` types it."""
         try:
-            return msgspec.convert(message, self._union)
+            typed = msgspec.convert(message, self._union)
         except (msgspec.ValidationError, ValueError, TypeError):
             raise self._refusal(message) from None
+        return as_list(typed) if self.lists else typed  # type: ignore[return-value]
 
     def _refusal(self, message: object) -> ProtocolError:
         if type(message) is not list or not message or type(message[0]) is not int:
@@ -787,7 +797,7 @@ def check(message: list, allowed: Iterable[int]) -> list:
     ...
     server.worker_protocol.wire.ProtocolError: malformed PONG: [4, 7]
     """
-    read = allowed if type(allowed) is Reader else reader(*sorted(allowed))
+    read = allowed if isinstance(allowed, Reader) else reader(*sorted(allowed))
     return _rules(message, read.convert(message))
 
 

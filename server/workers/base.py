@@ -15,7 +15,7 @@ and optionally::
     notes: list                             [rid, dict] details (such as cached_tokens) the
                                             loop sends with the next STEP, then clears
     close() -> None                         called once when the worker ends
-    tokenize(request) -> dict               /tokenize and /detokenize (wire.TOKENIZE)
+    tokenize(request) -> dict               /tokenize and /detokenize (wire.CALL)
     engine_stats() -> dict | None           the engine's own statistics, sent with each PONG
                                             (wire.ENGINE_STATS: the vllm engine's KV-cache
                                             usage, preemptions, tokens per step)
@@ -61,7 +61,7 @@ class Rejected(Exception):
         self.param = param
 
     def err(self, request: object) -> list:
-        """The wire ``err`` answering ``request`` (its SUBMIT params or TOKENIZE request):
+        """The wire ``err`` answering ``request`` (its SUBMIT params or CALL request):
         with ``param`` only when the request asks (:func:`wire.error`)."""
         return wire.error(self.kind, self.message, self.param, request)
 
@@ -246,7 +246,7 @@ def encode_prompt(
 def tokenize_request(
     request: dict, tokenizer, *, vocab_size: int, chat: bool, model: str, max_model_len: int
 ) -> dict:
-    """Answer a TOKENIZE request (see server.worker_protocol.wire) with a Hugging Face tokenizer:
+    """Answer a CALL request (see server.worker_protocol.wire) with a Hugging Face tokenizer:
     ``{"tokens", "max_model_len"}`` for ``tokenize`` (chat messages rendered as for
     generation; the tokens packed, :func:`wire.pack_ids`, when the frontend asks with
     ``"packed_ids": true``), ``{"prompt"}`` for ``detokenize``, the tokenizer's configuration for

@@ -1,11 +1,11 @@
-"""The worker's side of ``/v1/embeddings``: an ``embed`` TOKENIZE request, checked, answered.
+"""The worker's side of ``/v1/embeddings``: an ``embed`` CALL request, checked, answered.
 
 Example (the frame the frontend sends, and the answer)::
 
-    [TOKENIZE, 7, {"op": "embed", "input": ["a cat", [5, 6]], "dimensions": None}]
-    -> [TOKENIZED, 7, {"data": [b"<float32 LE>", b"..."], "prompt_tokens": 5}, None]
+    [CALL, 7, {"op": "embed", "input": ["a cat", [5, 6]], "dimensions": None}]
+    -> [RESULT, 7, {"data": [b"<float32 LE>", b"..."], "prompt_tokens": 5}, None]
 
-When and why: an embedding is one forward pass and no state, so it rides the TOKENIZE round
+When and why: an embedding is one forward pass and no state, so it rides the CALL round
 trip (answered at once, between engine steps) instead of SUBMIT/STEP; an old worker answers
 an ``embed`` op with a clear error, so the frame stays backward compatible. The engine's
 part is one method, ``embed(inputs, options) -> (vectors, prompt_tokens)``, called once for

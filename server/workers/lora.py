@@ -21,7 +21,7 @@ An adapter unloaded while requests still run with it stays in the engine until t
 them ends (:meth:`AdapterTable.release` says when to remove it): the engine never holds an
 adapter no name points to, and no running request loses its adapter.
 
-The wire ops (TOKENIZE requests, answered by TOKENIZED; see docs/protocol.md)::
+The wire ops (CALL requests, answered by RESULT; see docs/protocol.md)::
 
     {"op": "load_lora", "name": str, "path": str}  -> {"name", "path", "loaded": bool}
     {"op": "unload_lora", "name": str}             -> {"name"}
@@ -38,7 +38,7 @@ from .base import Rejected
 
 __all__ = ["AdapterTable", "LORA_OPS", "lora_request", "parse_lora_modules"]
 
-#: The TOKENIZE ops of this module.
+#: The CALL ops of this module.
 LORA_OPS = frozenset({"load_lora", "unload_lora"})
 
 #: A served name: what a client gives as ``model`` (no control characters, bounded).

@@ -18,7 +18,7 @@ One thread, one loop::
     if the deadline has passed: outputs += engine.step(now)
     write one STEP frame with every accept and output gathered in this iteration
 
-Pings are answered between steps; while one step, or a TOKENIZE answered on the loop,
+Pings are answered between steps; while one step, or a CALL answered on the loop,
 runs long, a thread beside the loop (:mod:`server.workers.pulse`) sends unasked PONGs, so
 that a worker making progress is not taken for hung.
 
@@ -111,8 +111,8 @@ def handle_message(engine, msg: list, accepts: list, outputs: list,
     """Apply one message from the frontend (not SHUTDOWN: the loop ends on that) to
     ``engine``. A SUBMIT adds its accept to ``accepts`` (or, refused, an error output to
     ``outputs``); an ABORT of a request the engine still had adds its abort output. Returns
-    the reply to send at once (the PONG of a PING; the TOKENIZED of a TOKENIZE), else None.
-    With a ``preparer`` (:mod:`server.workers.prepare`), a SUBMIT and a TOKENIZE are
+    the reply to send at once (the PONG of a PING; the RESULT of a CALL), else None.
+    With a ``preparer`` (:mod:`server.workers.prepare`), a SUBMIT and a CALL are
     prepared in its threads instead: their accept, error or reply comes from its
     ``collect``. Plain and sans-IO: the test suite's in-memory workers (tests/fakes.py) run
     it too."""
@@ -147,19 +147,19 @@ def handle_message(engine, msg: list, accepts: list, outputs: list,
         if stats:  # the engine's own statistics (wire.ENGINE_STATS), last
             pong.append(stats)
         return pong
-    elif kind == wire.TOKENIZE:
+    elif kind == wire.CALL:
         request = msg[2]
         if isinstance(request, dict) and request.get("op") == "embed":
-            return [wire.TOKENIZED, msg[1], *embed_request(engine, request)]
+            return [wire.RESULT, msg[1], *embed_request(engine, request)]
         if isinstance(request, dict) and _is_lora_op(request.get("op")):  # between steps
-            return [wire.TOKENIZED, msg[1], *lora_request(engine, request)]
+            return [wire.RESULT, msg[1], *lora_request(engine, request)]
         tokenize = getattr(engine, "tokenize", None)
         if tokenize is None:
             name = engine.info.get("engine", "this")
             message = (f"Tokenizing is not supported by the {name} engine: it has no tokenizer "
                        "(/tokenize, /detokenize, /tokenizer_info and echo of token-id prompts "
                        "need one); the transformers and vllm engines have one")
-            return [wire.TOKENIZED, msg[1], None, ["invalid_request", message]]
+            return [wire.RESULT, msg[1], None, ["invalid_request", message]]
         if preparer is not None:
             preparer.tokenize(msg[1], request)
             return None
@@ -194,21 +194,21 @@ LORA_WAIT = 60.0
 
 
 def _is_lora_op(op: object) -> bool:
-    """Whether a TOKENIZE request's ``op`` loads or unloads an adapter (any value may
+    """Whether a CALL request's ``op`` loads or unloads an adapter (any value may
     arrive: an unhashable one is simply not one)."""
     return type(op) is str and op in LORA_OPS
 
 
 def handle_in_pulse(pulse: Pulse, engine, msg: list, accepts: list, outputs: list,
                     preparer: Preparer | None):
-    """:func:`handle_message`, with the pulse speaking for the loop while a TOKENIZE is
+    """:func:`handle_message`, with the pulse speaking for the loop while a CALL is
     answered on it: an embedding's forward pass (up to the engine's padded-token bound), a
     LoRA adapter's load, or a tokenize without a preparer computes as long as a step may,
     and a worker computing is not hung; a LoRA load may also wait without computing, for
     up to :data:`LORA_WAIT` (its disk; vLLM's engine core process, which loads it with
     ``--engine-core process``). (Nothing the pulse writes is touched here: the replies are
     written by the loop afterwards.)"""
-    if msg[0] != wire.TOKENIZE:
+    if msg[0] != wire.CALL:
         return handle_message(engine, msg, accepts, outputs, preparer)
     request = msg[2]
     lora = isinstance(request, dict) and _is_lora_op(request.get("op"))
@@ -219,12 +219,16 @@ def handle_in_pulse(pulse: Pulse, engine, msg: list, accepts: list, outputs: lis
         pulse.leave()
 
 
+#: What a pipe worker takes (wire.REQUESTS), each message handed on as its list.
+_REQUESTS = wire.REQUESTS.as_lists()
+
+
 def serve(engine, fd_in: int, fd_out: int, pulse_period: float = 1.0,
           parts: bool = False) -> None:
     """Run the loop until the input ends or a SHUTDOWN arrives. While one engine step runs
     longer than ``pulse_period`` seconds, a thread beside the loop writes an unasked PONG
     every ``pulse_period`` (:mod:`server.workers.pulse`). With ``parts`` (the frontend
-    asked), a big TOKENIZED goes out in PART frames between the loop's passes
+    asked), a big RESULT goes out in PART frames between the loop's passes
     (:mod:`server.worker_protocol.parts`)."""
     preparer = open_preparer(engine)
     pong = [wire.encode([wire.PONG, 0, 0, 0])]  # the last answer's counts, unasked
@@ -244,7 +248,7 @@ def _serve(engine, preparer: Preparer | None, fd_in: int, fd_out: int, pulse: Pu
     clock = time.monotonic
     # Big answers, written a few parts per pass (None: whole frames, as they come).
     queue = PartQueue(lambda frame: _write_all(fd_out, frame)) if parts else None
-    decoder = wire.FrameDecoder(wire.check_request)  # a malformed message ends the loop
+    decoder = wire.FrameDecoder(_REQUESTS)  # a malformed message ends the loop
     # select(2) takes a timeout in microseconds, epoll in whole milliseconds (rounded up): a
     # sim engine's first token would be up to 1 ms late. Two descriptors: select is as cheap.
     fds = [fd_in] if preparer is None else [fd_in, preparer.fileno()]

@@ -17,7 +17,7 @@ Frames, both ways: a 4-byte big-endian length, then the body. A request's body i
 ==========  ================================  =========================================
 op          arg                               payload when the status is OK (0)
 ==========  ================================  =========================================
-tokenize    a TOKENIZE request (dict)         the result's msgpack (wire.pack_sliced)
+tokenize    a CALL request (dict)         the result's msgpack (wire.pack_sliced)
 encode      [prompt, template_kwargs, tools]  the prompt's ids, int32 native order
 compile     a grammar key (grammar.py)        the compiled grammar's JSON (xgrammar)
 ping        nil                               nothing (the process is ready)

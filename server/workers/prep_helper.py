@@ -4,7 +4,7 @@ Example (what the transformers engine does when its worker's preparation stage s
 
     helper = PrepHelper({"model_path": ..., "vocab_size": V, ...})
     ids = helper.encode(prompt, template_kwargs, tools)   # a preparation thread; blocks
-    packed = helper.tokenize(request)                     # wire.Packed, for TOKENIZED
+    packed = helper.tokenize(request)                     # wire.Packed, for RESULT
     text = helper.compile(key)                            # a compiled grammar's JSON
     helper.close()                                        # kills the process
 

@@ -18,7 +18,7 @@ the loop watches with its selector next to its input, so the loop wakes at once 
 deadline, the engine's, is unchanged). The loop then calls :meth:`Preparer.collect`, which
 admits each prepared request with ``engine.add_prepared`` (its accept goes out in the
 loop's next STEP frame) or turns its :class:`~server.workers.base.Rejected` into the usual
-error output. ``/tokenize`` requests (TOKENIZE) run in the same pool; their TOKENIZED
+error output. ``/tokenize`` requests (CALL) run in the same pool; their RESULT
 replies come from ``collect`` too.
 
 An ABORT of a request still preparing is answered at once (it is forgotten; the pool's
@@ -134,24 +134,24 @@ def admit(rid: int, add, accepts: list, outputs: list, params: dict | None = Non
 
 
 def tokenize_reply(seq, tokenize, request: dict) -> list:
-    """The TOKENIZED message answering TOKENIZE ``seq`` with ``tokenize(request)``; a
+    """The RESULT message answering CALL ``seq`` with ``tokenize(request)``; a
     result with a list of more than :data:`wire.SLICE` items (token ids, or their strings)
     comes packed already (:func:`wire.pack_sliced`: in the preparation thread, a slice at a
     time)."""
     try:
         result = tokenize(request)
         if type(result) is wire.Packed:  # from the helper process, packed there
-            return [wire.TOKENIZED, seq, result, None]
+            return [wire.RESULT, seq, result, None]
         if type(result) is dict and any(type(value) is list and len(value) > wire.SLICE
                                         for value in result.values()):
             # (long ids as a list, or long token_strs beside ids packed as an array)
-            return [wire.TOKENIZED, seq, wire.pack_sliced(result), None]
-        return [wire.TOKENIZED, seq, result, None]
+            return [wire.RESULT, seq, wire.pack_sliced(result), None]
+        return [wire.RESULT, seq, result, None]
     except Rejected as exc:
-        return [wire.TOKENIZED, seq, None, exc.err(request)]
+        return [wire.RESULT, seq, None, exc.err(request)]
     except Exception as exc:
         message = f"the engine could not tokenize: {exc!r:.200}"
-        return [wire.TOKENIZED, seq, None, ["engine_error", message]]
+        return [wire.RESULT, seq, None, ["engine_error", message]]
 
 
 class Preparer:
@@ -170,7 +170,7 @@ class Preparer:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         #: finished work, appended by the pool's threads: ("submit" | "tokenize", id,
-        #: future, the SUBMIT's params or the TOKENIZE request)
+        #: future, the SUBMIT's params or the CALL request)
         self._done: collections.deque[tuple[str, int, Future, dict]] = collections.deque()
         #: requests being prepared: rid -> their future
         self._preparing: dict[int, Future] = {}
@@ -200,7 +200,7 @@ class Preparer:
         future.add_done_callback(lambda f: self._finished("submit", rid, f, params))
 
     def tokenize(self, seq, request: dict) -> None:
-        """Answer TOKENIZE ``seq`` in the pool; :meth:`collect` returns its reply."""
+        """Answer CALL ``seq`` in the pool; :meth:`collect` returns its reply."""
         future = self._pool.submit(tokenize_reply, seq, self.engine.tokenize, request)
         future.add_done_callback(lambda f: self._finished("tokenize", seq, f, request))
 
@@ -216,7 +216,7 @@ class Preparer:
 
     def collect(self, accepts: list, outputs: list) -> list:
         """Admit every request prepared since the last call (accepts and error outputs
-        go to ``accepts`` and ``outputs``); returns the TOKENIZED replies to send."""
+        go to ``accepts`` and ``outputs``); returns the RESULT replies to send."""
         try:
             while os.read(self._wake_r, 4096):
                 pass
@@ -274,4 +274,4 @@ def _result(future: Future, seq) -> list:
     except CancelledError:  # pragma: no cover - a cancelled future is never queued
         raise
     except Exception as exc:  # tokenize_reply catches the engine's; this is the pool's
-        return [wire.TOKENIZED, seq, None, ["engine_error", f"cannot tokenize: {exc!r:.200}"]]
+        return [wire.RESULT, seq, None, ["engine_error", f"cannot tokenize: {exc!r:.200}"]]

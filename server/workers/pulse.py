@@ -20,7 +20,7 @@ no token budget bounds: it is the machine's load times the work) used to get a w
 was making progress killed, with every request it held.
 
 So a thread beside the loop speaks for it while it is inside a step (or answers a
-TOKENIZE between steps: an embedding's forward pass, a LoRA load; see
+CALL between steps: an embedding's forward pass, a LoRA load; see
 ``server.workers.main.handle_in_pulse``), and only then: the
 loop holds :attr:`lock` at all other times (and so owns its outputs, pipe or sockets,
 alone); :meth:`enter` releases it for the step, :meth:`leave` takes it back (waiting for a

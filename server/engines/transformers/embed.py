@@ -16,7 +16,7 @@ model refuses generation requests (400), and a generation model refuses embeddin
 
 Theory of operation
 -------------------
-:meth:`TransformersEmbedder.embed` is called by the worker loop between steps (a TOKENIZE
+:meth:`TransformersEmbedder.embed` is called by the worker loop between steps (a CALL
 frame with ``"op": "embed"``, see :mod:`server.workers.embed`) and answers at once: every
 input of the request is tokenized, right-padded into one batch and run through the model
 in **one** forward pass (:attr:`forwards` counts them), then pooled as the model says
