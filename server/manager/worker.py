@@ -20,16 +20,15 @@ process it spawned, or one connection to a worker that listens (``address``; see
   whose session subscribed to ``wire.PARTS_TOPIC`` (:mod:`server.worker_protocol.parts`;
   docs/protocol.md, "Answers in parts"). The link's decoder joins the parts while the
   router reads on (``decode_frames``); an answer cut off by the session's end is lost with
-  it, as a frame half read was. Such an answer has fully
-  arrived: when the session ends meanwhile (the worker exits after answering, the
-  connection drops, the server stops), its decode goes on, shielded, for at most
-  ``shutdown_grace`` seconds from the router's end, and its waiter gets the answer, not the
-  session's error; past that bound the decode is cancelled and the waiter gets the error.
-  A decode cancelled in its thread (``abandon_on_cancel``) leaves that thread to finish
-  alone, holding its ``frame_decode_aside`` token until then (at most one 64 MiB frame's
-  decoding): the limiter counts the threads that really run, so later big answers, from
-  any worker, wait aside for a token meanwhile (the router does not) - accepted, as those
-  threads are what the limiter bounds;
+  it, as a frame half read was. An answer decoded aside has fully arrived, so it outlives
+  the session: when the session ends meanwhile (the worker exits after answering, the
+  connection drops, the server stops), its decode goes on, shielded, and its waiter gets
+  the answer, not the session's error. That lasts at most ``shutdown_grace`` seconds from
+  the router's end; then the decode is cancelled and the waiter gets the error. A decode
+  cancelled in its thread (``abandon_on_cancel``) leaves that thread to finish alone,
+  holding its ``frame_decode_aside`` token until then (at most one 64 MiB frame's
+  decoding). Later big answers, from any worker, then wait aside for a token (the router
+  does not): accepted, since the limiter is there to count the threads that really run;
 * the **writer** sends what :meth:`submit_nowait` and :meth:`abort_nowait` queued, all of it
   in one write;
 * the **heartbeat** pings, and ends the session when the worker has been silent too long
@@ -42,7 +41,7 @@ hook, :mod:`server.manager.migration`) or ends with an ``error`` output at once,
 closed (a process: close the pipe, SIGTERM, SIGKILL, each after a grace period; shielded),
 and a new session starts after a backoff (:mod:`server.restarts`). A spawned worker that
 restarted too often in a while is over its budget: it is retried at the capped backoff,
-never left down, and says so once (an error in the log); a spawn that failed for the
+never left down, and says so once (an error in the log). A spawn that failed for the
 frontend's own reasons (out of descriptors: EMFILE) is not charged to it. A remote one has
 no budget: it is reconnected to at the backoff, since it is restarted by whoever runs it,
 not by us.
@@ -86,8 +85,8 @@ class WorkerStartupError(EngineError):
 
 async def spawn_process(config: EngineConfig) -> trio.Process:
     """Start a worker process with its protocol on stdin/stdout (stderr is inherited), in a
-    process group of its own: a Ctrl-C in the terminal reaches the frontend only (which
-    decides how its workers stop), and what the worker starts (vLLM's engine core and
+    process group of its own. So a Ctrl-C in the terminal reaches the frontend only, which
+    decides how its workers stop. And what the worker starts (vLLM's engine core and
     tensor-parallel workers) stays in that group, which the link kills when the worker is
     gone (:mod:`server.manager.transport`).
 
@@ -643,11 +642,11 @@ class WorkerClient:
     def _route(self, messages: list) -> None:
         """Hand each output to its choice. A plain function, so that nothing it touched
         (the last choice, its waker) stays referenced by the router between frames. The
-        messages come typed (wire.REPLIES: each decoded into its type, its shape checked);
-        a STEP's rules across items (a row's ``finish`` and ``err``, a note's keys) are
-        checked here, as each row is routed (one pass over the rows, not two: the hot
-        path): a bad one raises ProtocolError, which ends the session, after the rows
-        before it are delivered, as the messages before a malformed one are
+        messages come typed (wire.REPLIES: each decoded into its type, its shape checked).
+        A STEP's rules across items (a row's ``finish`` and ``err``, a note's keys) are
+        checked here, as each row is routed, so that the hot path walks the rows once. A
+        bad one raises ProtocolError, which ends the session, after the rows before it are
+        delivered, as the messages before a malformed one are
         (``ProtocolError.messages``)."""
         states = self.states
         final_ok = wire.final_ok
@@ -724,10 +723,10 @@ class WorkerClient:
 
     async def _heartbeat(self) -> None:
         """Ping every ``heartbeat_interval``; end the session when the worker has been
-        silent past ``heartbeat_timeout``, less how late this task's own wakes were (the
-        frontend's loop lag) or the host's CPU stall over the silence, whichever is larger,
-        up to :data:`~server.manager.silence.MAX_STRETCH` times the timeout
-        (:mod:`server.manager.silence`: a starved frontend or host is not a hung worker).
+        silent past ``heartbeat_timeout``. The silence is counted less how late this task's
+        own wakes were (the frontend's loop lag) or the host's CPU stall over it, whichever
+        is larger, up to :data:`~server.manager.silence.MAX_STRETCH` times the timeout: a
+        starved frontend or host is not a hung worker (:mod:`server.manager.silence`).
         The kernel's counter is in real seconds: not read under a mock clock."""
         config = self.config
         keep = config.heartbeat_timeout * MAX_STRETCH + config.heartbeat_interval
