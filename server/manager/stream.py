@@ -543,11 +543,11 @@ class RequestStream:
         Raises the request's error instead (after closing the stream) when a choice ended
         with an error before producing a token: a client fault such as a prompt over the
         context limit (:class:`~server.errors.ClientError`), or an engine failure
-        (:class:`~server.errors.EngineError`); and a
+        (:class:`~server.errors.EngineError`). Raises
         :class:`~server.errors.ServiceUnavailable` (``server_overloaded``) when the
-        queue-time limit aborted the request before it started (``abort_cause ==
-        "queue_timeout"``: :meth:`Engine.generate_many`'s ``queue_timeout``), whatever
-        the engine sent meanwhile. The HTTP layer calls this before it sends the first
+        queue-time limit aborted the request before it started, whatever the engine sent
+        meanwhile (``abort_cause == "queue_timeout"``: :meth:`Engine.generate_many`'s
+        ``queue_timeout``). The HTTP layer calls this before it sends the first
         byte, so that such errors are answered with a status instead of a stream.
         """
         choices = self._choices
