@@ -4,8 +4,8 @@ Theory of operation
 -------------------
 A worker whose engine reports its KV cache (the vllm engine with prefix caching: its HELLO
 says ``"kv_events": {"block_size": B}``) sends, with each engine step, the blocks its cache
-stored and removed (the note ``[nil, {"kv_events": [...]}]`` of a STEP; a listening worker
-sends every frontend the same, and a frontend that connects gets the blocks held then).
+stored and removed (the note ``[nil, {"kv_events": [...]}]`` of a STEP). A listening worker
+sends every frontend the same, and a frontend that connects gets the blocks held then.
 A block is named by the chained digest of its token ids
 (:mod:`server.worker_protocol.kv_blocks`), so a :class:`KVIndex` is a set of names: the
 blocks the worker holds, as of the last frame the frontend read. A prompt's token ids, cut
