@@ -1,0 +1,41 @@
+"""The route table (server/http/routes.py) is what the app serves: each row, raw or Quart,
+is reached at its path, a row off in a configuration is a 404, and a path in no row is the
+app's JSON 404. In-memory sim workers, the app called directly (server.testing.asgi)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import server
+from server.http.routes import TABLE
+from server.testing import open_in_memory_engine
+from server.testing.asgi import open_asgi_client
+
+
+def _concrete(path: str) -> str:
+    """A request path for a row's rule (``<path:model_id>``: the served model)."""
+    return re.sub(r"<[^>]+>", "sim", path)
+
+
+@pytest.mark.parametrize("tokenizer_info", [False, True])
+async def test_every_row_of_the_table_is_served_at_its_path(autojump_clock, tokenizer_info):
+    config = server.ServerConfig(enable_tokenizer_info=tokenizer_info)
+    async with open_in_memory_engine() as engine:
+        app = server.create_app(config, engine=engine)
+        async with open_asgi_client(app) as http:
+            for route in TABLE:
+                path = _concrete(route.path)
+                if route.raw:  # every raw route refuses a GET itself (server.http.post)
+                    r = await http.get(path)
+                    assert (r.status, r.header("allow")) == (405, "POST"), path
+                    continue
+                r = await http.get(path)
+                if route.on(config):  # (the sim has no tokenizer: its 400, not a 404)
+                    assert r.status in (200, 400), (path, r.status, r.body)
+                    assert r.status == 200 or path == "/tokenizer_info", path
+                else:
+                    assert r.status == 404, path
+            r = await http.post("/v1/not_a_route", json={})
+            assert r.status == 404 and r.json()["error"]["message"] == "Not found."
