@@ -389,15 +389,11 @@ def exit_without_teardown(code: int | str | None) -> NoReturn:
     interpreter's exit does (non-daemon threads joined, ``atexit`` handlers run, Python's
     and C's buffered output flushed), but without the interpreter's teardown after that.
 
-    Why: the teardown clears every module and collects every object, nothing of which
-    outlives the process a moment later. With vLLM's engine core in a process of its own
-    (``--engine-core process``) the worker's teardown took longer than the frontend's 2 s
-    ``shutdown_grace`` after its core had exited (py-spy: the main thread alone, busy in
-    C with no Python frame; the last ``atexit`` handler ran 0.85 s after SIGTERM), so the
-    frontend SIGTERMed it, and an idle server with ``--shutdown-timeout 0`` took 2.2-2.4 s
-    to exit. A SIGTERM from here on ends the process at once: this worker's own cleanup
-    (its engine, sockets, directories) is done by then, in its ``finally`` blocks; what a
-    late SIGTERM can still cut short is a library's ``atexit`` handler."""
+    Why: that teardown frees every object of a process about to end, and in a vllm worker
+    it outlasted the frontend's ``shutdown_grace``, which then SIGTERMed the worker
+    (measured in docs/vllm.md). This worker's own cleanup is done by then, in its
+    ``finally`` blocks; a SIGTERM from here on can only cut a library's ``atexit`` handler
+    short."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if code is None:
         code = 0
