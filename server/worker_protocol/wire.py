@@ -657,11 +657,10 @@ def malformed(message: object) -> ProtocolError:
 
 
 def as_list(message: Message) -> list:
-    """``message`` as the array it travels as (its trailing absent items left out)."""
-    items = [message.kind, *msgspec.structs.astuple(message)]
-    while items[-1] is UNSET:
-        items.pop()
-    return items
+    """``message`` as the array it travels as (its absent items left out: they come last,
+    but for a PONG's ``mine``, absent before the statistics that take its place)."""
+    return [message.kind, *(item for item in msgspec.structs.astuple(message)
+                            if item is not UNSET)]
 
 
 class Reader:
