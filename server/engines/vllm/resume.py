@@ -42,9 +42,8 @@ uninterrupted run's (docs/routing.md).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from ...workers.base import Rejected
+from .private_api import new_detokenizer
 
 __all__ = ["ResumedText", "not_resumable"]
 
@@ -60,16 +59,6 @@ def not_resumable(params: dict) -> str | None:
     return None
 
 
-def detokenizer_class():
-    """vLLM's incremental detokenizer class, or None where this vLLM has no such class
-    (then the engine does not resume)."""
-    try:
-        from vllm.v1.engine.detokenizer import IncrementalDetokenizer
-    except ImportError:
-        return None
-    return IncrementalDetokenizer if hasattr(IncrementalDetokenizer, "from_new_request") else None
-
-
 class ResumedText:
     """The text side of one resumed request (see the module docstring).
 
@@ -80,11 +69,7 @@ class ResumedText:
 
     def __init__(self, tokenizer, prompt_ids: list[int], generated: list[int],
                  text_chars: int, sampling) -> None:
-        cls = detokenizer_class()
-        assert cls is not None
-        request = SimpleNamespace(request_id="resume", prompt_token_ids=list(prompt_ids),
-                                  prompt_embeds=None, sampling_params=sampling)
-        self._detok = cls.from_new_request(tokenizer, request)
+        self._detok = new_detokenizer(tokenizer, prompt_ids, sampling)
         if generated and self._detok.update(list(generated), False) is not None:
             raise Rejected("resume: the generated text already holds a stop string",
                            "engine_error")

@@ -31,34 +31,20 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from .private_api import OMP_SET_BY_VLLM, omp_cpu_bound, set_torch_threads
+
 __all__ = ["serving_threads", "set_serving_threads", "threads_in_use"]
-
-#: vLLM's mark on an OMP_NUM_THREADS it chose itself (vllm.utils.torch_utils).
-_SET_BY_VLLM = "VLLM_OMP_NUM_THREADS_SET_BY_VLLM"
-
 
 def serving_threads(environ: Mapping[str, str], *, model_here: bool, cpu_build: bool,
                     bound: int | None) -> int | None:
     """The thread count vLLM would give this process (None: leave torch's as it is).
     ``model_here``: the model runs in this process; ``cpu_build``: vLLM's CPU platform;
     ``bound``: the cores its CPU build binds that process to (None: ``nobind``)."""
-    if "OMP_NUM_THREADS" in environ and environ.get(_SET_BY_VLLM) != "1":
+    if "OMP_NUM_THREADS" in environ and environ.get(OMP_SET_BY_VLLM) != "1":
         return None  # the operator's
     if not (model_here and cpu_build):
         return 1
     return bound
-
-
-def _cpu_bound(vllm_config) -> int | None:
-    """The cores vLLM's CPU build binds its model's first rank to (its own computation:
-    ``OMPProcessManager``), None with ``nobind`` or where it cannot say."""
-    try:
-        from vllm.utils.ompmultiprocessing import OMPProcessManager
-
-        manager = OMPProcessManager(vllm_config)
-        return len(manager.cpu_lists[0]) if not manager.skip_setup else None
-    except Exception:  # another vLLM version, an odd topology: as vLLM would, leave it
-        return None
 
 
 def set_serving_threads(llm_engine, *, multiprocess: bool) -> None:
@@ -73,10 +59,9 @@ def set_serving_threads(llm_engine, *, multiprocess: bool) -> None:
     model_here = not multiprocess and parallel.world_size == 1
     cpu_build = current_platform.is_cpu()
     count = serving_threads(os.environ, model_here=model_here, cpu_build=cpu_build,
-                            bound=_cpu_bound(config) if model_here and cpu_build else None)
+                            bound=omp_cpu_bound(config) if model_here and cpu_build else None)
     if count is not None and count != torch.get_num_threads():
-        # (torch's own: the CPU build's worker replaced torch.set_num_threads by a no-op)
-        torch._C.set_num_threads(count)
+        set_torch_threads(count)
 
 
 def threads_in_use() -> int:
