@@ -54,15 +54,19 @@ def _read(decoder: wire.FrameDecoder, frame: bytes) -> None:
     """Decode ``frame`` as its receiver does: typed, and a STEP's rows and notes checked
     as the router checks them while it routes them (:func:`wire.final_ok`,
     :func:`wire.note_ok`)."""
+    unset = wire.UNSET
     for message in decoder.feed(frame):
         if type(message) is wire.Step:
-            for row in message.outputs:
-                if not wire.final_ok(row.finish, row.error):
-                    raise wire.malformed(message)
-            if message.notes is not wire.UNSET:
+            if message.notes is not unset:
                 for rid, note in message.notes:
-                    if not wire.note_ok(rid, note):
+                    if (rid is None or note.logprobs is not unset or note.kv_events
+                            is not unset or note.routed is not unset
+                            or note.prompt_logprobs is not unset) and not (
+                                wire.note_ok(rid, note)):
                         raise wire.malformed(message)
+            for _, _, _, finish, err in message.outputs:
+                if err is not None if finish is None else not wire.final_ok(finish, err):
+                    raise wire.malformed(message)
 
 
 def _best(fn, frames: int, rounds: int) -> float:

@@ -660,7 +660,10 @@ class WorkerClient:
                         choice.accept(prompt_tokens)
                 if msg.notes is not unset:  # details that precede this frame's outputs
                     for rid, note in msg.notes:
-                        if not wire.note_ok(rid, note):
+                        if (rid is None or note.logprobs is not unset or note.kv_events
+                                is not unset or note.routed is not unset
+                                or note.prompt_logprobs is not unset) and not (
+                                    wire.note_ok(rid, note)):  # (ids and counts: fine)
                             raise wire.malformed(msg)
                         if rid is None:  # the worker's own: KV events, routed notices
                             if self.kv_index is not None and note.kv_events is not unset:

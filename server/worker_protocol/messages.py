@@ -207,16 +207,16 @@ class Note(Struct, forbid_unknown_fields=True, omit_defaults=True, gc=False):
     #: The worker's own: another frontend sent it a prompt of these blocks.
     routed: Union[Names, UnsetType] = UNSET
 
-    def __post_init__(self) -> None:
-        for entries in (self.logprobs, self.prompt_logprobs):
-            if entries is not UNSET and not _logprobs_ok(entries):
-                raise ValueError("a malformed logprob entry")
-
 
 def note_ok(rid: int | None, note: Note) -> bool:
-    """A request's note holds its details, a worker's note (rid nil) its news only."""
+    """A request's note holds its details (its logprob entries well formed: they are
+    typed as lists only), a worker's note (rid nil) its news only. (Not a
+    ``__post_init__``: a call per note would cost a note per token as much again; the
+    router calls this only for a note that holds more than ids and counts.)"""
     if rid is not None:
-        return note.kv_events is UNSET and note.routed is UNSET
+        return note.kv_events is UNSET and note.routed is UNSET and all(
+            entries is UNSET or _logprobs_ok(entries)
+            for entries in (note.logprobs, note.prompt_logprobs))
     return (note.token_ids is UNSET and note.prompt_token_ids is UNSET
             and note.cached_tokens is UNSET and note.logprobs is UNSET
             and note.prompt_logprobs is UNSET and note.times is UNSET)

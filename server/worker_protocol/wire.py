@@ -656,11 +656,16 @@ def malformed(message: object) -> ProtocolError:
     return ProtocolError(f"malformed {NAMES[kind]}: {clip(message)}")
 
 
+_astuple = msgspec.structs.astuple
+
+
 def as_list(message: Message) -> list:
     """``message`` as the array it travels as (its absent items left out: they come last,
     but for a PONG's ``mine``, absent before the statistics that take its place)."""
-    return [message.kind, *(item for item in msgspec.structs.astuple(message)
-                            if item is not UNSET)]
+    items = [message.kind, *_astuple(message)]
+    if UNSET in items:
+        return [item for item in items if item is not UNSET]
+    return items
 
 
 class Reader:
