@@ -1,8 +1,8 @@
 """Small raw-ASGI helpers: read a bounded body, send a JSON answer, watch for a disconnect,
 add headers to every response.
 
-The generation endpoints are served on raw ASGI (see :mod:`server.http.generate`) because
-each SSE event through Quart's response machinery costs about twice the CPU of a raw send.
+The POST routes are served on raw ASGI (see :mod:`server.http.routes`) because each SSE
+event through Quart's response machinery costs about twice the CPU of a raw send.
 """
 
 from __future__ import annotations
