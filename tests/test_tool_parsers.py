@@ -203,7 +203,7 @@ def assert_linear(run, n: int = 1500) -> None:
     """``run(8 * n)`` costs about 8 times ``run(n)`` (CPU time, best of 3 each, in this
     process), not 64 times: linear, not quadratic. A ratio of two runs on the same busy
     machine, not a bound in seconds (no wall-clock bounds in tests); a busy machine was
-    seen to stretch a linear 4x to 8.6x, hence the wide margin."""
+    seen to stretch a linear 4x to 8.6x, hence the wide margin, and three tries."""
     import time
 
     def cost(size: int) -> float:
@@ -214,5 +214,10 @@ def assert_linear(run, n: int = 1500) -> None:
             best = min(best, time.process_time() - started)
         return best
 
-    small, large = cost(n), cost(8 * n)
-    assert large < 24 * small, (small, large)  # linear: about 8; quadratic: about 64
+    seen = []
+    for _ in range(3):  # a load spike can stretch one pair; a quadratic cost stretches every one
+        small, large = cost(n), cost(8 * n)
+        if large < 24 * small:  # linear: about 8; quadratic: about 64
+            return
+        seen.append((small, large))
+    raise AssertionError(f"not linear in three tries: {seen}")
