@@ -58,13 +58,17 @@ def slow_modules_first(items) -> None:
 #: Modules whose tests share nothing (no module-scoped server or model): under ``-n`` each
 #: test goes to whichever worker is free.
 SPREAD = {"tests/test_bench_smoke.py"}
+#: Modules that share a session-scoped server with another (``vllm_server``): under ``-n``
+#: they run in that module's unit of work, so that one worker starts the server once.
+SHARED = {"tests/test_vllm_token_ids.py": "tests/test_vllm_engine.py"}
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # (optional: pytest-xdist's hook)
 def pytest_xdist_make_scheduler(config, log):
     """``pytest -n N --dist loadgroup`` (``./run-tests``): each module is one unit of work,
     run by one xdist worker, so that its module-scoped servers and models are made once, not
-    once per worker; a test of a :data:`SPREAD` module is a unit of its own. The units are
+    once per worker; a test of a :data:`SPREAD` module is a unit of its own, a
+    :data:`SHARED` module is part of the unit of the module whose server it shares. The units are
     handed out in collection order (slow modules first). Ours rather than xdist's own
     ``loadgroup``, whose ``xdist_group`` marks pytest 9.2 no longer carries to the
     scheduler (pytest-xdist issue 1386: the tests would spread one by one)."""
@@ -75,7 +79,7 @@ def pytest_xdist_make_scheduler(config, log):
     class ByModule(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = _module(nodeid)
-            return nodeid if module in SPREAD else module
+            return nodeid if module in SPREAD else SHARED.get(module, module)
 
     config.option.loadscopereorder = False  # (xdist's would put the biggest modules first)
     return ByModule(config, log)
@@ -199,3 +203,25 @@ async def fault_server_url():
     config = EngineConfig(engine_options={**FAST_SIM, "faults": True}, drain_timeout=0.5)
     async with running_server(config) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory):
+    """tests/test_vllm_engine.py's tiny model, built once for ``vllm_server``'s users."""
+    from tests.test_vllm_engine import build_shared_model
+
+    return build_shared_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_model_dir):
+    """One ``python -m server --engine vllm`` on that model for the modules whose tests need
+    no server of their own (tests/test_vllm_engine.py, tests/test_vllm_token_ids.py): one
+    vLLM start-up for them all, not one per module. It is a child process: its tests see
+    its state over HTTP (``Server.wait_idle`` reads its /metrics), as they did with a server
+    per module; tests that stop a server start their own."""
+    from tests.test_vllm_engine import start_shared_server
+
+    server = start_shared_server(vllm_model_dir)
+    yield server
+    server.stop()

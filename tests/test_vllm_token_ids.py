@@ -1,7 +1,8 @@
 """vLLM's ``return_token_ids``, ``prompt_logprobs`` and ``return_tokens_as_token_ids`` on
-the vllm engine: one real server for the module (``python -m server --engine vllm``, as in
-tests/test_vllm_engine.py), the openai SDK with ``extra_body``; the references are the
-model's tokenizer and the model run directly in transformers (logprobs within a tolerance).
+the vllm engine: tests/test_vllm_engine.py's server (``python -m server --engine vllm``,
+started once for both: tests/conftest.py's ``vllm_server``), the openai SDK with
+``extra_body``; the references are the model's tokenizer and the model run directly in
+transformers (logprobs within a tolerance).
 
 Skipped where vLLM is not installed.
 """
@@ -18,8 +19,7 @@ if importlib.util.find_spec("vllm") is None:
 import openai  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from tests.test_vllm_engine import MODEL, SHAPE, Server  # noqa: E402
-from tests.tiny_model import build_tiny_model  # noqa: E402
+from tests.test_vllm_engine import MODEL, SHAPE  # noqa: E402
 
 pytestmark = pytest.mark.slow  # (vLLM or transformers start-ups: run first under -n)
 
@@ -28,33 +28,14 @@ CHAT = [{"role": "user", "content": "tell me about the mat"}]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("vllm-ids") / MODEL, **SHAPE)
-
-
-class PatientServer(Server):
-    """tests/test_vllm_engine.py's server, waiting longer for vLLM on busy cores (to come
-    up, and for a step), and leaving no process behind when it does not come up."""
-
-    def __init__(self, model_dir) -> None:
-        try:  # (--max-logprobs: the whole vocabulary, for prompt_logprobs -1 as in vLLM; a
-            # step on busy cores, the first with logprobs, may hold the worker past 10 s)
-            super().__init__(model_dir, "--max-logprobs", str(SHAPE["vocab_size"]),
-                             "--heartbeat-timeout", "120")
-        except BaseException:
-            if getattr(self, "proc", None) is not None:
-                self.stop()
-            raise
-
-    def wait_ready(self, timeout: float = 1200) -> None:
-        super().wait_ready(timeout)
+def model_dir(vllm_model_dir):
+    return vllm_model_dir
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    s = PatientServer(model_dir)
-    yield s
-    s.stop()
+def server(vllm_server):
+    vllm_server.wait_ready(1200)  # (test_vllm_engine.py's last test restarts its worker)
+    return vllm_server
 
 
 @pytest.fixture(scope="module")
