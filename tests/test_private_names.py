@@ -20,12 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "server"
 
 #: (module, the other module's private name it uses) -> why it may. Keep it short.
-ALLOWED: dict[tuple[str, str], str] = {
-    ("server.engines.transformers.embed", "server.engines.transformers.engine._DTYPES"):
-        "the embedding model loads as the engine's model does; to be made public there",
-    ("server.engines.transformers.embed", "server.engines.transformers.engine._context_length"):
-        "the embedding model's context length is read as the engine's is; as above",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def _private(name: str) -> bool:

@@ -36,7 +36,7 @@ import transformers
 
 from ...workers.base import HFTokenizing, Rejected, one_line
 from ...workers.embed import matryoshka, token_rows
-from .engine import _DTYPES, _context_length
+from .engine import context_length, model_dtype
 
 __all__ = ["TransformersEmbedder", "is_embedding_model", "pooling_of", "pool"]
 
@@ -131,7 +131,7 @@ class TransformersEmbedder(HFTokenizing):
             torch.set_num_threads(int(num_threads))
         self.pooling = pooling_of(model_path)
         self.model, self.tokenizer = _load(model_path, device=device, dtype=dtype)
-        limit = _context_length(self.model.config, self.tokenizer)
+        limit = context_length(self.model.config, self.tokenizer)
         if max_model_len is None:
             max_model_len = limit
         elif not 0 < max_model_len <= limit:
@@ -212,15 +212,12 @@ class TransformersEmbedder(HFTokenizing):
 def _load(model_path: str, *, device: str, dtype: str | None):
     """(model without head, tokenizer), offline; one clear line on failure."""
     path = Path(model_path).expanduser()
-    if dtype is None:
-        dtype = "float32" if device == "cpu" else "auto"
-    if dtype != "auto" and dtype not in _DTYPES:
-        raise ValueError(f"dtype must be auto or one of {', '.join(_DTYPES)}, not {dtype!r}")
+    torch_dtype = model_dtype(dtype, device)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
         raise RuntimeError(f"cannot load the tokenizer in {path}: {one_line(exc)}") from None
-    kwargs = {"dtype": "auto" if dtype == "auto" else _DTYPES[dtype], "local_files_only": True}
+    kwargs = {"dtype": torch_dtype, "local_files_only": True}
     try:
         model = transformers.AutoModel.from_pretrained(path, **kwargs).to(device).eval()
     except Exception as exc:

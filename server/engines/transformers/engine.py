@@ -90,13 +90,24 @@ from ...workers.hub import model_files
 from ...workers.prep_helper import PROCESS_BYTES, HelperTokenizing
 from ...workers.resume import resume_of
 
-__all__ = ["TransformersEngine", "load_model"]
+__all__ = ["TransformersEngine", "context_length", "load_model", "model_dtype"]
 
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+
+
+def model_dtype(dtype: str | None, device: str):
+    """``from_pretrained``'s ``dtype`` for ``--dtype`` (None: float32 on a CPU, where
+    ``auto`` would pick a half type; else the checkpoint's own); ValueError naming the
+    choices for any other value. Shared with the embedding model's loader (embed.py)."""
+    if dtype is None:
+        dtype = "float32" if device == "cpu" else "auto"
+    if dtype != "auto" and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(_DTYPES)}, not {dtype!r}")
+    return "auto" if dtype == "auto" else _DTYPES[dtype]
 
 
 def load_model(model_path: str | Path, *, device: str = "cpu", dtype: str | None = None,
@@ -111,16 +122,13 @@ def load_model(model_path: str | Path, *, device: str = "cpu", dtype: str | None
         raise NotADirectoryError(f"model path {path} is not a directory")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
-    if dtype is None:
-        dtype = "float32" if device == "cpu" else "auto"
-    if dtype != "auto" and dtype not in _DTYPES:
-        raise ValueError(f"dtype must be auto or one of {', '.join(_DTYPES)}, not {dtype!r}")
+    torch_dtype = model_dtype(dtype, device)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(
             f"device {device!r} requested, but torch {torch.__version__} sees no GPU"
         )
     tokenizer = load_tokenizer(path)
-    kwargs = {"dtype": "auto" if dtype == "auto" else _DTYPES[dtype], "local_files_only": True}
+    kwargs = {"dtype": torch_dtype, "local_files_only": True}
     if attn:
         kwargs["attn_implementation"] = attn
     elif device == "cpu" and _attends_through_the_registry(path):
@@ -165,8 +173,9 @@ def _top(value) -> int | None:
     return top
 
 
-
-def _context_length(config, tokenizer) -> int:
+def context_length(config, tokenizer) -> int:
+    """The model's context length, from its config's usual names (a multimodal config's
+    text part), else the tokenizer's; shared with the embedding model (embed.py)."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, name, None)
@@ -221,7 +230,7 @@ class TransformersEngine(HelperTokenizing):
         self._tok = self.tokenizer.backend_tokenizer
         self.helper_options(prepare_process, prepare_process_bytes, prepare_process_nice)
         self._path = path
-        limit = _context_length(self.model.config, self.tokenizer)
+        limit = context_length(self.model.config, self.tokenizer)
         window = sliding_window(self.model)  # may raise UnsupportedModel: a clear message
         if window is not None:
             limit = min(limit, window)
