@@ -107,7 +107,7 @@ def test_the_worker_checks_what_it_is_sent():
     for request in ({"op": "embed", "input": []}, {"op": "embed", "input": "a"},
                     {"op": "embed", "input": [[1, "x"]]},
                     {"op": "embed", "input": ["a"], "dimensions": 10**6}):
-        reply = handle_message(engine, [wire.TOKENIZE, 1, request], [], [])
+        reply = handle_message(engine, [wire.CALL, 1, request], [], [])
         assert reply is not None and reply[2] is None and reply[3][0] == "invalid_request"
     assert engine.forwards == 0
 
@@ -118,7 +118,7 @@ def test_a_fault_reaches_only_the_sim_that_takes_faults():
     engine is called (it used to be passed to every engine's embed, which ignored it)."""
     slow = {"kind": "slow_step", "seconds": 0.0}
     plain = SimEngine()  # (as any real engine: no faults)
-    embed = [wire.TOKENIZE, 1, {"op": "embed", "input": ["a"], "fault": slow}]
+    embed = [wire.CALL, 1, {"op": "embed", "input": ["a"], "fault": slow}]
     reply = handle_message(plain, embed, [], [])
     assert reply is not None and reply[2] is None
     assert reply[3][0] == "invalid_request" and "'fault'" in reply[3][1]
@@ -133,7 +133,7 @@ def test_a_fault_reaches_only_the_sim_that_takes_faults():
     faulty = SimEngine(faults=True)
     reply = handle_message(faulty, embed, [], [])
     assert reply is not None and reply[3] is None and faulty.forwards == 1
-    bad = [wire.TOKENIZE, 2, {"op": "embed", "input": ["a"], "fault": "slow"}]
+    bad = [wire.CALL, 2, {"op": "embed", "input": ["a"], "fault": "slow"}]
     reply = handle_message(faulty, bad, [], [])
     assert reply is not None and reply[3] == ["invalid_request", "'fault' must be an object"]
 
@@ -141,7 +141,7 @@ def test_a_fault_reaches_only_the_sim_that_takes_faults():
 def test_one_request_is_one_engine_batch():
     engine = SimEngine()
     reply = handle_message(
-        engine, [wire.TOKENIZE, 1, {"op": "embed", "input": ["a b", "c", [1, 2, 3]]}], [], [])
+        engine, [wire.CALL, 1, {"op": "embed", "input": ["a b", "c", [1, 2, 3]]}], [], [])
     assert reply is not None and reply[3] is None
     assert len(reply[2]["data"]) == 3 and reply[2]["prompt_tokens"] == 6
     assert engine.forwards == 1
@@ -246,14 +246,14 @@ def test_vectors_match_the_model_run_directly(which, pooling, request):
     path = request.getfixturevalue(which)
     assert pooling_of(str(path)) == pooling
     engine = TransformersEmbedder(model_path=str(path))
-    reply = handle_message(engine, [wire.TOKENIZE, 1, {"op": "embed", "input": INPUTS}], [], [])
+    reply = handle_message(engine, [wire.CALL, 1, {"op": "embed", "input": INPUTS}], [], [])
     assert reply is not None and reply[3] is None
     assert engine.forwards == 1  # four inputs of different lengths, one padded forward
     for item, data in zip(INPUTS, reply[2]["data"]):
         assert cosine(floats(data), direct(path, item, pooling)) >= 0.9999
     # A request too big for one forward is refused (its forward would silence the worker).
     engine.max_embed_tokens = 8
-    reply = handle_message(engine, [wire.TOKENIZE, 2, {"op": "embed", "input": INPUTS}], [], [])
+    reply = handle_message(engine, [wire.CALL, 2, {"op": "embed", "input": INPUTS}], [], [])
     assert reply is not None and "send fewer inputs" in reply[3][1]
     assert engine.forwards == 1
 
@@ -309,7 +309,7 @@ async def test_a_generation_model_refuses_embeddings(tmp_path):
     from server.engines.transformers.engine import TransformersEngine
 
     reply = handle_message(TransformersEngine(model_path=str(path)),
-                           [wire.TOKENIZE, 1, {"op": "embed", "input": ["hi"]}], [], [])
+                           [wire.CALL, 1, {"op": "embed", "input": ["hi"]}], [], [])
     assert reply is not None and "not an embedding model" in reply[3][1]
 
 

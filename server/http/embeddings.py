@@ -11,7 +11,7 @@ Every field of OpenAI's request is honoured (``input``, ``model``, ``encoding_fo
 ``dimensions``, ``user``); vLLM's extensions are refused unless at their defaults, and any
 other field is a 400 naming it (an embeddings client that sends a field it means has no
 other way to learn it was dropped). Parsing is sans-IO (:func:`parse_embeddings`); the
-whole request goes to the least loaded worker as one ``embed`` TOKENIZE round trip (see
+whole request goes to the least loaded worker as one ``embed`` CALL round trip (see
 :mod:`server.workers.embed`): one engine forward for all its inputs.
 """
 

@@ -9,7 +9,7 @@ Example::
     -> {"prompt": "Hello world"}
 
 The frontend never loads a tokenizer: the request goes to the least loaded worker (a
-TOKENIZE round trip, answered between engine steps) whose tokenizer is the one generation
+CALL round trip, answered between engine steps) whose tokenizer is the one generation
 uses, so the ids are exactly those a generation request's prompt becomes. An engine without
 a tokenizer (the sim engine) answers 400. Parsing is sans-IO (:func:`parse_tokenize`,
 :func:`parse_detokenize`); :func:`handle_tokenize` is the thin ASGI shell.
@@ -57,7 +57,7 @@ def _model(data: dict, served_model: str) -> None:
 
 
 def parse_tokenize(body: bytes, served_model: str) -> dict:
-    """The TOKENIZE request of a ``/tokenize`` body (400/404 on bad input)."""
+    """The CALL request of a ``/tokenize`` body (400/404 on bad input)."""
     data = decode_json(body)
     _model(data, served_model)
     for name, neutral in _REFUSED.items():
@@ -108,7 +108,7 @@ def parse_tokenize(body: bytes, served_model: str) -> dict:
 
 
 def parse_detokenize(body: bytes, served_model: str) -> dict:
-    """The TOKENIZE request of a ``/detokenize`` body (400/404 on bad input)."""
+    """The CALL request of a ``/detokenize`` body (400/404 on bad input)."""
     data = decode_json(body)
     _model(data, served_model)
     tokens = data.get("tokens")

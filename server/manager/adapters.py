@@ -157,7 +157,7 @@ async def _each(workers: list, op: dict, done: list, failures: list) -> None:
 
     async def one(w) -> None:
         try:
-            await w.tokenize(op)
+            await w.call(op)
         except ServerError as exc:
             if isinstance(exc, EngineError) and not w.alive:
                 return  # it went away

@@ -235,7 +235,7 @@ class Engine:
         server.worker_protocol.wire) with the least loaded worker's tokenizer: the one requests
         are served with. Bounded like any worker round trip: a hung worker is stopped by
         the heartbeat, and its round trips fail with EngineError."""
-        return await self._pick_worker().tokenize(request)
+        return await self._pick_worker().call(request)
 
     def _pick_worker(self) -> WorkerClient:
         """The least loaded live worker (for round trips that use no cache)."""

@@ -321,7 +321,7 @@ class WorkerClient:
         """Round-trip a ping; returns the worker's (running, waiting) request counts."""
         return await self._round_trip(lambda seq: [wire.PING, seq])
 
-    async def tokenize(self, request: dict) -> dict:
+    async def call(self, request: dict) -> dict:
         """Round-trip a CALL request (see server.worker_protocol.wire); the worker answers
         between engine steps. Raises the worker's error (a client fault is a ClientError)."""
         if self.reads_packed:

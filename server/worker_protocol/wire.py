@@ -79,9 +79,6 @@ __all__ = [
     "malformed",
 ]
 
-#: The old names of CALL and RESULT, and of what reads a RESULT, while callers move.
-TOKENIZE, TOKENIZED = CALL, RESULT
-
 #: The key of a listening worker's HELLO info saying that it takes a SUBMIT's block names
 #: and passes them on, as the worker note ``{"routed": [name, ...]}``, to every other
 #: frontend that subscribed to the same naming (``[SUBSCRIBE, [routed_topic(N)]]``, N the
@@ -331,7 +328,6 @@ SLICE = 16384
 
 #: A RESULT message's first bytes: an array of four items, the first RESULT.
 RESULT_HEAD = b"\x94" + msgpack.packb(RESULT)
-TOKENIZED_HEAD = RESULT_HEAD
 
 _headers = msgpack.Packer(autoreset=True)
 
@@ -386,9 +382,6 @@ def is_result(body: bytes) -> bool:
     frames after it (:mod:`server.manager.worker`); whether the rest is one is for the
     decoding to find."""
     return body.startswith(RESULT_HEAD)
-
-
-is_tokenized = is_result
 
 
 #: First bytes of msgpack's array and map headers (fix, 16-bit and 32-bit counts).

@@ -44,7 +44,7 @@ at once; what the engine still reports for them is dropped.
 
 *What a frontend may cost.* Its frames are read within bounds
 (:mod:`server.worker_protocol.limits`): before it authenticated, 4 KiB a frame; after,
-SUBMIT and TOKENIZE up to 64 MiB and every other type 4 KiB, judged from a frame's first
+SUBMIT and CALL up to 64 MiB and every other type 4 KiB, judged from a frame's first
 bytes, and no frame decoded to more objects than a budget (a request over it gets its own
 ``invalid_request`` error; anything else over a bound ends the connection). All
 connections together hold at most ``--max-total-buffer-bytes`` of unfinished frames and
@@ -58,7 +58,7 @@ the rest counted).
 *Never blocked by a frontend.* Sockets are non-blocking; output a socket does not take is
 kept in the connection's buffer (bounded, see above) and sent when it becomes writable.
 
-*Big answers in parts.* A TOKENIZED of ``wire.BIG_FRAME`` or more added whole to a
+*Big answers in parts.* A RESULT of ``wire.BIG_FRAME`` or more added whole to a
 connection's output would hold every STEP behind it until the socket took it all. To a
 connection that subscribed to ``wire.PARTS_TOPIC`` (the HELLO offers it: ``PARTS_KEY``) it
 goes as PART frames (:mod:`server.worker_protocol.parts`): a pass's share is added after the
@@ -67,7 +67,7 @@ connection is watched for writability, so the loop adds more as soon as it can t
 (What the kernel's send buffer holds is not counted: on a slow network a STEP may still
 wait behind that much of an answer, up to the buffer's size.)
 
-*Busy is not hung.* While one engine step, or a TOKENIZE answered on the loop (an
+*Busy is not hung.* While one engine step, or a CALL answered on the loop (an
 embedding's forward, a LoRA load), runs longer than a second, a thread beside the loop
 (:mod:`server.workers.pulse`) sends every ready connection an unasked PONG (sequence
 number 0; the counts of the last PING answered) once the output waiting for it is sent, so
@@ -118,7 +118,7 @@ _MAX_UNAUTHENTICATED = 4096
 _HANDSHAKE_TIMEOUT = 10.0
 #: How often, at most, the loop wakes to check connection timeouts.
 _HOUSEKEEPING = 0.5
-#: After a read pass longer than this (a TOKENIZE answered on the loop: an embedding's
+#: After a read pass longer than this (a CALL answered on the loop: an embedding's
 #: forward, a LoRA load), a connection with bytes waiting unread is not checked for silence:
 #: its pings arrived meanwhile.
 _LONG_ANSWER = 1.0
@@ -179,7 +179,7 @@ class _Conn:
         self.parts: PartQueue | None = None
 
     def answer(self, frame: bytes) -> None:
-        """A TOKENIZED frame for this connection: in parts when it asked and the frame is
+        """A RESULT frame for this connection: in parts when it asked and the frame is
         big, else whole, after the output waiting."""
         if self.parts is not None and is_big_answer(frame):
             self.parts.add(frame)
@@ -256,7 +256,7 @@ class Server:
         self.preparer = open_preparer(engine)
         if self.preparer is not None:
             self.selector.register(self.preparer.fileno(), selectors.EVENT_READ, self)
-        #: TOKENIZE requests being prepared: internal seq -> (connection, its seq)
+        #: CALL requests being prepared: internal seq -> (connection, its seq)
         self.tokenizing: dict[int, tuple[_Conn, int]] = {}
         self.conns: set[_Conn] = set()
         #: accept() failed: not accepting until then (monotonic), or None
@@ -418,13 +418,13 @@ class Server:
             raise _Closed(f"protocol violation: {exc}") from None
 
     def _refuse_request(self, conn: _Conn, request: wire.Oversized) -> None:
-        """A SUBMIT or TOKENIZE over the decoding limits (server.worker_protocol.limits):
+        """A SUBMIT or CALL over the decoding limits (server.worker_protocol.limits):
         answered as that request's error, as the engine answers one it cannot take."""
         error = ["invalid_request", request.message]
         if request.kind == wire.SUBMIT:
             conn.outputs.append(OutputRow(request.ident, "", 0, "error", error))
         else:
-            conn.answer(wire.encode([wire.TOKENIZED, request.ident, None, error]))
+            conn.answer(wire.encode([wire.RESULT, request.ident, None, error]))
 
     def _receive(self, conn: _Conn) -> bytes:
         """What the socket has (a TLS socket is read until its buffer is empty too, since
@@ -520,9 +520,9 @@ class Server:
             if held is not None:
                 handle_message(self.engine, [wire.ABORT, held], self.accepts, self.outputs,
                                self.preparer)
-        elif kind == wire.PING or kind == wire.TOKENIZE:
+        elif kind == wire.PING or kind == wire.CALL:
             seq = msg[1]
-            if kind == wire.TOKENIZE and self.preparer is not None:
+            if kind == wire.CALL and self.preparer is not None:
                 internal = next(self._ids)
                 self.tokenizing[internal] = (conn, seq)
                 msg = [kind, internal, *msg[2:]]
@@ -609,7 +609,7 @@ class Server:
             total -= mine
 
     def _collect(self) -> None:
-        """Admit the requests prepared since the last iteration; route TOKENIZED replies
+        """Admit the requests prepared since the last iteration; route RESULT replies
         to their connections (a reply for a connection that ended is dropped)."""
         assert self.preparer is not None
         for reply in self.preparer.collect(self.accepts, self.outputs):
