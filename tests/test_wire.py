@@ -333,6 +333,17 @@ def test_property_a_typed_message_travels_as_the_same_bytes(data):
         assert repr(read.decode(wire.encode(message)[4:])) == repr(typed)  # (NaN)
 
 
+def test_a_packed_prompt_reaches_each_workers_reader():
+    """A long token-id prompt travels packed (an extension value): every worker's reader
+    gives it back as the list of ids, typed or as a list."""
+    ids = [(7919 * i) % 50_000 for i in range(wire.PACK_MIN + 3)]
+    frame = wire.encode([wire.SUBMIT, 1, wire.pack_ids(ids), {}])
+    for read in (wire.REQUESTS, wire.LISTENER_REQUESTS):
+        (message,) = wire.FrameDecoder(read).feed(frame)
+        assert message.prompt == ids
+        assert wire.FrameDecoder(read.as_lists()).feed(frame) == [[wire.SUBMIT, 1, ids, {}]]
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.sampled_from([0, 1, 15, 16, wire.SLICE - 1, wire.SLICE, wire.SLICE + 1,
                         2 * wire.SLICE + 17, 5 * wire.SLICE]),

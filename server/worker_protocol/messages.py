@@ -237,7 +237,14 @@ class Hello(Message, tag=HELLO):
     proof: Union[bytes, None, UnsetType] = UNSET
 
 
-Prompt = Union[str, list[Any], dict[str, Any]]
+#: A string, token ids (a list; packed ids, wire.PACKED_IDS, come out as one) or
+#: ``{"messages": [...]}``: typed ``Any`` so that packed ids reach the decoder's
+#: ``ext_hook`` (msgspec hands an extension value only to an ``Any``), its type checked by
+#: :class:`Submit`.
+Prompt = Any
+
+
+_PROMPT_TYPES = (str, list, dict)
 
 
 class Submit(Message, tag=SUBMIT):
@@ -251,6 +258,8 @@ class Submit(Message, tag=SUBMIT):
     names: Union[Names, UnsetType] = UNSET
 
     def __post_init__(self) -> None:
+        if type(self.prompt) not in _PROMPT_TYPES:
+            raise ValueError("a prompt is a string, a list or a map")
         if self.adapter is None and self.names is UNSET:
             raise ValueError("a nil adapter without names")
 
@@ -259,6 +268,8 @@ class PipeSubmit(Submit, tag=SUBMIT):
     """``[SUBMIT, rid, prompt, params]`` (+ ``adapter``: a LoRA adapter's name)."""
 
     def __post_init__(self) -> None:
+        if type(self.prompt) not in _PROMPT_TYPES:
+            raise ValueError("a prompt is a string, a list or a map")
         if self.adapter is None or self.names is not UNSET:
             raise ValueError("block names to a pipe worker")
 

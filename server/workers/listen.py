@@ -108,6 +108,10 @@ from .main import (
 )
 from .pulse import Pulse
 
+#: What a listening worker takes from an authenticated frontend (wire.LISTENER_REQUESTS),
+#: each message handed on as its list.
+_REQUESTS = wire.LISTENER_REQUESTS.as_lists()
+
 __all__ = ["main", "serve_listening", "open_listener"]
 
 PROG = "trio-llm-server worker"
@@ -406,9 +410,10 @@ class Server:
                         raise wire.ProtocolError("a large frame before authenticating")
                     return
                 self._authenticate(conn, wire.check(messages[0], (wire.AUTH,)))
-                messages = messages[1:]
+                # (frames that came with the AUTH were decoded before its reader was set)
+                messages = [wire.check_listener_request(msg) for msg in messages[1:]]
             for msg in messages:
-                self._handle(conn, wire.check_listener_request(msg))
+                self._handle(conn, msg)
             refused = conn.decoder.refused
             if refused:
                 for request in refused:
@@ -470,6 +475,7 @@ class Server:
                           "the frontend retries")
         conn.state = "ready"
         conn.decoder.limits = limits.REQUESTS
+        conn.decoder.reader = _REQUESTS
         mine = None if secret is None else handshake.worker_proof(secret, conn.nonce, cnonce)
         info = {**wire.hello_info(self.engine.info), wire.ROUTED_KEY: True,
                 wire.PARTS_KEY: True}
@@ -486,7 +492,7 @@ class Server:
         raise _Closed(f"refused: {reason}")
 
     def _handle(self, conn: _Conn, msg: list) -> None:
-        """``msg``: a checked request (wire.check_listener_request)."""
+        """``msg``: a checked request (wire.LISTENER_REQUESTS, as a list)."""
         kind = msg[0]
         if conn.snapshot_due:
             # The blocks the engine holds now (the KV events from now on follow), with
