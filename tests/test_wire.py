@@ -242,6 +242,7 @@ def test_malformed_requests_are_protocol_errors(message):
     [wire.STEP], [wire.STEP, [], None], [wire.STEP, [[1]], []], [wire.STEP, [], [[1, "x"]]],
     [wire.STEP, [], [[1, b"x", 1, None, None]]], [wire.STEP, [], [[1, "x", -1, None, None]]],
     [wire.STEP, [], [[1, "x", 1, "done", None]]], [wire.STEP, [], [[1, "x", 1, [], None]]],
+    [wire.STEP, [], [[1, "x", 1, "stop\n", None]]], [wire.STEP, [], [[1, "", 0, "error\n", None]]],
     [wire.STEP, [], [[1, "", 0, "error", None]]], [wire.STEP, [], [[1, "", 0, "error", ["k"]]]],
     [wire.STEP, [], [[1, "", 0, "stop", ["k", "m"]]]], [wire.STEP, [], [], [[1, 2]]],
     [wire.STEP, [], [], [[1, {"cached_tokens": "3"}]]], [wire.STEP, [], [], [[1, {"x": 1}]]],

@@ -92,7 +92,7 @@ Bytes32 = Annotated[bytes, Meta(min_length=32, max_length=32)]
 #: ``[kind, message]`` or ``[kind, message, param]`` (:func:`error_ok` checks the items).
 Err = Annotated[list, Meta(min_length=2, max_length=3)]
 #: One of :data:`FINISHES` (a ``str`` to the engines that make rows).
-Finish = Annotated[str, Meta(pattern="^(stop|length|abort|error)$")]
+Finish = Annotated[str, Meta(pattern=r"\A(stop|length|abort|error)\Z")]  # re.search: $ passes "stop\n"
 
 
 def error_ok(err: list) -> bool:
