@@ -39,3 +39,21 @@ async def test_every_row_of_the_table_is_served_at_its_path(autojump_clock, toke
                     assert r.status == 404, path
             r = await http.post("/v1/not_a_route", json={})
             assert r.status == 404 and r.json()["error"]["message"] == "Not found."
+
+
+#: What the app served before the table existed (de8ca7b's hand dispatch and Quart routes),
+#: written out rather than read from the table, so that a row dropped from it fails here.
+SERVED = {
+    ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/chat/completions/batch"), ("POST", "/v1/responses"),
+    ("POST", "/v1/embeddings"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+    ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
+    ("POST", "/invocations"), ("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"),
+    ("GET", "/tokenizer_info"), ("GET", "/load"), ("GET", "/version"), ("GET", "/v1/models"),
+    ("GET", "/v1/models/<path:model_id>"),
+}
+
+
+def test_the_table_holds_every_endpoint_served_before_it():
+    rows = {(method, route.path) for route in TABLE for method in route.methods}
+    assert rows == SERVED
