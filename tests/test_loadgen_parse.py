@@ -487,10 +487,11 @@ async def test_end_to_end_consistent_summary(nursery):
     # keep-alive: one connection per client, reused
     # + 1 preflight connection and 1 for GET /v1/models
     assert s["connections_opened"] == 4 and srv.connections == 4 + 2
-    # CPU of this very process (the stand-in runs in it), no workers
+    # CPU of this very process (the stand-in runs in it), no workers (none that the run
+    # started: a session-scoped server, tests/conftest.py's vllm_server, may be a child)
     assert s["frontend_pid"] == os.getpid()
     assert s["frontend_cpu_s"] >= 0 and s["frontend_cpu_us_per_token"] >= 0
-    assert s["workers"] == []
+    assert [w for w in s["workers"] if w["new"]] == []
     json.dumps(s)  # JSON-able
     assert "requests" in format_table(s)
 
