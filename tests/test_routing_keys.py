@@ -12,6 +12,7 @@ from server import SamplingParams
 from server.manager.kv_index import KVIndex
 from server.manager.routing import BLOCK_TOKENS, prompt_blocks
 from server.worker_protocol.kv_blocks import STORED, block_digests, seed_of
+from server.worker_protocol.messages import KvEvent
 from tests.fakes import all_outputs, open_fake_engine
 
 PROMPT = list(range(100, 100 + 4 * BLOCK_TOKENS))  # four whole blocks
@@ -24,7 +25,7 @@ def believe(engine, worker: int, prompt, seed: bytes, exact: bool) -> None:
         index = engine.workers[worker].kv_index
         if index is None:
             index = engine.workers[worker].kv_index = KVIndex(BLOCK_TOKENS)
-        index.apply([[STORED, block_digests(prompt, BLOCK_TOKENS, seed)]])
+        index.apply([KvEvent(STORED, block_digests(prompt, BLOCK_TOKENS, seed))])
     else:
         engine.router.routed(worker, prompt_blocks(prompt, seed=seed).hashes)
 
