@@ -40,6 +40,6 @@ def test_a_dry_run_prints_every_stage_and_runs_nothing(run_tests, capsys):
     out = capsys.readouterr().out
     for stage in run_tests.STAGES:
         assert (f"=== {stage.name}:" in out) == stage.in_matrix, stage.name
-    assert "TRIO_LLM_HTTP_FALLBACK=1 python -m pytest -q tests/test_http_" in out
+    assert "TRIO_LLM_HTTP_FALLBACK=1 python -m pytest -q -n 2 --dist loadgroup tests/test_http_" in out
     with pytest.raises(SystemExit):
         run_tests.main(["no-such-stage"])
