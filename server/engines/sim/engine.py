@@ -44,21 +44,26 @@ It behaves like a real engine from the frontend's point of view:
   ask (``"token_ids": true``) gets a note ``{"token_ids": [id]}`` with each token (the word's
   index in the vocabulary; the reasoning tags and a tool call's pieces have ids of their
   own, :func:`token_text`). A request whose params carry ``"resume": {"token_ids": [...],
-  "text_chars": k}`` continues one whose worker died: its prompt counts the generated
-  tokens too (one prefill of them all), its generator is replayed through them (so a
-  greedy or seeded request goes on exactly as it would have; an unseeded one goes on with
-  fresh randomness), ``max_tokens`` is what is left, and the text of those tokens beyond
+  "text_chars": k}`` continues one whose worker died. Its prompt counts the generated
+  tokens too (one prefill of them all). Its generator is replayed through them, so a
+  greedy or seeded request goes on exactly as it would have, and an unseeded one goes on
+  with fresh randomness. ``max_tokens`` is what is left, and the text of those tokens beyond
   the ``k`` characters the client already has (held back for a stop string) is fed to the
   stop matcher first.
 * **Fault injection** (only when built with ``faults=True``): a request may carry
-  ``{"fault": {"kind": K, "after": k}}`` where K is ``error`` (fail with an engine error
-  after k tokens), ``crash`` (the worker process dies after k tokens), ``hang`` (the whole
-  worker stops answering after k tokens), ``garbage`` (the worker writes bytes that are not
-  a frame on its pipe after k tokens), ``stall`` (this request stops producing output
-  after k tokens), ``ignore_abort`` (aborts of this request are ignored), ``slow_step``
-  (the step that gives token k+1 computes, holding the loop as a long forward pass does,
-  for ``"seconds"``, then the request goes on) or ``stuck_step`` (that step blocks for
-  ever without computing, as a deadlock does). An ``embed`` request may carry
+  ``{"fault": {"kind": K, "after": k}}``, where K is one of:
+
+  - ``error``: fail with an engine error after k tokens;
+  - ``crash``: the worker process dies after k tokens;
+  - ``hang``: the whole worker stops answering after k tokens;
+  - ``garbage``: the worker writes bytes that are not a frame on its pipe after k tokens;
+  - ``stall``: this request stops producing output after k tokens;
+  - ``ignore_abort``: aborts of this request are ignored;
+  - ``slow_step``: the step that gives token k+1 computes, holding the loop as a long
+    forward pass does, for ``"seconds"``, then the request goes on;
+  - ``stuck_step``: that step blocks for ever without computing, as a deadlock does.
+
+  An ``embed`` request may carry
   ``{"fault": {"kind": "slow_step", "seconds": s}}``: it computes that long first.
 """
 

@@ -21,18 +21,19 @@ the shape it expects. So:
 * joining rows are written into spare rows, right-aligned at ``end``, their left padding
   zeroed (:meth:`join`), when the buffer has the rows and the columns for them;
 * before ``end`` reaches the buffer's last column, the live region *migrates* to new
-  buffers (:class:`_Migration`), a chunk of columns per step: when the columns left past
-  ``end`` fall below half the room (below), new buffers are made with twice the room (at
-  least 4 rows and 32 columns, or an eighth more) and each step copies enough columns of
-  every row to catch up with ``end`` in about a quarter of the room's steps; rows that move
+  buffers (:class:`_Migration`), a chunk of columns per step. It starts when the columns
+  left past ``end`` fall below half the room (below). The new buffers have twice the room
+  (at least 4 rows and 32 columns, or an eighth more). Each step copies enough columns of
+  every row to catch up with ``end`` in about a quarter of the room's steps. Rows that move
   or join meanwhile are copied into the new buffers too (only the columns copied so far),
-  and the step that catches up switches the views over. So growth and the slide of a
-  batch whose oldest rows leave cost O(1) copying per token *and per step*: one move of
+  and the step that catches up switches the views over. So growth, and the slide of a
+  batch whose oldest rows leave, cost O(1) copying per token *and per step*. One move of
   the whole cache in one step held every stream of the batch for as long as that copy
-  (100-280 ms at 64 rows of 600-1,100 tokens on one core, docs/benchmarks.md);
+  (100-280 ms at 64 rows of 600-1,100 tokens on one core; docs/transformers.md,
+  "Continuous batching");
 * a join that needs more rows than the buffers hold, or columns on the left that they
-  have not, moves the live region at once into new buffers with room to spare (a
-  migration under way finishes first when its buffers have the rows); a join longer than
+  have not, moves the live region at once into new buffers with room to spare. A
+  migration under way finishes first when its buffers have the rows. A join longer than
   the batch, or with more rows than the migration's buffers hold, drops the migration,
   and the next step starts another.
 

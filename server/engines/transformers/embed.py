@@ -17,10 +17,10 @@ model refuses generation requests (400), and a generation model refuses embeddin
 Theory of operation
 -------------------
 :meth:`TransformersEmbedder.embed` is called by the worker loop between steps (a CALL
-frame with ``"op": "embed"``, see :mod:`server.workers.embed`) and answers at once: every
+frame with ``"op": "embed"``, see :mod:`server.workers.embed`) and answers at once. Every
 input of the request is tokenized, right-padded into one batch and run through the model
-in **one** forward pass (:attr:`forwards` counts them), then pooled as the model says
-(sentence-transformers' ``1_Pooling/config.json``: mean, CLS or last token; mean when
+in **one** forward pass (:attr:`forwards` counts them). The vectors are pooled as the model
+says (sentence-transformers' ``1_Pooling/config.json``: mean, CLS or last token; mean when
 there is none), optionally cut to ``dimensions`` (a Matryoshka model only) and
 L2-normalised. The model holds no state between calls: ``add`` refuses every request, and
 the engine is never busy (``next_deadline`` is None).

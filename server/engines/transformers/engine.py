@@ -34,13 +34,17 @@ Text is made here, in the worker (:mod:`server.engines.transformers.text`): the 
 finished UTF-8 text and never loads a tokenizer. See ``docs/transformers.md`` for why.
 
 **Resuming** (docs/routing.md, "Migration"): a request whose params ask (``"token_ids":
-true``) gets a note ``{"token_ids": [id]}`` with each token; one with ``"resume":
-{"token_ids": G, "text_chars": k}`` continues one whose worker died, exactly: its prompt
+true``) gets a note ``{"token_ids": [id]}`` with each token. One with ``"resume":
+{"token_ids": G, "text_chars": k}`` continues one whose worker died, exactly. Its prompt
 is the prompt and G (one prefill), and everything per request is replayed through G before
-it runs: the generator (one draw per sampled token, :mod:`server.engines.transformers.sample`), the
-sampling rules (penalties, ``min_tokens``, bad words), the grammar's matcher (xgrammar's or llguidance's
-``accept_token``), the detokenizer and stop matcher; the text they released past the
-client's ``k`` characters goes out first.
+it runs:
+
+* the generator (one draw per sampled token, :mod:`server.engines.transformers.sample`);
+* the sampling rules (penalties, ``min_tokens``, bad words);
+* the grammar's matcher (xgrammar's or llguidance's ``accept_token``);
+* the detokenizer and stop matcher.
+
+The text they released past the client's ``k`` characters goes out first.
 """
 
 from __future__ import annotations
@@ -385,7 +389,8 @@ class TransformersEngine(HelperTokenizing):
         ``prepare_process_bytes`` are prepared there."""
         # Grammars are not compiled there: xgrammar 0.2.8's serialize_json of a compiled
         # 2,000-property schema is 991 MB (149 s), and deserialize_json held the GIL for
-        # 5 s (docs/benchmarks.md); they compile in the worker's threads (GIL released).
+        # 5 s (docs/changelog.md, 2026-12-01, "The fix, as built"); they compile in the
+        # worker's threads (GIL released).
         # Grammars.remote is the hook, for a small grammar or a later xgrammar.
         return {
             "model_path": str(self._path), "vocab_size": self.vocab_size,

@@ -9,19 +9,24 @@ Example::
     matcher.accept_token(token)                  # after the pick
     matcher.is_terminated()                      # the JSON is complete and EOS was taken
 
-Compiling a schema can take seconds (thousands of properties, deep nesting, huge enums), so
-:meth:`Grammars.compile` runs in a preparation thread (:mod:`server.workers.prepare`), never
-on the engine loop, within two budgets: a schema's JSON of more than ``max_bytes`` is
-refused before compiling, and a compilation that takes longer than ``timeout`` seconds is
-refused (a 400 naming ``response_format`` or the forced tool call, with the reason). A
-schema with a keyword xgrammar would not enforce (:mod:`.schema_check`) is compiled by
-llguidance instead (:mod:`.guidance`, when installed and the engine asks for it), in
-the same threads, budgets and cache (its key prefixed ``llguidance``); one that llguidance
-refuses too is a 400 naming the keyword and llguidance's reason; the schemas inside a
-structural tag are checked the same way, and one with such a keyword is a 400 naming its
-place in the tag (``response_format.structures[0].schema``: llguidance takes no structural
-tag). A
-compilation runs in one of ``COMPILE_THREADS`` threads of its own, which a preparation
+Compiling a schema can take seconds (thousands of properties, deep nesting, huge enums).
+So :meth:`Grammars.compile` runs in a preparation thread (:mod:`server.workers.prepare`),
+never on the engine loop, within two budgets:
+
+* a schema's JSON of more than ``max_bytes`` is refused before compiling;
+* a compilation that takes longer than ``timeout`` seconds is refused.
+
+Either refusal is a 400 naming ``response_format`` or the forced tool call, with the reason.
+
+A schema with a keyword xgrammar would not enforce (:mod:`.schema_check`) is compiled by
+llguidance instead (:mod:`.guidance`, when installed and the engine asks for it). It uses
+the same threads, budgets and cache (its key prefixed ``llguidance``). One that llguidance
+refuses too is a 400 naming the keyword and llguidance's reason. The schemas inside a
+structural tag are checked the same way: one with such a keyword is a 400 naming its
+place in the tag (``response_format.structures[0].schema``), as llguidance takes no
+structural tag.
+
+A compilation runs in one of ``COMPILE_THREADS`` threads of its own, which a preparation
 waits for at most ``timeout``: a thread cannot be killed, so an overlong one finishes in
 the background and its result goes to the cache, and at most ``COMPILE_THREADS`` of them
 run at once (others queue; their wait counts against their own budget). Compiled grammars
@@ -43,10 +48,10 @@ U+001F) pass, and strict JSON parsers (every client's) refuse them. :func:`_json
 narrows that character class in the grammar's text, before it is compiled, to "any
 character but a quote, a backslash or a control character" (a bounded string still has no
 escapes, as in xgrammar: only characters that JSON takes as they are). Two ``format``
-rules have the same fault (found reading the grammar of every format xgrammar implements):
+rules have the same fault (found reading the grammar of every format xgrammar implements).
 ``email``'s quoted local part takes a backslash then any printable character (``\a``, an
 invalid JSON escape), and ``json-pointer``'s characters include control characters, the
-quote and the backslash; they are narrowed the same way (an escaped pair is written
+quote and the backslash. Both are narrowed the same way (an escaped pair is written
 ``\\`` and a character that needs no escape; a pointer's characters are the printable ones
 JSON takes as they are).
 """

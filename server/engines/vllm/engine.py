@@ -29,12 +29,14 @@ core runs is the ``engine_core`` option:
   that dies fails every held request (:class:`EngineBroken`).
 
 Where vLLM starts processes of its own (the engine core, tensor-parallel workers), they
-are descendants of this worker: :meth:`close` shuts them down; the frontend starts each
-worker in a process group of its own and kills what is left of the group when the worker
-is gone, even SIGKILLed (:mod:`server.manager.transport`); and the engine core process
-gets SIGKILL from the kernel when the worker dies
-(:func:`~server.engines.vllm.core.tied_to_this_process`), which is all a listening worker
-started on its own has.
+are descendants of this worker, and three things end them:
+
+- :meth:`close` shuts them down;
+- the frontend starts each worker in a process group of its own, and kills what is left
+  of the group when the worker is gone, even SIGKILLed (:mod:`server.manager.transport`);
+- the engine core process gets SIGKILL from the kernel when the worker dies
+  (:func:`~server.engines.vllm.core.tied_to_this_process`). A listening worker started on
+  its own has only this one.
 
 What the frontend sends, this module turns into vLLM's terms:
 
@@ -287,14 +289,14 @@ def _entries(logprobs, token_ids, top: int) -> list:
 
 def _nice_grammar_threads(llm, nice: int) -> bool:
     """vLLM compiles a request's grammar in a thread pool of its engine core
-    (``StructuredOutputManager.executor``) while the batch goes on stepping; but on a busy
-    core those threads take the core's time from the step: a 2,000-property schema is
+    (``StructuredOutputManager.executor``) while the batch goes on stepping. But on a busy
+    core those threads take the core's time from the step. A 2,000-property schema is
     0.25 s of CPU, and with 64 streams on one core the others' largest gap grew by 136 ms
-    (docs/benchmarks.md). With the core in this process, its pool is replaced by one whose
-    threads run at ``nice`` (as the preparation helper: ``prepare_process_nice``; on Linux a
-    thread's own priority, which the threads xgrammar starts from it inherit), so that a
-    grammar waits for the time the steps leave. Returns whether it was (not with the core
-    in a process of its own, nor ``nice`` 0)."""
+    (docs/changelog.md, 2026-12-02, "Isolation: The vllm engine at 64 streams"). With the
+    core in this process, its pool is replaced by one whose threads run at ``nice`` (as the
+    preparation helper: ``prepare_process_nice``; on Linux a thread's own priority, which
+    the threads xgrammar starts from it inherit), so that a grammar waits for the time the
+    steps leave. Returns whether it was (not with the core in a process of its own, nor ``nice`` 0)."""
     return nice > 0 and replace_grammar_pool(llm, _lower_priority, (nice,))
 
 

@@ -12,10 +12,10 @@ would (vLLM's repetition penalty covers prompt and output alike, so it is unchan
 vLLM's own detokenizer of that request would start at the cut: a stop string spanning the
 cut would not be found, and the text the dead worker held back (it might begin a stop
 string) would be lost. So vLLM gets the request *without* stop strings, and its text is
-made here by :class:`ResumedText`: an instance of vLLM's own incremental detokenizer
+made here by :class:`ResumedText`. That is an instance of vLLM's own incremental detokenizer
 (``vllm.v1.engine.detokenizer.IncrementalDetokenizer``, the class its output processor
-uses, built for the *original* prompt and sampling params) is replayed through G, as the
-dead worker's was step by step; it then holds the same decode state (a character whose
+uses, built for the *original* prompt and sampling params), replayed through G as the
+dead worker's was step by step. It then holds the same decode state (a character whose
 bytes span the cut comes out whole with the token that completes it), the same text, and
 the same stop-string rules (``min_tokens``, ``include_stop_str_in_output``, the EOS token
 not decoded). Its text past the client's ``k`` characters (held back for a stop

@@ -16,12 +16,12 @@ Our worker hosts vLLM's engine in its own process, where neither happens: the CP
 worker class even replaces ``torch.set_num_threads`` with a warning that does nothing. So
 torch kept a thread per core, and on a loaded host those threads spun against each other:
 256 greedy tokens of the tests' tiny model took 35-58 s at load 12-27 on 2 cores, about 1 s
-with one thread (docs/benchmarks.md).
+with one thread (docs/changelog.md, 2026-12-03, "Torch threads in the vllm worker").
 
 So once the engine is built (:func:`set_serving_threads`), the worker sets torch's threads
-to vLLM's count for the process that runs the model, or to 1 where the model runs
-elsewhere (``engine_core`` ``process``, tensor parallel workers: this process only
-schedules and detokenizes) -- unless the operator chose: ``OMP_NUM_THREADS`` in the
+to vLLM's count for the process that runs the model. Where the model runs elsewhere
+(``engine_core`` ``process``, tensor parallel workers: this process only schedules and
+detokenizes), it sets them to 1. The operator's choice wins: ``OMP_NUM_THREADS`` in the
 worker's environment (vLLM leaves torch alone then too), or ``nobind`` in
 ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM's CPU build then leaves torch's default).
 """
