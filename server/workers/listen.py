@@ -21,17 +21,17 @@ One thread, one loop, like the pipe worker, multiplexing sockets with :mod:`sele
     one STEP frame per connection; send what each socket takes now
 
 *Routed notices.* A SUBMIT may carry the prompt's block names (the frontend's routing
-prediction, docs/routing.md): the worker strips them and passes them on, as the note
+prediction, docs/routing.md). The worker strips them and passes them on, as the note
 ``[nil, {"routed": names}]`` of the next STEP, to every *other* connection subscribed to
 the same topic (``[SUBSCRIBE, ["routed/N"]]``, N the version of the frontends' block
-naming; a connection's names are of its topic's naming, and those of a connection that did
-not subscribe go nowhere), so that each frontend predicts what the others sent here. Only a
+naming). So each frontend predicts what the others sent here. A connection's names are of
+its topic's naming, and those of a connection that did not subscribe go nowhere. Only a
 frontend that subscribed gets them (an older one would take the note for a protocol
 violation), and only a worker shared by several frontends sends any. Notices are hints, and
-one frontend's traffic must not get another dropped for not reading: a connection is given
-none while its output waiting exceeds a quarter of ``--max-buffer-bytes``, nor more than
-:data:`_NOTICE_BYTES` of them per loop pass; the rest are skipped (counted, and logged when
-the connection ends).
+one frontend's traffic must not get another dropped for not reading. So a connection is
+given none while its output waiting exceeds a quarter of ``--max-buffer-bytes``, nor more
+than :data:`_NOTICE_BYTES` of them per loop pass. The rest are skipped (counted, and logged
+when the connection ends).
 
 *Request ids.* Each connection has its own id space (the frontend's ``rid``); the engine
 sees internal ids. ``owners`` maps an internal id to ``(connection, rid)`` and each
@@ -43,17 +43,24 @@ violation, a SHUTDOWN, silent for ``--frontend-timeout``, or not reading: more t
 at once; what the engine still reports for them is dropped.
 
 *What a frontend may cost.* Its frames are read within bounds
-(:mod:`server.worker_protocol.limits`): before it authenticated, 4 KiB a frame; after,
-SUBMIT and CALL up to 64 MiB and every other type 4 KiB, judged from a frame's first
-bytes, and no frame decoded to more objects than a budget (a request over it gets its own
-``invalid_request`` error; anything else over a bound ends the connection). All
-connections together hold at most ``--max-total-buffer-bytes`` of unfinished frames and
-unsent output (past it, the one holding the most is dropped); at most ``--max-frontends``
-connections are authenticated at once (one more is closed after its AUTH, without REFUSED,
-which frontends take for a credential error: a full worker is one to retry), and at most
-:data:`_MAX_UNAUTHENTICATED_CONNS` wait to authenticate (the oldest goes); the lines of
-connections that end before authenticating are throttled (one per :data:`_QUIET` seconds,
-the rest counted).
+(:mod:`server.worker_protocol.limits`):
+
+- before it authenticated, 4 KiB a frame;
+- after, SUBMIT and CALL up to 64 MiB and every other type 4 KiB, judged from a frame's
+  first bytes;
+- no frame decoded to more objects than a budget.
+
+A request over the budget gets its own ``invalid_request`` error; anything else over a
+bound ends the connection. Across connections:
+
+- all of them together hold at most ``--max-total-buffer-bytes`` of unfinished frames and
+  unsent output (past it, the one holding the most is dropped);
+- at most ``--max-frontends`` connections are authenticated at once. One more is closed
+  after its AUTH without REFUSED, which frontends take for a credential error: a full
+  worker is one to retry;
+- at most :data:`_MAX_UNAUTHENTICATED_CONNS` wait to authenticate (the oldest goes);
+- the lines of connections that end before authenticating are throttled (one per
+  :data:`_QUIET` seconds, the rest counted).
 
 *Never blocked by a frontend.* Sockets are non-blocking; output a socket does not take is
 kept in the connection's buffer (bounded, see above) and sent when it becomes writable.
@@ -67,11 +74,11 @@ connection is watched for writability, so the loop adds more as soon as it can t
 (What the kernel's send buffer holds is not counted: on a slow network a STEP may still
 wait behind that much of an answer, up to the buffer's size.)
 
-*Busy is not hung.* While one engine step, or a CALL answered on the loop (an
-embedding's forward, a LoRA load), runs longer than a second, a thread beside the loop
-(:mod:`server.workers.pulse`) sends every ready connection an unasked PONG (sequence
-number 0; the counts of the last PING answered) once the output waiting for it is sent, so
-that frontends do not take a worker making progress for hung. A frontend's silence is
+*Busy is not hung.* Frontends must not take a worker making progress for hung. So while
+one engine step, or a CALL answered on the loop (an embedding's forward, a LoRA load), runs
+longer than a second, a thread beside the loop (:mod:`server.workers.pulse`) speaks for it.
+It sends every ready connection an unasked PONG (sequence number 0; the counts of the last
+PING answered) once the output waiting for it is sent. A frontend's silence is
 checked after its socket was read, never right after a step; after a long read pass (its
 pings arrived meanwhile) only if it has nothing waiting unread, so that back-to-back long
 passes cannot keep a frontend that went silent.

@@ -202,9 +202,9 @@ def _is_lora_op(op: object) -> bool:
 def handle_in_pulse(pulse: Pulse, engine, msg: list, accepts: list, outputs: list,
                     preparer: Preparer | None):
     """:func:`handle_message`, with the pulse speaking for the loop while a CALL is
-    answered on it: an embedding's forward pass (up to the engine's padded-token bound), a
+    answered on it. An embedding's forward pass (up to the engine's padded-token bound), a
     LoRA adapter's load, or a tokenize without a preparer computes as long as a step may,
-    and a worker computing is not hung; a LoRA load may also wait without computing, for
+    and a worker computing is not hung. A LoRA load may also wait without computing, for
     up to :data:`LORA_WAIT` (its disk; vLLM's engine core process, which loads it with
     ``--engine-core process``). (Nothing the pulse writes is touched here: the replies are
     written by the loop afterwards.)"""

@@ -108,8 +108,8 @@ def lower_priority(nice: int) -> bool:
 
     Not used by the worker (``Preparer``'s ``nice`` is 0): a niced thread that holds the
     GIL while other processes saturate the core is scheduled rarely, and the loop waits
-    for the GIL that long (measured: a worker declared hung, docs/benchmarks.md,
-    "isolation"). ``bench/step_contention.py --prepare-nice`` measures it."""
+    for the GIL that long (measured: a worker declared hung; docs/changelog.md, 2026-12-01,
+    "Why the transformers rows miss the target"). ``bench/step_contention.py --prepare-nice`` measures it."""
     if sys.platform != "linux" or nice <= 0:
         return False
     tid = threading.get_native_id()

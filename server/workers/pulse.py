@@ -21,14 +21,14 @@ was making progress killed, with every request it held.
 
 So a thread beside the loop speaks for it while it is inside a step (or answers a
 CALL between steps: an embedding's forward pass, a LoRA load; see
-``server.workers.main.handle_in_pulse``), and only then: the
-loop holds :attr:`lock` at all other times (and so owns its outputs, pipe or sockets,
-alone); :meth:`enter` releases it for the step, :meth:`leave` takes it back (waiting for a
-pulse being written, a few microseconds). Every ``period`` seconds the thread takes the lock
-(it gets it only while the loop is in a step) and, if the step has run at least ``period``
-and the loop's thread used CPU since the last look, calls ``send``: the worker writes an
-unasked PONG (sequence number 0, the counts of its last answer), which the frontend counts
-as hearing from it. Its cost to the loop is a lock release and acquire per step.
+``server.workers.main.handle_in_pulse``), and only then. The loop holds :attr:`lock` at
+all other times, and so owns its outputs (pipe or sockets) alone. :meth:`enter` releases
+it for the step; :meth:`leave` takes it back (waiting for a pulse being written, a few
+microseconds). Every ``period`` seconds the thread takes the lock, which it gets only while
+the loop is in a step. If the step has run at least ``period`` and the loop's thread used
+CPU since the last look, it calls ``send``. The worker then writes an unasked PONG
+(sequence number 0, the counts of its last answer), which the frontend counts as hearing
+from it. Its cost to the loop is a lock release and acquire per step.
 
 What this tells apart:
 
@@ -40,9 +40,9 @@ What this tells apart:
   nothing: the thread never gets the lock;
 * a step blocked without computing (waiting on a lock or a peer that never answers) sends
   nothing: its thread's CPU time stands still;
-* except for a while the loop declares a *wait* (``enter(waiting=s)``): a LoRA adapter's
+* except for a while the loop declares a *wait* (``enter(waiting=s)``). A LoRA adapter's
   load waits, without computing, on a slow disk or on vLLM's engine core process (which
-  does the loading with ``--engine-core process``): for its first ``s`` seconds the pulse
+  does the loading with ``--engine-core process``). For its first ``s`` seconds the pulse
   speaks whether or not the loop's thread uses CPU, then as for a step (a load blocked for
   longer is taken for hung).
 
