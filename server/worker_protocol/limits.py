@@ -20,20 +20,25 @@ Two bounds, both applied before the objects exist (``wire.FrameDecoder(limits=..
   type byte, must fit in :data:`SMALL`. A frame over its type's bound is refused as soon
   as its first bytes are in, before its body is buffered.
 * *Values per frame.* A frame of more than :data:`PLAIN` bytes is decoded by a walk
-  (:meth:`Limits.decode`) that reads arrays and maps a header at a time and charges each
-  header's count to its budgets before it builds anything: :data:`VALUES` values (array
-  items, map keys and values: ~72 bytes each at most), :data:`CONTAINERS` arrays and maps
-  (a step of Python each), :data:`IDS` packed token ids (~36 bytes each), nested
-  :data:`MAX_DEPTH` deep at most. So a frame costs at most ~250 MB of objects beyond its
-  own bytes (~75 MB of values, ~150 MB of ids), and about a second of walking on a busy
-  core. A smaller frame decodes in one msgpack call: 16 KiB become ~1 MB at most.
+  (:meth:`Limits.decode`) that reads arrays and maps a header at a time. It charges each
+  header's count to its budgets before it builds anything:
 
-What legitimate frames need: a prompt is a string (one value, however long: the 3.5 MB
-``/tokenize`` prompt of tests/test_worker_prepare.py), packed token ids (a frontend packs
-any list of 4,096 ids or more for a worker that says ``packed_ids``: a 4M-token prompt
-fits) or chat messages; params, tools and schemas are JSON of at most the frontend's
-``--max-body-bytes`` (4 MiB: far fewer values than the budget unless built to be absurd);
-LoRA names, block names (16,384 at most) and SUBSCRIBE's topics are small.
+  - :data:`VALUES` values (array items, map keys and values: ~72 bytes each at most);
+  - :data:`CONTAINERS` arrays and maps (a step of Python each);
+  - :data:`IDS` packed token ids (~36 bytes each);
+  - nested :data:`MAX_DEPTH` deep at most.
+
+  So a frame costs at most ~250 MB of objects beyond its own bytes (~75 MB of values,
+  ~150 MB of ids), and about a second of walking on a busy core. A smaller frame decodes in one msgpack call: 16 KiB become ~1 MB at most.
+
+What legitimate frames need:
+
+* a prompt is a string (one value, however long: the 3.5 MB ``/tokenize`` prompt of
+  tests/test_worker_prepare.py), packed token ids (a frontend packs any list of 4,096 ids
+  or more for a worker that says ``packed_ids``: a 4M-token prompt fits) or chat messages;
+* params, tools and schemas are JSON of at most the frontend's ``--max-body-bytes`` (4 MiB:
+  far fewer values than the budget unless built to be absurd);
+* LoRA names, block names (16,384 at most) and SUBSCRIBE's topics are small.
 
 A SUBMIT or CALL over the budget or the depth is refused as that request's error
 (:class:`wire.Oversized`: the worker answers ``invalid_request``, as for any request it

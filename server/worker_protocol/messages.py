@@ -5,10 +5,11 @@ Why
 ---
 Every frame holds one message, a msgpack array whose first item is its type
 (docs/protocol.md). Each message type here is a msgspec ``Struct`` with ``array_like=True``
-and that type number as its tag, so a message travels as the array it always was
-(``[PING, 7]``), and a reader decodes a frame straight into the message, its shape checked
-in C on the way: the number of items, each item's type (a rid is an ``int``, never a
-``bool``), counts not below zero, a ``finish`` among :data:`FINISHES`, no unknown note key.
+and that type number as its tag. So a message travels as the array it always was
+(``[PING, 7]``), and a reader decodes a frame straight into the message. Its shape is
+checked in C on the way: the number of items, each item's type (a rid is an ``int``, never
+a ``bool``), counts not below zero, a ``finish`` among :data:`FINISHES`, no unknown note
+key.
 A rule across items (an ``err`` exactly when a row's ``finish`` is ``"error"``) is the
 type's ``__post_init__``, which msgspec runs on decoding too. What fails is a
 ``msgspec.ValidationError``; :mod:`server.worker_protocol.wire` turns it into the
@@ -283,12 +284,15 @@ class Ping(Message, tag=PING):
 
 
 class EngineStats(Struct, forbid_unknown_fields=True, omit_defaults=True, gc=False):
-    """A PONG's engine statistics (vllm only; every key optional): ``kv_cache_usage`` (0..1,
-    after the latest step), ``deferred`` (of the waiting requests, those waiting for
-    something other than a batch slot), ``preemptions`` (since the engine started),
-    ``iteration_tokens`` (since the engine started: how many steps processed up to each
-    bound of ITERATION_TOKEN_BUCKETS, one more slot for those above, then the sum of all
-    their tokens)."""
+    """A PONG's engine statistics (vllm only; every key optional):
+
+    * ``kv_cache_usage``: 0..1, after the latest step;
+    * ``deferred``: of the waiting requests, those waiting for something other than a batch
+      slot;
+    * ``preemptions``: since the engine started;
+    * ``iteration_tokens``: since the engine started, how many steps processed up to each
+      bound of ITERATION_TOKEN_BUCKETS, one more slot for those above, then the sum of all
+      their tokens."""
 
     kv_cache_usage: Union[Annotated[float, Meta(ge=0, le=1)], UnsetType] = UNSET
     deferred: Union[Count, UnsetType] = UNSET

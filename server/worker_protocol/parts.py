@@ -2,11 +2,12 @@
 
 Theory of operation
 -------------------
-A worker's loop writes its frames with blocking writes, and a frame goes out whole: while a
-14 MB RESULT (a ``/tokenize`` answer of 3.5M packed ids) crosses the pipe, the loop
-waits for the frontend to read all of it (~0.1 s on a shared core, docs/benchmarks.md),
-and every stream on that worker waits with it. A non-blocking write would let the loop
-step on, but its STEP frames would still queue behind the big frame.
+A worker's loop writes its frames with blocking writes, and a frame goes out whole. While a
+14 MB RESULT (a ``/tokenize`` answer of 3.5M packed ids) crosses the pipe, the loop waits
+for the frontend to read all of it, and every stream on that worker waits with it (~0.1 s
+on a shared core; docs/changelog.md, 2026-12-02, "Isolation: A big answer in parts"). A
+non-blocking write would let the loop step on, but its STEP frames would still queue
+behind the big frame.
 
 So a pipe worker started with ``"parts": true`` (the frontend's worker argument,
 server.config), or a listening worker to a connection that subscribed to

@@ -17,9 +17,9 @@ TOKENIZE and TOKENIZED: the numbers and bytes are the same.)
 
 *Shapes.* A receiver decodes each frame with the :class:`Reader` of what it takes there
 (:data:`REQUESTS` in a pipe worker, :data:`LISTENER_REQUESTS` in a listening one,
-:data:`REPLIES` in a frontend after HELLO, :func:`reader` for the handshake's): a message of
+:data:`REPLIES` in a frontend after HELLO, :func:`reader` for the handshake's). A message of
 a type it does not expect, with the wrong number of items, or an item of the wrong type
-raises :class:`ProtocolError`, whose text names the message and shows it clipped: the
+raises :class:`ProtocolError`. Its text names the message and shows it clipped, and the
 receiver ends that connection only. The *content* of a well-formed SUBMIT or CALL (the
 prompt's items, the params' values) is the engine's to judge: it answers a request it
 cannot take with an error output, as for any client fault. A peer that sends a frame over
@@ -31,7 +31,7 @@ decimal digits, and come out as the same ``int``.
 
 *Packed ids.* A long list of token ids (:data:`PACK_MIN` or more, each below 2**32) may
 travel as the extension type :data:`PACKED_IDS`, little-endian uint32s, and comes out as
-the same ``list`` of ints: the sender wraps it with :func:`pack_ids`, and only towards a
+the same ``list`` of ints. The sender wraps it with :func:`pack_ids`, and only towards a
 peer that can read it (a worker says ``"packed_ids": true`` in its HELLO,
 :func:`hello_info`; a frontend asks for a packed /tokenize answer with ``"packed_ids":
 true`` in the CALL's request). 3.5M ids decode in a few hundred milliseconds of
