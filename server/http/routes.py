@@ -5,11 +5,13 @@ Two kinds of route, told apart by ``raw``:
 * **Raw routes** (every POST: generation, embeddings, tokenize, LoRA, ``/invocations``) are
   served on raw ASGI by the app's own dispatch (:meth:`LLMServerApp.serve_route
   <server.http.app.LLMServerApp.serve_route>`), one dictionary look-up before Quart would
-  see the request. Their body messages go straight to the ASGI server's ``send``: through
-  Quart's response machinery each SSE event costs about twice the CPU, and every request
-  Quart routes leaves werkzeug router objects in reference cycles for the collector
-  (docs/benchmarks.md). Each one refuses other methods itself (405 with ``Allow: POST``,
-  :mod:`server.http.post`), so ``methods`` is for the reader.
+  see the request. Their body messages go straight to the ASGI server's ``send``. Through
+  Quart's response machinery each SSE event costs about twice the CPU (measured when the
+  routes were written, commit ``f8a7207``). And every request Quart routes leaves werkzeug
+  router objects in reference cycles for the collector (docs/changelog.md, 2026-12-03,
+  "Isolation: The largest gaps were the detokenizer's and the collector's"). Each one refuses other
+  methods itself (405 with ``Allow: POST``, :mod:`server.http.post`), so ``methods`` is for
+  the reader.
 * **Quart routes** (the small GETs: probes, metrics, model cards) are registered with Quart
   from this table, behind the app's request id, CORS and API-key checks.
 

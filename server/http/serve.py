@@ -145,12 +145,16 @@ async def serve(
     answer 503.
 
     Options that reach beyond this server, for the CLI (or a program that wants them):
-    ``handle_signals`` takes SIGTERM/SIGINT for the graceful drain (a second signal stops at
-    once); ``tune_gc`` freezes what is alive after startup and raises the collector's
-    thresholds for the whole process (``server.observability.gcstats``); ``gc_metrics``
-    counts the collector's pauses for ``/metrics`` (a ``gc.callbacks`` entry); with
-    ``exit_when_stuck``, a shutdown that connections of clients that stopped reading would
-    hold up forever ends the process (``os._exit(0)``) once the engine's workers are stopped.
+
+    * ``handle_signals`` takes SIGTERM/SIGINT for the graceful drain (a second signal stops
+      at once);
+    * ``tune_gc`` freezes what is alive after startup and raises the collector's thresholds
+      for the whole process (``server.observability.gcstats``);
+    * ``gc_metrics`` counts the collector's pauses for ``/metrics`` (a ``gc.callbacks``
+      entry);
+    * ``exit_when_stuck``: a shutdown that connections of clients that stopped reading would
+      hold up forever ends the process (``os._exit(0)``) once the engine's workers are
+      stopped.
 
     ``direct_http``: serve through this server's own HTTP/1.1 path (True) or hypercorn's
     public ``serve()`` (False); None (the default) takes the direct path when the installed
