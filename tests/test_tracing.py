@@ -78,8 +78,8 @@ def test_tracing_is_off_unless_asked():
 
 
 def test_tracing_off_imports_nothing_of_opentelemetry():
-    """Off, tracing costs one ``is None`` test per request (docs/benchmarks.md) and not a
-    module: nothing of opentelemetry is imported by the server."""
+    """Off, tracing costs one ``is None`` test per request (docs/deployment.md, "Traces")
+    and not a module: nothing of opentelemetry is imported by the server."""
     import subprocess
     import sys
 
