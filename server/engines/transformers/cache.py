@@ -6,8 +6,9 @@ transformers' ``DynamicLayer`` keeps a layer's keys and values as ``[rows, heads
 dim]`` tensors and appends a step's column by concatenation: a copy of every row's whole
 cache, every step, into a fresh tensor (whose pages the kernel then faults in). A batch
 whose rows come and go copied it all again at each join and each leave. On the tiny model
-of the tests, 64 rows of 1,000 tokens, that was most of a step (docs/benchmarks.md, "The
-transformers engine's step").
+of the tests, 64 rows of 1,000 tokens, that was most of a step (docs/changelog.md, 2026-12-02,
+"Isolation: The transformers engine's step"; the step's current cost: docs/benchmarks.md,
+"The transformers engine's step").
 
 :class:`RoomyLayer` holds each tensor as a *view* of a larger buffer: rows ``[0, rows)``,
 columns ``[start, end)``. transformers' code sees only the view (``keys``, ``values``), of

@@ -548,9 +548,10 @@ class TransformersEngine(HelperTokenizing):
 
     def _grammar(self) -> Grammars:
         """The grammars of this model's tokenizer, made at engine start when xgrammar is
-        installed: its import and the tokenizer's analysis hold the GIL for half a second
+        installed. Its import and the tokenizer's analysis hold the GIL for half a second
         or more, which on the first structured request would stop the step loop (measured:
-        docs/benchmarks.md, "isolation"); a worker that is still starting has no streams."""
+        docs/changelog.md, 2026-12-01, "Why the transformers rows miss the target"). A worker
+        that is still starting has no streams."""
         with self._grammar_lock:  # preparation threads: one makes it
             if self._grammars is None:
                 if importlib.util.find_spec("xgrammar") is None:
