@@ -29,7 +29,8 @@ Two bounds, both applied before the objects exist (``wire.FrameDecoder(limits=..
   - nested :data:`MAX_DEPTH` deep at most.
 
   So a frame costs at most ~250 MB of objects beyond its own bytes (~75 MB of values,
-  ~150 MB of ids), and about a second of walking on a busy core. A smaller frame decodes in one msgpack call: 16 KiB become ~1 MB at most.
+  ~150 MB of ids), and about a second of walking on a busy core. A smaller frame decodes in
+  one msgpack call: 16 KiB become ~1 MB at most.
 
 What legitimate frames need:
 
