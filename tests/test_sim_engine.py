@@ -301,6 +301,11 @@ def test_aborting_during_ttft_admits_the_next_waiting_request():
         ({"messages": [{"role": "user"}]}, {}, "role and a content"),
         ("a", {"max_tokens": 0}, "at least 1"),
         ("a", {"max_tokens": "many"}, "malformed"),
+        # (the sampling fields read as the transformers engine reads them: workers.base)
+        ("a", {"temperature": -1}, "temperature must be >= 0"),
+        ("a", {"top_p": 0}, "top_p must be in"),
+        ("a", {"top_p": "x"}, "malformed sampling parameter 'top_p'"),
+        ("a", {"seed": "x"}, "malformed sampling parameter 'seed'"),
     ],
 )
 def test_rejections(prompt, params, match):

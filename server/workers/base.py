@@ -34,6 +34,8 @@ take as long as the engine's real work takes: the loop reads the pipe between st
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Any, Protocol
 
 from ..params import context_error, truncated
@@ -122,6 +124,48 @@ def malformed(field: str) -> Rejected:
     """The refusal of a wire parameter ``field`` of the wrong type or out of range (the
     frontend checks each first: this is a worker not trusting its peer), naming it."""
     return Rejected(f"malformed sampling parameter {field!r}", param=field)
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """The sampling fields every generation engine reads from a request's wire params, as
+    :func:`read_sampling` checked them: ``max_tokens`` (``None``: what fits the context),
+    ``temperature``, ``top_p``, ``seed`` (``None``: unseeded) and the non-empty ``stop``
+    strings."""
+
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+
+
+def read_sampling(params: dict) -> Sampling:
+    """Read and check a request's sampling fields (a worker does not trust its peer: the
+    frontend checked them first). A malformed or out-of-range field is :class:`Rejected`,
+    naming it. The sim and the transformers engine read them here, so both read them alike."""
+    field = "max_tokens"  # (the one being read: a malformed one is refused by name)
+    try:
+        max_tokens = params.get("max_tokens", 16)
+        max_tokens = None if max_tokens is None else int(max_tokens)
+        field = "temperature"
+        temperature = float(params.get("temperature", 1.0))
+        field = "top_p"
+        top_p = float(params.get("top_p", 1.0))
+        field = "seed"
+        seed = params.get("seed")
+        seed = None if seed is None else int(seed)
+        field = "stop"
+        stop = tuple(s for s in params.get("stop") or () if s)
+    except (TypeError, ValueError):
+        raise malformed(field) from None
+    if max_tokens is not None and max_tokens < 1:
+        raise Rejected("max_tokens must be at least 1", param="max_tokens")
+    if temperature < 0:
+        raise Rejected("temperature must be >= 0", param="temperature")
+    if not 0 < top_p <= 1:
+        raise Rejected("top_p must be in (0, 1]", param="top_p")
+    return Sampling(max_tokens, temperature, top_p, seed, stop)
 
 
 def prompt_param(prompt: object) -> str:

@@ -86,8 +86,8 @@ from ...workers.base import (
     WorkerGarbage,
     WorkerHang,
     check_context,
-    malformed,
     prompt_param,
+    read_sampling,
     truncate_prompt,
 )
 from ..transformers.grammar import describe, format_param
@@ -310,21 +310,9 @@ class SimEngine:
             raise Rejected("prompt must be a string or a list of token ids", param="prompt")
         tokens = truncate_prompt(tokens, params, self.max_model_len)
         prompt_tokens = len(tokens)
-        field = "max_tokens"  # (the one being read: a malformed one is refused by name)
-        try:
-            max_tokens = params.get("max_tokens", 16)
-            max_tokens = None if max_tokens is None else int(max_tokens)
-            field = "temperature"
-            temperature = float(params.get("temperature", 1.0))
-            field = "seed"
-            seed = params.get("seed")
-            seed = None if seed is None else int(seed)
-            field = "stop"
-            stop = [s for s in params.get("stop") or () if s]
-        except (TypeError, ValueError):
-            raise malformed(field) from None
-        if max_tokens is not None and max_tokens < 1:
-            raise Rejected("max_tokens must be at least 1", param="max_tokens")
+        sampling = read_sampling(params)
+        max_tokens, temperature, seed, stop = (sampling.max_tokens, sampling.temperature,
+                                               sampling.seed, sampling.stop)
         resumed = resume_of(params.get("resume"))
         generated = resumed[0] if resumed is not None else []
         max_tokens = check_context(prompt_tokens + len(generated), max_tokens,

@@ -81,6 +81,7 @@ from ...workers.base import (
     malformed,
     one_line,
     prompt_param,
+    read_sampling,
     truncate_prompt,
 )
 from . import attention
@@ -301,19 +302,12 @@ class TransformersEngine(HelperTokenizing):
         template_kwargs, tools = params.get("chat_template_kwargs"), params.get("tools")
         ids = truncate_prompt(self.encode_prompt(prompt, template_kwargs, tools), params,
                               self.max_model_len)
-        field = "max_tokens"  # (the one being read: a malformed one is refused by name)
+        sampling = read_sampling(params)
+        max_tokens, temperature, top_p, seed, stop = (
+            sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.seed,
+            sampling.stop)
+        field = "ignore_eos"  # (the one being read: a malformed one is refused by name)
         try:
-            max_tokens = params.get("max_tokens", 16)
-            max_tokens = None if max_tokens is None else int(max_tokens)
-            field = "temperature"
-            temperature = float(params.get("temperature", 1.0))
-            field = "top_p"
-            top_p = float(params.get("top_p", 1.0))
-            field = "seed"
-            seed = params.get("seed")
-            seed = None if seed is None else int(seed)
-            field = "stop"
-            stop = tuple(s for s in params.get("stop") or () if s)
             ignore_eos = bool(params.get("ignore_eos", False))
             rules = Rules.parse(params, ids, vocab_size=self.vocab_size, device=self.model.device,
                                 tokenizer=self.tokenizer)
@@ -324,12 +318,6 @@ class TransformersEngine(HelperTokenizing):
             prompt_logprobs = _top(params.get("prompt_logprobs"))
         except (TypeError, ValueError, AttributeError):
             raise malformed(field) from None
-        if max_tokens is not None and max_tokens < 1:
-            raise Rejected("max_tokens must be at least 1", param="max_tokens")
-        if temperature < 0:
-            raise Rejected("temperature must be >= 0", param="temperature")
-        if not 0 < top_p <= 1:
-            raise Rejected("top_p must be in (0, 1]", param="top_p")
         generated, text_chars = resume_of(params.get("resume")) or ([], 0)
         # No max_tokens (what client libraries send by default): what fits the context.
         max_tokens = check_context(len(ids) + len(generated), max_tokens, self.max_model_len,
