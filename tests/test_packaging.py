@@ -63,3 +63,16 @@ def test_the_package_ships_its_type_information():
     assert (ROOT / "server" / "py.typed").is_file()
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert "py.typed" in package_data["server"]
+
+
+def test_importing_the_library_imports_no_testing_module():
+    """An application embedding the server gets no test tooling in its process: the
+    heartbeat asks whether the clock is a MockClock only when trio.testing was imported
+    by someone else (server.manager.worker)."""
+    import subprocess
+
+    code = ("import sys, server, server.manager.worker, server.http.app; "
+            "print(sorted(m for m in sys.modules if m.startswith(('trio.testing', 'pytest'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout
+    assert out.strip() == "[]", out
