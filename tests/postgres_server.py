@@ -1,0 +1,77 @@
+"""A throwaway PostgreSQL server for tests: :func:`start_postgres` runs ``initdb`` into a new
+temporary directory and ``pg_ctl start`` on a unix socket there (no TCP port), and gives back
+a :class:`PostgresServer` whose :meth:`~PostgresServer.stop` stops it and removes the
+directory. Debian's ``postgresql`` package has the binaries under
+``/usr/lib/postgresql/*/bin``; :func:`find_binaries` says where, or None.
+
+PostgreSQL refuses to run as root: under root the server runs as the ``postgres`` user (the
+package makes it) or ``nobody``, owning the directory.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+__all__ = ["PostgresServer", "find_binaries", "start_postgres"]
+
+
+def find_binaries() -> str | None:
+    """The directory with ``initdb`` and ``pg_ctl``, or None when PostgreSQL is absent."""
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+                   key=lambda p: int(p.split("/")[4]) if p.split("/")[4].isdigit() else 0)
+    if found:
+        return os.path.dirname(found[-1])
+    initdb = shutil.which("initdb")
+    return os.path.dirname(initdb) if initdb and shutil.which("pg_ctl") else None
+
+
+@dataclass
+class PostgresServer:
+    directory: str
+    bin_dir: str
+    user: str  # the database superuser (the OS user the server runs as)
+    _prefix: list[str]
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://{self.user}@/{database}?host={self.directory}"
+
+    def stop(self) -> None:
+        subprocess.run([*self._prefix, os.path.join(self.bin_dir, "pg_ctl"), "stop", "-m",
+                        "immediate", "-D", os.path.join(self.directory, "data")],
+                       check=False, capture_output=True, timeout=120)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def start_postgres(bin_dir: str) -> PostgresServer:
+    """Start a new server (blocking: seconds). Raises ``subprocess.CalledProcessError``."""
+    directory = tempfile.mkdtemp(prefix="trio-llm-pg-")
+    prefix: list[str] = []
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    if os.geteuid() == 0:
+        user = "postgres"
+        try:
+            entry = pwd.getpwnam(user)
+        except KeyError:
+            entry = pwd.getpwnam("nobody")
+            user = entry.pw_name
+        os.chown(directory, entry.pw_uid, entry.pw_gid)
+        prefix = ["runuser", "-u", user, "--"]
+    data = os.path.join(directory, "data")
+    try:
+        subprocess.run([*prefix, os.path.join(bin_dir, "initdb"), "-D", data, "-U", user,
+                        "--auth=trust", "--no-sync", "-E", "UTF8"],
+                       check=True, capture_output=True, timeout=300)
+        subprocess.run([*prefix, os.path.join(bin_dir, "pg_ctl"), "start", "-w", "-t", "120",
+                        "-D", data, "-l", os.path.join(directory, "log"), "-o",
+                        f"-k {directory} -c listen_addresses='' -c fsync=off"],
+                       check=True, capture_output=True, timeout=300)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return PostgresServer(directory, bin_dir, user, prefix)

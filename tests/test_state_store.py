@@ -1,0 +1,304 @@
+"""The state store (server/state), on both backends: SQLite in a temporary directory, and a
+real PostgreSQL server these tests start themselves (tests/postgres_server.py; skipped with
+the reason when PostgreSQL or psycopg is absent). Time is a clock the tests move, so expiry
+is exact, not timed."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import trio
+
+from server.state import Record, StateConfig, StoreFull, open_state_store, owner_of
+from tests.postgres_server import find_binaries, start_postgres
+
+#: Hang guard for one test (a real database server; CI's machine is busy).
+TIMEOUT_S = 120
+
+_databases = itertools.count()
+
+
+class Clock:
+    """Unix seconds the test sets."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    bin_dir = find_binaries()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL is not installed (no initdb/pg_ctl under /usr/lib/postgresql "
+                    "or on PATH): the PostgreSQL backend's tests need it")
+    pytest.importorskip("psycopg", reason="psycopg 3 is not installed (the state-postgres extra)")
+    server = start_postgres(bin_dir)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def location(request, tmp_path) -> StateConfig:
+    """Where one test's store lives: a new SQLite directory, or a new PostgreSQL database."""
+    if request.param == "sqlite":
+        return StateConfig(directory=str(tmp_path / "state"))
+    server = request.getfixturevalue("postgres_server")
+    import psycopg
+
+    name = f"t{next(_databases)}"
+    with psycopg.connect(server.url(), autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return StateConfig(url=server.url(name))
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+async def open_store(location, clock):
+    """``await open_store(**bounds)``: a store at this test's location (several may be open
+    at once: several frontends), closed after the test."""
+    opened = []
+
+    async def open_(**bounds):
+        config = StateConfig(directory=location.directory, url=location.url, **bounds)
+        with trio.fail_after(TIMEOUT_S):
+            store = await open_state_store(config, clock=clock)
+        opened.append(store)
+        return store
+
+    yield open_
+    for store in opened:
+        await store.aclose()
+
+
+def rec(id: str, owner: str = "alice", *, kind: str = "response", created_at: int = 1,
+        status: str = "queued", body: bytes = b"{}") -> Record:
+    return Record(kind=kind, id=id, owner=owner, created_at=created_at,
+                  meta={"status": status}, body=body)
+
+
+async def test_put_get_and_replace(open_store):
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store()
+        assert await store.get("response", "alice", "r1") is None
+        record = Record(kind="response", id="r1", owner="alice", created_at=7,
+                        meta={"status": "queued", "n": [1, "é"]}, body=b"\x00\xffbody")
+        await store.put(record)
+        assert await store.get("response", "alice", "r1") == record
+        assert await store.get("file", "alice", "r1") is None  # kinds are separate
+        await store.append_events("response", "alice", "r1", [b"e0"])
+        replaced = rec("r1", status="completed", body=b"new")
+        await store.put(replaced)
+        assert await store.get("response", "alice", "r1") == replaced
+        assert await store.read_events("response", "alice", "r1") == [b"e0"]  # events stay
+        assert store.statistics().records == 1
+
+
+async def test_another_owner_sees_nothing(open_store):
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store()
+        await store.put(rec("r1", "alice"))
+        await store.append_events("response", "alice", "r1", [b"e0"])
+        assert await store.get("response", "bob", "r1") is None
+        assert await store.list("response", "bob") == []
+        assert not await store.update("response", "bob", "r1", meta={"status": "cancelled"})
+        assert await store.read_events("response", "bob", "r1") == []
+        assert await store.append_events("response", "bob", "r1", [b"x"]) == 0
+        assert not await store.delete("response", "bob", "r1")
+        assert (await store.get("response", "alice", "r1")).meta == {"status": "queued"}
+        assert await store.read_events("response", "alice", "r1") == [b"e0"]
+
+
+async def test_update_compare_and_set(open_store):
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store()
+        await store.put(rec("r1", body=b"old"))
+        assert not await store.update("response", "alice", "r1", meta={"status": "completed"},
+                                      expect_status="in_progress")
+        assert (await store.get("response", "alice", "r1")).meta["status"] == "queued"
+        assert await store.update("response", "alice", "r1", meta={"status": "cancelled"},
+                                  expect_status="queued")
+        got = await store.get("response", "alice", "r1")
+        assert (got.meta, got.body) == ({"status": "cancelled"}, b"old")
+        assert await store.update("response", "alice", "r1", body=b"newer")
+        got = await store.get("response", "alice", "r1")
+        assert (got.meta, got.body) == ({"status": "cancelled"}, b"newer")
+        assert not await store.update("response", "alice", "missing", meta={})
+
+
+async def test_delete_takes_the_events(open_store):
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store()
+        await store.put(rec("r1"))
+        await store.append_events("response", "alice", "r1", [b"a", b"b"])
+        assert await store.delete("response", "alice", "r1")
+        assert not await store.delete("response", "alice", "r1")
+        assert await store.get("response", "alice", "r1") is None
+        await store.put(rec("r1"))
+        assert await store.read_events("response", "alice", "r1") == []
+        assert await store.append_events("response", "alice", "r1", [b"c"]) == 1
+        assert store.statistics().records == 1
+
+
+async def test_list_pages(open_store):
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store()
+        # equal created_at for r2/r3: insertion order breaks the tie
+        for id, created in [("r1", 1), ("r2", 2), ("r3", 2), ("r4", 3), ("r5", 4)]:
+            await store.put(rec(id, created_at=created))
+        await store.put(rec("f1", kind="file", created_at=9))
+        await store.put(rec("b1", owner="bob", created_at=9))
+
+        async def ids(**kw):
+            return [r.id for r in await store.list("response", "alice", **kw)]
+
+        assert await ids() == ["r5", "r4", "r3", "r2", "r1"]
+        assert await ids(limit=2) == ["r5", "r4"]
+        assert await ids(limit=2, after="r4") == ["r3", "r2"]
+        assert await ids(limit=2, after="r2") == ["r1"]
+        assert await ids(after="r1") == []
+        assert await ids(newest_first=False, limit=3) == ["r1", "r2", "r3"]
+        assert await ids(newest_first=False, after="r3") == ["r4", "r5"]
+        assert await ids(after="nope") == []
+
+
+async def test_events_numbered_in_order(open_store):
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store()
+        assert await store.append_events("response", "alice", "r1", [b"x"]) == 0  # no record
+        await store.put(rec("r1"))
+        assert await store.read_events("response", "alice", "r1") == []
+        assert await store.append_events("response", "alice", "r1", [b"e0", b"e1"]) == 2
+        assert await store.append_events("response", "alice", "r1", []) == 2
+        assert await store.append_events("response", "alice", "r1", [b"e2"]) == 3
+        assert await store.read_events("response", "alice", "r1") == [b"e0", b"e1", b"e2"]
+        assert await store.read_events("response", "alice", "r1", after=0) == [b"e1", b"e2"]
+        assert await store.read_events("response", "alice", "r1", after=2) == []
+
+
+async def test_expired_records_are_invisible_then_swept(open_store, clock):
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store(retention_s=100)
+        await store.put(rec("old", body=b"x" * 50))
+        await store.append_events("response", "alice", "old", [b"e" * 10])
+        clock.now += 50
+        await store.put(rec("young"))
+        before = store.statistics().bytes
+        clock.now += 60  # "old" is 110 s old, "young" 60 s
+        assert await store.get("response", "alice", "old") is None
+        assert await store.read_events("response", "alice", "old") == []
+        assert [r.id for r in await store.list("response", "alice")] == ["young"]
+        assert not await store.update("response", "alice", "old", meta={})
+        assert await store.sweep() == 1
+        assert await store.sweep() == 0
+        stats = store.statistics()
+        assert (stats.records, stats.expired) == (1, 1)
+        assert stats.expired_bytes == before - stats.bytes > 60
+        assert await store.get("response", "alice", "young") is not None
+
+
+async def test_no_retention_keeps_records(open_store, clock):
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store(retention_s=0)
+        await store.put(rec("r1"))
+        clock.now += 10 * 365 * 86400
+        assert await store.get("response", "alice", "r1") is not None
+        assert await store.sweep() == 0
+
+
+async def test_budget_removes_expired_then_refuses(open_store, clock):
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store(retention_s=100, max_bytes=1000)
+        await store.put(rec("a", body=b"x" * 600))
+        clock.now += 90
+        await store.put(rec("b", owner="bob", body=b"x" * 300))
+        with pytest.raises(StoreFull) as full:
+            await store.put(rec("c", body=b"x" * 300))
+        assert full.value.owner is None
+        with pytest.raises(StoreFull):
+            await store.append_events("response", "bob", "b", [b"x" * 300])
+        assert store.statistics().refused == 2
+        assert await store.get("response", "alice", "c") is None
+        clock.now += 20  # "a" expired: removed to make room
+        await store.put(rec("c", body=b"x" * 300))
+        stats = store.statistics()
+        assert (stats.records, stats.expired) == (2, 1)
+        assert stats.bytes <= 1000
+
+
+async def test_quota_per_owner(open_store):
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store(max_bytes_per_key=500)
+        await store.put(rec("a1", "alice", body=b"x" * 400))
+        with pytest.raises(StoreFull) as full:
+            await store.put(rec("a2", "alice", body=b"x" * 200))
+        assert full.value.owner == "alice"
+        with pytest.raises(StoreFull):
+            await store.update("response", "alice", "a1", body=b"x" * 600)
+        await store.put(rec("b1", "bob", body=b"x" * 400))  # bob's own quota
+        await store.put(rec("a1", "alice", body=b"x" * 450))  # a replacement counts once
+        assert await store.delete("response", "alice", "a1")
+        await store.put(rec("a2", "alice", body=b"x" * 450))
+
+
+async def test_two_frontends_share_the_store(open_store):
+    with trio.fail_after(TIMEOUT_S):
+        first, second = await open_store(), await open_store()
+        await first.put(rec("r1"))
+        assert await second.get("response", "alice", "r1") == rec("r1")
+        assert await second.update("response", "alice", "r1", meta={"status": "done"},
+                                   expect_status="queued")
+        assert not await first.update("response", "alice", "r1", meta={"status": "cancelled"},
+                                      expect_status="queued")
+        assert await second.append_events("response", "alice", "r1", [b"e0"]) == 1
+        assert await first.append_events("response", "alice", "r1", [b"e1"]) == 2
+        assert await first.read_events("response", "alice", "r1") == [b"e0", b"e1"]
+
+
+async def test_budget_holds_under_concurrent_frontends(open_store):
+    with trio.fail_after(TIMEOUT_S):
+        stores = [await open_store(max_bytes=2000), await open_store(max_bytes=2000)]
+        refused = 0
+
+        async def put(store, n):
+            nonlocal refused
+            try:
+                await store.put(rec(f"r{n}", body=b"x" * 190))  # 190 + meta: ~210 bytes
+            except StoreFull:
+                refused += 1
+
+        async with trio.open_nursery() as nursery:
+            for n in range(20):
+                nursery.start_soon(put, stores[n % 2], n)
+        stored = len(await stores[0].list("response", "alice", limit=100))
+        assert stored + refused == 20
+        assert 0 < stored < 10
+        await stores[0].sweep()  # reads the totals
+        assert stores[0].statistics().bytes <= 2000
+
+
+async def test_reopened_store_keeps_its_records(open_store):
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store()
+        await store.put(rec("r1", body=b"kept"))
+        await store.append_events("response", "alice", "r1", [b"e0"])
+        await store.aclose()
+        with pytest.raises(trio.ClosedResourceError):
+            await store.get("response", "alice", "r1")
+        again = await open_store()
+        assert (await again.get("response", "alice", "r1")).body == b"kept"
+        assert await again.read_events("response", "alice", "r1") == [b"e0"]
+
+
+def test_owner_of():
+    assert owner_of(None) == ""
+    assert owner_of("sk-one") == owner_of("sk-one")
+    assert owner_of("sk-one") != owner_of("sk-two")
+    assert len(owner_of("sk-one")) == 32 and "sk-one" not in owner_of("sk-one")
