@@ -1,0 +1,335 @@
+"""The store's logic, in SQL that SQLite and PostgreSQL both run: :class:`SQLStore` over a
+:class:`Database` (one connection, blocking; :mod:`.sqlite` and :mod:`.postgres` make one).
+
+Every operation is one short function run in a worker thread (``trio.to_thread.run_sync``)
+under the store's own :class:`trio.CapacityLimiter` of one thread: the connection is used by
+one thread at a time, and an operation, once started, runs to its end (a cancelled caller
+does not leave a transaction half-done). Writes are transactions that hold the database's
+write lock from their start (SQLite ``BEGIN IMMEDIATE``, a PostgreSQL advisory lock), so the
+size checks of two frontends writing at once cannot both pass.
+
+Sizes: a record's bytes are its body's plus its meta's JSON, and its events' bytes are kept
+beside them. ``trio_llm_owners`` holds each owner's total, changed in the same transaction
+as the records, so the budget checks read a few rows and never sum the records.
+"""
+
+from __future__ import annotations
+
+import builtins
+
+import json
+from contextlib import AbstractContextManager
+from typing import Any, Callable, Protocol, Sequence, TypeVar
+
+import trio
+
+from .records import Record, StoreFull, StoreStatistics
+
+__all__ = ["Database", "SQLStore", "NEVER"]
+
+T = TypeVar("T")
+
+#: ``expires_at`` of a record kept until deleted (no retention).
+NEVER = 2**62
+
+_COLUMNS = "kind, id, owner, created_at, meta, body"
+
+
+class Database(Protocol):
+    """One blocking connection, used from one thread at a time."""
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> builtins.list[tuple]:
+        """Run ``sql`` (``?`` placeholders); its rows ([] for a statement without)."""
+        ...
+
+    def write(self) -> AbstractContextManager[None]:
+        """A transaction holding the store's write lock; commits at the end, also when
+        :class:`StoreFull` leaves it (what it removed to make room stays removed)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _record(row: tuple) -> Record:
+    kind, id, owner, created_at, meta, body = row
+    return Record(kind=kind, id=id, owner=owner, created_at=int(created_at),
+                  meta=json.loads(meta), body=bytes(body))
+
+
+def _dump(meta: dict) -> str:
+    return json.dumps(meta, separators=(",", ":"), ensure_ascii=False)
+
+
+class SQLStore:
+    """A :class:`~server.state.records.StateStore` over a :class:`Database`.
+
+    ``retention_s``: seconds a record stays visible after its ``put`` (0: until deleted).
+    ``max_bytes`` / ``max_bytes_per_key``: the size budget overall and per owner (0: none).
+    ``clock``: unix seconds now (tests move it).
+    """
+
+    def __init__(self, db: Database, *, retention_s: int, max_bytes: int = 0,
+                 max_bytes_per_key: int = 0, clock: Callable[[], float]) -> None:
+        self._db = db
+        self._retention_s = retention_s
+        self._max_bytes = max_bytes
+        self._max_bytes_per_key = max_bytes_per_key
+        self._clock = clock
+        self._limiter = trio.CapacityLimiter(1)
+        self._closed = False
+        self._records = 0
+        self._bytes = 0
+        self._expired = 0
+        self._expired_bytes = 0
+        self._refused = 0
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._closed:
+            raise trio.ClosedResourceError("the state store is closed")
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    def _now(self) -> int:
+        return int(self._clock())
+
+    def _expires_at(self, now: int) -> int:
+        return now + self._retention_s if self._retention_s > 0 else NEVER
+
+    def _account(self, owner: str, grow: int, records: int) -> None:
+        if grow or records:
+            self._db.execute(
+                "INSERT INTO trio_llm_owners(owner, bytes, records) VALUES (?, ?, ?) "
+                "ON CONFLICT(owner) DO UPDATE SET bytes = trio_llm_owners.bytes + excluded.bytes,"
+                " records = trio_llm_owners.records + excluded.records",
+                (owner, grow, records))
+
+    def _totals(self, owner: str | None = None) -> int:
+        if owner is None:
+            rows = self._db.execute(
+                "SELECT COALESCE(SUM(bytes), 0), COALESCE(SUM(records), 0) FROM trio_llm_owners")
+            self._bytes, self._records = int(rows[0][0]), int(rows[0][1])
+            return self._bytes
+        rows = self._db.execute("SELECT bytes FROM trio_llm_owners WHERE owner = ?", (owner,))
+        return int(rows[0][0]) if rows else 0
+
+    def _over(self, owner: str, grow: int) -> StoreFull | None:
+        if self._max_bytes and self._totals() + grow > self._max_bytes:
+            return StoreFull(f"the state store is full ({self._max_bytes} bytes, "
+                             "--state-max-bytes)")
+        if self._max_bytes_per_key and self._totals(owner) + grow > self._max_bytes_per_key:
+            return StoreFull(f"this API key's stored objects would pass its quota of "
+                             f"{self._max_bytes_per_key} bytes (--state-max-bytes-per-key)",
+                             owner=owner)
+        return None
+
+    def _make_room(self, owner: str, grow: int, now: int) -> None:
+        """Raise :class:`StoreFull` unless ``grow`` more bytes of ``owner`` fit; removes the
+        expired records (everyone's, oldest first: all of them) before refusing."""
+        if grow <= 0 or self._over(owner, grow) is None:
+            return
+        self._purge(now)
+        full = self._over(owner, grow)
+        if full is not None:
+            self._refused += 1
+            raise full
+
+    def _purge(self, now: int) -> int:
+        """Delete the records past their retention, and their events: how many."""
+        expired = "expires_at <= ?"
+        groups = self._db.execute(
+            "SELECT owner, COUNT(*), SUM(size + events_size) FROM trio_llm_records "
+            f"WHERE {expired} GROUP BY owner", (now,))
+        if not groups:
+            return 0
+        self._db.execute(
+            "DELETE FROM trio_llm_events WHERE (kind, owner, id) IN "
+            f"(SELECT kind, owner, id FROM trio_llm_records WHERE {expired})", (now,))
+        self._db.execute(f"DELETE FROM trio_llm_records WHERE {expired}", (now,))
+        count = 0
+        for owner, records, size in groups:
+            self._account(owner, -int(size), -int(records))
+            count += int(records)
+            self._expired_bytes += int(size)
+        self._expired += count
+        return count
+
+    def _live(self, kind: str, owner: str, id: str, now: int, columns: str) -> tuple | None:
+        rows = self._db.execute(
+            f"SELECT {columns} FROM trio_llm_records WHERE kind = ? AND owner = ? AND id = ? "
+            "AND expires_at > ?", (kind, owner, id, now))
+        return rows[0] if rows else None
+
+    # -- the interface --------------------------------------------------------------------
+
+    async def put(self, record: Record) -> None:
+        await self._call(self._put, record, _dump(record.meta))
+
+    def _put(self, record: Record, meta: str) -> None:
+        now = self._now()
+        key = (record.kind, record.owner, record.id)
+        size = len(record.body) + len(meta.encode())
+        with self._db.write():
+            rows = self._db.execute(
+                "SELECT size, events_size, expires_at FROM trio_llm_records "
+                "WHERE kind = ? AND owner = ? AND id = ?", key)
+            old = 0
+            if rows and int(rows[0][2]) <= now:  # an expired one: gone, events and all
+                self._db.execute("DELETE FROM trio_llm_events WHERE kind = ? AND owner = ? "
+                                 "AND id = ?", key)
+                self._db.execute("DELETE FROM trio_llm_records WHERE kind = ? AND owner = ? "
+                                 "AND id = ?", key)
+                self._account(record.owner, -int(rows[0][0]) - int(rows[0][1]), -1)
+                self._expired += 1
+                self._expired_bytes += int(rows[0][0]) + int(rows[0][1])
+                rows = []
+            if rows:
+                old = int(rows[0][0])
+            self._make_room(record.owner, size - old, now)
+            self._db.execute(
+                "INSERT INTO trio_llm_records(kind, owner, id, created_at, expires_at, meta, "
+                "body, size, events, events_size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, 0) "
+                "ON CONFLICT(kind, owner, id) DO UPDATE SET created_at = excluded.created_at, "
+                "expires_at = excluded.expires_at, meta = excluded.meta, body = excluded.body, "
+                "size = excluded.size",
+                (*key, record.created_at, self._expires_at(now), meta, record.body, size))
+            self._account(record.owner, size - old, 0 if rows else 1)
+            self._totals()
+
+    async def get(self, kind: str, owner: str, id: str) -> Record | None:
+        return await self._call(self._get, kind, owner, id)
+
+    def _get(self, kind: str, owner: str, id: str) -> Record | None:
+        row = self._live(kind, owner, id, self._now(), _COLUMNS)
+        return _record(row) if row else None
+
+    async def update(self, kind: str, owner: str, id: str, *, meta: dict | None = None,
+                     body: bytes | None = None, expect_status: str | None = None) -> bool:
+        return await self._call(self._update, kind, owner, id,
+                                None if meta is None else _dump(meta), body, expect_status)
+
+    def _update(self, kind: str, owner: str, id: str, meta: str | None, body: bytes | None,
+                expect_status: str | None) -> bool:
+        now = self._now()
+        with self._db.write():
+            row = self._live(kind, owner, id, now, "meta, length(body), size")
+            if row is None:
+                return False
+            if expect_status is not None and json.loads(row[0]).get("status") != expect_status:
+                return False
+            new_meta = row[0] if meta is None else meta
+            size = len(new_meta.encode()) + (int(row[1]) if body is None else len(body))
+            self._make_room(owner, size - int(row[2]), now)
+            if body is None:
+                self._db.execute("UPDATE trio_llm_records SET meta = ?, size = ? WHERE kind = ? "
+                                 "AND owner = ? AND id = ?", (new_meta, size, kind, owner, id))
+            else:
+                self._db.execute("UPDATE trio_llm_records SET meta = ?, body = ?, size = ? "
+                                 "WHERE kind = ? AND owner = ? AND id = ?",
+                                 (new_meta, body, size, kind, owner, id))
+            self._account(owner, size - int(row[2]), 0)
+            return True
+
+    async def delete(self, kind: str, owner: str, id: str) -> bool:
+        return await self._call(self._delete, kind, owner, id)
+
+    def _delete(self, kind: str, owner: str, id: str) -> bool:
+        now = self._now()
+        key = (kind, owner, id)
+        with self._db.write():
+            rows = self._db.execute(
+                "SELECT size + events_size, expires_at FROM trio_llm_records "
+                "WHERE kind = ? AND owner = ? AND id = ?", key)
+            if not rows:
+                return False
+            self._db.execute("DELETE FROM trio_llm_events WHERE kind = ? AND owner = ? AND id = ?",
+                             key)
+            self._db.execute("DELETE FROM trio_llm_records WHERE kind = ? AND owner = ? "
+                             "AND id = ?", key)
+            self._account(owner, -int(rows[0][0]), -1)
+            self._totals()
+            return int(rows[0][1]) > now  # an expired one was already invisible
+
+    async def list(self, kind: str, owner: str, *, after: str | None = None,
+                   limit: int = 20, newest_first: bool = True) -> builtins.list[Record]:
+        return await self._call(self._list, kind, owner, after, limit, newest_first)
+
+    def _list(self, kind: str, owner: str, after: str | None, limit: int,
+              newest_first: bool) -> builtins.list[Record]:
+        now = self._now()
+        where = "kind = ? AND owner = ? AND expires_at > ?"
+        params: builtins.list[Any] = [kind, owner, now]
+        order, past = ("DESC", "<") if newest_first else ("ASC", ">")
+        if after is not None:
+            cursor = self._live(kind, owner, after, now, "created_at, seq")
+            if cursor is None:
+                return []
+            where += f" AND (created_at, seq) {past} (?, ?)"
+            params += [cursor[0], cursor[1]]
+        rows = self._db.execute(
+            f"SELECT {_COLUMNS} FROM trio_llm_records WHERE {where} "
+            f"ORDER BY created_at {order}, seq {order} LIMIT ?", (*params, max(0, limit)))
+        return [_record(row) for row in rows]
+
+    async def append_events(self, kind: str, owner: str, id: str, events: builtins.list[bytes]) -> int:
+        return await self._call(self._append_events, kind, owner, id, list(events))
+
+    def _append_events(self, kind: str, owner: str, id: str, events: builtins.list[bytes]) -> int:
+        now = self._now()
+        with self._db.write():
+            row = self._live(kind, owner, id, now, "events")
+            if row is None:
+                return 0
+            count = int(row[0])
+            if not events:
+                return count
+            grow = sum(len(event) for event in events)
+            self._make_room(owner, grow, now)
+            for n, event in enumerate(events, count):
+                self._db.execute("INSERT INTO trio_llm_events(kind, owner, id, n, data) "
+                                 "VALUES (?, ?, ?, ?, ?)", (kind, owner, id, n, event))
+            self._db.execute("UPDATE trio_llm_records SET events = ?, events_size = events_size "
+                             "+ ? WHERE kind = ? AND owner = ? AND id = ?",
+                             (count + len(events), grow, kind, owner, id))
+            self._account(owner, grow, 0)
+            return count + len(events)
+
+    async def read_events(self, kind: str, owner: str, id: str, *,
+                          after: int = -1) -> builtins.list[bytes]:
+        return await self._call(self._read_events, kind, owner, id, after)
+
+    def _read_events(self, kind: str, owner: str, id: str, after: int) -> builtins.list[bytes]:
+        if self._live(kind, owner, id, self._now(), "events") is None:
+            return []
+        rows = self._db.execute("SELECT data FROM trio_llm_events WHERE kind = ? AND owner = ? "
+                                "AND id = ? AND n > ? ORDER BY n", (kind, owner, id, after))
+        return [bytes(row[0]) for row in rows]
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(records=self._records, bytes=self._bytes,
+                               expired=self._expired, expired_bytes=self._expired_bytes,
+                               refused=self._refused)
+
+    async def sweep(self) -> int:
+        """Delete the records past their retention now: how many (the retention service
+        calls this; they were invisible already)."""
+        return await self._call(self._sweep)
+
+    def _sweep(self) -> int:
+        with self._db.write():
+            count = self._purge(self._now())
+            self._totals()
+            return count
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self._db.close, limiter=self._limiter)
+
+    async def __aenter__(self) -> SQLStore:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
