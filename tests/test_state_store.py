@@ -5,12 +5,16 @@ is exact, not timed."""
 
 from __future__ import annotations
 
+import functools
 import itertools
+import os
 
 import pytest
 import trio
 
+from server.private_dir import PREFIX
 from server.state import Record, StateConfig, StoreFull, open_state_store, owner_of
+from server.state.service import default_directory, run_state_store
 from tests.postgres_server import find_binaries, start_postgres
 
 #: Hang guard for one test (a real database server; CI's machine is busy).
@@ -302,3 +306,42 @@ def test_owner_of():
     assert owner_of("sk-one") == owner_of("sk-one")
     assert owner_of("sk-one") != owner_of("sk-two")
     assert len(owner_of("sk-one")) == 32 and "sk-one" not in owner_of("sk-one")
+
+
+async def test_the_service_sweeps_and_closes(location, clock):
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            config = StateConfig(directory=location.directory, url=location.url,
+                                 retention_s=100)
+            store = await nursery.start(
+                functools.partial(run_state_store, config, sweep_interval=0.01, clock=clock))
+            await store.put(rec("r1"))
+            await store.put(rec("r2"))
+            clock.now += 101
+            while store.statistics().expired < 2:  # (the sweeps' count)
+                await trio.sleep(0.01)
+            assert store.statistics().records == 0
+            nursery.cancel_scope.cancel()
+        with pytest.raises(trio.ClosedResourceError):
+            await store.get("response", "alice", "r1")
+
+
+async def test_the_default_store_is_temporary():
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            store = await nursery.start(run_state_store, StateConfig())
+            await store.put(rec("r1"))
+            directory = os.path.dirname(store._db.path)  # (SQLite's file's)
+            assert exists(directory)
+            assert os.path.basename(os.path.dirname(directory)).startswith(PREFIX)
+            nursery.cancel_scope.cancel()
+        assert not exists(directory)
+
+
+def exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def test_frontends_share_their_supervisors_directory(tmp_path):
+    assert default_directory(str(tmp_path)) == str(tmp_path / "state")
+    assert default_directory(None) is None
