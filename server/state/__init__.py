@@ -30,7 +30,7 @@ stored objects stay until they expire or it deletes them. What the sweeps and th
 remove, and what is refused, is counted (:meth:`StateStore.statistics`, in ``/metrics``).
 """
 
-from .opening import DEFAULT_RETENTION_S, StateConfig, open_state_store
+from .opening import DEFAULT_RETENTION_S, StateConfig, StateStoreError, open_state_store
 from .records import Record, StateStore, StoreFull, StoreStatistics, owner_of
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "Record",
     "StateConfig",
     "StateStore",
+    "StateStoreError",
     "StoreFull",
     "StoreStatistics",
     "open_state_store",

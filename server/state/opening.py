@@ -12,10 +12,15 @@ import trio
 
 from .sql import SQLStore
 
-__all__ = ["StateConfig", "open_state_store", "DEFAULT_RETENTION_S"]
+__all__ = ["DEFAULT_RETENTION_S", "StateConfig", "StateStoreError", "open_state_store"]
 
 #: 30 days, as OpenAI keeps stored responses.
 DEFAULT_RETENTION_S = 30 * 24 * 3600
+
+
+class StateStoreError(Exception):
+    """The store could not be opened (its directory, its database); the message says where
+    and why, in one line (a configuration error: the server does not start)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +46,15 @@ class StateConfig:
 async def open_state_store(config: StateConfig, *,
                            clock: Callable[[], float] = time.time) -> SQLStore:
     """Open (and create if missing) the store ``config`` names; close it with ``aclose``
-    (or ``async with``). Connects in a worker thread."""
+    (or ``async with``). Connects in a worker thread. Raises :class:`StateStoreError`."""
+    try:
+        return await _open(config, clock)
+    except Exception as exc:
+        raise StateStoreError(f"cannot open the state store at {config.describe()}: "
+                              f"{' '.join(str(exc).split()) or type(exc).__name__}") from exc
+
+
+async def _open(config: StateConfig, clock: Callable[[], float]) -> SQLStore:
     bounds = dict(retention_s=config.retention_s, max_bytes=config.max_bytes,
                   max_bytes_per_key=config.max_bytes_per_key, clock=clock)
     if config.url:

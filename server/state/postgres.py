@@ -22,6 +22,8 @@ __all__ = ["PostgresDatabase", "redact", "LOCK_KEY"]
 
 #: The advisory lock every write holds ("trio" in ASCII).
 LOCK_KEY = 0x7472696F
+#: Seconds a connection may take to be made (libpq waits forever by default).
+CONNECT_TIMEOUT_S = 10
 
 
 def redact(url: str) -> str:
@@ -46,7 +48,7 @@ class PostgresDatabase:
                                "'trio-llm-server[state-postgres]'") from exc
         self._psycopg = psycopg
         self._url = url
-        self._conn = psycopg.connect(url, autocommit=True)
+        self._conn = psycopg.connect(url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
         try:
             with self.write():
                 for statement in statements(blob="BYTEA", serial="BIGSERIAL PRIMARY KEY"):
@@ -57,7 +59,8 @@ class PostgresDatabase:
 
     def _connection(self) -> Any:
         if self._conn.broken or self._conn.closed:
-            self._conn = self._psycopg.connect(self._url, autocommit=True)
+            self._conn = self._psycopg.connect(self._url, autocommit=True,
+                                               connect_timeout=CONNECT_TIMEOUT_S)
         return self._conn
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
