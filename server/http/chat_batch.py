@@ -19,6 +19,7 @@ import dataclasses
 
 from ..errors import ClientError
 from .answer import write_full
+from .post import off_loop
 from ..openai.schema import GenerateRequest, chat_request, decode_json
 
 __all__ = ["PATH", "ROUTE", "parse_chat_batch"]
@@ -79,10 +80,11 @@ class ChatBatchRoute:
     id_prefix = "chatcmpl-"
 
     @staticmethod
-    def parse(body: bytes, config, model: str, engine_info: dict) -> GenerateRequest:
-        """Sans-IO (a big body is parsed in a worker thread: post.off_loop)."""
-        return parse_chat_batch(body, config.limits, model, engine_info,
-                                config.tool_call_parser)
+    async def parse(app, scope: dict, body: bytes, engine_info: dict) -> GenerateRequest:
+        """The request (a big body is parsed in a worker thread: post.off_loop)."""
+        config = app.server_config
+        return await off_loop(len(body), parse_chat_batch, body, config.limits, None,
+                              engine_info, config.tool_call_parser)
 
     @staticmethod
     async def write(app, answer, stream, req: GenerateRequest, response_id: str,

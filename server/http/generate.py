@@ -107,7 +107,8 @@ async def handle_generate(
 
     ``record`` is filled in as the request goes (the caller records it when this returns);
     ``headers`` go on the response, whatever it is. ``route``: another route's shapes on
-    this request's life (``parse`` and ``write``; server.http.responses_write), or None.
+    this request's life (``parse``, async: it may read the state store, and ``write``;
+    server.http.responses_write), or None.
     """
     config = app.server_config
     answer = Answer(send, headers, record)
@@ -119,7 +120,7 @@ async def handle_generate(
         engine = (await app.models.pool_for(body)).require_engine()
         record.model = engine.model_name
         if route is not None:
-            req = await off_loop(len(body), route.parse, body, config, None, engine.info)
+            req = await route.parse(app, scope, body, engine.info)
         elif chat:
             req = await off_loop(len(body), schema.parse_chat, body, config.limits,
                                  None, engine.info, config.tool_call_parser)

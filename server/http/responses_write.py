@@ -10,19 +10,28 @@ failure or a server-side abort (timeout, shutdown) ends the stream with
 ``response.failed`` (its ``error`` says why); a failure while a queued stream sends
 heartbeats, before ``response.created``, is chat's ``data: {"error": ...}`` (the openai SDK
 raises an ``APIError``).
+
+With a state store, parsing reads the earlier turn a ``previous_response_id`` names, and a
+request with ``store`` keeps its answer when it ends, before the last byte
+(:mod:`server.http.responses_store`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from functools import partial
 
 from ..errors import EngineError
 from .answer import failure, started, stream_started, tokens_arrived, whole_failure
 from ..openai.encode import dumps
+from .asgi import header
+from .owners import request_owner
 from .post import off_loop
-from ..openai.responses import ResponsesRequest, parse_responses
+from ..openai.responses import ResponsesRequest, read_responses, translate_responses
 from ..openai.responses_events import ResponseEvents, new_response, response_usage
+from .responses_store import keep_response, previous_context, state_store
 
 __all__ = ["ROUTE", "PATH"]
 
@@ -37,10 +46,23 @@ class ResponsesRoute:
     id_prefix = "resp_"
 
     @staticmethod
-    def parse(body: bytes, config, model: str | None, engine_info: dict) -> ResponsesRequest:
-        """Sans-IO (a big body is parsed in a worker thread: post.off_loop)."""
-        return parse_responses(body, config.limits, model, engine_info,
-                               config.tool_call_parser)
+    async def parse(app, scope: dict, body: bytes, engine_info: dict) -> ResponsesRequest:
+        """The request (a big body is parsed in a worker thread: post.off_loop), with the
+        earlier turns' items when it names a ``previous_response_id``."""
+        config = app.server_config
+        store = state_store(app)
+        data = await off_loop(len(body), read_responses, body, store is not None)
+        owner = request_owner(app, header(scope, b"authorization"))
+        context: list = []
+        size = len(body)
+        previous = data.get("previous_response_id")
+        if previous is not None:
+            assert store is not None  # (else read_responses refused it)
+            context, more = await previous_context(store, owner, previous)
+            size += more
+        req = await off_loop(size, translate_responses, data, config.limits, None,
+                             engine_info, config.tool_call_parser, context)
+        return dataclasses.replace(req, owner=owner)
 
     @staticmethod
     async def write(app, answer, stream, req: ResponsesRequest, response_id: str,
@@ -51,11 +73,16 @@ class ResponsesRoute:
             reasoning_parser=config.reasoning_parser, tools=req.chat.tools,
             thinking=req.chat.thinking,
         )
+        keep = None
+        store = state_store(app)
+        if req.store and store is not None:  # (store is true only with one: read_responses)
+            keep = partial(keep_response, store, req)
         if req.stream:
             observe_itl = app.metrics.of(answer.record.model).itl.observe
-            await _write_stream(answer, stream, events, observe_itl, config.queued_heartbeat)
+            await _write_stream(answer, stream, events, observe_itl, config.queued_heartbeat,
+                                keep)
         else:
-            await _write_full(answer, stream, events)
+            await _write_full(answer, stream, events, keep)
 
 
 ROUTE = ResponsesRoute()
@@ -66,15 +93,30 @@ def _usage(per_choice: list[int], out) -> dict:
     return response_usage(per_choice[0], out.completion_tokens, out.cached_tokens)
 
 
-async def _write_stream(answer, stream, events: ResponseEvents, observe_itl, heartbeat) -> None:
+async def _kept(keep, events: ResponseEvents, sent: list[bytes] | None, body: bytes) -> bytes:
+    """Store the response that ``body`` (its last events) ended, with the events ``sent``
+    before them (``keep``: None when it is not stored); the stream's ``error`` event when
+    the store refused it, else nothing."""
+    if keep is None or sent is None:
+        return b""
+    error = await keep(events.response, b"".join(sent) + body)
+    return b"" if error is None else events.error(error)
+
+
+async def _write_stream(answer, stream, events: ResponseEvents, observe_itl, heartbeat,
+                        keep=None) -> None:
     per_choice = await stream_started(answer, stream, heartbeat)
     if per_choice is None:
         return
     send = answer.send
     record = answer.record
     last = 0.0
+    sent: list[bytes] | None = [] if keep is not None else None  # the events, to store
     try:
-        await send({"type": "http.response.body", "body": events.start(), "more_body": True})
+        first = events.start()
+        if sent is not None:
+            sent.append(first)
+        await send({"type": "http.response.body", "body": first, "more_body": True})
         while outs := await stream.next_batch():
             if outs[0].num_tokens:
                 last = tokens_arrived(record, observe_itl, last)
@@ -84,11 +126,15 @@ async def _write_stream(answer, stream, events: ResponseEvents, observe_itl, hea
                 exc = failure(stream, o)
                 if exc is not None:
                     record.failed(exc)
-                    await answer.last(body + events.fail(exc))
+                    body += events.fail(exc)
+                    await answer.last(body + await _kept(keep, events, sent, body))
                     return
                 if ended:
                     body += events.end(o.finish_reason, _usage(per_choice, o))
+                    body += await _kept(keep, events, sent, body)
                 if body:
+                    if sent is not None:
+                        sent.append(body)
                     await send({"type": "http.response.body", "body": body, "more_body": True})
         await answer.last(b"")
     except Exception:
@@ -98,7 +144,7 @@ async def _write_stream(answer, stream, events: ResponseEvents, observe_itl, hea
         await answer.last(events.fail(exc))
 
 
-async def _write_full(answer, stream, events: ResponseEvents) -> None:
+async def _write_full(answer, stream, events: ResponseEvents, keep=None) -> None:
     per_choice = await started(answer, stream)
     if per_choice is None:
         return
@@ -117,13 +163,20 @@ async def _write_full(answer, stream, events: ResponseEvents) -> None:
         await answer.error(EngineError("The engine ended the request without an answer."))
         return
     text = "".join(texts)
-    await answer.json(await off_loop(len(text), _full_body, events, text, final.finish_reason,
-                                     _usage(per_choice, final)))
+    body, events_bytes = await off_loop(len(text), _full_body, events, text,
+                                        final.finish_reason, _usage(per_choice, final))
+    if keep is not None:
+        error = await keep(events.response, events_bytes)
+        if error is not None:
+            await answer.error(error)
+            return
+    await answer.json(body)
 
 
-def _full_body(events: ResponseEvents, text: str, finish_reason: str, usage: dict) -> bytes:
-    """The Response object of the whole text (sans-IO: a big one is built in a worker
-    thread, see :func:`server.http.post.off_loop`)."""
-    events.feed(text, last=True)
-    events.end(finish_reason, usage)
-    return dumps(events.response)
+def _full_body(events: ResponseEvents, text: str, finish_reason: str,
+               usage: dict) -> tuple[bytes, bytes]:
+    """The Response object of the whole text, and the events a stream of it would have
+    had (what a stored response replays). Sans-IO: a big one is built in a worker thread,
+    see :func:`server.http.post.off_loop`."""
+    stream = events.start() + events.feed(text, last=True) + events.end(finish_reason, usage)
+    return dumps(events.response), stream

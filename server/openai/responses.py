@@ -15,9 +15,16 @@ sent (``text.format``, ``input[2].content``, ``tools[0].parameters``).
 
 What the chat route has no counterpart for is decided here: fields nobody defines are a
 400 naming them (``unknown_parameter``, as OpenAI answers on this route), and the stateful
-features (``store: true``, ``previous_response_id``, ``background``, ``conversation``,
-stored ``prompt`` templates) are refused by name: this server keeps no responses.
-``docs/api.md`` has the table.
+features this server does not have (``background``, ``conversation``, stored ``prompt``
+templates) are refused by name. ``docs/api.md`` has the table.
+
+Stored responses (``store``, ``previous_response_id``) take two steps, so that the route
+can read the earlier response from the state store between them
+(:mod:`server.http.responses_store`): :func:`read_responses` decodes and checks the body
+(``store`` resolved: absent means stored when the server has a store, OpenAI's default),
+then :func:`translate_responses` builds the chat request with the earlier turns' items
+(``context``) before this request's ``input``. :func:`parse_responses` is both at once,
+for a server without a store.
 
 Example::
 
@@ -28,29 +35,28 @@ Example::
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import Limits
 from ..errors import ClientError, printable
 from .encode import dumps
 from .fields import is_neutral
+from .responses_items import input_items
 from .schema import GenerateRequest, decode_json, parse_chat
 
-__all__ = ["HONOURED", "REFUSED", "ResponsesRequest", "parse_responses"]
+__all__ = ["HONOURED", "REFUSED", "ResponsesRequest", "parse_responses", "read_responses",
+           "translate_responses"]
 
 #: The fields this route reads (``fault`` only with --sim-faults).
 HONOURED = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
     "reasoning", "max_output_tokens", "temperature", "top_p", "stream", "user", "metadata",
-    "safety_identifier", "fault",
+    "safety_identifier", "fault", "store", "previous_response_id",
 })
 
 #: OpenAI's fields this server does not honour: field -> (values that mean "not used", why).
 REFUSED: dict[str, tuple[tuple, str]] = {
-    "store": ((None, False), "this server keeps no responses"),
-    "previous_response_id": ((None,), "this server keeps no responses: send the whole "
-                             "conversation in 'input'"),
-    "background": ((None, False), "this server keeps no responses"),
+    "background": ((None, False), "a response runs while its request is open"),
     "conversation": ((None,), "this server keeps no conversations"),
     "prompt": ((None,), "this server keeps no prompt templates"),
     "include": ((None, []), "no extra outputs (logprobs, encrypted reasoning) are made"),
@@ -86,6 +92,12 @@ class ResponsesRequest:
 
     chat: GenerateRequest
     echo: dict
+    #: Whether the answer is kept in the state store, and the items it keeps as its input
+    #: (the earlier turns' and this request's: responses_items).
+    store: bool = False
+    items: list = field(default_factory=list)
+    #: Who keeps it (server.state.owner_of the request's API key; set by the route).
+    owner: str = ""
 
     @property
     def prompts(self) -> list:
@@ -174,11 +186,24 @@ def _reasoning_text(item: dict, param: str) -> str:
     return "".join(texts)
 
 
-def _messages(data: dict) -> tuple[list, list, dict]:
-    """``instructions`` and ``input`` as chat messages, for each message the Responses
-    field it came from (for each assistant message's tool calls too: see _rename), and
-    the reasoning of assistant messages (message index -> the text of the ``reasoning``
-    items before it: the chat template's ``reasoning_content``)."""
+def _entries(data: dict, context: list) -> list[tuple[str, object]]:
+    """The items of the conversation, each with the Responses field it came from: the
+    earlier turns' (``previous_response_id``), then ``input`` (a string: one user message)."""
+    entries: list[tuple[str, object]] = [("previous_response_id", item) for item in context]
+    items = data.get("input")
+    if isinstance(items, str):
+        return entries + [("input", {"role": "user", "content": items})]
+    if not isinstance(items, list) or not items:
+        raise ClientError("'input' must be a string or a non-empty list of items.", param="input")
+    return entries + [(f"input[{i}]", item) for i, item in enumerate(items)]
+
+
+def _messages(data: dict, context: list) -> tuple[list, list, dict]:
+    """``instructions``, the earlier turns' items (``context``) and ``input`` as chat
+    messages, for each message the Responses field it came from (for each assistant
+    message's tool calls too: see _rename), and the reasoning of assistant messages
+    (message index -> the text of the ``reasoning`` items before it: the chat template's
+    ``reasoning_content``)."""
     messages: list = []
     where: list = []  # per message: (param, [param of each tool call])
     reasoning: dict = {}
@@ -189,15 +214,7 @@ def _messages(data: dict) -> tuple[list, list, dict]:
             raise ClientError("'instructions' must be a string.", param="instructions")
         messages.append({"role": "system", "content": instructions})
         where.append(("instructions", []))
-    items = data.get("input")
-    if isinstance(items, str):
-        messages.append({"role": "user", "content": items})
-        where.append(("input", []))
-        return messages, where, reasoning
-    if not isinstance(items, list) or not items:
-        raise ClientError("'input' must be a string or a non-empty list of items.", param="input")
-    for i, item in enumerate(items):
-        param = f"input[{i}]"
+    for param, item in _entries(data, context):
         if not isinstance(item, dict):
             raise ClientError("Each input item must be an object.", param=param)
         kind = item.get("type", "message" if "role" in item else None)
@@ -372,6 +389,35 @@ def _rename(exc: ClientError, where: list) -> ClientError:
     return out
 
 
+#: Why a server without a state store refuses ``store: true`` and ``previous_response_id``.
+_NO_STORE = "this server keeps no responses (it runs without a state store)"
+
+
+def read_responses(body: bytes, can_store: bool) -> dict:
+    """A ``/v1/responses`` body, decoded and its fields checked (a 400 naming one that is
+    wrong), with ``store`` resolved to a bool: as sent, else ``can_store`` (OpenAI's
+    default is true: a server with a state store keeps what the client did not ask it not
+    to). ``can_store``: the server has a state store; without one, ``store: true`` and
+    ``previous_response_id`` are a 400 naming them."""
+    data = decode_json(body)
+    check_fields(data)
+    store = data.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise ClientError("'store' must be a boolean.", param="store")
+    if store and not can_store:
+        raise _refuse("store", _NO_STORE)
+    data["store"] = can_store if store is None else store
+    previous = data.get("previous_response_id")
+    if previous is not None:
+        if not isinstance(previous, str) or not previous:
+            raise ClientError("'previous_response_id' must be a response's id.",
+                              param="previous_response_id")
+        if not can_store:
+            raise _refuse("previous_response_id", f"{_NO_STORE}: send the whole "
+                          "conversation in 'input'")
+    return data
+
+
 def parse_responses(
     body: bytes,
     limits: Limits,
@@ -379,14 +425,30 @@ def parse_responses(
     engine_info: dict | None = None,
     tool_parser: str | None = None,
 ) -> ResponsesRequest:
-    """Validate a ``/v1/responses`` body and translate it into a chat request (see the
-    module docstring); a 400 naming the Responses field for anything wrong."""
-    data = decode_json(body)
-    check_fields(data)
+    """Validate a ``/v1/responses`` body and translate it into a chat request, on a server
+    without a state store (see the module docstring); a 400 naming the Responses field for
+    anything wrong."""
+    return translate_responses(read_responses(body, can_store=False), limits, served_model,
+                               engine_info, tool_parser)
+
+
+def translate_responses(
+    data: dict,
+    limits: Limits,
+    served_model: str | None,
+    engine_info: dict | None = None,
+    tool_parser: str | None = None,
+    context: list | None = None,
+) -> ResponsesRequest:
+    """Translate a body :func:`read_responses` read into a chat request, the earlier turns'
+    items (``context``: :func:`~server.openai.responses_items.context_of` the response
+    ``previous_response_id`` names) before ``input``; a 400 naming the Responses field
+    for anything wrong."""
+    context = context or []
     _reasoning(data)
     if not isinstance(data.get("metadata") or {}, dict):
         raise ClientError("'metadata' must be an object.", param="metadata")
-    messages, where, reasoning = _messages(data)
+    messages, where, reasoning = _messages(data, context)
     chat: dict = {"messages": messages}
     for name in ("model", "temperature", "top_p", "stream", "user", "parallel_tool_calls",
                  "fault"):
@@ -422,8 +484,11 @@ def parse_responses(
         "tools": [_echo_tool(t) for t in data.get("tools") or ()],
         "top_p": params.top_p,
         "user": data.get("user"),
+        "store": data["store"],
+        "previous_response_id": data.get("previous_response_id"),
     }
-    return ResponsesRequest(req, echo)
+    items = context + input_items(data["input"]) if data["store"] else []
+    return ResponsesRequest(req, echo, store=data["store"], items=items)
 
 
 def _echo_choice(choice) -> object:

@@ -39,10 +39,12 @@ from .reasoning import ReasoningSplitter
 from .tool_parsers import CallsOrDocument, ToolCallParser, new_parser
 from .tools import ToolChoice
 
-__all__ = ["ResponseEvents", "new_response", "response_usage"]
+__all__ = ["ResponseEvents", "new_item_id", "new_response", "response_usage", "split_events"]
 
 
-def _new_id(prefix: str) -> str:
+def new_item_id(prefix: str) -> str:
+    """A new id for an output or input item (``msg_``, ``fc_``, ``rs_`` ... then 24 hex
+    digits)."""
     return prefix + os.urandom(12).hex()
 
 
@@ -56,6 +58,14 @@ def new_response(response_id: str, created_at: int, model: str, echo: dict) -> d
         "service_tier": "default", "store": False, "truncation": "disabled", "usage": None,
         **echo,
     }
+
+
+def split_events(stream: bytes) -> list[bytes]:
+    """The events of a stream this module wrote, one ``event:``/``data:`` block each (the
+    i-th is the event of ``sequence_number`` i): what a stored response keeps to replay.
+    A block ends at its first blank line: the data is one line of JSON, which writes a
+    newline inside a string as ``\\n``."""
+    return [block + b"\n\n" for block in stream.split(b"\n\n") if block]
 
 
 def response_usage(input_tokens: int, output_tokens: int, cached: int | None) -> dict:
@@ -150,6 +160,12 @@ class ResponseEvents:
         response["error"] = {"code": exc.code or exc.type, "message": exc.message}
         return self._event("response.failed", {"response": response})
 
+    def error(self, exc: ServerError) -> bytes:
+        """An ``error`` event (OpenAI's stream error): what went wrong after the response
+        ended (its storing, for one with ``store``)."""
+        return self._event("error", {"code": exc.code or exc.type, "message": exc.message,
+                                     "param": exc.param})
+
     # -- items ---------------------------------------------------------------------------
 
     def _write(self, kind: str, text: str) -> bytes:
@@ -180,10 +196,10 @@ class ResponseEvents:
 
     def _open(self, kind: str) -> bytes:
         if kind == "message":
-            item = {"id": _new_id("msg_"), "type": "message", "status": "in_progress",
+            item = {"id": new_item_id("msg_"), "type": "message", "status": "in_progress",
                     "role": "assistant", "content": []}
         else:
-            item = {"id": _new_id("rs_"), "type": "reasoning", "summary": [], "content": [],
+            item = {"id": new_item_id("rs_"), "type": "reasoning", "summary": [], "content": [],
                     "status": "in_progress"}
         return self._added(item) + self._event("response.content_part.added", {
             "item_id": item["id"], "output_index": len(self.response["output"]) - 1,
@@ -191,7 +207,7 @@ class ResponseEvents:
 
     def _open_call(self, call_id: str, name: str) -> bytes:
         head = self._close("completed")
-        item = {"id": _new_id("fc_"), "type": "function_call", "status": "in_progress",
+        item = {"id": new_item_id("fc_"), "type": "function_call", "status": "in_progress",
                 "arguments": "", "call_id": call_id, "name": name}
         return head + self._added(item)
 
