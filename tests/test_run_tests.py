@@ -43,3 +43,42 @@ def test_a_dry_run_prints_every_stage_and_runs_nothing(run_tests, capsys):
     assert "TRIO_LLM_HTTP_FALLBACK=1 python -m pytest -q -n 2 --dist loadgroup tests/test_http_" in out
     with pytest.raises(SystemExit):
         run_tests.main(["no-such-stage"])
+
+
+@pytest.fixture
+def no_postgresql(run_tests, monkeypatch):
+    """As on a fresh machine: no PostgreSQL binaries (issue 44: the state store's tests)."""
+    monkeypatch.setitem(run_tests.SYSTEM_PACKAGES, "postgresql", lambda: False)
+    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
+
+
+def test_postgresql_is_installed_with_apt_before_the_main_stage(run_tests, no_postgresql,
+                                                                monkeypatch, capsys):
+    monkeypatch.setattr("os.geteuid", lambda: 0)
+    assert run_tests.main(["--dry-run", "lint", "main"]) == 0
+    out = capsys.readouterr().out
+    install = out.index("$ DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql")
+    assert out.index("=== lint:") < install < out.index("=== main:")
+    assert "(postgresql)" in out.split("=== summary")[1]  # its time, as an environment's
+
+
+def test_without_root_the_stage_runs_and_its_tests_skip(run_tests, no_postgresql,
+                                                        monkeypatch, capsys):
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    assert run_tests.main(["--dry-run", "main"]) == 0
+    out = capsys.readouterr().out
+    assert "postgresql is not installed, and installing it needs root" in out
+    assert "apt-get install" not in out and "=== main:" in out
+    assert run_tests.main(["--dry-run", "--no-install", "main"]) == 0
+    assert "apt-get" not in capsys.readouterr().out
+
+
+def test_a_failed_install_is_missing_not_a_failure(run_tests, no_postgresql, monkeypatch,
+                                                   capsys):
+    monkeypatch.setattr("os.geteuid", lambda: 0)
+    run = run_tests.Run([], run_tests.parse(["--dry-run"]))
+    monkeypatch.setattr(run, "execute", lambda commands, env, extra: False)
+    run.install_system(["postgresql"])
+    run.install_system(["postgresql"])  # tried once a run
+    assert [result[:2] for result in run.results] == [("(postgresql)", run_tests.MISSING)]
+    assert run.run()
