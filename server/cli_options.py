@@ -260,6 +260,10 @@ OPTIONS: tuple[Option, ...] = (
                "is cut off"),
         Option("--max-body-bytes", type=int, default=4 * 1024 * 1024, bounds=COUNT,
                into=("server.max_body_bytes",), help="largest request body; larger is a 413"),
+        Option("--max-file-bytes", type=int, default=200 * 1024 * 1024, bounds=COUNT,
+               into=("server.max_file_bytes",),
+               help="largest file a POST /v1/files upload may carry (OpenAI's batch file "
+               "limit, 200 MB, by default); larger is a 413 at the first byte over"),
         Option("--max-n", type=int, default=16, bounds=COUNT, into=("limits.max_n",),
                help="largest 'n' accepted"),
         Option("--max-tokens-cap", type=int, default=32768, bounds=COUNT,

@@ -174,6 +174,9 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     #: Largest request body accepted; larger is a 413.
     max_body_bytes: int = 4 * 1024 * 1024
+    #: Largest file a ``POST /v1/files`` upload may carry (its body may be a few KiB more:
+    #: the form's heads); larger is a 413.
+    max_file_bytes: int = 200 * 1024 * 1024
     #: Seconds a request may run before the server aborts it (None: no limit).
     request_timeout: float | None = None
     #: Requests in flight beyond which new ones get a 503 (None: no limit).

@@ -113,11 +113,17 @@ class ServingConfig(HypercornConfig):
     """Hypercorn's configuration, plus what :class:`ServingConnection` reads: the send
     timeout (progress-based), the time past which no write may go on (set at shutdown by
     :func:`cut_stalled_writes`), and the cancel scopes of the writes in progress; and what
-    its protocol's request-head checks read: the body limit (``--max-body-bytes``)."""
+    its protocol's request-head checks read: the body limit (``--max-body-bytes``), and the
+    larger limits of the paths in ``upload_limits`` (the Files API's uploads)."""
 
     send_timeout: float | None = None
     send_cutoff: float = math.inf
     max_body_bytes: int | None = None
+    upload_limits: dict[bytes, int] = {}
+
+    def body_limit(self, target: bytes) -> int | None:
+        """The most body bytes a request to ``target`` (its path and query) may send."""
+        return self.upload_limits.get(target.partition(b"?")[0], self.max_body_bytes)
 
     def __init__(self) -> None:
         super().__init__()

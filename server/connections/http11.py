@@ -145,10 +145,11 @@ class ServingH11Protocol(H11Hooks):
     async def check_protocol(self, event: h11.Request) -> None:
         # Called as soon as h11 parsed the head, before hypercorn's loop sends a
         # ``100 Continue`` (at the top of its next turn): a refusal here goes out first.
+        body_limit = getattr(self.config, "body_limit", None)  # (a ServingConfig's)
         refusal = check_request_head(
             event.http_version, event.headers,
             expects_continue=self.connection.they_are_waiting_for_100_continue,
-            max_body=getattr(self.config, "max_body_bytes", None),  # (a ServingConfig)
+            max_body=None if body_limit is None else body_limit(event.target),
         )
         if refusal is not None:
             try:

@@ -30,6 +30,7 @@ from ..errors import printable
 from ..observability.gcstats import freeze_after_startup
 from ..observability.group import peer_socket, serve_peer_scrapes
 from .app import LLMServerApp, create_app
+from .upload import FORM_OVERHEAD
 from ..connections.connection import ServingConfig, cut_stalled_writes
 from ..connections.accept import ListenError, serve_app, serve_public
 from ..connections.probes import serve_probes
@@ -57,8 +58,10 @@ def hypercorn_config(config: ServerConfig) -> ServingConfig:
     # seconds closes the connection; none goes on past send_cutoff (set at shutdown).
     hc.send_timeout = config.send_timeout
     # Read by http11.ServingH11Protocol: a body announced over it with Expect: 100-continue
-    # is a 413 from the head (framing.check_request_head), before any 100 Continue.
+    # is a 413 from the head (framing.check_request_head), before any 100 Continue; for
+    # an upload to the Files API, one over --max-file-bytes (and the form's heads).
     hc.max_body_bytes = config.max_body_bytes
+    hc.upload_limits = {b"/v1/files": config.max_file_bytes + FORM_OVERHEAD}
     hc.include_server_header = False  # no banner naming the implementation
     hc.graceful_timeout = config.close_timeout
     hc.accesslog = None
