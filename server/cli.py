@@ -205,6 +205,9 @@ def _check_frontend_options(args: argparse.Namespace) -> None:
             raise SystemExit("trio-llm-server: --health-listen-fd must be a file descriptor")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("trio-llm-server: --enable-auto-tool-choice needs --tool-call-parser")
+    if args.state_dir is not None and args.state_url is not None:
+        raise SystemExit("trio-llm-server: --state-dir: not with --state-url (the state lives "
+                         "in one place: SQLite in the directory, or PostgreSQL)")
     if (args.frontend_dir is None) != (args.frontend_index is None):
         raise SystemExit("trio-llm-server: --frontend-dir and --frontend-index go together")
 
@@ -285,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     from .connections.accept import ListenError
     from .connections.private_api import HTTPPathError
     from .manager.worker import WorkerStartupError
+    from .state import StateStoreError
 
     app = create_app(config)
     # The CLI owns the process: it takes the signals, tunes and watches the collector, and
@@ -296,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     failures: list[BaseException] = []
     try:
         trio.run(run)
-    except* (WorkerStartupError, ListenError, HTTPPathError) as group:  # (grouped by the nurseries)
+    except* (WorkerStartupError, ListenError, HTTPPathError,
+             StateStoreError) as group:  # (grouped by the nurseries)
         failures = _leaves(group)
     if failures:  # configuration errors: one line each, no traceback
         for exc in failures:

@@ -10,13 +10,16 @@ entry of ``--model-config`` may give it (``entry``, default not).
 
 from __future__ import annotations
 
+import argparse
 import functools
+import os
 
 from .engine_args import ENGINE_OPTIONS
 from .manager.routing import DEFAULT_BALANCE, POLICIES
 from .openai.tool_parsers import PARSERS as TOOL_PARSERS
 from .option_bounds import COUNT, PORT, SECONDS, ZERO_OK
 from .option_table import Into, Option, section
+from .option_units import duration, size
 from .worker_protocol.handshake import SECRET_ENV
 
 __all__ = ["API_KEY_ENV", "OPTIONS", "split_commas"]
@@ -36,6 +39,19 @@ def split_commas(values: list[str] | None) -> tuple[str, ...]:
 #: A section of the server's own options: each goes to the frontends of --api-servers
 #: and is no key of a --model-config entry, unless it says.
 _frontend = functools.partial(section, child="frontend", entry="none")
+
+
+def _postgres_url(text: str) -> str:
+    """``--state-url``: a PostgreSQL URL (libpq's), refused at start otherwise."""
+    if not text.startswith(("postgresql://", "postgres://")):
+        raise argparse.ArgumentTypeError(
+            f"expected a postgresql:// URL (the SQLite store is --state-dir), got {text!r}")
+    return text
+
+
+def _absolute(path: str | None) -> str | None:
+    """A directory as an absolute path (the frontends of --api-servers get the same)."""
+    return None if path is None else os.path.abspath(path)
 
 
 def _zero_is_none(value):
@@ -106,6 +122,30 @@ OPTIONS: tuple[Option, ...] = (
                into=(Into("server.allowed_origins", split_commas),),
                help="enable CORS for these browser origins (repeatable or comma-separated, "
                "e.g. https://app.example.com; '*' for any). None: CORS off"),
+    ),
+    *_frontend(
+        "state (stored responses, files: docs/state.md)",
+        Option("--state-dir", metavar="DIR", into=(Into("server.state_dir", _absolute),),
+               help="keep the state in DIR/state.sqlite3 (SQLite, WAL), shared by every "
+               "frontend given DIR, kept across restarts. None (and no --state-url): a "
+               "private temporary directory, removed when the server exits"),
+        Option("--state-url", metavar="URL", type=_postgres_url, into=("server.state_url",),
+               help="keep the state in PostgreSQL at this postgresql:// URL instead (frontends "
+               "on several hosts; the state-postgres extra). Put the password in PGPASSWORD "
+               "or ~/.pgpass, not here"),
+        Option("--state-retention", metavar="DURATION", type=duration, default=30 * 86400,
+               into=("server.state_retention",),
+               help="how long a stored object stays, in seconds or with s, m, h, d, w "
+               "(30d: OpenAI's; 0: until deleted). Expired objects are gone at once"),
+        Option("--state-max-bytes", metavar="SIZE", type=size, default=4 * 1024**3,
+               into=("server.state_max_bytes",),
+               help="the state's size budget (bytes, or with K, M, G, T; 0: none). A write "
+               "past it, once expired objects are deleted, is refused (507); nothing live "
+               "is evicted"),
+        Option("--state-max-bytes-per-key", metavar="SIZE", type=size, default=0,
+               into=("server.state_max_bytes_per_key",),
+               help="each API key's share of the state (bytes, or with K, M, G, T; 0: no "
+               "quota); a write past it is refused (413)"),
     ),
     *ENGINE_OPTIONS,
     *_frontend(

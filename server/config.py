@@ -177,6 +177,16 @@ class ServerConfig:
     #: Largest file a ``POST /v1/files`` upload may carry (its body may be a few KiB more:
     #: the form's heads); larger is a 413.
     max_file_bytes: int = 200 * 1024 * 1024
+    #: The state store (stored responses, files: docs/state.md): SQLite in ``state_dir``,
+    #: or PostgreSQL at ``state_url``; neither: a private temporary directory (the
+    #: supervisor's for ``--api-servers`` frontends), removed at exit.
+    state_dir: str | None = None
+    state_url: str | None = None
+    #: Seconds a stored object stays (0: until deleted); the store's size budget and each
+    #: API key's, in bytes (0: none).
+    state_retention: int = 30 * 24 * 3600
+    state_max_bytes: int = 4 * 1024**3
+    state_max_bytes_per_key: int = 0
     #: Seconds a request may run before the server aborts it (None: no limit).
     request_timeout: float | None = None
     #: Requests in flight beyond which new ones get a 503 (None: no limit).

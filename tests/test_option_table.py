@@ -12,6 +12,7 @@ from server.cli import build_parser, config_from_args
 from server.cli_options import OPTIONS
 from server.engine_args import ENGINE_OPTIONS, add_engine_arguments, engine_options
 from server.option_table import Option, option_argv
+from server.option_units import duration, size
 from server.supervisor_plan import plan
 
 
@@ -29,8 +30,10 @@ def _other_value(option: Option):
         return ["a=1", "b=2"]
     if option.choices:
         return next(c for c in reversed(option.choices) if c != option.default)
-    if option.type is int:
+    if option.type in (int, duration, size):
         return (option.default or 0) + 2
+    if option.flag == "--state-url":
+        return "postgresql://host/db"
     if option.type is float:
         return 0.5 if option.bounds and option.bounds.high == 1 else (option.default or 0) + 2.5
     return "text"
@@ -104,7 +107,8 @@ def test_a_child_command_line_round_trips_to_the_same_config():
              and not o.positional and o.group != "vllm engine" and o.dest not in (
                  "model_config", "engine", "model", "model_path", "revision", "device",
                  "dtype", "grammar_max_bytes", "grammar_timeout", "num_threads",
-                 "sim_prefix_block_size")]  # (a file; another engine's; with the cache)
+                 "sim_prefix_block_size", "state_dir")]
+    # (a file; another engine's; with the cache; not with --state-url)
     argv = ["--api-servers", "2", "--engine", "sim"]
     for option in given:
         argv += option_argv(option, _other_value(option))

@@ -8,13 +8,27 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+from dataclasses import replace
 
+import httpx
 import pytest
 import trio
 
+from server.cli import build_parser, config_from_args
+from server.config import ServerConfig
+from server.http.app import create_app
+from server.http.serve import serve
 from server.private_dir import PREFIX
-from server.state import Record, StateConfig, StoreFull, open_state_store, owner_of
-from server.state.service import default_directory, run_state_store
+from server.state import (
+    Record,
+    StateConfig,
+    StateStoreError,
+    StoreFull,
+    open_state_store,
+    owner_of,
+)
+from server.state.service import default_directory, run_state_store, state_config
+from tests.conftest import running_server
 from tests.postgres_server import find_binaries, start_postgres
 
 #: Hang guard for one test (a real database server; CI's machine is busy).
@@ -345,3 +359,53 @@ def exists(path: str) -> bool:
 def test_frontends_share_their_supervisors_directory(tmp_path):
     assert default_directory(str(tmp_path)) == str(tmp_path / "state")
     assert default_directory(None) is None
+
+
+async def test_the_app_holds_its_store_while_it_serves(tmp_path):
+    directory = str(tmp_path / "state")
+    with trio.fail_after(TIMEOUT_S):
+        async with running_server(state_dir=directory) as url:
+            app = url.app
+            await app.state_store.put(rec("r1"))
+            async with httpx.AsyncClient() as client:
+                metrics = (await client.get(url + "/metrics")).text
+            assert 'trio_llm:state_records{model_name="sim"} 1.0' in metrics
+        assert app.state_store is None  # closed with the server
+        async with await open_state_store(StateConfig(directory=directory)) as store:
+            assert await store.get("response", "alice", "r1") == rec("r1")  # and kept
+
+
+async def test_a_store_that_cannot_open_stops_the_server(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    config = ServerConfig(port=0, state_dir=str(blocked / "state"), shutdown_timeout=0)
+    app = create_app(config)
+    with trio.fail_after(TIMEOUT_S):
+        with pytest.raises(StateStoreError, match="cannot open the state store at sqlite:"):
+            try:
+                await serve(config, app=app)
+            except BaseExceptionGroup as group:  # (as the CLI does: a leaf of the nurseries)
+                (leaf,) = group.exceptions
+                raise leaf from None
+    assert app.models.default.engine is None  # no engine was started
+
+
+def test_the_state_options(tmp_path):
+    args = build_parser().parse_args(
+        ["--state-dir", "rel/dir", "--state-retention", "12h", "--state-max-bytes", "2G",
+         "--state-max-bytes-per-key", "64M"])
+    config = config_from_args(args)
+    assert config.state_dir == os.path.abspath("rel/dir")  # (frontends get the same)
+    assert (config.state_retention, config.state_max_bytes, config.state_max_bytes_per_key) \
+        == (12 * 3600, 2 << 30, 64 << 20)
+    assert state_config(config).directory == os.path.abspath("rel/dir")
+    defaults = config_from_args(build_parser().parse_args([]))
+    assert (defaults.state_retention, defaults.state_max_bytes) == (30 * 86400, 4 << 30)
+    assert state_config(defaults).directory is None  # a temporary one
+    assert state_config(replace(defaults, frontend_dir="/run/x")).directory == "/run/x/state"
+    url = config_from_args(build_parser().parse_args(["--state-url", "postgresql://h/db"]))
+    assert (state_config(url).url, state_config(url).directory) == ("postgresql://h/db", None)
+    for bad in (["--state-url", "mysql://h/db"], ["--state-retention", "soon"],
+                ["--state-max-bytes", "-1"], ["--state-dir", "d", "--state-url", "postgres://h"]):
+        with pytest.raises(SystemExit):
+            config_from_args(build_parser().parse_args(bad))

@@ -52,7 +52,10 @@ from ..manager.engine import Engine, run_engine
 from ..manager.worker import WorkerStartupError
 from ..observability import Metrics, request_id_from_header
 from ..observability.logs import request_id_var
+from ..observability.state_metrics import StateStoreCollector
 from ..observability.tracing import Tracing
+from ..state import StateStore, StateStoreError
+from ..state.service import StateService, state_config
 from .asgi import CLOSE, HeaderSend, header, send_empty, send_error
 from .auth import APIKeys, is_protected
 from .cors import CORSPolicy
@@ -129,6 +132,12 @@ class LLMServerApp(QuartTrio):
             lambda: [(p.name, p.engine) for p in self.models.pools],
             more_models=[p.name for p in self.models.pools[1:]],
         )
+        #: The state store (server.state: stored responses, files), open for the server's
+        #: lifetime in the lifespan's nursery: ``state_store``.
+        self.state = StateService(state_config(config))
+        self.metrics.registry.register(StateStoreCollector(
+            lambda: None if self.state.store is None else self.state.store.statistics(),
+            self.models.pools[0].name))
         #: A span per generation request (OpenTelemetry), when asked; else None.
         self.tracing: Tracing | None = None
         if tracer_provider is not None:
@@ -143,6 +152,11 @@ class LLMServerApp(QuartTrio):
     def engine(self) -> Engine | None:
         """The engine of the (first) model, None until the lifespan has started it."""
         return self.models.default.engine
+
+    @property
+    def state_store(self) -> StateStore | None:
+        """The state store while the server serves (docs/state.md); else None."""
+        return self.state.store
 
     def require_engine(self) -> Engine:
         """The (first) model's engine, or ServiceUnavailable while it is not running."""
@@ -284,8 +298,16 @@ class LLMServerApp(QuartTrio):
                 self._engine_nursery = None
                 nursery.cancel_scope.cancel()  # an engine that outlived the lifespan
 
+    async def _open_state_store(self) -> None:
+        assert self._engine_nursery is not None, "the store opens in the ASGI lifespan"
+        try:
+            await self.state.start(self._engine_nursery)
+        except StateStoreError as exc:  # a configuration error: the server stops
+            log.error("%s", exc)
+            self._fail(exc)
+
     async def _start_engine(self) -> None:
-        if not self._owns_engine:
+        if not self._owns_engine or self.fatal.is_set():
             return
         nursery = self._engine_nursery
         assert nursery is not None, "the engine starts in the ASGI lifespan"
@@ -384,8 +406,10 @@ class LLMServerApp(QuartTrio):
     # -- Quart's routes and error handlers ---------------------------------------------------
 
     def _routes(self) -> None:
+        self.before_serving(self._open_state_store)
         self.before_serving(self._start_engine)
         self.after_serving(self.stop_engine)
+        self.after_serving(self.state.stop)  # after the engine: its last writes are stored
 
         for route in quart_routes(self.server_config):
             self.add_url_rule(route.path, route.serve.__name__, partial(route.serve, self),

@@ -23,11 +23,13 @@ from typing import Callable
 
 import trio
 
+from ..config import ServerConfig
 from ..private_dir import make_private_directory
 from .opening import StateConfig, open_state_store
 from .sql import SQLStore
 
-__all__ = ["CLOSE_TIMEOUT_S", "SWEEP_INTERVAL_S", "run_state_store", "default_directory"]
+__all__ = ["CLOSE_TIMEOUT_S", "SWEEP_INTERVAL_S", "StateService", "default_directory",
+           "run_state_store", "state_config"]
 
 log = logging.getLogger("server.state")
 
@@ -43,6 +45,48 @@ def default_directory(frontend_dir: str | None) -> str | None:
     """Where a server keeps its state without ``--state-dir``/``--state-url``: its
     supervisor's private directory's, or None (a temporary one of its own)."""
     return os.path.join(frontend_dir, _SUBDIRECTORY) if frontend_dir else None
+
+
+def state_config(config: ServerConfig) -> StateConfig:
+    """The store a server's options (``--state-*``) name."""
+    directory = None
+    if not config.state_url:
+        directory = config.state_dir or default_directory(config.frontend_dir)
+    return StateConfig(directory=directory, url=config.state_url,
+                       retention_s=config.state_retention, max_bytes=config.state_max_bytes,
+                       max_bytes_per_key=config.state_max_bytes_per_key)
+
+
+class StateService:
+    """The app's handle on its store: :meth:`start` runs :func:`run_state_store` in the
+    app's nursery and waits until the store is open; :meth:`stop` closes it and waits
+    (shielded). ``store`` is the open store, None before and after."""
+
+    def __init__(self, config: StateConfig) -> None:
+        self.config = config
+        self.store: SQLStore | None = None
+        self._scope = trio.CancelScope()
+        self._started = False
+        self._stopped = trio.Event()
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Raises :class:`~server.state.StateStoreError` when the store cannot be opened."""
+        self._started = True
+        self.store = await nursery.start(self._run)
+
+    async def _run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            with self._scope:
+                await run_state_store(self.config, task_status=task_status)
+        finally:
+            self.store = None
+            self._stopped.set()
+
+    async def stop(self) -> None:
+        self._scope.cancel()
+        if self._started:
+            with trio.CancelScope(shield=True):
+                await self._stopped.wait()
 
 
 async def run_state_store(config: StateConfig, *, sweep_interval: float = SWEEP_INTERVAL_S,
