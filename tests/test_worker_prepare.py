@@ -24,6 +24,8 @@ import server  # noqa: E402
 from server import SamplingParams  # noqa: E402
 from server.workers.base import Rejected  # noqa: E402
 from server.engines.transformers.engine import TransformersEngine  # noqa: E402
+from server.worker_protocol import wire  # noqa: E402
+from server.workers.prep_helper import PROCESS_BYTES  # noqa: E402
 from server.workers.prepare import Preparer  # noqa: E402
 from tests.test_transformers_engine import collect  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
@@ -32,11 +34,11 @@ pytestmark = pytest.mark.slow  # (vLLM or transformers start-ups: run first unde
 
 torch.set_num_threads(1)
 
-LIMIT = 300  # a hang guard: the 3.5 MB tokenizes took 76-84 s on 2 cores kept busy by bench/cpu_load.py
+LIMIT = 300  # a hang guard: 3.5 MB tokenizes took 76-84 s on 2 cores kept busy by bench/cpu_load.py
 #: A worker silent this long is declared hung and killed: shorter than the loop would stop
-#: for the heavy work below (a 4,000-property schema, a 3.5 MB one-word prompt: 6-8 s here)
-#: if it ran on the loop.
-HEARTBEAT = 3.0
+#: for the heavy work below (a 4,000-property schema: 6-8 s here, a 1.5 MB one-word prompt:
+#: ~3 s) if it ran on the loop; ten times the heartbeat and the pulse's period (0.1 s).
+HEARTBEAT = 1.5
 
 
 def wide_schema(n: int = 4000, prefix: str = "p") -> dict:
@@ -60,16 +62,21 @@ def engine(model_dir):
     return TransformersEngine(model_path=str(model_dir), max_batch=4)
 
 
-#: A prompt whose tokenizing takes seconds (6-8 s quiet, 76-84 s on busy cores), longer than
-#: HEARTBEAT: a worker that tokenized it on its loop would be declared hung.
-HUGE_PROMPT = "a" * 3_500_000
+#: A prompt whose tokenizing takes seconds (~3 s quiet, ~2 µs a character), longer than
+#: HEARTBEAT: a worker that tokenized it on its loop would be declared hung. Past the size
+#: tokenized in the worker's helper process (PROCESS_BYTES), and its answer (a token id a
+#: character here) past wire.BIG_FRAME, sent in PART frames: the paths of any bigger one.
+HUGE_PROMPT = "a" * 1_500_000
 
 
 @pytest.fixture(scope="module")
 def huge_prompt_tokens(engine) -> dict:
     """This process's answer for HUGE_PROMPT, that the workers' must equal: tokenized once
     for the module."""
-    return engine.tokenize({"op": "tokenize", "prompt": HUGE_PROMPT})
+    assert len(HUGE_PROMPT) > PROCESS_BYTES
+    answer = engine.tokenize({"op": "tokenize", "prompt": HUGE_PROMPT})
+    assert len(answer["tokens"]) > wire.BIG_FRAME  # (msgpack: a byte or more an id)
+    return answer
 
 
 def wait_collect(preparer: Preparer, accepts: list, outputs: list, until) -> list:
@@ -175,10 +182,14 @@ def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(engine):
 
 
 def config(model_dir) -> server.EngineConfig:
-    """A worker that is killed if it does not answer a heartbeat for HEARTBEAT seconds."""
+    """A worker that is killed if it does not answer a heartbeat for HEARTBEAT seconds. Its
+    helper process (where the heavy work goes) at the worker's priority, not 10 below: on
+    busy cores a niced helper waited its turn for minutes (its start and its work), which
+    this test is not about."""
     return server.EngineConfig(
         engine="transformers",
-        engine_options={"model_path": str(model_dir), "num_threads": 1},
+        engine_options={"model_path": str(model_dir), "num_threads": 1,
+                        "prepare_process_nice": 0},
         heartbeat_interval=0.1, heartbeat_timeout=HEARTBEAT, drain_timeout=5.0,
     )
 
