@@ -208,6 +208,7 @@ async def test_expired_records_are_invisible_then_swept(open_store, clock):
         await store.append_events("response", "alice", "old", [b"e" * 10])
         clock.now += 50
         await store.put(rec("young"))
+        await store.append_events("response", "alice", "young", [b"y"])
         before = store.statistics().bytes
         clock.now += 60  # "old" is 110 s old, "young" 60 s
         assert await store.get("response", "alice", "old") is None
@@ -220,6 +221,10 @@ async def test_expired_records_are_invisible_then_swept(open_store, clock):
         assert (stats.records, stats.expired) == (1, 1)
         assert stats.expired_bytes == before - stats.bytes > 60
         assert await store.get("response", "alice", "young") is not None
+        clock.now += 100
+        await store.put(rec("young"))  # past its retention: a new object, without events
+        assert await store.read_events("response", "alice", "young") == []
+        assert store.statistics().expired == 2
 
 
 async def test_no_retention_keeps_records(open_store, clock):
@@ -387,7 +392,7 @@ async def test_a_store_that_cannot_open_stops_the_server(tmp_path):
             except BaseExceptionGroup as group:  # (as the CLI does: a leaf of the nurseries)
                 (leaf,) = group.exceptions
                 raise leaf from None
-    assert app.models.default.engine is None  # no engine was started
+    assert not app._engine_started.is_set()  # no engine was started
 
 
 def test_the_state_options(tmp_path):

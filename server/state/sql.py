@@ -228,6 +228,7 @@ class SQLStore:
                                  "WHERE kind = ? AND owner = ? AND id = ?",
                                  (new_meta, body, size, kind, owner, id))
             self._account(owner, size - int(row[2]), 0)
+            self._totals()
             return True
 
     async def delete(self, kind: str, owner: str, id: str) -> bool:
@@ -292,6 +293,7 @@ class SQLStore:
                              "+ ? WHERE kind = ? AND owner = ? AND id = ?",
                              (count + len(events), grow, kind, owner, id))
             self._account(owner, grow, 0)
+            self._totals()
             return count + len(events)
 
     async def read_events(self, kind: str, owner: str, id: str, *,
