@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from contextlib import asynccontextmanager
 
 import httpx
@@ -26,6 +27,7 @@ from server.config import EngineConfig, Limits, ServerConfig
 from server.http.app import create_app
 from server.connections.private_api import FALLBACK_ENV
 from server.http.serve import serve
+from tests.processes import child_pids, children_of, pid_exists  # noqa: F401 (theirs)
 
 FAST_SIM = {"itl_ms": 2.0, "ttft_ms": 5.0, "prefill_us_per_token": 0.0}
 
@@ -58,9 +60,11 @@ def slow_modules_first(items) -> None:
 #: Modules whose tests share nothing (no module-scoped server or model): under ``-n`` each
 #: test goes to whichever worker is free.
 SPREAD = {"tests/test_bench_smoke.py"}
-#: Modules that share a session-scoped server with another (``vllm_server``): under ``-n``
-#: they run in that module's unit of work, so that one worker starts the server once.
-SHARED = {"tests/test_vllm_token_ids.py": "tests/test_vllm_engine.py"}
+#: Modules that share a session-scoped server or process with another (``vllm_server``,
+#: ``vllm_checks``): under ``-n`` they run in that module's unit of work, so that one worker
+#: starts it once.
+SHARED = {"tests/test_vllm_token_ids.py": "tests/test_vllm_engine.py",
+          "tests/test_vllm_prep_helper.py": "tests/test_structured_defaults.py"}
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # (optional: pytest-xdist's hook)
@@ -93,38 +97,6 @@ class ServerURL(str):
     @property
     def engine(self):
         return self.app.engine
-
-
-def child_pids() -> set[int]:
-    """Live (non-zombie) child processes of this test process, from /proc."""
-    return children_of(os.getpid())
-
-
-def children_of(pid: int) -> set[int]:
-    """Live (non-zombie) child processes of ``pid``, from /proc."""
-    me = pid
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == me and fields[0] != "Z":
-            found.add(int(entry))
-    return found
-
-
-def pid_exists(pid: int) -> bool:
-    """True while ``pid`` is a live (non-zombie) process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 async def wait_http_ok(url: str, timeout: float = 60.0) -> None:
@@ -192,6 +164,90 @@ async def running_server(config: EngineConfig | None = None, *, not_ours=frozens
             await trio.sleep(0.05)
 
 
+class ThreadServer:
+    """:func:`running_server` in a thread with a Trio run of its own, so that it can outlive
+    a test (pytest-trio gives each test a Trio run of its own, which its servers cannot
+    outlive): one server for a session's tests of one configuration that only talk to it
+    over HTTP. ``url`` (its ``app`` lives in that other run: look inside through
+    :meth:`call`). :meth:`assert_idle` after each test; :func:`running_server`'s own checks
+    when it stops (:meth:`close`)."""
+
+    def __init__(self, config: EngineConfig, *, timeout: float = 300, **server_options) -> None:
+        self.url = ServerURL("")
+        self._error: BaseException | None = None
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(config, server_options),
+                                        name="shared server", daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout):  # (a bound that fails a hang)
+            raise AssertionError(f"the shared server did not start in {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+    def _run(self, config, server_options) -> None:
+        try:
+            trio.run(self._serve, config, server_options)
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._started.set()
+
+    async def _serve(self, config, server_options) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        async with running_server(config, **server_options) as url:
+            self.url = url
+            self._started.set()
+            await self._stop.wait()
+
+    def call(self, async_fn, *args):
+        """``await async_fn(*args)`` in the server's Trio run, from outside it."""
+        return trio.from_thread.run(async_fn, *args, trio_token=self._token)
+
+    def assert_idle(self) -> None:
+        """Nothing in the manager, nothing in any worker (as :func:`running_server` checks
+        when it exits). From a Trio run: ``await trio.to_thread.run_sync(s.assert_idle)``."""
+
+        async def idle() -> None:
+            for engine in self.url.app.models.engines():
+                await assert_engine_idle(engine)
+
+        self.call(idle)
+
+    def close(self) -> None:
+        trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+        self._thread.join(120)
+        if self._error is not None:
+            raise self._error
+
+
+@pytest.fixture(scope="session")
+def transformers_server(tmp_path_factory):
+    """One transformers server on tests/tiny_model.py's default model, served as
+    ``tiny-llama``, with one torch thread, for the tests that only talk to a server of that
+    configuration (tests/test_structured_defaults.py, test_minimal_bodies.py,
+    test_hostile_bodies.py, test_embeddings.py, test_transformers_engine.py): one start-up
+    for each xdist worker that runs any of them, not one per test. ``model_dir``: its model.
+    Through :func:`transformers_url`."""
+    pytest.importorskip("transformers")
+    from tests.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("shared-hf") / "tiny-llama")
+    server = ThreadServer(EngineConfig(engine="transformers", drain_timeout=5.0,
+                                       engine_options={"model_path": str(model_dir),
+                                                       "num_threads": 1}))
+    server.model_dir = model_dir  # type: ignore[attr-defined]
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def transformers_url(transformers_server):
+    """:func:`transformers_server`'s URL for a test, checked idle after it."""
+    yield transformers_server.url
+    transformers_server.assert_idle()
+
+
 @pytest.fixture
 async def server_url():
     async with running_server() as url:
@@ -225,3 +281,15 @@ def vllm_server(vllm_model_dir):
     server = start_shared_server(vllm_model_dir)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_checks(tmp_path_factory):
+    """One process for the vllm checks that need vLLM in process (tests/vllm_reference.py's
+    ``ChecksApart``: tests/test_structured_defaults.py, tests/test_vllm_prep_helper.py), so
+    that the checks on the same engine configuration share its start-up."""
+    from tests.vllm_reference import ChecksApart
+
+    checks = ChecksApart(tmp_path_factory.mktemp("vllm-checks"))
+    yield checks
+    checks.close()

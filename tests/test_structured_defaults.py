@@ -21,7 +21,6 @@ from server.errors import ClientError
 from server.openai import schema
 from server.engines.transformers.grammar_text import is_lark
 from tests.tiny_model import build_tiny_model
-from tests.vllm_reference import checks_apart
 
 MODEL = "tiny-llama"
 #: Seconds for a test that starts a server: a bound on failing, not on speed.
@@ -230,7 +229,7 @@ def test_the_grammar_path_refuses_a_tags_unenforced_schema_and_keeps_strings_str
         grammars.close()
 
 
-# -- the transformers engine, through the HTTP server ----------------------------------------
+# -- the transformers engine, through the HTTP server (conftest's transformers_server) -------
 
 needs_hf = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("torch", "transformers", "xgrammar")),
@@ -242,19 +241,10 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("hf") / MODEL)
 
 
-def _config(model_dir):
-    from server.config import EngineConfig
-
-    return EngineConfig(engine="transformers", drain_timeout=5.0, engine_options={
-        "model_path": str(model_dir), "num_threads": 1})
-
-
 @needs_hf
-async def test_json_object_is_one_object_without_free_whitespace(model_dir):
+async def test_json_object_is_one_object_without_free_whitespace(transformers_url):
     import httpx
     import trio
-
-    from tests.conftest import running_server
 
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "json please"}],
             "max_tokens": 64, "temperature": 1.0, "logit_bias": ENDS}
@@ -265,15 +255,14 @@ async def test_json_object_is_one_object_without_free_whitespace(model_dir):
                                  "response_format": {"type": "json_object"}})]
     answers = []
     with trio.fail_after(LIMIT):
-        async with running_server(_config(model_dir)) as url:
-            async with httpx.AsyncClient(base_url=url, timeout=LIMIT) as http:
-                for path, body in ways:
-                    for seed in range(4):
-                        r = await http.post(path, json={**body, "seed": seed})
-                        assert r.status_code == 200, r.text
-                        choice = r.json()["choices"][0]
-                        text = choice.get("text", (choice.get("message") or {}).get("content"))
-                        answers.append((text, choice["finish_reason"]))
+        async with httpx.AsyncClient(base_url=transformers_url, timeout=LIMIT) as http:
+            for path, body in ways:
+                for seed in range(4):
+                    r = await http.post(path, json={**body, "seed": seed})
+                    assert r.status_code == 200, r.text
+                    choice = r.json()["choices"][0]
+                    text = choice.get("text", (choice.get("message") or {}).get("content"))
+                    answers.append((text, choice["finish_reason"]))
     for text, finish in answers:  # a cut one too: an object's beginning, compact so far
         assert text.startswith("{") and not free_whitespace(text), answers
         if finish == "stop":
@@ -282,11 +271,9 @@ async def test_json_object_is_one_object_without_free_whitespace(model_dir):
 
 
 @needs_hf
-async def test_lark_gbnf_and_structural_tags_on_the_transformers_engine(model_dir):
+async def test_lark_gbnf_and_structural_tags_on_the_transformers_engine(transformers_url):
     import httpx
     import trio
-
-    from tests.conftest import running_server
 
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
             "temperature": 1.0}
@@ -304,49 +291,49 @@ async def test_lark_gbnf_and_structural_tags_on_the_transformers_engine(model_di
         return r.json()["error"]
 
     with trio.fail_after(LIMIT):
-        async with running_server(_config(model_dir)) as url:
-            async with httpx.AsyncClient(base_url=url, timeout=LIMIT) as http:
-                for seed in range(3):
-                    text = await answer(http, seed=seed, structured_outputs={"grammar": LARK})
-                    assert re.fullmatch("ab+", text), text
-                    text = await answer(http, seed=seed,
-                                        structured_outputs={"grammar": LARK_TERMINALS})
-                    assert re.fullmatch("[a-z]{1,6}=[0-9]{1,2}", text), text
-                    text = await answer(http, seed=seed,
-                                        structured_outputs={"grammar": 'root ::= "a" "b"+'})
-                    assert re.fullmatch("ab+", text), text
-                    for fields in ({"response_format": FORMAT_TAG}, {"structured_outputs": {
-                            "structural_tag": json.dumps(FORMAT_TAG)}}):
-                        text = await answer(http, seed=seed, **fields)
-                        m = re.fullmatch("<f>(.*)</f>", text, re.S)
-                        assert m and 0 <= json.loads(m[1])["x"] <= 999, text
-                # free text with a tag where the model opens one: it compiles and runs
-                r = await http.post("/v1/chat/completions", json={
-                    **chat, "max_tokens": 8, "response_format": LEGACY_TAG})
-                assert r.status_code == 200, r.text
-                # neither dialect: a 400 naming the dialect it was read as, and both
-                for grammar, read_as in (("hello world", "Lark"),
-                                         ('root ::= ( "a"', "GBNF/EBNF")):
-                    error = await refusal(http, structured_outputs={"grammar": grammar})
-                    assert f"read as {read_as}" in error["message"], error
-                    assert "GBNF/EBNF" in error["message"] and "Lark" in error["message"]
-                # a tag's schema with a keyword xgrammar drops: a 400 naming its place
-                for tag, param in _UNENFORCED_TAGS:
-                    error = await refusal(http, response_format=tag)
-                    assert error["param"] == param and "uniqueItems" in error["message"], error
-                # a format xgrammar refuses: a 400 with its reason
-                error = await refusal(http, response_format={
-                    "type": "structural_tag", "format": {"type": "no-such-format"}})
-                assert "structural_tag" in error["message"], error
+        async with httpx.AsyncClient(base_url=transformers_url, timeout=LIMIT) as http:
+            for seed in range(3):
+                text = await answer(http, seed=seed, structured_outputs={"grammar": LARK})
+                assert re.fullmatch("ab+", text), text
+                text = await answer(http, seed=seed,
+                                    structured_outputs={"grammar": LARK_TERMINALS})
+                assert re.fullmatch("[a-z]{1,6}=[0-9]{1,2}", text), text
+                text = await answer(http, seed=seed,
+                                    structured_outputs={"grammar": 'root ::= "a" "b"+'})
+                assert re.fullmatch("ab+", text), text
+                for fields in ({"response_format": FORMAT_TAG}, {"structured_outputs": {
+                        "structural_tag": json.dumps(FORMAT_TAG)}}):
+                    text = await answer(http, seed=seed, **fields)
+                    m = re.fullmatch("<f>(.*)</f>", text, re.S)
+                    assert m and 0 <= json.loads(m[1])["x"] <= 999, text
+            # free text with a tag where the model opens one: it compiles and runs
+            r = await http.post("/v1/chat/completions", json={
+                **chat, "max_tokens": 8, "response_format": LEGACY_TAG})
+            assert r.status_code == 200, r.text
+            # neither dialect: a 400 naming the dialect it was read as, and both
+            for grammar, read_as in (("hello world", "Lark"),
+                                     ('root ::= ( "a"', "GBNF/EBNF")):
+                error = await refusal(http, structured_outputs={"grammar": grammar})
+                assert f"read as {read_as}" in error["message"], error
+                assert "GBNF/EBNF" in error["message"] and "Lark" in error["message"]
+            # a tag's schema with a keyword xgrammar drops: a 400 naming its place
+            for tag, param in _UNENFORCED_TAGS:
+                error = await refusal(http, response_format=tag)
+                assert error["param"] == param and "uniqueItems" in error["message"], error
+            # a format xgrammar refuses: a 400 with its reason
+            error = await refusal(http, response_format={
+                "type": "structural_tag", "format": {"type": "no-such-format"}})
+            assert "structural_tag" in error["message"], error
 
 
 # -- the vllm engine, in a process of its own ------------------------------------------------
 # (in pytest's process vLLM's start fails with "Working outside of application context")
 
 
+@pytest.mark.slow  # (vLLM start-ups: this module runs first under -n)
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-def test_vllm_engine_structured_output_and_configuration(tmp_path):
-    checks_apart(tmp_path, "tests.test_structured_defaults:vllm_checks")
+def test_vllm_engine_structured_output_and_configuration(vllm_checks):
+    vllm_checks.run("tests.test_structured_defaults:vllm_checks")
 
 
 def _run(vllm, rid: int, params: dict) -> tuple[str, str]:
@@ -361,58 +348,51 @@ def _run(vllm, rid: int, params: dict) -> tuple[str, str]:
 
 
 def vllm_checks(path: str) -> None:
-    """The vllm engine's checks (run by the test above, in a process of its own)."""
+    """The vllm engine's checks (run by the test above, in a process of its own; the
+    default backend's engine is shared with tests/test_vllm_prep_helper.py's checks)."""
     from server.workers.base import Rejected
     from server.engines.vllm.engine import VLLMEngine
+    from tests.vllm_reference import APART_ARGS, APART_OPTIONS, apart_engine
 
-    options = {"model_path": path, "max_model_len": 1024, "dtype": "float32"}
-    memory = {"kv_cache_memory_bytes": 64 << 20}
     # a configuration vLLM refuses: pydantic's reason, not "1 validation error for ..."
     try:
-        VLLMEngine(**options, engine_args={**memory, "structured_outputs_config": {
-            "backend": "no-such-backend"}})
+        VLLMEngine(model_path=path, **APART_OPTIONS, engine_args={
+            **APART_ARGS, "structured_outputs_config": {"backend": "no-such-backend"}})
     except RuntimeError as exc:
         assert "structured_outputs_config.backend" in str(exc), exc
         assert "'outlines'" in str(exc) and "no-such-backend" in str(exc), exc
     else:
         raise AssertionError("started with an unknown structured outputs backend")
     # outlines' backend refuses json_object: the warm-up skips it; requests are refused
-    vllm = VLLMEngine(**options, engine_args={**memory, "structured_outputs_config": {
-        "backend": "outlines"}})
+    vllm = apart_engine(path, structured_outputs_config={"backend": "outlines"})
     try:
-        try:
-            _run(vllm, 1, {"response_format": {"type": "json_object"}})
-        except Rejected as exc:
-            assert "json_object" in exc.message, exc.message
-        else:
-            raise AssertionError("outlines served json_object")
-        text, _ = _run(vllm, 2, {"response_format": {"type": "regex", "regex": "ab{1,5}"}})
-        assert re.fullmatch("ab{1,5}", text), text
-    finally:
-        vllm.close()
+        _run(vllm, 1, {"response_format": {"type": "json_object"}})
+    except Rejected as exc:
+        assert "json_object" in exc.message, exc.message
+    else:
+        raise AssertionError("outlines served json_object")
+    text, _ = _run(vllm, 2, {"response_format": {"type": "regex", "regex": "ab{1,5}"}})
+    assert re.fullmatch("ab{1,5}", text), text
     # the default backend: Lark passed through (vLLM converts it), structural tags served
-    vllm = VLLMEngine(**options, engine_args=memory)
-    try:
-        for seed in range(2):
-            text, finish = _run(vllm, 10 + seed, {"response_format": {
-                "type": "grammar", "grammar": LARK, "origin": "structured_outputs"}})
-            assert finish == "stop" and re.fullmatch("ab+", text), text
-            tag = {"type": "structural_tag", "structural_tag": json.dumps(FORMAT_TAG)}
-            text, finish = _run(vllm, 20 + seed, {"response_format": tag})
-            m = re.fullmatch("<f>(.*)</f>", text, re.S)
-            assert finish == "stop" and m and 0 <= json.loads(m[1])["x"] <= 999, text
-            text, finish = _run(vllm, 30 + seed, {"response_format": {"type": "json_object"}})
-            assert text.startswith("{") and not free_whitespace(text), text
-        # a tag's schema with a keyword xgrammar drops: refused by its place (vLLM checks a
-        # json_schema's keywords, not a tag's)
-        for tag, param in _UNENFORCED_TAGS:
-            try:
-                _run(vllm, 40, {"response_format": {
-                    "type": "structural_tag", "structural_tag": json.dumps(tag)}})
-            except Rejected as exc:
-                assert exc.param == param and "uniqueItems" in exc.message, exc.message
-            else:
-                raise AssertionError("a structural tag's uniqueItems was accepted")
-    finally:
-        vllm.close()
+    vllm = apart_engine(path)
+    for seed in range(2):
+        text, finish = _run(vllm, 10 + seed, {"response_format": {
+            "type": "grammar", "grammar": LARK, "origin": "structured_outputs"}})
+        assert finish == "stop" and re.fullmatch("ab+", text), text
+        tag = {"type": "structural_tag", "structural_tag": json.dumps(FORMAT_TAG)}
+        text, finish = _run(vllm, 20 + seed, {"response_format": tag})
+        m = re.fullmatch("<f>(.*)</f>", text, re.S)
+        assert finish == "stop" and m and 0 <= json.loads(m[1])["x"] <= 999, text
+        text, finish = _run(vllm, 30 + seed, {"response_format": {"type": "json_object"}})
+        assert text.startswith("{") and not free_whitespace(text), text
+    # a tag's schema with a keyword xgrammar drops: refused by its place (vLLM checks a
+    # json_schema's keywords, not a tag's)
+    for tag, param in _UNENFORCED_TAGS:
+        try:
+            _run(vllm, 40, {"response_format": {
+                "type": "structural_tag", "structural_tag": json.dumps(tag)}})
+        except Rejected as exc:
+            assert exc.param == param and "uniqueItems" in exc.message, exc.message
+        else:
+            raise AssertionError("a structural tag's uniqueItems was accepted")
     print("vllm structured checks passed")

@@ -46,6 +46,10 @@ SHAPE = {"hidden_size": 256, "heads": 4, "layers": 2, "vocab_size": 1000,
          "max_position_embeddings": CONTEXT}
 #: Both engines alike: float32 (vLLM's CPU default would be bfloat16), a small KV cache.
 ENGINE_ARGS = {"dtype": "float32", "max_model_len": CONTEXT, "kv_cache_memory_bytes": 64 << 20}
+#: The shared server's and its reference's: no compilation (``--enforce-eager``; ~10 s of
+#: CPU a start-up that no test here looks at). The SIGTERM test's server compiles, as an
+#: operator's does by default.
+EAGER = {"enforce_eager": True}
 STARTUP = 600  # seconds: a first load compiles (cached afterwards, in ~/.cache/vllm)
 
 
@@ -112,7 +116,7 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    ref = Reference(model_dir)
+    ref = Reference(model_dir, **EAGER)
     yield ref
     ref.close()
 
@@ -206,8 +210,9 @@ def start_shared_server(model_dir) -> Server:
     (tests/conftest.py's ``vllm_server``): the options each needs. Priority scheduling with
     every request at priority 0 is arrival order, as fcfs; ``--max-logprobs``: the whole
     vocabulary, for prompt_logprobs -1 as in vLLM; a step on busy cores, the first with
-    logprobs, may hold the worker past 10 s (``--heartbeat-timeout``)."""
-    return Server(model_dir, "--tool-call-parser", "hermes", "--scheduling-policy", "priority",
+    logprobs, may hold the worker past 10 s (``--heartbeat-timeout``); :data:`EAGER`."""
+    return Server(model_dir, "--enforce-eager", "--tool-call-parser", "hermes",
+                  "--scheduling-policy", "priority",
                   "--max-logprobs", str(SHAPE["vocab_size"]), "--heartbeat-timeout", "120",
                   startup=2 * STARTUP)
 

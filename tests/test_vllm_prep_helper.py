@@ -3,8 +3,10 @@
 transformers engine's: the helper's token ids and /tokenize answers are the worker's own
 (vLLM's tokenizer), a client fault there is the same client fault, a light request stays
 in the worker, and no process is left behind. The engine runs in a process of its own (as
-in tests/test_resume_engines.py: vLLM sets process-wide state); the helper dying under a
-real server is in tests/test_vllm_engine.py."""
+in tests/test_resume_engines.py: vLLM sets process-wide state), shared with
+tests/test_structured_defaults.py's vllm checks (tests/conftest.py's ``vllm_checks``: one
+engine start-up for both); the helper dying under a real server is in
+tests/test_vllm_engine.py."""
 
 from __future__ import annotations
 
@@ -15,13 +17,13 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed", allow_module_level=True)
 
-from tests.vllm_reference import checks_apart  # noqa: E402
+from tests.vllm_reference import APART_OPTIONS  # noqa: E402
 
-CONTEXT = 1024
+CONTEXT = APART_OPTIONS["max_model_len"]
 
 
-def test_the_helper_prepares_as_the_vllm_worker_does(tmp_path):
-    checks_apart(tmp_path, "tests.test_vllm_prep_helper:vllm_helper_checks")
+def test_the_helper_prepares_as_the_vllm_worker_does(vllm_checks):
+    vllm_checks.run("tests.test_vllm_prep_helper:vllm_helper_checks")
 
 
 def _generate(engine, rid: int, prompt, params: dict) -> tuple[int, str]:
@@ -34,19 +36,19 @@ def _generate(engine, rid: int, prompt, params: dict) -> tuple[int, str]:
 
 
 def vllm_helper_checks(path: str) -> None:
-    """The checks (run by the test above, in a process of its own)."""
+    """The checks (run by the test above, in a process of its own): everything through the
+    helper (threshold 0 bytes), on the checks' shared vLLM build. (Nothing here imports
+    tests.conftest: vLLM's kernel dispatcher scans the loaded modules' globals when it builds
+    an engine, and Quart's context proxies raise when touched outside an app.)"""
     from server.engines.vllm.engine import VLLMEngine
+    from tests.vllm_reference import apart_engine
 
-    # everything through the helper (threshold 0 bytes); one vLLM build, which must come
-    # before tests.conftest's import (vLLM's kernel dispatcher scans the loaded modules'
-    # globals, and Quart's context proxies raise when touched outside an app)
-    engine = VLLMEngine(model_path=path, max_model_len=CONTEXT, dtype="float32",
-                        engine_args={"kv_cache_memory_bytes": 64 << 20}, warmup=False,
+    engine = VLLMEngine(llm_engine=apart_engine(path)._llm, warmup=False,
                         prepare_process_bytes=0, prepare_process_nice=0)
     try:
         _checks(engine)
     finally:
-        engine.close()
+        engine.stop_helper()  # (the shared build goes on: only this wrapper's helper)
     print("vllm helper checks passed")
 
 
@@ -54,7 +56,7 @@ def _checks(engine) -> None:
     from server.worker_protocol import wire
     from server.workers.base import HFTokenizing, Rejected, encode_text
     from server.engines.vllm.engine import VLLMEngine
-    from tests.conftest import child_pids
+    from tests.processes import child_pids
     from tests.test_tokenize_fast import TEXTS
 
     before = child_pids()

@@ -71,7 +71,8 @@ async def test_the_vllm_workers_torch_threads_are_vllm_serves(tmp_path):
     model = build_tiny_model(tmp_path / MODEL, **SHAPE)
     config = EngineConfig(engine="vllm", startup_timeout=900, engine_options={
         "model_path": str(model), "max_model_len": CONTEXT, "dtype": "float32",
-        "engine_args": {"kv_cache_memory_bytes": 64 << 20}})
+        "engine_args": {"kv_cache_memory_bytes": 64 << 20,
+                        "enforce_eager": True}})  # (no compilation: ~10 s of CPU a start-up)
     with trio.fail_after(1200):  # (a bound that fails a hang, not a timing)
         async with open_engine(config) as engine:
             info = engine.workers[0].info
