@@ -293,21 +293,18 @@ async def test_transformers_embeddings_end_to_end(embedder_dir, tmp_path):
                 assert r.status_code == 400 and r.json()["error"]["param"] == "model"
 
 
-async def test_a_generation_model_refuses_embeddings(tmp_path):
-    path = build_tiny_model(tmp_path / "tiny-llama")
-    config = EngineConfig(engine="transformers", drain_timeout=5.0,
-                          engine_options={"model_path": str(path), "num_threads": 1})
+async def test_a_generation_model_refuses_embeddings(transformers_server, transformers_url):
     with trio.fail_after(LIMIT):
-        async with running_server(config) as url:
-            async with httpx.AsyncClient(base_url=url, timeout=LIMIT) as http:
-                r = await http.post("/v1/embeddings", json={"input": "hi"})
-                assert r.status_code == 400 and r.json()["error"]["param"] == "model"
-                assert "generation model" in r.json()["error"]["message"]
-                r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-                assert r.status_code == 200
+        async with httpx.AsyncClient(base_url=transformers_url, timeout=LIMIT) as http:
+            r = await http.post("/v1/embeddings", json={"input": "hi"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+            assert "generation model" in r.json()["error"]["message"]
+            r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200
     # The worker refuses too, should a frontend send it anyway.
     from server.engines.transformers.engine import TransformersEngine
 
+    path = transformers_server.model_dir
     reply = handle_message(TransformersEngine(model_path=str(path)),
                            [wire.CALL, 1, {"op": "embed", "input": ["hi"]}], [], [])
     assert reply is not None and "not an embedding model" in reply[3][1]
@@ -327,7 +324,8 @@ async def test_vllm_pooling_runner_end_to_end(tmp_path):
         pytest.skip("vLLM is not installed")
     path = build_tiny_embedder(tmp_path / "tiny-vllm-embed", **VLLM_SHAPE)
     engine_args = {"runner": "pooling", "dtype": "float32", "max_model_len": 512,
-                   "kv_cache_memory_bytes": 64 << 20}
+                   "kv_cache_memory_bytes": 64 << 20,
+                   "enforce_eager": True}  # (no compilation: ~10 s of CPU a start-up)
     config = EngineConfig(engine="vllm", drain_timeout=5.0, startup_timeout=900,
                           engine_options={"model_path": str(path), "engine_args": engine_args})
     with trio.fail_after(1200):

@@ -214,28 +214,25 @@ def test_prompt_logprobs_count_toward_max_answer_logprobs():
     assert _chat({"prompt_logprobs": -1}, Limits(max_answer_logprobs=size), info)
 
 
-async def test_a_big_answer_built_in_a_thread_is_the_answer_built_here(tmp_path, monkeypatch):
+async def test_a_big_answer_built_in_a_thread_is_the_answer_built_here(transformers_url,
+                                                                       monkeypatch):
     import trio
 
     from server.http import post
-    from tests.test_transformers_engine import MODEL, hf_config
-    from tests.tiny_model import build_tiny_model
 
-    model_dir = build_tiny_model(tmp_path / MODEL)
     # 192 tokens x 21 logprobs: past BIG_BODY, so built in a worker thread. One sequence,
     # alone in the batch: greedy decoding gives the same tokens both times (several would
     # join the batch as each is prepared, and a batch's shape moves the floats of a tie).
     body = {"messages": CHAT, "max_tokens": 192, "temperature": 0, "ignore_eos": True,
             "logprobs": True, "top_logprobs": 20}
-    with trio.fail_after(120):
-        async with running_server(hf_config(model_dir)) as url:
-            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-                answers = []
-                for big_body in (post.BIG_BODY, 1 << 62):
-                    monkeypatch.setattr(post, "BIG_BODY", big_body)
-                    r = await http.post("/v1/chat/completions", headers=JSON, json=body)
-                    assert r.status_code == 200, r.text[:300]
-                    answers.append(r.json()["choices"])
+    with trio.fail_after(120):  # (the server's own thread reads the patched module too)
+        async with httpx.AsyncClient(base_url=transformers_url, timeout=60) as http:
+            answers = []
+            for big_body in (post.BIG_BODY, 1 << 62):
+                monkeypatch.setattr(post, "BIG_BODY", big_body)
+                r = await http.post("/v1/chat/completions", headers=JSON, json=body)
+                assert r.status_code == 200, r.text[:300]
+                answers.append(r.json()["choices"])
     assert len(r.content) > BIG_BODY
     assert answers[0] == answers[1]
     assert sum(len(c["logprobs"]["content"]) for c in answers[0]) == 192

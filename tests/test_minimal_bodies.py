@@ -11,10 +11,8 @@ from __future__ import annotations
 import json
 
 import httpx
-import pytest
 import trio
 
-from server.config import EngineConfig
 from tests.conftest import running_server
 
 #: Seconds for a test: a transformers worker's start and a few generations that run to
@@ -83,14 +81,7 @@ async def test_sim_engine_serves_minimal_bodies():
             await assert_minimal_bodies_served(url, "sim", tokenizer=False, embeddings=True)
 
 
-async def test_transformers_engine_serves_minimal_bodies(tmp_path):
-    pytest.importorskip("torch")
-    from tests.tiny_model import build_tiny_model
-
-    path = build_tiny_model(tmp_path / "tiny")
-    config = EngineConfig(engine="transformers", drain_timeout=5.0,
-                          engine_options={"model_path": str(path), "num_threads": 1})
+async def test_transformers_engine_serves_minimal_bodies(transformers_url):
     with trio.fail_after(LIMIT):
-        async with running_server(config) as url:
-            await assert_minimal_bodies_served(url, "tiny")
+        await assert_minimal_bodies_served(transformers_url, "tiny-llama")
 

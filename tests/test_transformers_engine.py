@@ -976,12 +976,10 @@ async def test_worker_with_a_missing_model_dir_fails_to_start(tmp_path, capfd):
 # -- 3. the HTTP server, with the openai SDK ----------------------------------------------------
 
 
-async def test_keywords_the_grammar_would_drop_are_a_400_naming_them(model_dir):
+async def test_keywords_the_grammar_would_drop_are_a_400_naming_them(transformers_url):
     """A schema keyword xgrammar cannot enforce is refused by name and place, on every path
     a schema reaches the grammar (issue 29 item 7: bench/schema_validity.py found answers
     that finished and did not validate); what it enforces is served."""
-    from tests.conftest import running_server
-
     unique = {"type": "object", "required": ["tags"], "properties": {
         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True}}}
     negated = {"type": "object", "properties": {"x": {"not": {"type": "string"}}}}
@@ -993,227 +991,225 @@ async def test_keywords_the_grammar_would_drop_are_a_400_naming_them(model_dir):
              "oneOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]}
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     tool = {"type": "function", "function": {"name": "f", "parameters": negated}}
-    with trio.fail_after(3 * LIMIT):  # a server, three grammars compiled
-        async with running_server(hf_config(model_dir)) as url:
-            async with httpx.AsyncClient(base_url=url, timeout=LIMIT) as http:
-                for body, param, where in [
-                    ({"response_format": {"type": "json_schema", "json_schema": {
-                        "name": "t", "schema": unique}}}, "response_format",
-                     "'uniqueItems' at #/properties/tags is not enforced"),
-                    ({"structured_outputs": {"json": {"type": "string", "pattern": "^(?!x)."}}},
-                     "structured_outputs", "'pattern' at # is not enforced"),
-                    ({"tools": [tool], "tool_choice": {"type": "function", "function": {
-                        "name": "f"}}}, "tool_choice", "/properties/x is not enforced"),
-                ]:
-                    r = await http.post("/v1/chat/completions", json={**chat, **body})
-                    assert r.status_code == 400, r.text
-                    error = r.json()["error"]
-                    assert error["message"].startswith(param) and where in error["message"]
-                r = await http.post("/v1/chat/completions", json={
-                    **chat, "max_tokens": 60, "temperature": 0, "response_format": {
-                        "type": "json_schema", "json_schema": {"name": "u", "schema": union}}})
-                assert r.status_code == 200, r.text
-                choice = r.json()["choices"][0]
-                assert choice["finish_reason"] == "stop"
-                value = json.loads(choice["message"]["content"])
-                pytest.importorskip("jsonschema").validate(value, union)
+    with trio.fail_after(3 * LIMIT):  # three grammars compiled
+        async with httpx.AsyncClient(base_url=transformers_url, timeout=LIMIT) as http:
+            for body, param, where in [
+                ({"response_format": {"type": "json_schema", "json_schema": {
+                    "name": "t", "schema": unique}}}, "response_format",
+                 "'uniqueItems' at #/properties/tags is not enforced"),
+                ({"structured_outputs": {"json": {"type": "string", "pattern": "^(?!x)."}}},
+                 "structured_outputs", "'pattern' at # is not enforced"),
+                ({"tools": [tool], "tool_choice": {"type": "function", "function": {
+                    "name": "f"}}}, "tool_choice", "/properties/x is not enforced"),
+            ]:
+                r = await http.post("/v1/chat/completions", json={**chat, **body})
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert error["message"].startswith(param) and where in error["message"]
+            r = await http.post("/v1/chat/completions", json={
+                **chat, "max_tokens": 60, "temperature": 0, "response_format": {
+                    "type": "json_schema", "json_schema": {"name": "u", "schema": union}}})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "stop"
+            value = json.loads(choice["message"]["content"])
+            pytest.importorskip("jsonschema").validate(value, union)
 
 
-async def test_http_end_to_end(model_dir, engine):
-    from tests.conftest import assert_engine_idle, running_server
-
+async def test_http_end_to_end(transformers_server, transformers_url, engine):
+    """(The reference: this module's ``engine``, on its own build of the same tiny model.)"""
     ps = prompts(3, seed=21)
     lengths = [16, 7, 24]
     refs = [reference(engine, p, n) for p, n in zip(ps, lengths)]
     chat = [{"role": "user", "content": "hello 世界 🙂"}]
     chat_ref = reference(engine, {"messages": chat}, 12)
     with trio.fail_after(LIMIT):
-        async with running_server(hf_config(model_dir)) as url:
-            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-            models = await client.models.list()
-            assert [m.id for m in models.data] == [MODEL]
+        client = openai.AsyncOpenAI(base_url=transformers_url + "/v1", api_key="x", max_retries=0)
+        models = await client.models.list()
+        assert [m.id for m in models.data] == [MODEL]
 
-            full, streamed = [None] * 3, [None] * 3
+        full, streamed = [None] * 3, [None] * 3
 
-            async def plain(i):
-                r = await client.completions.create(
-                    model=MODEL, prompt=ps[i], max_tokens=lengths[i], temperature=0
-                )
-                full[i] = (r.choices[0].text, r.usage.completion_tokens)
-
-            async def stream(i):
-                s = await client.completions.create(
-                    model=MODEL, prompt=ps[i], max_tokens=lengths[i], temperature=0, stream=True
-                )
-                streamed[i] = "".join([c.choices[0].text async for c in s if c.choices])
-
-            async with trio.open_nursery() as nursery:
-                for i in range(3):
-                    nursery.start_soon(plain, i)
-                    nursery.start_soon(stream, i)
-            assert full == refs
-            assert streamed == [text for text, _ in refs]
-            assert any(ord(c) > 0x7F for text, _ in refs for c in text)
-
-            r = await client.chat.completions.create(
-                model=MODEL, messages=chat, max_tokens=12, temperature=0
-            )
-            assert (r.choices[0].message.content, r.usage.completion_tokens) == chat_ref
-            prompt_tokens = len(engine.encode({"messages": chat}))
-            assert r.usage.prompt_tokens == prompt_tokens
-
-            # a stop string: the text up to it, finish_reason stop
-            text = refs[2][0]
-            stop = text[6:9]
+        async def plain(i):
             r = await client.completions.create(
-                model=MODEL, prompt=ps[2], max_tokens=lengths[2], temperature=0, stop=[stop]
+                model=MODEL, prompt=ps[i], max_tokens=lengths[i], temperature=0
             )
-            assert r.choices[0].text == text[: text.index(stop)]
-            assert r.choices[0].finish_reason == "stop"
+            full[i] = (r.choices[0].text, r.usage.completion_tokens)
 
-            # a field the engine declares reaches it: top_k=1 at temperature 1 is greedy
-            r = await client.completions.create(
-                model=MODEL, prompt=ps[2], max_tokens=lengths[2], temperature=1.0,
-                extra_body={"top_k": 1},
-            )
-            assert r.choices[0].text == text
-
-            # /tokenize and /detokenize, answered by the worker's tokenizer
-            async with httpx.AsyncClient(base_url=url) as http:
-                r = await http.post("/tokenize", json={"model": MODEL, "prompt": ps[0]})
-                assert r.status_code == 200, r.text
-                body = r.json()
-                assert body["tokens"] == engine.encode(ps[0])
-                assert body["count"] == len(body["tokens"]) and body["token_strs"] is None
-                assert body["max_model_len"] == engine.max_model_len
-                r = await http.post("/tokenize", json={"messages": chat})
-                assert r.json()["count"] == prompt_tokens
-                # tools and template variables, rendered as a chat request renders them
-                tools = [{"type": "function", "function": {
-                    "name": "get_weather", "description": "The weather in a city.",
-                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-                }}]
-                with_tools = {"messages": chat, "tools": tools,
-                              "chat_template_kwargs": {"enable_thinking": True}}
-                r = await http.post("/tokenize", json=with_tools)
-                assert r.status_code == 200, r.text
-                rendered = engine.encode({"messages": chat}, {"enable_thinking": True}, tools)
-                assert r.status_code == 200, r.text
-                assert r.json()["tokens"] == rendered and len(rendered) > prompt_tokens + 10
-                r = await http.post("/tokenize", json={"prompt": "x", "tools": tools})
-                assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
-                r = await http.post("/detokenize", json={"tokens": body["tokens"]})
-                assert r.json() == {"prompt": ps[0]}
-                r = await http.post("/detokenize", json={"tokens": [10**6]})
-                assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
-
-            # logprobs: completions (legacy shape, echo gives the prompt's), chat, streaming
-            r_echo = r = await client.completions.create(
-                model=MODEL, prompt=ps[0], max_tokens=5, temperature=0, logprobs=2, echo=True
-            )
-            lp = r.choices[0].logprobs
-            n_prompt = r.usage.prompt_tokens
-            assert len(lp.tokens) == n_prompt + 5 == len(lp.token_logprobs)
-            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-            assert all(isinstance(v, float) for v in lp.token_logprobs[1:])
-            assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
-            assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+        async def stream(i):
             s = await client.completions.create(
-                model=MODEL, prompt=ps[0], max_tokens=5, temperature=0, logprobs=0, stream=True
+                model=MODEL, prompt=ps[i], max_tokens=lengths[i], temperature=0, stream=True
             )
-            chunks = [c.choices[0].logprobs async for c in s if c.choices and c.choices[0].logprobs]
-            streamed_tokens = [t for c in chunks for t in c.tokens]
-            assert streamed_tokens == lp.tokens[n_prompt:]
-            offsets = [o for c in chunks for o in c.text_offset]
-            assert offsets == [x - lp.text_offset[n_prompt] for x in lp.text_offset[n_prompt:]]
-            r = await client.chat.completions.create(
-                model=MODEL, messages=chat, max_tokens=4, temperature=0, logprobs=True,
-                top_logprobs=3,
-            )
-            content = r.choices[0].logprobs.content
-            assert len(content) == r.usage.completion_tokens == 4
-            assert all(len(c.top_logprobs) == 3 and c.bytes == list(c.token.encode()) for c in content)
-            s = await client.chat.completions.create(
-                model=MODEL, messages=chat, max_tokens=4, temperature=0, logprobs=True, stream=True
-            )
-            streamed = [e async for c in s if c.choices and c.choices[0].logprobs
-                        for e in c.choices[0].logprobs.content]
-            assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
-            assert all(e.top_logprobs == [] for e in streamed)
-            s = await client.completions.create(
-                model=MODEL, prompt=ps[0], max_tokens=5, temperature=0, logprobs=2, echo=True,
-                stream=True,
-            )
-            chunks = [c.choices[0] async for c in s if c.choices]
-            assert "".join(c.text for c in chunks) == r_echo.choices[0].text
-            merged = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
-            assert merged == lp.tokens
-            assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == lp.text_offset
-            with pytest.raises(openai.BadRequestError, match="between 0 and 20"):
-                await client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=21)
+            streamed[i] = "".join([c.choices[0].text async for c in s if c.choices])
 
-            # chat_template_kwargs reach the template; reserved names and completions refuse
-            r = await client.chat.completions.create(
-                model=MODEL, messages=chat, max_tokens=2,
-                extra_body={"chat_template_kwargs": {"enable_thinking": True}},
-            )
-            assert r.usage.prompt_tokens == len(
-                engine.encode({"messages": chat}, {"enable_thinking": True})
-            ) > prompt_tokens
-            for where, body in (
-                ("chat", {"chat_template_kwargs": {"tokenize": True}}),
-                ("completions", {"chat_template_kwargs": {"enable_thinking": True}}),
-            ):
-                with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
-                    if where == "chat":
-                        await client.chat.completions.create(
-                            model=MODEL, messages=chat, max_tokens=2, extra_body=body)
-                    else:
-                        await client.completions.create(
-                            model=MODEL, prompt="x", max_tokens=2, extra_body=body)
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(plain, i)
+                nursery.start_soon(stream, i)
+        assert full == refs
+        assert streamed == [text for text, _ in refs]
+        assert any(ord(c) > 0x7F for text, _ in refs for c in text)
 
-            # structured output: the SDK's response_format, streaming and not
-            import jsonschema
+        r = await client.chat.completions.create(
+            model=MODEL, messages=chat, max_tokens=12, temperature=0
+        )
+        assert (r.choices[0].message.content, r.usage.completion_tokens) == chat_ref
+        prompt_tokens = len(engine.encode({"messages": chat}))
+        assert r.usage.prompt_tokens == prompt_tokens
 
-            schema = SCHEMAS[2]
-            fmt = {"type": "json_schema",
-                   "json_schema": {"name": "thing", "schema": schema, "strict": True}}
-            r = await client.chat.completions.create(
-                model=MODEL, messages=chat, max_tokens=80, temperature=0, response_format=fmt
-            )
-            jsonschema.validate(json.loads(r.choices[0].message.content), schema)
-            s = await client.chat.completions.create(
-                model=MODEL, messages=chat, max_tokens=80, temperature=0, response_format=fmt,
-                stream=True,
-            )
-            text = "".join([c.choices[0].delta.content or "" async for c in s if c.choices])
-            assert text == r.choices[0].message.content
-            with pytest.raises(openai.BadRequestError, match="response_format"):
-                await client.chat.completions.create(
-                    model=MODEL, messages=chat, max_tokens=8,
-                    response_format={"type": "json_schema", "json_schema": {"name": "x"}},
-                )
+        # a stop string: the text up to it, finish_reason stop
+        text = refs[2][0]
+        stop = text[6:9]
+        r = await client.completions.create(
+            model=MODEL, prompt=ps[2], max_tokens=lengths[2], temperature=0, stop=[stop]
+        )
+        assert r.choices[0].text == text[: text.index(stop)]
+        assert r.choices[0].finish_reason == "stop"
 
-            # a client that goes away mid-stream: the worker drops the request
-            s = await client.completions.create(
-                model=MODEL, prompt="hello", max_tokens=200, stream=True
-            )
-            n = 0
-            async for _ in s:
-                n += 1
-                if n == 3:
-                    break
-            await s.close()
-            await assert_engine_idle(url.engine)
+        # a field the engine declares reaches it: top_k=1 at temperature 1 is greedy
+        r = await client.completions.create(
+            model=MODEL, prompt=ps[2], max_tokens=lengths[2], temperature=1.0,
+            extra_body={"top_k": 1},
+        )
+        assert r.choices[0].text == text
 
-            with pytest.raises(openai.BadRequestError, match="maximum context length"):
-                await client.completions.create(
-                    model=MODEL, prompt="the quick brown fox " * 100, max_tokens=4
-                )
-            with pytest.raises(openai.BadRequestError, match="maximum context length"):
-                await client.completions.create(
-                    model=MODEL, prompt="hello", max_tokens=1000, stream=True
-                )
+        # /tokenize and /detokenize, answered by the worker's tokenizer
+        async with httpx.AsyncClient(base_url=transformers_url) as http:
+            r = await http.post("/tokenize", json={"model": MODEL, "prompt": ps[0]})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["tokens"] == engine.encode(ps[0])
+            assert body["count"] == len(body["tokens"]) and body["token_strs"] is None
+            assert body["max_model_len"] == engine.max_model_len
+            r = await http.post("/tokenize", json={"messages": chat})
+            assert r.json()["count"] == prompt_tokens
+            # tools and template variables, rendered as a chat request renders them
+            tools = [{"type": "function", "function": {
+                "name": "get_weather", "description": "The weather in a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            }}]
+            with_tools = {"messages": chat, "tools": tools,
+                          "chat_template_kwargs": {"enable_thinking": True}}
+            r = await http.post("/tokenize", json=with_tools)
+            assert r.status_code == 200, r.text
+            rendered = engine.encode({"messages": chat}, {"enable_thinking": True}, tools)
+            assert r.status_code == 200, r.text
+            assert r.json()["tokens"] == rendered and len(rendered) > prompt_tokens + 10
+            r = await http.post("/tokenize", json={"prompt": "x", "tools": tools})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+            r = await http.post("/detokenize", json={"tokens": body["tokens"]})
+            assert r.json() == {"prompt": ps[0]}
+            r = await http.post("/detokenize", json={"tokens": [10**6]})
+            assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
+
+        # logprobs: completions (legacy shape, echo gives the prompt's), chat, streaming
+        r_echo = r = await client.completions.create(
+            model=MODEL, prompt=ps[0], max_tokens=5, temperature=0, logprobs=2, echo=True
+        )
+        lp = r.choices[0].logprobs
+        n_prompt = r.usage.prompt_tokens
+        assert len(lp.tokens) == n_prompt + 5 == len(lp.token_logprobs)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(isinstance(v, float) for v in lp.token_logprobs[1:])
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+        assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+        s = await client.completions.create(
+            model=MODEL, prompt=ps[0], max_tokens=5, temperature=0, logprobs=0, stream=True
+        )
+        chunks = [c.choices[0].logprobs async for c in s if c.choices and c.choices[0].logprobs]
+        streamed_tokens = [t for c in chunks for t in c.tokens]
+        assert streamed_tokens == lp.tokens[n_prompt:]
+        offsets = [o for c in chunks for o in c.text_offset]
+        assert offsets == [x - lp.text_offset[n_prompt] for x in lp.text_offset[n_prompt:]]
+        r = await client.chat.completions.create(
+            model=MODEL, messages=chat, max_tokens=4, temperature=0, logprobs=True,
+            top_logprobs=3,
+        )
+        content = r.choices[0].logprobs.content
+        assert len(content) == r.usage.completion_tokens == 4
+        assert all(len(c.top_logprobs) == 3 and c.bytes == list(c.token.encode()) for c in content)
+        s = await client.chat.completions.create(
+            model=MODEL, messages=chat, max_tokens=4, temperature=0, logprobs=True, stream=True
+        )
+        streamed = [e async for c in s if c.choices and c.choices[0].logprobs
+                    for e in c.choices[0].logprobs.content]
+        assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+        assert all(e.top_logprobs == [] for e in streamed)
+        s = await client.completions.create(
+            model=MODEL, prompt=ps[0], max_tokens=5, temperature=0, logprobs=2, echo=True,
+            stream=True,
+        )
+        chunks = [c.choices[0] async for c in s if c.choices]
+        assert "".join(c.text for c in chunks) == r_echo.choices[0].text
+        merged = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+        assert merged == lp.tokens
+        assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == lp.text_offset
+        with pytest.raises(openai.BadRequestError, match="between 0 and 20"):
+            await client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=21)
+
+        # chat_template_kwargs reach the template; reserved names and completions refuse
+        r = await client.chat.completions.create(
+            model=MODEL, messages=chat, max_tokens=2,
+            extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+        )
+        assert r.usage.prompt_tokens == len(
+            engine.encode({"messages": chat}, {"enable_thinking": True})
+        ) > prompt_tokens
+        for where, body in (
+            ("chat", {"chat_template_kwargs": {"tokenize": True}}),
+            ("completions", {"chat_template_kwargs": {"enable_thinking": True}}),
+        ):
+            with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+                if where == "chat":
+                    await client.chat.completions.create(
+                        model=MODEL, messages=chat, max_tokens=2, extra_body=body)
+                else:
+                    await client.completions.create(
+                        model=MODEL, prompt="x", max_tokens=2, extra_body=body)
+
+        # structured output: the SDK's response_format, streaming and not
+        import jsonschema
+
+        schema = SCHEMAS[2]
+        fmt = {"type": "json_schema",
+               "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+        r = await client.chat.completions.create(
+            model=MODEL, messages=chat, max_tokens=80, temperature=0, response_format=fmt
+        )
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+        s = await client.chat.completions.create(
+            model=MODEL, messages=chat, max_tokens=80, temperature=0, response_format=fmt,
+            stream=True,
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in s if c.choices])
+        assert text == r.choices[0].message.content
+        with pytest.raises(openai.BadRequestError, match="response_format"):
+            await client.chat.completions.create(
+                model=MODEL, messages=chat, max_tokens=8,
+                response_format={"type": "json_schema", "json_schema": {"name": "x"}},
+            )
+
+        # a client that goes away mid-stream: the worker drops the request
+        s = await client.completions.create(
+            model=MODEL, prompt="hello", max_tokens=200, stream=True
+        )
+        n = 0
+        async for _ in s:
+            n += 1
+            if n == 3:
+                break
+        await s.close()
+        await trio.to_thread.run_sync(transformers_server.assert_idle)
+
+        with pytest.raises(openai.BadRequestError, match="maximum context length"):
+            await client.completions.create(
+                model=MODEL, prompt="the quick brown fox " * 100, max_tokens=4
+            )
+        with pytest.raises(openai.BadRequestError, match="maximum context length"):
+            await client.completions.create(
+                model=MODEL, prompt="hello", max_tokens=1000, stream=True
+            )
+        await client.close()
 
 
 def test_continue_final_message_leaves_the_last_message_open(engine):
