@@ -50,7 +50,7 @@ class PostgresServer:
 
 def start_postgres(bin_dir: str) -> PostgresServer:
     """Start a new server (blocking: seconds). Raises ``subprocess.CalledProcessError``."""
-    directory = tempfile.mkdtemp(prefix="trio-llm-pg-")
+    directory = tempfile.mkdtemp(prefix="pgtest-trio-llm-")
     prefix: list[str] = []
     user = pwd.getpwuid(os.geteuid()).pw_name
     if os.geteuid() == 0:

@@ -227,6 +227,22 @@ async def test_expired_records_are_invisible_then_swept(open_store, clock):
         assert store.statistics().expired == 2
 
 
+async def test_a_sweep_deletes_in_batches(open_store, clock):
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store(retention_s=10)
+        for n in range(5):
+            await store.put(rec(f"r{n}", owner=f"o{n % 2}"))
+            await store.append_events("response", f"o{n % 2}", f"r{n}", [b"e"])
+        await store.put(rec("kept", created_at=2))
+        clock.now += 5
+        await store.put(rec("kept"))  # (stored again: from now)
+        clock.now += 6
+        assert await store.sweep(batch=2) == 5
+        stats = store.statistics()
+        assert (stats.records, stats.expired) == (1, 5)
+        assert await store.get("response", "alice", "kept") is not None
+
+
 async def test_no_retention_keeps_records(open_store, clock):
     with trio.fail_after(TIMEOUT_S):
         store = await open_store(retention_s=0)

@@ -25,12 +25,14 @@ import trio
 
 from .records import Record, StoreFull, StoreStatistics
 
-__all__ = ["Database", "SQLStore", "NEVER"]
+__all__ = ["Database", "NEVER", "SQLStore", "SWEEP_BATCH"]
 
 T = TypeVar("T")
 
 #: ``expires_at`` of a record kept until deleted (no retention).
 NEVER = 2**62
+#: Expired records deleted per transaction by a sweep.
+SWEEP_BATCH = 500
 
 _COLUMNS = "kind, id, owner, created_at, meta, body"
 
@@ -134,18 +136,23 @@ class SQLStore:
             self._refused += 1
             raise full
 
-    def _purge(self, now: int) -> int:
-        """Delete the records past their retention, and their events: how many."""
-        expired = "expires_at <= ?"
+    def _purge(self, now: int, limit: int = -1) -> int:
+        """Delete the records past their retention (the ``limit`` that expired first; -1:
+        all), and their events: how many."""
+        batch = ("SELECT seq FROM trio_llm_records WHERE expires_at <= ? "
+                 "ORDER BY expires_at LIMIT ?")
+        if limit < 0:
+            batch, limit = "SELECT seq FROM trio_llm_records WHERE expires_at <= ?", 0
+        params = (now, limit) if limit else (now,)
         groups = self._db.execute(
             "SELECT owner, COUNT(*), SUM(size + events_size) FROM trio_llm_records "
-            f"WHERE {expired} GROUP BY owner", (now,))
+            f"WHERE seq IN ({batch}) GROUP BY owner", params)
         if not groups:
             return 0
         self._db.execute(
             "DELETE FROM trio_llm_events WHERE (kind, owner, id) IN "
-            f"(SELECT kind, owner, id FROM trio_llm_records WHERE {expired})", (now,))
-        self._db.execute(f"DELETE FROM trio_llm_records WHERE {expired}", (now,))
+            f"(SELECT kind, owner, id FROM trio_llm_records WHERE seq IN ({batch}))", params)
+        self._db.execute(f"DELETE FROM trio_llm_records WHERE seq IN ({batch})", params)
         count = 0
         for owner, records, size in groups:
             self._account(owner, -int(size), -int(records))
@@ -312,14 +319,21 @@ class SQLStore:
                                expired=self._expired, expired_bytes=self._expired_bytes,
                                refused=self._refused)
 
-    async def sweep(self) -> int:
+    async def sweep(self, batch: int = SWEEP_BATCH) -> int:
         """Delete the records past their retention now: how many (the retention service
-        calls this; they were invisible already)."""
-        return await self._call(self._sweep)
+        calls this; they were invisible already). ``batch`` records per transaction, so
+        that a sweep of many holds the write lock in short turns."""
+        now = self._now()
+        total = 0
+        while True:
+            count = await self._call(self._sweep, now, batch)
+            total += count
+            if count < batch:
+                return total
 
-    def _sweep(self) -> int:
+    def _sweep(self, now: int, batch: int) -> int:
         with self._db.write():
-            count = self._purge(self._now())
+            count = self._purge(now, batch)
             self._totals()
             return count
 
