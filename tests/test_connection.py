@@ -76,8 +76,9 @@ async def test_sse_chunks_are_framed_exactly_and_the_connection_is_reused():
                 assert response.status_code == 200
                 assert header(response, b"transfer-encoding") == b"chunked"
                 assert header(response, b"connection") != b"close"
-                # every write is one chunk holding whole events
-                assert len(chunks) >= 3 and all(size > 0 for size in chunks)
+                # every write is one chunk holding whole events: the outputs (one write
+                # or more: a stalled frontend reads every step at once), then the tail
+                assert len(chunks) >= 2 and all(size > 0 for size in chunks)
                 payloads = sse_payloads(raw)
                 assert payloads[-1] == "[DONE]"
                 chunks_json = [json.loads(p) for p in payloads[:-1]]

@@ -149,7 +149,9 @@ async def test_continuous_usage_stats_on_every_chunk(server_url):
             assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + seen[-1]
         assert seen == sorted(seen) and seen[-1] == 12
         assert seen[0] == 0 if chat else seen[0] < 12  # (a chat opens with role chunks)
-        assert len(seen) > 3
+        # a chunk a choice at least (each choice's steps in one, when the frontend read
+        # them all at once on a busy machine), then the usage chunk
+        assert len(seen) >= 3
     # vLLM's meaning: usage on every chunk when there is usage at all (here none)
     r = await httpx.AsyncClient(base_url=server_url).post("/v1/completions", json={
         "prompt": "a", "stream": True, "max_tokens": 3,
