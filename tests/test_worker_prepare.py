@@ -37,7 +37,7 @@ torch.set_num_threads(1)
 LIMIT = 300  # a hang guard: 3.5 MB tokenizes took 76-84 s on 2 cores kept busy by bench/cpu_load.py
 #: A worker silent this long is declared hung and killed: shorter than the loop would stop
 #: for the heavy work below (a 4,000-property schema: 6-8 s here, a 1.5 MB one-word prompt:
-#: ~3 s) if it ran on the loop; ten times the heartbeat and the pulse's period (0.1 s).
+#: ~3 s) if it ran on the loop; 15 times the heartbeat and the pulse's period (0.1 s).
 HEARTBEAT = 1.5
 
 
