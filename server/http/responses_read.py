@@ -1,0 +1,110 @@
+"""The stored responses' routes (Quart routes of :mod:`server.http.routes`, behind the API-key
+check): ``GET /v1/responses/{id}`` (the Response object, or with ``stream=true`` its events
+replayed from ``starting_after``), ``GET /v1/responses/{id}/input_items`` and
+``DELETE /v1/responses/{id}``.
+
+Every read takes the request's owner (:mod:`server.http.owners`): a response another key
+stored, one stored with ``store: false`` (never kept), an expired or a deleted one are the
+same 404, so a key cannot learn that another's id exists. A query parameter these routes
+do not define, or one they do not honour (``include``, ``include_obfuscation=true``), is
+a 400 naming it.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from quart import Response, request
+
+from ..errors import ClientError, printable
+from ..openai.encode import dumps
+from ..openai.responses_items import items_page, response_of
+from .asgi import header
+from .owners import request_owner
+from .post import off_loop
+from .responses_store import KIND, not_found, state_store
+
+__all__ = ["delete_response", "input_items", "retrieve_response"]
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _json(body: bytes) -> Response:
+    return Response(body, status=200, content_type="application/json")
+
+
+def _query(allowed: tuple[str, ...]) -> dict[str, str]:
+    """The request's query parameters (the last value of each); a 400 naming one that is
+    not in ``allowed`` (``include``: not honoured, any value)."""
+    args = request.args
+    for name in args:
+        if name in ("include", "include[]"):
+            raise ClientError("'include' is not supported: no extra outputs (logprobs, "
+                              "encrypted reasoning) are made.", param="include",
+                              code="unsupported_parameter")
+        if name not in allowed:
+            raise ClientError(f"Unknown parameter: '{printable(name)}'.", param=name,
+                              code="unknown_parameter")
+    return {name: args.getlist(name)[-1] for name in args}
+
+
+def _owner(app) -> str:
+    return request_owner(app, header(cast(dict, request.scope), b"authorization"))
+
+
+async def _record(app, response_id: str):
+    store = state_store(app)
+    record = None if store is None else await store.get(KIND, _owner(app), response_id)
+    if record is None:
+        raise not_found(response_id)
+    return record
+
+
+def _boolean(query: dict, name: str) -> bool:
+    value = query.get(name, "false")
+    if value not in ("true", "false"):
+        raise ClientError(f"'{name}' must be true or false.", param=name)
+    return value == "true"
+
+
+async def retrieve_response(app, response_id: str) -> Response:
+    """The stored Response object; with ``stream=true`` its events (an SSE stream as the
+    request's own was), those after ``starting_after`` (a sequence number) when given."""
+    query = _query(("stream", "starting_after", "include_obfuscation"))
+    if _boolean(query, "include_obfuscation"):
+        raise ClientError("'include_obfuscation' is not supported: no obfuscation is added.",
+                          param="include_obfuscation", code="unsupported_parameter")
+    stream = _boolean(query, "stream")
+    after = query.get("starting_after")
+    if after is not None and not stream:
+        raise ClientError("'starting_after' is for a stream: send it with stream=true.",
+                          param="starting_after")
+    if after is not None and not after.isdigit():
+        raise ClientError("'starting_after' must be a sequence number (an integer >= 0).",
+                          param="starting_after")
+    record = await _record(app, response_id)
+    if not stream:
+        response, _ = await off_loop(len(record.body), response_of, record.body)
+        return _json(dumps(response))
+    events = await state_store(app).read_events(  # type: ignore[union-attr]
+        KIND, record.owner, response_id, after=-1 if after is None else int(after))
+    return Response(b"".join(events), status=200, headers=_SSE_HEADERS,
+                    content_type="text/event-stream; charset=utf-8")
+
+
+async def input_items(app, response_id: str) -> Response:
+    """A page of the stored response's input items (OpenAI's list shape)."""
+    query = _query(("after", "limit", "order"))
+    record = await _record(app, response_id)
+    _, items = await off_loop(len(record.body), response_of, record.body)
+    return _json(dumps(items_page(items, after=query.get("after"), limit=query.get("limit"),
+                                  order=query.get("order"))))
+
+
+async def delete_response(app, response_id: str) -> Response:
+    """Delete the stored response (its events too): OpenAI's deletion object."""
+    _query(())
+    store = state_store(app)
+    if store is None or not await store.delete(KIND, _owner(app), response_id):
+        raise not_found(response_id)
+    return _json(dumps({"id": response_id, "object": "response", "deleted": True}))
