@@ -41,6 +41,13 @@ class PostgresServer:
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://{self.user}@/{database}?host={self.directory}"
 
+    def restart(self) -> None:
+        """Restart the server (every connection to it is cut)."""
+        subprocess.run([*self._prefix, os.path.join(self.bin_dir, "pg_ctl"), "restart", "-w",
+                        "-m", "immediate", "-D", os.path.join(self.directory, "data"),
+                        "-l", os.path.join(self.directory, "log")],  # (not our pipes)
+                       check=True, capture_output=True, timeout=300)
+
     def stop(self) -> None:
         subprocess.run([*self._prefix, os.path.join(self.bin_dir, "pg_ctl"), "stop", "-m",
                         "immediate", "-D", os.path.join(self.directory, "data")],

@@ -373,6 +373,22 @@ async def test_the_default_store_is_temporary():
         assert not exists(directory)
 
 
+async def test_postgres_connection_lost_is_made_again(postgres_server, tmp_path, clock):
+    import psycopg
+
+    name = f"t{next(_databases)}"
+    with psycopg.connect(postgres_server.url(), autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    with trio.fail_after(TIMEOUT_S):
+        async with await open_state_store(StateConfig(url=postgres_server.url(name)),
+                                          clock=clock) as store:
+            await store.put(rec("r1"))
+            await trio.to_thread.run_sync(postgres_server.restart)
+            with pytest.raises(psycopg.OperationalError):  # the one that finds it broken
+                await store.get("response", "alice", "r1")
+            assert await store.get("response", "alice", "r1") == rec("r1")
+
+
 def exists(path: str) -> bool:
     return os.path.exists(path)
 
