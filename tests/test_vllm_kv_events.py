@@ -2,11 +2,12 @@
 the worker's translation of vLLM's own event objects, its subscriber against vLLM's own
 ZMQ publisher, and end to end: two real vllm workers listening, shared by two frontends,
 a token-id prompt's follow-up routed by the second frontend (which never saw the first
-turn) to the worker whose cache holds it, and both frontends' indexes alike; and a
-``cache_salt`` on one vllm worker: a prompt's blocks are its salt's only.
+turn) to the worker whose cache holds it, and both frontends' indexes alike; then a
+``cache_salt`` on one of those workers behind a third frontend: a prompt's blocks are its
+salt's only.
 
-Skipped where vLLM is not installed. The end-to-end tests start vLLM engines (two, then
-one): slow.
+Skipped where vLLM is not installed. The end-to-end test starts two vLLM engines, once for
+both checks (a model load is most of its time): slow.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed", allow_module_level=True)
 
 import server  # noqa: E402
-from server.config import EngineConfig  # noqa: E402
 from server.manager.engine import open_engine  # noqa: E402
 from server.observability.metrics import _kv_families  # noqa: E402
 from server.worker_protocol.kv_blocks import (  # noqa: E402
@@ -129,71 +129,75 @@ async def run(engine, prompt, max_tokens=2, **extra) -> tuple[int, int | None]:
         return choice.worker.index, choice.cached_tokens
 
 
-async def test_two_frontends_share_the_workers_kv_events(tmp_path, model_dir):
+async def test_two_frontends_share_kv_events_and_a_salt_keeps_blocks_apart(tmp_path, model_dir):
+    """Two listening vllm workers, loaded once: shared by two frontends, then one of them
+    behind a frontend of its own for ``cache_salt``."""
     args = ("--engine", "vllm", "--model-path", str(model_dir), "--max-model-len",
             str(CONTEXT), "--dtype", "float32", "--engine-arg",
             "kv_cache_memory_bytes=67108864")
-    async with listening_worker(tmp_path, "127.0.0.1:0", *args, name="w0",
-                                startup=900) as w0, \
-            listening_worker(tmp_path, "127.0.0.1:0", *args, name="w1",
-                             startup=900) as w1:
-        config = remote_config(w0, w1, startup_timeout=900, routing="prefix")
-        async with open_engine(config) as a, open_engine(config) as b:
-            size = a.workers[0].info["kv_events"]["block_size"]
-            assert all(w.kv_index is not None for w in (*a.workers, *b.workers))
-            first = [7] * 3 + list(range(1, 3 * size))  # three whole blocks and more
-            other = [9] * 3 * size
-            # frontend a: one prompt to each worker (its recent decisions count as load)
-            assert (await run(a, other))[0] == 0
-            worker, cached = await run(a, first)
-            assert worker == 1 and not cached
-            names = block_digests(first, size)[:2]
-            # both frontends learn that worker 1 holds the prompt's blocks
-            await wait_until(lambda: all(
-                e.workers[1].kv_index.match(names) == 2 for e in (a, b)), 120)
-            # frontend b never routed it: its follow-up still goes where the blocks are
-            follow_up = first + [5, 6, 7]
-            worker, cached = await run(b, follow_up)
-            assert worker == 1 and cached and cached >= 2 * size
-            await wait_until(lambda: all(
-                a.workers[i].kv_index._held == b.workers[i].kv_index._held
-                for i in (0, 1)), 120)
-            # least-loaded would have sent it to worker 0 (equal loads, lowest index)
-            assert b.router.stats.decisions["prefix"] == 1
-            # the metrics of what b knows (server.observability.metrics)
-            families = {f.name: f for f in _kv_families([(MODEL, b)])}
-            known = {s.labels["worker"]: s.value
-                     for s in families["trio_llm:kv_cache_blocks_known"].samples}
-            assert known["1"] == len(b.workers[1].kv_index) >= 2
-            stored = [s.value for s in families["trio_llm:kv_events"].samples
-                      if s.labels["event"] == "stored" and s.labels["worker"] == "1"]
-            assert stored and stored[0] >= 1
+    with trio.fail_after(1800):  # (a bound that fails a hang, not a timing)
+        async with listening_worker(tmp_path, "127.0.0.1:0", *args, name="w0",
+                                    startup=900) as w0, \
+                listening_worker(tmp_path, "127.0.0.1:0", *args, name="w1",
+                                 startup=900) as w1:
+            await two_frontends_share_the_workers_kv_events(w0, w1)
+            # (worker 0 holds the blocks of ``other`` below only: not the prompt salted next)
+            await cache_salt_keeps_a_prompts_blocks_apart(w0)
 
 
-async def test_cache_salt_keeps_a_prompts_blocks_apart(model_dir):
+async def two_frontends_share_the_workers_kv_events(w0, w1) -> None:
+    config = remote_config(w0, w1, startup_timeout=900, routing="prefix")
+    async with open_engine(config) as a, open_engine(config) as b:
+        size = a.workers[0].info["kv_events"]["block_size"]
+        assert all(w.kv_index is not None for w in (*a.workers, *b.workers))
+        first = [7] * 3 + list(range(1, 3 * size))  # three whole blocks and more
+        other = [9] * 3 * size
+        # frontend a: one prompt to each worker (its recent decisions count as load)
+        assert (await run(a, other))[0] == 0
+        worker, cached = await run(a, first)
+        assert worker == 1 and not cached
+        names = block_digests(first, size)[:2]
+        # both frontends learn that worker 1 holds the prompt's blocks
+        await wait_until(lambda: all(
+            e.workers[1].kv_index.match(names) == 2 for e in (a, b)), 120)
+        # frontend b never routed it: its follow-up still goes where the blocks are
+        follow_up = first + [5, 6, 7]
+        worker, cached = await run(b, follow_up)
+        assert worker == 1 and cached and cached >= 2 * size
+        await wait_until(lambda: all(
+            a.workers[i].kv_index._held == b.workers[i].kv_index._held
+            for i in (0, 1)), 120)
+        # least-loaded would have sent it to worker 0 (equal loads, lowest index)
+        assert b.router.stats.decisions["prefix"] == 1
+        # the metrics of what b knows (server.observability.metrics)
+        families = {f.name: f for f in _kv_families([(MODEL, b)])}
+        known = {s.labels["worker"]: s.value
+                 for s in families["trio_llm:kv_cache_blocks_known"].samples}
+        assert known["1"] == len(b.workers[1].kv_index) >= 2
+        stored = [s.value for s in families["trio_llm:kv_events"].samples
+                  if s.labels["event"] == "stored" and s.labels["worker"] == "1"]
+        assert stored and stored[0] >= 1
+
+
+async def cache_salt_keeps_a_prompts_blocks_apart(worker) -> None:
     """The same token-id prompt with another salt (or none) is scored as sharing no block
     with the salted one that the engine cached; with the same salt, all of them; and the
     engine's cached_tokens agree."""
-    config = EngineConfig(engine="vllm", routing="prefix", drain_timeout=5.0,
-                          startup_timeout=900, engine_options={
-                              "model_path": str(model_dir), "max_model_len": CONTEXT,
-                              "dtype": "float32",
-                              "engine_args": {"kv_cache_memory_bytes": 64 << 20}})
-    with trio.fail_after(1200):  # (a bound that fails a hang, not a timing)
-        async with open_engine(config) as engine:
-            size = engine.workers[0].info["kv_events"]["block_size"]
-            index = engine.workers[0].kv_index
-            prompt = [7] * 3 + list(range(1, 3 * size))  # three whole blocks and more
-            assert await run(engine, prompt, cache_salt="a") == (0, 0)
-            salted = block_digests(prompt, size, seed_of([None, "a"]))
-            await wait_until(lambda: index.match(salted) == 3, 120)
-            # the worker's events named the salted chain only
-            assert index.match(block_digests(prompt, size)) == 0
-            for salt, reason, matched in (("a", "prefix", 3 * size), ("b", "load", 0),
-                                          (None, "load", 0)):
-                params = {} if salt is None else {"cache_salt": salt}
-                _, decision = engine.pick_worker(prompt, params=params)
-                assert (decision.reason, decision.matched) == (reason, matched), salt
-            # the engine agrees: another salt reuses nothing, the same salt every block
-            assert await run(engine, prompt, cache_salt="b") == (0, 0)
-            assert await run(engine, prompt, cache_salt="a") == (0, 3 * size)
+    config = remote_config(worker, routing="prefix", drain_timeout=5.0, startup_timeout=900)
+    async with open_engine(config) as engine:
+        size = engine.workers[0].info["kv_events"]["block_size"]
+        index = engine.workers[0].kv_index
+        prompt = [7] * 3 + list(range(1, 3 * size))  # three whole blocks and more
+        assert await run(engine, prompt, cache_salt="a") == (0, 0)
+        salted = block_digests(prompt, size, seed_of([None, "a"]))
+        await wait_until(lambda: index.match(salted) == 3, 120)
+        # the worker's events named the salted chain only
+        assert index.match(block_digests(prompt, size)) == 0
+        for salt, reason, matched in (("a", "prefix", 3 * size), ("b", "load", 0),
+                                      (None, "load", 0)):
+            params = {} if salt is None else {"cache_salt": salt}
+            _, decision = engine.pick_worker(prompt, params=params)
+            assert (decision.reason, decision.matched) == (reason, matched), salt
+        # the engine agrees: another salt reuses nothing, the same salt every block
+        assert await run(engine, prompt, cache_salt="b") == (0, 0)
+        assert await run(engine, prompt, cache_salt="a") == (0, 3 * size)
