@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import json
 
+import h11
+import httpx
+import openai
 import pytest
+import trio
 
 from server.errors import ClientError
+from server.http.upload import FORM_OVERHEAD
 from server.openai.batch_input import batch_lines, check_batch_file
 from server.openai.files import parse_list_query, upload_purpose
+from tests.conftest import running_server
+from tests.test_connection import header, read_response
+from tests.test_hostile import addr, raw_exchange, split_response
 
 
 def line(custom_id="r1", **changes) -> bytes:
@@ -106,3 +114,162 @@ def test_the_list_query():
         with pytest.raises(ClientError) as info:
             parse_list_query(args)
         assert info.value.param == param
+
+
+# -- the openai SDK end to end, on the sim -------------------------------------------------
+
+
+BOUNDARY = "a-boundary"
+FORM = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
+
+
+def form(parts) -> bytes:
+    """A multipart/form-data body of ``(name, filename or None, content)`` parts."""
+    out = b""
+    for name, filename, content in parts:
+        disposition = f'form-data; name="{name}"' + (
+            f'; filename="{filename}"' if filename is not None else "")
+        out += f"--{BOUNDARY}\r\nContent-Disposition: {disposition}\r\n\r\n".encode()
+        out += content + b"\r\n"
+    return out + f"--{BOUNDARY}--\r\n".encode()
+
+
+def client_of(url: str, key: str = "none") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+async def test_upload_list_retrieve_content_delete_with_the_sdk():
+    async with running_server() as url:
+        client = client_of(url)
+        first = await client.files.create(file=("a.jsonl", batch_file(3)), purpose="batch")
+        content = batch_file(200)
+        second = await client.files.create(file=("b.jsonl", content), purpose="batch")
+        assert first.id.startswith("file-") and first.id != second.id
+        assert (second.object, second.bytes, second.filename, second.purpose,
+                second.status) == ("file", len(content), "b.jsonl", "batch", "processed")
+        assert second.created_at >= first.created_at
+        # the list: newest first by default, in pages (the SDK follows has_more)
+        page = await client.files.list()
+        assert [f.id for f in page.data] == [second.id, first.id] and not page.has_more
+        page = await client.files.list(limit=1)
+        assert [f.id for f in page.data] == [second.id] and page.has_more
+        assert [f.id async for f in await client.files.list(limit=1)] == [second.id, first.id]
+        page = await client.files.list(order="asc", purpose="batch")
+        assert [f.id for f in page.data] == [first.id, second.id]
+        page = await client.files.list(purpose="batch_output")
+        assert page.data == [] and not page.has_more
+        # retrieve, content, delete
+        assert await client.files.retrieve(second.id) == second
+        assert (await client.files.content(second.id)).content == content
+        async with httpx.AsyncClient(base_url=url) as http:
+            r = await http.get(f"/v1/files/{first.id}/content")
+        assert r.headers["content-type"] == "application/octet-stream"
+        assert r.content == batch_file(3)
+        deleted = await client.files.delete(first.id)
+        assert (deleted.id, deleted.object, deleted.deleted) == (first.id, "file", True)
+        for call in (client.files.retrieve, client.files.content, client.files.delete):
+            with pytest.raises(openai.NotFoundError) as info:
+                await call(first.id)
+            assert first.id in info.value.message
+        assert [f.id for f in (await client.files.list()).data] == [second.id]
+
+
+async def test_bad_uploads_are_refused_naming_what_is_wrong():
+    async with running_server() as url:
+        client = client_of(url)
+        bad = batch_file(2) + line("r5", method="GET") + b"\n" + b"{\n"
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.files.create(file=("a.jsonl", bad), purpose="batch")
+        error = info.value.body
+        assert (error["param"], error["code"]) == ("file", "invalid_method")
+        assert error["message"].startswith("Line 3 of the file: ")
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.files.create(file=("a.jsonl", batch_file(1)), purpose="assistants")
+        assert info.value.body["param"] == "purpose"
+        assert "'assistants' is not supported" in info.value.body["message"]
+        async with httpx.AsyncClient(base_url=url) as http:
+            for parts, param in [
+                ([("file", "a.jsonl", batch_file(1))], "purpose"),
+                ([("purpose", None, b"batch")], "file"),
+                ([("purpose", None, b"batch"), ("file", None, batch_file(1))], "file"),
+                ([("purpose", None, b"batch"), ("x", None, b"1")], "x"),
+                ([("purpose", None, b"batch"), ("purpose", None, b"batch")], "purpose"),
+            ]:
+                r = await http.post("/v1/files", content=form(parts), headers=FORM)
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, parts
+            # not a form: 415 naming the content type
+            r = await http.post("/v1/files", json={"purpose": "batch"})
+            assert r.status_code == 415 and r.json()["error"]["param"] == "content-type"
+            r = await http.put("/v1/files", content=b"")
+            assert r.status_code == 405 and r.headers["allow"] == "GET, POST"
+        # nothing of these was stored
+        assert (await client.files.list()).data == []
+
+
+async def test_an_upload_over_the_limit_is_a_413_before_its_end_and_the_server_goes_on():
+    limit = 64 * 1024
+    async with running_server(max_file_bytes=limit, max_body_bytes=1000) as url:
+        client = client_of(url)
+        big = batch_file(limit // len(line("r0")) + 100)
+        assert len(big) > limit
+        with pytest.raises(openai.APIStatusError) as info:
+            await client.files.create(file=("big.jsonl", big), purpose="batch")
+        assert info.value.status_code == 413
+        assert (info.value.body["param"], info.value.body["code"]) == ("file",
+                                                                        "payload_too_large")
+        # within the limit (and past --max-body-bytes, which is not an upload's limit)
+        small = batch_file(100)
+        assert 1000 < len(small) < limit
+        stored = await client.files.create(file=("small.jsonl", small), purpose="batch")
+        assert (await client.files.content(stored.id)).content == small
+        # a chunked body, with no length to refuse at once: the 413 comes at the first
+        # byte over, while the client has not sent the rest
+        sock = await trio.open_tcp_stream(*addr(url))
+        conn = h11.Connection(h11.CLIENT)
+        start = form([("purpose", None, b"batch")]).removesuffix(f"--{BOUNDARY}--\r\n".encode())
+        start += (f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; '
+                  f'filename="big.jsonl"\r\n\r\n').encode()
+        await sock.send_all(conn.send(h11.Request(
+            method="POST", target="/v1/files",
+            headers=[("Host", "t"), ("Transfer-Encoding", "chunked"), *FORM.items()])))
+        await sock.send_all(conn.send(h11.Data(data=start)))
+        for _ in range(limit // 4096 + 1):
+            await sock.send_all(conn.send(h11.Data(data=big[:4096])))
+        with trio.fail_after(60):  # (a hang guard: the answer comes at once)
+            response, raw, _ = await read_response(sock, conn)
+        assert response.status_code == 413 and header(response, b"connection") == b"close"
+        assert json.loads(raw)["error"]["param"] == "file"
+        await sock.aclose()
+        # Expect: 100-continue: over the file limit a 413 from the head, at once; within
+        # it (past --max-body-bytes) a 100 Continue
+        head = (f"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Type: {FORM['Content-Type']}"
+                "\r\nConnection: close\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n")
+        raw = await raw_exchange(url, (head % (2 * limit + FORM_OVERHEAD)).encode())
+        assert split_response(raw)[0] == 413, raw[:200]
+        async with await trio.open_tcp_stream(*addr(url)) as stream:
+            await stream.send_all((head % (limit // 2)).encode())
+            raw = b""
+            with trio.fail_after(60):
+                while b"\r\n\r\n" not in raw:
+                    raw += await stream.receive_some(65536)
+        assert raw.startswith(b"HTTP/1.1 100 "), raw[:200]
+        assert [f.id for f in (await client.files.list()).data] == [stored.id]
+
+
+async def test_another_keys_files_are_not_found():
+    async with running_server(api_keys=("key-a", "key-b")) as url:
+        a, b = client_of(url, "key-a"), client_of(url, "key-b")
+        mine = await a.files.create(file=("a.jsonl", batch_file(2)), purpose="batch")
+        theirs = await b.files.create(file=("b.jsonl", batch_file(1)), purpose="batch")
+        for call in (b.files.retrieve, b.files.content, b.files.delete):
+            with pytest.raises(openai.NotFoundError):  # (not 403: no existence oracle)
+                await call(mine.id)
+        assert [f.id for f in (await a.files.list()).data] == [mine.id]
+        assert [f.id for f in (await b.files.list()).data] == [theirs.id]
+        assert (await a.files.content(mine.id)).content == batch_file(2)
+        with pytest.raises(openai.AuthenticationError):
+            await client_of(url, "key-c").files.list()
+        async with httpx.AsyncClient(base_url=url) as http:
+            for r in (await http.get(f"/v1/files/{mine.id}"),
+                      await http.post("/v1/files", content=form([]), headers=FORM)):
+                assert r.status_code == 401

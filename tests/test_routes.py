@@ -27,11 +27,16 @@ async def test_every_row_of_the_table_is_served_at_its_path(autojump_clock, toke
         async with open_asgi_client(app) as http:
             for route in TABLE:
                 path = _concrete(route.path)
-                if route.raw:  # every raw route refuses a GET itself (server.http.post)
+                if route.raw and "GET" not in route.methods:
+                    # every raw route refuses a GET itself (server.http.post)
                     r = await http.get(path)
                     assert (r.status, r.header("allow")) == (405, "POST"), path
                     continue
-                r = await http.get(path)
+                r = await http.request(route.methods[0], path)
+                if "<file_id>" in route.path:  # (its 404 is the file's, not the route's)
+                    assert r.status == 404, path
+                    assert r.json()["error"]["message"] == "No such File object: sim", path
+                    continue
                 if route.on(config):  # (the sim has no tokenizer: its 400, not a 404)
                     assert r.status in (200, 400), (path, r.status, r.body)
                     assert r.status == 200 or path == "/tokenizer_info", path
@@ -51,6 +56,9 @@ SERVED = {
     ("POST", "/invocations"), ("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"),
     ("GET", "/tokenizer_info"), ("GET", "/load"), ("GET", "/version"), ("GET", "/v1/models"),
     ("GET", "/v1/models/<path:model_id>"),
+    # and since: the Files API (server.http.files)
+    ("GET", "/v1/files"), ("POST", "/v1/files"), ("GET", "/v1/files/<file_id>"),
+    ("GET", "/v1/files/<file_id>/content"), ("DELETE", "/v1/files/<file_id>"),
 }
 
 

@@ -33,6 +33,7 @@ from . import info
 from .adapters import handle_lora
 from .chat_batch import ROUTE as CHAT_BATCH
 from .embeddings import handle_embeddings
+from .files import delete_file, file_content, retrieve_file, serve_files
 from .generate import serve_generation
 from .invocations import handle_invocations
 from .responses_write import ROUTE as RESPONSES
@@ -76,6 +77,11 @@ TABLE: tuple[Route, ...] = (
     Route("/v1/unload_lora_adapter", partial(handle_lora, op="unload")),
     # SageMaker's: one of the routes above, by the body (server.http.invocations)
     Route("/invocations", handle_invocations),
+    # the Files API (server.http.files): the upload streams (raw), for GET too (the list)
+    Route("/v1/files", serve_files, ("GET", "POST")),
+    Route("/v1/files/<file_id>", retrieve_file, ("GET",), raw=False),
+    Route("/v1/files/<file_id>/content", file_content, ("GET",), raw=False),
+    Route("/v1/files/<file_id>", delete_file, ("DELETE",), raw=False),
     # the small GETs, served by Quart (server.http.info)
     _get("/health", info.health),
     _get("/ready", info.ready),
