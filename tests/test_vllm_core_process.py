@@ -8,9 +8,9 @@ context refusal, vLLM's metrics, priorities, LoRA adapters at start-up and loade
 time: vLLM's LoRA calls cross to the core process); then the two ways a process dies: the engine
 core SIGKILLed (the worker notices, its streams end with an error and ``[DONE]``, it is
 replaced, ``/health`` says so meanwhile), and the worker SIGKILLed (its engine core does not
-outlive it). Two model loads, and the start of a third that the module's end stops. Last, a
-listening worker started on its own (no frontend kills its process group), SIGKILLed: its
-engine core dies with it (a model load of its own).
+outlive it); the server, SIGTERMed once that worker's replacement is up, exits cleanly.
+Three model loads. Last, a listening worker started on its own (no frontend kills its
+process group), SIGKILLed as its engine core starts: the core dies with it.
 
 Skipped where vLLM is not installed.
 """
@@ -20,7 +20,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -33,10 +36,9 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from tests.conftest import children_of, pid_exists  # noqa: E402
-from tests.remote import listening_worker  # noqa: E402
+from tests.remote import ROOT, worker_env  # noqa: E402
 from tests.test_vllm_engine import (  # noqa: E402
-    CONTEXT, MODEL, SHAPE, STARTUP, Server, _open_stream, _prompts, _rest_of_stream, _totals,
-    assert_sigterm_stops_cleanly)
+    CONTEXT, MODEL, SHAPE, STARTUP, Server, _open_stream, _prompts, _rest_of_stream, _totals)
 from tests.tiny_lora import build_tiny_lora  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
@@ -78,6 +80,14 @@ def client(server):
 
 def _core_of(worker: int) -> int:
     """The worker's vLLM engine core process (its child named ``VLLM::EngineCore``)."""
+    core = _named_core_of(worker)
+    assert core is not None, f"worker {worker} has no engine core process"
+    return core
+
+
+def _named_core_of(worker: int) -> int | None:
+    """The worker's child named ``VLLM::EngineCore``, if any: vLLM names its core process
+    so as it starts, after the tie to the worker took effect (``private_api.tying``)."""
     for pid in children_of(worker):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -85,7 +95,7 @@ def _core_of(worker: int) -> int:
                     return pid
         except OSError:
             continue
-    raise AssertionError(f"worker {worker} has no engine core process")
+    return None
 
 
 def _until(predicate, timeout: float, what: str) -> None:
@@ -135,14 +145,6 @@ def test_requests_behave_as_with_the_core_in_the_worker(server, client):
     server.wait_idle(timeout=60)
 
 
-def test_sigterm_with_nothing_in_flight_exits_cleanly_and_leaves_no_process(model_dir):
-    """As with the core in the worker (tests/test_vllm_engine.py): exit 0, no traceback, no
-    process left, and the worker exited by itself once its pipe closed, its engine core
-    first (vLLM's shutdown), not SIGTERMed by the frontend. (A server of its own, started
-    while the module's is idle.)"""
-    assert_sigterm_stops_cleanly(model_dir, "--engine-core", "process", startup=STARTUP_HERE)
-
-
 def test_a_killed_engine_core_ends_its_streams_and_the_worker_is_replaced(server, client):
     (worker,) = server.workers()
     core = _core_of(worker)
@@ -173,23 +175,57 @@ def test_a_killed_worker_leaves_no_engine_core(server):
     os.kill(worker, signal.SIGKILL)
     # the frontend kills what is left of the worker's process group: the core
     _until(lambda: not pid_exists(core), 120, "the engine core outlived its worker")
-    # (the replacement's start is stopped by the module's end: nothing may be left then)
+    # (its replacement serves the next test)
+
+
+def test_sigterm_with_nothing_in_flight_exits_cleanly_and_leaves_no_process(server):
+    """As with the core in the worker (tests/test_vllm_engine.py's
+    ``assert_sigterm_stops_cleanly``), on the module's server once the worker that replaced
+    the one killed above is up (one model load fewer than a server of its own): exit 0, no
+    traceback, no process left, and the frontend's log says how each worker ended."""
+    server.wait_ready(STARTUP_HERE)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "the", "max_tokens": 2},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    workers = server.workers()
+    assert workers
+    since = len(server.lines)  # (the kills above logged what they logged)
+    server.stop()  # SIGTERM; then every worker and its children gone, or an AssertionError
+    log = "".join(server.lines[since:])
+    assert server.proc.returncode == 0, log
+    assert "Traceback" not in log, log
+    stopped = re.findall(r"worker \d+ \(pid (\d+)\) (?:stopped: )?exited with ", log, re.M)
+    assert sorted(map(int, stopped)) == sorted(workers), log
 
 
 async def test_a_killed_listening_worker_leaves_no_engine_core(model_dir, tmp_path):
-    args = ("--engine", "vllm", "--model-path", str(model_dir), "--engine-core", "process",
-            "--max-model-len", str(CONTEXT), "--dtype", "float32",
-            "--engine-arg", "kv_cache_memory_bytes=67108864")
+    """SIGKILLed as soon as its engine core is named (the tie took effect): the core dies
+    with it, its model's load not waited for (no frontend: nothing connects to it)."""
+    cmd = [sys.executable, "-m", "server.workers", "--listen", f"unix:{tmp_path / 'w.sock'}",
+           "--engine", "vllm", "--model-path", str(model_dir), "--engine-core", "process",
+           "--max-model-len", str(CONTEXT), "--dtype", "float32",
+           "--engine-arg", "kv_cache_memory_bytes=67108864"]
+    log = tmp_path / "worker.log"
+    with log.open("wb") as err:  # noqa: ASYNC230 (a local file, before the process exists)
+        worker = await trio.lowlevel.open_process(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+            env=worker_env(None), cwd=ROOT)
     core = None
     try:
-        async with listening_worker(tmp_path, f"unix:{tmp_path / 'w.sock'}", *args,
-                                    secret=None, startup=STARTUP_HERE) as worker:
-            core = _core_of(worker.proc.pid)
-            worker.proc.kill()  # SIGKILL: no cleanup of its own, no parent to kill its group
-            await worker.proc.wait()
-            with trio.fail_after(120):  # the kernel's parent-death signal: at once
-                while pid_exists(core):
-                    await trio.sleep(0.1)
+        with trio.fail_after(STARTUP_HERE):
+            while core is None:
+                assert worker.poll() is None, log.read_text(errors="replace")
+                core = _named_core_of(worker.pid)
+                await trio.sleep(0.05)
+        worker.kill()  # SIGKILL: no cleanup of its own, no parent to kill its group
+        await worker.wait()
+        with trio.fail_after(120):  # the kernel's parent-death signal: at once
+            while pid_exists(core):
+                await trio.sleep(0.1)
     finally:
+        if worker.returncode is None:
+            worker.kill()
+            with trio.CancelScope(shield=True):
+                await worker.wait()
         if core is not None and pid_exists(core):  # (the failure is not left running)
             os.kill(core, signal.SIGKILL)
