@@ -332,6 +332,7 @@ async def test_reopened_store_keeps_its_records(open_store):
         with pytest.raises(trio.ClosedResourceError):
             await store.get("response", "alice", "r1")
         again = await open_store()
+        assert again.statistics().records == 1
         assert (await again.get("response", "alice", "r1")).body == b"kept"
         assert await again.read_events("response", "alice", "r1") == [b"e0"]
 

@@ -62,11 +62,20 @@ async def _open(config: StateConfig, clock: Callable[[], float]) -> SQLStore:
 
         url = config.url
         pg = await trio.to_thread.run_sync(lambda: PostgresDatabase(url))
-        return SQLStore(pg, **bounds)  # type: ignore[arg-type]
+        return await _ready(SQLStore(pg, **bounds))  # type: ignore[arg-type]
     if not config.directory:
         raise ValueError("StateConfig needs a directory (SQLite) or a postgresql:// url")
     from .sqlite import SQLiteDatabase
 
     directory = config.directory
     db = await trio.to_thread.run_sync(lambda: SQLiteDatabase(directory))
-    return SQLStore(db, **bounds)  # type: ignore[arg-type]
+    return await _ready(SQLStore(db, **bounds))  # type: ignore[arg-type]
+
+
+async def _ready(store: SQLStore) -> SQLStore:
+    try:
+        await store.read_statistics()
+    except BaseException:
+        await store.aclose()
+        raise
+    return store

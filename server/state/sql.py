@@ -84,13 +84,25 @@ class SQLStore:
         self._expired = 0
         self._expired_bytes = 0
         self._refused = 0
+        #: The counts as of the last operation's end (the counters above change in the
+        #: worker thread, mid-operation).
+        self._published = StoreStatistics()
 
     # -- plumbing -------------------------------------------------------------------------
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         if self._closed:
             raise trio.ClosedResourceError("the state store is closed")
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+        def run() -> T:
+            try:
+                return fn(*args)
+            finally:  # (after its transaction: statistics() never sees one half-done)
+                self._published = StoreStatistics(
+                    records=self._records, bytes=self._bytes, expired=self._expired,
+                    expired_bytes=self._expired_bytes, refused=self._refused)
+
+        return await trio.to_thread.run_sync(run, limiter=self._limiter)
 
     def _now(self) -> int:
         return int(self._clock())
@@ -315,9 +327,12 @@ class SQLStore:
         return [bytes(row[0]) for row in rows]
 
     def statistics(self) -> StoreStatistics:
-        return StoreStatistics(records=self._records, bytes=self._bytes,
-                               expired=self._expired, expired_bytes=self._expired_bytes,
-                               refused=self._refused)
+        return self._published
+
+    async def read_statistics(self) -> StoreStatistics:
+        """Read the store's totals now (on open: what earlier runs stored)."""
+        await self._call(self._totals)
+        return self._published
 
     async def sweep(self, batch: int = SWEEP_BATCH) -> int:
         """Delete the records past their retention now: how many (the retention service
