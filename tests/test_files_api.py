@@ -256,8 +256,9 @@ async def test_an_upload_over_the_limit_is_a_413_before_its_end_and_the_server_g
         assert [f.id for f in (await client.files.list()).data] == [stored.id]
 
 
-async def test_another_keys_files_are_not_found():
-    async with running_server(api_keys=("key-a", "key-b")) as url:
+async def test_another_keys_files_are_not_found_and_a_full_quota_is_a_413():
+    quota = 40_000
+    async with running_server(api_keys=("key-a", "key-b"), state_max_bytes_per_key=quota) as url:
         a, b = client_of(url, "key-a"), client_of(url, "key-b")
         mine = await a.files.create(file=("a.jsonl", batch_file(2)), purpose="batch")
         theirs = await b.files.create(file=("b.jsonl", batch_file(1)), purpose="batch")
@@ -269,6 +270,15 @@ async def test_another_keys_files_are_not_found():
         assert (await a.files.content(mine.id)).content == batch_file(2)
         with pytest.raises(openai.AuthenticationError):
             await client_of(url, "key-c").files.list()
+        # a key's quota: what does not fit is a 413 naming it; the other key's room stays
+        half = batch_file(quota // 2 // len(line("r00")))
+        await a.files.create(file=("c.jsonl", half), purpose="batch")
+        with pytest.raises(openai.APIStatusError) as info:
+            await a.files.create(file=("d.jsonl", half), purpose="batch")
+        assert (info.value.status_code, info.value.body["code"]) == (413,
+                                                                      "storage_quota_exceeded")
+        assert len((await a.files.list()).data) == 2
+        await b.files.create(file=("d.jsonl", half), purpose="batch")
         async with httpx.AsyncClient(base_url=url) as http:
             for r in (await http.get(f"/v1/files/{mine.id}"),
                       await http.post("/v1/files", content=form([]), headers=FORM)):
