@@ -37,6 +37,10 @@ async def test_every_row_of_the_table_is_served_at_its_path(autojump_clock, toke
                     assert r.status == 404, path
                     assert r.json()["error"]["message"] == "No such File object: sim", path
                     continue
+                if "<response_id>" in route.path:  # (the response's 404, not the route's)
+                    assert r.status == 404, path
+                    assert r.json()["error"]["message"] == "No response with id 'sim' was found."
+                    continue
                 if route.on(config):  # (the sim has no tokenizer: its 400, not a 404)
                     assert r.status in (200, 400), (path, r.status, r.body)
                     assert r.status == 200 or path == "/tokenizer_info", path
@@ -59,6 +63,9 @@ SERVED = {
     # and since: the Files API (server.http.files)
     ("GET", "/v1/files"), ("POST", "/v1/files"), ("GET", "/v1/files/<file_id>"),
     ("GET", "/v1/files/<file_id>/content"), ("DELETE", "/v1/files/<file_id>"),
+    # stored responses (server.http.responses_read)
+    ("GET", "/v1/responses/<response_id>"), ("GET", "/v1/responses/<response_id>/input_items"),
+    ("DELETE", "/v1/responses/<response_id>"),
 }
 
 
