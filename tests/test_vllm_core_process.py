@@ -175,7 +175,11 @@ def test_a_killed_worker_leaves_no_engine_core(server):
     os.kill(worker, signal.SIGKILL)
     # the frontend kills what is left of the worker's process group: the core
     _until(lambda: not pid_exists(core), 120, "the engine core outlived its worker")
-    # (its replacement serves the next test)
+    # the frontend saw it die (until then /ready still says ready); its replacement, still
+    # loading, serves the next test
+    _until(lambda: worker not in server.workers(), 120, "the worker was not reaped")
+    _until(lambda: httpx.get(server.url + "/health").status_code == 503, 120,
+           "/health did not report the worker down")
 
 
 def test_sigterm_with_nothing_in_flight_exits_cleanly_and_leaves_no_process(server):
