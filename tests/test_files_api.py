@@ -109,7 +109,8 @@ def test_the_list_query():
     assert (query.purpose, query.limit, query.after, query.newest_first) == (
         "batch", 2, "file-x", False)
     for args, param in [({"limit": ["0"]}, "limit"), ({"limit": ["10001"]}, "limit"),
-                        ({"limit": ["x"]}, "limit"), ({"order": ["up"]}, "order"),
+                        ({"limit": ["x"]}, "limit"), ({"limit": ["\u00b2"]}, "limit"),
+                        ({"limit": ["9" * 5000]}, "limit"), ({"order": ["up"]}, "order"),
                         ({"before": ["file-x"]}, "before"), ({"limit": ["1", "2"]}, "limit")]:
         with pytest.raises(ClientError) as info:
             parse_list_query(args)

@@ -235,6 +235,9 @@ async def test_refusals_name_the_field():
             for path, params, param in [
                 (r.id, {"starting_after": "1"}, "starting_after"),  # without stream
                 (r.id, {"stream": "true", "starting_after": "-1"}, "starting_after"),
+                # (digits str.isdigit takes and int() does not; past sqlite's integers)
+                (r.id, {"stream": "true", "starting_after": "\u00b2"}, "starting_after"),
+                (r.id, {"stream": "true", "starting_after": "9" * 30}, "starting_after"),
                 (r.id, {"stream": "yes"}, "stream"),
                 (r.id, {"include[]": "message.output_text.logprobs"}, "include"),
                 (r.id, {"include_obfuscation": "true"}, "include_obfuscation"),

@@ -79,7 +79,7 @@ async def retrieve_response(app, response_id: str) -> Response:
     if after is not None and not stream:
         raise ClientError("'starting_after' is for a stream: send it with stream=true.",
                           param="starting_after")
-    if after is not None and not after.isdigit():
+    if after is not None and not (after.isascii() and after.isdigit() and len(after) <= 18):
         raise ClientError("'starting_after' must be a sequence number (an integer >= 0).",
                           param="starting_after")
     record = await _record(app, response_id)

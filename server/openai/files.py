@@ -91,7 +91,8 @@ def parse_list_query(args: Mapping[str, list[str]]) -> FileQuery:
             raise ClientError(f"'{name}' is given more than once.", param=name)
         values[name] = given[0]
     limit = values.get("limit", str(MAX_LIST))
-    if not limit.isdigit() or not 1 <= int(limit) <= MAX_LIST:
+    if not (limit.isascii() and limit.isdigit() and len(limit) <= 6) \
+            or not 1 <= int(limit) <= MAX_LIST:
         raise ClientError(f"'limit' must be an integer from 1 to {MAX_LIST}.", param="limit")
     order = values.get("order", "desc")
     if order not in ("asc", "desc"):
