@@ -95,6 +95,8 @@ class SQLStore:
             raise trio.ClosedResourceError("the state store is closed")
 
         def run() -> T:
+            if self._closed:  # (queued behind aclose: its connection is gone)
+                raise trio.ClosedResourceError("the state store is closed")
             try:
                 return fn(*args)
             finally:  # (after its transaction: statistics() never sees one half-done)

@@ -53,12 +53,27 @@ class SQLiteDatabase:
         try:
             yield
         except StoreFull:
-            self._conn.execute("COMMIT")
+            self._end("COMMIT")
             raise
         except BaseException:
-            self._conn.execute("ROLLBACK")
+            self._end("ROLLBACK")
             raise
-        self._conn.execute("COMMIT")
+        self._end("COMMIT")
+
+    def _end(self, how: str) -> None:
+        """End the transaction (``COMMIT`` or ``ROLLBACK``). A COMMIT that fails (a full
+        disk, a busy lock past the timeout) is rolled back, so the connection never keeps
+        an open transaction that every later ``BEGIN`` would fail on; a transaction SQLite
+        already rolled back itself (after some errors) is not ended twice, which would
+        hide the error that ended it."""
+        if not self._conn.in_transaction:
+            return
+        try:
+            self._conn.execute(how)
+        except BaseException:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+            raise
 
     def close(self) -> None:
         self._conn.close()
