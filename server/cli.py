@@ -208,6 +208,9 @@ def _check_frontend_options(args: argparse.Namespace) -> None:
     if args.state_dir is not None and args.state_url is not None:
         raise SystemExit("trio-llm-server: --state-dir: not with --state-url (the state lives "
                          "in one place: SQLite in the directory, or PostgreSQL)")
+    if not args.state_store and (args.state_dir is not None or args.state_url is not None):
+        flag = "--state-dir" if args.state_dir is not None else "--state-url"
+        raise SystemExit(f"trio-llm-server: {flag}: not with --no-state-store")
     if (args.frontend_dir is None) != (args.frontend_index is None):
         raise SystemExit("trio-llm-server: --frontend-dir and --frontend-index go together")
 

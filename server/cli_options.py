@@ -125,6 +125,9 @@ OPTIONS: tuple[Option, ...] = (
     ),
     *_frontend(
         "state (stored responses, files: docs/state.md)",
+        Option("--state-store", kind="bool", default=True, into=("server.state_store",),
+               help="keep state at all (--no-state-store: responses are not stored, "
+               "'store': true is a 400 naming it, and /v1/files answers 503)"),
         Option("--state-dir", metavar="DIR", into=(Into("server.state_dir", _absolute),),
                help="keep the state in DIR/state.sqlite3 (SQLite, WAL), shared by every "
                "frontend given DIR, kept across restarts. None (and no --state-url): a "

@@ -182,6 +182,10 @@ class ServerConfig:
     #: supervisor's for ``--api-servers`` frontends), removed at exit.
     state_dir: str | None = None
     state_url: str | None = None
+    #: False: no state store at all (an app under a test's virtual clock never opens one:
+    #: server.state.service.in_virtual_time). Responses are then not stored (``store:
+    #: true`` is a 400 naming it) and /v1/files is a 503.
+    state_store: bool = True
     #: Seconds a stored object stays (0: until deleted); the store's size budget and each
     #: API key's, in bytes (0: none).
     state_retention: int = 30 * 24 * 3600

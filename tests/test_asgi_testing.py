@@ -99,3 +99,20 @@ async def test_a_custom_role_is_accepted_with_text_or_parts_alike(autojump_clock
                 **base, "messages": [{"role": "x" * 65, "content": "a"}]})
     assert texts[0] == texts[1]
     assert r.status == 400 and r.json()["error"]["param"] == "messages[0].role"
+
+
+async def test_an_app_in_virtual_time_opens_no_state_store(autojump_clock):
+    # A store's reads run in a thread, and an autojump clock jumps ahead while one runs (its
+    # sweep's minute, every timeout): such an app runs as one with ServerConfig(state_store=
+    # False), responses unstored and a request for storing refused by name.
+    async with open_in_memory_engine() as engine:
+        app = server.create_app(engine=engine)
+        async with open_asgi_client(app) as client:
+            assert app.state_store is None
+            body = {"model": "sim", "input": "a b"}
+            r = await client.post("/v1/responses", json=body)
+            assert r.status == 200 and r.json()["store"] is False, r.body
+            r = await client.post("/v1/responses", json={**body, "store": True})
+            assert r.status == 400 and r.json()["error"]["param"] == "store", r.body
+            r = await client.get("/v1/files")
+            assert r.status == 503, r.body

@@ -413,6 +413,22 @@ async def test_the_app_holds_its_store_while_it_serves(tmp_path):
             assert await store.get("response", "alice", "r1") == rec("r1")  # and kept
 
 
+async def test_no_state_store_keeps_nothing(tmp_path):
+    with pytest.raises(SystemExit, match="--state-dir: not with --no-state-store"):
+        config_from_args(build_parser().parse_args(
+            ["--no-state-store", "--state-dir", str(tmp_path)]))
+    assert not config_from_args(build_parser().parse_args(["--no-state-store"])).state_store
+    with trio.fail_after(TIMEOUT_S):
+        async with running_server(state_store=False) as url:
+            assert url.app.state_store is None
+            async with httpx.AsyncClient() as client:
+                body = {"model": "sim", "input": "a"}
+                r = await client.post(url + "/v1/responses", json=body)
+                assert r.status_code == 200 and r.json()["store"] is False, r.text
+                r = await client.post(url + "/v1/responses", json={**body, "store": True})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "store", r.text
+
+
 async def test_a_store_that_cannot_open_stops_the_server(tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")

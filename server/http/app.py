@@ -55,7 +55,7 @@ from ..observability.logs import request_id_var
 from ..observability.state_metrics import StateStoreCollector
 from ..observability.tracing import Tracing
 from ..state import StateStore, StateStoreError
-from ..state.service import StateService, state_config
+from ..state.service import StateService, in_virtual_time, state_config
 from .asgi import CLOSE, HeaderSend, header, send_empty, send_error
 from .auth import APIKeys, is_protected
 from .cors import CORSPolicy
@@ -300,6 +300,10 @@ class LLMServerApp(QuartTrio):
 
     async def _open_state_store(self) -> None:
         assert self._engine_nursery is not None, "the store opens in the ASGI lifespan"
+        if not self.server_config.state_store or in_virtual_time():
+            # (none asked for; or a test's virtual clock, which jumps ahead while a store's
+            # read runs in its thread: ServerConfig.state_store)
+            return
         try:
             await self.state.start(self._engine_nursery)
         except StateStoreError as exc:  # a configuration error: the server stops

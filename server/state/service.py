@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import time
 from dataclasses import replace
 from typing import Callable
@@ -55,6 +56,16 @@ def state_config(config: ServerConfig) -> StateConfig:
     return StateConfig(directory=directory, url=config.state_url,
                        retention_s=config.state_retention, max_bytes=config.state_max_bytes,
                        max_bytes_per_key=config.state_max_bytes_per_key)
+
+
+def in_virtual_time() -> bool:
+    """Whether this Trio run's clock is a test's :class:`trio.testing.MockClock` (virtual
+    time). Then an app opens no store: a store's every read runs in a thread, and an
+    autojump clock jumps to its next deadline while one runs, so the sweep loop would spin
+    and every timeout of the test fire early. A MockClock exists only where trio.testing
+    was imported, so the library does not import it to ask."""
+    testing = sys.modules.get("trio.testing")
+    return testing is not None and isinstance(trio.lowlevel.current_clock(), testing.MockClock)
 
 
 class StateService:
