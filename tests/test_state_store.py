@@ -151,6 +151,54 @@ async def test_update_compare_and_set(open_store):
         assert not await store.update("response", "alice", "missing", meta={})
 
 
+async def test_update_compare_and_set_on_meta_keys(open_store):
+    # A lease: only the holder that read it (holder and expiry unchanged since) takes it.
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store()
+        lease = {"status": "in_progress", "holder": "a", "lease_until": 10}
+        await store.put(Record(kind="batch", id="b1", owner="alice", created_at=1,
+                               meta=lease, body=b""))
+        taken = {**lease, "holder": "b", "lease_until": 20}
+        assert await store.update("batch", "alice", "b1", meta=taken, expect=lease)
+        late = {**lease, "holder": "c", "lease_until": 20}
+        assert not await store.update("batch", "alice", "b1", meta=late, expect=lease)
+        assert (await store.get("batch", "alice", "b1")).meta == taken
+        assert not await store.update("batch", "alice", "b1", meta={"status": "done"},
+                                      expect={"missing": 1})
+        assert await store.update("batch", "alice", "b1", meta={"status": "done"},
+                                  expect={"missing": None, "holder": "b"},
+                                  expect_status="in_progress")
+        assert (await store.get("batch", "alice", "b1")).meta == {"status": "done"}
+
+
+async def test_with_status_finds_every_owners_records(open_store, clock):
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store(retention_s=100)
+        await store.put(rec("r3", "bob", created_at=3, status="in_progress"))
+        await store.put(rec("r1", "alice", created_at=1, status="queued"))
+        await store.put(rec("r2", "alice", created_at=2, status="completed"))
+        await store.put(rec("f1", "alice", kind="file", created_at=1, status="queued"))
+        await store.put(Record(kind="response", id="r4", owner="carol", created_at=4,
+                               meta={"status": 5}, body=b""))  # (not a string: no status)
+
+        async def ids(*statuses, limit=100):
+            found = await store.with_status("response", statuses, limit=limit)
+            return [(r.owner, r.id) for r in found]
+
+        assert await ids("queued", "in_progress") == [("alice", "r1"), ("bob", "r3")]
+        assert await ids("queued", "in_progress", limit=1) == [("alice", "r1")]
+        assert await ids("completed") == [("alice", "r2")]
+        assert await ids() == []
+        # the status follows meta through update (and put)
+        await store.update("response", "alice", "r1", meta={"status": "completed"})
+        await store.update("response", "alice", "r2", body=b"x")  # (meta kept: its status too)
+        assert await ids("completed") == [("alice", "r1"), ("alice", "r2")]
+        await store.put(rec("r3", "bob", created_at=3, status="failed"))
+        assert await ids("queued", "in_progress") == []
+        clock.now += 100  # expired: not found
+        assert await ids("completed", "failed") == []
+
+
 async def test_delete_takes_the_events(open_store):
     with trio.fail_after(TIMEOUT_S):
         store = await open_store()

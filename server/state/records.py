@@ -7,7 +7,7 @@ import builtins
 
 import hashlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 __all__ = ["Record", "StateStore", "StoreFull", "StoreStatistics", "owner_of"]
 
@@ -75,9 +75,11 @@ class StateStore(Protocol):
         ...
 
     async def update(self, kind: str, owner: str, id: str, *, meta: dict | None = None,
-                     body: bytes | None = None, expect_status: str | None = None) -> bool:
+                     body: bytes | None = None, expect_status: str | None = None,
+                     expect: dict | None = None) -> bool:
         """Replace meta and/or body; False when missing, or when ``expect_status`` is given
-        and ``meta["status"]`` differs (compare-and-set for cancel/finish races)."""
+        and ``meta["status"]`` differs, or ``expect`` is and a key's value in meta differs
+        (a missing key is None): compare-and-set, for cancel/finish races and leases."""
         ...
 
     async def delete(self, kind: str, owner: str, id: str) -> bool:
@@ -89,6 +91,13 @@ class StateStore(Protocol):
         """Up to ``limit`` records of ``owner``, in creation order (newest first unless told),
         those past the record ``after`` (an id) when given: [] if ``after`` names no visible
         record."""
+        ...
+
+    async def with_status(self, kind: str, statuses: Sequence[str], *,
+                          limit: int = 100) -> builtins.list[Record]:
+        """Up to ``limit`` live records of ``kind`` whose ``meta["status"]`` is one of
+        ``statuses``, every owner's, oldest first: for a runner that claims work, or a sweep
+        that finds what a stopped server left running (a lease in meta that expired)."""
         ...
 
     async def append_events(self, kind: str, owner: str, id: str, events: builtins.list[bytes]) -> int:

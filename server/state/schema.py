@@ -11,10 +11,13 @@ _SCHEMA = (
     " seq {serial}, kind TEXT NOT NULL, owner TEXT NOT NULL, id TEXT NOT NULL,"
     " created_at BIGINT NOT NULL, expires_at BIGINT NOT NULL, meta TEXT NOT NULL,"
     " body {blob} NOT NULL, size BIGINT NOT NULL, events BIGINT NOT NULL,"
-    " events_size BIGINT NOT NULL, UNIQUE (kind, owner, id))",
+    " events_size BIGINT NOT NULL, status TEXT NOT NULL, UNIQUE (kind, owner, id))",
     "CREATE INDEX IF NOT EXISTS trio_llm_records_list"
     " ON trio_llm_records (kind, owner, created_at, seq)",
     "CREATE INDEX IF NOT EXISTS trio_llm_records_expiry ON trio_llm_records (expires_at)",
+    # (status: meta's "status", for with_status: work a runner claims, every owner's)
+    "CREATE INDEX IF NOT EXISTS trio_llm_records_status"
+    " ON trio_llm_records (kind, status, created_at, seq)",
     "CREATE TABLE IF NOT EXISTS trio_llm_events ("
     " kind TEXT NOT NULL, owner TEXT NOT NULL, id TEXT NOT NULL, n BIGINT NOT NULL,"
     " data {blob} NOT NULL, PRIMARY KEY (kind, owner, id, n))",

@@ -62,6 +62,12 @@ def _dump(meta: dict) -> str:
     return json.dumps(meta, separators=(",", ":"), ensure_ascii=False)
 
 
+def _status(meta: dict) -> str:
+    """The ``status`` column: meta's ``"status"`` when a string (with_status reads it)."""
+    status = meta.get("status")
+    return status if isinstance(status, str) else ""
+
+
 class SQLStore:
     """A :class:`~server.state.records.StateStore` over a :class:`Database`.
 
@@ -209,11 +215,13 @@ class SQLStore:
             self._make_room(record.owner, size - old, now)
             self._db.execute(
                 "INSERT INTO trio_llm_records(kind, owner, id, created_at, expires_at, meta, "
-                "body, size, events, events_size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, 0) "
+                "body, size, events, events_size, status) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, 0, ?) "
                 "ON CONFLICT(kind, owner, id) DO UPDATE SET created_at = excluded.created_at, "
                 "expires_at = excluded.expires_at, meta = excluded.meta, body = excluded.body, "
-                "size = excluded.size",
-                (*key, record.created_at, self._expires_at(now), meta, record.body, size))
+                "size = excluded.size, status = excluded.status",
+                (*key, record.created_at, self._expires_at(now), meta, record.body, size,
+                 _status(record.meta)))
             self._account(record.owner, size - old, 0 if rows else 1)
             self._totals()
 
@@ -225,29 +233,38 @@ class SQLStore:
         return _record(row) if row else None
 
     async def update(self, kind: str, owner: str, id: str, *, meta: dict | None = None,
-                     body: bytes | None = None, expect_status: str | None = None) -> bool:
+                     body: bytes | None = None, expect_status: str | None = None,
+                     expect: dict | None = None) -> bool:
+        expected = dict(expect or {})
+        if expect_status is not None:
+            expected["status"] = expect_status
         return await self._call(self._update, kind, owner, id,
-                                None if meta is None else _dump(meta), body, expect_status)
+                                None if meta is None else _dump(meta),
+                                None if meta is None else _status(meta), body, expected)
 
-    def _update(self, kind: str, owner: str, id: str, meta: str | None, body: bytes | None,
-                expect_status: str | None) -> bool:
+    def _update(self, kind: str, owner: str, id: str, meta: str | None, status: str | None,
+                body: bytes | None, expected: dict) -> bool:
         now = self._now()
         with self._db.write():
-            row = self._live(kind, owner, id, now, "meta, length(body), size")
+            row = self._live(kind, owner, id, now, "meta, length(body), size, status")
             if row is None:
                 return False
-            if expect_status is not None and json.loads(row[0]).get("status") != expect_status:
-                return False
+            if expected:
+                old = json.loads(row[0])
+                if any(old.get(key) != value for key, value in expected.items()):
+                    return False
             new_meta = row[0] if meta is None else meta
+            new_status = row[3] if status is None else status
             size = len(new_meta.encode()) + (int(row[1]) if body is None else len(body))
             self._make_room(owner, size - int(row[2]), now)
             if body is None:
-                self._db.execute("UPDATE trio_llm_records SET meta = ?, size = ? WHERE kind = ? "
-                                 "AND owner = ? AND id = ?", (new_meta, size, kind, owner, id))
-            else:
-                self._db.execute("UPDATE trio_llm_records SET meta = ?, body = ?, size = ? "
+                self._db.execute("UPDATE trio_llm_records SET meta = ?, status = ?, size = ? "
                                  "WHERE kind = ? AND owner = ? AND id = ?",
-                                 (new_meta, body, size, kind, owner, id))
+                                 (new_meta, new_status, size, kind, owner, id))
+            else:
+                self._db.execute("UPDATE trio_llm_records SET meta = ?, status = ?, body = ?, "
+                                 "size = ? WHERE kind = ? AND owner = ? AND id = ?",
+                                 (new_meta, new_status, body, size, kind, owner, id))
             self._account(owner, size - int(row[2]), 0)
             self._totals()
             return True
@@ -291,6 +308,21 @@ class SQLStore:
         rows = self._db.execute(
             f"SELECT {_COLUMNS} FROM trio_llm_records WHERE {where} "
             f"ORDER BY created_at {order}, seq {order} LIMIT ?", (*params, max(0, limit)))
+        return [_record(row) for row in rows]
+
+    async def with_status(self, kind: str, statuses: Sequence[str], *,
+                          limit: int = 100) -> builtins.list[Record]:
+        return await self._call(self._with_status, kind, tuple(statuses), limit)
+
+    def _with_status(self, kind: str, statuses: tuple[str, ...],
+                     limit: int) -> builtins.list[Record]:
+        if not statuses or limit <= 0:
+            return []
+        marks = ", ".join("?" * len(statuses))
+        rows = self._db.execute(
+            f"SELECT {_COLUMNS} FROM trio_llm_records WHERE kind = ? AND status IN ({marks}) "
+            "AND expires_at > ? ORDER BY created_at, seq LIMIT ?",
+            (kind, *statuses, self._now(), limit))
         return [_record(row) for row in rows]
 
     async def append_events(self, kind: str, owner: str, id: str, events: builtins.list[bytes]) -> int:
