@@ -8,7 +8,8 @@ feeds bytes to the HTTP protocol, and ``protocol_send`` that the protocol calls 
 bytes to write. Upstream, every write takes a lock, opens a shielded cancel scope and goes
 through ``SocketStream.send_all``: two trips through Trio's scheduler and a handful of
 context managers per write. For a server whose responses are thousands of small SSE writes
-a second, that was a third of the frontend's CPU (``docs/benchmarks.md``).
+a second, the write (lock, shielded scope, ``send_all``) was 42 % of the frontend's CPU in
+a profile of 128 streams (docs/changelog.md, 2026-11-30, "Where the CPU goes").
 
 :class:`ServingConnection` is used only by :mod:`server.connections.accept` for this server's own
 listeners (no hypercorn module is changed). It overrides the public hooks that
