@@ -191,6 +191,9 @@ class ServerConfig:
     state_retention: int = 30 * 24 * 3600
     state_max_bytes: int = 4 * 1024**3
     state_max_bytes_per_key: int = 0
+    #: Background responses (``background: true``) one frontend runs at once; past it a
+    #: new one is a 503 (docs/api.md).
+    max_background_responses: int = 64
     #: Seconds a request may run before the server aborts it (None: no limit).
     request_timeout: float | None = None
     #: Requests in flight beyond which new ones get a 503 (None: no limit).

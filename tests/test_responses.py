@@ -257,7 +257,7 @@ async def test_function_calls_and_history_with_the_sdk():
         assert turn2.usage.input_tokens > r.usage.input_tokens
         assert turn2.output[0].type == "message"  # tool_choice none: never parsed
         # refusals over HTTP: 400s naming the field
-        for kwargs, param in [({"background": True}, "background"),
+        for kwargs, param in [({"background": True, "store": False}, "background"),
                               ({"extra_body": {"nope": 1}}, "nope"),
                               ({"tool_choice": "required"}, "tool_choice"),
                               ({"text": {"format": {"type": "json_schema", "name": "x"}}},

@@ -67,7 +67,7 @@ SERVED = {
     ("GET", "/v1/files/<file_id>/content"), ("DELETE", "/v1/files/<file_id>"),
     # stored responses (server.http.responses_read)
     ("GET", "/v1/responses/<response_id>"), ("GET", "/v1/responses/<response_id>/input_items"),
-    ("DELETE", "/v1/responses/<response_id>"),
+    ("DELETE", "/v1/responses/<response_id>"), ("POST", "/v1/responses/<response_id>/cancel"),
 }
 
 

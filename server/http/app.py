@@ -62,6 +62,7 @@ from .cors import CORSPolicy
 from ..openai.encode import dumps
 from ..connections.accept import connection_info
 from .models import ModelTable, Pool
+from .responses_background import BackgroundResponses, BackgroundService
 from .routes import quart_routes, raw_routes
 
 __all__ = ["LLMServerApp", "create_app"]
@@ -135,6 +136,8 @@ class LLMServerApp(QuartTrio):
         #: The state store (server.state: stored responses, files), open for the server's
         #: lifetime in the lifespan's nursery: ``state_store``.
         self.state = StateService(state_config(config))
+        #: Background responses (server.http.responses_background): ``background``.
+        self._background = BackgroundService(self)
         self.metrics.registry.register(StateStoreCollector(
             lambda: None if self.state.store is None else self.state.store.statistics(),
             self.models.pools[0].name))
@@ -157,6 +160,11 @@ class LLMServerApp(QuartTrio):
     def state_store(self) -> StateStore | None:
         """The state store while the server serves (docs/state.md); else None."""
         return self.state.store
+
+    @property
+    def background(self) -> BackgroundResponses | None:
+        """The background responses' service while the server serves with a store."""
+        return self._background.responses
 
     def require_engine(self) -> Engine:
         """The (first) model's engine, or ServiceUnavailable while it is not running."""
@@ -309,6 +317,8 @@ class LLMServerApp(QuartTrio):
         except StateStoreError as exc:  # a configuration error: the server stops
             log.error("%s", exc)
             self._fail(exc)
+            return
+        await self._background.start(self._engine_nursery, self.state.store)
 
     async def _start_engine(self) -> None:
         if not self._owns_engine or self.fatal.is_set():
@@ -413,6 +423,7 @@ class LLMServerApp(QuartTrio):
         self.before_serving(self._open_state_store)
         self.before_serving(self._start_engine)
         self.after_serving(self.stop_engine)
+        self.after_serving(self._background.stop)  # (its jobs' last writes need the store)
         self.after_serving(self.state.stop)  # after the engine: its last writes are stored
 
         for route in quart_routes(self.server_config):

@@ -112,6 +112,7 @@ async def handle_generate(
     """
     config = app.server_config
     answer = Answer(send, headers, record)
+    queued = None
     try:
         body = await read_json_post(app, scope, receive)
         if body is None:
@@ -134,21 +135,24 @@ async def handle_generate(
             raise refused
         if None in req.echoed:
             req = await echo_texts(engine, req)
-        stream = engine.generate_many(
-            req.prompts, req.params, timeout=config.request_timeout, errors_as_outputs=True,
-            adapter=adapter, queue_timeout=app.models.of_engine(engine).max_queue_time,
-        )
-        record.dispatched(req.stream, stream.choices)
+        response_id = _response_id(record, req, scope, route, chat)
+        if getattr(req, "background", False):  # (run by the app's service: responses_write)
+            queued = await route.start_background(app, req, engine, adapter, response_id,
+                                                  model_name)
+        else:
+            stream = engine.generate_many(
+                req.prompts, req.params, timeout=config.request_timeout,
+                errors_as_outputs=True, adapter=adapter,
+                queue_timeout=app.models.of_engine(engine).max_queue_time,
+            )
+            record.dispatched(req.stream, stream.choices)
     except Exception as exc:
         await answer.error(*await refusal(exc, scope, receive, config,
                                           "before the response started"))
         return
-    # The client's X-Request-Id, else the body's request_id (vLLM's order), else ours.
-    base = record.request_id
-    if req.request_id is not None and not request_id_from_header(header(scope, b"x-request-id"))[1]:
-        base = req.request_id
-    prefix = route.id_prefix if route is not None else "chatcmpl-" if chat else "cmpl-"
-    response_id = prefix + base
+    if queued is not None:
+        await route.answer_background(app, answer, receive, req, queued)
+        return
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, record)
@@ -176,6 +180,16 @@ async def handle_generate(
                 nursery.cancel_scope.cancel()
     finally:
         record.ended(stream, req.params.n, req.params.max_tokens)
+
+
+def _response_id(record: RequestRecord, req, scope: dict, route, chat: bool) -> str:
+    """The client's X-Request-Id, else the body's request_id (vLLM's order), else ours;
+    after the route's prefix."""
+    base = record.request_id
+    if req.request_id is not None and not request_id_from_header(header(scope, b"x-request-id"))[1]:
+        base = req.request_id
+    prefix = route.id_prefix if route is not None else "chatcmpl-" if chat else "cmpl-"
+    return prefix + base
 
 
 async def echo_texts(engine, req):

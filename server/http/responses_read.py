@@ -1,7 +1,8 @@
 """The stored responses' routes (Quart routes of :mod:`server.http.routes`, behind the API-key
 check): ``GET /v1/responses/{id}`` (the Response object, or with ``stream=true`` its events
-replayed from ``starting_after``), ``GET /v1/responses/{id}/input_items`` and
-``DELETE /v1/responses/{id}``.
+replayed from ``starting_after``, followed until it ends while a background response
+runs), ``GET /v1/responses/{id}/input_items``, ``DELETE /v1/responses/{id}`` and
+``POST /v1/responses/{id}/cancel`` (:mod:`server.http.responses_background`).
 
 Every read takes the request's owner (:mod:`server.http.owners`): a response another key
 stored, one stored with ``store: false`` (never kept), an expired or a deleted one are the
@@ -24,7 +25,7 @@ from .owners import request_owner
 from .post import off_loop
 from .responses_store import KIND, not_found, state_store
 
-__all__ = ["delete_response", "input_items", "retrieve_response"]
+__all__ = ["cancel_response", "delete_response", "input_items", "retrieve_response"]
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -86,10 +87,25 @@ async def retrieve_response(app, response_id: str) -> Response:
     if not stream:
         response, _ = await off_loop(len(record.body), response_of, record.body)
         return _json(dumps(response))
-    events = await state_store(app).read_events(  # type: ignore[union-attr]
-        KIND, record.owner, response_id, after=-1 if after is None else int(after))
-    return Response(b"".join(events), status=200, headers=_SSE_HEADERS,
+    start = -1 if after is None else int(after)
+    background = app.background
+    if background is None or not record.meta.get("background"):
+        events = await state_store(app).read_events(  # type: ignore[union-attr]
+            KIND, record.owner, response_id, after=start)
+        body = b"".join(events)
+    else:  # (followed as it is made: on any frontend, through the store)
+        body = background.follow(record, start)
+    return Response(body, status=200, headers=_SSE_HEADERS,
                     content_type="text/event-stream; charset=utf-8")
+
+
+async def cancel_response(app, response_id: str) -> Response:
+    """Cancel a queued or in-progress background response: the cancelled Response object
+    (server.http.responses_background)."""
+    _query(())
+    if app.background is None:
+        raise not_found(response_id)
+    return _json(await app.background.cancel(_owner(app), response_id))
 
 
 async def input_items(app, response_id: str) -> Response:

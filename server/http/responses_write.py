@@ -13,25 +13,30 @@ raises an ``APIError``).
 
 With a state store, parsing reads the earlier turn a ``previous_response_id`` names, and a
 request with ``store`` keeps its answer when it ends, before the last byte
-(:mod:`server.http.responses_store`).
+(:mod:`server.http.responses_store`). A ``background`` request is not run here: the app's
+service runs it (:mod:`server.http.responses_background`), and the request answers the
+queued object, or follows its events for ``stream``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from functools import partial
 
-from ..errors import EngineError
+import trio
+
+from ..errors import EngineError, ServiceUnavailable
 from .answer import failure, started, stream_started, tokens_arrived, whole_failure
 from ..openai.encode import dumps
-from .asgi import header
+from .asgi import header, watch_disconnect
 from .owners import request_owner
 from .post import off_loop
 from ..openai.responses import ResponsesRequest, read_responses, translate_responses
 from ..openai.responses_events import ResponseEvents, new_response, response_usage
-from .responses_store import keep_response, previous_context, state_store
+from .responses_store import KIND, keep_response, previous_context, state_store
 
 __all__ = ["ROUTE", "PATH"]
 
@@ -83,6 +88,39 @@ class ResponsesRoute:
                                 keep)
         else:
             await _write_full(answer, stream, events, keep)
+
+
+    @staticmethod
+    async def start_background(app, req: ResponsesRequest, engine, adapter, response_id: str,
+                               model: str) -> bytes:
+        """Store a ``background`` request's response and start it in the app's service
+        (server.http.responses_background): the queued Response object."""
+        background = app.background
+        if background is None:  # (read_responses refused it without a store: shutting down)
+            raise ServiceUnavailable("The server is shutting down.", code="shutting_down")
+        return await background.start(req, engine, adapter, response_id, model)
+
+    @staticmethod
+    async def answer_background(app, answer, receive, req: ResponsesRequest,
+                                queued: bytes) -> None:
+        """The queued Response object; for ``stream`` its events as they are made (the
+        client going away ends the stream, not the response)."""
+        if not req.stream:
+            await answer.json(queued)
+            return
+        background = app.background
+        record = None
+        if background is not None:
+            record = await background.store.get(KIND, req.owner, json.loads(queued)["id"])
+        await answer.start_stream()
+        if record is not None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch_disconnect, receive, nursery.cancel_scope)
+                async for events in background.follow(record, -1):  # type: ignore[union-attr]
+                    await answer.send({"type": "http.response.body", "body": events,
+                                       "more_body": True})
+                nursery.cancel_scope.cancel()
+        await answer.last(b"")
 
 
 ROUTE = ResponsesRoute()

@@ -36,7 +36,7 @@ from .embeddings import handle_embeddings
 from .files import delete_file, file_content, retrieve_file, serve_files
 from .generate import serve_generation
 from .invocations import handle_invocations
-from .responses_read import delete_response, input_items, retrieve_response
+from .responses_read import cancel_response, delete_response, input_items, retrieve_response
 from .responses_write import ROUTE as RESPONSES
 from .tokenize import handle_tokenize
 
@@ -87,6 +87,7 @@ TABLE: tuple[Route, ...] = (
     Route("/v1/responses/<response_id>", retrieve_response, ("GET",), raw=False),
     Route("/v1/responses/<response_id>/input_items", input_items, ("GET",), raw=False),
     Route("/v1/responses/<response_id>", delete_response, ("DELETE",), raw=False),
+    Route("/v1/responses/<response_id>/cancel", cancel_response, ("POST",), raw=False),
     # the small GETs, served by Quart (server.http.info)
     _get("/health", info.health),
     _get("/ready", info.ready),

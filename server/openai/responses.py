@@ -15,8 +15,9 @@ sent (``text.format``, ``input[2].content``, ``tools[0].parameters``).
 
 What the chat route has no counterpart for is decided here: fields nobody defines are a
 400 naming them (``unknown_parameter``, as OpenAI answers on this route), and the stateful
-features this server does not have (``background``, ``conversation``, stored ``prompt``
-templates) are refused by name. ``docs/api.md`` has the table.
+features this server does not have (``conversation``, stored ``prompt`` templates) are
+refused by name; ``background`` needs ``store`` (:mod:`server.http.responses_background`).
+``docs/api.md`` has the table.
 
 Stored responses (``store``, ``previous_response_id``) take two steps, so that the route
 can read the earlier response from the state store between them
@@ -51,12 +52,11 @@ __all__ = ["HONOURED", "REFUSED", "ResponsesRequest", "parse_responses", "read_r
 HONOURED = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
     "reasoning", "max_output_tokens", "temperature", "top_p", "stream", "user", "metadata",
-    "safety_identifier", "fault", "store", "previous_response_id",
+    "safety_identifier", "fault", "store", "previous_response_id", "background",
 })
 
 #: OpenAI's fields this server does not honour: field -> (values that mean "not used", why).
 REFUSED: dict[str, tuple[tuple, str]] = {
-    "background": ((None, False), "a response runs while its request is open"),
     "conversation": ((None,), "this server keeps no conversations"),
     "prompt": ((None,), "this server keeps no prompt templates"),
     "include": ((None, []), "no extra outputs (logprobs, encrypted reasoning) are made"),
@@ -98,6 +98,8 @@ class ResponsesRequest:
     items: list = field(default_factory=list)
     #: Who keeps it (server.state.owner_of the request's API key; set by the route).
     owner: str = ""
+    #: Run in the server's background service (server.http.responses_background).
+    background: bool = False
 
     @property
     def prompts(self) -> list:
@@ -407,6 +409,14 @@ def read_responses(body: bytes, can_store: bool) -> dict:
     if store and not can_store:
         raise _refuse("store", _NO_STORE)
     data["store"] = can_store if store is None else store
+    background = data.get("background")
+    if background is not None and not isinstance(background, bool):
+        raise ClientError("'background' must be a boolean.", param="background")
+    if background and not data["store"]:
+        raise ClientError("'background' needs the response stored: send 'store' true "
+                          "(or leave it out)" + ("" if can_store else f"; {_NO_STORE}") + ".",
+                          param="background")
+    data["background"] = bool(background)
     previous = data.get("previous_response_id")
     if previous is not None:
         if not isinstance(previous, str) or not previous:
@@ -486,9 +496,11 @@ def translate_responses(
         "user": data.get("user"),
         "store": data["store"],
         "previous_response_id": data.get("previous_response_id"),
+        "background": data.get("background", False),
     }
     items = context + input_items(data["input"]) if data["store"] else []
-    return ResponsesRequest(req, echo, store=data["store"], items=items)
+    return ResponsesRequest(req, echo, store=data["store"], items=items,
+                            background=data.get("background", False))
 
 
 def _echo_choice(choice) -> object:

@@ -1,0 +1,289 @@
+"""Background responses end to end with the openai SDK on the sim (issue 44 item 3):
+``background: true`` answered at once ``queued``, polled with ``responses.retrieve`` until it
+ends, cancelled with ``responses.cancel`` (its engine request aborted once), a background
+stream left and resumed with ``retrieve(stream=True, starting_after=N)`` to its end; two
+servers on one ``--state-dir`` (two frontends sharing the store: one follows and cancels
+what the other runs); another key's response a 404; on SQLite and PostgreSQL. A server
+SIGKILLed in the middle of one leaves it ``in_progress`` only until its lease expires: the
+next server on the same ``--state-dir`` marks it ``failed``; a server that stops (drain)
+marks its own failed at once. Real time, bounded by ``trio.fail_after``."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import os
+import signal
+
+import httpx
+import openai
+import pytest
+import trio
+
+from server.config import EngineConfig, ServerConfig
+from server.http.app import create_app
+from server.http.responses_background import LEASE_S, SWEEP_S
+from server.http.serve import serve
+from tests.conftest import FAST_SIM, ServerURL, running_server, wait_http_ok
+from tests.postgres_server import find_binaries, start_postgres
+from tests.remote import supervised
+
+TIMEOUT_S = 60
+#: Tokens of a response that must be cancelled, not run to its end (a minute at the sim's
+#: 2 ms a token, in a context of 2**20: the engine is idle after the test only if it was
+#: aborted). The killed server's (the default 8192-token context) takes 16 s.
+LONG = 30_000
+LONG_SIM = EngineConfig(engine_options={**FAST_SIM, "max_model_len": 1 << 20})
+_databases = itertools.count()
+
+
+def client_of(url: str, key: str = "x") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def postgres_server():
+    bin_dir = find_binaries()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL is not installed (no initdb/pg_ctl under /usr/lib/postgresql "
+                    "or on PATH)")
+    pytest.importorskip("psycopg", reason="psycopg 3 is not installed (the state-postgres extra)")
+    server = start_postgres(bin_dir)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_options(request, tmp_path) -> dict:
+    """Where a test's servers keep their state: one --state-dir, or one PostgreSQL database."""
+    if request.param == "sqlite":
+        return {"state_dir": str(tmp_path / "state")}
+    server = request.getfixturevalue("postgres_server")
+    import psycopg
+
+    name = f"bg{next(_databases)}"
+    with psycopg.connect(server.url(), autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return {"state_url": server.url(name)}
+
+
+async def wait_status(client: openai.AsyncOpenAI, response_id: str, statuses: tuple):
+    """Poll ``retrieve`` until the response's status is one of ``statuses``."""
+    while (got := await client.responses.retrieve(response_id)).status not in statuses:
+        assert got.status in ("queued", "in_progress"), got
+        await trio.sleep(0.05)
+    return got
+
+
+async def wait_idle(app) -> None:
+    while app.background.statistics().running:
+        await trio.sleep(0.05)
+
+
+def texts(events) -> str:
+    return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+async def test_polled_to_its_end_and_its_stream_resumed(store_options):
+    async with running_server(LONG_SIM, **store_options) as url:
+        client = client_of(url)
+        with trio.fail_after(TIMEOUT_S):
+            queued = await client.responses.create(model="sim", input="Hello there",
+                                                   background=True, max_output_tokens=40)
+            assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+            done = await wait_status(client, queued.id, ("incomplete", "completed"))
+            assert done.background and done.output_text and done.usage.output_tokens == 40
+            replayed = [e async for e in await client.responses.retrieve(queued.id, stream=True)]
+            assert [e.sequence_number for e in replayed] == list(range(len(replayed)))
+            assert replayed[-1].type == "response.incomplete"
+            assert replayed[-1].response.model_dump() == done.model_dump()
+            assert texts(replayed) == done.output_text
+
+            # a background stream: read a few events, leave; the response runs on
+            stream = await client.responses.create(model="sim", input="Stream it",
+                                                   background=True, stream=True,
+                                                   max_output_tokens=300)
+            seen = []
+            async for event in stream:
+                seen.append(event)
+                if len(seen) == 5:
+                    break
+            await stream.close()
+            rid = seen[0].response.id
+            assert seen[0].type == "response.created" and seen[0].response.background
+            tail = [e async for e in await client.responses.retrieve(
+                rid, stream=True, starting_after=seen[-1].sequence_number)]
+            events = seen + tail
+            assert [e.sequence_number for e in events] == list(range(len(events)))
+            assert events[-1].type == "response.incomplete"
+            final = await client.responses.retrieve(rid)
+            assert final.status == "incomplete" and texts(events) == final.output_text
+            assert final.usage.output_tokens == 300
+
+
+async def test_cancel_aborts_the_engine_request_once(store_options):
+    async with running_server(LONG_SIM, **store_options) as url:
+        client = client_of(url)
+        app = url.app
+        with trio.fail_after(TIMEOUT_S):
+            r = await client.responses.create(model="sim", input="Go on", background=True,
+                                              max_output_tokens=LONG)
+            await wait_status(client, r.id, ("in_progress",))
+            # a follower sees it end when it is cancelled
+            async with trio.open_nursery() as nursery:
+                followed: list = []
+
+                async def follow() -> None:
+                    async for e in await client.responses.retrieve(r.id, stream=True):
+                        followed.append(e)
+
+                nursery.start_soon(follow)
+                while len(followed) < 4:
+                    await trio.sleep(0.01)
+                cancels = []
+
+                async def cancel() -> None:
+                    cancels.append(await client.responses.cancel(r.id))
+
+                for _ in range(3):  # (at once: one of them stops it)
+                    nursery.start_soon(cancel)
+            assert [c.status for c in cancels] == ["cancelled"] * 3
+            assert followed[0].type == "response.created"
+            await wait_idle(app)
+            assert app.background.statistics().aborted == 1
+            got = await client.responses.retrieve(r.id)
+            assert (got.status, got.background) == ("cancelled", True)
+            assert (await client.responses.cancel(r.id)).status == "cancelled"  # idempotent
+            # only a queued or running background response can be cancelled
+            stored = await client.responses.create(model="sim", input="x", max_output_tokens=2)
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.responses.cancel(stored.id)
+            assert caught.value.body["code"] == "not_background"
+            ended = await client.responses.create(model="sim", input="x", background=True,
+                                                  max_output_tokens=2)
+            await wait_status(client, ended.id, ("incomplete",))
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.responses.cancel(ended.id)
+            assert caught.value.body["code"] == "response_already_ended"
+            assert app.background.statistics().aborted == 1
+        # (running_server's end checks that the engine is idle: the request was aborted)
+
+
+async def test_two_servers_on_one_store_follow_and_cancel_each_others(store_options):
+    async with running_server(LONG_SIM, **store_options) as a_url, \
+            running_server(LONG_SIM, **store_options) as b_url:
+        a, b = client_of(a_url), client_of(b_url)
+        with trio.fail_after(TIMEOUT_S):
+            r = await a.responses.create(model="sim", input="Far away", background=True,
+                                         max_output_tokens=LONG)
+            # b follows a's events through the store
+            stream = await b.responses.retrieve(r.id, stream=True)
+            seen = []
+            async for event in stream:
+                seen.append(event)
+                if len(seen) == 10:
+                    break
+            await stream.close()
+            assert [e.sequence_number for e in seen] == list(range(10))
+            # b's cancel reaches a's job through the store: a aborts it
+            assert (await b.responses.cancel(r.id)).status == "cancelled"
+            await wait_idle(a_url.app)
+            assert a_url.app.background.statistics().aborted == 1
+            assert b_url.app.background.statistics().aborted == 0
+            assert (await a.responses.retrieve(r.id)).status == "cancelled"
+
+
+async def test_another_keys_background_response_is_a_404():
+    async with running_server(LONG_SIM, api_keys=("key-a", "key-b")) as url:
+        a, b = client_of(url, "key-a"), client_of(url, "key-b")
+        with trio.fail_after(TIMEOUT_S):
+            r = await a.responses.create(model="sim", input="mine", background=True,
+                                         max_output_tokens=LONG)
+            for call in (b.responses.retrieve(r.id), b.responses.cancel(r.id),
+                         b.responses.retrieve(r.id, stream=True)):
+                with pytest.raises(openai.NotFoundError):
+                    await call
+            assert (await a.responses.cancel(r.id)).status == "cancelled"
+            await wait_idle(url.app)
+
+
+async def test_refusals_name_the_field():
+    async with running_server(LONG_SIM, max_background_responses=1) as url:
+        client = client_of(url)
+        async with httpx.AsyncClient(base_url=url) as http:
+            for body in ({"background": True, "store": False}, {"background": "yes"}):
+                r = await http.post("/v1/responses", json={"input": "x", **body})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+            # one at a time here: the second is a 503 saying so
+            first = await client.responses.create(model="sim", input="x", background=True,
+                                                  max_output_tokens=LONG)
+            r = await http.post("/v1/responses", json={"input": "x", "background": True})
+            assert r.status_code == 503
+            assert r.json()["error"]["code"] == "too_many_background_responses"
+            await client.responses.cancel(first.id)
+            await wait_idle(url.app)
+    async with running_server(state_store=False) as url:
+        async with httpx.AsyncClient(base_url=url) as http:
+            r = await http.post("/v1/responses", json={"input": "x", "background": True})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+
+
+async def test_a_draining_server_marks_what_it_did_not_finish_failed(tmp_path):
+    """The drain (shutdown_timeout) lets a short response finish and aborts a long one:
+    that one is ``failed``, saying the server stopped, never left in progress."""
+    state = {"state_dir": str(tmp_path / "state")}
+    cfg = ServerConfig(engine=LONG_SIM, host="127.0.0.1", port=0, shutdown_timeout=1.0,
+                       close_timeout=0.2, **state)
+    app = create_app(cfg)
+    shutdown = trio.Event()
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(functools.partial(serve, cfg, app=app,
+                                                          shutdown_trigger=shutdown))
+            url = ServerURL(binds[0])
+            await wait_http_ok(url + "/health")
+            client = client_of(url)
+            long = await client.responses.create(model="sim", input="x", background=True,
+                                                 max_output_tokens=LONG)
+            await wait_status(client, long.id, ("in_progress",))
+            short = await client.responses.create(model="sim", input="x", background=True,
+                                                  max_output_tokens=5)
+            await wait_status(client, short.id, ("in_progress", "incomplete"))
+            shutdown.set()
+    async with running_server(**state) as url:
+        client = client_of(url)
+        assert (await client.responses.retrieve(short.id)).status == "incomplete"
+        got = await client.responses.retrieve(long.id)
+        assert got.status == "failed" and got.error.code == "shutting_down"
+        replayed = [e async for e in await client.responses.retrieve(long.id, stream=True)]
+        assert replayed[-1].type == "response.failed"
+        assert [e.sequence_number for e in replayed] == list(range(len(replayed)))
+
+
+async def test_a_killed_server_leaves_its_response_failed_after_a_restart(tmp_path):
+    state = str(tmp_path / "state")
+    async with supervised(tmp_path, "--state-dir", state) as sup:
+        client = client_of(sup.url)  # (two frontends: either may take each request)
+        r = await client.responses.create(model="sim", input="x", background=True,
+                                          max_output_tokens=8000)
+        with trio.fail_after(TIMEOUT_S):
+            await wait_status(client, r.id, ("in_progress",))
+        frontends, workers = sup.children()
+        sup.proc.kill()  # (the supervisor, its frontends and workers: nothing stops cleanly)
+        for pid in [*frontends.values(), *workers]:
+            os.kill(pid, signal.SIGKILL)
+        await sup.proc.wait()
+    async with running_server(state_dir=state) as url:
+        client = client_of(url)
+        with trio.fail_after(TIMEOUT_S + LEASE_S + SWEEP_S):
+            got = await wait_status(client, r.id, ("failed",))
+        assert got.error.code == "server_stopped"
+        assert "stopped before it finished" in got.error.message
+        replayed = [e async for e in await client.responses.retrieve(r.id, stream=True)]
+        assert [e.sequence_number for e in replayed] == list(range(len(replayed)))
+        assert replayed[-1].type == "response.failed"
+        assert replayed[-1].response.status == "failed"
+        body = json.loads((await httpx.AsyncClient().get(
+            f"{url}/v1/responses/{r.id}")).content)
+        assert body["status"] == "failed"
