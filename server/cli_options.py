@@ -149,6 +149,10 @@ OPTIONS: tuple[Option, ...] = (
                into=("server.state_max_bytes_per_key",),
                help="each API key's share of the state (bytes, or with K, M, G, T; 0: no "
                "quota); a write past it is refused (413)"),
+        Option("--max-background-responses", metavar="N", type=int, bounds=COUNT, default=64,
+               into=("server.max_background_responses",),
+               help="background responses ('background': true) this frontend runs at once; "
+               "past it a new one is a 503 (docs/api.md)"),
     ),
     *ENGINE_OPTIONS,
     *_frontend(

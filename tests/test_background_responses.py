@@ -81,6 +81,18 @@ async def wait_idle(app) -> None:
         await trio.sleep(0.05)
 
 
+async def scrape(url: str) -> str:
+    async with httpx.AsyncClient() as http:
+        return (await http.get(url + "/metrics")).text
+
+
+def metric(exposition: str, name: str) -> float:
+    """The one sample of ``trio_llm:background_responses_<name>``."""
+    (value,) = [float(line.rsplit(" ", 1)[1]) for line in exposition.splitlines()
+                if line.startswith(f"trio_llm:background_responses_{name}{{")]
+    return value
+
+
 def texts(events) -> str:
     return "".join(e.delta for e in events if e.type == "response.output_text.delta")
 
@@ -130,6 +142,7 @@ async def test_cancel_aborts_the_engine_request_once(store_options):
             r = await client.responses.create(model="sim", input="Go on", background=True,
                                               max_output_tokens=LONG)
             await wait_status(client, r.id, ("in_progress",))
+            assert metric(await scrape(url), "running") == 1
             # a follower sees it end when it is cancelled
             async with trio.open_nursery() as nursery:
                 followed: list = []
@@ -152,6 +165,8 @@ async def test_cancel_aborts_the_engine_request_once(store_options):
             assert followed[0].type == "response.created"
             await wait_idle(app)
             assert app.background.statistics().aborted == 1
+            exposition = await scrape(url)
+            assert (metric(exposition, "running"), metric(exposition, "aborted_total")) == (0, 1)
             got = await client.responses.retrieve(r.id)
             assert (got.status, got.background) == ("cancelled", True)
             assert (await client.responses.cancel(r.id)).status == "cancelled"  # idempotent
@@ -192,6 +207,20 @@ async def test_two_servers_on_one_store_follow_and_cancel_each_others(store_opti
             assert a_url.app.background.statistics().aborted == 1
             assert b_url.app.background.statistics().aborted == 0
             assert (await a.responses.retrieve(r.id)).status == "cancelled"
+
+
+async def test_a_deleted_running_response_is_aborted():
+    async with running_server(LONG_SIM) as url:
+        client = client_of(url)
+        with trio.fail_after(TIMEOUT_S):
+            r = await client.responses.create(model="sim", input="x", background=True,
+                                              max_output_tokens=LONG)
+            await wait_status(client, r.id, ("in_progress",))
+            await client.responses.delete(r.id)
+            await wait_idle(url.app)  # (its next lease renewal finds it gone)
+            assert url.app.background.statistics().aborted == 1
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.retrieve(r.id)
 
 
 async def test_another_keys_background_response_is_a_404():

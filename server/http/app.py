@@ -62,7 +62,7 @@ from .cors import CORSPolicy
 from ..openai.encode import dumps
 from ..connections.accept import connection_info
 from .models import ModelTable, Pool
-from .responses_background import BackgroundResponses, BackgroundService
+from .responses_background import BackgroundCollector, BackgroundResponses, BackgroundService
 from .routes import quart_routes, raw_routes
 
 __all__ = ["LLMServerApp", "create_app"]
@@ -138,6 +138,8 @@ class LLMServerApp(QuartTrio):
         self.state = StateService(state_config(config))
         #: Background responses (server.http.responses_background): ``background``.
         self._background = BackgroundService(self)
+        self.metrics.registry.register(BackgroundCollector(self._background,
+                                                           self.models.pools[0].name))
         self.metrics.registry.register(StateStoreCollector(
             lambda: None if self.state.store is None else self.state.store.statistics(),
             self.models.pools[0].name))

@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 
 import trio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..errors import ClientError, EngineError, ServerError, ServiceUnavailable, printable
 from ..openai.encode import dumps
@@ -52,8 +53,8 @@ from .answer import failure
 from .owners import store_error
 from .responses_store import KIND, not_found
 
-__all__ = ["BackgroundResponses", "BackgroundService", "BackgroundStatistics", "LEASE_S", "POLL_S", "RENEW_S",
-           "SWEEP_S"]
+__all__ = ["BackgroundCollector", "BackgroundResponses", "BackgroundService",
+           "BackgroundStatistics", "LEASE_S", "POLL_S", "RENEW_S", "SWEEP_S"]
 
 log = logging.getLogger("server.http")
 
@@ -429,3 +430,33 @@ class BackgroundService:
         if self._stopped is not None:
             with trio.CancelScope(shield=True):
                 await self._stopped.wait()
+
+
+class BackgroundCollector:
+    """``/metrics``: ``trio_llm:background_responses_running`` (a gauge) and
+    ``trio_llm:background_responses_aborted`` (a counter) of this frontend's service, read at
+    scrape time; no series while it does not run. Labelled as the state store's are."""
+
+    def __init__(self, service: BackgroundService, model_name: str) -> None:
+        self._service = service
+        self._labels = [model_name]
+
+    def describe(self) -> list:
+        return []  # (registered before the service starts)
+
+    def collect(self):
+        responses = self._service.responses
+        if responses is None:
+            return
+        stats = responses.statistics()
+        running = GaugeMetricFamily("trio_llm:background_responses_running",
+                                    "Background responses this frontend runs now.",
+                                    labels=["model_name"])
+        running.add_metric(self._labels, stats.running)
+        yield running
+        aborted = CounterMetricFamily(
+            "trio_llm:background_responses_aborted",
+            "Background responses stopped by a cancel, a delete or a lost lease (each its "
+            "engine request's one abort).", labels=["model_name"])
+        aborted.add_metric(self._labels, stats.aborted)
+        yield aborted
