@@ -39,6 +39,10 @@ async def test_every_row_of_the_table_is_served_at_its_path(tokenizer_info):
                     assert r.status == 404, path
                     assert r.json()["error"]["message"] == "No such File object: sim", path
                     continue
+                if "<batch_id>" in route.path:  # (the batch's 404, not the route's)
+                    assert r.status == 404, path
+                    assert r.json()["error"]["message"] == "No such Batch object: sim", path
+                    continue
                 if "<response_id>" in route.path:  # (the response's 404, not the route's)
                     assert r.status == 404, path
                     assert r.json()["error"]["message"] == "No response with id 'sim' was found."
@@ -65,6 +69,9 @@ SERVED = {
     # and since: the Files API (server.http.files)
     ("GET", "/v1/files"), ("POST", "/v1/files"), ("GET", "/v1/files/<file_id>"),
     ("GET", "/v1/files/<file_id>/content"), ("DELETE", "/v1/files/<file_id>"),
+    # the Batch API (server.http.batches)
+    ("GET", "/v1/batches"), ("POST", "/v1/batches"), ("GET", "/v1/batches/<batch_id>"),
+    ("POST", "/v1/batches/<batch_id>/cancel"),
     # stored responses (server.http.responses_read)
     ("GET", "/v1/responses/<response_id>"), ("GET", "/v1/responses/<response_id>/input_items"),
     ("DELETE", "/v1/responses/<response_id>"), ("POST", "/v1/responses/<response_id>/cancel"),

@@ -38,6 +38,7 @@ from quart import Response
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from ..batches.service import BatchService
 from ..config import ServerConfig
 from ..errors import (
     ClientError,
@@ -138,6 +139,8 @@ class LLMServerApp(QuartTrio):
         self.state = StateService(state_config(config))
         #: Background responses (server.http.responses_background): ``background``.
         self._background = BackgroundService(self)
+        #: The Batch API's runner (server.batches): ``batches``.
+        self._batches = BatchService(self)
         self.metrics.registry.register(BackgroundCollector(self._background,
                                                            self.models.pools[0].name))
         self.metrics.registry.register(StateStoreCollector(
@@ -167,6 +170,12 @@ class LLMServerApp(QuartTrio):
     def background(self) -> BackgroundResponses | None:
         """The background responses' service while the server serves with a store."""
         return self._background.responses
+
+    @property
+    def batches(self):
+        """The batch runner (server.batches.BatchRunner) while the server serves with a
+        store; else None."""
+        return self._batches.runner
 
     def require_engine(self) -> Engine:
         """The (first) model's engine, or ServiceUnavailable while it is not running."""
@@ -321,6 +330,7 @@ class LLMServerApp(QuartTrio):
             self._fail(exc)
             return
         await self._background.start(self._engine_nursery, self.state.store)
+        await self._batches.start(self._engine_nursery, self.state.store)
 
     async def _start_engine(self) -> None:
         if not self._owns_engine or self.fatal.is_set():
@@ -424,6 +434,7 @@ class LLMServerApp(QuartTrio):
     def _routes(self) -> None:
         self.before_serving(self._open_state_store)
         self.before_serving(self._start_engine)
+        self.after_serving(self._batches.stop)  # (before the drain: lines do not hold it)
         self.after_serving(self.stop_engine)
         self.after_serving(self._background.stop)  # (its jobs' last writes need the store)
         self.after_serving(self.state.stop)  # after the engine: its last writes are stored

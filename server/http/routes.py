@@ -31,6 +31,7 @@ from typing import Callable
 from ..config import ServerConfig
 from . import info
 from .adapters import handle_lora
+from .batches import cancel_batch, retrieve_batch, serve_batches
 from .chat_batch import ROUTE as CHAT_BATCH
 from .embeddings import handle_embeddings
 from .files import delete_file, file_content, retrieve_file, serve_files
@@ -83,6 +84,10 @@ TABLE: tuple[Route, ...] = (
     Route("/v1/files/<file_id>", retrieve_file, ("GET",), raw=False),
     Route("/v1/files/<file_id>/content", file_content, ("GET",), raw=False),
     Route("/v1/files/<file_id>", delete_file, ("DELETE",), raw=False),
+    # the Batch API (server.http.batches; server.batches runs them)
+    Route("/v1/batches", serve_batches, ("GET", "POST")),
+    Route("/v1/batches/<batch_id>", retrieve_batch, ("GET",), raw=False),
+    Route("/v1/batches/<batch_id>/cancel", cancel_batch, ("POST",), raw=False),
     # stored responses (server.http.responses_read)
     Route("/v1/responses/<response_id>", retrieve_response, ("GET",), raw=False),
     Route("/v1/responses/<response_id>/input_items", input_items, ("GET",), raw=False),

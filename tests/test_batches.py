@@ -1,0 +1,259 @@
+"""The Batch API (/v1/batches; server/http/batches.py, server/batches/): the create body's
+and the list's refusals (sans-IO), then the openai SDK end to end through a real server on
+the sim, on SQLite and PostgreSQL: files.create, batches.create to completion polled with
+batches.retrieve, the output and error files read with files.content and matched by
+custom_id, cancel, list, another key's 404; and a server SIGKILLed in the middle of a batch
+whose restart on the same --state-dir finishes it with every line exactly once."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import openai
+import pytest
+import trio
+
+from server.batches.objects import parse_create, parse_list_query
+from server.errors import ClientError
+from tests.conftest import running_server
+from tests.test_state_store import postgres_server  # noqa: F401 (a fixture)
+
+CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+BODIES = {
+    "/v1/chat/completions": CHAT,
+    "/v1/completions": {"model": "sim", "prompt": "hi", "max_tokens": 3},
+    "/v1/embeddings": {"model": "sim", "input": "hi"},
+    "/v1/responses": {"model": "sim", "input": "hi", "max_output_tokens": 3},
+}
+
+
+def jsonl(lines: list[dict]) -> bytes:
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+def requests(url: str, n: int, body: dict | None = None, prefix: str = "r") -> list[dict]:
+    return [{"custom_id": f"{prefix}{i}", "method": "POST", "url": url,
+             "body": body or BODIES[url]} for i in range(n)]
+
+
+def client_of(url: str, key: str = "none") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+async def upload(client, lines: list[dict]):
+    return await client.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))),
+                                     purpose="batch")
+
+
+async def wait_status(client, batch_id: str, statuses=("completed",), timeout: float = 60):
+    with trio.fail_after(timeout):
+        while True:
+            batch = await client.batches.retrieve(batch_id)
+            if batch.status in statuses:
+                return batch
+            assert batch.status not in ("failed", "expired", "cancelled"), batch
+            await trio.sleep(0.05)
+
+
+async def read_lines(client, file_id: str | None) -> dict[str, dict]:
+    """custom_id -> output line, checking that each custom_id appears once."""
+    if file_id is None:
+        return {}
+    text = (await client.files.content(file_id)).text
+    lines = [json.loads(line) for line in text.splitlines()]
+    by_id = {line["custom_id"]: line for line in lines}
+    assert len(by_id) == len(lines), "a custom_id appears more than once"
+    return by_id
+
+
+# -- sans-IO ------------------------------------------------------------------------------
+
+
+GOOD = {"input_file_id": "file-1", "endpoint": "/v1/chat/completions",
+        "completion_window": "24h"}
+
+
+@pytest.mark.parametrize("change, param", [
+    ({"completion_window": "48h"}, "completion_window"),
+    ({"endpoint": "/v1/moderations"}, "endpoint"),
+    ({"output_expires_after": {"anchor": "created_at", "seconds": 3600}},
+     "output_expires_after"),
+    ({"priority": 1}, "priority"),
+    ({"input_file_id": None}, "input_file_id"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata"),
+    ({"metadata": {"k": "v" * 513}}, "metadata"),
+    ({"metadata": {"k": 1}}, "metadata"),
+])
+def test_a_create_body_is_refused_naming_its_field(change, param):
+    with pytest.raises(ClientError) as info:
+        parse_create({**GOOD, **change})
+    assert info.value.status == 400 and info.value.param == param
+
+
+@pytest.mark.parametrize("missing", ["input_file_id", "endpoint", "completion_window"])
+def test_a_create_body_without_a_required_field_is_refused(missing):
+    body = {k: v for k, v in GOOD.items() if k != missing}
+    with pytest.raises(ClientError) as info:
+        parse_create(body)
+    assert info.value.param == missing and info.value.code == "missing_required_parameter"
+
+
+def test_the_minimal_create_body_and_metadata_at_its_limits():
+    created = parse_create(GOOD)
+    assert (created.input_file_id, created.endpoint, created.metadata) == \
+        ("file-1", "/v1/chat/completions", None)
+    metadata = {f"{i:064d}": "v" * 512 for i in range(16)}
+    assert parse_create({**GOOD, "metadata": metadata}).metadata == metadata
+
+
+@pytest.mark.parametrize("query, param", [
+    ({"limit": ["0"]}, "limit"), ({"limit": ["101"]}, "limit"), ({"limit": ["²"]}, "limit"),
+    ({"order": ["asc"]}, "order"), ({"after": ["a", "b"]}, "after"),
+])
+def test_the_list_query_refuses_naming_the_parameter(query, param):
+    with pytest.raises(ClientError) as info:
+        parse_list_query(query)
+    assert info.value.param == param
+
+
+def test_the_list_query_defaults():
+    assert parse_list_query({}).limit == 20
+    assert parse_list_query({"limit": ["100"], "after": ["batch_x"]}).after == "batch_x"
+
+
+# -- the openai SDK end to end ------------------------------------------------------------
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_options(request, tmp_path) -> dict:
+    """Where one test's server keeps its state: SQLite in a directory of its own, or a new
+    PostgreSQL database (tests/postgres_server.py; skipped where it is not installed)."""
+    if request.param == "sqlite":
+        return {"state_dir": str(tmp_path / "state")}
+    server = request.getfixturevalue("postgres_server")
+    import psycopg
+
+    name = f"b{os.getpid()}_{os.urandom(3).hex()}"
+    with psycopg.connect(server.url(), autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return {"state_url": server.url(name)}
+
+
+async def test_a_batch_of_each_endpoint_runs_to_completion(store_options):
+    async with running_server(**store_options) as url:
+        client = client_of(url)
+        for endpoint in BODIES:
+            bad = {"custom_id": "bad", "method": "POST", "url": endpoint,
+                   "body": {**BODIES[endpoint], "model": "no-such-model"}}
+            streamed = {"custom_id": "streamed", "method": "POST", "url": endpoint,
+                        "body": {**BODIES[endpoint], "stream": True}}
+            lines = requests(endpoint, 3) + [bad, streamed]
+            file = await upload(client, lines)
+            batch = await client.batches.create(input_file_id=file.id, endpoint=endpoint,
+                                                completion_window="24h",
+                                                metadata={"job": "nightly"})
+            assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
+            assert batch.request_counts.total == 5
+            done = await wait_status(client, batch.id)
+            assert done.request_counts.model_dump() == {"total": 5, "completed": 3, "failed": 2}
+            assert done.completed_at and done.in_progress_at and done.finalizing_at
+            assert done.expires_at == done.created_at + 24 * 3600
+            outputs = await read_lines(client, done.output_file_id)
+            assert sorted(outputs) == ["r0", "r1", "r2"]
+            for line in outputs.values():
+                response = line["response"]
+                assert response["status_code"] == 200 and line["error"] is None
+                assert response["request_id"] and line["id"].startswith("batch_req_")
+            expected = {"/v1/chat/completions": "chat.completion",
+                        "/v1/completions": "text_completion", "/v1/embeddings": "list",
+                        "/v1/responses": "response"}[endpoint]
+            assert outputs["r0"]["response"]["body"]["object"] == expected
+            errors = await read_lines(client, done.error_file_id)
+            assert sorted(errors) == ["bad", "streamed"]
+            assert errors["bad"]["response"]["status_code"] == 404
+            assert errors["streamed"]["response"]["body"]["error"]["param"] == "stream"
+            output_file = await client.files.retrieve(done.output_file_id)
+            assert output_file.purpose == "batch_output"
+
+
+async def test_create_refusals_through_the_sdk():
+    async with running_server() as url:
+        client = client_of(url)
+        file = await upload(client, requests("/v1/completions", 2))
+        with pytest.raises(openai.BadRequestError) as info:  # a line of another endpoint
+            await client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+        assert info.value.body["param"] == "input_file_id"
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.batches.create(input_file_id=file.id, endpoint="/v1/completions",
+                                        completion_window="1h")  # type: ignore[arg-type]
+        assert info.value.body["param"] == "completion_window"
+        with pytest.raises(openai.NotFoundError):
+            await client.batches.create(input_file_id="file-nope", endpoint="/v1/completions",
+                                        completion_window="24h")
+        with pytest.raises(openai.NotFoundError):
+            await client.batches.retrieve("batch_nope")
+
+
+async def test_a_batch_belongs_to_its_key():
+    async with running_server(api_keys=("key-a", "key-b")) as url:
+        a, b = client_of(url, "key-a"), client_of(url, "key-b")
+        file = await upload(a, requests("/v1/chat/completions", 2))
+        batch = await a.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                       completion_window="24h")
+        with pytest.raises(openai.NotFoundError):  # b cannot use a's file either
+            await b.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                   completion_window="24h")
+        with pytest.raises(openai.NotFoundError):
+            await b.batches.retrieve(batch.id)
+        with pytest.raises(openai.NotFoundError):
+            await b.batches.cancel(batch.id)
+        assert [x.id async for x in b.batches.list()] == []
+        done = await wait_status(a, batch.id)
+        assert done.request_counts.completed == 2  # (the lines ran as key-a: a 401 else)
+        with pytest.raises(openai.NotFoundError):
+            await b.files.content(done.output_file_id)
+
+
+async def test_list_pages_newest_first():
+    async with running_server() as url:
+        client = client_of(url)
+        file = await upload(client, requests("/v1/embeddings", 1))
+        ids = []
+        for _ in range(3):
+            batch = await client.batches.create(input_file_id=file.id, endpoint="/v1/embeddings",
+                                                completion_window="24h")
+            ids.append(batch.id)
+        page = await client.batches.list(limit=2)
+        assert [x.id for x in page.data] == ids[::-1][:2] and page.has_more
+        assert [x.id async for x in client.batches.list(limit=2)] == ids[::-1]
+        for batch_id in ids:
+            await wait_status(client, batch_id)
+
+
+async def test_cancel_stops_a_batch_and_keeps_what_finished():
+    async with running_server() as url:
+        client = client_of(url)
+        slow = {**CHAT, "max_tokens": 1000, "ignore_eos": True}
+        file = await upload(client, requests("/v1/chat/completions", 40, slow))
+        batch = await client.batches.create(input_file_id=file.id,
+                                            endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        cancelling = await client.batches.cancel(batch.id)
+        assert cancelling.status == "cancelling" and cancelling.cancelling_at
+        done = await wait_status(client, batch.id, ("cancelled",))
+        assert done.cancelled_at
+        counts = done.request_counts
+        assert counts.total == 40 and counts.completed + counts.failed < 40
+        again = await client.batches.cancel(batch.id)
+        assert again.status == "cancelled"
+        # a finished batch cannot be cancelled
+        file = await upload(client, requests("/v1/embeddings", 1))
+        other = await client.batches.create(input_file_id=file.id, endpoint="/v1/embeddings",
+                                            completion_window="24h")
+        await wait_status(client, other.id)
+        with pytest.raises(openai.ConflictError):
+            await client.batches.cancel(other.id)
