@@ -22,7 +22,8 @@ from .config import EngineConfig, Limits, ModelConfig, ServerConfig
 from .engine_args import ENGINE_DESTS, engine_options, resolve_model_args
 from .model_config import MAX_FILE_BYTES, model_argvs
 from .option_table import add_options, config_fields
-from .worker_protocol.handshake import parse_address, read_secret
+from .discovery.names import parse_worker_address
+from .worker_protocol.handshake import read_secret
 from .observability.logs import configure_logging, lean_log_records
 
 __all__ = ["main", "build_parser", "config_from_args", "API_KEY_ENV"]
@@ -236,6 +237,10 @@ def _remote_workers(args: argparse.Namespace, prog: str) -> tuple:
                     f"{prog}: --{name.replace('_', '-')} is an option of remote "
                     "workers: give --worker-address too"
                 )
+        for name in ("dns_server", "dns_min_interval", "dns_max_interval", "dns_drain_grace"):
+            if getattr(args, name) != _DEFAULTS[name]:
+                raise SystemExit(f"{prog}: --{name.replace('_', '-')} is an option of workers "
+                                 "found by DNS: give --worker-address dns:... or srv:...")
         return ()
     given = [
         "--" + dest.replace("_", "-")
@@ -249,7 +254,7 @@ def _remote_workers(args: argparse.Namespace, prog: str) -> tuple:
             "workers (give its options to 'python -m server.workers --listen')"
         )
     try:
-        return tuple(parse_address(a) for a in split_commas(args.worker_address))
+        return tuple(parse_worker_address(a) for a in split_commas(args.worker_address))
     except ValueError as exc:
         raise SystemExit(f"{prog}: --worker-address {exc}") from None
 

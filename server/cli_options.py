@@ -161,7 +161,9 @@ OPTIONS: tuple[Option, ...] = (
                entry="model",
                help="connect to a worker started with 'python -m server.workers --listen "
                "ADDRESS' instead of spawning workers (repeatable: one per worker; "
-               "HOST:PORT, [IPV6]:PORT or unix:/path). The engine options are the "
+               "HOST:PORT, [IPV6]:PORT or unix:/path; or every worker a DNS name gives, "
+               "re-resolved as it changes: dns:NAME:PORT for its A/AAAA records, "
+               "srv:NAME for its SRV records). The engine options are the "
                "worker's, not given here; see docs/scaling.md"),
         Option("--worker-secret-file", metavar="PATH", child="remote", entry="model",
                help="the shared secret of the remote workers, in a file (default: "
@@ -171,6 +173,25 @@ OPTIONS: tuple[Option, ...] = (
                help="connect to the remote workers over TLS, trusting the CA "
                "certificate(s) in this PEM file (the workers' --tls-cert must be "
                "issued for the host names or addresses given to --worker-address)"),
+        Option("--dns-server", metavar="HOST:PORT", child="remote", entry="model",
+               into=("engine.dns_server",),
+               help="the DNS server asked for the workers of a dns: or srv: "
+               "--worker-address; without it, the first nameserver of /etc/resolv.conf"),
+        Option("--dns-min-interval", type=float, default=1.0, bounds=SECONDS,
+               child="remote", entry="model", into=("engine.dns_min_interval",),
+               metavar="SECONDS",
+               help="the least time between two resolutions of a DNS-named worker "
+               "address, however short its TTL or often its workers fail: the bound on "
+               "how fast a flapping record changes the pool"),
+        Option("--dns-max-interval", type=float, default=30.0, bounds=SECONDS,
+               child="remote", entry="model", into=("engine.dns_max_interval",),
+               metavar="SECONDS",
+               help="the most time between two resolutions, however long the TTL"),
+        Option("--dns-drain-grace", type=float, default=60.0, bounds=ZERO_OK,
+               child="remote", entry="model", into=("engine.dns_drain_grace",),
+               metavar="SECONDS",
+               help="how long a worker whose address left DNS may finish its running "
+               "requests (it gets no new ones); then they move to other workers"),
     ),
     *_frontend(
         "routing",

@@ -74,6 +74,14 @@ class EngineConfig:
     worker_secret: bytes | None = field(default=None, repr=False)
     #: A PEM file of CA certificates: connect to the remote workers over TLS, trusting them.
     worker_tls_ca: str | None = None
+    #: Workers found by DNS (a ``dns:`` or ``srv:`` worker address; server.discovery):
+    #: the DNS server asked (``HOST:PORT``; None: resolv.conf's first), the bounds of the
+    #: re-resolution period (seconds; the records' TTL between them), and how long a
+    #: worker whose address left the records may finish its requests before they move.
+    dns_server: str | None = None
+    dns_min_interval: float = 1.0
+    dns_max_interval: float = 30.0
+    dns_drain_grace: float = 60.0
     #: How a request's worker is chosen (server.manager.routing.POLICIES): ``prefix`` (the
     #: worker predicted to hold most of its prompt in its prefix cache, within
     #: ``routing_balance``), ``least-loaded`` or ``round-robin``. See docs/routing.md.

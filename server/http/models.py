@@ -88,7 +88,7 @@ class Pool:
         engine = self.engine
         if engine is None:
             return 0, 0
-        return engine.workers_answering(), len(engine.workers)
+        return engine.workers_answering(), engine.members
 
 
 class ModelTable:

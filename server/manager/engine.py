@@ -27,7 +27,9 @@ from ..errors import ServiceUnavailable
 from ..observability.engine_metrics import EngineReport
 from ..params import SamplingParams, truncated
 from ..worker_protocol import wire
-from ..worker_protocol.handshake import parse_address
+from ..discovery.names import DnsName, parse_worker_address
+from ..discovery.pool import DiscoveredPool
+from ..discovery.watch import WatchStatistics
 from .adapters import AdapterRegistry
 from ..worker_protocol.kv_blocks import seed_of
 from .deadlines import QUEUE_TIMEOUT, DeadlineQueue
@@ -56,6 +58,8 @@ class WorkerStatistics:
     waiting: int = 0
     #: What the engine reports of itself (server.observability.engine_metrics).
     report: EngineReport | None = None
+    #: Its address left discovery (server.discovery): draining, or gone.
+    retired: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,8 @@ class EngineStatistics:
     routing: RouterStatistics | None = None
     #: Requests moved off dead workers (server.manager.migration); None: migration is off.
     migration: MigrationStatistics | None = None
+    #: Each DNS name's resolutions (server.discovery.watch); empty: no name is watched.
+    discovery: tuple[tuple[str, WatchStatistics], ...] = ()
 
 
 class Engine:
@@ -80,28 +86,30 @@ class Engine:
 
     def __init__(self, config: EngineConfig, *, spawn=None) -> None:
         self.config = config
+        #: Workers found by DNS names (server.discovery.pool); None: none is named.
+        self.discovery: DiscoveredPool | None = None
         if config.worker_addresses:  # remote workers: one per address, connected to
             _check_remote(config)
+            addresses = [parse_worker_address(a) if isinstance(a, str) else a
+                         for a in config.worker_addresses]
+            names = [a for a in addresses if isinstance(a, DnsName)]
             self.workers = [
-                WorkerClient(i, config.for_worker(i), address=parse_address(address)
-                             if isinstance(address, str) else address)
-                for i, address in enumerate(config.worker_addresses)
+                WorkerClient(i, config.for_worker(i), address=address)
+                for i, address in enumerate(a for a in addresses if a not in names)
             ]
+            if names:
+                self.discovery = DiscoveredPool(self, names)
         else:
             self.workers = [
                 WorkerClient(i, config.for_worker(i), spawn) for i in range(config.workers)
             ]
         #: LoRA adapters: what each name means, on every worker (server.manager.adapters).
         self.adapters = AdapterRegistry(self.workers)
-        for w in self.workers:
-            w.replay = self.adapters.replay
         self.router = Router(
             len(self.workers), config.routing, balance=config.routing_balance
         )
         #: Each worker's restarts as the router last saw them (a restart empties its cache).
         self._generations = [0] * len(self.workers)
-        for w in self.workers:
-            w.noticed = self._noticed
         #: A stream's first rid -> (worker index, the first prompt's blocks, blocks
         #: predicted cached), until the stream is released.
         self._routes: dict[int, tuple[int, Blocks, int]] = {}
@@ -114,9 +122,36 @@ class Engine:
         self._accepting = True
         #: Moves a dead worker's requests to the others (None: --max-migrations 0).
         self.migrator = Migrator(self, config.max_migrations) if config.max_migrations else None
+        for w in self.workers:
+            self._attach(w)
+
+    def static_workers(self) -> list[WorkerClient]:
+        """The workers whose service the engine runs (not those of discovery)."""
+        return [w for w in self.workers if self.discovery is None
+                or not self.discovery.owns(w)]
+
+    def _attach(self, w: WorkerClient) -> None:
+        """Hook a worker to the engine's adapters, router and migration."""
+        w.replay = self.adapters.replay
+        w.noticed = self._noticed
         if self.migrator is not None:
-            for w in self.workers:
-                w.migrate = self.migrator.migrate
+            w.migrate = self.migrator.migrate
+
+    def add_worker(self, address, slot: int | None = None) -> WorkerClient:
+        """A worker at ``address`` joins the pool (found by discovery), in ``slot`` (the
+        index of one that left, whose service ended) or a new one. Its prefix index starts
+        empty. The caller runs its service (:meth:`WorkerClient.run`)."""
+        if slot is None:
+            slot = self.router.add_worker()
+            self._generations.append(0)
+            self.workers.append(None)  # type: ignore[arg-type]  # (set below)
+        else:
+            self.router.reset(slot)
+            self._generations[slot] = 0
+        w = self.workers[slot] = WorkerClient(slot, self.config.for_worker(slot),
+                                              address=address)
+        self._attach(w)
+        return w
 
     # -- generating --------------------------------------------------------------------------
 
@@ -245,7 +280,7 @@ class Engine:
         best_load = 0
         for w in self.workers:
             # a shared worker's load counts the other frontends' requests (from its PONGs)
-            if w.alive and (best is None or w.load < best_load):
+            if w.routable and (best is None or w.load < best_load):
                 best = w
                 best_load = w.load
         if best is None:
@@ -315,7 +350,7 @@ class Engine:
         router = self.router
         self._forget_restarted()
         # a shared worker's load counts the other frontends' requests (from its PONGs)
-        decision = router.pick(hashes, [w.load if w.alive else None for w in self.workers],
+        decision = router.pick(hashes, [w.load if w.routable else None for w in self.workers],
                                exclude, scores)
         if decision is None:
             raise ServiceUnavailable("no engine worker is available", code="no_worker")
@@ -397,12 +432,17 @@ class Engine:
 
     def healthy(self) -> bool:
         """True while accepting and at least one worker answered a ping recently."""
-        return self._accepting and any(w.healthy() for w in self.workers)
+        return self._accepting and any(w.healthy() and not w.retired for w in self.workers)
 
     def workers_answering(self) -> int:
         """The workers that answered a ping recently (``WorkerClient.healthy``): what the
         probes count against ``len(workers)`` to say a pool is degraded."""
-        return sum(w.healthy() for w in self.workers)
+        return sum(w.healthy() and not w.retired for w in self.workers)
+
+    @property
+    def members(self) -> int:
+        """The workers of the pool, up or not: not those whose address left discovery."""
+        return sum(not w.retired for w in self.workers)
 
     async def wait_ready(self) -> None:
         """Wait until every worker has loaded its engine once (said HELLO); at once if
@@ -422,7 +462,7 @@ class Engine:
         workers = tuple(
             WorkerStatistics(
                 w.index, w.alive, w.healthy(), w.pid, w.outstanding, w.restarts, w.over_budget,
-                w.running, w.waiting, w.report,
+                w.running, w.waiting, w.report, w.retired,
             )
             for w in self.workers
         )
@@ -435,6 +475,7 @@ class Engine:
             workers=workers,
             routing=self.router.stats,
             migration=self.migrator.stats if self.migrator is not None else None,
+            discovery=self.discovery.statistics() if self.discovery is not None else (),
         )
 
 
@@ -497,12 +538,15 @@ async def _open_engine(
 
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.deadlines.run)
+        if engine.discovery is not None:  # (its first answer's workers join at once)
+            await nursery.start(engine.discovery.run)
         if wait_ready:
             async with trio.open_nursery() as starter:
-                for w in engine.workers:
+                for w in engine.static_workers():
                     starter.start_soon(start, nursery, w)
+            await engine.wait_ready()  # (discovered workers too: their service is theirs)
         else:
-            for w in engine.workers:
+            for w in engine.static_workers():
                 nursery.start_soon(w.run)
         if not failed:
             try:

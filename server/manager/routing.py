@@ -225,6 +225,8 @@ class Router:
         self.balance = balance
         self.block_chars = block_chars
         self.indexes = [PrefixIndex(capacity) for _ in range(workers)]
+        self._capacity = capacity
+        self._per_worker_window = window is None
         self._rr = itertools.count()
         #: The last ``window`` decisions (worker indexes), and each worker's count in them.
         self._window: collections.deque[int] = collections.deque(
@@ -235,6 +237,19 @@ class Router:
             {"prefix": 0, "load": 0, "balance": 0}, [0] * workers, [0] * workers,
             [0] * workers, [0] * workers, [0] * workers,
         )
+
+    def add_worker(self) -> int:
+        """One more worker (found by discovery), with an empty index; its number."""
+        self.indexes.append(PrefixIndex(self._capacity))
+        self._recent.append(0)
+        stats = self.stats
+        for per_worker in (stats.prompt_tokens, stats.cached_tokens, stats.mispredicted,
+                           stats.routed, stats.notices):
+            per_worker.append(0)
+        if self._per_worker_window:  # (the window grows with the pool; its counts stay)
+            self._window = collections.deque(
+                self._window, maxlen=DEFAULT_WINDOW_PER_WORKER * len(self.indexes))
+        return len(self.indexes) - 1
 
     @property
     def prefix_aware(self) -> bool:

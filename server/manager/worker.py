@@ -260,8 +260,20 @@ class WorkerClient:
         #: The ops (LoRA adapters loaded and unloaded at run time) a fresh worker gets
         #: before any request: server.manager.adapters.AdapterRegistry.replay.
         self.replay: Callable[[], list[dict]] = list
+        #: Its address left discovery (server.discovery.pool): no new request comes to
+        #: it; ``removed`` once its drain's grace is over (its session then ends, and
+        #: what it still runs moves on, as from a dead worker).
+        self.retired = False
+        self.removed = False
+        #: Called after each session ends (discovery resolves the name again sooner).
+        self.ended: Callable[[WorkerClient], None] = lambda worker: None
 
     # -- used by the request manager (plain def: never blocks) -------------------------------
+
+    @property
+    def routable(self) -> bool:
+        """Up, and still a member of the pool: new requests may come to it."""
+        return self.alive and not self.retired
 
     @property
     def outstanding(self) -> int:
@@ -406,6 +418,7 @@ class WorkerClient:
         while True:
             started_at = self._session_start = trio.current_time()
             reason, charged = await self._session(task_status if first else None, first)
+            self.ended(self)
             first = False
             now = trio.current_time()
             restart = restarts.died(now, now - started_at, charged=charged)
@@ -509,6 +522,8 @@ class WorkerClient:
                 cause = first_end.cause
             return reason, True
         finally:
+            if reason == "stopped" and self.removed:  # (its requests move, not end)
+                reason = cause = "removed"
             self.alive = False
             self.kv_index = None  # (the next session's cache is another)
             self.routed_notices = False  # (and its worker may be another, or older)

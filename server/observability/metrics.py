@@ -334,7 +334,8 @@ class Metrics(RequestMetrics):
         for model, _ in pools:
             now = running_now.get(model)
             alive.add_metric([model], now.workers_alive if now is not None else 0)
-            configured.add_metric([model], len(now.workers) if now is not None else 0)
+            configured.add_metric([model], sum(not w.retired for w in now.workers)
+                                  if now is not None else 0)
             in_flight.add_metric([model], now.open_streams if now is not None else 0)
         yield alive
         yield configured
@@ -346,6 +347,9 @@ class Metrics(RequestMetrics):
         migrated = [(model, s.migration) for model, s in stats if s.migration is not None]
         if migrated:
             yield from _migration_families(migrated)
+        discovered = [(model, name, w) for model, s in stats for name, w in s.discovery]
+        if discovered:
+            yield from _discovery_families(discovered)
         yield from engine_families(
             (model, w.index, w.report) for model, engine in pools if engine is not None
             for w in engine.workers if w.report is not None)
@@ -374,6 +378,25 @@ def _kv_families(pools: list) -> Iterator[Metric]:
          for event, n in zip(("stored", "removed", "cleared"), w.kv_events)])
 
 
+def _discovery_families(discovered: list) -> Iterator[Metric]:
+    """Each DNS name's resolutions (server.discovery.watch): ``discovered`` holds (model
+    name, the name as given, WatchStatistics)."""
+    labels = ["model_name", "name"]
+    for metric, doc in (
+            ("dns_resolutions", "Resolutions of a DNS-named worker address that answered."),
+            ("dns_resolution_failures", "Resolutions that failed (no answer, SERVFAIL, "
+             "NXDOMAIN): the last known workers were kept."),
+            ("dns_changes", "Answers that changed the name's set of workers.")):
+        field = metric.removeprefix("dns_").replace("resolution_", "")
+        yield _counter(metric, doc, labels, [([model, name], getattr(w, field))
+                                             for model, name, w in discovered])
+    addresses = GaugeMetricFamily(PREFIX + "dns_addresses", "Workers the name's last answer "
+                                  "gave.", labels=labels)
+    for model, name, w in discovered:
+        addresses.add_metric([model, name], w.addresses)
+    yield addresses
+
+
 def _migration_families(migrated: list) -> Iterator[Metric]:
     """Sequences moved off a dead worker, and those that could not be
     (server.manager.migration), per model: ``migrated`` holds (model name,
@@ -381,7 +404,8 @@ def _migration_families(migrated: list) -> Iterator[Metric]:
     yield _counter(
         "migrations",
         "Sequences moved to another worker when theirs ended, by cause: exited (the process "
-        "died), disconnected (a listening worker's connection ended), hung, protocol_error.",
+        "died), disconnected (a listening worker's connection ended), hung, protocol_error, "
+        "removed (its address left DNS discovery).",
         ["model_name", "cause"],
         [([model, cause], n) for model, m in migrated for cause, n in m.migrations.items()],
     )

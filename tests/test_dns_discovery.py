@@ -1,0 +1,288 @@
+"""Remote workers found by DNS (server.discovery): a real DNS server on loopback (dnslib's,
+in a thread), real listening workers, records changed while streams run."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from contextlib import AsyncExitStack, contextmanager
+
+import httpx
+import pytest
+import trio
+from dnslib import QTYPE, RCODE, RR, A, SRV
+from dnslib.server import BaseResolver, DNSServer
+
+import server as server_pkg
+from server.config import EngineConfig
+from server.discovery.names import DnsName, parse_worker_address
+from server.discovery.dns import Resolved
+from server.discovery.watch import DnsWatch
+from server.worker_protocol.handshake import WorkerAddress
+from tests.conftest import running_server
+from tests.remote import SECRET, free_port, listening_worker, wait_until
+
+LIMIT = 120  # (generous bounds that pass at once when all is well: 2 busy cores)
+NAME = "workers.llm.test."
+
+
+class Records(BaseResolver):
+    """A zone the test edits: A records by name, SRV records by name ((port, target)
+    each); ``fail`` answers SERVFAIL. TTL 0: the frontend's least interval decides."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.a: dict[str, list[str]] = {}
+        self.srv: dict[str, list[tuple[int, str]]] = {}
+        self.fail = False
+        self.queries = 0
+
+    def set(self, name: str, *hosts: str) -> None:
+        with self.lock:
+            self.a[name] = list(hosts)
+
+    def resolve(self, request, handler):
+        reply = request.reply()
+        name, qtype = str(request.q.qname), QTYPE[request.q.qtype]
+        with self.lock:
+            self.queries += 1
+            if self.fail:
+                reply.header.rcode = RCODE.SERVFAIL
+                return reply
+            if qtype == "A":
+                for host in self.a.get(name, ()):
+                    reply.add_answer(RR(name, QTYPE.A, rdata=A(host), ttl=0))
+            elif qtype == "SRV":
+                for port, target in self.srv.get(name, ()):
+                    reply.add_answer(RR(name, QTYPE.SRV, rdata=SRV(0, 0, port, target), ttl=0))
+        return reply
+
+
+@contextmanager
+def dns_server():
+    records = Records()
+    dns = DNSServer(records, address="127.0.0.1", port=0)
+    dns.start_thread()
+    try:
+        records.address = "127.0.0.1:%d" % dns.server.server_address[1]
+        yield records
+    finally:
+        dns.stop()
+
+
+def dns_config(name: str, records: Records, **kw) -> EngineConfig:
+    kw.setdefault("shutdown_grace", 0.3)
+    return EngineConfig(
+        worker_addresses=(name,), worker_secret=SECRET.encode(), dns_server=records.address,
+        dns_min_interval=0.05, dns_max_interval=0.2, heartbeat_interval=0.2,
+        restart_backoff=0.05, restart_backoff_max=0.2, **kw)
+
+
+def members(engine) -> set[str]:
+    """The addresses of the workers that are up and routed to."""
+    return {str(w.address) for w in engine.workers if w.routable}
+
+
+async def sse(client: httpx.AsyncClient, url: str, body: dict, started: list) -> list:
+    events = []
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                if not events:
+                    started.append(1)
+                events.append(line[6:])
+    return events
+
+
+def test_worker_addresses_that_name_dns_records_parse_and_print_back():
+    assert parse_worker_address("dns:w.llm.svc:7100") == DnsName("dns", "w.llm.svc", 7100)
+    assert str(parse_worker_address("srv:_w._tcp.llm")) == "srv:_w._tcp.llm"
+    assert parse_worker_address("10.0.0.2:7100") == WorkerAddress("10.0.0.2", 7100, None)
+    for bad in ("dns:w.llm.svc", "dns::7100", "dns:w:0", "srv:", "srv:a..b"):
+        with pytest.raises(ValueError):
+            parse_worker_address(bad)
+
+
+async def test_records_that_change_under_64_streams_lose_none(tmp_path):
+    """Workers are added, removed (drained, then what runs moves) and replaced at a new
+    address while 64 streams run: every stream ends [DONE], at its full length, with no
+    error event."""
+    port = free_port()
+    hosts = [f"127.0.0.{i}" for i in (2, 3, 4, 5)]
+    with dns_server() as records, trio.fail_after(LIMIT):
+        records.set(NAME, *hosts[:2])
+        async with AsyncExitStack() as stack:
+            workers = {h: await stack.enter_async_context(listening_worker(
+                tmp_path, f"{h}:{port}", name=h)) for h in hosts}
+            config = dns_config(f"dns:{NAME}:{port}", records, dns_drain_grace=0.3)
+            async with running_server(config) as url:
+                engine = url.app.engine
+                await wait_until(lambda: members(engine) == {f"{h}:{port}" for h in hosts[:2]},
+                                 LIMIT)
+                body = {"model": "sim", "prompt": "hi", "max_tokens": 2500, "stream": True}
+                started: list = []
+                results: dict[int, list] = {}
+                async with httpx.AsyncClient(timeout=LIMIT) as client:
+                    async with trio.open_nursery() as nursery:
+                        async def one(i):
+                            results[i] = await sse(client, url, body, started)
+                        for i in range(64):
+                            nursery.start_soon(one, i)
+                        await wait_until(lambda: len(started) == 64, LIMIT)
+                        # added
+                        records.set(NAME, *hosts[:3])
+                        await wait_until(lambda: f"{hosts[2]}:{port}" in members(engine), LIMIT)
+                        # removed: it drains for the grace, then its streams move
+                        old = next(w for w in engine.workers if w.address.host == hosts[0])
+                        assert old.outstanding
+                        records.set(NAME, *hosts[1:3])
+                        await wait_until(lambda: engine.statistics().migration
+                                         .migrations["removed"] > 0, LIMIT)
+                        # replaced: its pod went, another came at a new address
+                        records.set(NAME, hosts[2], hosts[3])
+                        workers[hosts[1]].proc.send_signal(signal.SIGKILL)
+                        await wait_until(lambda: members(engine) == {
+                            f"{h}:{port}" for h in hosts[2:]}, LIMIT)
+                stats = engine.statistics()
+    assert len(results) == 64
+    for events in results.values():
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert not any("error" in c for c in chunks), [c for c in chunks if "error" in c]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 0
+    assert stats.migration is not None and not stats.migration.failed
+    assert [w.retired for w in stats.workers].count(False) == 2
+
+
+async def test_a_resolver_failure_keeps_the_workers_and_is_counted_in_metrics(tmp_path):
+    """SERVFAIL: the pool keeps its workers and serves; /metrics counts the failures; once
+    the server answers again, the pool follows its records."""
+    port = free_port()
+    hosts = ["127.0.0.2", "127.0.0.3"]
+    with dns_server() as records, trio.fail_after(LIMIT):
+        records.set(NAME, *hosts)
+        async with AsyncExitStack() as stack:
+            for h in hosts:
+                await stack.enter_async_context(listening_worker(tmp_path, f"{h}:{port}",
+                                                                 name=h))
+            async with running_server(dns_config(f"dns:{NAME}:{port}", records)) as url:
+                engine = url.app.engine
+                both = {f"{h}:{port}" for h in hosts}
+                await wait_until(lambda: members(engine) == both, LIMIT)
+                records.fail = True
+                await wait_until(lambda: engine.statistics().discovery[0][1].failures >= 3,
+                                 LIMIT)
+                assert members(engine) == both
+                async with httpx.AsyncClient(timeout=LIMIT) as client:
+                    r = await client.post(url + "/v1/completions", json={
+                        "model": "sim", "prompt": "hi", "max_tokens": 3})
+                    assert r.status_code == 200
+                    metrics = (await client.get(url + "/metrics")).text
+                failed = [line for line in metrics.splitlines()
+                          if line.startswith("trio_llm:dns_resolution_failures_total{")]
+                assert failed and float(failed[0].split()[-1]) >= 3
+                assert f'trio_llm:dns_addresses{{model_name="sim",name="dns:{NAME}:{port}"}} 2.0' \
+                    in metrics
+                records.set(NAME, hosts[1])
+                records.fail = False
+                await wait_until(lambda: members(engine) == {f"{hosts[1]}:{port}"}, LIMIT)
+                assert engine.statistics().discovery[0][1].last_error is None
+
+
+async def test_the_prefix_index_forgets_a_worker_that_left_and_starts_empty_for_a_new_one(
+        tmp_path):
+    port = free_port()
+    hosts = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    prompt = "a long shared prefix " * 40  # (several blocks of 256 characters)
+    params = server_pkg.SamplingParams(max_tokens=2)
+    with dns_server() as records, trio.fail_after(LIMIT):
+        records.set(NAME, *hosts[:2])
+        async with AsyncExitStack() as stack:
+            for h in hosts:
+                await stack.enter_async_context(listening_worker(tmp_path, f"{h}:{port}",
+                                                                 name=h))
+            config = dns_config(f"dns:{NAME}:{port}", records)
+            async with server_pkg.open_engine(config) as engine:
+                await wait_until(lambda: len(members(engine)) == 2, LIMIT)
+                async with engine.generate(prompt, params) as stream:
+                    [choice] = stream.choice_states()
+                    async for _ in stream:
+                        pass
+                index = choice.worker.index
+                left = choice.worker
+                assert len(engine.router.indexes[index]) > 0
+                records.set(NAME, *(h for h in hosts[:2] if h != left.address.host))
+                pool = engine.discovery
+                await wait_until(lambda: index in pool._free, LIMIT)  # (its service ended)
+                assert len(engine.router.indexes[index]) == 0
+                records.set(NAME, *(h for h in hosts if h != left.address.host))
+                await wait_until(lambda: engine.workers[index] is not left
+                                 and engine.workers[index].routable, LIMIT)
+                assert engine.workers[index].address.host == hosts[2]
+                assert len(engine.router.indexes[index]) == 0
+
+
+async def test_srv_records_name_workers_at_their_own_ports(tmp_path):
+    with dns_server() as records, trio.fail_after(LIMIT):
+        async with AsyncExitStack() as stack:
+            workers = [await stack.enter_async_context(listening_worker(
+                tmp_path, f"127.0.0.1:{free_port()}", name=name)) for name in ("a", "b")]
+            records.srv["_llm._tcp.test."] = [(w.address.port, f"{n}.test.")
+                                              for w, n in zip(workers, "ab")]
+            records.set("a.test.", "127.0.0.1")
+            records.set("b.test.", "127.0.0.1")
+            config = dns_config("srv:_llm._tcp.test.", records)
+            async with server_pkg.open_engine(config) as engine:
+                assert members(engine) == {str(w.address) for w in workers}
+                async with engine.generate("hi", server_pkg.SamplingParams(max_tokens=3)) as s:
+                    outs = [out async for out in s]
+    assert outs[-1].finish_reason == "length"
+
+
+def _flapping(calls: list):
+    """A resolver (in memory) whose answer differs at every call."""
+    async def resolver(target, server):
+        calls.append(trio.current_time())
+        host = "10.0.0.%d" % (len(calls) % 2 + 1)
+        return Resolved(frozenset({WorkerAddress(host, 7100, None)}), 30)
+    return resolver
+
+
+async def test_a_flapping_record_changes_the_set_at_most_once_per_min_interval(
+        autojump_clock):
+    """However a record flaps and its workers fail (pokes), resolutions (and so changes
+    to the pool) come at most once per min_interval."""
+    calls: list = []
+    changes: list = []
+    watch = DnsWatch(DnsName("dns", "w.test", 7100), ("127.0.0.1", 53), min_interval=1.0,
+                     max_interval=30.0, changed=lambda name, a: changes.append(a),
+                     resolver=_flapping(calls))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(watch.run)
+        with trio.move_on_after(20):
+            while True:
+                watch.poke()
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert len(calls) > 10 and len(changes) == len(calls)  # (poked: sooner than its TTL)
+    assert all(b - a >= 1.0 for a, b in zip(calls, calls[1:]))
+
+
+def test_the_command_line_takes_dns_names_and_refuses_their_options_without_one():
+    from server.cli import build_parser, config_from_args
+
+    def config(*argv):
+        return config_from_args(build_parser().parse_args(list(argv))).engine
+
+    engine = config("--worker-address", "dns:w.llm.svc:7100,10.0.0.9:7100",
+                    "--dns-server", "10.96.0.10:53", "--dns-min-interval", "2")
+    assert engine.worker_addresses == (DnsName("dns", "w.llm.svc", 7100),
+                                       WorkerAddress("10.0.0.9", 7100, None))
+    assert (engine.dns_server, engine.dns_min_interval) == ("10.96.0.10:53", 2.0)
+    with pytest.raises(SystemExit, match="--dns-server is an option of workers found by DNS"):
+        config("--dns-server", "10.96.0.10")
+    with pytest.raises(SystemExit, match="dns:NAME:PORT"):
+        config("--worker-address", "dns:w.llm.svc")
