@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 
 import openai
 import pytest
@@ -17,7 +18,9 @@ import trio
 
 from server.batches.objects import parse_create, parse_list_query
 from server.errors import ClientError
+from server.state import StateConfig, open_state_store
 from tests.conftest import running_server
+from tests.test_shutdown import cli_server
 from tests.test_state_store import postgres_server  # noqa: F401 (a fixture)
 
 CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -257,3 +260,51 @@ async def test_cancel_stops_a_batch_and_keeps_what_finished():
         await wait_status(client, other.id)
         with pytest.raises(openai.ConflictError):
             await client.batches.cancel(other.id)
+
+
+# -- a server SIGKILLed in the middle of a batch ------------------------------------------
+
+
+async def test_a_batch_survives_a_sigkill_of_its_server(tmp_path):
+    """Lines finished before the kill are kept (the same output line, not run again), the
+    rest run after the restart on the same --state-dir, and each custom_id is in the output
+    exactly once."""
+    state = str(tmp_path / "state")
+    body = {**CHAT, "max_tokens": 40, "ignore_eos": True}
+    n = 120
+    async with cli_server("--state-dir", state) as srv:
+        client = client_of(srv.url)
+        file = await upload(client, requests("/v1/chat/completions", n, body))
+        batch = await client.batches.create(input_file_id=file.id,
+                                            endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        with trio.fail_after(60):
+            while (await client.batches.retrieve(batch.id)).request_counts.completed < 10:
+                await trio.sleep(0.05)
+        srv.proc.send_signal(signal.SIGKILL)
+        await srv.proc.wait()
+    store = await open_state_store(StateConfig(directory=state))
+    try:
+        before = {json.loads(e)["custom_id"]: json.loads(e)["id"]
+                  for e in await store.read_events("batch", "", batch.id)}
+        record = await store.get("batch", "", batch.id)
+    finally:
+        await store.aclose()
+    assert record is not None and record.meta["status"] == "in_progress"
+    assert 10 <= len(before) < n, "the kill did not land in the middle of the batch"
+    async with cli_server("--state-dir", state) as srv:
+        client = client_of(srv.url)
+        done = await wait_status(client, batch.id)
+        assert done.request_counts.model_dump() == {"total": n, "completed": n, "failed": 0}
+        outputs = await read_lines(client, done.output_file_id)  # (each custom_id once)
+        assert sorted(outputs) == sorted(f"r{i}" for i in range(n))
+        for custom_id, line_id in before.items():
+            assert outputs[custom_id]["id"] == line_id, f"{custom_id} ran again"
+        srv.proc.send_signal(signal.SIGTERM)
+        assert await srv.wait_exit(60) == 0, srv.output()
+    store = await open_state_store(StateConfig(directory=state))
+    try:  # every line ran once after the restart: no finished custom_id again
+        ran = [json.loads(e)["custom_id"] for e in await store.read_events("batch", "", batch.id)]
+    finally:
+        await store.aclose()
+    assert sorted(ran) == sorted(f"r{i}" for i in range(n))
