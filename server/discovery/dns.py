@@ -139,8 +139,8 @@ async def resolve(target: DnsName, server: tuple[str, int],
     addresses: set[WorkerAddress] = set()
     ttls = []
     for rr in reply.rr:
-        if rr.rtype != QTYPE.SRV or rr.rname != reply.q.qname:
-            continue
+        if rr.rtype != QTYPE.SRV or rr.rname != reply.q.qname or str(rr.rdata.target) == ".":
+            continue  # (target "." is RFC 2782's "no such service here")
         ttls.append(rr.ttl)
         hosts, more = _addresses(reply, rr.rdata.target)  # (additional records, if given)
         if not hosts:
