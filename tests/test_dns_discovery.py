@@ -12,12 +12,12 @@ import httpx
 import pytest
 import trio
 from dnslib import QTYPE, RCODE, RR, A, SRV
-from dnslib.server import BaseResolver, DNSServer
+from dnslib.server import BaseResolver, DNSHandler, DNSServer
 
 import server as server_pkg
 from server.config import EngineConfig
 from server.discovery.names import DnsName, parse_worker_address
-from server.discovery.dns import Resolved
+from server.discovery.dns import Resolved, resolve
 from server.discovery.watch import DnsWatch
 from server.worker_protocol.handshake import WorkerAddress
 from tests.conftest import running_server
@@ -324,3 +324,24 @@ def test_the_command_line_takes_dns_names_and_refuses_their_options_without_one(
         config("--dns-server", "10.96.0.10")
     with pytest.raises(SystemExit, match="dns:NAME:PORT"):
         config("--worker-address", "dns:w.llm.svc")
+
+
+class _Udp512(DNSHandler):
+    udplen = 512  # (a classic DNS server: a longer answer over UDP comes truncated)
+
+
+async def test_an_answer_too_long_for_udp_is_asked_again_over_tcp():
+    records = Records()
+    records.set(NAME, *(f"10.1.0.{i}" for i in range(1, 61)))
+    udp = DNSServer(records, address="127.0.0.1", port=0, handler=_Udp512)
+    port = udp.server.server_address[1]
+    tcp = DNSServer(records, address="127.0.0.1", port=port, tcp=True)
+    udp.start_thread()
+    tcp.start_thread()
+    try:
+        with trio.fail_after(LIMIT):
+            found = await resolve(DnsName("dns", NAME, 7100), ("127.0.0.1", port))
+    finally:
+        udp.stop()
+        tcp.stop()
+    assert found.addresses == {WorkerAddress(f"10.1.0.{i}", 7100, None) for i in range(1, 61)}
