@@ -111,6 +111,8 @@ async def test_polled_to_its_end_and_its_stream_resumed(store_options):
             assert replayed[-1].type == "response.incomplete"
             assert replayed[-1].response.model_dump() == done.model_dump()
             assert texts(replayed) == done.output_text
+            assert [e async for e in await client.responses.retrieve(  # (nothing after the end)
+                queued.id, stream=True, starting_after=replayed[-1].sequence_number)] == []
 
             # a background stream: read a few events, leave; the response runs on
             stream = await client.responses.create(model="sim", input="Stream it",
@@ -316,3 +318,28 @@ async def test_a_killed_server_leaves_its_response_failed_after_a_restart(tmp_pa
         body = json.loads((await httpx.AsyncClient().get(
             f"{url}/v1/responses/{r.id}")).content)
         assert body["status"] == "failed"
+
+
+async def test_on_the_transformers_engine(transformers_url):
+    """The same machine on a real model: a background stream, left after its first events
+    and resumed to its end; the text of the events is the stored response's."""
+    client = client_of(transformers_url)
+    with trio.fail_after(120):
+        stream = await client.responses.create(model="tiny-llama", input="Hello",
+                                               background=True, stream=True,
+                                               max_output_tokens=12, temperature=0)
+        seen = []
+        async for event in stream:
+            seen.append(event)
+            if len(seen) == 3:
+                break
+        await stream.close()
+        rid = seen[0].response.id
+        tail = [e async for e in await client.responses.retrieve(
+            rid, stream=True, starting_after=seen[-1].sequence_number)]
+        events = seen + tail
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        final = await client.responses.retrieve(rid)
+        assert final.status in ("completed", "incomplete") and final.background
+        assert events[-1].type == f"response.{final.status}"
+        assert texts(events) == final.output_text

@@ -4,7 +4,7 @@ that runs them, the cancel that stops them, and the stream that follows them.
 Theory of operation
 -------------------
 The request stores the response (``status: queued``, its meta ``background``, its
-``holder`` and a ``lease_until``) and answers at once. The generation runs in the
+``holder`` and a ``lease_until_ms``) and answers at once. The generation runs in the
 service's nursery, which the app's lifespan owns, never in the request's: a client that
 goes away leaves it running. At most ``limit`` run on one frontend; past that the request
 is a 503 naming the bound (``--max-background-responses``).
@@ -14,7 +14,7 @@ batch (outputs that arrive during the write join the next). ``GET ...?stream=tru
 follows them: it reads the store, waits for this frontend's job to say "more" (or polls
 every :data:`POLL_S`, for a job another frontend holds) and ends after the terminal
 event. The status and the Response object change by compare-and-set
-(``update(expect=...)``) on ``status``, ``holder`` and ``lease_until``, so of a holder's
+(``update(expect=...)``) on ``status``, ``holder`` and ``lease_until_ms``, so of a holder's
 write and a cancel one wins.
 
 One task renews every job's lease every :data:`RENEW_S`. A renewal that loses its
@@ -381,10 +381,14 @@ class BackgroundResponses:
             if now is None or now.meta.get("status") == "cancelled":
                 return
             if now.meta.get("status") in _ENDED:
+                # (ended: its last events follow the status at once, unless its holder
+                # died between the two writes; past the last event there is nothing to wait for)
                 last = await self.store.read_events(kind, owner, rid, after=after - 1)
-                if after >= 0 and last and _terminal(last[0]):
+                if len(last) > 1:
+                    continue  # (more came meanwhile: send them first)
+                if (after >= 0 and not last) or (last and _terminal(last[0])):
                     return
-                ended_polls += 1  # (its holder died between the two writes: give up)
+                ended_polls += 1
                 if ended_polls * POLL_S > LEASE_S:
                     return
             job = self._jobs.get(rid)

@@ -114,12 +114,16 @@ class ResponsesRoute:
             record = await background.store.get(KIND, req.owner, json.loads(queued)["id"])
         await answer.start_stream()
         if record is not None:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(watch_disconnect, receive, nursery.cancel_scope)
-                async for events in background.follow(record, -1):  # type: ignore[union-attr]
-                    await answer.send({"type": "http.response.body", "body": events,
-                                       "more_body": True})
-                nursery.cancel_scope.cancel()
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(watch_disconnect, receive, nursery.cancel_scope)
+                    async for events in background.follow(  # type: ignore[union-attr]
+                            record, -1):
+                        await answer.send({"type": "http.response.body", "body": events,
+                                           "more_body": True})
+                    nursery.cancel_scope.cancel()
+            except Exception:  # (the store failed: the response runs on; GET resumes it)
+                log.exception("following background response %s failed", record.id)
         await answer.last(b"")
 
 
