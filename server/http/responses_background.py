@@ -68,6 +68,9 @@ POLL_S = 0.25
 SWEEP_S = 5.0
 #: Seconds a stopped job may take to mark its response failed.
 STOP_TIMEOUT_S = 10.0
+#: The most running records one sweep reads (oldest first): past the frontends' running
+#: responses (``--max-background-responses`` each), so that an expired lease is always found.
+SWEEP_LIMIT = 10_000
 
 _ENDED = ("completed", "incomplete", "failed", "cancelled")
 _TERMINAL = (b"event: response.completed\n", b"event: response.incomplete\n",
@@ -307,7 +310,8 @@ class BackgroundResponses:
         server stopped): the number marked."""
         marked = 0
         now = _lease(0.0)
-        for record in await self.store.with_status(KIND, ["queued", "in_progress"]):
+        for record in await self.store.with_status(KIND, ["queued", "in_progress"],
+                                                   limit=SWEEP_LIMIT):
             meta = record.meta
             if not meta.get("background") or meta.get("lease_until_ms", 0) >= now:
                 continue
