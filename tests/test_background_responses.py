@@ -136,6 +136,18 @@ async def test_polled_to_its_end_and_its_stream_resumed(store_options):
             assert final.usage.output_tokens == 300
 
 
+async def test_a_followed_stream_is_not_cut_by_quarts_response_timeout():
+    async with running_server(LONG_SIM) as url:
+        url.app.config["RESPONSE_TIMEOUT"] = 0  # (Quart's, 60 s: a stream past it is cut)
+        client = client_of(url)
+        with trio.fail_after(TIMEOUT_S):
+            r = await client.responses.create(model="sim", input="x", background=True,
+                                              max_output_tokens=50)
+            followed = [e async for e in await client.responses.retrieve(r.id, stream=True)]
+            assert followed[-1].type == "response.incomplete"
+            assert [e.sequence_number for e in followed] == list(range(len(followed)))
+
+
 async def test_cancel_aborts_the_engine_request_once(store_options):
     async with running_server(LONG_SIM, **store_options) as url:
         client = client_of(url)

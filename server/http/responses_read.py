@@ -95,8 +95,13 @@ async def retrieve_response(app, response_id: str) -> Response:
         body = b"".join(events)
     else:  # (followed as it is made: on any frontend, through the store)
         body = background.follow(record, start)
-    return Response(body, status=200, headers=_SSE_HEADERS,
-                    content_type="text/event-stream; charset=utf-8")
+    response = Response(body, status=200, headers=_SSE_HEADERS,
+                        content_type="text/event-stream; charset=utf-8")
+    if not isinstance(body, bytes):
+        # (not Quart's RESPONSE_TIMEOUT, 60 s: a follow ends with its response, which
+        # --request-timeout, a cancel or the sweep of a dead holder's ends)
+        response.timeout = None
+    return response
 
 
 async def cancel_response(app, response_id: str) -> Response:
