@@ -12,6 +12,7 @@ import json
 import os
 import signal
 
+import httpx
 import openai
 import pytest
 import trio
@@ -308,3 +309,27 @@ async def test_a_batch_survives_a_sigkill_of_its_server(tmp_path):
     finally:
         await store.aclose()
     assert sorted(ran) == sorted(f"r{i}" for i in range(n))
+
+
+async def test_no_line_starts_while_an_interactive_request_holds_the_capacity():
+    """With room for one request, a batch waits while an interactive stream runs (no line
+    in flight, none refused), then runs every line once the stream ends."""
+    async with running_server(max_concurrent_requests=1) as url:
+        client = client_of(url)
+        runner = url.app.batches
+        file = await upload(client, requests("/v1/chat/completions", 4))
+        long = {**CHAT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(timeout=60) as http:
+            async with http.stream("POST", url + "/v1/chat/completions", json=long) as stream:
+                chunks = stream.aiter_bytes()
+                await anext(chunks)
+                batch = await client.batches.create(input_file_id=file.id,
+                                                    endpoint="/v1/chat/completions",
+                                                    completion_window="24h")
+                await wait_status(client, batch.id, ("in_progress",))
+                for _ in range(20):  # (the runner's gate polls every 20 ms)
+                    await trio.sleep(0.02)
+                    assert runner.statistics().lines_in_flight == 0
+        done = await wait_status(client, batch.id)
+        assert done.request_counts.completed == 4
+        assert runner.statistics().lines_done == 4

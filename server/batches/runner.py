@@ -82,6 +82,9 @@ class BatchStatistics:
     batches: int
     lines_in_flight: int
     lines_done: int
+    #: Line calls refused by an admission limit that interactive requests reached between
+    #: the line's start and its admission: run again once there is room, not failed.
+    lines_retried: int = 0
 
 
 @dataclass(eq=False)
@@ -115,9 +118,10 @@ class BatchRunner:
         self._jobs: dict[str, _Job] = {}
         self._in_flight = 0
         self._done = 0
+        self._retried = 0
 
     def statistics(self) -> BatchStatistics:
-        return BatchStatistics(len(self._jobs), self._in_flight, self._done)
+        return BatchStatistics(len(self._jobs), self._in_flight, self._done, self._retried)
 
     def poke(self) -> None:
         """A batch was created: look for work now."""
@@ -279,13 +283,16 @@ class BatchRunner:
         """Take a line's slot once there is idle capacity (module docstring)."""
         await self._slots.acquire()
         try:
-            while True:  # (polled: a worker's queue is known from its heartbeats)
-                if not self._interactive_waiting():
-                    break
-                await trio.sleep(GATE_S)
+            await self._wait_idle()
         except BaseException:
             self._slots.release()
             raise
+
+    async def _wait_idle(self) -> None:
+        while True:  # (polled: a worker's queue is known from its heartbeats)
+            if not self._interactive_waiting():
+                return
+            await trio.sleep(GATE_S)
 
     def _interactive_waiting(self) -> bool:
         for pool in self.app.models.pools:
@@ -303,9 +310,14 @@ class BatchRunner:
         try:
             request_id = "batch_req_" + os.urandom(12).hex()
             answer = refused_in_batch(line.body, request_id)
-            if answer is None:
+            while answer is None:
                 answer = await call_line(self.app, line.url, dumps(line.body), api_key,
                                          request_id)
+                if _overloaded(answer):  # (interactive requests took the room meanwhile)
+                    answer = None
+                    self._retried += 1
+                    await trio.sleep(GATE_S)
+                    await self._wait_idle()
             send.send_nowait((output_line(line.custom_id, answer.status, answer.request_id,
                                           answer.body), 200 <= answer.status < 300))
         finally:
@@ -380,6 +392,14 @@ class BatchRunner:
         record = await file_store.store_file(self.store, job.owner, f"{job.id}_{which}.jsonl",
                                              "batch_output", b"\n".join(lines) + b"\n")
         return record.id
+
+
+def _overloaded(answer) -> bool:
+    """Whether a line's answer is an admission limit's 503 (``server_overloaded``)."""
+    if answer.status != 503 or not isinstance(answer.body, dict):
+        return False
+    error = answer.body.get("error")
+    return isinstance(error, dict) and error.get("code") == "server_overloaded"
 
 
 def _errors(code: str, message: str) -> dict:
