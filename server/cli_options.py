@@ -153,6 +153,10 @@ OPTIONS: tuple[Option, ...] = (
                into=("server.max_background_responses",),
                help="background responses ('background': true) this frontend runs at once; "
                "past it a new one is a 503 (docs/api.md)"),
+        Option("--batch-concurrency", metavar="N", type=int, bounds=COUNT, default=8,
+               into=("server.batch_concurrency",),
+               help="Batch API lines this frontend runs at once, only while no interactive "
+               "request waits (docs/batches.md)"),
     ),
     *ENGINE_OPTIONS,
     *_frontend(

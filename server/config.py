@@ -202,6 +202,8 @@ class ServerConfig:
     #: Background responses (``background: true``) one frontend runs at once; past it a
     #: new one is a 503 (docs/api.md).
     max_background_responses: int = 64
+    #: Batch API lines one frontend runs at once, in idle capacity only (docs/batches.md).
+    batch_concurrency: int = 8
     #: Seconds a request may run before the server aborts it (None: no limit).
     request_timeout: float | None = None
     #: Requests in flight beyond which new ones get a 503 (None: no limit).

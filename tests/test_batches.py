@@ -333,3 +333,21 @@ async def test_no_line_starts_while_an_interactive_request_holds_the_capacity():
         done = await wait_status(client, batch.id)
         assert done.request_counts.completed == 4
         assert runner.statistics().lines_done == 4
+
+
+async def test_batch_concurrency_bounds_the_lines_in_flight():
+    async with running_server(batch_concurrency=2) as url:
+        client = client_of(url)
+        runner = url.app.batches
+        body = {**CHAT, "max_tokens": 100, "ignore_eos": True}
+        file = await upload(client, requests("/v1/chat/completions", 12, body))
+        batch = await client.batches.create(input_file_id=file.id,
+                                            endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        most = 0
+        with trio.fail_after(60):
+            while runner.statistics().lines_done < 12:
+                most = max(most, runner.statistics().lines_in_flight)
+                await trio.sleep(0.005)
+        assert most == 2
+        assert (await wait_status(client, batch.id)).request_counts.completed == 12

@@ -155,7 +155,7 @@ class BatchRunner:
 
     async def _claim(self, nursery: trio.Nursery) -> None:
         now = int(time.time() * 1000)
-        for record in await self.store.with_status(KIND, ACTIVE):
+        for record in await self.store.with_status(KIND, ACTIVE, limit=10_000):
             meta = record.meta
             if record.id in self._jobs or (meta.get("holder") is not None
                                            and (meta.get("lease_until_ms") or 0) > now):

@@ -10,10 +10,7 @@ import trio
 from ..state import StateStore
 from .runner import BatchRunner
 
-__all__ = ["BatchService", "DEFAULT_CONCURRENCY"]
-
-#: Batch lines in flight at once on one frontend, unless the server is told otherwise.
-DEFAULT_CONCURRENCY = 8
+__all__ = ["BatchService"]
 
 
 class BatchService:
@@ -29,8 +26,7 @@ class BatchService:
         if store is None:
             return
         self._stopped = trio.Event()
-        concurrency = getattr(self.app.server_config, "batch_concurrency", None) \
-            or DEFAULT_CONCURRENCY
+        concurrency = self.app.server_config.batch_concurrency
         self.runner = await nursery.start(self._run, BatchRunner(
             self.app, store, concurrency=concurrency))
 
