@@ -351,3 +351,41 @@ async def test_batch_concurrency_bounds_the_lines_in_flight():
                 await trio.sleep(0.005)
         assert most == 2
         assert (await wait_status(client, batch.id)).request_counts.completed == 12
+
+
+
+async def test_a_server_that_stops_gives_its_batch_back_for_the_next_to_finish(tmp_path):
+    """A SIGTERM's drain first aborts the lines in flight (nothing of them recorded) and
+    releases the lease (no wait for it to expire); the next server runs the rest, each
+    line once, none answered by the drain (a 503 or a cut-short answer)."""
+    state = str(tmp_path / "state")
+    n = 40
+    body = {**CHAT, "max_tokens": 400, "ignore_eos": True}  # (about 1 s a line)
+    async with cli_server("--state-dir", state, "--shutdown-timeout", "0") as srv:
+        client = client_of(srv.url)
+        file = await upload(client, requests("/v1/chat/completions", n, body))
+        batch = await client.batches.create(input_file_id=file.id,
+                                            endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        with trio.fail_after(60):
+            while (await client.batches.retrieve(batch.id)).request_counts.completed < 1:
+                await trio.sleep(0.05)
+        srv.proc.send_signal(signal.SIGTERM)
+        assert await srv.wait_exit(60) == 0, srv.output()
+    store = await open_state_store(StateConfig(directory=state))
+    try:
+        record = await store.get("batch", "", batch.id)
+    finally:
+        await store.aclose()
+    assert record is not None and record.meta["status"] == "in_progress"
+    assert record.meta["holder"] is None and record.meta["lease_until_ms"] is None
+    async with cli_server("--state-dir", state) as srv:
+        client = client_of(srv.url)
+        done = await wait_status(client, batch.id)
+        errors = await read_lines(client, done.error_file_id)
+        assert not errors, next(iter(errors.values()))
+        assert done.request_counts.model_dump() == {"total": n, "completed": n, "failed": 0}
+        outputs = await read_lines(client, done.output_file_id)
+        for line in outputs.values():
+            choice = line["response"]["body"]["choices"][0]
+            assert choice["finish_reason"] == "length", line

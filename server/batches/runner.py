@@ -247,7 +247,7 @@ class BatchRunner:
         job.cancelling = job.meta["status"] == "cancelling"
         if job.meta["status"] == "in_progress":
             await self._run_lines(job, [line for line in lines if line.custom_id not in done])
-        expired = time.time() >= job.created_at + COMPLETION_WINDOW_S
+        expired = _expired(job)
         await self._finish(job, lines, expired)
 
     async def _done_ids(self, job: _Job) -> set[str]:
@@ -274,7 +274,7 @@ class BatchRunner:
                 with job.lines_scope:
                     async with trio.open_nursery() as lines:
                         for line in pending:
-                            if time.time() >= job.created_at + COMPLETION_WINDOW_S:
+                            if _expired(job):
                                 break
                             await self._slot()
                             lines.start_soon(self._line, job, line, api_key, send)
@@ -297,8 +297,8 @@ class BatchRunner:
     def _interactive_waiting(self) -> bool:
         for pool in self.app.models.pools:
             engine = pool.engine
-            if engine is None:
-                continue
+            if engine is None or not pool.healthy():
+                return True  # (not started, no worker up, or draining: not now)
             if self.app.saturated(pool):
                 return True
             if any(w.waiting for w in engine.statistics().workers):
@@ -313,7 +313,7 @@ class BatchRunner:
             while answer is None:
                 answer = await call_line(self.app, line.url, dumps(line.body), api_key,
                                          request_id)
-                if _overloaded(answer):  # (interactive requests took the room meanwhile)
+                if _overloaded(answer) and not _expired(job):  # (not now: run it later)
                     answer = None
                     self._retried += 1
                     await trio.sleep(GATE_S)
@@ -394,12 +394,15 @@ class BatchRunner:
         return record.id
 
 
+def _expired(job: _Job) -> bool:
+    """Whether the batch's completion window (24 h from its creation) is over."""
+    return time.time() >= job.created_at + COMPLETION_WINDOW_S
+
+
 def _overloaded(answer) -> bool:
-    """Whether a line's answer is an admission limit's 503 (``server_overloaded``)."""
-    if answer.status != 503 or not isinstance(answer.body, dict):
-        return False
-    error = answer.body.get("error")
-    return isinstance(error, dict) and error.get("code") == "server_overloaded"
+    """Whether a line's answer is a 503: "not now" (an admission limit, a drain, no worker
+    up yet), no answer to the line, which runs again once there is room."""
+    return answer.status == 503
 
 
 def _errors(code: str, message: str) -> dict:

@@ -177,6 +177,11 @@ class LLMServerApp(QuartTrio):
         store; else None."""
         return self._batches.runner
 
+    async def stop_batches(self) -> None:
+        """Stop the batch runner: its lines in flight are aborted (not recorded) and its
+        leases released, for the next server to resume (the drain's first step)."""
+        await self._batches.stop()
+
     def require_engine(self) -> Engine:
         """The (first) model's engine, or ServiceUnavailable while it is not running."""
         return self.models.default.require_engine()

@@ -72,6 +72,7 @@ def hypercorn_config(config: ServerConfig) -> ServingConfig:
 async def drain(app: LLMServerApp, timeout: float, *, hurry: trio.Event | None = None) -> None:
     """Stop accepting, let in-flight requests finish for ``timeout`` s (or until ``hurry``
     is set), then abort the rest (every model's engine at once)."""
+    await app.stop_batches()  # (first: a drain waits for clients' requests, not batch lines)
     engines = app.models.engines()
     if not engines:
         return
