@@ -293,3 +293,19 @@ def vllm_checks(tmp_path_factory):
     checks = ChecksApart(tmp_path_factory.mktemp("vllm-checks"))
     yield checks
     checks.close()
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A PostgreSQL server these tests start (tests/postgres_server.py), one per xdist worker;
+    skipped, saying why, where Debian's postgresql or psycopg is not installed."""
+    from tests.postgres_server import find_binaries, start_postgres
+
+    bin_dir = find_binaries()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL is not installed (no initdb/pg_ctl under /usr/lib/postgresql "
+                    "or on PATH): the PostgreSQL backend's tests need it")
+    pytest.importorskip("psycopg", reason="psycopg 3 is not installed (the state-postgres extra)")
+    server = start_postgres(bin_dir)
+    yield server
+    server.stop()

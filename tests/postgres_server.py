@@ -11,6 +11,7 @@ package makes it) or ``nobody``, owning the directory.
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 import pwd
 import shutil
@@ -31,6 +32,10 @@ def find_binaries() -> str | None:
     return os.path.dirname(initdb) if initdb and shutil.which("pg_ctl") else None
 
 
+#: Numbers the databases tests create (PostgresServer.new_database).
+_databases = itertools.count()
+
+
 @dataclass
 class PostgresServer:
     directory: str
@@ -40,6 +45,15 @@ class PostgresServer:
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://{self.user}@/{database}?host={self.directory}"
+
+    def new_database(self, prefix: str = "t") -> str:
+        """A new, empty database's URL (a test's own: its name unique in this run)."""
+        import psycopg
+
+        name = f"{prefix}{os.getpid()}_{next(_databases)}"
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        return self.url(name)
 
     def restart(self) -> None:
         """Restart the server (every connection to it is cut)."""

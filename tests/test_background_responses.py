@@ -11,7 +11,6 @@ marks its own failed at once. Real time, bounded by ``trio.fail_after``."""
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import os
 import signal
@@ -26,7 +25,6 @@ from server.http.app import create_app
 from server.http.responses_background import LEASE_S, SWEEP_S
 from server.http.serve import serve
 from tests.conftest import FAST_SIM, ServerURL, running_server, wait_http_ok
-from tests.postgres_server import find_binaries, start_postgres
 from tests.remote import supervised
 
 TIMEOUT_S = 60
@@ -35,23 +33,10 @@ TIMEOUT_S = 60
 #: aborted). The killed server's (the default 8192-token context) takes 16 s.
 LONG = 30_000
 LONG_SIM = EngineConfig(engine_options={**FAST_SIM, "max_model_len": 1 << 20})
-_databases = itertools.count()
 
 
 def client_of(url: str, key: str = "x") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def postgres_server():
-    bin_dir = find_binaries()
-    if bin_dir is None:
-        pytest.skip("PostgreSQL is not installed (no initdb/pg_ctl under /usr/lib/postgresql "
-                    "or on PATH)")
-    pytest.importorskip("psycopg", reason="psycopg 3 is not installed (the state-postgres extra)")
-    server = start_postgres(bin_dir)
-    yield server
-    server.stop()
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -59,13 +44,7 @@ def store_options(request, tmp_path) -> dict:
     """Where a test's servers keep their state: one --state-dir, or one PostgreSQL database."""
     if request.param == "sqlite":
         return {"state_dir": str(tmp_path / "state")}
-    server = request.getfixturevalue("postgres_server")
-    import psycopg
-
-    name = f"bg{next(_databases)}"
-    with psycopg.connect(server.url(), autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    return {"state_url": server.url(name)}
+    return {"state_url": request.getfixturevalue("postgres_server").new_database("bg")}
 
 
 async def wait_status(client: openai.AsyncOpenAI, response_id: str, statuses: tuple):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import signal
 
 import httpx
@@ -22,7 +21,6 @@ from server.errors import ClientError
 from server.state import StateConfig, open_state_store
 from tests.conftest import running_server
 from tests.test_shutdown import cli_server
-from tests.test_state_store import postgres_server  # noqa: F401 (a fixture)
 
 CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 BODIES = {
@@ -137,13 +135,7 @@ def store_options(request, tmp_path) -> dict:
     PostgreSQL database (tests/postgres_server.py; skipped where it is not installed)."""
     if request.param == "sqlite":
         return {"state_dir": str(tmp_path / "state")}
-    server = request.getfixturevalue("postgres_server")
-    import psycopg
-
-    name = f"b{os.getpid()}_{os.urandom(3).hex()}"
-    with psycopg.connect(server.url(), autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    return {"state_url": server.url(name)}
+    return {"state_url": request.getfixturevalue("postgres_server").new_database("b")}
 
 
 async def test_a_batch_of_each_endpoint_runs_to_completion(store_options):

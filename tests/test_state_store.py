@@ -6,7 +6,6 @@ is exact, not timed."""
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 from dataclasses import replace
 
@@ -29,12 +28,10 @@ from server.state import (
 )
 from server.state.service import default_directory, run_state_store, state_config
 from tests.conftest import running_server
-from tests.postgres_server import find_binaries, start_postgres
 
 #: Hang guard for one test (a real database server; CI's machine is busy).
 TIMEOUT_S = 120
 
-_databases = itertools.count()
 
 
 class Clock:
@@ -47,30 +44,12 @@ class Clock:
         return self.now
 
 
-@pytest.fixture(scope="session")
-def postgres_server():
-    bin_dir = find_binaries()
-    if bin_dir is None:
-        pytest.skip("PostgreSQL is not installed (no initdb/pg_ctl under /usr/lib/postgresql "
-                    "or on PATH): the PostgreSQL backend's tests need it")
-    pytest.importorskip("psycopg", reason="psycopg 3 is not installed (the state-postgres extra)")
-    server = start_postgres(bin_dir)
-    yield server
-    server.stop()
-
-
 @pytest.fixture(params=["sqlite", "postgres"])
 def location(request, tmp_path) -> StateConfig:
     """Where one test's store lives: a new SQLite directory, or a new PostgreSQL database."""
     if request.param == "sqlite":
         return StateConfig(directory=str(tmp_path / "state"))
-    server = request.getfixturevalue("postgres_server")
-    import psycopg
-
-    name = f"t{next(_databases)}"
-    with psycopg.connect(server.url(), autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    return StateConfig(url=server.url(name))
+    return StateConfig(url=request.getfixturevalue("postgres_server").new_database())
 
 
 @pytest.fixture
@@ -425,11 +404,8 @@ async def test_the_default_store_is_temporary():
 async def test_postgres_connection_lost_is_made_again(postgres_server, tmp_path, clock):
     import psycopg
 
-    name = f"t{next(_databases)}"
-    with psycopg.connect(postgres_server.url(), autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
     with trio.fail_after(TIMEOUT_S):
-        async with await open_state_store(StateConfig(url=postgres_server.url(name)),
+        async with await open_state_store(StateConfig(url=postgres_server.new_database()),
                                           clock=clock) as store:
             await store.put(rec("r1"))
             await trio.to_thread.run_sync(postgres_server.restart)
