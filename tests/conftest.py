@@ -202,7 +202,14 @@ class ThreadServer:
 
     def call(self, async_fn, *args):
         """``await async_fn(*args)`` in the server's Trio run, from outside it."""
+        self.check_running()
         return trio.from_thread.run(async_fn, *args, trio_token=self._token)
+
+    def check_running(self) -> None:
+        """Raise why the server's Trio run ended, if it has (else each later test would fail
+        with a RunFinishedError or a refused connect, and the cause would be lost)."""
+        if not self._thread.is_alive():
+            raise AssertionError("the shared server's Trio run has ended") from self._error
 
     def assert_idle(self) -> None:
         """Nothing in the manager, nothing in any worker (as :func:`running_server` checks
@@ -215,6 +222,7 @@ class ThreadServer:
         self.call(idle)
 
     def close(self) -> None:
+        self.check_running()
         trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
         self._thread.join(120)
         if self._error is not None:
@@ -244,6 +252,7 @@ def transformers_server(tmp_path_factory):
 @pytest.fixture
 def transformers_url(transformers_server):
     """:func:`transformers_server`'s URL for a test, checked idle after it."""
+    transformers_server.check_running()
     yield transformers_server.url
     transformers_server.assert_idle()
 

@@ -23,7 +23,7 @@ import trio
 from trio_util import AsyncValue, wait_all
 
 from ..config import EngineConfig
-from ..errors import ServiceUnavailable
+from ..errors import EngineError, ServiceUnavailable
 from ..observability.engine_metrics import EngineReport
 from ..params import SamplingParams, truncated
 from ..worker_protocol import wire
@@ -455,8 +455,18 @@ class Engine:
         await self._open.wait_value(0)
 
     async def ping_all(self) -> list[tuple[int, int]]:
-        """Each live worker's (running, waiting) counts, from a fresh ping round trip."""
-        return [await w.ping() for w in self.workers if w.alive]
+        """Each live worker's (running, waiting) counts, from a fresh ping round trip. Not
+        a worker that discovery removed from the pool, even one removed mid-ping (its session
+        is being cut: it would go away before answering)."""
+        counts = []
+        for w in self.workers:
+            if w.alive and not w.removed:
+                try:
+                    counts.append(await w.ping())
+                except EngineError:
+                    if not w.removed:
+                        raise
+        return counts
 
     def statistics(self) -> EngineStatistics:
         workers = tuple(
