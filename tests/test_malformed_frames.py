@@ -345,6 +345,21 @@ def _broken_route(self, messages):
     raise RuntimeError("a bug in the router")
 
 
+def break_route_in_this_run(monkeypatch) -> None:
+    """WorkerClient._route raising, for the engines of the calling test's Trio run only. A
+    session's shared server (tests/conftest.py, ThreadServer) runs in this process too, in a
+    Trio run of its own: its heartbeat's answers must not meet the bug (they ended it)."""
+    ours = trio.lowlevel.current_trio_token()
+    real = WorkerClient._route
+
+    def route(self, messages):
+        if trio.lowlevel.current_trio_token() is ours:
+            _broken_route(self, messages)
+        return real(self, messages)
+
+    monkeypatch.setattr(WorkerClient, "_route", route)
+
+
 async def test_an_error_that_ends_the_engine_ends_the_server_process_non_zero(tmp_path):
     log = tmp_path / "frontend.log"
     before = child_pids()
@@ -365,7 +380,7 @@ async def test_an_error_that_ends_the_engine_ends_the_server_process_non_zero(tm
 
 
 async def test_an_error_that_ends_the_engine_comes_out_of_serve_and_open_engine(monkeypatch):
-    monkeypatch.setattr(WorkerClient, "_route", _broken_route)
+    break_route_in_this_run(monkeypatch)
     config = EngineConfig(engine_options=dict(FAST_SIM), shutdown_grace=0.3)
     with trio.fail_after(60):
         with pytest.raises(RuntimeError, match="a bug in the router"):
