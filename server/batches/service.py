@@ -8,40 +8,26 @@ from __future__ import annotations
 import trio
 
 from ..state import StateStore
+from ..state.service import LifespanService
 from .runner import BatchRunner
 
 __all__ = ["BatchService"]
 
 
-class BatchService:
-    """``runner``: the running :class:`BatchRunner`, else None."""
+class BatchService(LifespanService[BatchRunner]):
+    """``runner``: the running :class:`BatchRunner`, else None. :meth:`stop` ends it and
+    waits (shielded) while it releases its leases."""
 
     def __init__(self, app) -> None:
+        super().__init__()
         self.app = app
-        self.runner: BatchRunner | None = None
-        self._scope = trio.CancelScope()
-        self._stopped: trio.Event | None = None
+
+    @property
+    def runner(self) -> BatchRunner | None:
+        return self.running
 
     async def start(self, nursery: trio.Nursery, store: StateStore | None) -> None:
         if store is None:
             return
-        self._stopped = trio.Event()
         concurrency = self.app.server_config.batch_concurrency
-        self.runner = await nursery.start(self._run, BatchRunner(
-            self.app, store, concurrency=concurrency))
-
-    async def _run(self, runner: BatchRunner, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        try:
-            with self._scope:
-                await runner.run(task_status=task_status)
-        finally:
-            self.runner = None
-            assert self._stopped is not None
-            self._stopped.set()
-
-    async def stop(self) -> None:
-        """End the runner and wait (shielded) while it releases its leases."""
-        self._scope.cancel()
-        if self._stopped is not None:
-            with trio.CancelScope(shield=True):
-                await self._stopped.wait()
+        await self._start(nursery, BatchRunner(self.app, store, concurrency=concurrency).run)

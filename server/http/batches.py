@@ -18,7 +18,7 @@ import json
 import time
 from urllib.parse import parse_qs
 
-from quart import Response, request
+from quart import Response
 
 from ..batches.objects import (
     KIND, BatchCreate, batch_object, new_batch_id, parse_create, parse_list_query,
@@ -29,7 +29,8 @@ from ..openai.encode import dumps
 from ..state import Record, StateStore, StoreFull
 from . import file_store
 from .asgi import CLOSE, discard_body, header, send_error, send_json
-from .owners import request_owner, store_error
+from .listing import list_body, read_page
+from .owners import current_owner, request_owner, store_error
 from .post import off_loop, read_json_post, refusal
 
 __all__ = ["cancel_batch", "retrieve_batch", "serve_batches"]
@@ -135,19 +136,11 @@ async def _create(app, store: StateStore, owner: str, create: BatchCreate) -> by
 async def _list(store: StateStore, owner: str, scope: dict) -> bytes:
     query = parse_list_query(parse_qs(scope["query_string"].decode("latin-1"),
                                       keep_blank_values=True))
-    records = await store.list(KIND, owner, after=query.after, limit=query.limit + 1)
-    data = [batch_object(r.id, r.created_at, r.meta) for r in records[:query.limit]]
-    return dumps({"object": "list", "data": data, "has_more": len(records) > query.limit,
-                  "first_id": data[0]["id"] if data else None,
-                  "last_id": data[-1]["id"] if data else None})
+    records, more = await read_page(store, KIND, owner, after=query.after, limit=query.limit)
+    return list_body([batch_object(r.id, r.created_at, r.meta) for r in records], more)
 
 
 # -- /v1/batches/{id}, /cancel (Quart) -----------------------------------------------------
-
-
-def _request_owner(app) -> str:
-    authorization = request.headers.get("authorization")
-    return request_owner(app, None if authorization is None else authorization.encode("latin-1"))
 
 
 def _json(body: dict) -> Response:
@@ -156,7 +149,7 @@ def _json(body: dict) -> Response:
 
 async def retrieve_batch(app, batch_id: str) -> Response:
     """``GET /v1/batches/{id}``: the Batch object."""
-    record = await _store(app).get(KIND, _request_owner(app), batch_id)
+    record = await _store(app).get(KIND, current_owner(app), batch_id)
     if record is None:
         raise _not_found(batch_id)
     return _json(batch_object(record.id, record.created_at, record.meta))
@@ -166,7 +159,7 @@ async def cancel_batch(app, batch_id: str) -> Response:
     """``POST /v1/batches/{id}/cancel``: a batch not yet finalizing becomes ``cancelling``
     (its holder stops it and writes what finished); one cancelled or cancelling is answered
     as it is; one past that is a 409."""
-    store, owner = _store(app), _request_owner(app)
+    store, owner = _store(app), current_owner(app)
     for _ in range(_CANCEL_TRIES):
         record = await store.get(KIND, owner, batch_id)
         if record is None:

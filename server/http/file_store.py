@@ -22,6 +22,7 @@ import trio
 
 from ..openai.files import FileQuery, new_file_id
 from ..state import Record, StateStore
+from .listing import read_page
 
 __all__ = ["CONTENT_KIND", "KIND", "delete_file", "file_content", "find_file", "list_files",
            "store_file"]
@@ -71,13 +72,8 @@ async def delete_file(store: StateStore, owner: str, file_id: str) -> bool:
 
 async def list_files(store: StateStore, owner: str, query: FileQuery) -> tuple[list[Record], bool]:
     """A page of ``owner``'s files as ``query`` asks, and whether more follow it."""
-    found: list[Record] = []
-    after = query.after
-    while len(found) <= query.limit:
-        page = await store.list(KIND, owner, after=after, limit=query.limit + 1,
-                                newest_first=query.newest_first)
-        found.extend(r for r in page if query.purpose in (None, r.meta["purpose"]))
-        if len(page) <= query.limit:
-            break
-        after = page[-1].id
-    return found[:query.limit], len(found) > query.limit
+    purpose = query.purpose
+    return await read_page(store, KIND, owner, after=query.after, limit=query.limit,
+                           newest_first=query.newest_first,
+                           keep=None if purpose is None else
+                           lambda record: record.meta["purpose"] == purpose)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from urllib.parse import parse_qs
 
-from quart import Response, request
+from quart import Response
 
 from ..errors import ClientError, MethodNotAllowed, NotFound, ServiceUnavailable, printable
 from ..openai.batch_input import check_batch_file
@@ -34,7 +34,8 @@ from ..openai.files import file_object, parse_list_query, upload_purpose
 from ..state import Record, StateStore, StoreFull
 from . import file_store
 from .asgi import CLOSE, discard_body, header, send_error, send_json
-from .owners import request_owner, store_error
+from .listing import list_body
+from .owners import current_owner, request_owner, store_error
 from .post import off_loop, refusal
 from .upload import form_boundary, read_form
 
@@ -116,18 +117,10 @@ async def _list(app, store, owner: str, scope: dict) -> bytes:
     query = parse_list_query(parse_qs(scope["query_string"].decode("latin-1"),
                                       keep_blank_values=True))
     records, more = await file_store.list_files(store, owner, query)
-    data = [_file_json(app, record) for record in records]
-    return dumps({"object": "list", "data": data, "has_more": more,
-                  "first_id": data[0]["id"] if data else None,
-                  "last_id": data[-1]["id"] if data else None})
+    return list_body([_file_json(app, record) for record in records], more)
 
 
 # -- /v1/files/{id}: retrieve, content, delete (Quart) -------------------------------------
-
-
-def _request_owner(app) -> str:
-    authorization = request.headers.get("authorization")
-    return request_owner(app, None if authorization is None else authorization.encode("latin-1"))
 
 
 def _not_found(file_id: str) -> NotFound:
@@ -140,7 +133,7 @@ def _json(body: dict) -> Response:
 
 async def retrieve_file(app, file_id: str) -> Response:
     """``GET /v1/files/{id}``: the file object."""
-    record = await file_store.find_file(_store(app), _request_owner(app), file_id)
+    record = await file_store.find_file(_store(app), current_owner(app), file_id)
     if record is None:
         raise _not_found(file_id)
     return _json(_file_json(app, record))
@@ -148,7 +141,7 @@ async def retrieve_file(app, file_id: str) -> Response:
 
 async def file_content(app, file_id: str) -> Response:
     """``GET /v1/files/{id}/content``: the file's bytes."""
-    content = await file_store.file_content(_store(app), _request_owner(app), file_id)
+    content = await file_store.file_content(_store(app), current_owner(app), file_id)
     if content is None:
         raise _not_found(file_id)
     return Response(content, status=200, content_type="application/octet-stream")
@@ -156,6 +149,6 @@ async def file_content(app, file_id: str) -> Response:
 
 async def delete_file(app, file_id: str) -> Response:
     """``DELETE /v1/files/{id}``."""
-    if not await file_store.delete_file(_store(app), _request_owner(app), file_id):
+    if not await file_store.delete_file(_store(app), current_owner(app), file_id):
         raise _not_found(file_id)
     return _json({"id": file_id, "object": "file", "deleted": True})

@@ -9,10 +9,13 @@ own owner, and another key's objects are a 404 (the store's reads take the owner
 
 from __future__ import annotations
 
+from quart import request
+
 from ..errors import ClientError, ServerError
 from ..state import StoreFull, owner_of
 
-__all__ = ["InsufficientStorage", "QuotaExceeded", "request_owner", "store_error"]
+__all__ = ["InsufficientStorage", "QuotaExceeded", "current_owner", "request_owner",
+           "store_error"]
 
 
 class InsufficientStorage(ServerError):
@@ -37,6 +40,12 @@ def request_owner(app, authorization: bytes | None) -> str:
         return ""
     _, _, token = authorization.strip().partition(b" ")
     return owner_of(token.strip().decode("utf-8", "replace"))
+
+
+def current_owner(app) -> str:
+    """:func:`request_owner` of the Quart request being served (a route's handler)."""
+    authorization = request.headers.get("authorization")
+    return request_owner(app, None if authorization is None else authorization.encode("latin-1"))
 
 
 def store_error(exc: StoreFull) -> ServerError:

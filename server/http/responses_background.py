@@ -49,6 +49,7 @@ from ..openai.responses_events import ResponseEvents, new_response, response_usa
     split_events
 from ..openai.responses_items import record_body, response_of
 from ..state import Record, StateStore, StoreFull
+from ..state.service import LifespanService
 from .answer import failure
 from .owners import store_error
 from .responses_store import KIND, not_found
@@ -403,41 +404,25 @@ class BackgroundResponses:
                     await job.changed.wait()
 
 
-class BackgroundService:
+class BackgroundService(LifespanService[BackgroundResponses]):
     """The app's handle on its :class:`BackgroundResponses`: :meth:`start` runs it in the
     lifespan's nursery once the store is open (none without a store); :meth:`stop`, after
     the engine stopped and before the store closes, ends it and waits (shielded) while its
     jobs mark what they left failed. ``responses``: the running service, else None."""
 
     def __init__(self, app) -> None:
+        super().__init__()
         self.app = app
-        self.responses: BackgroundResponses | None = None
-        self._scope = trio.CancelScope()
-        self._stopped: trio.Event | None = None
+
+    @property
+    def responses(self) -> BackgroundResponses | None:
+        return self.running
 
     async def start(self, nursery: trio.Nursery, store: StateStore | None) -> None:
         if store is None:
             return
-        self._stopped = trio.Event()
         limit = self.app.server_config.max_background_responses
-        self.responses = await nursery.start(self._run, BackgroundResponses(
-            self.app, store, limit))
-
-    async def _run(self, responses: BackgroundResponses, *,
-                   task_status=trio.TASK_STATUS_IGNORED) -> None:
-        try:
-            with self._scope:
-                await responses.run(task_status=task_status)
-        finally:
-            self.responses = None
-            assert self._stopped is not None
-            self._stopped.set()
-
-    async def stop(self) -> None:
-        self._scope.cancel()
-        if self._stopped is not None:
-            with trio.CancelScope(shield=True):
-                await self._stopped.wait()
+        await self._start(nursery, BackgroundResponses(self.app, store, limit).run)
 
 
 class BackgroundCollector:

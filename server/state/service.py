@@ -20,7 +20,7 @@ import shutil
 import sys
 import time
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 import trio
 
@@ -29,8 +29,8 @@ from ..private_dir import make_private_directory
 from .opening import StateConfig, open_state_store
 from .sql import SQLStore
 
-__all__ = ["CLOSE_TIMEOUT_S", "SWEEP_INTERVAL_S", "StateService", "default_directory",
-           "run_state_store", "state_config"]
+__all__ = ["CLOSE_TIMEOUT_S", "LifespanService", "SWEEP_INTERVAL_S", "StateService",
+           "default_directory", "run_state_store", "state_config"]
 
 log = logging.getLogger("server.state")
 
@@ -68,36 +68,68 @@ def in_virtual_time() -> bool:
     return testing is not None and isinstance(trio.lowlevel.current_clock(), testing.MockClock)
 
 
-class StateService:
+T = TypeVar("T")
+
+
+class LifespanService(Generic[T]):
+    """One service of the app's lifespan nursery that the app stops itself, at its own step
+    of the shutdown: the state store, and the batch runner and background responses on it.
+
+    Why not just let the nursery's end cancel them: their order matters. The batch runner
+    stops before the drain, background jobs after the engine, the store after both. So
+    each runs in a cancel scope of its own; :meth:`stop` cancels it and waits, shielded,
+    until its cleanup ends. ``running`` is what the service handed to
+    ``task_status.started``, None before it started and once it ended."""
+
+    def __init__(self) -> None:
+        self.running: T | None = None
+        self._scope = trio.CancelScope()
+        self._stopped: trio.Event | None = None
+
+    async def _start(self, nursery: trio.Nursery, run: Callable[..., Awaitable[Any]],
+                     *args: Any) -> None:
+        """Run ``run(*args, task_status=...)`` in ``nursery`` until :meth:`stop`, and wait
+        until it has started; raises what it raised before that."""
+        self._stopped = stopped = trio.Event()
+        value = await nursery.start(self._run, run, *args)
+        if not stopped.is_set():  # (not ended already, before this resumed)
+            self.running = value
+
+    async def _run(self, run: Callable[..., Awaitable[Any]], *args: Any,
+                   task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            with self._scope:
+                await run(*args, task_status=task_status)
+        finally:
+            self.running = None
+            assert self._stopped is not None
+            self._stopped.set()
+
+    async def stop(self) -> None:
+        """End the service and wait (shielded) while it cleans up; at once if it never
+        started."""
+        self._scope.cancel()
+        if self._stopped is not None:
+            with trio.CancelScope(shield=True):
+                await self._stopped.wait()
+
+
+class StateService(LifespanService[SQLStore]):
     """The app's handle on its store: :meth:`start` runs :func:`run_state_store` in the
     app's nursery and waits until the store is open; :meth:`stop` closes it and waits
     (shielded). ``store`` is the open store, None before and after."""
 
     def __init__(self, config: StateConfig) -> None:
+        super().__init__()
         self.config = config
-        self.store: SQLStore | None = None
-        self._scope = trio.CancelScope()
-        self._started = False
-        self._stopped = trio.Event()
+
+    @property
+    def store(self) -> SQLStore | None:
+        return self.running
 
     async def start(self, nursery: trio.Nursery) -> None:
         """Raises :class:`~server.state.StateStoreError` when the store cannot be opened."""
-        self._started = True
-        self.store = await nursery.start(self._run)
-
-    async def _run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        try:
-            with self._scope:
-                await run_state_store(self.config, task_status=task_status)
-        finally:
-            self.store = None
-            self._stopped.set()
-
-    async def stop(self) -> None:
-        self._scope.cancel()
-        if self._started:
-            with trio.CancelScope(shield=True):
-                await self._stopped.wait()
+        await self._start(nursery, run_state_store, self.config)
 
 
 async def run_state_store(config: StateConfig, *, sweep_interval: float = SWEEP_INTERVAL_S,
