@@ -43,6 +43,7 @@ import tempfile
 import threading
 import time
 from contextlib import AsyncExitStack, contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -225,6 +226,16 @@ def last_increase(samples, since: float, index: int) -> float:
     return last
 
 
+def emptied_for_good(held, since: float, address: str) -> float | None:
+    """Seconds from ``since`` to the sample from which ``address`` held nothing, to the
+    end (None if it still held something at the last sample)."""
+    empty = None
+    for t, counts in held:
+        if t >= since:
+            empty = (empty if empty is not None else t) if counts.get(address, 0) == 0 else None
+    return None if empty is None else empty - since
+
+
 def within(value: float, fair: float, tolerance: float = 0.1) -> bool:
     return abs(value - fair) <= tolerance * fair
 
@@ -250,32 +261,68 @@ def per_second(held, routed, since: float, seconds: int, addresses: list[str],
     return rows
 
 
-def change_figures(samples: Samples, since: float, changes_before: float) -> dict:
-    return {"resolved_s": first_time(samples.routed, since,
-                                     lambda routed, changes: changes > changes_before)}
+def log_events(text: str, offset: float) -> list[tuple[float, str]]:
+    """The frontend's JSON log lines as (time, message), times on this process's
+    ``perf_counter`` (``offset``: ``time.time()`` less it)."""
+    events = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+            wall = datetime.strptime(record["time"], "%Y-%m-%dT%H:%M:%S.%fZ")
+        except (ValueError, KeyError, TypeError):
+            continue  # (not a log record: a line of a library's own)
+        events.append((wall.replace(tzinfo=timezone.utc).timestamp() - offset,
+                       record.get("message", "")))
+    return events
 
 
-def analyse(samples: Samples, args, addresses: list[str], indexes: dict[str, int],
-            added_at: float, dropped_at: float) -> dict:
+def event_time(events: list[tuple[float, str]], since: float, pattern: str) -> float | None:
+    """Seconds from ``since`` to the first event at or after it whose message has
+    ``pattern`` (plain text)."""
+    return first_time(events, since, lambda message: pattern in message)
+
+
+def largest_gap(samples, start: float, end: float) -> float | None:
+    """The longest time between two consecutive samples from ``start`` to ``end``."""
+    times = [t for t, *_ in samples if start <= t <= end]
+    return max((b - a for a, b in zip(times, times[1:])), default=None)
+
+
+def analyse(samples: Samples, events: list[tuple[float, str]], args, addresses: list[str],
+            indexes: dict[str, int], added_at: float, dropped_at: float) -> dict:
+    """The figures of the join (``added_at``: the last address added to the records) and
+    of the drop (``dropped_at``: the first one taken out)."""
     new, dropped = addresses[-1], addresses[0]
-    fair_join = args.streams / len(addresses)
-    before_add = max([c for t, _, c in samples.routed if t < added_at], default=0.0)
-    before_drop = max([c for t, _, c in samples.routed if t < dropped_at], default=0.0)
-    join = change_figures(samples, added_at, before_add)
-    join["first_request_s"] = first_time(
-        samples.routed, added_at, lambda routed, _: routed.get(indexes.get(new, -1), 0) > 0)
-    join["fair_share"] = fair_join
-    join["within_10pct_s"] = first_time(
-        samples.held, added_at, lambda counts: within(counts.get(new, 0), fair_join))
-    join["seconds"] = per_second(samples.held, samples.routed, added_at, int(args.phase),
-                                 addresses, indexes)
-    drop = change_figures(samples, dropped_at, before_drop)
-    drop["last_request_s"] = last_increase(samples.routed, dropped_at, indexes.get(dropped, -1))
-    drop["emptied_s"] = first_time(samples.held, dropped_at,
-                                   lambda counts: counts.get(dropped, 0) == 0)
-    drop["fair_share"] = args.streams / (len(addresses) - 1)
-    drop["seconds"] = per_second(samples.held, samples.routed, dropped_at, int(args.phase),
-                                 addresses, indexes)
+    fair = args.streams / len(addresses)
+    join = {
+        "resolved_s": event_time(events, added_at, f"({new}) joins the pool"),
+        "first_request_s": first_time(samples.routed, added_at, lambda routed, _: routed.get(
+            indexes.get(new, -1), 0) > 0),
+        "fair_share": fair,
+        "within_10pct_s": first_time(samples.held, added_at,
+                                     lambda counts: within(counts.get(new, 0), fair)),
+        "largest_gaps_s": [largest_gap(samples.held, added_at, dropped_at),
+                           largest_gap(samples.routed, added_at, dropped_at)],
+        "seconds": per_second(samples.held, samples.routed, added_at, int(args.phase),
+                              addresses, indexes),
+    }
+    # (the frontend's DNS answer and the routed counts of one /metrics text: the requests
+    # routed to the dropped worker once its answer was in)
+    before = max([c for t, _, c in samples.routed if t < dropped_at], default=0.0)
+    answered = [r.get(indexes.get(dropped, -1), 0.0)
+                for t, r, c in samples.routed if t >= dropped_at and c > before]
+    drop = {
+        "resolved_s": event_time(events, dropped_at, f"({dropped}) left discovery"),
+        "last_request_s": last_increase(samples.routed, dropped_at, indexes.get(dropped, -1)),
+        "routed_after_answer": answered[-1] - answered[0] if answered else None,
+        "emptied_s": emptied_for_good(samples.held, dropped_at, dropped),
+        "removed_s": event_time(events, dropped_at, f"({dropped}) removed from the pool"),
+        "fair_share": args.streams / (len(addresses) - 1),
+        "largest_gaps_s": [largest_gap(samples.held, dropped_at, float("inf")),
+                           largest_gap(samples.routed, dropped_at, float("inf"))],
+        "seconds": per_second(samples.held, samples.routed, dropped_at, int(args.phase),
+                              addresses, indexes),
+    }
     return {"addresses": addresses, "added": new, "dropped": dropped, "join": join,
             "drop": drop}
 
@@ -303,7 +350,7 @@ def frontend_args(args, dns: str, port: int) -> str:
             f"--dns-max-interval {args.dns_max_interval} "
             f"--dns-drain-grace {args.dns_drain_grace} --routing {args.routing} "
             f"--routing-balance {args.routing_balance} --disable-log-requests "
-            "--log-level info")
+            "--log-level info --log-format json")
 
 
 async def run(args) -> dict:
@@ -316,6 +363,7 @@ async def run(args) -> dict:
     records = Records(args.ttl)
     records.set(*hosts[:-1])
     samples, load = Samples(), Load()
+    offset = time.time() - _perf()  # (the frontend's log has wall-clock times)
     with tempfile.TemporaryDirectory(prefix="join-balance-") as tmp:
         logs = [Path(tmp, f"worker-{i}.log") for i in range(len(addresses))]
         procs = [start_worker(a, args, log) for a, log in zip(addresses, logs)]
@@ -358,11 +406,16 @@ async def run(args) -> dict:
                             await wait_for(joined, args.phase, args.phase + 120)
                             records.set(*hosts[1:])
                             dropped_at = _perf()
-                            await wait_for(lambda: emptied(samples, dropped_at, addresses[0]),
-                                           args.phase, args.phase + 120)
+
+                            def left() -> bool:  # (drained, and out of the frontend's pool)
+                                return emptied(samples, dropped_at, addresses[0]) and (
+                                    f"({addresses[0]}) removed from the pool"
+                                    in read_text(server.log_path))
+
+                            await wait_for(left, args.phase, args.phase + 120)
                             load.sending = False
                         pollers.cancel_scope.cancel()
-                indexes = worker_indexes(read_text(server.log_path))
+                log_text = read_text(server.log_path)
         except BaseException:
             if server is not None:
                 print(server.log_tail(), file=sys.stderr)
@@ -378,11 +431,12 @@ async def run(args) -> dict:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-    result = analyse(samples, args, addresses, indexes, added_at, dropped_at)
+    result = analyse(samples, log_events(log_text, offset), args, addresses,
+                     worker_indexes(log_text), added_at, dropped_at)
     result["load"] = {"sent": load.sent, "done": load.done, "error_events": load.error_events,
                       "http_errors": load.http_errors}
     result["loadavg"] = float(loadavg)
-    result["indexes"] = indexes
+    result["indexes"] = worker_indexes(log_text)
     return result
 
 
@@ -411,6 +465,12 @@ def print_rows(rows: list[dict], addresses: list[str], marks: dict[str, str]) ->
             f"{c:>14}" for c in cells))
 
 
+def print_gaps(gaps: list[float | None]) -> None:
+    held, routed = (seconds(g) for g in gaps)
+    print(f"  (largest time between two samples: {held} of the workers' counts, {routed} "
+          "of /metrics)")
+
+
 def report(args, result: dict, addresses: list[str]) -> None:
     heartbeat = EngineConfig().heartbeat_interval
     duration = (args.ttft_ms + args.itl_ms * args.max_tokens) / 1000
@@ -427,19 +487,23 @@ def report(args, result: dict, addresses: list[str]) -> None:
     join, drop = result["join"], result["drop"]
     added, dropped = result["added"], result["dropped"]
     print(f"added {added} (worker {indexes.get(added)}) to the records; from then:")
-    print(f"  the frontend's DNS answer changed the pool: {seconds(join['resolved_s'])}")
-    print(f"  first request routed to it:                 {seconds(join['first_request_s'])}")
+    print(f"  it joins the frontend's pool (its log):       {seconds(join['resolved_s'])}")
+    print(f"  first request routed to it (/metrics):        {seconds(join['first_request_s'])}")
     gap = ("" if join["within_10pct_s"] is None or join["first_request_s"] is None else
            f" ({(join['within_10pct_s'] - join['first_request_s']) / heartbeat:.1f} "
            "heartbeats after its first request)")
-    print(f"  its in-flight requests within 10 % of its fair share ({join['fair_share']:.1f}):"
-          f" {seconds(join['within_10pct_s'])}{gap}")
+    print(f"  in flight there within 10 % of its fair share ({join['fair_share']:.1f}, the "
+          f"worker's count): {seconds(join['within_10pct_s'])}{gap}")
+    print_gaps(join["largest_gaps_s"])
     print("  per worker, each second: mean requests in flight (requests routed to it)")
     print_rows(join["seconds"], addresses, {added: "+"})
     print(f"dropped {dropped} (worker {indexes.get(dropped)}) from the records; from then:")
-    print(f"  the frontend's DNS answer changed the pool: {seconds(drop['resolved_s'])}")
-    print(f"  last request routed to it (none after):     {seconds(drop['last_request_s'])}")
-    print(f"  it held no request:                         {seconds(drop['emptied_s'])}")
+    print(f"  it leaves the frontend's pool (its log):      {seconds(drop['resolved_s'])}")
+    print(f"  last request routed to it (/metrics):         {seconds(drop['last_request_s'])}")
+    print(f"  requests routed to it after the answer:       {drop['routed_after_answer']}")
+    print(f"  it held no request (the worker's count):      {seconds(drop['emptied_s'])}")
+    print(f"  removed from the pool, drained (its log):     {seconds(drop['removed_s'])}")
+    print_gaps(drop["largest_gaps_s"])
     print(f"  per worker, each second (fair share now {drop['fair_share']:.1f})")
     print_rows(drop["seconds"], addresses, {added: "+", dropped: "-"})
     load = result["load"]

@@ -9,8 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.join_balance import (Samples, analyse, first_time, last_increase, per_second,
-                                within, worker_indexes)
+from bench.join_balance import (Samples, analyse, emptied_for_good, event_time, first_time,
+                                largest_gap, last_increase, log_events, per_second, within,
+                                worker_indexes)
 
 ROOT = Path(__file__).resolve().parent.parent
 A, B, C = "127.0.0.2:7100", "127.0.0.3:7100", "127.0.0.4:7100"
@@ -29,6 +30,13 @@ def test_last_increase_is_the_last_rise_after_the_change():
     assert abs(last_increase(routed, 10.0, 0) - 0.4) < 1e-9
     assert last_increase(routed, 10.5, 0) == 0.0  # (none after)
     assert last_increase(routed, 10.0, 1) == 0.0  # (an index never routed to)
+
+
+def test_emptied_for_good_is_from_the_last_run_of_zeros():
+    held = [(9.0, {A: 0}), (10.2, {A: 0}), (10.4, {A: 2}), (10.6, {A: 0}), (10.9, {A: 0})]
+    assert abs(emptied_for_good(held, 10.0, A) - 0.6) < 1e-9
+    assert emptied_for_good(held + [(11.0, {A: 1})], 10.0, A) is None
+    assert abs(emptied_for_good(held, 10.0, B) - 0.2) < 1e-9  # (never held any)
 
 
 def test_within_ten_percent_of_the_fair_share():
@@ -53,6 +61,26 @@ def test_worker_indexes_come_from_the_frontends_join_lines():
     assert worker_indexes(log) == {A: 0, B: 1}
 
 
+def test_log_events_put_the_frontends_json_lines_on_our_clock():
+    text = ('{"time": "2026-12-04T05:00:01.250Z", "level": "INFO", "logger": '
+            '"server.discovery", "message": "worker 2 (127.0.0.4:7100) joins the pool"}\n'
+            "not json\n"
+            '{"time": "2026-12-04T05:00:03.000Z", "level": "INFO", "message": "worker 0 '
+            '(127.0.0.2:7100) left discovery: draining (3 requests)"}\n')
+    wall = 1796360400.0  # 2026-12-04T05:00:00Z
+    events = log_events(text, wall - 100.0)  # (perf_counter read 100.0 then)
+    assert [round(t, 3) for t, _ in events] == [101.25, 103.0]
+    assert event_time(events, 100.5, f"({C}) joins the pool") == 0.75
+    assert event_time(events, 100.5, f"({A}) left discovery") == 2.5
+    assert event_time(events, 102.0, f"({C}) joins the pool") is None
+
+
+def test_largest_gap_between_samples_in_a_window():
+    samples = [(1.0, 0), (1.5, 0), (3.0, 0), (3.2, 0), (9.0, 0)]
+    assert largest_gap(samples, 1.0, 3.2) == 1.5
+    assert largest_gap(samples, 3.0, 3.1) is None
+
+
 def test_analyse_takes_the_added_worker_last_and_the_dropped_one_first():
     class Args:
         streams, phase = 6, 2.0
@@ -60,15 +88,19 @@ def test_analyse_takes_the_added_worker_last_and_the_dropped_one_first():
     s = Samples()
     s.routed = [(0.5, {0: 3.0, 1: 3.0}, 0), (1.2, {0: 4.0, 1: 4.0, 2: 0.0}, 1),
                 (1.4, {0: 4.0, 1: 4.0, 2: 2.0}, 1), (3.1, {0: 5.0, 1: 6.0, 2: 5.0}, 1),
-                (3.3, {0: 5.0, 1: 7.0, 2: 6.0}, 2)]
+                (3.3, {0: 5.0, 1: 7.0, 2: 6.0}, 2), (3.6, {0: 6.0, 1: 7.0, 2: 6.0}, 2)]
     s.held = [(0.5, {A: 3, B: 3, C: 0}), (1.5, {A: 2, B: 2, C: 2}), (3.4, {A: 0, B: 3, C: 3})]
-    result = analyse(s, Args, [A, B, C], {A: 0, B: 1, C: 2}, 1.0, 3.0)
+    events = [(1.1, f"worker 2 ({C}) joins the pool"),
+              (3.05, f"worker 0 ({A}) left discovery: draining (1 requests)"),
+              (3.45, f"worker 0 ({A}) removed from the pool (0 requests move)")]
+    result = analyse(s, events, Args, [A, B, C], {A: 0, B: 1, C: 2}, 1.0, 3.0)
     join, drop = result["join"], result["drop"]
     assert (result["added"], result["dropped"]) == (C, A)
-    assert abs(join["resolved_s"] - 0.2) < 1e-9 and abs(join["first_request_s"] - 0.4) < 1e-9
+    assert abs(join["resolved_s"] - 0.1) < 1e-9 and abs(join["first_request_s"] - 0.4) < 1e-9
     assert join["fair_share"] == 2.0 and abs(join["within_10pct_s"] - 0.5) < 1e-9
-    assert abs(drop["resolved_s"] - 0.3) < 1e-9  # (its last rise: 3.1, before the answer)
-    assert abs(drop["last_request_s"] - 0.1) < 1e-9
+    assert abs(drop["resolved_s"] - 0.05) < 1e-9 and abs(drop["removed_s"] - 0.45) < 1e-9
+    # its last rise (3.6) came after the /metrics text with the answer (3.3): one request
+    assert abs(drop["last_request_s"] - 0.6) < 1e-9 and drop["routed_after_answer"] == 1.0
     assert drop["fair_share"] == 3.0 and abs(drop["emptied_s"] - 0.4) < 1e-9
 
 
@@ -91,13 +123,14 @@ def test_the_smoke_run_prints_figures_that_agree():
     assert sorted(result["indexes"]) == sorted(addresses), output
     assert len(set(result["indexes"].values())) == len(addresses), output
     join, drop = result["join"], result["drop"]
-    assert 0 <= join["resolved_s"] <= join["first_request_s"], output
+    # (the log's times are cut to the millisecond)
+    assert 0 <= join["resolved_s"] <= join["first_request_s"] + 0.001, output
     assert join["fair_share"] * len(addresses) == drop["fair_share"] * (len(addresses) - 1)
     added, dropped = result["added"], result["dropped"]
-    assert sum(row["routed"][added] for row in join["seconds"]) > 0, output
+    assert added != dropped and {added, dropped} <= set(addresses), output
+    assert sum(row["routed"][added] or 0 for row in join["seconds"]) > 0, output
     assert any(row["held"][added] for row in join["seconds"]), output
-    # retired at the answer that dropped it: nothing routed to it after that
-    assert 0 <= drop["last_request_s"] <= drop["resolved_s"], output
+    # retired at the answer that dropped it: nothing routed to it after that; drained
+    assert drop["routed_after_answer"] == 0, output
+    assert drop["resolved_s"] is not None and drop["removed_s"] >= drop["resolved_s"], output
     assert drop["emptied_s"] is not None, output
-    assert all(row["routed"][dropped] == 0 for row in drop["seconds"]
-               if row["second"] >= drop["resolved_s"]), output
