@@ -11,20 +11,23 @@ completion each in flight, back to back (closed loop). One more worker is starte
 the records) before the load.
 
 After ``--warmup`` seconds the new worker's address is added to the records; after
-``--phase`` seconds more the first worker's is dropped; ``--phase`` seconds later the
-clients stop sending and the last streams finish. Two sources, polled every ``--poll``
-seconds: each worker's own count of requests running and waiting (a PING over a
-connection of the bench's own: the truth, as the worker sees it), and the frontend's
-``/metrics`` (requests routed to each worker; DNS answers that changed the pool). Its log
-says which worker index is which address.
+``--phase`` seconds more (longer, until it got a request) the first worker's is dropped;
+``--phase`` seconds later (longer, until it is drained) the clients stop sending and the
+last streams finish. Three sources: each worker's own count of requests running and
+waiting, polled every ``--poll`` seconds (a PING over a connection of the bench's own: the
+worker's truth); the frontend's ``/metrics``, polled alike (requests routed to each
+worker, and its DNS answers); and the frontend's JSON log (when a worker joined, left and
+was removed, to the millisecond; which worker index is which address).
 
-Figures, in seconds from each record change: when the frontend's answer changed the pool;
-for the added worker, its first routed request and when its in-flight count first came
-within 10 % of its fair share (``streams / workers``); for the dropped one, its last routed
-request (after it, none) and when it held nothing more. Then, per second after each change,
-each worker's mean in-flight count and the requests routed to it. Every stream must end
-with ``[DONE]`` and no error event: the counts are printed. The last line is the whole
-result as JSON.
+Figures, in seconds from each record change. For the added worker: when it joined the
+frontend's pool, its first routed request, when its in-flight count first came within 10 %
+of its fair share (``streams / workers``), and the most it held (an overshoot shows here).
+For the dropped one: when it left the pool, its last routed request, the requests routed
+to it once the frontend's answer was in (must be 0), when it held nothing more, and when
+the frontend removed it. Then, per second after each change, each worker's mean in-flight
+count and the requests routed to it, and the largest gap between two samples (a starved
+run says so there). Every stream must end with ``[DONE]`` and no error event: the counts
+are printed. The last line is the whole result as JSON.
 
     python bench/join_balance.py                       # 3 workers + 1, 48 streams, ~1 min
 """
@@ -301,6 +304,8 @@ def analyse(samples: Samples, events: list[tuple[float, str]], args, addresses: 
         "fair_share": fair,
         "within_10pct_s": first_time(samples.held, added_at,
                                      lambda counts: within(counts.get(new, 0), fair)),
+        "peak": max((c.get(new, 0) for t, c in samples.held if added_at <= t < dropped_at),
+                    default=None),
         "largest_gaps_s": [largest_gap(samples.held, added_at, dropped_at),
                            largest_gap(samples.routed, added_at, dropped_at)],
         "seconds": per_second(samples.held, samples.routed, added_at, int(args.phase),
@@ -494,6 +499,9 @@ def report(args, result: dict, addresses: list[str]) -> None:
            "heartbeats after its first request)")
     print(f"  in flight there within 10 % of its fair share ({join['fair_share']:.1f}, the "
           f"worker's count): {seconds(join['within_10pct_s'])}{gap}")
+    if join["peak"] is not None:
+        print(f"  most in flight there before the drop: {join['peak']} "
+              f"({join['peak'] / join['fair_share']:.2f} x its fair share)")
     print_gaps(join["largest_gaps_s"])
     print("  per worker, each second: mean requests in flight (requests routed to it)")
     print_rows(join["seconds"], addresses, {added: "+"})
@@ -517,15 +525,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=3, help="in the records at the start")
     p.add_argument("--streams", type=int, default=48)
-    p.add_argument("--max-tokens", type=int, default=50)
+    p.add_argument("--max-tokens", type=int, default=20)
     p.add_argument("--prompt-words", type=int, default=20)
-    p.add_argument("--itl-ms", type=float, default=40.0)
+    p.add_argument("--itl-ms", type=float, default=100.0,
+                   help="(slow, so that a busy machine keeps up: what counts is the "
+                   "streams' length)")
     p.add_argument("--ttft-ms", type=float, default=20.0)
     p.add_argument("--ttl", type=int, default=5, help="the records' TTL (seconds)")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds before the join")
     p.add_argument("--phase", type=float, default=15.0,
                    help="seconds after each change (more while its event has not come)")
-    p.add_argument("--poll", type=float, default=0.1, help="seconds between samples")
+    p.add_argument("--poll", type=float, default=0.2, help="seconds between samples")
     p.add_argument("--seed", type=int, default=1)
     for option in ("dns_min_interval", "dns_max_interval", "dns_drain_grace",
                    "routing_balance"):

@@ -98,6 +98,7 @@ def test_analyse_takes_the_added_worker_last_and_the_dropped_one_first():
     assert (result["added"], result["dropped"]) == (C, A)
     assert abs(join["resolved_s"] - 0.1) < 1e-9 and abs(join["first_request_s"] - 0.4) < 1e-9
     assert join["fair_share"] == 2.0 and abs(join["within_10pct_s"] - 0.5) < 1e-9
+    assert join["peak"] == 2  # (before the drop: 3.4's 3 is after it)
     assert abs(drop["resolved_s"] - 0.05) < 1e-9 and abs(drop["removed_s"] - 0.45) < 1e-9
     # its last rise (3.6) came after the /metrics text with the answer (3.3): one request
     assert abs(drop["last_request_s"] - 0.6) < 1e-9 and drop["routed_after_answer"] == 1.0
