@@ -319,7 +319,7 @@ def analyse(samples: Samples, events: list[tuple[float, str]], args, addresses: 
     drop = {
         "resolved_s": event_time(events, dropped_at, f"({dropped}) left discovery"),
         "last_request_s": last_increase(samples.routed, dropped_at, indexes.get(dropped, -1)),
-        "routed_after_answer": answered[-1] - answered[0] if answered else None,
+        "routed_after_answer": int(answered[-1] - answered[0]) if answered else None,
         "emptied_s": emptied_for_good(samples.held, dropped_at, dropped),
         "removed_s": event_time(events, dropped_at, f"({dropped}) removed from the pool"),
         "fair_share": args.streams / (len(addresses) - 1),
