@@ -20,8 +20,12 @@ import openai
 import pytest
 import trio
 
-from server.config import EngineConfig, ServerConfig
+from server.config import EngineConfig, Limits, ServerConfig
 from server.http.app import create_app
+from server.openai.responses import parse_responses
+from server.openai.responses_events import ResponseEvents, new_response, response_usage, \
+    split_events
+from server.openai.responses_progress import response_so_far
 from server.http.responses_background import LEASE_S, SWEEP_S
 from server.http.serve import serve
 from tests.conftest import FAST_SIM, ServerURL, running_server, wait_http_ok
@@ -113,6 +117,68 @@ async def test_polled_to_its_end_and_its_stream_resumed(store_options):
             final = await client.responses.retrieve(rid)
             assert final.status == "incomplete" and texts(events) == final.output_text
             assert final.usage.output_tokens == 300
+
+
+def item_texts(response) -> list[str]:
+    """Each output item's text (or a call's arguments), from a dict or the SDK's model."""
+    output = response["output"] if isinstance(response, dict) else [
+        o.model_dump() for o in response.output]
+    return [o["arguments"] if o["type"] == "function_call" else
+            "".join(p["text"] for p in o["content"]) for o in output]
+
+
+async def test_a_poll_shows_the_output_so_far():
+    """``retrieve`` of a running background response shows its output as far as it got, as
+    OpenAI's in-progress Response does: each poll's text a prefix of the next's, and of the
+    final output_text."""
+    async with running_server(LONG_SIM) as url:
+        client = client_of(url)
+        with trio.fail_after(TIMEOUT_S):
+            r = await client.responses.create(model="sim", input="Tell me", background=True,
+                                              max_output_tokens=5000)
+            seen: list[str] = []
+            while len(seen) < 3:
+                got = await client.responses.retrieve(r.id)
+                assert got.status in ("queued", "in_progress"), "it ended: poll sooner"
+                if got.output_text and got.output_text not in seen:
+                    assert [o.status for o in got.output] == ["in_progress"]
+                    assert got.usage is None
+                    seen.append(got.output_text)
+                await trio.sleep(0.05)
+            done = await wait_status(client, r.id, ("incomplete",))
+            texts_seen = seen + [done.output_text]
+            assert all(b.startswith(a) and b != a for a, b in zip(texts_seen, texts_seen[1:]))
+            assert done.output[0].status == "incomplete" and done.usage.output_tokens == 5000
+
+
+def test_the_output_so_far_of_every_kind_of_item():
+    """The fold of a response's events, after each piece of text: every item's text a
+    prefix of its final text; after the last item's done events, the final items; with the
+    terminal event, the final Response object."""
+    weather = {"type": "function", "name": "get_weather",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    req = parse_responses(json.dumps({"input": "hi", "tools": [weather]}).encode(), Limits(),
+                          "m", {"engine": "transformers", "sampling": ["tools"]}, "hermes")
+    events = ResponseEvents(new_response("resp_1", 0, "m", req.echo),
+                            reasoning_parser="qwen3", tools=req.chat.tools)
+    text = ('<think>Let me look.</think>It is: <tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Paris"}}\n</tool_call>')
+    stored = split_events(events.start())
+    start = json.loads(json.dumps(events.response))
+    folds = []
+    for i in range(0, len(text), 3):
+        stored += split_events(events.feed(text[i:i + 3]))
+        folds.append(response_so_far(start, stored))
+    stored += split_events(events.feed("", last=True))
+    tail = split_events(events.end("stop", response_usage(1, 1, None)))
+    final = json.loads(json.dumps(events.response))
+    assert [o["type"] for o in final["output"]] == ["reasoning", "message", "function_call"]
+    for fold in folds:
+        assert fold["status"] == "in_progress" and fold["usage"] is None
+        assert all(f.startswith(p) for p, f in zip(item_texts(fold), item_texts(final)))
+    assert len({json.dumps(fold["output"]) for fold in folds}) > 10  # (growing)
+    assert response_so_far(start, stored + tail[:-1])["output"] == final["output"]
+    assert response_so_far(start, stored + tail) == final
 
 
 async def test_a_followed_stream_is_not_cut_by_quarts_response_timeout():

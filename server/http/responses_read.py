@@ -20,6 +20,7 @@ from quart import Response, request
 from ..errors import ClientError, printable
 from ..openai.encode import dumps
 from ..openai.responses_items import items_page, response_of
+from ..openai.responses_progress import response_so_far
 from .asgi import header
 from .owners import request_owner
 from .post import off_loop
@@ -27,6 +28,8 @@ from .responses_store import KIND, not_found, state_store
 
 __all__ = ["cancel_response", "delete_response", "input_items", "retrieve_response"]
 
+#: A background response's statuses while it runs: its output so far is in its events.
+_RUNNING = ("queued", "in_progress")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -69,7 +72,8 @@ def _boolean(query: dict, name: str) -> bool:
 
 
 async def retrieve_response(app, response_id: str) -> Response:
-    """The stored Response object; with ``stream=true`` its events (an SSE stream as the
+    """The stored Response object (a running background response's with the output so
+    far); with ``stream=true`` its events (an SSE stream as the
     request's own was), those after ``starting_after`` (a sequence number) when given."""
     query = _query(("stream", "starting_after", "include_obfuscation"))
     if _boolean(query, "include_obfuscation"):
@@ -86,6 +90,12 @@ async def retrieve_response(app, response_id: str) -> Response:
     record = await _record(app, response_id)
     if not stream:
         response, _ = await off_loop(len(record.body), response_of, record.body)
+        if record.meta.get("background") and record.meta.get("status") in _RUNNING:
+            # (the output so far, from its events: server.openai.responses_progress)
+            events = await state_store(app).read_events(  # type: ignore[union-attr]
+                KIND, record.owner, response_id)
+            response = await off_loop(sum(map(len, events)), response_so_far, response,
+                                      events)
         return _json(dumps(response))
     start = -1 if after is None else int(after)
     background = app.background
