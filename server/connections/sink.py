@@ -1,4 +1,5 @@
-"""The text events of a plain stream, written by the worker's router (no task wakeup).
+"""The text events of a plain stream, and a Responses stream's deltas, written by the
+worker's router (no task wakeup).
 
 Theory of operation
 -------------------
@@ -19,16 +20,30 @@ never stops waiting on its stream. The sink is dropped when the stream closes, s
 written while it drains an abort reaches the client. Events are byte for byte those the task
 would write, and each still carries one engine step: the sink changes who writes, never what
 or when.
+
+A ``/v1/responses`` stream (:class:`ResponseSink`) has one choice but richer events: its
+:class:`~server.openai.responses_events.ResponseEvents` numbers them (``sequence_number``)
+and may split the text into reasoning, message and function call items. The sink feeds
+the text to those events, as the task would, and writes what they make when it is only
+deltas of the item already open (``response.output_text.delta``,
+``response.function_call_arguments.delta``, ``response.reasoning_text.delta``). A feed that
+closes an item or opens one, or a chunk the connection does not take, has made its events
+all the same: they are ``held`` for the task, which sends them before anything else, so
+every event goes out once, numbered, in the order it was made.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 from ..openai.encode import ChunkEncoder
+from ..openai.responses_events import ResponseEvents
 from .http11 import DirectBody
 
-__all__ = ["TextSink"]
+__all__ = ["ResponseSink", "TextSink"]
+
+log = logging.getLogger("server.http")
 
 _now = time.perf_counter
 
@@ -60,6 +75,66 @@ class TextSink:
         self.torn = rest
         tokens = choice.ntok
         choice.text = ""
+        choice.ntok = 0
+        if tokens:
+            now = _now()
+            self._observe_itl(now - self.last)
+            self.last = now
+        # Torn: the task wakes, for an output without text or tokens, and sends the rest.
+        return not rest
+
+
+class ResponseSink:
+    """The router's writer of a ``/v1/responses`` stream's deltas (``RequestStream.set_sink``).
+
+    The task that installs it reads its state each time it wakes, before anything else:
+    ``failed``, then ``torn`` (through :meth:`DirectBody.send_torn`), then ``held`` (the
+    events the sink made but did not write), then ``last``.
+    """
+
+    __slots__ = ("_body", "_events", "_observe_itl", "_sent", "last", "torn", "held", "failed")
+
+    def __init__(self, body: DirectBody, events: ResponseEvents, observe_itl, last: float,
+                 sent: list[bytes] | None) -> None:
+        self._body = body
+        self._events = events
+        self._observe_itl = observe_itl
+        #: Where the events written go too, for a stored response (None: not stored).
+        self._sent = sent
+        #: When the last event with tokens went out (perf_counter), shared with the task.
+        self.last = last
+        #: The rest of a chunk the kernel took only part of, which the task must send next.
+        self.torn = b""
+        #: Events made from text already fed, that the task must send next (after ``torn``).
+        self.held = b""
+        #: The events failed on the sink's text (a bug of ours, logged): the task ends the
+        #: stream as it does for its own failures.
+        self.failed = False
+
+    def __call__(self, choice) -> bool:
+        events = self._events
+        item = events.open_item
+        try:
+            data = events.feed(choice.text)
+        except Exception:  # the task ends the stream (response.failed); the router goes on
+            log.exception("a Responses stream's events failed in the router")
+            self.failed = True
+            return False
+        choice.text = ""  # fed: from here the events hold it, whatever follows
+        if not data:  # (a parser holds the text back: nothing to write yet)
+            rest: bytes | None = b""
+        elif events.open_item is not item:  # an item closed or opened: the task's events
+            rest = None
+        else:
+            rest = self._body.write_nowait(data)
+        if rest is None:
+            # Not written: the task sends it, and accounts for the tokens (choice.ntok).
+            self.held += data
+            return False
+        if data and self._sent is not None:
+            self._sent.append(data)
+        self.torn = rest
+        tokens = choice.ntok
         choice.ntok = 0
         if tokens:
             now = _now()

@@ -88,7 +88,8 @@ class ChatBatchRoute:
 
     @staticmethod
     async def write(app, answer, stream, req: GenerateRequest, response_id: str,
-                    model: str) -> None:
+                    model: str, direct=None) -> None:
+        """The whole answer (``direct``, the connection's writes without a task: unused)."""
         await write_full(answer, stream, req, response_id, model,
                          app.server_config.reasoning_parser)
 

@@ -160,7 +160,7 @@ async def handle_generate(
                 async with stream:
                     if route is not None:
                         await route.write(app, answer, stream, req, response_id,
-                                          model_name)
+                                          model_name, scope["extensions"].get(DIRECT_BODY))
                     elif req.stream:
                         per_choice = await stream_started(answer, stream,
                                                            config.queued_heartbeat)

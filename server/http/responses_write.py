@@ -9,7 +9,9 @@ is a status code. Only the shape differs: a Response object
 failure or a server-side abort (timeout, shutdown) ends the stream with
 ``response.failed`` (its ``error`` says why); a failure while a queued stream sends
 heartbeats, before ``response.created``, is chat's ``data: {"error": ...}`` (the openai SDK
-raises an ``APIError``).
+raises an ``APIError``). Once a stream's first tokens went out, the deltas that follow
+are written by the worker's router, as chat's text is (:class:`ResponseSink`); the task
+still writes the rest, and what the sink could not.
 
 With a state store, parsing reads the earlier turn a ``previous_response_id`` names, and a
 request with ``store`` keeps its answer when it ends, before the last byte
@@ -28,6 +30,8 @@ from functools import partial
 
 import trio
 
+from ..connections.http11 import DirectBody
+from ..connections.sink import ResponseSink
 from ..errors import EngineError, ServiceUnavailable
 from .answer import failure, started, stream_started, tokens_arrived, whole_failure
 from ..openai.encode import dumps
@@ -71,7 +75,9 @@ class ResponsesRoute:
 
     @staticmethod
     async def write(app, answer, stream, req: ResponsesRequest, response_id: str,
-                    model: str) -> None:
+                    model: str, direct: DirectBody | None = None) -> None:
+        """The answer: a Response object, or its events (``direct``: the connection's
+        writes without a task, for the router's sink; None where it has none)."""
         config = app.server_config
         events = ResponseEvents(
             new_response(response_id, int(time.time()), model, req.echo),
@@ -85,7 +91,7 @@ class ResponsesRoute:
         if req.stream:
             observe_itl = app.metrics.of(answer.record.model).itl.observe
             await _write_stream(answer, stream, events, observe_itl, config.queued_heartbeat,
-                                keep)
+                                keep, direct)
         else:
             await _write_full(answer, stream, events, keep)
 
@@ -146,7 +152,10 @@ async def _kept(keep, events: ResponseEvents, sent: list[bytes] | None, body: by
 
 
 async def _write_stream(answer, stream, events: ResponseEvents, observe_itl, heartbeat,
-                        keep=None) -> None:
+                        keep=None, direct: DirectBody | None = None) -> None:
+    """The event stream. Once its first tokens went out, the deltas that follow are written
+    by the worker's router (a :class:`ResponseSink`, on a connection that offers ``direct``
+    writes); this task wakes for the rest: items that close or open, the end, failures."""
     per_choice = await stream_started(answer, stream, heartbeat)
     if per_choice is None:
         return
@@ -154,17 +163,28 @@ async def _write_stream(answer, stream, events: ResponseEvents, observe_itl, hea
     record = answer.record
     last = 0.0
     sent: list[bytes] | None = [] if keep is not None else None  # the events, to store
+    sink: ResponseSink | None = None
     try:
         first = events.start()
         if sent is not None:
             sent.append(first)
         await send({"type": "http.response.body", "body": first, "more_body": True})
         while outs := await stream.next_batch():
+            held = b""
+            if sink is not None:  # what the sink left to this task goes first
+                if sink.failed:
+                    raise RuntimeError("the stream's events failed in its sink")
+                if sink.torn:
+                    rest, sink.torn = sink.torn, b""
+                    await direct.send_torn(rest)  # type: ignore[union-attr]
+                held, sink.held = sink.held, b""
+                last = sink.last
             if outs[0].num_tokens:
                 last = tokens_arrived(record, observe_itl, last)
             for o in outs:
                 ended = o.finish_reason is not None
-                body = events.feed(o.text, last=ended and o.finish_reason != "error")
+                body = held + events.feed(o.text, last=ended and o.finish_reason != "error")
+                held = b""
                 exc = failure(stream, o)
                 if exc is not None:
                     record.failed(exc)
@@ -178,12 +198,30 @@ async def _write_stream(answer, stream, events: ResponseEvents, observe_itl, hea
                     if sent is not None:
                         sent.append(body)
                     await send({"type": "http.response.body", "body": body, "more_body": True})
+            if sink is not None:
+                sink.last = last
+            elif direct is not None and last:
+                sink = _hand_over(stream, direct, events, observe_itl, last, sent)
+                if sink is None:
+                    direct = None  # (one try)
+        stream.set_sink(None)
         await answer.last(b"")
     except Exception:
+        stream.set_sink(None)
         log.exception("internal error while streaming %s", events.response["id"])
         exc = EngineError("Internal server error while streaming.")
         record.failed(exc)
         await answer.last(events.fail(exc))
+
+
+def _hand_over(stream, direct: DirectBody, events: ResponseEvents, observe_itl, last: float,
+               sent: list[bytes] | None) -> ResponseSink | None:
+    """Let the router write this stream's deltas from now on; None when it cannot (a body
+    that is not chunked: this task goes on writing them)."""
+    if not direct.usable():
+        return None
+    sink = ResponseSink(direct, events, observe_itl, last, sent)
+    return sink if stream.set_sink(sink) else None
 
 
 async def _write_full(answer, stream, events: ResponseEvents, keep=None) -> None:

@@ -100,6 +100,12 @@ class ResponseEvents:
         self._pieces: list[str] = []  # its text (or arguments) so far
         self._delta = (b"", b"")  # its delta events' bytes before and after the text
 
+    @property
+    def open_item(self) -> dict | None:
+        """The item text goes to now (None before the first, and once closed). A feed that
+        leaves the same item open made only delta events of it, or nothing."""
+        return self._item
+
     def _event(self, kind: str, fields: dict) -> bytes:
         fields["sequence_number"] = self._seq
         self._seq += 1
