@@ -5,6 +5,8 @@ prefix cache (server.engines.sim.cache), against vLLM's rules."""
 
 from __future__ import annotations
 
+import collections
+
 import hashlib
 import random
 
@@ -285,3 +287,31 @@ def test_sim_prefix_cache_matches_a_brute_force_model():
             lru.append(blk)
         del lru[: max(0, len(lru) - 16)]
         assert run_one(engine, clock, rid, " ".join(words))[1] == expected
+
+
+def test_a_worker_that_joins_takes_its_share_not_every_request():
+    """A worker added to a busy pool starts with the others' mean share of the recent
+    decisions, so it fills up to its share of the requests in flight, not about twice that
+    (starting from none, it looked idle by the others' whole window: bench/join_balance.py).
+    A steady load: each new request ends the oldest, 40 in flight."""
+    router = Router(3, "prefix")
+    in_flight: collections.deque[int] = collections.deque()
+    outstanding = [0, 0, 0]
+
+    def step() -> None:
+        d = router.pick([], outstanding)
+        assert d is not None
+        outstanding[d.worker] += 1
+        in_flight.append(d.worker)
+        if len(in_flight) > 40:
+            outstanding[in_flight.popleft()] -= 1
+
+    for _ in range(400):
+        step()
+    new = router.add_worker()
+    outstanding.append(0)
+    most = 0
+    for _ in range(400):
+        step()
+        most = max(most, outstanding[new])
+    assert 8 <= most <= 12, most  # its share is 10 (starting from none: 21)

@@ -239,9 +239,14 @@ class Router:
         )
 
     def add_worker(self) -> int:
-        """One more worker (found by discovery), with an empty index; its number."""
+        """One more worker (found by discovery), with an empty index; its number.
+
+        Its share of the recent decisions starts at the others' mean. Starting at 0, it
+        looked idle by the others' whole window (32 each), and it took every new request
+        until its outstanding ones made that up: about twice its fair share in flight,
+        measured by bench/join_balance.py."""
         self.indexes.append(PrefixIndex(self._capacity))
-        self._recent.append(0)
+        worker = len(self.indexes) - 1
         stats = self.stats
         for per_worker in (stats.prompt_tokens, stats.cached_tokens, stats.mispredicted,
                            stats.routed, stats.notices):
@@ -249,7 +254,18 @@ class Router:
         if self._per_worker_window:  # (the window grows with the pool; its counts stay)
             self._window = collections.deque(
                 self._window, maxlen=DEFAULT_WINDOW_PER_WORKER * len(self.indexes))
-        return len(self.indexes) - 1
+        # Its entries go in evenly among the others', so that its share ages out as theirs.
+        others, window = len(self._recent), self._window
+        room = (window.maxlen or 0) - len(window)
+        mixed: list[int] = []
+        for j, w in enumerate(window):
+            mixed.append(w)
+            if others and (j + 1) % others == 0 and room > 0:
+                mixed.append(worker)
+                room -= 1
+        self._window = collections.deque(mixed, maxlen=window.maxlen)
+        self._recent.append(len(mixed) - len(window))
+        return worker
 
     @property
     def prefix_aware(self) -> bool:
