@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from server.batches.objects import parse_create, parse_list_query
 from server.errors import ClientError
@@ -253,6 +254,58 @@ async def test_cancel_stops_a_batch_and_keeps_what_finished():
         await wait_status(client, other.id)
         with pytest.raises(openai.ConflictError):
             await client.batches.cancel(other.id)
+
+
+async def batch_metrics(url: str) -> dict[str, float]:
+    """The live ``trio_llm:batch*`` samples: name, then ``{status}`` when labelled by it."""
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(url + "/metrics")).text
+    return {s.name + (f"{{{s.labels['status']}}}" if "status" in s.labels else ""): s.value
+            for family in text_string_to_metric_families(text)
+            if family.name.startswith("trio_llm:batch") for s in family.samples
+            if not s.name.endswith("_created")}
+
+
+async def test_the_batch_metrics_of_a_live_server():
+    """/metrics: the store's batches by status and the lines in flight while one runs; the
+    batches ended by status and the lines completed and failed once it ends."""
+    async with running_server(batch_concurrency=2) as url:
+        client = client_of(url)
+        assert (await batch_metrics(url))["trio_llm:batches_running"] == 0
+        bad = {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+               "body": {**CHAT, "model": "no-such-model"}}
+        file = await upload(client, requests("/v1/chat/completions", 3) + [bad])
+        batch = await client.batches.create(input_file_id=file.id,
+                                            endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        await wait_status(client, batch.id)
+        seen = await batch_metrics(url)
+        assert (seen["trio_llm:batch_lines_completed_total"],
+                seen["trio_llm:batch_lines_failed_total"]) == (3, 1)
+        assert seen["trio_llm:batches_ended_total{completed}"] == 1
+        assert seen["trio_llm:batches_ended_total{cancelled}"] == 0
+        assert (seen["trio_llm:batches_running"], seen["trio_llm:batch_lines_in_flight"]) \
+            == (0, 0)
+        slow = {**CHAT, "max_tokens": 1000, "ignore_eos": True}  # (cancelled before its end)
+        file = await upload(client, requests("/v1/chat/completions", 40, slow))
+        batch = await client.batches.create(input_file_id=file.id,
+                                            endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        with trio.fail_after(60):
+            while True:
+                seen = await batch_metrics(url)
+                if (seen["trio_llm:batches{in_progress}"], seen["trio_llm:batches_running"],
+                        seen["trio_llm:batch_lines_in_flight"]) == (1, 1, 2):
+                    break
+                await trio.sleep(0.05)
+        assert seen["trio_llm:batches{validating}"] == seen["trio_llm:batches{cancelling}"] == 0
+        await client.batches.cancel(batch.id)
+        done = await wait_status(client, batch.id, ("cancelled",))
+        seen = await batch_metrics(url)
+        assert seen["trio_llm:batches_ended_total{cancelled}"] == 1
+        assert (seen["trio_llm:batches_running"], seen["trio_llm:batch_lines_in_flight"]) \
+            == (0, 0)
+        assert seen["trio_llm:batch_lines_completed_total"] == 3 + done.request_counts.completed
 
 
 # -- a server SIGKILLed in the middle of a batch ------------------------------------------

@@ -38,6 +38,7 @@ import math
 import os
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import trio
@@ -47,7 +48,9 @@ from ..openai.batch_input import BatchLine, batch_lines
 from ..openai.encode import dumps
 from ..state import StateStore, StoreFull
 from .calls import call_line, owner_key, refused_in_batch
-from .objects import ACTIVE, COMPLETION_WINDOW_S, KIND, error_line, is_error_line, output_line
+from .objects import (
+    ACTIVE, COMPLETION_WINDOW_S, ENDED, KIND, error_line, is_error_line, output_line,
+)
 
 __all__ = ["BatchRunner", "BatchStatistics", "LEASE_S", "POLL_S", "RENEW_S"]
 
@@ -77,7 +80,8 @@ def _expect(meta: dict) -> dict:
 
 @dataclass(frozen=True, slots=True)
 class BatchStatistics:
-    """What this frontend's runner does now: batches held, lines in flight, lines run."""
+    """What this frontend's runner does now: batches held, lines in flight, lines run
+    (``/metrics``: server.observability.batch_metrics)."""
 
     batches: int
     lines_in_flight: int
@@ -85,6 +89,14 @@ class BatchStatistics:
     #: Line calls refused by an admission limit that interactive requests reached between
     #: the line's start and its admission: run again once there is room, not failed.
     lines_retried: int = 0
+    #: Of ``lines_done``: those answered 2xx (the output file's), and the rest.
+    lines_completed: int = 0
+    lines_failed: int = 0
+    #: The store's batches in each active status (every frontend's; each of
+    #: :data:`~server.batches.objects.ACTIVE` present), as of this runner's last look.
+    active: dict[str, int] = field(default_factory=dict)
+    #: Batches this runner brought to each final status (each of ``ENDED`` present).
+    ended: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -117,11 +129,17 @@ class BatchRunner:
         self._poked = trio.Event()
         self._jobs: dict[str, _Job] = {}
         self._in_flight = 0
-        self._done = 0
         self._retried = 0
+        self._completed = 0
+        self._failed = 0
+        self._active: dict[str, int] = dict.fromkeys(ACTIVE, 0)
+        self._ended: dict[str, int] = dict.fromkeys(ENDED, 0)
 
     def statistics(self) -> BatchStatistics:
-        return BatchStatistics(len(self._jobs), self._in_flight, self._done, self._retried)
+        return BatchStatistics(len(self._jobs), self._in_flight,
+                               self._completed + self._failed, self._retried,
+                               self._completed, self._failed, dict(self._active),
+                               dict(self._ended))
 
     def poke(self) -> None:
         """A batch was created: look for work now."""
@@ -155,7 +173,10 @@ class BatchRunner:
 
     async def _claim(self, nursery: trio.Nursery) -> None:
         now = int(time.time() * 1000)
-        for record in await self.store.with_status(KIND, ACTIVE, limit=10_000):
+        records = await self.store.with_status(KIND, ACTIVE, limit=10_000)
+        self._active = {**dict.fromkeys(ACTIVE, 0),
+                        **Counter(str(r.meta.get("status")) for r in records)}
+        for record in records:
             meta = record.meta
             if record.id in self._jobs or (meta.get("holder") is not None
                                            and (meta.get("lease_until_ms") or 0) > now):
@@ -187,6 +208,8 @@ class BatchRunner:
                                            expect=_expect(job.meta)):
                 return False
             job.meta = meta
+            if changes.get("status") in self._ended:
+                self._ended[changes["status"]] += 1
             return True
 
     async def _renew(self, job: _Job) -> None:
@@ -340,9 +363,10 @@ class BatchRunner:
                 for _, ok in batch:
                     if ok:
                         job.completed += 1
+                        self._completed += 1
                     else:
                         job.failed += 1
-                self._done += len(batch)
+                        self._failed += 1
 
     # -- the end ----------------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ from ..manager.engine import Engine, run_engine
 from ..manager.worker import WorkerStartupError
 from ..observability import Metrics, request_id_from_header
 from ..observability.logs import request_id_var
+from ..observability.batch_metrics import BatchCollector
 from ..observability.state_metrics import StateStoreCollector
 from ..observability.tracing import Tracing
 from ..state import StateStore, StateStoreError
@@ -143,6 +144,9 @@ class LLMServerApp(QuartTrio):
         self._batches = BatchService(self)
         self.metrics.registry.register(BackgroundCollector(self._background,
                                                            self.models.pools[0].name))
+        self.metrics.registry.register(BatchCollector(
+            lambda: None if self.batches is None else self.batches.statistics(),
+            self.models.pools[0].name))
         self.metrics.registry.register(StateStoreCollector(
             lambda: None if self.state.store is None else self.state.store.statistics(),
             self.models.pools[0].name))
