@@ -20,7 +20,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = sorted(path.name for path in (ROOT / "bench").glob("*.py"))
+#: Scripts whose smoke run a test of their own runs and checks more closely.
+OWN_SMOKE_TEST = {"join_balance.py": "tests/test_join_balance_bench.py"}
+SCRIPTS = sorted(path.name for path in (ROOT / "bench").glob("*.py")
+                 if path.name not in OWN_SMOKE_TEST)
 
 #: Modules a script's smoke run needs beyond the base and test dependencies (the
 #: transformers extra: the tiny model of tests/tiny_model.py is built with them).
@@ -44,6 +47,8 @@ HANG_GUARD = 900  # seconds (a smoke run takes seconds to a minute on 2 busy cor
 
 def test_every_script_is_found():
     assert len(SCRIPTS) >= 30 and "stream_overhead.py" in SCRIPTS, SCRIPTS
+    for script, test in OWN_SMOKE_TEST.items():
+        assert "--smoke" in (ROOT / test).read_text(), (script, test)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)  # (under -n, spread: tests/conftest.py's SPREAD)
