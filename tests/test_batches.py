@@ -308,6 +308,61 @@ async def test_the_batch_metrics_of_a_live_server():
         assert seen["trio_llm:batch_lines_completed_total"] == 3 + done.request_counts.completed
 
 
+class ScanRendezvous:
+    """Holds each of two runners' first scan of the store that finds a batch to claim until
+    the other's has found it too: both then claim it from the same read, the race that the
+    claim's compare-and-set settles. Wraps the runners' real stores (:meth:`wrap`)."""
+
+    def __init__(self) -> None:
+        self.arrived = 0
+        self.both = trio.Event()
+
+    def wrap(self, store):
+        rendezvous = self
+
+        class Gated:
+            def __getattr__(self, name):
+                return getattr(store, name)
+
+            async def with_status(self, kind, statuses, **options):
+                records = await store.with_status(kind, statuses, **options)
+                if not rendezvous.both.is_set() and any(
+                        r.meta["status"] == "validating" for r in records):
+                    rendezvous.arrived += 1
+                    if rendezvous.arrived == 2:
+                        rendezvous.both.set()
+                    await rendezvous.both.wait()
+                return records
+
+        return Gated()
+
+
+async def test_two_frontends_on_one_store_never_both_run_a_line(store_options):
+    """Two servers' runners read the same unclaimed batch at once (held at a rendezvous):
+    one claim wins, so each line runs once, on one of them, and is recorded once."""
+    n = 30
+    async with running_server(**store_options) as a_url, \
+            running_server(**store_options) as b_url:
+        runners = [a_url.app.batches, b_url.app.batches]
+        rendezvous = ScanRendezvous()
+        for runner in runners:
+            runner.store = rendezvous.wrap(runner.store)
+        client = client_of(a_url)
+        file = await upload(client, requests("/v1/chat/completions", n))
+        batch = await client.batches.create(input_file_id=file.id,
+                                            endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        done = await wait_status(client, batch.id)
+        assert rendezvous.both.is_set()  # (both runners saw it unclaimed, from one read)
+        assert done.request_counts.completed == n
+        events = await a_url.app.state_store.read_events("batch", "", batch.id)
+        assert sorted(json.loads(e)["custom_id"] for e in events) \
+            == sorted(f"r{i}" for i in range(n)), "a line ran on both frontends"
+        stats = [runner.statistics() for runner in runners]
+        assert sum(s.lines_done for s in stats) == n
+        assert sorted(s.ended["completed"] for s in stats) == [0, 1]
+
+
 # -- a server SIGKILLed in the middle of a batch ------------------------------------------
 
 
