@@ -181,6 +181,9 @@ WIRE_KINDS: dict[str, type[ServerError]] = {
     "engine_error": EngineError,
     "worker_died": WorkerDied,
     "unavailable": ServiceUnavailable,
+    # a SUBMIT a stopping listening worker refused: the frontend sends it elsewhere, and
+    # answers 503 only when no other worker can take it
+    "leaving": ServiceUnavailable,
 }
 
 

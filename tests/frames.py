@@ -89,6 +89,7 @@ WELL_FORMED = {
                               st.booleans()),
     wire.AUTH: st.tuples(st.just(wire.AUTH), _nonce, _nonce | st.none()),
     wire.REFUSED: st.tuples(st.just(wire.REFUSED), _small_text),
+    wire.LEAVING: st.tuples(st.just(wire.LEAVING), st.floats(0, 1e6)),
 }
 
 

@@ -291,7 +291,16 @@ async def test_property_generated_frames_from_a_worker_end_at_most_its_session(t
                 assert relay is not None
                 good = frames.verdict(wire.check_reply, message)
                 await proxy.inject(relay, wire.encode(message))
-                if good:  # a round trip after it, on the same session: it went on
+                if good and message[0] == wire.LEAVING:  # (said to stop: no longer routed
+                    # to, its session goes on; the relay is closed, as the worker would)
+                    with trio.fail_after(20):
+                        await engine.ping_all()
+                    assert worker.leaving and not worker.routable
+                    await relay.stream.aclose()
+                    await wait_until(lambda: worker.routable
+                                     and proxy.current not in (None, relay), 20)
+                    assert worker.restarts == restarts  # (a planned leave)
+                elif good:  # a round trip after it, on the same session: it went on
                     with trio.fail_after(20):
                         await engine.ping_all()
                     assert worker.alive and worker.restarts == restarts
@@ -313,6 +322,7 @@ async def test_property_generated_frames_from_a_worker_end_at_most_its_session(t
                 # run, 40 of 40; the share varies from run to run, 3 to 25 malformed seen)
                 @example([wire.RESULT, 1, {"tokens": [1, 2], "max_model_len": 9}, None])
                 @example([wire.RESULT])
+                @example([wire.LEAVING, 1.5])  # (well formed, and the worker is left)
                 def each(message):
                     trio.from_thread.run(one, message)
 

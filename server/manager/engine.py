@@ -122,6 +122,8 @@ class Engine:
         self._accepting = True
         #: Moves a dead worker's requests to the others (None: --max-migrations 0).
         self.migrator = Migrator(self, config.max_migrations) if config.max_migrations else None
+        #: Sends the SUBMITs a leaving worker refused to the others (with migration off too).
+        self._mover = self.migrator or Migrator(self, 0)
         for w in self.workers:
             self._attach(w)
 
@@ -134,6 +136,7 @@ class Engine:
         """Hook a worker to the engine's adapters, router and migration."""
         w.replay = self.adapters.replay
         w.noticed = self._noticed
+        w.resubmit = self._mover.resubmit
         if self.migrator is not None:
             w.migrate = self.migrator.migrate
 
@@ -361,8 +364,8 @@ class Engine:
         cache is empty)."""
         generations = self._generations
         for w in self.workers:
-            if w.restarts != generations[w.index]:
-                generations[w.index] = w.restarts
+            if w.generation != generations[w.index]:
+                generations[w.index] = w.generation
                 self.router.reset(w.index)
 
     def _noticed(self, index: int, names: list[bytes]) -> None:
@@ -380,7 +383,7 @@ class Engine:
             choice = states[0]
             if (choice.cached_tokens is not None and choice.prompt_tokens
                     and choice.worker is self.workers[index]
-                    and self._generations[index] == self.workers[index].restarts):
+                    and self._generations[index] == self.workers[index].generation):
                 self.router.observed(
                     index, blocks, matched, choice.prompt_tokens, choice.cached_tokens
                 )

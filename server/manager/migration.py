@@ -31,6 +31,12 @@ A choice is not moved, and ends with the ``worker_died`` error as without migrat
 
 A choice whose abort was already sent (its client left, or the server aborted it) ends
 with ``abort`` instead: nothing is resumed for a consumer that is going away.
+
+*Resubmitting.* A listening worker that was told to stop refuses the SUBMITs that reach
+it after it said LEAVING (server.manager.worker). :meth:`Migrator.resubmit` sends those
+choices, which never started, to another worker the same way, with the cause ``left``.
+That is not a migration: no limit applies and none is counted against the choice, and it
+works with ``--max-migrations 0`` too.
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ log = logging.getLogger("server.migration")
 @dataclass
 class MigrationStatistics:
     """Sequences moved to another worker, by the cause of the end of their worker's
-    session (``exited``, ``disconnected``, ``hung``, ``protocol_error``), and sequences
+    session (``exited``, ``disconnected``, ``hung``, ``protocol_error``, ``removed``,
+    ``left``: the worker said it was stopping), and sequences
     that could not be moved, by reason (``limit``, ``not_resumable``, ``no_worker``)."""
 
     migrations: collections.Counter = field(default_factory=collections.Counter)
@@ -104,15 +111,28 @@ class Migrator:
             left.extend(self._move(dead, group, cause))
         return left
 
-    def _move(self, dead: WorkerClient, group: list[Choice], cause: str) -> list[Choice]:
-        """Move one request's choices to one worker; returns those left to fail."""
+    def resubmit(self, leaving: WorkerClient, choices: list[Choice]) -> list[Choice]:
+        """Send ``choices``, which ``leaving`` refused before they started, to other
+        workers (a request's together); return those no worker could take."""
+        requests: dict[int, list[Choice]] = {}
+        for choice in choices:
+            requests.setdefault(id(choice.waker), []).append(choice)
+        left: list[Choice] = []
+        for group in requests.values():
+            left.extend(self._move(leaving, group, "left", again=True))
+        return left
+
+    def _move(self, dead: WorkerClient, group: list[Choice], cause: str, *,
+              again: bool = False) -> list[Choice]:
+        """Move one request's choices to one worker; returns those left to fail.
+        ``again``: choices that never started, sent again (no migration is counted)."""
         stats = self.stats.failed
         movable = []
         left = []
         for choice in group:
             if choice.abort_sent or choice.waker.closed:
                 choice.end("abort")
-            elif choice.migrations >= self.max_migrations:
+            elif not again and choice.migrations >= self.max_migrations:
                 stats["limit"] += 1
                 left.append(choice)
             elif not _resumable(choice):
@@ -145,7 +165,7 @@ class Migrator:
         for choice in movable:
             choice.worker = worker
             choice.abort_sent = False
-            choice.migrations += 1
+            choice.migrations += not again
         worker.submit_nowait(movable, frames)
         waker = movable[0].waker
         waker.pacer = worker.pacer  # its news now comes from that worker's router
@@ -153,6 +173,6 @@ class Migrator:
         if waker.ready:
             waker.wake()
         self.stats.migrations[cause] += len(movable)
-        log.info("worker %d (%s): %d sequence(s) of a request moved to worker %d",
-                 dead.index, cause, len(movable), worker.index)
+        log.info("worker %d (%s): %d sequence(s) of a request %s to worker %d", dead.index,
+                 cause, len(movable), "sent again" if again else "moved", worker.index)
         return left

@@ -45,6 +45,14 @@ never left down, and says so once (an error in the log). A spawn that failed for
 frontend's own reasons (out of descriptors: EMFILE) is not charged to it. A remote one has
 no budget: it is reconnected to at the backoff, since it is restarted by whoever runs it,
 not by us.
+
+A listening worker told to stop (SIGTERM: a Kubernetes scale-down) says LEAVING first, to
+a session that subscribed (``wire.LEAVING_KEY`` in its HELLO). From then on the worker is
+``leaving``: not routed to, its streams going on. The SUBMITs it refuses meanwhile (sent
+before LEAVING arrived) go to another worker (the engine's ``resubmit`` hook). The session's
+end that follows is a planned leave: logged as info, not counted as a restart, what it
+still held moved with the cause ``left``. Its address is tried again at the backoff, and
+quietly, until a worker there says HELLO.
 """
 
 from __future__ import annotations
@@ -207,7 +215,10 @@ class WorkerClient:
         #: Whether a worker process is up (said HELLO) and serving.
         self.alive = False
         self.pid: int | None = None
+        #: Sessions that ended, but those of a worker that left as it said it would.
         self.restarts = 0
+        #: Sessions that ended, all of them: each next one's worker holds another cache.
+        self.generation = 0
         #: Over its restart budget at its last death (see over_budget), and when its
         #: current session began.
         self._over_budget = False
@@ -267,13 +278,22 @@ class WorkerClient:
         self.removed = False
         #: Called after each session ends (discovery resolves the name again sooner).
         self.ended: Callable[[WorkerClient], None] = lambda worker: None
+        #: The worker said LEAVING (it was told to stop): no new request comes to it; its
+        #: session's end is a planned leave. Until a worker at its address says HELLO.
+        self.leaving = False
+        #: This session reads LEAVING (it subscribed to wire.LEAVING_TOPIC).
+        self._reads_leaving = False
+        #: Called as ``resubmit(self, choices)`` for choices the worker refused as it left
+        #: (never started): returns those it could not send to another worker.
+        self.resubmit: Callable[[WorkerClient, list[Choice]], list[Choice]] = (
+            lambda worker, choices: choices)
 
     # -- used by the request manager (plain def: never blocks) -------------------------------
 
     @property
     def routable(self) -> bool:
-        """Up, and still a member of the pool: new requests may come to it."""
-        return self.alive and not self.retired
+        """Up, still a member of the pool, and not leaving: new requests may come to it."""
+        return self.alive and not self.retired and not self.leaving
 
     @property
     def outstanding(self) -> int:
@@ -421,9 +441,13 @@ class WorkerClient:
             self.ended(self)
             first = False
             now = trio.current_time()
-            restart = restarts.died(now, now - started_at, charged=charged)
+            planned = self.leaving  # (it left as it said, or is away since: not a crash)
+            restart = restarts.died(now, now - started_at, charged=charged and not planned)
             self._over_budget = restarts.over_budget
-            if restart.over_budget_now:
+            if planned:
+                log.info("worker %d: %s; trying its address again in %.2f s", self.index,
+                         reason, restart.delay)
+            elif restart.over_budget_now:
                 log.error("worker %d: %d restarts in %.0f s (%s); retrying every %g s until "
                           "it stays up for %.0f s", self.index, restarts.charged(),
                           config.restart_window, reason, restart.delay, config.restart_window)
@@ -432,7 +456,9 @@ class WorkerClient:
                             "restarting" if self.address is None else "reconnecting",
                             restart.delay)
             await trio.sleep(restart.delay)
-            self.restarts += 1
+            self.generation += 1
+            if not planned:
+                self.restarts += 1
 
     async def _open_link(self) -> Link:
         if self.address is None:
@@ -488,6 +514,10 @@ class WorkerClient:
             self.routed_notices = (config.routing == "prefix"
                                    and self.info.get(wire.ROUTED_KEY) is True)
             topics = [wire.routed_topic(NAMING)] if self.routed_notices else []
+            self.leaving = False  # (a worker at its address said HELLO: back)
+            self._reads_leaving = self.info.get(wire.LEAVING_KEY) is True
+            if self._reads_leaving:  # told first when it is told to stop
+                topics.append(wire.LEAVING_TOPIC)
             decoder = link.decoder  # (a pipe worker's joins already: it asked at its start)
             if (self.info.get(wire.PARTS_KEY) is True and isinstance(decoder, PartsDecoder)
                     and not decoder.joining):  # a listening worker's big answers, in parts
@@ -535,7 +565,10 @@ class WorkerClient:
                     how = await link.aclose(config.shutdown_grace)
                 finally:
                     self.pid = None
-            if reason != "stopped" or link.escalated or link.returncode not in (None, 0):
+            if self.leaving and reason != "stopped":
+                log.info("worker %d (%s) left, as it said it would (%s): %s", self.index,
+                         link.where, reason, how)
+            elif reason != "stopped" or link.escalated or link.returncode not in (None, 0):
                 log.warning("worker %d (%s) %s", self.index, link.where, how)
             elif link.returncode == 0:  # (a clean stop of a process of ours: said, for an
                 # operator who watches shutdowns; a remote worker goes on: nothing to say)
@@ -689,6 +722,7 @@ class WorkerClient:
                         choice = states.get(rid)
                         if choice is not None:
                             choice.note(note)
+                refused = None
                 for row in msg.outputs:
                     rid, text, ntok, finish, err = row
                     if (err is not None if finish is None else not final_ok(finish, err)):
@@ -699,11 +733,20 @@ class WorkerClient:
                     if finish is not None:
                         del states[rid]
                         self._held.value = len(states)
+                        if finish == "error" and err[0] == wire.LEAVING_KIND:
+                            if refused is None:
+                                refused = []
+                            refused.append((choice, err))  # (sent elsewhere, below)
+                            continue
                     choice.push(text, ntok, finish, err)
+                if refused is not None:
+                    self._refused(refused)
             elif kind is wire.Result:
                 answer = self._pings.get(msg.seq)
                 if answer is not None:
                     answer.value = (msg.result, msg.error)
+            elif kind is wire.Leaving:
+                self._told_leaving(msg)
             else:  # PONG
                 if msg.seq == 0:  # unasked (the worker's pulse in a long step): heard, no
                     continue      # news (a listening worker's carries no engine stats)
@@ -715,6 +758,24 @@ class WorkerClient:
                 answer = self._pings.get(msg.seq)
                 if answer is not None:
                     answer.value = (msg.running, msg.waiting)
+
+    def _told_leaving(self, msg: wire.Leaving) -> None:
+        """LEAVING: the worker was told to stop. Send it nothing new; let its streams run."""
+        if not self._reads_leaving:  # (only to a session that subscribed)
+            raise wire.ProtocolError("unexpected LEAVING")
+        if not self.leaving:
+            self.leaving = True
+            log.info("worker %d (%s) is stopping: no new requests go to it; its %d may "
+                     "finish there within %g s", self.index, self.address, len(self.states),
+                     msg.within)
+
+    def _refused(self, refused: list) -> None:
+        """SUBMITs the leaving worker refused (sent before its LEAVING arrived): to another
+        worker; a choice none can take ends with the worker's error (a 503)."""
+        left = self.resubmit(self, [choice for choice, _ in refused])
+        for choice, err in refused:
+            if choice in left:
+                choice.push("", 0, "error", err)
 
     async def _writer(self, link: Link) -> None:
         send_all = link.send.send_all
@@ -792,6 +853,8 @@ class WorkerClient:
         states, self.states = self.states, {}
         self.pacer.clear()
         self._held.value = 0
+        if self.leaving and reason != "stopped":
+            cause = "left"  # (it said so: its drain was cut, or the session ended early)
         kind = "unavailable" if reason == "stopped" else "worker_died"
         message = (
             "the engine is shutting down"

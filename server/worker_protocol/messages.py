@@ -35,11 +35,12 @@ from .kv_blocks import CLEARED, DIGEST_BYTES
 
 __all__ = [
     "HELLO", "SUBMIT", "ABORT", "PING", "PONG", "SHUTDOWN", "STEP", "CALL", "RESULT",
-    "CHALLENGE", "AUTH", "REFUSED", "SUBSCRIBE", "PART", "NAMES",
+    "CHALLENGE", "AUTH", "REFUSED", "SUBSCRIBE", "PART", "LEAVING", "NAMES",
     "Message", "Hello", "Submit", "PipeSubmit", "Abort", "Ping", "Pong", "Shutdown", "Step",
-    "Call", "Result", "Challenge", "Auth", "Refused", "Subscribe", "Part",
+    "Call", "Result", "Challenge", "Auth", "Refused", "Subscribe", "Part", "Leaving",
     "AcceptRow", "OutputRow", "NoteRow", "Note", "Times", "KvEvent", "EngineStats",
-    "FINISHES", "ROUTED_MAX", "PARTS_TOPIC", "ITERATION_TOKEN_BUCKETS", "UNSET",
+    "FINISHES", "ROUTED_MAX", "PARTS_TOPIC", "LEAVING_TOPIC", "LEAVING_KIND",
+    "ITERATION_TOKEN_BUCKETS", "UNSET",
     "error_ok", "final_ok", "note_ok", "as_dict",
 ]
 
@@ -64,13 +65,17 @@ SUBSCRIBE = 12
 #: Worker -> frontend that asked for parts: a piece of a big RESULT frame's body
 #: (server.worker_protocol.parts).
 PART = 13
+#: Listening worker -> frontend that subscribed to :data:`LEAVING_TOPIC`: the worker was
+#: told to stop (SIGTERM). It takes no new request; what runs may finish within ``within``
+#: seconds, and then the worker closes the connection.
+LEAVING = 14
 
 #: Each message type's name, for a log line.
 NAMES = {
     HELLO: "HELLO", SUBMIT: "SUBMIT", ABORT: "ABORT", PING: "PING", PONG: "PONG",
     SHUTDOWN: "SHUTDOWN", STEP: "STEP", CALL: "CALL", RESULT: "RESULT",
     CHALLENGE: "CHALLENGE", AUTH: "AUTH", REFUSED: "REFUSED", SUBSCRIBE: "SUBSCRIBE",
-    PART: "PART",
+    PART: "PART", LEAVING: "LEAVING",
 }
 
 #: The ``finish`` of a terminal output row (None while the request runs).
@@ -79,6 +84,10 @@ FINISHES = frozenset({"stop", "length", "abort", "error"})
 #: capacity, server.manager.routing.DEFAULT_CAPACITY: 128 KiB of names).
 ROUTED_MAX = 16384
 PARTS_TOPIC = "parts"
+#: The SUBSCRIBE topic of a frontend that reads LEAVING (and the refusals that follow it).
+LEAVING_TOPIC = "leaving"
+#: The ``err`` kind of a SUBMIT a leaving worker refused: the frontend sends it elsewhere.
+LEAVING_KIND = "leaving"
 #: Upper bounds of the tokens-per-engine-step histogram of a PONG's ``iteration_tokens``
 #: (vLLM's ``iteration_tokens`` buckets).
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -376,20 +385,28 @@ _ROUTED_TOPIC = re.compile(r"routed/[1-9][0-9]{0,5}")
 
 
 class Subscribe(Message, tag=SUBSCRIBE):
-    """1 to 8 topics: :data:`PARTS_TOPIC`, and one naming's routed notices at most (a
-    connection's names are of one naming)."""
+    """1 to 8 topics: :data:`PARTS_TOPIC`, :data:`LEAVING_TOPIC`, and one naming's routed
+    notices at most (a connection's names are of one naming)."""
 
     topics: Annotated[list[str], Meta(min_length=1, max_length=8)]
 
     def __post_init__(self) -> None:
-        routed = sum(_ROUTED_TOPIC.fullmatch(t) is not None for t in self.topics)
-        if routed > 1 or routed + self.topics.count(PARTS_TOPIC) != len(self.topics):
+        topics = self.topics
+        routed = sum(_ROUTED_TOPIC.fullmatch(t) is not None for t in topics)
+        known = routed + topics.count(PARTS_TOPIC) + topics.count(LEAVING_TOPIC)
+        if routed > 1 or known != len(topics):
             raise ValueError("unknown topics")
 
 
 class Part(Message, tag=PART):
     data: bytes
     more: bool
+
+
+class Leaving(Message, tag=LEAVING):
+    """The worker stops: no new request; it cuts what still runs after ``within`` s."""
+
+    within: NonNegative
 
 
 def as_dict(struct: Struct) -> dict[str, Any]:

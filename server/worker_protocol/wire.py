@@ -53,24 +53,26 @@ import msgpack
 import msgspec
 
 from .messages import (
-    ABORT, AUTH, CALL, CHALLENGE, FINISHES, HELLO, ITERATION_TOKEN_BUCKETS, NAMES, PART,
-    PARTS_TOPIC, PING, PONG, REFUSED, RESULT, ROUTED_MAX, SHUTDOWN, STEP, SUBMIT,
-    SUBSCRIBE, UNSET, Abort, AcceptRow, Auth, Call, Challenge, EngineStats, Hello, KvEvent,
-    Message, Note, NoteRow, OutputRow, Part, Ping, PipeSubmit, Pong, Refused, Result,
+    ABORT, AUTH, CALL, CHALLENGE, FINISHES, HELLO, ITERATION_TOKEN_BUCKETS, LEAVING,
+    LEAVING_KIND, LEAVING_TOPIC, NAMES, PART, PARTS_TOPIC, PING, PONG, REFUSED, RESULT,
+    ROUTED_MAX, SHUTDOWN, STEP, SUBMIT, SUBSCRIBE, UNSET, Abort, AcceptRow, Auth, Call,
+    Challenge, EngineStats, Hello, KvEvent, Leaving, Message, Note, NoteRow, OutputRow,
+    Part, Ping, PipeSubmit, Pong, Refused, Result,
     Shutdown, Step, Submit, Subscribe, Times, as_dict, final_ok, note_ok,
 )
 
 __all__ = [
     # the message types and their classes (server.worker_protocol.messages)
     "HELLO", "SUBMIT", "ABORT", "PING", "PONG", "SHUTDOWN", "STEP", "CALL", "RESULT",
-    "CHALLENGE", "AUTH", "REFUSED", "SUBSCRIBE", "PART", "NAMES", "Message", "Hello",
-    "Submit", "PipeSubmit", "Abort", "Ping", "Pong", "Shutdown", "Step", "Call", "Result",
-    "Challenge", "Auth", "Refused", "Subscribe", "Part", "AcceptRow", "OutputRow",
+    "CHALLENGE", "AUTH", "REFUSED", "SUBSCRIBE", "PART", "LEAVING", "NAMES", "Message",
+    "Hello", "Submit", "PipeSubmit", "Abort", "Ping", "Pong", "Shutdown", "Step", "Call",
+    "Result", "Challenge", "Auth", "Refused", "Subscribe", "Part", "Leaving", "AcceptRow",
+    "OutputRow",
     "NoteRow", "Note", "Times", "KvEvent", "EngineStats", "FINISHES", "UNSET", "final_ok",
     "note_ok", "as_dict",
-    "ITERATION_TOKEN_BUCKETS", "ROUTED_MAX", "PARTS_TOPIC",
+    "ITERATION_TOKEN_BUCKETS", "ROUTED_MAX", "PARTS_TOPIC", "LEAVING_TOPIC", "LEAVING_KIND",
     # keys, limits, encoding and decoding
-    "RESULT_HEAD", "clip", "ROUTED_KEY", "PARTS_KEY", "routed_topic", "MAX_FRAME",
+    "RESULT_HEAD", "clip", "ROUTED_KEY", "PARTS_KEY", "LEAVING_KEY", "routed_topic", "MAX_FRAME",
     "PACKED_IDS", "PACK_MIN", "pack_ids", "hello_info", "ERROR_PARAM_KEY", "error",
     "ProtocolError", "Oversized", "FrameDecoder", "peek_kind", "peek_head", "unpack_ext",
     "encode", "as_list", "pack_sliced", "decode_sliced", "release_sliced", "is_result",
@@ -89,6 +91,10 @@ ROUTED_KEY = "routed_notices"
 #: :data:`PARTS_TOPIC`: its big answers then come as PART frames between the STEPs of its
 #: other streams (server.worker_protocol.parts), not whole, ahead of them.
 PARTS_KEY = "answer_parts"
+#: The key of a listening worker's HELLO info saying that a frontend may subscribe to
+#: :data:`LEAVING_TOPIC`: told to stop (SIGTERM), the worker then sends it LEAVING first,
+#: and refuses its later SUBMITs with the err kind :data:`LEAVING_KIND` (docs/protocol.md).
+LEAVING_KEY = "leaving_notice"
 
 
 def routed_topic(naming: int) -> str:
@@ -756,12 +762,12 @@ LISTENER_REQUESTS = Reader(Submit, Abort, Ping, Call, Shutdown, Subscribe)
 #: What a frontend takes from a worker after its HELLO. A STEP's rows are typed; whether
 #: each row's ``finish`` and ``err`` agree (:func:`final_ok`) is for its reader to check
 #: as it reads them (the router: one pass over the rows).
-REPLIES = Reader(Step, Pong, Result)
+REPLIES = Reader(Step, Pong, Result, Leaving)
 
 _ALL: dict[int, type[Message]] = {
     HELLO: Hello, SUBMIT: PipeSubmit, ABORT: Abort, PING: Ping, PONG: Pong,
     SHUTDOWN: Shutdown, STEP: Step, CALL: Call, RESULT: Result, CHALLENGE: Challenge,
-    AUTH: Auth, REFUSED: Refused, SUBSCRIBE: Subscribe, PART: Part,
+    AUTH: Auth, REFUSED: Refused, SUBSCRIBE: Subscribe, PART: Part, LEAVING: Leaving,
 }
 
 

@@ -83,6 +83,11 @@ checked after its socket was read, never right after a step; after a long read p
 pings arrived meanwhile) only if it has nothing waiting unread, so that back-to-back long
 passes cannot keep a frontend that went silent.
 
+*Told to stop* (SIGTERM: a Kubernetes scale-down), the worker leaves rather than stops
+(:mod:`server.workers.leaving`): it tells the frontends that subscribed (LEAVING), takes
+no new request, lets what runs finish within ``--shutdown-timeout``, closes its
+connections and exits with status 0. A second SIGTERM stops it at once.
+
 *A broken engine* (:class:`~server.workers.base.EngineBroken`) ends every connection's
 requests with their errors, then the worker exits with status 3: run listening workers
 under something that restarts them (systemd, Kubernetes, a supervisor); frontends
@@ -103,12 +108,13 @@ import time
 import traceback
 
 from ..engine_args import add_engine_arguments, engine_options
-from ..option_bounds import COUNT, SECONDS
+from ..option_bounds import COUNT, SECONDS, ZERO_OK
 from ..option_table import Option, add_options, section
 from ..worker_protocol import handshake, limits, wire
 from ..worker_protocol.parts import PartQueue, is_big_answer
 from ..worker_protocol.wire import OutputRow
 from .base import EngineBroken, one_line
+from .leaving import Leave
 from .main import (
     build_engine, cleanup_uncut, close_before_exit, freeze_startup_heap, handle_in_pulse,
     handle_message, open_preparer, run_as_worker,
@@ -157,7 +163,7 @@ class _Conn:
     __slots__ = (
         "sock", "peer", "decoder", "out", "state", "nonce", "rids", "last_heard", "opened",
         "accepts", "outputs", "notes", "writing", "snapshot_due", "routed",
-        "notice_bytes", "notices_skipped", "parts",
+        "notice_bytes", "notices_skipped", "parts", "leaving", "told",
     )
 
     def __init__(self, sock: socket.socket, peer: str, state: str, now: float) -> None:
@@ -166,7 +172,8 @@ class _Conn:
         #: (the handshake's limits until it authenticated: AUTH only, 4 KiB)
         self.decoder = wire.FrameDecoder(limits=limits.HANDSHAKE)
         self.out = bytearray()
-        #: "tls" (TLS handshake), "auth" (challenged), "ready"
+        #: "tls" (TLS handshake), "auth" (challenged), "ready", "closing" (the worker left:
+        #: its write side is shut, it waits for the frontend to close)
         self.state = state
         self.nonce = handshake.new_nonce()
         #: the frontend's rid -> the engine's id, for every request it owns
@@ -188,6 +195,9 @@ class _Conn:
         #: its big answers' parts yet to be added to ``out``, once it subscribed to them
         #: (wire.PARTS_TOPIC); None: big answers go whole
         self.parts: PartQueue | None = None
+        #: it reads LEAVING (subscribed to wire.LEAVING_TOPIC), and was sent it
+        self.leaving = False
+        self.told = False
 
     def answer(self, frame: bytes) -> None:
         """A RESULT frame for this connection: in parts when it asked and the frame is
@@ -245,7 +255,7 @@ class Server:
     def __init__(self, engine, listener: socket.socket, *, secret: bytes | None,
                  tls: ssl.SSLContext | None, frontend_timeout: float,
                  max_buffer: int, max_frontends: int = 64, max_total_buffer: int = 256 << 20,
-                 pulse_period: float = 1.0) -> None:
+                 pulse_period: float = 1.0, shutdown_timeout: float = 25.0) -> None:
         self.engine = engine
         self.listener = listener
         self.secret = secret
@@ -281,6 +291,10 @@ class Server:
         #: running and waiting of the last PING answered (what the pulse repeats)
         self.counts = [0, 0]
         self.pulse = Pulse(self._pulse, pulse_period)
+        #: SIGTERM's leave (server.workers.leaving); its wake-up descriptor is registered
+        #: with the data ``leave``
+        self.leave = Leave(shutdown_timeout)
+        self.selector.register(self.leave.fileno(), selectors.EVENT_READ, self.leave)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -289,7 +303,12 @@ class Server:
         engine = self.engine
         pulse = self.pulse
         pulse.start()
+        leave = self.leave
         while True:
+            if leave.asked and not leave.started:
+                self._start_leave(clock())
+            if leave.started and self._gone(clock()):
+                return
             deadline = engine.next_deadline()
             timeout = None if deadline is None else max(0.0, deadline - clock())
             busy = self.conns or self.accept_paused is not None or self.unauthenticated.held
@@ -303,6 +322,9 @@ class Server:
                     self._accept()
                     continue
                 if conn is self:  # a preparation finished: collected below
+                    continue
+                if conn is leave:  # SIGTERM: the leave starts at the top of the loop
+                    leave.woken()
                     continue
                 try:
                     if mask & selectors.EVENT_READ:
@@ -407,6 +429,9 @@ class Server:
         if conn.state == "tls":
             self._tls_handshake(conn)
             return
+        if conn.state == "closing":  # (the worker left: what it sends is not read)
+            self._receive(conn)
+            return
         data = self._receive(conn)
         conn.last_heard = time.monotonic()
         try:
@@ -485,7 +510,7 @@ class Server:
         conn.decoder.reader = _REQUESTS
         mine = None if secret is None else handshake.worker_proof(secret, conn.nonce, cnonce)
         info = {**wire.hello_info(self.engine.info), wire.ROUTED_KEY: True,
-                wire.PARTS_KEY: True}
+                wire.PARTS_KEY: True, wire.LEAVING_KEY: True}
         conn.out += wire.encode([wire.HELLO, info, mine])
         conn.snapshot_due = True
         say(f"frontend {conn.peer} connected")
@@ -511,6 +536,10 @@ class Server:
             if note is not None:
                 conn.notes.append(tuple(note))
         if kind == wire.SUBMIT:
+            if conn.told:  # leaving: the frontend sends it to another worker
+                conn.outputs.append(OutputRow(msg[1], "", 0, "error", [
+                    wire.LEAVING_KIND, "this engine worker is stopping (SIGTERM)"]))
+                return
             names = None
             if len(msg) == 6:  # the prompt's block names: for the other frontends
                 names = msg.pop()
@@ -556,6 +585,10 @@ class Server:
                     if conn.parts is None:
                         out = conn.out
                         conn.parts = PartQueue(out.extend)  # (`out` is never replaced)
+                elif topic == wire.LEAVING_TOPIC:
+                    conn.leaving = True
+                    if self.leave.started:  # (it subscribed after the signal)
+                        self._tell(conn, time.monotonic())
                 else:
                     conn.routed = topic
         else:  # SHUTDOWN: one frontend does not stop a shared worker
@@ -597,7 +630,7 @@ class Server:
         except (KeyError, ValueError):
             pass
         conn.sock.close()
-        if conn.state == "ready" or aborted:
+        if conn.state in ("ready", "closing") or aborted:
             skipped = (f"; skipped {conn.notices_skipped} routed notice(s)"
                        if conn.notices_skipped else "")
             say(f"frontend {conn.peer} disconnected ({reason}); aborted {aborted} "
@@ -644,6 +677,8 @@ class Server:
         self.unauthenticated.flush(now)
         unread = self._unread() if long_pass else ()
         for conn in list(self.conns):
+            if conn.state == "closing":  # (bounded by the leave: _gone)
+                continue
             if conn.state != "ready":  # (a handshake's time runs, read or unread)
                 if now - conn.opened > _HANDSHAKE_TIMEOUT:
                     self._drop(conn, "no authentication in time")
@@ -789,6 +824,75 @@ class Server:
         if self.preparer is not None:
             self.preparer.close()
         self.selector.close()
+        self.leave.close()
+
+    # -- leaving (SIGTERM: server.workers.leaving) -------------------------------------------
+
+    def _start_leave(self, now: float) -> None:
+        """Close the listener, drop the connections still in their handshake, and tell the
+        others that read it (LEAVING): from now on, their SUBMITs are refused."""
+        within = self.leave.start(now)
+        if self.accept_paused is None:
+            self.selector.unregister(self.listener)
+        self.accept_paused = None
+        self.listener.close()  # (a frontend that connects now is refused: it retries)
+        told = 0
+        for conn in list(self.conns):
+            if conn.state != "ready":
+                self._drop(conn, "the worker is stopping")
+            elif conn.leaving:
+                self._tell(conn, now)
+                told += 1
+        say(f"stopping (SIGTERM): told {told} of {len(self.conns)} frontend(s); "
+            f"{len(self.owners)} request(s) may finish within {within:g} s "
+            "(--shutdown-timeout); a second SIGTERM stops at once")
+
+    def _tell(self, conn: _Conn, now: float) -> None:
+        conn.told = True
+        conn.out += wire.encode([wire.LEAVING, self.leave.left(now)])
+
+    def _gone(self, now: float) -> bool:
+        """Whether the leave is over (the loop returns). Once nothing runs and every answer
+        is sent, or at the cut, each connection's write side is shut (what still runs is
+        aborted first: its frontend moves it); then the frontends close, within a grace."""
+        leave = self.leave
+        if leave.closing_until is None:
+            assert leave.until is not None
+            drained = not self.owners and not self.tokenizing and not any(
+                conn.out or conn.parts_pending() for conn in self.conns)
+            if not drained and now < leave.until:
+                return False
+            if not drained:
+                say(f"--shutdown-timeout is over: cutting {len(self.owners)} request(s) "
+                    "(their frontends move them)")
+            for conn in list(self.conns):
+                self._shut(conn)
+            leave.close_soon(now)
+        if self.conns and now < leave.closing_until:  # type: ignore[operator]
+            return False
+        say("stopped: every frontend was told" if not self.conns else
+            f"stopped: {len(self.conns)} frontend(s) had not closed in time")
+        return True
+
+    def _shut(self, conn: _Conn) -> None:
+        """Abort what ``conn`` still runs, send what the socket takes, and shut its write
+        side: the frontend reads to the end (its stream ends as planned), then closes."""
+        engine = self.engine
+        for internal in conn.rids.values():
+            del self.owners[internal]
+            if self.preparer is None or not self.preparer.abort(internal):
+                engine.abort(internal)
+        conn.rids.clear()
+        try:
+            self._send(conn)
+            conn.sock.shutdown(socket.SHUT_WR)
+        except (_Closed, OSError) as exc:
+            self._drop(conn, f"while the worker stopped: {one_line(exc)}")
+            return
+        conn.state = "closing"
+        conn.out.clear()
+        conn.parts = None
+        self._want_write(conn, False)
 
 
 def _peer_name(addr) -> str:
@@ -801,15 +905,18 @@ def _peer_name(addr) -> str:
 def serve_listening(engine, listener: socket.socket, *, secret: bytes | None = None,
                     tls: ssl.SSLContext | None = None, frontend_timeout: float = 30.0,
                     max_buffer: int = 64 << 20, max_frontends: int = 64,
-                    max_total_buffer: int = 256 << 20) -> None:
+                    max_total_buffer: int = 256 << 20, shutdown_timeout: float = 25.0) -> None:
     """Serve ``engine`` to the frontends that connect to ``listener`` (a bound, listening
-    socket), forever (or until EngineBroken, which propagates after the errors went out)."""
+    socket), until SIGTERM's leave is over (server.workers.leaving), or EngineBroken, which
+    propagates after the errors went out."""
     listener.setblocking(False)
     server = Server(engine, listener, secret=secret, tls=tls,
                     frontend_timeout=frontend_timeout, max_buffer=max_buffer,
-                    max_frontends=max_frontends, max_total_buffer=max_total_buffer)
+                    max_frontends=max_frontends, max_total_buffer=max_total_buffer,
+                    shutdown_timeout=shutdown_timeout)
     try:
-        with cleanup_uncut():  # (SIGTERM: server.close and the engine's cleanup run uncut)
+        # (a second SIGTERM: server.close and the engine's cleanup run uncut)
+        with server.leave.handling_sigterm(), cleanup_uncut():
             server.run()
     finally:
         server.close()
@@ -873,6 +980,11 @@ LISTEN_OPTIONS: tuple[Option, ...] = section(
            help="bytes all connections may hold together (unfinished frames, unsent "
            "output); beyond it the connection holding the most is dropped and its "
            "requests aborted"),
+    Option("--shutdown-timeout", type=float, default=25.0, bounds=ZERO_OK,
+           help="on SIGTERM, seconds running requests may keep streaming (the frontends "
+           "are told at once and send new ones elsewhere) before they are cut and move "
+           "to other workers; then the worker exits 0. A second SIGTERM stops at once. "
+           "Below Kubernetes' terminationGracePeriodSeconds (30 s by default)"),
 )
 
 
@@ -891,7 +1003,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m server.workers --listen ...`` (SIGTERM: stop; SIGINT ignored)."""
+    """``python -m server.workers --listen ...`` (SIGTERM: leave, then exit 0; a second
+    SIGTERM: stop at once; SIGINT ignored)."""
     run_as_worker(_main, argv)
 
 
@@ -943,7 +1056,8 @@ def _main(argv: list[str]) -> None:
                             frontend_timeout=args.frontend_timeout,
                             max_buffer=args.max_buffer_bytes,
                             max_frontends=args.max_frontends,
-                            max_total_buffer=args.max_total_buffer_bytes)
+                            max_total_buffer=args.max_total_buffer_bytes,
+                            shutdown_timeout=args.shutdown_timeout)
         except EngineBroken as exc:
             say(f"engine failed, exiting: {exc.message}")
             raise SystemExit(3) from None

@@ -331,7 +331,8 @@ class _Terminated(BaseException):
 _unwinding = False
 
 
-def _terminate(signum, frame) -> None:
+def terminate(signum, frame) -> None:
+    """SIGTERM's handler in a worker: unwind, unless the cleanup runs already."""
     # A repeat while the cleanup runs (a supervisor signalling the whole group, then the
     # frontend) is ignored; before that, every SIGTERM raises: one raised inside a
     # finalizer is swallowed ("Exception ignored"), and the next must try again. The
@@ -373,7 +374,7 @@ def run_as_worker(body, argv: list[str]) -> None:
     A body that returns or raises ``SystemExit`` (its cleanup done) ends the process at
     once (:func:`exit_without_teardown`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, terminate)
     try:
         body(argv)
     except _Terminated:

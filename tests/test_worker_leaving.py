@@ -1,0 +1,223 @@
+"""A listening worker told to stop (SIGTERM: a Kubernetes scale-down) tells its frontends
+first (LEAVING), refuses what they send later, lets its streams finish and exits 0
+(server.workers.leaving); the frontend sends it nothing new and takes the end of its
+session for a planned leave (server.manager.worker). Real processes, so real time with
+generous ``trio.fail_after`` bounds that pass at once when all is well.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+from contextlib import AsyncExitStack
+
+import httpx
+import pytest
+import trio
+
+from server.worker_protocol import handshake, wire
+from tests.conftest import running_server
+from tests.remote import SECRET, free_port, listening_worker, remote_config, wait_until
+from tests.test_dns_discovery import NAME, dns_config, dns_server
+
+LIMIT = 120  # (generous: 2 busy cores)
+
+
+async def _sse(http: httpx.AsyncClient, body: dict, started: list) -> list[str]:
+    """The ``data:`` payloads of one streamed completion."""
+    events: list[str] = []
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                if not events:
+                    started.append(1)
+                events.append(line[6:])
+    return events
+
+
+def _whole(events: list[str], max_tokens: int) -> None:
+    """One stream ended [DONE], with no error event, at its full length."""
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not any("error" in c for c in chunks), [c for c in chunks if "error" in c]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert len(text.split()) == max_tokens  # (the sim engine: a word a token)
+
+
+@pytest.mark.parametrize("discovery", ["list", "dns"])
+async def test_sigterm_drains_64_streams_and_new_requests_go_to_the_other_worker(
+        tmp_path, caplog, discovery):
+    """64 streams over two workers; one gets SIGTERM mid-stream: every stream ends [DONE]
+    at its full length with no error event (those on the leaving worker finish there:
+    nothing moves), new requests all go to the other worker, the leaving one exits 0, and
+    its frontend logs the leave as info, counting no restart."""
+    caplog.set_level(logging.INFO)
+    port = free_port()
+    hosts = ["127.0.0.2", "127.0.0.3"]
+    args = ("--shutdown-timeout", str(LIMIT))  # (no cut: they finish there)
+    with dns_server() as records:
+        records.set(NAME, *hosts)
+        async with AsyncExitStack() as stack:
+            workers = [await stack.enter_async_context(listening_worker(
+                tmp_path, f"{h}:{port}", *args, name=h)) for h in hosts]
+            if discovery == "dns":
+                config = dns_config(f"dns:{NAME}:{port}", records, dns_drain_grace=LIMIT)
+            else:
+                config = remote_config(*workers, heartbeat_interval=0.2,
+                                       restart_backoff=0.05, restart_backoff_max=0.2)
+            async with running_server(config) as url:
+                engine = url.engine
+                await wait_until(lambda: sum(w.routable for w in engine.workers) == 2, LIMIT)
+                body = {"model": "sim", "prompt": "hi", "max_tokens": 2000}
+                started: list = []
+                results: dict[int, list[str]] = {}
+                limits = httpx.Limits(max_connections=100)
+                async with httpx.AsyncClient(base_url=url, timeout=LIMIT, limits=limits) as http:
+                    with trio.fail_after(LIMIT):
+                        async with trio.open_nursery() as nursery:
+                            async def one(i: int) -> None:
+                                results[i] = await _sse(http, body, started)
+
+                            for i in range(64):
+                                nursery.start_soon(one, i)
+                            await wait_until(lambda: len(started) == 64, LIMIT)
+                            leaving = next(w for w in engine.workers
+                                           if w.address.host == hosts[0])
+                            staying = next(w for w in engine.workers if w is not leaving)
+                            assert leaving.outstanding  # (mid-stream)
+                            workers[0].proc.send_signal(signal.SIGTERM)
+                            await wait_until(lambda: leaving.leaving, LIMIT)
+                            routed = list(engine.statistics().routing.routed)
+                            for _ in range(16):  # new ones, while the streams run
+                                r = await http.post("/v1/completions", json={
+                                    "model": "sim", "prompt": "new", "max_tokens": 4})
+                                assert r.status_code == 200, r.text
+                            now = engine.statistics().routing.routed
+                            assert now[leaving.index] == routed[leaving.index]
+                            assert now[staying.index] == routed[staying.index] + 16
+                    assert await workers[0].proc.wait() == 0, workers[0].text()
+                    await wait_until(lambda: not leaving.alive, LIMIT)
+                stats = engine.statistics()
+    assert len(results) == 64
+    for events in results.values():
+        _whole(events, 2000)
+    assert stats.migration is not None and sum(stats.migration.migrations.values()) == 0
+    assert not any(w.restarts for w in stats.workers)
+    text = workers[0].text()
+    assert "stopping (SIGTERM): told 1 of 1 frontend(s)" in text, text
+    assert "stopped: every frontend was told" in text, text
+    lines = [r for r in caplog.records if r.name.startswith("server")]
+    assert any("left, as it said it would" in r.getMessage() for r in lines)
+    assert not [r.getMessage() for r in lines if r.levelno >= logging.ERROR]
+    assert not [r.getMessage() for r in lines
+                if r.levelno >= logging.WARNING and "reconnecting" in r.getMessage()]
+
+
+async def test_a_cut_drain_moves_its_streams_and_the_worker_back_at_its_address_is_used(
+        tmp_path):
+    """--shutdown-timeout 0: told, then cut at once: its streams move to the other worker
+    (cause ``left``) and end whole; it exits 0. A worker started again at the same address
+    is reconnected to and routed to again; no restart is counted."""
+    address = f"127.0.0.1:{free_port()}"
+    async with AsyncExitStack() as stack:
+        first = await stack.enter_async_context(listening_worker(
+            tmp_path, address, "--shutdown-timeout", "0", name="first"))
+        other = await stack.enter_async_context(listening_worker(tmp_path, name="other"))
+        later = await stack.enter_async_context(AsyncExitStack())  # exits after the server
+        config = remote_config(first, other, heartbeat_interval=0.2, restart_backoff=0.05,
+                               restart_backoff_max=0.2)
+        later_pids: set[int] = set()
+        async with running_server(config, not_ours=later_pids) as url:
+            engine = url.engine
+            leaving, staying = engine.workers
+            await wait_until(lambda: leaving.routable and staying.routable, LIMIT)
+            body = {"model": "sim", "prompt": "hi", "max_tokens": 2000}
+            started: list = []
+            results: dict[int, list[str]] = {}
+            async with httpx.AsyncClient(base_url=url, timeout=LIMIT) as http:
+                with trio.fail_after(LIMIT):
+                    async with trio.open_nursery() as nursery:
+                        async def one(i: int) -> None:
+                            results[i] = await _sse(http, body, started)
+
+                        for i in range(8):
+                            nursery.start_soon(one, i)
+                        await wait_until(lambda: len(started) == 8, LIMIT)
+                        held = leaving.outstanding
+                        assert held
+                        first.proc.send_signal(signal.SIGTERM)
+                    assert await first.proc.wait() == 0, first.text()
+                    moved = engine.statistics().migration.migrations
+                    assert moved["left"] == held, moved
+                    # back at the same address: reconnected, routed to again
+                    second = await later.enter_async_context(
+                        listening_worker(tmp_path, address, name="second"))
+                    later_pids.add(second.proc.pid)
+                    await wait_until(lambda: leaving.routable, LIMIT)
+                    routed = engine.statistics().routing.routed[leaving.index]
+                    while engine.statistics().routing.routed[leaving.index] == routed:
+                        r = await http.post("/v1/completions", json={
+                            "model": "sim", "prompt": "new", "max_tokens": 4})
+                        assert r.status_code == 200, r.text
+            assert not any(w.restarts for w in engine.statistics().workers)
+    for events in results.values():
+        _whole(events, 2000)
+    assert "--shutdown-timeout is over: cutting" in first.text()
+
+
+async def _connect(address: handshake.WorkerAddress, topics: list[str]):
+    """A frontend's connection of our own, authenticated, subscribed to ``topics``; and
+    ``receive(kind)``: its next message of that kind (the others are skipped)."""
+    stream = await trio.open_tcp_stream(address.host, address.port)
+    decoder = wire.FrameDecoder()
+    pending: list = []
+
+    async def receive(kind: int) -> list:
+        while True:
+            while pending:
+                message = pending.pop(0)
+                if message[0] == kind:
+                    return message
+            pending.extend(decoder.feed(await stream.receive_some(1 << 16)))
+
+    challenge = await receive(wire.CHALLENGE)
+    cnonce = handshake.new_nonce()
+    proof = handshake.client_proof(SECRET.encode(), challenge[2], cnonce)
+    await stream.send_all(wire.encode([wire.AUTH, cnonce, proof]))
+    hello = await receive(wire.HELLO)
+    assert hello[1][wire.LEAVING_KEY] is True
+    await stream.send_all(wire.encode([wire.SUBSCRIBE, topics]))
+    return stream, receive
+
+
+async def test_the_worker_refuses_a_late_submit_to_a_frontend_it_told_and_not_to_another(
+        tmp_path):
+    """On the wire: a frontend that subscribed gets LEAVING, and its SUBMIT after that an
+    error row of the kind ``leaving``; one that did not subscribe (an older frontend) gets
+    neither, and its SUBMIT runs on. A second SIGTERM stops the worker at once."""
+    async with listening_worker(tmp_path) as w:
+        with trio.fail_after(LIMIT):
+            told, receive_told = await _connect(w.address, [wire.LEAVING_TOPIC])
+            older, receive_older = await _connect(w.address, [wire.PARTS_TOPIC])
+            params = {"max_tokens": 8000, "temperature": 1.0, "top_p": 1.0, "seed": 1,
+                      "stop": [], "ignore_eos": False}
+            await older.send_all(wire.encode([wire.SUBMIT, 1, "p", params]))
+            accepted = await receive_older(wire.STEP)
+            assert accepted[1] == [[1, 1]], accepted  # (it runs)
+            w.proc.send_signal(signal.SIGTERM)
+            leaving = await receive_told(wire.LEAVING)
+            assert leaving[1] > 0, leaving
+            await told.send_all(wire.encode([wire.SUBMIT, 7, "p", params]))
+            while not (step := await receive_told(wire.STEP))[2]:
+                pass
+            assert step[2][0][:4] == [7, "", 0, "error"], step
+            assert step[2][0][4][0] == wire.LEAVING_KIND
+            assert "told 1 of 2 frontend(s); 1 request(s) may finish" in w.text(), w.text()
+            await receive_older(wire.STEP)  # (its request runs on)
+            w.proc.send_signal(signal.SIGTERM)
+            assert await w.proc.wait() == -signal.SIGTERM
+            await told.aclose()
+            await older.aclose()
