@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-__all__ = ["BatchCollector"]
+from .state_metrics import PREFIX, one_sample
 
-PREFIX = "trio_llm:"
+__all__ = ["BatchCollector"]
 
 
 class BatchCollector:
@@ -65,6 +65,4 @@ class BatchCollector:
              "Batch line calls answered 503 (an admission limit, a drain, no worker): "
              "run again later, not failed.", stats.lines_retried),
         ):
-            family = kind(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric(self._labels, value)
-            yield family
+            yield one_sample(kind, name, doc, self._labels, value)

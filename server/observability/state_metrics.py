@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-__all__ = ["StateStoreCollector"]
+__all__ = ["StateStoreCollector", "one_sample"]
 
 PREFIX = "trio_llm:"
 
@@ -50,6 +50,12 @@ class StateStoreCollector:
              "Writes refused: the state store (--state-max-bytes) or the API key's quota "
              "(--state-max-bytes-per-key) was full.", stats.refused),
         ):
-            family = kind(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric(self._labels, value)
-            yield family
+            yield one_sample(kind, name, doc, self._labels, value)
+
+
+def one_sample(kind: type, name: str, doc: str, labels: list[str], value: float) -> Metric:
+    """A family of ``kind`` (a gauge or counter family) named ``trio_llm:<name>``, with one
+    sample: ``value`` for ``labels`` (the model's name). The server-wide collectors' shape."""
+    family = kind(PREFIX + name, doc, labels=["model_name"])
+    family.add_metric(labels, value)
+    return family
