@@ -405,7 +405,7 @@ def _migration_families(migrated: list) -> Iterator[Metric]:
         "migrations",
         "Sequences moved to another worker when theirs ended, by cause: exited (the process "
         "died), disconnected (a listening worker's connection ended), hung, protocol_error, "
-        "removed (its address left DNS discovery).",
+        "removed (its address left DNS discovery), left (the worker said it was stopping).",
         ["model_name", "cause"],
         [([model, cause], n) for model, m in migrated for cause, n in m.migrations.items()],
     )
