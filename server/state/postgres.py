@@ -67,6 +67,10 @@ class PostgresDatabase:
         cursor = self._connection().execute(sql.replace("?", "%s"), params)
         return cursor.fetchall() if cursor.description is not None else []
 
+    def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        with self._connection().cursor() as cursor:
+            cursor.executemany(sql.replace("?", "%s"), rows)
+
     @contextmanager
     def write(self) -> Iterator[None]:
         full: StoreFull | None = None

@@ -44,6 +44,10 @@ class Database(Protocol):
         """Run ``sql`` (``?`` placeholders); its rows ([] for a statement without)."""
         ...
 
+    def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        """Run ``sql`` once per row of parameters, in one call (a response's events)."""
+        ...
+
     def write(self) -> AbstractContextManager[None]:
         """A transaction holding the store's write lock; commits at the end, also when
         :class:`StoreFull` leaves it (what it removed to make room stays removed)."""
@@ -339,9 +343,10 @@ class SQLStore:
                 return count
             grow = sum(len(event) for event in events)
             self._make_room(owner, grow, now)
-            for n, event in enumerate(events, count):
-                self._db.execute("INSERT INTO trio_llm_events(kind, owner, id, n, data) "
-                                 "VALUES (?, ?, ?, ?, ?)", (kind, owner, id, n, event))
+            self._db.execute_many("INSERT INTO trio_llm_events(kind, owner, id, n, data) "
+                                  "VALUES (?, ?, ?, ?, ?)",
+                                  [(kind, owner, id, n, event)
+                                   for n, event in enumerate(events, count)])
             self._db.execute("UPDATE trio_llm_records SET events = ?, events_size = events_size "
                              "+ ? WHERE kind = ? AND owner = ? AND id = ?",
                              (count + len(events), grow, kind, owner, id))

@@ -47,6 +47,9 @@ class SQLiteDatabase:
     def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
         return self._conn.execute(sql, params).fetchall()
 
+    def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        self._conn.executemany(sql, rows)
+
     @contextmanager
     def write(self) -> Iterator[None]:
         self._conn.execute("BEGIN IMMEDIATE")
