@@ -16,9 +16,12 @@ import httpx
 import pytest
 import trio
 
+from server import SamplingParams, open_engine
 from server.worker_protocol import handshake, wire
 from tests.conftest import running_server
-from tests.remote import SECRET, free_port, listening_worker, remote_config, wait_until
+from tests.remote import (
+    SECRET, FrameProxy, free_port, listening_worker, remote_config, wait_until,
+)
 from tests.test_dns_discovery import NAME, dns_config, dns_server
 
 LIMIT = 120  # (generous: 2 busy cores)
@@ -221,3 +224,43 @@ async def test_the_worker_refuses_a_late_submit_to_a_frontend_it_told_and_not_to
             assert await w.proc.wait() == -signal.SIGTERM
             await told.aclose()
             await older.aclose()
+
+
+async def test_a_submit_refused_as_the_worker_leaves_goes_to_another_and_the_client_sees_nothing(
+        tmp_path):
+    """The frontend's side of the race: a request the worker refused as it left (here, as
+    if it had: frames slipped in by a proxy) goes on on another worker, whole, counted as
+    sent again (cause ``left``), not as a migration of the request."""
+    async with (
+        listening_worker(tmp_path, name="a") as a,
+        listening_worker(tmp_path, name="b") as b,
+        trio.open_nursery() as nursery,
+    ):
+        proxy = await nursery.start(FrameProxy(a.address).run)
+        config = remote_config(proxy, b, routing="least-loaded", heartbeat_interval=0.2)
+        async with open_engine(config) as engine:
+            through, direct = engine.workers
+            await wait_until(lambda: through.routable and direct.routable
+                             and proxy.current is not None, LIMIT)
+            params = SamplingParams(max_tokens=2000)
+            with trio.fail_after(LIMIT):
+                async with (engine.generate("one", params) as first,
+                            engine.generate("two", params) as second):
+                    stream = next(s for s in (first, second)
+                                  if s.choice_states()[0].worker is through)
+                    [choice] = stream.choice_states()
+                    outs = [await stream.__anext__()]
+                    relay = proxy.current
+                    assert relay is not None
+                    await proxy.inject(relay, wire.encode([wire.LEAVING, 30.0]))
+                    await proxy.inject(relay, wire.encode([wire.STEP, [], [[
+                        choice.rid, "", 0, "error", [wire.LEAVING_KIND, "stopping"]]]]))
+                    outs += [out async for out in stream]
+                    other = first if stream is second else second
+                    rest = [out async for out in other]
+            assert outs[-1].finish_reason == "length" and rest[-1].finish_reason == "length"
+            assert sum(o.num_tokens for o in outs) == 2000
+            assert choice.worker is direct and choice.migrations == 0
+            assert through.leaving and not through.routable
+            assert engine.statistics().migration.migrations == {"left": 1}
+        nursery.cancel_scope.cancel()  # (the proxy)
