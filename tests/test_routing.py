@@ -289,17 +289,20 @@ def test_sim_prefix_cache_matches_a_brute_force_model():
         assert run_one(engine, clock, rid, " ".join(words))[1] == expected
 
 
-def test_a_worker_that_joins_takes_its_share_not_every_request():
+@pytest.mark.parametrize("joins", ["new", "reused"])
+def test_a_worker_that_joins_takes_its_share_not_every_request(joins):
     """A worker added to a busy pool starts with the others' mean share of the recent
     decisions, so it fills up to its share of the requests in flight, not about twice that
     (starting from none, it looked idle by the others' whole window: bench/join_balance.py).
+    ``reused``: it takes the index of one that left long ago (discovery reuses free slots).
     A steady load: each new request ends the oldest, 40 in flight."""
-    router = Router(3, "prefix")
+    router = Router(4 if joins == "reused" else 3, "prefix")
     in_flight: collections.deque[int] = collections.deque()
-    outstanding = [0, 0, 0]
+    outstanding = [0] * len(router.indexes)
+    gone = [3] if joins == "reused" else []
 
     def step() -> None:
-        d = router.pick([], outstanding)
+        d = router.pick([], [None if i in gone else n for i, n in enumerate(outstanding)])
         assert d is not None
         outstanding[d.worker] += 1
         in_flight.append(d.worker)
@@ -308,8 +311,13 @@ def test_a_worker_that_joins_takes_its_share_not_every_request():
 
     for _ in range(400):
         step()
-    new = router.add_worker()
-    outstanding.append(0)
+    if joins == "reused":
+        new = 3
+        gone.clear()
+        router.rejoin(new)
+    else:
+        new = router.add_worker()
+        outstanding.append(0)
     most = 0
     for _ in range(400):
         step()

@@ -239,12 +239,8 @@ class Router:
         )
 
     def add_worker(self) -> int:
-        """One more worker (found by discovery), with an empty index; its number.
-
-        Its share of the recent decisions starts at the others' mean. Starting at 0, it
-        looked idle by the others' whole window (32 each), and it took every new request
-        until its outstanding ones made that up: about twice its fair share in flight,
-        measured by bench/join_balance.py."""
+        """One more worker (found by discovery), with an empty index; its number. Its share
+        of the recent decisions starts at the others' mean (:meth:`rejoin`)."""
         self.indexes.append(PrefixIndex(self._capacity))
         worker = len(self.indexes) - 1
         stats = self.stats
@@ -254,18 +250,44 @@ class Router:
         if self._per_worker_window:  # (the window grows with the pool; its counts stay)
             self._window = collections.deque(
                 self._window, maxlen=DEFAULT_WINDOW_PER_WORKER * len(self.indexes))
-        # Its entries go in evenly among the others', so that its share ages out as theirs.
-        others, window = len(self._recent), self._window
-        room = (window.maxlen or 0) - len(window)
+        self._recent.append(0)
+        self._seed(worker)
+        return worker
+
+    def rejoin(self, worker: int) -> None:
+        """A new worker takes the index ``worker`` of one that left the pool: its prefix
+        index starts empty and its share of the recent decisions at the others' mean."""
+        self.indexes[worker].clear()
+        self._window = collections.deque((w for w in self._window if w != worker),
+                                         maxlen=self._window.maxlen)
+        self._recent[worker] = 0
+        self._seed(worker)
+
+    def _seed(self, worker: int) -> None:
+        """Give ``worker`` (holding none of the window) the mean share of the workers that
+        hold some, its entries spread evenly among theirs so that they age out as theirs
+        do; the oldest entries go if the window is full. Starting at 0, a worker that
+        joined looked idle by the others' whole window (32 each), and it took every new
+        request until its outstanding ones made that up: about twice its fair share in
+        flight, measured by bench/join_balance.py."""
+        window = list(self._window)
+        maxlen = self._window.maxlen
+        others = len(set(window))
+        if not others or not maxlen:
+            return
+        share = min(len(window) // others, maxlen // (others + 1))
+        del window[:max(0, len(window) + share - maxlen)]  # (the oldest)
+        step = max(1, len(window) // share) if share else 0
         mixed: list[int] = []
+        seeded = 0
         for j, w in enumerate(window):
             mixed.append(w)
-            if others and (j + 1) % others == 0 and room > 0:
+            if share and (j + 1) % step == 0 and seeded < share:
                 mixed.append(worker)
-                room -= 1
-        self._window = collections.deque(mixed, maxlen=window.maxlen)
-        self._recent.append(len(mixed) - len(window))
-        return worker
+                seeded += 1
+        self._window = collections.deque(mixed, maxlen=maxlen)
+        counts = collections.Counter(mixed)
+        self._recent[:] = [counts[i] for i in range(len(self._recent))]
 
     @property
     def prefix_aware(self) -> bool:
