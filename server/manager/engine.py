@@ -149,7 +149,7 @@ class Engine:
             self._generations.append(0)
             self.workers.append(None)  # type: ignore[arg-type]  # (set below)
         else:
-            self.router.reset(slot)
+            self.router.rejoin(slot)
             self._generations[slot] = 0
         w = self.workers[slot] = WorkerClient(slot, self.config.for_worker(slot),
                                               address=address)
