@@ -20,9 +20,6 @@ from tests.conftest import running_server
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "trio-llm-server.json"
 KUBERNETES_VERSION = "1.33.0"
-#: The bound of a listening worker's drain on SIGTERM (it tells its frontends, then its
-#: streams finish): assumed 30 s, the grace periods of vllm-remote's workers are sized on it.
-WORKER_DRAIN_BOUND = 30
 #: What a field reference of a pod's env reads, for $(VAR) in its arguments: a sample.
 POD_FIELDS = {"metadata.namespace": "llm"}
 
@@ -403,12 +400,17 @@ def test_a_worker_scaled_down_has_the_time_to_drain():
     starts, then SIGTERM (after the hook) makes it drain, bounded; the grace covers both
     and vLLM's exit, and its frontends keep a worker that left DNS at least that long
     before moving its streams away (--dns-drain-grace)."""
+    from server.workers.listen import build_parser as worker_parser
+
     sts, worker, _, _, config = _remote()
     pre_stop = _pre_stop(worker)
     assert pre_stop > 0
+    # the bound of its drain on SIGTERM, as the worker reads its arguments
+    drain = worker_parser().parse_args(_args(worker)).shutdown_timeout
+    assert drain > 0
     grace = sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace >= pre_stop + WORKER_DRAIN_BOUND + 30
-    assert config.engine.dns_drain_grace >= pre_stop + WORKER_DRAIN_BOUND
+    assert grace >= pre_stop + drain + 30
+    assert config.engine.dns_drain_grace >= pre_stop + drain
 
 
 def _scaling_queries() -> list[str]:
