@@ -280,6 +280,28 @@ async def test_srv_records_name_workers_at_their_own_ports(tmp_path):
     assert outs[-1].finish_reason == "length"
 
 
+@pytest.mark.parametrize("kind", ["dns", "srv"])
+async def test_tls_checks_the_name_a_worker_was_found_by_not_its_address(tmp_path, kind):
+    """A worker's certificate names its DNS name (a pod's address changes with each
+    reschedule): found by that name, it is trusted; its address is not in the certificate."""
+    from tests.remote import make_certificate
+
+    cert, key = make_certificate(tmp_path, "w.llm.test")
+    port = free_port()
+    with dns_server() as records, trio.fail_after(LIMIT):
+        records.set("w.llm.test.", "127.0.0.2")
+        records.srv["_llm._tcp.test."] = [(port, "w.llm.test.")]
+        name = "dns:w.llm.test.:%d" % port if kind == "dns" else "srv:_llm._tcp.test."
+        async with listening_worker(tmp_path, f"127.0.0.2:{port}", "--tls-cert", str(cert),
+                                    "--tls-key", str(key)):
+            config = dns_config(name, records, worker_tls_ca=str(cert))
+            async with server_pkg.open_engine(config) as engine:
+                assert members(engine) == {f"127.0.0.2:{port}"}
+                async with engine.generate("hi", server_pkg.SamplingParams(max_tokens=3)) as s:
+                    outs = [out async for out in s]
+    assert outs[-1].finish_reason == "length"
+
+
 def _flapping(calls: list):
     """A resolver (in memory) whose answer differs at every call."""
     async def resolver(target, server):
@@ -344,4 +366,5 @@ async def test_an_answer_too_long_for_udp_is_asked_again_over_tcp():
     finally:
         udp.stop()
         tcp.stop()
-    assert found.addresses == {WorkerAddress(f"10.1.0.{i}", 7100, None) for i in range(1, 61)}
+    assert found.addresses == {WorkerAddress(f"10.1.0.{i}", 7100, None, NAME.rstrip("."))
+                               for i in range(1, 61)}

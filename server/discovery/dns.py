@@ -133,7 +133,7 @@ async def resolve(target: DnsName, server: tuple[str, int],
     the queries) raises ResolveError: a half answer is not taken for the whole."""
     if target.kind == "dns":
         hosts, ttls = await _hosts(server, target.name, timeout)
-        found = frozenset(WorkerAddress(h, target.port, None) for h in hosts)
+        found = frozenset(WorkerAddress(h, target.port, None, _bare(target.name)) for h in hosts)
         return Resolved(found, min(ttls, default=0))
     reply = await query(server, target.name, "SRV", timeout)
     addresses: set[WorkerAddress] = set()
@@ -146,5 +146,11 @@ async def resolve(target: DnsName, server: tuple[str, int],
         if not hosts:
             hosts, more = await _hosts(server, str(rr.rdata.target), timeout)
         ttls += more
-        addresses.update(WorkerAddress(h, rr.rdata.port, None) for h in hosts)
+        addresses.update(WorkerAddress(h, rr.rdata.port, None, _bare(str(rr.rdata.target)))
+                         for h in hosts)
     return Resolved(frozenset(addresses), min(ttls, default=0))
+
+
+def _bare(name: str) -> str:
+    """A DNS name as a certificate names it: without the root's trailing dot."""
+    return name.rstrip(".")

@@ -253,7 +253,7 @@ async def _connect(config: EngineConfig, address: handshake.WorkerAddress,
         raise SessionEnded(f"cannot connect: {exc.strerror or exc}") from None
     fd: int | None = stream.socket.fileno()
     if tls is not None:
-        stream = trio.SSLStream(stream, tls, server_hostname=address.host)
+        stream = trio.SSLStream(stream, tls, server_hostname=address.name or address.host)
         fd = None
         try:
             await stream.do_handshake()

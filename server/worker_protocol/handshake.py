@@ -53,11 +53,14 @@ _LABEL = b"trio-llm worker auth v1\0"
 
 
 class WorkerAddress(NamedTuple):
-    """Where a worker listens: ``host`` and ``port``, or a unix socket ``path``."""
+    """Where a worker listens: ``host`` and ``port``, or a unix socket ``path``. ``name``:
+    the DNS name it was found by (server.discovery), which its TLS certificate names: a
+    pod's address changes with each reschedule, its Service's name does not."""
 
     host: str | None
     port: int | None
     path: str | None
+    name: str | None = None
 
     def __str__(self) -> str:
         if self.path is not None:
@@ -83,7 +86,7 @@ def parse_address(text: str) -> WorkerAddress:
     """``HOST:PORT``, ``[IPV6]:PORT`` or ``unix:/path``; raises ValueError naming the form.
 
     >>> parse_address("10.0.0.2:7100")
-    WorkerAddress(host='10.0.0.2', port=7100, path=None)
+    WorkerAddress(host='10.0.0.2', port=7100, path=None, name=None)
     >>> str(parse_address("[::1]:7100")), parse_address("unix:/run/w.sock").path
     ('[::1]:7100', '/run/w.sock')
     """
