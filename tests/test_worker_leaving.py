@@ -93,6 +93,9 @@ async def test_sigterm_drains_64_streams_and_new_requests_go_to_the_other_worker
                             assert leaving.outstanding  # (mid-stream)
                             workers[0].proc.send_signal(signal.SIGTERM)
                             await wait_until(lambda: leaving.leaving, LIMIT)
+                            ready = (await http.get("/ready")).json()  # (one takes none)
+                            assert ready["status"] == "degraded", ready
+                            assert ready["workers_alive"] == 1, ready
                             routed = list(engine.statistics().routing.routed)
                             for _ in range(16):  # new ones, while the streams run
                                 r = await http.post("/v1/completions", json={

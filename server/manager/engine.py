@@ -434,13 +434,15 @@ class Engine:
             stream.cut_off()
 
     def healthy(self) -> bool:
-        """True while accepting and at least one worker answered a ping recently."""
-        return self._accepting and any(w.healthy() and not w.retired for w in self.workers)
+        """True while accepting and at least one worker answered a ping recently (not one
+        that left discovery, nor one that said it is stopping: neither takes requests)."""
+        return self._accepting and any(
+            w.healthy() and not w.retired and not w.leaving for w in self.workers)
 
     def workers_answering(self) -> int:
         """The workers that answered a ping recently (``WorkerClient.healthy``): what the
         probes count against ``len(workers)`` to say a pool is degraded."""
-        return sum(w.healthy() and not w.retired for w in self.workers)
+        return sum(w.healthy() and not w.retired and not w.leaving for w in self.workers)
 
     @property
     def members(self) -> int:
