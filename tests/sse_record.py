@@ -77,3 +77,20 @@ async def stream_into(http: httpx.AsyncClient, body: dict, rec: SSE, started_aft
         rec.ended = trio.current_time()
         rec.started.set()
         rec.finished.set()
+
+
+async def completion_payloads(client: httpx.AsyncClient, url: str, body: dict,
+                              started: list) -> list[str]:
+    """The ``data:`` payloads of one streamed completion to ``url`` (``body`` is sent with
+    ``stream`` on); ``started`` gets a 1 when its first event arrives, so that a test can
+    wait until all its streams run."""
+    events: list[str] = []
+    async with client.stream("POST", url + "/v1/completions",
+                             json={**body, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                if not events:
+                    started.append(1)
+                events.append(line[6:])
+    return events

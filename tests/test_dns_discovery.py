@@ -22,6 +22,7 @@ from server.discovery.watch import DnsWatch
 from server.worker_protocol.handshake import WorkerAddress
 from tests.conftest import running_server
 from tests.remote import SECRET, free_port, listening_worker, wait_until
+from tests.sse_record import completion_payloads
 
 LIMIT = 120  # (generous bounds that pass at once when all is well: 2 busy cores)
 NAME = "workers.llm.test."
@@ -84,18 +85,6 @@ def members(engine) -> set[str]:
     return {str(w.address) for w in engine.workers if w.routable}
 
 
-async def sse(client: httpx.AsyncClient, url: str, body: dict, started: list) -> list:
-    events = []
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                if not events:
-                    started.append(1)
-                events.append(line[6:])
-    return events
-
-
 def test_worker_addresses_that_name_dns_records_parse_and_print_back():
     assert parse_worker_address("dns:w.llm.svc:7100") == DnsName("dns", "w.llm.svc", 7100)
     assert str(parse_worker_address("srv:_w._tcp.llm")) == "srv:_w._tcp.llm"
@@ -127,7 +116,7 @@ async def test_records_that_change_under_64_streams_lose_none(tmp_path):
                 async with httpx.AsyncClient(timeout=LIMIT) as client:
                     async with trio.open_nursery() as nursery:
                         async def one(i):
-                            results[i] = await sse(client, url, body, started)
+                            results[i] = await completion_payloads(client, url, body, started)
                         for i in range(64):
                             nursery.start_soon(one, i)
                         await wait_until(lambda: len(started) == 64, LIMIT)

@@ -22,22 +22,10 @@ from tests.conftest import running_server
 from tests.remote import (
     SECRET, FrameProxy, free_port, listening_worker, remote_config, wait_until,
 )
+from tests.sse_record import completion_payloads
 from tests.test_dns_discovery import NAME, dns_config, dns_server
 
 LIMIT = 120  # (generous: 2 busy cores)
-
-
-async def _sse(http: httpx.AsyncClient, body: dict, started: list) -> list[str]:
-    """The ``data:`` payloads of one streamed completion."""
-    events: list[str] = []
-    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                if not events:
-                    started.append(1)
-                events.append(line[6:])
-    return events
 
 
 def _whole(events: list[str], max_tokens: int) -> None:
@@ -82,7 +70,7 @@ async def test_sigterm_drains_64_streams_and_new_requests_go_to_the_other_worker
                     with trio.fail_after(LIMIT):
                         async with trio.open_nursery() as nursery:
                             async def one(i: int) -> None:
-                                results[i] = await _sse(http, body, started)
+                                results[i] = await completion_payloads(http, "", body, started)
 
                             for i in range(64):
                                 nursery.start_soon(one, i)
@@ -147,7 +135,7 @@ async def test_a_cut_drain_moves_its_streams_and_the_worker_back_at_its_address_
                 with trio.fail_after(LIMIT):
                     async with trio.open_nursery() as nursery:
                         async def one(i: int) -> None:
-                            results[i] = await _sse(http, body, started)
+                            results[i] = await completion_payloads(http, "", body, started)
 
                         for i in range(8):
                             nursery.start_soon(one, i)

@@ -72,16 +72,8 @@ class TextSink:
         if rest is None:
             return False  # not written: the task sends it the usual way
         # Written (maybe in part): from here the choice must say so, whatever follows.
-        self.torn = rest
-        tokens = choice.ntok
         choice.text = ""
-        choice.ntok = 0
-        if tokens:
-            now = _now()
-            self._observe_itl(now - self.last)
-            self.last = now
-        # Torn: the task wakes, for an output without text or tokens, and sends the rest.
-        return not rest
+        return _written(self, choice, rest)
 
 
 class ResponseSink:
@@ -133,12 +125,19 @@ class ResponseSink:
             return False
         if data and self._sent is not None:
             self._sent.append(data)
-        self.torn = rest
-        tokens = choice.ntok
-        choice.ntok = 0
-        if tokens:
-            now = _now()
-            self._observe_itl(now - self.last)
-            self.last = now
-        # Torn: the task wakes, for an output without text or tokens, and sends the rest.
-        return not rest
+        return _written(self, choice, rest)
+
+
+def _written(sink: TextSink | ResponseSink, choice, rest: bytes) -> bool:
+    """A sink wrote ``choice``'s events, all but ``rest``: its tokens are accounted for
+    here (inter-token latency) and ``rest`` is left for the task. Whether the router may
+    leave the task asleep: not when torn (it wakes for an output without text or tokens,
+    and sends the rest)."""
+    sink.torn = rest
+    tokens = choice.ntok
+    choice.ntok = 0
+    if tokens:
+        now = _now()
+        sink._observe_itl(now - sink.last)
+        sink.last = now
+    return not rest
