@@ -3,6 +3,7 @@ in a thread), real listening workers, records changed while streams run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import threading
@@ -289,6 +290,22 @@ async def test_tls_checks_the_name_a_worker_was_found_by_not_its_address(tmp_pat
                 async with engine.generate("hi", server_pkg.SamplingParams(max_tokens=3)) as s:
                     outs = [out async for out in s]
     assert outs[-1].finish_reason == "length"
+
+
+async def test_a_worker_found_by_two_names_is_one_member(tmp_path):
+    """Two names (a short one and its full form, or a dns: and an srv: name) that answer
+    the same address give one worker: one connection, one share of the routing."""
+    with dns_server() as records, trio.fail_after(LIMIT):
+        async with listening_worker(tmp_path, f"127.0.0.2:{free_port()}") as w:
+            records.set("w.llm.test.", "127.0.0.2")
+            records.set("pod-0.w.llm.test.", "127.0.0.2")
+            records.srv["_llm._tcp.test."] = [(w.address.port, "pod-0.w.llm.test.")]
+            config = dns_config(f"dns:w.llm.test.:{w.address.port}", records)
+            config = dataclasses.replace(config, worker_addresses=(
+                *config.worker_addresses, "srv:_llm._tcp.test."))
+            async with server_pkg.open_engine(config) as engine:
+                joined = [str(x.address) for x in engine.workers if not x.retired]
+                assert joined == [str(w.address)]
 
 
 def _flapping(calls: list):

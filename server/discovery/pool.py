@@ -81,14 +81,19 @@ class DiscoveredPool:
 
     def _changed(self, name: DnsName, addresses: frozenset[WorkerAddress]) -> None:
         self._wanted[name] = addresses
-        wanted = frozenset().union(*self._wanted.values())
-        for address, w in list(self._members.items()):
-            if address not in wanted and not w.retired:
+        # One worker per address, however many names find it (its TLS certificate is checked
+        # against the first name that found it).
+        wanted: dict[WorkerAddress, WorkerAddress] = {}
+        for found in self._wanted.values():
+            for address in sorted(found, key=lambda a: a.name or ""):
+                wanted.setdefault(_key(address), address)
+        for key, w in list(self._members.items()):
+            if key not in wanted and not w.retired:
                 self._retire(w)
-        for address in sorted(wanted - self._members.keys(), key=str):
-            self._join(address)
-        for address in wanted:
-            w = self._members[address]
+        for key in sorted(wanted.keys() - self._members.keys(), key=str):
+            self._join(wanted[key])
+        for key in wanted:
+            w = self._members[key]
             if w.retired and not w.removed:
                 w.retired = False
                 log.info("worker %d (%s) is back in discovery: kept", w.index, address)
@@ -99,7 +104,7 @@ class DiscoveredPool:
         self._free.discard(slot)  # type: ignore[arg-type]
         w = self.engine.add_worker(address, slot)
         w.ended = self._ended
-        self._members[address] = w
+        self._members[_key(address)] = w
         self._scopes[w] = trio.CancelScope()
         log.info("worker %d (%s) joins the pool", w.index, address)
         self._nursery.start_soon(self._serve, w)
@@ -114,8 +119,8 @@ class DiscoveredPool:
         finally:
             w.retired = w.removed = True
             del self._scopes[w]
-            if self._members.get(w.address) is w:
-                del self._members[w.address]
+            if self._members.get(_key(w.address)) is w:
+                del self._members[_key(w.address)]
             self.engine.router.reset(w.index)  # (its cache is none of ours now)
             self._free.add(w.index)
 
@@ -135,8 +140,8 @@ class DiscoveredPool:
                     await trio.sleep(0.1)
         if w.retired and not w.removed and w in self._scopes:  # (not back meanwhile)
             w.removed = True
-            if self._members.get(w.address) is w:
-                del self._members[w.address]
+            if self._members.get(_key(w.address)) is w:
+                del self._members[_key(w.address)]
             log.info("worker %d (%s) removed from the pool (%d requests move)", w.index,
                      w.address, w.outstanding)
             self._scopes[w].cancel()
@@ -145,5 +150,11 @@ class DiscoveredPool:
         """A member's session ended: resolve its names again soon."""
         if not w.removed:
             for name, addresses in self._wanted.items():
-                if w.address in addresses:
+                if _key(w.address) in {_key(a) for a in addresses}:
                     self.watches[name].poke()
+
+
+def _key(address: WorkerAddress) -> WorkerAddress:
+    """A member's key: its address without the name it was found by (the same worker may
+    be found by two names: one member, not two connections to it)."""
+    return address._replace(name=None)
