@@ -255,3 +255,50 @@ async def test_a_submit_refused_as_the_worker_leaves_goes_to_another_and_the_cli
             assert through.leaving and not through.routable
             assert engine.statistics().migration.migrations == {"left": 1}
         nursery.cancel_scope.cancel()  # (the proxy)
+
+
+async def _held_by(engine, params: SamplingParams, stack: AsyncExitStack):
+    """Two requests, least-loaded over the proxied worker and the direct one: the stream
+    on the proxied one, its choice, and the other stream."""
+    first = await stack.enter_async_context(engine.generate("one", params))
+    second = await stack.enter_async_context(engine.generate("two", params))
+    through = engine.workers[0]
+    stream = next(s for s in (first, second) if s.choice_states()[0].worker is through)
+    return stream, stream.choice_states()[0], first if stream is second else second
+
+
+async def test_a_submit_that_reached_the_worker_after_its_drain_goes_to_another_uncounted(
+        tmp_path):
+    """The race of a SUBMIT sent as LEAVING was on its way, that reached the worker after
+    its drain: the worker closed without answering it. The frontend sends it again (it
+    never started), uncounted, so it ends whole on the other worker with migration off
+    too (here the proxy holds the worker's accept back, says LEAVING and closes)."""
+    async with (
+        listening_worker(tmp_path, name="a") as a,
+        listening_worker(tmp_path, name="b") as b,
+        trio.open_nursery() as nursery,
+    ):
+        proxy = await nursery.start(FrameProxy(a.address).run)
+        config = remote_config(proxy, b, routing="least-loaded", heartbeat_interval=0.2,
+                               max_migrations=0)
+        async with open_engine(config) as engine:
+            through, direct = engine.workers
+            await wait_until(lambda: through.routable and direct.routable
+                             and proxy.current is not None, LIMIT)
+            relay = proxy.current
+            assert relay is not None
+            with trio.fail_after(LIMIT):
+                async with AsyncExitStack() as stack:
+                    async with relay.lock:  # (the worker's frames wait: no accept comes)
+                        stream, choice, other = await _held_by(
+                            engine, SamplingParams(max_tokens=2000), stack)
+                        await wait_until(lambda: choice.rid in through.states, LIMIT)
+                        await relay.stream.send_all(wire.encode([wire.LEAVING, 30.0]))
+                        await relay.stream.send_eof()  # (a clean end: the drain was over)
+                    outs = [out async for out in stream]
+                    rest = [out async for out in other]
+            assert outs[-1].finish_reason == "length" and rest[-1].finish_reason == "length"
+            assert sum(o.num_tokens for o in outs) == 2000
+            assert choice.worker is direct and choice.migrations == 0
+            assert through.restarts == 0
+        nursery.cancel_scope.cancel()  # (the proxy)

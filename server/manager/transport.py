@@ -42,13 +42,16 @@ __all__ = ["Link", "SessionEnded", "kill_group", "open_connected", "open_spawned
 class SessionEnded(Exception):
     """The link cannot be opened or used any more; ``reason`` says why (for the log).
     ``refused``: the worker refused our credentials (a configuration error). ``cause``: the
-    kind of end, for metrics (``exited``, ``disconnected``, ``hung``, ``protocol_error``)."""
+    kind of end, for metrics (``exited``, ``disconnected``, ``hung``, ``protocol_error``).
+    ``eof``: the worker ended the stream cleanly (not broken, hung or garbled)."""
 
-    def __init__(self, reason: str, *, refused: bool = False, cause: str = "exited") -> None:
+    def __init__(self, reason: str, *, refused: bool = False, cause: str = "exited",
+                 eof: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.refused = refused
         self.cause = cause
+        self.eof = eof
 
 
 class Link:

@@ -182,6 +182,10 @@ def _answered(value) -> bool:
 
 _SessionEnded = SessionEnded
 
+#: Seconds before LEAVING's deadline (as this frontend reckons it) from which a session's
+#: end is the worker's cut, not an early end: LEAVING took that long to arrive, at most.
+_LEAVE_SLACK = 1.0
+
 
 def _kv_index(info: dict, routing: str, counts: list[int]) -> KVIndex | None:
     """An empty index of the worker's KV cache, if its HELLO says it sends KV events and
@@ -283,6 +287,10 @@ class WorkerClient:
         self.leaving = False
         #: This session reads LEAVING (it subscribed to wire.LEAVING_TOPIC).
         self._reads_leaving = False
+        #: When the leaving worker cuts what still runs (trio time; inf: not leaving).
+        self._leaving_until = math.inf
+        #: Whether this session's end was the leave LEAVING announced (None: not judged).
+        self._planned: bool | None = None
         #: Called as ``resubmit(self, choices)`` for choices the worker refused as it left
         #: (never started): returns those it could not send to another worker.
         self.resubmit: Callable[[WorkerClient, list[Choice]], list[Choice]] = (
@@ -441,10 +449,14 @@ class WorkerClient:
             self.ended(self)
             first = False
             now = trio.current_time()
-            planned = self.leaving  # (it left as it said, or is away since: not a crash)
-            restart = restarts.died(now, now - started_at, charged=charged and not planned)
+            planned = self._planned is True
+            # a planned leave, or the first try after one that failed (before HELLO): quiet;
+            # from then on, tries are counted and warned about as any worker's
+            quiet = planned or self.leaving
+            self.leaving = planned  # (kept until a worker at its address says HELLO)
+            restart = restarts.died(now, now - started_at, charged=charged and not quiet)
             self._over_budget = restarts.over_budget
-            if planned:
+            if quiet:
                 log.info("worker %d: %s; trying its address again in %.2f s", self.index,
                          reason, restart.delay)
             elif restart.over_budget_now:
@@ -457,7 +469,7 @@ class WorkerClient:
                             restart.delay)
             await trio.sleep(restart.delay)
             self.generation += 1
-            if not planned:
+            if not quiet:
                 self.restarts += 1
 
     async def _open_link(self) -> Link:
@@ -504,6 +516,9 @@ class WorkerClient:
         self._outbox.clear()
         reason = "stopped"
         cause = "stopped"
+        eof = up = False
+        self._planned = None
+        self._leaving_until = math.inf
         try:
             try:
                 with trio.fail_after(config.startup_timeout):
@@ -527,7 +542,7 @@ class WorkerClient:
                 self._queue(wire.encode([wire.SUBSCRIBE, topics]))
             replaying = self._replay()  # queued ahead of any request
             self.kv_index = _kv_index(self.info, config.routing, self.kv_events)
-            self.alive = True
+            self.alive = up = True
             self.report.hello(self.info)
             self.last_heard = trio.current_time()
             self._ready.set()
@@ -550,6 +565,7 @@ class WorkerClient:
                 assert isinstance(first_end, _SessionEnded)
                 reason = first_end.reason
                 cause = first_end.cause
+                eof = first_end.eof
             return reason, True
         finally:
             if reason == "stopped" and self.removed:  # (its requests move, not end)
@@ -559,13 +575,16 @@ class WorkerClient:
             self.routed_notices = False  # (and its worker may be another, or older)
             self.running = self.waiting = self.foreign = 0
             self.report.down()
-            self._fail_all(reason, cause)
+            planned = up and self._left_as_said(eof)
+            if up and not planned:  # (it ended otherwise than it said: as a crash)
+                self.leaving = False
+            self._fail_all(reason, cause, planned)
             with trio.CancelScope(shield=True):
                 try:
                     how = await link.aclose(config.shutdown_grace)
                 finally:
                     self.pid = None
-            if self.leaving and reason != "stopped":
+            if planned:
                 log.info("worker %d (%s) left, as it said it would (%s): %s", self.index,
                          link.where, reason, how)
             elif reason != "stopped" or link.escalated or link.returncode not in (None, 0):
@@ -607,7 +626,7 @@ class WorkerClient:
         self.alive = False
         self.report.down()
         if ended is not None:
-            self._end_choices(ended.reason, ended.cause)
+            self._end_choices(ended.reason, ended.cause, self._left_as_said(ended.eof))
 
     async def _route_frames(self, link: Link, decoder: wire.FrameDecoder,
                             aside: Callable[[bytes], bool]) -> None:
@@ -631,7 +650,7 @@ class WorkerClient:
                 pacer.wake_due(trio.current_time())
                 continue
             if not data:
-                raise _SessionEnded(link.eof_reason, cause=link.eof_cause)
+                raise _SessionEnded(link.eof_reason, cause=link.eof_cause, eof=True)
             self.last_heard = pacer.frame_time = trio.current_time()
             try:
                 try:
@@ -765,6 +784,7 @@ class WorkerClient:
             raise wire.ProtocolError("unexpected LEAVING")
         if not self.leaving:
             self.leaving = True
+            self._leaving_until = trio.current_time() + msg.within
             log.info("worker %d (%s) is stopping: no new requests go to it; its %d may "
                      "finish there within %g s", self.index, self.address, len(self.states),
                      msg.within)
@@ -837,34 +857,52 @@ class WorkerClient:
             self._ping_seq += 1
             self._queue(wire.encode([wire.PING, self._ping_seq]))
 
-    def _fail_all(self, reason: str, cause: str) -> None:
+    def _left_as_said(self, eof: bool) -> bool:
+        """Whether the session's end is the leave its LEAVING announced (judged once): the
+        worker closed cleanly (``eof``: not hung, broken or garbled), and either held none
+        of our requests that it had accepted, or its deadline (LEAVING's ``within``) had
+        passed. Otherwise (an OOM kill mid-drain, a protocol error) it is a crash."""
+        if self._planned is None:
+            self._planned = self.leaving and eof and (
+                trio.current_time() >= self._leaving_until - _LEAVE_SLACK
+                or not any(choice.accepted for choice in self.states.values()))
+        return self._planned
+
+    def _fail_all(self, reason: str, cause: str, planned: bool = False) -> None:
         """End every choice this worker held (the worker is gone; :meth:`_end_choices`) and
         every round trip still waiting for its answer."""
-        self._end_choices(reason, cause)
+        self._end_choices(reason, cause, planned)
         for answer in self._pings.values():
             if answer.value is None:  # (one answered already keeps its answer)
                 answer.value = _GONE
         self._pings.clear()
 
-    def _end_choices(self, reason: str, cause: str) -> None:
+    def _end_choices(self, reason: str, cause: str, planned: bool = False) -> None:
         """End every choice this worker held: each one the engine's ``migrate`` hook moves
         to another worker goes on there (server.manager.migration); the others end with an
-        error output (``abort`` for one whose abort was sent)."""
+        error output (``abort`` for one whose abort was sent). After a ``planned`` leave,
+        those the worker never accepted (sent after its drain) are sent again, uncounted
+        (the ``resubmit`` hook), and what was cut moves with the cause ``left``."""
         states, self.states = self.states, {}
         self.pacer.clear()
         self._held.value = 0
-        if self.leaving and reason != "stopped":
-            cause = "left"  # (it said so: its drain was cut, or the session ended early)
+        left = list(states.values())
+        unplaced: list[Choice] = []  # (sent again, but no worker could take them)
+        if planned:
+            cause = "left"
+            fresh = [choice for choice in left if not choice.accepted]
+            if fresh:
+                left = [choice for choice in left if choice.accepted]
+                unplaced = self.resubmit(self, fresh)
         kind = "unavailable" if reason == "stopped" else "worker_died"
         message = (
             "the engine is shutting down"
             if reason == "stopped"
             else f"engine worker {self.index} failed: {reason}"
         )
-        left = list(states.values())
         if self.migrate is not None and reason != "stopped" and left:
             left = self.migrate(self, left, cause)
-        for choice in left:
+        for choice in left + unplaced:
             choice.end("error", kind, message)
 
     # -- introspection -----------------------------------------------------------------------
