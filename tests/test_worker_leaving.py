@@ -44,7 +44,8 @@ async def test_sigterm_drains_64_streams_and_new_requests_go_to_the_other_worker
     """64 streams over two workers; one gets SIGTERM mid-stream: every stream ends [DONE]
     at its full length with no error event (those on the leaving worker finish there:
     nothing moves), new requests all go to the other worker, the leaving one exits 0, and
-    its frontend logs the leave as info, counting no restart."""
+    its frontend logs the leave as info, counting no restart (only the tries at its
+    address after the first that failed are warned about and counted: it is gone)."""
     caplog.set_level(logging.INFO)
     port = free_port()
     hosts = ["127.0.0.2", "127.0.0.3"]
@@ -99,7 +100,7 @@ async def test_sigterm_drains_64_streams_and_new_requests_go_to_the_other_worker
     for events in results.values():
         _whole(events, 2000)
     assert stats.migration is not None and sum(stats.migration.migrations.values()) == 0
-    assert not any(w.restarts for w in stats.workers)
+    assert not stats.workers[staying.index].restarts
     text = workers[0].text()
     assert "stopping (SIGTERM): told 1 of 1 frontend(s)" in text, text
     assert "stopped: every frontend was told" in text, text
@@ -107,14 +108,18 @@ async def test_sigterm_drains_64_streams_and_new_requests_go_to_the_other_worker
     assert any("left, as it said it would" in r.getMessage() for r in lines)
     assert not [r.getMessage() for r in lines if r.levelno >= logging.ERROR]
     assert not [r.getMessage() for r in lines
-                if r.levelno >= logging.WARNING and "reconnecting" in r.getMessage()]
+                if r.levelno >= logging.WARNING and "reconnecting" in r.getMessage()
+                and "cannot connect" not in r.getMessage()]
+    tries = [r for r in lines if "cannot connect" in r.getMessage()]
+    assert not tries or tries[0].levelno == logging.INFO  # (the first: the leave's)
 
 
 async def test_a_cut_drain_moves_its_streams_and_the_worker_back_at_its_address_is_used(
         tmp_path):
     """--shutdown-timeout 0: told, then cut at once: its streams move to the other worker
     (cause ``left``) and end whole; it exits 0. A worker started again at the same address
-    is reconnected to and routed to again; no restart is counted."""
+    is reconnected to and routed to again; the leave counts no restart (the tries at
+    its address after the first that failed do, as for any worker away)."""
     address = f"127.0.0.1:{free_port()}"
     async with AsyncExitStack() as stack:
         first = await stack.enter_async_context(listening_worker(
@@ -156,7 +161,7 @@ async def test_a_cut_drain_moves_its_streams_and_the_worker_back_at_its_address_
                         r = await http.post("/v1/completions", json={
                             "model": "sim", "prompt": "new", "max_tokens": 4})
                         assert r.status_code == 200, r.text
-            assert not any(w.restarts for w in engine.statistics().workers)
+            assert not staying.restarts
     for events in results.values():
         _whole(events, 2000)
     assert "--shutdown-timeout is over: cutting" in first.text()
@@ -302,3 +307,77 @@ async def test_a_submit_that_reached_the_worker_after_its_drain_goes_to_another_
             assert choice.worker is direct and choice.migrations == 0
             assert through.restarts == 0
         nursery.cancel_scope.cancel()  # (the proxy)
+
+
+@pytest.mark.parametrize("end", ["eof", "garbage"])
+async def test_a_worker_that_said_leaving_then_died_early_counts_as_a_crash(
+        tmp_path, caplog, end):
+    """LEAVING promised 30 s; the session then ends early with a stream still running there
+    (a clean EOF: the process was OOM-killed; or a protocol violation): a crash, not the
+    planned leave. Its stream moves with the session's own cause, a restart is counted,
+    and the frontend warns."""
+    caplog.set_level(logging.INFO)
+    async with (
+        listening_worker(tmp_path, name="a") as a,
+        listening_worker(tmp_path, name="b") as b,
+        trio.open_nursery() as nursery,
+    ):
+        proxy = await nursery.start(FrameProxy(a.address).run)
+        config = remote_config(proxy, b, routing="least-loaded", heartbeat_interval=0.2,
+                               restart_backoff=0.05, restart_backoff_max=0.2)
+        async with open_engine(config) as engine:
+            through, direct = engine.workers
+            await wait_until(lambda: through.routable and direct.routable
+                             and proxy.current is not None, LIMIT)
+            relay = proxy.current
+            assert relay is not None
+            with trio.fail_after(LIMIT):
+                async with AsyncExitStack() as stack:
+                    stream, choice, other = await _held_by(
+                        engine, SamplingParams(max_tokens=2000), stack)
+                    outs = [await stream.__anext__()]  # (it runs there)
+                    async with relay.lock:
+                        await relay.stream.send_all(wire.encode([wire.LEAVING, 30.0]))
+                        if end == "eof":
+                            await relay.stream.send_eof()
+                        else:
+                            await relay.stream.send_all(wire.encode([wire.AUTH, b"x", b"y"]))
+                    outs += [out async for out in stream]
+                    rest = [out async for out in other]
+                await wait_until(lambda: proxy.current not in (None, relay), LIMIT)
+                await wait_until(lambda: through.routable, LIMIT)
+            assert outs[-1].finish_reason == "length" and rest[-1].finish_reason == "length"
+            assert choice.migrations == 1
+            cause = "disconnected" if end == "eof" else "protocol_error"
+            assert engine.statistics().migration.migrations == {cause: 1}
+            assert through.restarts == 1
+        nursery.cancel_scope.cancel()  # (the proxy)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("server")]
+    assert not any("left, as it said it would" in line for line in lines), lines
+    assert any("reconnecting in" in line for line in lines), lines
+
+
+async def test_after_a_leave_only_the_first_failed_reconnect_is_quiet(tmp_path, caplog):
+    """A worker at a fixed address leaves for good: the first try at its address that
+    fails is the leave's (quiet, not counted); those after it are warned about and
+    counted, as for any worker that is gone."""
+    caplog.set_level(logging.INFO)
+    async with (
+        listening_worker(tmp_path, f"127.0.0.1:{free_port()}", "--shutdown-timeout", "0",
+                         name="a") as a,
+        listening_worker(tmp_path, name="b") as b,
+    ):
+        config = remote_config(a, b, heartbeat_interval=0.2, restart_backoff=0.05,
+                               restart_backoff_max=0.2)
+        async with open_engine(config) as engine:
+            gone = engine.workers[0]
+            await wait_until(lambda: gone.routable, LIMIT)
+            a.proc.send_signal(signal.SIGTERM)
+            with trio.fail_after(LIMIT):
+                assert await a.proc.wait() == 0
+            await wait_until(lambda: gone.restarts >= 1, LIMIT)
+            assert not gone.leaving
+    lines = [r for r in caplog.records if r.name.startswith("server")]
+    assert any("left, as it said it would" in r.getMessage() for r in lines)
+    assert any(r.levelno == logging.WARNING and "reconnecting in" in r.getMessage()
+               for r in lines)

@@ -445,6 +445,7 @@ class WorkerClient:
         first = True
         while True:
             started_at = self._session_start = trio.current_time()
+            self._planned = None
             reason, charged = await self._session(task_status if first else None, first)
             self.ended(self)
             first = False
@@ -517,7 +518,6 @@ class WorkerClient:
         reason = "stopped"
         cause = "stopped"
         eof = up = False
-        self._planned = None
         self._leaving_until = math.inf
         try:
             try:
