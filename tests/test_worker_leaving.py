@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import sys
 from contextlib import AsyncExitStack
 
 import httpx
@@ -381,3 +382,36 @@ async def test_after_a_leave_only_the_first_failed_reconnect_is_quiet(tmp_path, 
     assert any("left, as it said it would" in r.getMessage() for r in lines)
     assert any(r.levelno == logging.WARNING and "reconnecting in" in r.getMessage()
                for r in lines)
+
+
+#: A listening worker whose engine's cleanup (as vLLM's: seconds) lasts until a file exists.
+_SLOW_CLEANUP = """
+import os, sys, time
+from server.engines.sim.engine import SimEngine
+def close_before_exit(self):
+    print("closing the engine", file=sys.stderr, flush=True)
+    while not os.path.exists({flag!r}):
+        time.sleep(0.01)
+    print("engine closed", file=sys.stderr, flush=True)
+SimEngine.close_before_exit = close_before_exit
+from server.workers.listen import main
+main(sys.argv[4:])
+"""
+
+
+async def test_a_sigterm_during_the_engines_cleanup_after_a_leave_does_not_cut_it(tmp_path):
+    """After a completed leave the engine's cleanup runs; a supervisor that signals the
+    whole group sends SIGTERM again meanwhile: it is ignored, the cleanup ends, and the
+    worker exits 0."""
+    flag = tmp_path / "cleanup may end"
+    prefix = (sys.executable, "-c", _SLOW_CLEANUP.format(flag=str(flag)))
+    async with listening_worker(tmp_path, "127.0.0.1:0", "--shutdown-timeout", "0",
+                                prefix=prefix) as w:
+        w.proc.send_signal(signal.SIGTERM)
+        await wait_until(lambda: "closing the engine" in w.text(), LIMIT)
+        w.proc.send_signal(signal.SIGTERM)
+        await trio.sleep(0.5)  # (the signal arrives while the cleanup still waits)
+        flag.touch()
+        with trio.fail_after(LIMIT):
+            assert await w.proc.wait() == 0, w.text()
+        assert "engine closed" in w.text(), w.text()

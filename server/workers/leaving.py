@@ -19,7 +19,8 @@ SIGTERM starts a *leave* instead, in three phases that :class:`Leave` times:
    returns, and the worker exits with status 0.
 
 A second SIGTERM cuts the leave short: the worker stops at once, as before leaves existed,
-and dies of the signal (:func:`server.workers.main.run_as_worker`).
+and dies of the signal (:func:`server.workers.main.run_as_worker`). Once the leave is over, a
+SIGTERM is ignored: the engine's cleanup (seconds for vLLM) runs uncut.
 
 The signal handler only sets a flag and writes a byte to a socket the loop's selector
 watches, so the loop wakes up; it never runs the loop's code itself.

@@ -116,8 +116,8 @@ from ..worker_protocol.wire import OutputRow
 from .base import EngineBroken, one_line
 from .leaving import Leave
 from .main import (
-    build_engine, cleanup_uncut, close_before_exit, freeze_startup_heap, handle_in_pulse,
-    handle_message, open_preparer, run_as_worker,
+    build_engine, cleanup_begins, cleanup_uncut, close_before_exit, freeze_startup_heap,
+    handle_in_pulse, handle_message, open_preparer, run_as_worker,
 )
 from .pulse import Pulse
 
@@ -915,9 +915,11 @@ def serve_listening(engine, listener: socket.socket, *, secret: bytes | None = N
                     max_frontends=max_frontends, max_total_buffer=max_total_buffer,
                     shutdown_timeout=shutdown_timeout)
     try:
-        # (a second SIGTERM: server.close and the engine's cleanup run uncut)
+        # (a second SIGTERM, or one after the leave: server.close and the engine's
+        # cleanup run uncut)
         with server.leave.handling_sigterm(), cleanup_uncut():
             server.run()
+            cleanup_begins()
     finally:
         server.close()
 

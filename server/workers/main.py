@@ -354,6 +354,14 @@ def cleanup_uncut() -> Iterator[None]:
         raise
 
 
+def cleanup_begins() -> None:
+    """A worker loop ended normally (a listening worker's completed leave): SIGTERM is
+    ignored from now on, so the cleanup after it (the engine's: seconds for vLLM) runs
+    uncut. A supervisor that signals the whole group sends one then."""
+    global _unwinding
+    _unwinding = True
+
+
 def close_before_exit(engine) -> None:
     """The engine's cleanup in a worker whose process exits next: its ``close_before_exit``
     where it has one (which may skip what only frees this process's memory: the vllm
