@@ -415,3 +415,30 @@ async def test_a_sigterm_during_the_engines_cleanup_after_a_leave_does_not_cut_i
         with trio.fail_after(LIMIT):
             assert await w.proc.wait() == 0, w.text()
         assert "engine closed" in w.text(), w.text()
+
+
+async def test_a_frontend_that_was_not_told_is_closed_once_its_requests_are_over(tmp_path):
+    """An older frontend (it did not subscribe to LEAVING) cannot be told: once its own
+    request is over the worker closes its connection (it finds the worker gone), rather
+    than taking its new requests until the cut; a frontend that was told keeps streaming."""
+    async with listening_worker(tmp_path, "127.0.0.1:0", "--shutdown-timeout", str(LIMIT)) as w:
+        with trio.fail_after(LIMIT):
+            told, receive_told = await _connect(w.address, [wire.LEAVING_TOPIC])
+            older, receive_older = await _connect(w.address, [wire.PARTS_TOPIC])
+            params = {"max_tokens": 8000, "temperature": 1.0, "top_p": 1.0, "seed": 1,
+                      "stop": [], "ignore_eos": False}
+            await told.send_all(wire.encode([wire.SUBMIT, 1, "p", params]))
+            await older.send_all(wire.encode([wire.SUBMIT, 1, "p", {**params, "max_tokens": 50}]))
+            await receive_told(wire.STEP)
+            await receive_older(wire.STEP)
+            w.proc.send_signal(signal.SIGTERM)
+            await receive_told(wire.LEAVING)
+            while await older.receive_some(1 << 16):  # (to its request's end, then EOF)
+                pass
+            await told.send_all(wire.encode([wire.PING, 1]))
+            while (pong := await receive_told(wire.PONG))[1] != 1:  # (not the pulse's)
+                pass
+            assert pong[4] == 1, pong  # (its stream goes on)
+            await older.aclose()
+            await told.aclose()
+        assert await w.proc.wait() == 0, w.text()

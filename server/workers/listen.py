@@ -858,6 +858,7 @@ class Server:
         leave = self.leave
         if leave.closing_until is None:
             assert leave.until is not None
+            self._close_untold()
             drained = not self.owners and not self.tokenizing and not any(
                 conn.out or conn.parts_pending() for conn in self.conns)
             if not drained and now < leave.until:
@@ -873,6 +874,16 @@ class Server:
         say("stopped: every frontend was told" if not self.conns else
             f"stopped: {len(self.conns)} frontend(s) had not closed in time")
         return True
+
+    def _close_untold(self) -> None:
+        """Shut each connection that was not told (an older frontend: it did not subscribe
+        to LEAVING) once its own requests are over and answered: it would send new ones
+        until the cut. It finds the worker gone, as when a worker stopped at once."""
+        busy = {conn for conn, _ in self.tokenizing.values()}
+        for conn in list(self.conns):
+            if (conn.state == "ready" and not conn.leaving and not conn.rids
+                    and conn not in busy and not conn.out and not conn.parts_pending()):
+                self._shut(conn)
 
     def _shut(self, conn: _Conn) -> None:
         """Abort what ``conn`` still runs, send what the socket takes, and shut its write
