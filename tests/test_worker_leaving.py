@@ -307,6 +307,7 @@ async def test_a_submit_that_reached_the_worker_after_its_drain_goes_to_another_
             assert sum(o.num_tokens for o in outs) == 2000
             assert choice.worker is direct and choice.migrations == 0
             assert through.restarts == 0
+            assert engine.statistics().migration.migrations == {"left": 1}  # (counted apart)
         nursery.cancel_scope.cancel()  # (the proxy)
 
 

@@ -75,7 +75,8 @@ class EngineStatistics:
     open_sequences: int = 0
     #: Routing decisions and per-worker prefix-cache hits (server.manager.routing).
     routing: RouterStatistics | None = None
-    #: Requests moved off dead workers (server.manager.migration); None: migration is off.
+    #: Requests moved off dead workers (server.manager.migration); None: migration is off
+    #: and no request a leaving worker did not take was sent again.
     migration: MigrationStatistics | None = None
     #: Each DNS name's resolutions (server.discovery.watch); empty: no name is watched.
     discovery: tuple[tuple[str, WatchStatistics], ...] = ()
@@ -489,7 +490,8 @@ class Engine:
             accepting=self._accepting,
             workers=workers,
             routing=self.router.stats,
-            migration=self.migrator.stats if self.migrator is not None else None,
+            migration=self._mover.stats if self.migrator is not None
+            or self._mover.stats.migrations else None,
             discovery=self.discovery.statistics() if self.discovery is not None else (),
         )
 

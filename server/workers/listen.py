@@ -841,15 +841,22 @@ class Server:
             if conn.state != "ready":
                 self._drop(conn, "the worker is stopping")
             elif conn.leaving:
-                self._tell(conn, now)
+                try:
+                    self._tell(conn, now)
+                except _Closed as exc:
+                    self._drop(conn, str(exc))
+                    continue
                 told += 1
         say(f"stopping (SIGTERM): told {told} of {len(self.conns)} frontend(s); "
             f"{len(self.owners)} request(s) may finish within {within:g} s "
             "(--shutdown-timeout); a second SIGTERM stops at once")
 
     def _tell(self, conn: _Conn, now: float) -> None:
+        """LEAVING to ``conn``, sent now (not after the loop's next wait: up to
+        :data:`_HOUSEKEEPING` later), so its frontend stops sending SUBMITs here at once."""
         conn.told = True
         conn.out += wire.encode([wire.LEAVING, self.leave.left(now)])
+        self._flush(conn)
 
     def _gone(self, now: float) -> bool:
         """Whether the leave is over (the loop returns). Once nothing runs and every answer
