@@ -49,10 +49,12 @@ not by us.
 A listening worker told to stop (SIGTERM: a Kubernetes scale-down) says LEAVING first, to
 a session that subscribed (``wire.LEAVING_KEY`` in its HELLO). From then on the worker is
 ``leaving``: not routed to, its streams going on. The SUBMITs it refuses meanwhile (sent
-before LEAVING arrived) go to another worker (the engine's ``resubmit`` hook). The session's
-end that follows is a planned leave: logged as info, not counted as a restart, what it
-still held moved with the cause ``left``. Its address is tried again at the backoff, and
-quietly, until a worker there says HELLO.
+before LEAVING arrived) go to another worker (the engine's ``resubmit`` hook). A clean end
+of the session that follows is a planned leave if the worker held none of our accepted
+requests, or LEAVING's deadline had passed: logged as info, not counted as a restart;
+what it never accepted (sent after its drain) is sent again, the rest moved with the
+cause ``left``. Any other end is a crash. Its address is tried again at the backoff: the
+first failed try quietly, the later ones as any worker's.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ SIGTERM starts a *leave* instead, in three phases that :class:`Leave` times:
 1. *told*: the loop sends each frontend that subscribed to ``wire.LEAVING_TOPIC`` a LEAVING
    message. From then on that frontend's SUBMITs are refused with the err kind
    ``wire.LEAVING_KIND`` (the frontend sends them to another worker), and the listener is
-   closed. What runs goes on.
+   closed. What runs goes on. A connection that was not told (an older frontend) is shut
+   as soon as it holds no request: it cannot know to send its new ones elsewhere.
 2. *drained*: once nothing runs and every answer is sent, or ``--shutdown-timeout`` seconds
    after the signal (what still runs is then aborted: its frontends move it), the loop
    shuts the write side of each connection. A frontend reads to the end, then closes.
