@@ -71,7 +71,7 @@ async def test_a_notice_after_a_restart_clears_the_prediction_first():
     new = router.blocks(conversation("Bob", 1)).hashes
     router.routed(0, old)
     assert router.indexes[0].match(old) == len(old)
-    engine.workers[0].restarts += 1  # (its session ended; a new one began)
+    engine.workers[0].generation += 1  # (its session ended; a new one began)
     engine.workers[0].noticed(0, new)
     assert router.indexes[0].match(old) == 0
     assert router.indexes[0].match(new) == len(new)
