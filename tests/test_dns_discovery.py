@@ -98,20 +98,22 @@ def test_worker_addresses_that_name_dns_records_parse_and_print_back():
 async def test_records_that_change_under_64_streams_lose_none(tmp_path):
     """Workers are added, removed (drained, then what runs moves) and replaced at a new
     address while 64 streams run: every stream ends [DONE], at its full length, with no
-    error event."""
+    error event. The workers step every 20 ms, so that the streams (20 s at least) outlast
+    the changes on two busy cores: at 2 ms, a worker could finish generating before it was
+    removed (its client still reading), leaving nothing to move."""
     port = free_port()
     hosts = [f"127.0.0.{i}" for i in (2, 3, 4, 5)]
     with dns_server() as records, trio.fail_after(LIMIT):
         records.set(NAME, *hosts[:2])
         async with AsyncExitStack() as stack:
             workers = {h: await stack.enter_async_context(listening_worker(
-                tmp_path, f"{h}:{port}", name=h)) for h in hosts}
+                tmp_path, f"{h}:{port}", "--sim-itl-ms", "20", name=h)) for h in hosts}
             config = dns_config(f"dns:{NAME}:{port}", records, dns_drain_grace=0.3)
             async with running_server(config) as url:
                 engine = url.app.engine
                 await wait_until(lambda: members(engine) == {f"{h}:{port}" for h in hosts[:2]},
                                  LIMIT)
-                body = {"model": "sim", "prompt": "hi", "max_tokens": 2500, "stream": True}
+                body = {"model": "sim", "prompt": "hi", "max_tokens": 1000, "stream": True}
                 started: list = []
                 results: dict[int, list] = {}
                 async with httpx.AsyncClient(timeout=LIMIT) as client:
@@ -128,8 +130,9 @@ async def test_records_that_change_under_64_streams_lose_none(tmp_path):
                         old = next(w for w in engine.workers if w.address.host == hosts[0])
                         assert old.outstanding
                         records.set(NAME, *hosts[1:3])
-                        await wait_until(lambda: engine.statistics().migration
-                                         .migrations["removed"] > 0, LIMIT)
+                        await wait_until(lambda: not old.outstanding, LIMIT)
+                        moved = engine.statistics().migration
+                        assert moved is not None and moved.migrations["removed"] > 0, moved
                         # replaced: its pod went, another came at a new address
                         records.set(NAME, hosts[2], hosts[3])
                         workers[hosts[1]].proc.send_signal(signal.SIGKILL)
