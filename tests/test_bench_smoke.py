@@ -21,7 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Scripts whose smoke run a test of their own runs and checks more closely.
-OWN_SMOKE_TEST = {"join_balance.py": "tests/test_join_balance_bench.py"}
+OWN_SMOKE_TEST = {"join_balance.py": "tests/test_join_balance_bench.py",
+                  "against.py": "tests/test_against_bench.py"}
 SCRIPTS = sorted(path.name for path in (ROOT / "bench").glob("*.py")
                  if path.name not in OWN_SMOKE_TEST)
 

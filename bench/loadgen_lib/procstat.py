@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -106,15 +107,18 @@ class CpuMeter:
     """Reads the CPU time of the frontend and of its workers, before and after a run.
 
     Workers are the given pids, or (``auto_workers``) all descendants of the frontend at each
-    snapshot, less the frontends of a ``--api-servers`` supervisor (counted as frontend); a
-    worker that appeared during the run is counted from zero, one that vanished is reported
-    as lost (its CPU after the first snapshot is unknown).
+    snapshot, less those ``is_frontend`` says are frontends too (by default those of a
+    ``--api-servers`` supervisor; bench/against.py's choice for another server), counted as
+    frontend; a worker that appeared during the run is counted from zero, one that vanished
+    is reported as lost (its CPU after the first snapshot is unknown).
     """
 
-    def __init__(self, frontend: int | None, workers: list[int] | None, auto_workers: bool):
+    def __init__(self, frontend: int | None, workers: list[int] | None, auto_workers: bool,
+                 is_frontend: Callable[[int], bool] = is_group_frontend):
         self.frontend = frontend
         self.workers = list(workers or [])
         self.auto = auto_workers
+        self.is_frontend = is_frontend
         self.before: dict | None = None
 
     def _snapshot(self) -> dict:
@@ -129,7 +133,7 @@ class CpuMeter:
             st = read_stat(pid)
             if st is None:
                 continue
-            if self.auto and is_group_frontend(pid):  # --api-servers: a frontend, not a worker
+            if self.auto and self.is_frontend(pid):  # (--api-servers: a frontend, not a worker)
                 group[pid] = st[1]
             else:
                 w[pid] = (st[1], st[2])

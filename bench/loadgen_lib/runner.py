@@ -90,9 +90,11 @@ class _Window:
         self.state.update(phase="finishing")
 
 
-async def run_benchmark(args, *, progress: bool | None = None) -> dict:
+async def run_benchmark(args, *, progress: bool | None = None,
+                        meter: CpuMeter | None = None) -> dict:
     """Run the whole benchmark described by ``args`` (from :func:`parse_args`); returns the
-    summary dict (see :func:`summarize`).
+    summary dict (see :func:`summarize`). The server's CPU time is read by ``meter`` if given
+    (bench/against.py's), else as ``--pid`` / ``--server-pids-from-port`` say.
 
     One continuous run: the clients start over ``args.ramp_up`` seconds and send requests
     back to back; those started in the first ``args.warmup`` seconds are the warmup, then
@@ -107,7 +109,8 @@ async def run_benchmark(args, *, progress: bool | None = None) -> dict:
         if note:
             log(f"{note}; using model {model!r}")
     ctx = Context(args, target, model)
-    meter = _cpu_meter(args, target)
+    if meter is None:
+        meter = _cpu_meter(args, target)
     if progress is None:
         progress = not args.quiet
     state: dict = {"phase": "warmup" if args.warmup > 0 else "run", "total": None}
