@@ -294,8 +294,9 @@ def main(argv=None) -> int:
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--stop-grace", type=float, default=30.0,
                    help="seconds a server has after SIGTERM before SIGKILL")
-    args = smoke.parse_args(p, argv, rounds=2, concurrency=2, max_tokens=8, prompt_tokens=8,
-                            requests=4, ready_timeout=120.0, peer=SMOKE_PEER)
+    # (1,024 tokens a run: enough CPU ticks of 10 ms for a ratio on a fast machine too)
+    args = smoke.parse_args(p, argv, rounds=2, concurrency=8, max_tokens=32, prompt_tokens=8,
+                            requests=32, ready_timeout=120.0, peer=SMOKE_PEER)
     if args.smoke and args.peer == SMOKE_PEER:
         smoke.skipped("a peer server: our own is the peer (the ratio is about 1)")
     if not args.peer or "{port}" not in args.peer:
