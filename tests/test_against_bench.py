@@ -69,7 +69,11 @@ def test_a_peer_command_without_a_port_is_refused_before_anything_starts():
 def test_a_peer_that_exits_before_it_is_ready_is_reported_with_its_output():
     peer = "python -c 'import sys; print(\"no model at port {port}\", file=sys.stderr); sys.exit(3)'"
     proc = run("--peer", peer)
+    kept = re.search(r"peer stopped \(exit status 3\); its log: (\S+)", proc.stderr)
+    if kept:  # (kept for a user to read; not here)
+        Path(kept[1]).unlink(missing_ok=True)
     assert proc.returncode == 2, proc.stderr
+    assert kept, proc.stderr
     assert "peer exited with status 3 before it was ready" in proc.stderr, proc.stderr
     assert re.search(r"no model at port \d+", proc.stderr), proc.stderr
     assert "against: ours (pid" not in proc.stderr, proc.stderr  # (the peer starts first)
