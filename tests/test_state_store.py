@@ -19,10 +19,12 @@ from server.http.app import create_app
 from server.http.serve import serve
 from server.private_dir import PREFIX
 from server.state import (
+    AtMost,
     Record,
     StateConfig,
     StateStoreError,
     StoreFull,
+    TooMany,
     open_state_store,
     owner_of,
 )
@@ -348,6 +350,46 @@ async def test_budget_holds_under_concurrent_frontends(open_store):
         assert 0 < stored < 10
         await stores[0].sweep()  # reads the totals
         assert stores[0].statistics().bytes <= 2000
+
+
+async def test_at_most_bounds_an_owners_records_in_some_statuses(open_store, clock):
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store(retention_s=60)
+        bound = AtMost(2, ("queued", "running"))
+        await store.put(rec("a1", status="queued"), at_most=bound)
+        await store.put(rec("a2", status="running"), at_most=bound)
+        await store.put(rec("a1", status="queued"), at_most=bound)  # (itself: not counted)
+        with pytest.raises(TooMany) as refused:
+            await store.put(rec("a3"), at_most=bound)
+        assert refused.value.held == 2 and store.statistics().too_many == 1
+        assert await store.get("response", "alice", "a3") is None  # (nothing stored)
+        await store.put(rec("b1", "bob"), at_most=bound)  # (bob's own count)
+        await store.put(rec("a0", kind="file"), at_most=bound)  # (another kind's)
+        await store.update("response", "alice", "a1", meta={"status": "done"})
+        await store.put(rec("a3"), at_most=bound)  # (a1 ended)
+        clock.now += 61  # (every one expired: none counts)
+        await store.put(rec("a4"), at_most=AtMost(1, ("queued",)))
+
+
+async def test_at_most_holds_exactly_under_concurrent_frontends(open_store):
+    """Twenty puts at once on two stores (two frontends), at most 3: exactly 3 stored."""
+    with trio.fail_after(TIMEOUT_S):
+        stores = [await open_store(), await open_store()]
+        refused = 0
+
+        async def put(store, n):
+            nonlocal refused
+            try:
+                await store.put(rec(f"r{n}"), at_most=AtMost(3, ("queued",)))
+            except TooMany:
+                refused += 1
+
+        async with trio.open_nursery() as nursery:
+            for n in range(20):
+                nursery.start_soon(put, stores[n % 2], n)
+        assert len(await stores[0].list("response", "alice", limit=100)) == 3
+        assert refused == 17
+        assert sum(s.statistics().too_many for s in stores) == 17
 
 
 async def test_reopened_store_keeps_its_records(open_store):

@@ -6,8 +6,9 @@ The gauges (records, bytes) are the whole store's, every frontend's, as this fro
 read them (after each of its writes and sweeps); with ``--api-servers`` each frontend's
 sample is labelled with it (server.observability.merge). The counters are what this
 process removed or refused, summed over the frontends: records deleted past their
-retention (by the sweep, or to make room for a write), their bytes, and the writes refused
-because the store or the owner's quota was full.
+retention (by the sweep, or to make room for a write), their bytes, the writes refused
+because the store or the owner's quota was full, and the batch creates refused because the
+owner's unfinished batches were at ``--max-batches-per-key``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class StateStoreCollector:
             (CounterMetricFamily, "state_refused_writes",
              "Writes refused: the state store (--state-max-bytes) or the API key's quota "
              "(--state-max-bytes-per-key) was full.", stats.refused),
+            (CounterMetricFamily, "state_refused_batches",
+             "Batch creates refused: the API key's unfinished batches were at its quota "
+             "(--max-batches-per-key).", stats.too_many),
         ):
             yield one_sample(kind, name, doc, self._labels, value)
 

@@ -25,15 +25,18 @@ stored (30 days by default, as OpenAI keeps responses); past that it is invisibl
 and a background sweep deletes it. ``--state-max-bytes`` bounds the whole store and
 ``--state-max-bytes-per-key`` each owner: a write that would pass a bound first removes every
 expired record, and if it still does not fit it is refused with :class:`StoreFull` (with
-``.owner`` set for an owner's quota). Nothing live is ever evicted to make room: a client's
-stored objects stay until they expire or it deletes them. What the sweeps and the room-making
-remove, and what is refused, is counted (:meth:`StateStore.statistics`, in ``/metrics``).
+``.owner`` set for an owner's quota). A put may also bound how many records its owner holds
+in some statuses (:class:`AtMost`: ``--max-batches-per-key``), refused with :class:`TooMany`.
+Nothing live is ever evicted to make room: a client's stored objects stay until they expire
+or it deletes them. What the sweeps and the room-making remove, and what is refused, is
+counted (:meth:`StateStore.statistics`, in ``/metrics``).
 """
 
 from .opening import DEFAULT_RETENTION_S, StateConfig, StateStoreError, open_state_store
-from .records import Record, StateStore, StoreFull, StoreStatistics, owner_of
+from .records import AtMost, Record, StateStore, StoreFull, StoreStatistics, TooMany, owner_of
 
 __all__ = [
+    "AtMost",
     "DEFAULT_RETENTION_S",
     "Record",
     "StateConfig",
@@ -41,6 +44,7 @@ __all__ = [
     "StateStoreError",
     "StoreFull",
     "StoreStatistics",
+    "TooMany",
     "open_state_store",
     "owner_of",
 ]

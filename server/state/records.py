@@ -9,7 +9,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-__all__ = ["Record", "StateStore", "StoreFull", "StoreStatistics", "owner_of"]
+__all__ = ["AtMost", "Record", "StateStore", "StoreFull", "StoreStatistics", "TooMany",
+           "owner_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,27 @@ class StoreFull(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class AtMost:
+    """A bound on a ``put`` of a new record: the owner may hold at most ``most`` live records
+    of its kind whose status is one of ``statuses`` (the new one included). Checked in the
+    put's own write transaction, which holds the store's write lock: exact across every
+    frontend of the store, however many put at once (``--max-batches-per-key``)."""
+
+    most: int
+    statuses: tuple[str, ...]
+
+
+class TooMany(Exception):
+    """A ``put`` refused by its :class:`AtMost`: the owner holds ``held`` such records
+    already (nothing was stored). Callers answer 429."""
+
+    def __init__(self, held: int, bound: AtMost) -> None:
+        super().__init__(f"{held} records in {bound.statuses}, at most {bound.most}")
+        self.held = held
+        self.bound = bound
+
+
+@dataclass(frozen=True, slots=True)
 class StoreStatistics:
     """What this store instance saw: ``records`` and ``bytes`` as of its last write or sweep
     (the whole store's, every frontend's), and what this instance removed: records past
@@ -59,6 +81,7 @@ class StoreStatistics:
     expired: int = 0
     expired_bytes: int = 0
     refused: int = 0  # writes refused with StoreFull
+    too_many: int = 0  # puts refused with TooMany (their AtMost: --max-batches-per-key)
 
 
 class StateStore(Protocol):
@@ -66,8 +89,9 @@ class StateStore(Protocol):
     past its retention is invisible at once (as if deleted), and one of another owner too:
     callers answer 404 either way (no existence oracle)."""
 
-    async def put(self, record: Record) -> None:
-        """Insert or replace ``record`` (its events, if any, stay). Raises :class:`StoreFull`."""
+    async def put(self, record: Record, *, at_most: AtMost | None = None) -> None:
+        """Insert or replace ``record`` (its events, if any, stay). Raises :class:`StoreFull`,
+        or :class:`TooMany` when the owner's records already fill ``at_most``."""
         ...
 
     async def get(self, kind: str, owner: str, id: str) -> Record | None:

@@ -6,7 +6,8 @@ under the store's own :class:`trio.CapacityLimiter` of one thread: the connectio
 one thread at a time, and an operation, once started, runs to its end (a cancelled caller
 does not leave a transaction half-done). Writes are transactions that hold the database's
 write lock from their start (SQLite ``BEGIN IMMEDIATE``, a PostgreSQL advisory lock), so the
-size checks of two frontends writing at once cannot both pass.
+size checks of two frontends writing at once cannot both pass, nor the count of a put's
+:class:`~.records.AtMost` (two creates at a key's last free batch: one is refused).
 
 Sizes: a record's bytes are its body's plus its meta's JSON, and its events' bytes are kept
 beside them. ``trio_llm_owners`` holds each owner's total, changed in the same transaction
@@ -23,7 +24,7 @@ from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 import trio
 
-from .records import Record, StoreFull, StoreStatistics
+from .records import AtMost, Record, StoreFull, StoreStatistics, TooMany
 
 __all__ = ["Database", "NEVER", "SQLStore", "SWEEP_BATCH"]
 
@@ -94,6 +95,7 @@ class SQLStore:
         self._expired = 0
         self._expired_bytes = 0
         self._refused = 0
+        self._too_many = 0
         #: The counts as of the last operation's end (the counters above change in the
         #: worker thread, mid-operation).
         self._published = StoreStatistics()
@@ -112,7 +114,8 @@ class SQLStore:
             finally:  # (after its transaction: statistics() never sees one half-done)
                 self._published = StoreStatistics(
                     records=self._records, bytes=self._bytes, expired=self._expired,
-                    expired_bytes=self._expired_bytes, refused=self._refused)
+                    expired_bytes=self._expired_bytes, refused=self._refused,
+                    too_many=self._too_many)
 
         return await trio.to_thread.run_sync(run, limiter=self._limiter)
 
@@ -193,14 +196,16 @@ class SQLStore:
 
     # -- the interface --------------------------------------------------------------------
 
-    async def put(self, record: Record) -> None:
-        await self._call(self._put, record, _dump(record.meta))
+    async def put(self, record: Record, *, at_most: AtMost | None = None) -> None:
+        await self._call(self._put, record, _dump(record.meta), at_most)
 
-    def _put(self, record: Record, meta: str) -> None:
+    def _put(self, record: Record, meta: str, at_most: AtMost | None) -> None:
         now = self._now()
         key = (record.kind, record.owner, record.id)
         size = len(record.body) + len(meta.encode())
         with self._db.write():
+            if at_most is not None:
+                self._check_count(record, at_most, now)
             rows = self._db.execute(
                 "SELECT size, events_size, expires_at FROM trio_llm_records "
                 "WHERE kind = ? AND owner = ? AND id = ?", key)
@@ -228,6 +233,21 @@ class SQLStore:
                  _status(record.meta)))
             self._account(record.owner, size - old, 0 if rows else 1)
             self._totals()
+
+    def _check_count(self, record: Record, at_most: AtMost, now: int) -> None:
+        """Raise :class:`TooMany` (before anything is written) when ``record``'s owner holds
+        ``at_most.most`` live records of its kind in ``at_most.statuses``, besides it."""
+        if not at_most.statuses:
+            return
+        marks = ", ".join("?" * len(at_most.statuses))
+        rows = self._db.execute(
+            "SELECT COUNT(*) FROM trio_llm_records WHERE kind = ? AND owner = ? AND id <> ? "
+            f"AND status IN ({marks}) AND expires_at > ?",
+            (record.kind, record.owner, record.id, *at_most.statuses, now))
+        held = int(rows[0][0])
+        if held >= at_most.most:
+            self._too_many += 1
+            raise TooMany(held, at_most)
 
     async def get(self, kind: str, owner: str, id: str) -> Record | None:
         return await self._call(self._get, kind, owner, id)
