@@ -19,6 +19,7 @@ import trio
 
 from .cli_options import API_KEY_ENV, OPTIONS, split_commas
 from .config import EngineConfig, Limits, ModelConfig, ServerConfig
+from .key_file import loose_permissions, parse_key_file
 from .engine_args import ENGINE_DESTS, engine_options, resolve_model_args
 from .model_config import MAX_FILE_BYTES, model_argvs
 from .option_table import add_options, config_fields
@@ -64,11 +65,39 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         _check_frontend_options(args)
         engine = _engine_config(args, "trio-llm-server")
     limits = Limits(allow_faults=allow_faults, **config_fields(OPTIONS, args, "limits"))
-    api_keys = split_commas(args.api_key)
-    if not api_keys:
-        api_keys = split_commas([os.environ.get(API_KEY_ENV, "")])
-    return ServerConfig(engine=engine, models=models, limits=limits, api_keys=api_keys,
+    return ServerConfig(engine=engine, models=models, limits=limits, api_keys=_api_keys(args),
                         **config_fields(OPTIONS, args, "server"))
+
+
+def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The keys accepted: ``--api-key``'s (without it, ``$TRIO_LLM_API_KEY``'s) and every
+    ``--api-key-file``'s, each once. A file that cannot be read, or is no key file, is a
+    SystemExit with one line naming it (and the line: never a key)."""
+    keys = split_commas(args.api_key) or split_commas([os.environ.get(API_KEY_ENV, "")])
+    for path in args.api_key_file or ():
+        prog = f"trio-llm-server: --api-key-file {path}"
+        try:
+            keys += parse_key_file(_read_config_file(path, prog))
+        except ValueError as exc:
+            raise SystemExit(f"{prog}: {exc}") from None
+    return tuple(dict.fromkeys(keys))
+
+
+def _warn_of_key_files(args: argparse.Namespace) -> None:
+    """One warning per ``--api-key-file`` that users other than its owner may read (or
+    others change), as ssh warns of a private key's. Not from the frontends of
+    ``--api-servers``: their supervisor warned."""
+    if args.frontend_dir is not None:
+        return
+    for path in args.api_key_file or ():
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            continue  # (it was read a moment ago; gone now: the start says so)
+        if loose_permissions(mode):
+            logging.getLogger("server").warning(
+                "--api-key-file %s: other users may read or change it (mode %04o); "
+                "chmod 600 it", path, stat.S_IMODE(mode))
 
 
 def _read_config_file(path: str, prog: str) -> str:
@@ -280,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
     _own_logging(args)
+    _warn_of_key_files(args)
     if args.api_servers > 1:
         from .supervisor import supervise
 

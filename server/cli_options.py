@@ -113,11 +113,20 @@ OPTIONS: tuple[Option, ...] = (
     ),
     *_frontend(
         "access control",
-        Option("--api-key", kind="append", metavar="KEY",  # (into: server.cli, with the env)
+        # (into: server.cli, with the environment and the file; the supervisor of
+        # --api-servers hands --api-key's keys to its frontends in their environment, so
+        # that they are on no child's command line)
+        Option("--api-key", kind="append", metavar="KEY", child="supervisor",
                help="require 'Authorization: Bearer KEY' on every route (repeatable, "
                "or comma-separated; /health, /ready and /metrics stay open). None: the keys "
-               f"in ${API_KEY_ENV} (comma-separated) if it is set, else no key is needed. "
-               "Prefer the variable: a command line is visible to other users"),
+               f"in ${API_KEY_ENV} (comma-separated) if it is set; no key from either nor "
+               "--api-key-file: no key is needed. A command line is visible to other users: "
+               "prefer the variable or --api-key-file"),
+        Option("--api-key-file", kind="append", metavar="PATH",
+               help="also accept each key in this file (repeatable): one per line; blank "
+               "lines and lines starting with # are ignored; a key with inner whitespace, "
+               "or a file with no key, is refused at start. Read at start: a restart picks "
+               "up a change. Warned of if other users may read it (chmod 600 it)"),
         Option("--allowed-origins", kind="append", metavar="ORIGINS",
                into=(Into("server.allowed_origins", split_commas),),
                help="enable CORS for these browser origins (repeatable or comma-separated, "
@@ -149,6 +158,11 @@ OPTIONS: tuple[Option, ...] = (
                into=("server.state_max_bytes_per_key",),
                help="each API key's share of the state (bytes, or with K, M, G, T; 0: no "
                "quota); a write past it is refused (413)"),
+        Option("--max-batches-per-key", metavar="N", type=int, bounds=ZERO_OK, default=0,
+               into=("server.max_batches_per_key",),
+               help="the most unfinished batches (validating, in_progress, finalizing, "
+               "cancelling) each API key may have, all frontends of the store together "
+               "(0: no quota); a create past it is refused (429)"),
         Option("--max-background-responses", metavar="N", type=int, bounds=COUNT, default=64,
                into=("server.max_background_responses",),
                help="background responses ('background': true) this frontend runs at once; "

@@ -199,6 +199,9 @@ class ServerConfig:
     state_retention: int = 30 * 24 * 3600
     state_max_bytes: int = 4 * 1024**3
     state_max_bytes_per_key: int = 0
+    #: Each API key's unfinished batches (server.batches.objects.ACTIVE), counted in the
+    #: store over every frontend; a create past it is a 429 (0: no quota).
+    max_batches_per_key: int = 0
     #: Background responses (``background: true``) one frontend runs at once; past it a
     #: new one is a 503 (docs/api.md).
     max_background_responses: int = 64

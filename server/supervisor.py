@@ -266,6 +266,7 @@ class Supervisor:
             health_fd = self.probe_sockets[index].fileno()
             fds += (health_fd,)
         argv = self.plan.frontend_argv(index, fd, self.dir, self.worker_addresses, health_fd)
+        env = {**os.environ, **self.plan.frontend_env} if self.plan.frontend_env else None
         path = peer_socket(self.dir, index)
         restarts = Restarts(self.args.max_restarts)
         first = True
@@ -275,7 +276,7 @@ class Supervisor:
             except FileNotFoundError:
                 pass
             child = await self._start(f"frontend {index}", first, restarts, argv,
-                                      give_up=True, pass_fds=fds)
+                                      give_up=True, pass_fds=fds, env=env)
             if child is None:
                 continue
             self.frontends[index] = child

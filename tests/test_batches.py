@@ -256,6 +256,39 @@ async def test_cancel_stops_a_batch_and_keeps_what_finished():
             await client.batches.cancel(other.id)
 
 
+async def test_a_keys_unfinished_batches_are_bounded_by_its_quota(store_options):
+    """--max-batches-per-key 1: a key's second create while its first runs is a 429 naming
+    the quota, storing nothing and counted in /metrics; another key's create is its own;
+    once the first has ended (cancelled) the key creates again."""
+    async with running_server(api_keys=("key-a", "key-b"), max_batches_per_key=1,
+                              **store_options) as url:
+        a, b = client_of(url, "key-a"), client_of(url, "key-b")
+        slow = {**CHAT, "max_tokens": 1000, "ignore_eos": True}
+        file = await upload(a, requests("/v1/chat/completions", 40, slow))
+        first = await a.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                       completion_window="24h")
+        quick = await upload(a, requests("/v1/embeddings", 1))
+        with pytest.raises(openai.RateLimitError) as info:
+            await a.batches.create(input_file_id=quick.id, endpoint="/v1/embeddings",
+                                   completion_window="24h")
+        error = info.value.body
+        assert info.value.status_code == 429 and error["code"] == "batch_quota_exceeded"
+        assert "at most 1 (--max-batches-per-key)" in error["message"], error
+        assert [x.id async for x in a.batches.list()] == [first.id]  # (nothing stored)
+        theirs = await b.batches.create(input_file_id=(await upload(
+            b, requests("/v1/embeddings", 1))).id, endpoint="/v1/embeddings",
+            completion_window="24h")
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(url + "/metrics")).text
+        assert "trio_llm:state_refused_batches_total{model_name=\"sim\"} 1.0" in text
+        await a.batches.cancel(first.id)
+        await wait_status(a, first.id, ("cancelled",))
+        again = await a.batches.create(input_file_id=quick.id, endpoint="/v1/embeddings",
+                                       completion_window="24h")
+        await wait_status(a, again.id)
+        await wait_status(b, theirs.id)
+
+
 async def batch_metrics(url: str) -> dict[str, float]:
     """The live ``trio_llm:batch*`` samples: name, then ``{status}`` when labelled by it."""
     async with httpx.AsyncClient() as http:

@@ -1,7 +1,7 @@
 """API keys: ``Authorization: Bearer <key>`` on the ``/v1/*`` routes. Sans-IO.
 
-With keys configured (``--api-key``, or ``TRIO_LLM_API_KEY``), every request must carry one
-of them; otherwise it is answered 401 with an OpenAI-style body and
+With keys configured (``--api-key`` or ``TRIO_LLM_API_KEY``, and ``--api-key-file``), every
+request must carry one of them; otherwise it is answered 401 with an OpenAI-style body and
 ``WWW-Authenticate: Bearer``. Only the exact paths in :data:`OPEN_PATHS` (``/health``,
 ``/ready``, ``/metrics``) stay open: probes and scrapers do not carry keys (keep them on a
 private network). A CORS preflight (``OPTIONS``) carries no key either and is answered

@@ -8,7 +8,10 @@
 
 ``/v1/batches`` is a raw route (:mod:`server.http.routes`) for both its methods, as
 ``/v1/files`` is: the create reads a JSON body. A batch belongs to the API key that made
-it: another key's is the same 404 as a missing one. The runner
+it: another key's is the same 404 as a missing one. With ``--max-batches-per-key N`` a key
+holds at most N unfinished batches (:data:`~server.batches.objects.ACTIVE`), counted in the
+store by the create's own write transaction: exact however many frontends create at once
+(a create past it is a 429, and stores nothing). The runner
 (:mod:`server.batches.runner`) does the work; these only read and write the record.
 """
 
@@ -21,16 +24,16 @@ from urllib.parse import parse_qs
 from quart import Response
 
 from ..batches.objects import (
-    KIND, BatchCreate, batch_object, new_batch_id, parse_create, parse_list_query,
+    ACTIVE, KIND, BatchCreate, batch_object, new_batch_id, parse_create, parse_list_query,
 )
 from ..errors import ClientError, MethodNotAllowed, NotFound, ServiceUnavailable, printable
 from ..openai.batch_input import batch_lines
 from ..openai.encode import dumps
-from ..state import Record, StateStore, StoreFull
+from ..state import AtMost, Record, StateStore, StoreFull, TooMany
 from . import file_store
 from .asgi import CLOSE, discard_body, header, send_error, send_json
 from .listing import list_body, read_page
-from .owners import current_owner, request_owner, store_error
+from .owners import BatchQuotaExceeded, current_owner, request_owner, store_error
 from .post import off_loop, read_json_post, refusal
 
 __all__ = ["cancel_batch", "retrieve_batch", "serve_batches"]
@@ -128,7 +131,14 @@ async def _create(app, store: StateStore, owner: str, create: BatchCreate) -> by
             "request_counts": {"total": total, "completed": 0, "failed": 0},
             "holder": None, "lease_until_ms": None}
     record = Record(KIND, new_batch_id(), owner, int(time.time()), meta, b"")
-    await store.put(record)
+    most = app.server_config.max_batches_per_key
+    try:
+        await store.put(record, at_most=AtMost(most, ACTIVE) if most else None)
+    except TooMany as exc:
+        raise BatchQuotaExceeded(
+            f"This API key has {exc.held} unfinished batch(es), and may have at most {most} "
+            "(--max-batches-per-key): create this one once one of them has ended, or cancel "
+            "one.") from None
     app.batches.poke()
     return dumps(batch_object(record.id, record.created_at, meta))
 

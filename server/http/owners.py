@@ -14,8 +14,8 @@ from quart import request
 from ..errors import ClientError, ServerError
 from ..state import StoreFull, owner_of
 
-__all__ = ["InsufficientStorage", "QuotaExceeded", "current_owner", "request_owner",
-           "store_error"]
+__all__ = ["BatchQuotaExceeded", "InsufficientStorage", "QuotaExceeded", "current_owner",
+           "request_owner", "store_error"]
 
 
 class InsufficientStorage(ServerError):
@@ -31,6 +31,15 @@ class QuotaExceeded(ClientError):
 
     status = 413
     code = "storage_quota_exceeded"
+
+
+class BatchQuotaExceeded(ClientError):
+    """The key's unfinished batches are at its quota (``--max-batches-per-key``): 429, as
+    OpenAI answers a batch past its queue's limit. The client's to solve: wait until one of
+    its batches ends, or cancel one."""
+
+    status = 429
+    code = "batch_quota_exceeded"
 
 
 def request_owner(app, authorization: bytes | None) -> str:

@@ -1,0 +1,138 @@
+"""``--api-key-file`` (server/key_file.py, server/cli.py): the file's format, its refusals at
+start through the real command line (one line naming the file and the line, never a key),
+the union with ``--api-key`` and the environment, then real servers: one process accepting
+a key of the file and refusing another (with one warning of the file's loose mode, no key
+logged), and ``--api-servers 2``, whose frontends get the file's path and ``--api-key``'s
+keys in their environment, never on their command lines."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from server.cli import API_KEY_ENV, build_parser, config_from_args, main
+from server.key_file import loose_permissions, parse_key_file
+from tests.remote import supervised
+from tests.test_shutdown import REPO, cli_server
+
+GOOD = "\ufeff# team a\r\n\n  key-one  \r\n\t# key-zero, retired\nkey-two\nkey-one\n"
+
+
+def key_file(tmp_path: Path, text: str, mode: int = 0o600) -> str:
+    path = tmp_path / "keys"
+    path.write_text(text)
+    path.chmod(mode)
+    return str(path)
+
+
+def proc_words(pid: int, name: str) -> list[bytes]:
+    """/proc/PID/NAME (cmdline, environ): its NUL-separated words."""
+    return Path(f"/proc/{pid}/{name}").read_bytes().split(b"\0")
+
+
+def test_a_key_file_is_its_keys_less_blanks_and_comments():
+    assert parse_key_file(GOOD) == ("key-one", "key-two")  # (stripped; once each)
+    assert parse_key_file("k#1\n") == ("k#1",)  # (a # inside a key is the key's)
+
+
+@pytest.mark.parametrize("mode, loose", [(0o100600, False), (0o100400, False),
+                                         (0o100640, False), (0o100644, True),
+                                         (0o100660, True), (0o100602, True)])
+def test_loose_permissions_are_others_reading_or_anyone_else_writing(mode, loose):
+    assert loose_permissions(mode) is loose
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "no key in it"),
+    ("# only\n\n   \n", "no key in it"),
+    ("good\nsecret-key # note\n", "line 2: a key holds no whitespace"),
+    ("good\n\nsecret\tkey\n", "line 3: a key holds no whitespace"),
+    ("secret-k\u00e9y\n", "line 1: a key is printable ASCII"),
+    ("secret-\x07key\n", "line 1: a key is printable ASCII"),
+])
+def test_a_bad_key_file_is_refused_at_start_in_one_line(tmp_path, text, message):
+    path = key_file(tmp_path, text)
+    with pytest.raises(SystemExit) as info:
+        main(["--api-key-file", path])
+    line = str(info.value.code)
+    assert line.startswith(f"trio-llm-server: --api-key-file {path}: {message}")
+    assert "\n" not in line and "secret" not in line  # (a key is never shown)
+
+
+def test_an_unreadable_key_file_is_refused_at_start(tmp_path):
+    os.mkfifo(tmp_path / "fifo")  # (would wait for a writer: refused, not read)
+    for path, why in ((tmp_path / "missing", "No such file"), (tmp_path, "Is a directory"),
+                      (tmp_path / "fifo", "not a regular file")):
+        with pytest.raises(SystemExit, match=f"--api-key-file {path}: {why}"):
+            main(["--api-key-file", str(path)])
+
+
+def test_a_refusal_is_one_line_without_a_traceback(tmp_path):
+    """The real program: exit status 1, one line on stderr."""
+    path = key_file(tmp_path, "a b\n")
+    done = subprocess.run([sys.executable, "-m", "server", "--api-key-file", path],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        f"trio-llm-server: --api-key-file {path}: line 1: a key holds no whitespace (a "
+        "comment is a line of its own, starting with #)"]
+
+
+def test_the_keys_are_the_files_and_the_options_or_the_variables(tmp_path, monkeypatch):
+    parse = build_parser().parse_args
+    one = key_file(tmp_path, GOOD)
+    other = tmp_path / "more"
+    other.write_text("key-three\n")
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert config_from_args(parse(["--api-key-file", one])).api_keys == ("key-one", "key-two")
+    config = config_from_args(parse(["--api-key", "cli,key-two", "--api-key-file", one,
+                                     "--api-key-file", str(other)]))
+    assert config.api_keys == ("cli", "key-two", "key-one", "key-three")
+    monkeypatch.setenv(API_KEY_ENV, "env")
+    assert config_from_args(parse(["--api-key-file", one])).api_keys \
+        == ("env", "key-one", "key-two")
+    assert config_from_args(parse(["--api-key", "cli", "--api-key-file", one])).api_keys \
+        == ("cli", "key-one", "key-two")  # (--api-key wins over the variable, as alone)
+
+
+async def test_a_server_takes_the_files_keys_and_refuses_others(tmp_path):
+    path = key_file(tmp_path, GOOD, mode=0o644)
+    async with cli_server("--api-key-file", path, "--api-key", "cli-key") as srv:
+        for key in ("key-one", "key-two", "cli-key"):
+            client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
+            assert [m.id async for m in client.models.list()] == ["sim"]
+        client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="key-zero",
+                                    max_retries=0)  # (a comment of the file)
+        with pytest.raises(openai.AuthenticationError):
+            await client.models.list()
+        log = srv.output()
+    warnings = [line for line in log.splitlines() if "--api-key-file" in line]
+    assert len(warnings) == 1 and "other users may read or change it (mode 0644)" \
+        in warnings[0], log
+    assert not any(key in log for key in ("key-one", "key-two", "cli-key")), log
+
+
+async def test_the_frontends_of_api_servers_get_the_keys_off_their_command_lines(tmp_path):
+    path = key_file(tmp_path, GOOD)
+    async with supervised(tmp_path, "--api-key", "cli-key", "--api-key-file", path) as sup:
+        frontends, _ = sup.children()
+        assert len(frontends) == 2
+        for pid in frontends.values():
+            argv, environ = proc_words(pid, "cmdline"), proc_words(pid, "environ")
+            assert b"cli-key" not in b" ".join(argv) and b"--api-key" not in argv
+            assert argv[argv.index(b"--api-key-file") + 1] == path.encode()
+            assert f"{API_KEY_ENV}=cli-key".encode() in environ
+        limits = httpx.Limits(max_keepalive_connections=0)  # (a connection per request:
+        async with httpx.AsyncClient(base_url=sup.url, limits=limits) as http:  # both)
+            for key in ("key-one", "key-two", "cli-key") * 4:
+                r = await http.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+                assert r.status_code == 200, r.text
+            r = await http.get("/v1/models", headers={"Authorization": "Bearer other"})
+            assert r.status_code == 401
+        assert "--api-key-file" not in sup.text()  # (mode 0600: no warning)
