@@ -310,3 +310,47 @@ async def test_connections_and_requests_are_freed_without_the_garbage_collector(
                     await trio.sleep(0.05)
         finally:
             gc.enable()
+
+
+@pytest.mark.direct_http
+async def test_what_is_ready_at_once_goes_out_in_one_write(monkeypatch):
+    # A one-token stream is ready whole when the engine starts it: its head, the token's
+    # event, the usage, [DONE] and the last chunk go out in one write. A longer stream's
+    # head goes with its first event, and its last event with the end. Same bytes.
+    from server.config import EngineConfig
+    from server.connections.connection import ServingConnection
+    from tests.conftest import FAST_SIM
+
+    real = ServingConnection.write_nowait
+    writes: dict[int, list[bytes]] = {}
+
+    def recording(self, data):
+        sent = real(self, data)
+        if sent:
+            writes.setdefault(id(self), []).append(bytes(data[:sent]))
+        return sent
+
+    monkeypatch.setattr(ServingConnection, "write_nowait", recording)
+    config = EngineConfig(engine_options={**FAST_SIM, "itl_ms": 10.0})
+    async with running_server(config) as url:
+        for max_tokens in (1, 20):
+            body = {"prompt": "a b", "max_tokens": max_tokens, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            writes.clear()
+            sock = await trio.open_tcp_stream(*addr(url))
+            await sock.send_all(request(None, body, headers=[("Connection", "close")])
+                                .replace(b"HTTP/1.0", b"HTTP/1.1", 1))
+            raw = b""
+            with trio.fail_after(20):
+                while data := await sock.receive_some(1 << 16):
+                    raw += data
+            await sock.aclose()
+            (mine,) = [w for w in writes.values() if w[0].startswith(b"HTTP/1.1 200")]
+            assert b"".join(mine) == raw  # every byte the client read, written here
+            head, _, first = mine[0].partition(b"\r\n\r\n")
+            assert b"transfer-encoding: chunked" in head.lower()
+            size, _, rest = first.partition(b"\r\n")  # the head, then a whole first chunk
+            assert b'"text":' in rest[:int(size, 16)] and rest[int(size, 16):][:2] == b"\r\n"
+            assert b'"finish_reason":"length"' in mine[-1]
+            assert mine[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+            assert len(mine) == 1 if max_tokens == 1 else len(mine) > 2, mine

@@ -43,6 +43,7 @@ from .private_api import (
     ASGIHTTPState,
     Body,
     Closed,
+    EndBody,
     H11Hooks,
     HTTPStreamHooks,
     RawData,
@@ -208,6 +209,10 @@ class ServingH11Protocol(H11Hooks):
         await super().stream_send(event)
         if type(event) is Response:
             self.chunked = self.chunked_body()
+        elif type(event) is EndBody and self.writer is not None:
+            # The response's last bytes are written: what was held for them goes now, with
+            # them (the connection's hold_writes), before the stream closes.
+            await self.writer.release_writes()
 
 
 def _peer(client) -> str:
@@ -270,6 +275,16 @@ class DirectBody:
     async def send_torn(self, rest: bytes) -> None:
         """The rest of a chunk :meth:`write_nowait` tore; shielded, bounded like any write."""
         await self._connection.send_torn(rest)
+
+    def hold(self) -> None:
+        """Keep the response's next writes (the head included), to go out in one write at
+        :meth:`release` or at the end of the body, whichever comes first. Only for messages
+        ready at the same moment: the caller must release before it waits for anything."""
+        self._connection.hold_writes()
+
+    async def release(self) -> None:
+        """Write what :meth:`hold` kept, in one write (nothing when nothing is held)."""
+        await self._connection.release_writes()
 
 
 class ServingHTTPStream(HTTPStreamHooks):

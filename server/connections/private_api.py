@@ -90,7 +90,7 @@ from .framing import find_obs_fold, head_end, obs_fold
 
 try:  # hypercorn's internal modules (names without an underscore, in undocumented modules)
     from hypercorn.events import Closed, RawData
-    from hypercorn.protocol.events import Body, Request, Response
+    from hypercorn.protocol.events import Body, EndBody, Request, Response
     from hypercorn.protocol.h11 import STREAM_ID, H11Protocol
     from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
     from hypercorn.trio.lifespan import Lifespan
@@ -106,7 +106,7 @@ except ImportError as exc:  # pragma: no cover - a hypercorn this was not writte
     TCPServer = H11Protocol = HTTPStream = object  # type: ignore[misc,assignment]
     MAX_RECV = 2**16
     STREAM_ID = 1
-    Closed = RawData = Body = Request = Response = Lifespan = TaskGroup = None  # type: ignore[misc,assignment]
+    Closed = RawData = Body = EndBody = Request = Response = Lifespan = TaskGroup = None  # type: ignore[misc,assignment]
     WorkerContext = ConnectionState = ASGIHTTPState = None  # type: ignore[misc,assignment]
     parse_socket_addr = repr_socket_addr = suppress_body = wrap_app = None  # type: ignore[assignment]
 else:

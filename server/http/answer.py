@@ -108,17 +108,25 @@ async def started(answer: Answer, stream) -> list[int] | None:
 WAITING = b": waiting for the engine\n\n"
 
 
-async def stream_started(answer: Answer, stream, heartbeat: float | None) -> list[int] | None:
+async def stream_started(
+    answer: Answer, stream, heartbeat: float | None, hold=None,
+) -> list[int] | None:
     """Start a streaming response once the engine has started (prompt token counts), or
     answer with a status. A request still queued after ``heartbeat`` seconds starts its
     response anyway and sends :data:`WAITING` every ``heartbeat`` seconds, so that proxies
-    with read timeouts keep it; a failure after that is an error event (docs/api.md)."""
+    with read timeouts keep it; a failure after that is an error event (docs/api.md).
+
+    ``hold``: the connection's :class:`~server.connections.http11.DirectBody`, or None. Once
+    the engine started, the first output is ready too (``wait_started``): the head is then
+    held to go out with the first events, in one write; the caller releases it."""
     try:
         per_choice = await stream.wait_started(heartbeat or math.inf)
     except ServerError as exc:
         await answer.error(exc)
         return None
     if per_choice is not None:
+        if hold is not None:
+            hold.hold()
         await answer.start_stream()
         return per_choice
     await answer.start_stream()

@@ -162,15 +162,19 @@ async def handle_generate(
                         await route.write(app, answer, stream, req, response_id,
                                           model_name, scope["extensions"].get(DIRECT_BODY))
                     elif req.stream:
-                        per_choice = await stream_started(answer, stream,
-                                                           config.queued_heartbeat)
-                        if per_choice is not None:
-                            await _StreamWriter(
-                                answer, stream, req, response_id, model_name,
-                                per_choice, observe_itl=app.metrics.of(record.model).itl.observe,
-                                reasoning_parser=config.reasoning_parser,
-                                direct=scope["extensions"].get(DIRECT_BODY),
-                            ).write()
+                        direct = scope["extensions"].get(DIRECT_BODY)
+                        try:
+                            per_choice = await stream_started(answer, stream,
+                                                               config.queued_heartbeat, direct)
+                            if per_choice is not None:
+                                await _StreamWriter(
+                                    answer, stream, req, response_id, model_name, per_choice,
+                                    observe_itl=app.metrics.of(record.model).itl.observe,
+                                    reasoning_parser=config.reasoning_parser, direct=direct,
+                                ).write()
+                        finally:
+                            if direct is not None:  # what a stream cut short still held
+                                await direct.release()
                     else:
                         await write_full(
                             answer, stream, req, response_id, model_name,
@@ -291,8 +295,13 @@ class _StreamWriter:
         return first
 
     async def write(self) -> None:
+        """Write the stream. What is ready at the same moment goes out in one write (the
+        connection holds it: ``DirectBody.hold``): the head (held by ``stream_started``),
+        the first chunks and the first batch; and each batch with the end of the stream
+        when the batch ended it. It is released before waiting for the next batch."""
         answer = self.answer
         stream = self.stream
+        direct = self.direct
         first = self._first()
         try:
             if first:
@@ -300,8 +309,12 @@ class _StreamWriter:
                     {"type": "http.response.body", "body": b"".join(first), "more_body": True}
                 )
             while outs := await stream.next_batch():
+                if direct is not None:
+                    direct.hold()
                 if not await self._batch(outs):
                     return
+                if direct is not None and not stream.ending:
+                    await direct.release()
             stream.set_sink(None)
             tail = DONE
             if self.req.include_usage:

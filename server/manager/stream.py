@@ -714,3 +714,9 @@ class RequestStream:
     def finished(self) -> bool:
         """True once every choice has ended on the engine side."""
         return all(c.done for c in self._choices)
+
+    @property
+    def ending(self) -> bool:
+        """True once the consumer took every choice's last output (or the stream was
+        released): the next batch is the end, ``[]``, without waiting."""
+        return self._open == 0 or self._released
