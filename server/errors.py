@@ -82,6 +82,9 @@ class ServerError(Exception):
     #: For the error of a failed request raised from a stream: the output that carried it
     #: (a :class:`~server.outputs.RequestOutput`).
     output: object = None
+    #: False: retrying soon cannot help (a quota), though the status is one that clients
+    #: retry (429, 5xx); said in ``x-should-retry: false``, which the openai SDKs obey.
+    retryable = True
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         message = clip(message, MAX_MESSAGE_CHARS)
@@ -171,6 +174,17 @@ class ServiceUnavailable(ServerError):
     def __init__(self, message: str, *, retry_after: int = 1, code: str | None = None):
         super().__init__(message, code=code)
         self.retry_after = retry_after
+
+
+def error_headers(exc: ServerError) -> list[tuple[bytes, bytes]]:
+    """The headers an error's response carries besides its body: ``retry-after`` for a
+    503, ``x-should-retry: false`` for an error that a retry cannot mend."""
+    headers = []
+    if isinstance(exc, ServiceUnavailable):
+        headers.append((b"retry-after", str(exc.retry_after).encode()))
+    if not exc.retryable:
+        headers.append((b"x-should-retry", b"false"))
+    return headers
 
 
 # Error kinds as they travel on the worker pipe: [kind, message] (or [kind, message, param]).

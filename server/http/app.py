@@ -48,6 +48,7 @@ from ..errors import (
     ServiceUnavailable,
     Unauthorized,
     error_body,
+    error_headers,
 )
 from ..manager.engine import Engine, run_engine
 from ..manager.worker import WorkerStartupError
@@ -83,8 +84,8 @@ class OriginNotAllowed(ClientError):
 
 def _json_error(exc: ServerError) -> Response:
     response = Response(dumps(error_body(exc)), status=exc.status, content_type="application/json")
-    if isinstance(exc, ServiceUnavailable):
-        response.headers["Retry-After"] = str(exc.retry_after)
+    for name, value in error_headers(exc):
+        response.headers[name.decode()] = value.decode()
     return response
 
 

@@ -11,7 +11,7 @@ import math
 
 import trio
 
-from ..errors import BodyTimeout, PayloadTooLarge, ServerError, ServiceUnavailable, error_body
+from ..errors import BodyTimeout, PayloadTooLarge, ServerError, error_body, error_headers
 from ..openai.encode import dumps
 from ..connections.private_api import queued_receive
 
@@ -142,10 +142,9 @@ async def send_empty(send, status: int, headers: list) -> None:
 
 
 async def send_error(send, exc: ServerError, headers: list | None = None) -> None:
-    """An OpenAI-style error body with the exception's status (and Retry-After for 503)."""
-    extra = list(headers or ())
-    if isinstance(exc, ServiceUnavailable):
-        extra.append((b"retry-after", str(exc.retry_after).encode()))
+    """An OpenAI-style error body with the exception's status and headers
+    (:func:`~server.errors.error_headers`)."""
+    extra = [*(headers or ()), *error_headers(exc)]
     await send_json(send, exc.status, dumps(error_body(exc)), extra)
 
 

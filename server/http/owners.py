@@ -40,6 +40,7 @@ class BatchQuotaExceeded(ClientError):
 
     status = 429
     code = "batch_quota_exceeded"
+    retryable = False  # (the openai SDK would retry a 429 twice, for nothing)
 
 
 def request_owner(app, authorization: bytes | None) -> str:
