@@ -59,6 +59,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
+from wsgiref.handlers import format_date_time
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -135,6 +137,27 @@ class ServingConfig(HypercornConfig):
     def __init__(self) -> None:
         super().__init__()
         self.active_writes: set[trio.CancelScope] = set()
+        #: The last :meth:`response_headers`: (the second, the protocol), the headers.
+        self._headers_of: tuple[tuple[int, str], list] = ((-1, ""), [])
+
+    def response_headers(self, protocol: str) -> list[tuple[bytes, bytes]]:
+        """Hypercorn's headers of every response (the date, as configured), made once a
+        second instead of once per response: the date has a resolution of one second."""
+        key = (int(time.time()), protocol)
+        of, headers = self._headers_of
+        if of != key:
+            headers = [
+                (name, _http_date(key[0]) if name == b"date" else value)
+                for name, value in super().response_headers(protocol)
+            ]
+            self._headers_of = (key, headers)
+        return list(headers)
+
+
+def _http_date(second: int) -> bytes:
+    """The date header's value for ``second``, formatted as hypercorn formats it (from the
+    cache's own clock read, so that the date is always the one of its key)."""
+    return format_date_time(second).encode("ascii")
 
 
 class ServingConnection(ConnectionHooks):

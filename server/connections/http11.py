@@ -28,8 +28,10 @@ was written for, none of this is used: the server serves through hypercorn's pub
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
+from itertools import chain
 from http import HTTPStatus
 
 import h11
@@ -83,6 +85,7 @@ def refusal_events(refusal: Refusal, request_id: str, extra_headers=()) -> list:
     ]
 
 
+@functools.cache
 def _reason(status: int) -> bytes:
     try:
         return HTTPStatus(status).phrase.encode("ascii")
@@ -206,10 +209,20 @@ class ServingH11Protocol(H11Hooks):
                 await self.send(RawData(data=chunk(data)))
             return
         self.chunked = False
-        await super().stream_send(event)
-        if type(event) is Response:
+        if type(event) is Response and event.status_code >= 200:
+            # Hypercorn's response head, built once with its reason phrase (not rebuilt
+            # by write_h11_event: h11 validates every header of each event it builds).
+            headers = list(chain(event.headers, self.config.response_headers("h11")))
+            if self.keep_alive_requests >= self.config.keep_alive_max_requests:
+                headers.append((b"connection", b"close"))
+            await self.send_h11_event(h11.Response(
+                headers=headers, status_code=event.status_code,
+                reason=_reason(event.status_code),
+            ))
             self.chunked = self.chunked_body()
-        elif type(event) is EndBody and self.writer is not None:
+            return
+        await super().stream_send(event)
+        if type(event) is EndBody and self.writer is not None:
             # The response's last bytes are written: what was held for them goes now, with
             # them (the connection's hold_writes), before the stream closes.
             await self.writer.release_writes()
