@@ -47,7 +47,10 @@ constructor, ``stream``, ``send_lock``,        under ``send_lock``, bounded writ
 ``TCPServer._initiate_server_close``,          (``protocol_send`` restarts ``_idle_timeout``
 ``TCPServer._task_group``                      in ``_task_group``)
 ``protocol.h11.H11Protocol`` (constructor,     ``protocol.ServingH11Protocol``: HTTP/1.1
-``connection``, ``stream``, ``stream_send``)   only, strict heads, its own chunk framing
+``connection``, ``stream``, ``stream_send``,   only, strict heads, its own chunk framing;
+``keep_alive_requests``)                       the response head built once, as
+                                               ``stream_send`` builds it (``Connection:
+                                               close`` at ``keep_alive_max_requests``)
 ``H11Protocol._create_stream``                 our request stream class, no WebSocket upgrade
 ``H11Protocol._check_protocol``                the request-head refusals (``framing``)
 ``H11Protocol._handle_events`` (not called:    a refusal from the head goes out before any
