@@ -17,7 +17,7 @@ import sys
 
 import trio
 
-from .cli_options import API_KEY_ENV, OPTIONS, split_commas
+from .cli_options import API_KEY_ENV, FRONTEND_KEYS_ENV, OPTIONS, split_commas
 from .config import EngineConfig, Limits, ModelConfig, ServerConfig
 from .key_file import loose_permissions, parse_key_file
 from .engine_args import ENGINE_DESTS, engine_options, resolve_model_args
@@ -72,7 +72,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     """The keys accepted: ``--api-key``'s (without it, ``$TRIO_LLM_API_KEY``'s) and every
     ``--api-key-file``'s, each once. A file that cannot be read, or is no key file, is a
-    SystemExit with one line naming it (and the line: never a key)."""
+    SystemExit with one line naming it (and the line: never a key). A frontend of
+    ``--api-servers`` takes its supervisor's, read once (``FRONTEND_KEYS_ENV``)."""
+    if args.frontend_dir is not None:
+        return tuple(filter(None, os.environ.get(FRONTEND_KEYS_ENV, "").split("\n")))
     keys = split_commas(args.api_key) or split_commas([os.environ.get(API_KEY_ENV, "")])
     for path in args.api_key_file or ():
         prog = f"trio-llm-server: --api-key-file {path}"

@@ -22,10 +22,15 @@ from .option_table import Into, Option, section
 from .option_units import duration, size
 from .worker_protocol.handshake import SECRET_ENV
 
-__all__ = ["API_KEY_ENV", "OPTIONS", "split_commas"]
+__all__ = ["API_KEY_ENV", "FRONTEND_KEYS_ENV", "OPTIONS", "split_commas"]
 
 #: The environment variable read for API keys when ``--api-key`` is not given.
 API_KEY_ENV = "TRIO_LLM_API_KEY"
+#: Internal: every key a supervisor of ``--api-servers`` accepts (``--api-key``'s or the
+#: variable's, and its key files'), one per line, in its frontends' environment: what
+#: they accept. Read once by the supervisor, so a restarted frontend accepts the same keys
+#: as the others even if a key file changed meanwhile.
+FRONTEND_KEYS_ENV = "TRIO_LLM_FRONTEND_API_KEYS"
 
 
 def split_commas(values: list[str] | None) -> tuple[str, ...]:
@@ -114,15 +119,15 @@ OPTIONS: tuple[Option, ...] = (
     *_frontend(
         "access control",
         # (into: server.cli, with the environment and the file; the supervisor of
-        # --api-servers hands --api-key's keys to its frontends in their environment, so
-        # that they are on no child's command line)
+        # --api-servers hands the keys it read to its frontends in their environment,
+        # FRONTEND_KEYS_ENV, so that they are on no child's command line)
         Option("--api-key", kind="append", metavar="KEY", child="supervisor",
                help="require 'Authorization: Bearer KEY' on every route (repeatable, "
                "or comma-separated; /health, /ready and /metrics stay open). None: the keys "
                f"in ${API_KEY_ENV} (comma-separated) if it is set; no key from either nor "
                "--api-key-file: no key is needed. A command line is visible to other users: "
                "prefer the variable or --api-key-file"),
-        Option("--api-key-file", kind="append", metavar="PATH",
+        Option("--api-key-file", kind="append", metavar="PATH", child="supervisor",
                help="also accept each key in this file (repeatable): one per line; blank "
                "lines and lines starting with # are ignored; a key with inner whitespace, "
                "or a file with no key, is refused at start. Read at start: a restart picks "

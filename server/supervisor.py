@@ -72,6 +72,7 @@ from pathlib import Path
 
 import trio
 
+from .cli_options import API_KEY_ENV, FRONTEND_KEYS_ENV
 from .config import ServerConfig
 from .connections.accept import ListenError, open_sockets
 from .http.serve import hypercorn_config
@@ -266,7 +267,7 @@ class Supervisor:
             health_fd = self.probe_sockets[index].fileno()
             fds += (health_fd,)
         argv = self.plan.frontend_argv(index, fd, self.dir, self.worker_addresses, health_fd)
-        env = {**os.environ, **self.plan.frontend_env} if self.plan.frontend_env else None
+        env = frontend_environment(self.config.api_keys)
         path = peer_socket(self.dir, index)
         restarts = Restarts(self.args.max_restarts)
         first = True
@@ -397,6 +398,16 @@ def open_group_sockets(config: ServerConfig, n: int, port: int | None = None) ->
             sock.close()
         raise
     return sockets
+
+
+def frontend_environment(keys: tuple[str, ...]) -> dict[str, str]:
+    """A frontend's environment: ours, with the API keys we read (from ``--api-key``, the
+    variable and the key files, once) in :data:`FRONTEND_KEYS_ENV`, one per line, and not
+    the variable it would otherwise read."""
+    env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, FRONTEND_KEYS_ENV)}
+    if keys:
+        env[FRONTEND_KEYS_ENV] = "\n".join(keys)
+    return env
 
 
 def supervise(args: argparse.Namespace, config: ServerConfig) -> int:

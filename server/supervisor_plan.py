@@ -6,10 +6,10 @@ each frontend (``python -m server --listen-fd FD --worker-address unix:PATH ...`
 is each option's ``child`` in its table (server.cli_options): the engine's options go to the
 worker, the rest to the frontend, except those only the supervisor honours.
 ``--served-model-name`` and ``--sim-faults`` go to both (the served name; whether a
-request's ``fault`` field is accepted). ``--api-key``'s keys go to each frontend in its
-environment (``$TRIO_LLM_API_KEY``), not its command line: a command line is visible to
-every user of the host (``ps``), a process's environment only to its owner.
-``--api-key-file`` goes as its path.
+request's ``fault`` field is accepted). The API keys (``--api-key``'s, the variable's and
+the key files') go to no child's command line: a command line is visible to every user of
+the host (``ps``). The supervisor hands the keys it read to its frontends in their
+environment (:data:`~server.cli_options.FRONTEND_KEYS_ENV`), visible only to their owner.
 
 When a child that died is restarted is :class:`server.restarts.Restarts`' decision.
 """
@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .cli_options import API_KEY_ENV, OPTIONS, split_commas
+from .cli_options import OPTIONS
 from .engine_args import resolve_model_args
 from .option_table import Option, option_argv
 
@@ -47,8 +47,6 @@ class Plan:
     #: ``python -m server`` and the serving options (``--listen-fd``, ``--frontend-dir``,
     #: ``--frontend-index`` and ``--worker-address`` are per frontend).
     frontend: list[str]
-    #: What each frontend's environment adds to the supervisor's (the keys of --api-key).
-    frontend_env: dict[str, str] = field(default_factory=dict)
 
     def worker_argv(self, path: str) -> list[str]:
         return [*self.worker, "--listen", f"unix:{path}"]
@@ -80,12 +78,5 @@ def plan(parser: argparse.ArgumentParser, args: argparse.Namespace,
                 *options_argv((o for o in OPTIONS if o.child in ("worker", "both")), args)],
         frontend=[python, "-m", "server",
                   *options_argv((o for o in OPTIONS if o.child in frontend), args)],
-        frontend_env=_keys_env(args),
     )
 
-
-def _keys_env(args: argparse.Namespace) -> dict[str, str]:
-    """``$TRIO_LLM_API_KEY`` set to ``--api-key``'s keys, when it gives any (else the
-    frontends inherit the supervisor's variable, as the supervisor read it)."""
-    keys = split_commas(args.api_key)
-    return {API_KEY_ENV: ",".join(keys)} if keys else {}

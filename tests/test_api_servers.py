@@ -328,8 +328,7 @@ def test_the_command_line_splits_into_the_workers_and_the_frontends():
     config = config_from_args(parser.parse_args(front[3:]))  # a frontend accepts its argv
     assert config.listen_fd == 5 and config.frontend_index == 1
     assert config.health_listen_fd == 6 and config.health_port is None  # (the supervisor's)
-    assert config.shutdown_timeout == 4 and config.api_keys == ()  # (the key: not in argv,
-    assert p.frontend_env == {"TRIO_LLM_API_KEY": "k"}  # in the environment)
+    assert config.shutdown_timeout == 4 and config.api_keys == ()  # (the key: not in argv)
     assert config.limits.allow_faults and config.engine.model == "m"
     assert [str(a) for a in config.engine.worker_addresses] == ["unix:/d/w0", "unix:/d/w1"]
 

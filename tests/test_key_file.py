@@ -8,6 +8,7 @@ keys in their environment, never on their command lines."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +16,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import trio
 
 from server.cli import API_KEY_ENV, build_parser, config_from_args, main
+from server.cli_options import FRONTEND_KEYS_ENV
 from server.key_file import loose_permissions, parse_key_file
-from tests.remote import supervised
+from tests.remote import local_metrics, supervised
 from tests.test_shutdown import REPO, cli_server
 
 GOOD = "\ufeff# team a\r\n\n  key-one  \r\n\t# key-zero, retired\nkey-two\nkey-one\n"
@@ -119,15 +122,30 @@ async def test_a_server_takes_the_files_keys_and_refuses_others(tmp_path):
 
 
 async def test_the_frontends_of_api_servers_get_the_keys_off_their_command_lines(tmp_path):
+    """The supervisor reads the keys once and hands them to its frontends in their
+    environment: on no command line, and a frontend restarted after the key file changed
+    (here: emptied, which a start would refuse) accepts the same keys as the others."""
     path = key_file(tmp_path, GOOD)
     async with supervised(tmp_path, "--api-key", "cli-key", "--api-key-file", path) as sup:
         frontends, _ = sup.children()
         assert len(frontends) == 2
+        await trio.Path(path).write_text("")
+        os.kill(frontends[0], signal.SIGKILL)
+        with trio.fail_after(60):
+            while (again := sup.children()[0].get(0)) in (None, frontends[0]):
+                await trio.sleep(0.05)
+            while True:
+                try:
+                    await local_metrics(sup.directory(), 0)
+                    break
+                except OSError:
+                    await trio.sleep(0.05)
+        frontends[0] = again
         for pid in frontends.values():
             argv, environ = proc_words(pid, "cmdline"), proc_words(pid, "environ")
             assert b"cli-key" not in b" ".join(argv) and b"--api-key" not in argv
-            assert argv[argv.index(b"--api-key-file") + 1] == path.encode()
-            assert f"{API_KEY_ENV}=cli-key".encode() in environ
+            assert b"--api-key-file" not in argv  # (the supervisor read it, once:)
+            assert f"{FRONTEND_KEYS_ENV}=cli-key\nkey-one\nkey-two".encode() in environ
         limits = httpx.Limits(max_keepalive_connections=0)  # (a connection per request:
         async with httpx.AsyncClient(base_url=sup.url, limits=limits) as http:  # both)
             for key in ("key-one", "key-two", "cli-key") * 4:
