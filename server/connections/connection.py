@@ -311,11 +311,11 @@ class ServingConnection(ConnectionHooks):
 
     def write_nowait(self, data: bytes) -> int:
         """Hand ``data`` to the kernel with one non-blocking write, when no other write is
-        in progress; returns how many bytes it took (0: none, or the lock is held, or held
-        writes wait (:meth:`hold_writes`), or the connection is broken or closed: the slow
-        way finds out which). A partial write must be completed with :meth:`send_torn`
-        before anything else is written."""
-        if self._held or self.send_lock.locked():
+        in progress; returns how many bytes it took (0: none, or the lock is held, or writes
+        are held (:meth:`hold_writes`, even before any is), or the connection is broken or
+        closed: the slow way finds out which). A partial write must be completed with
+        :meth:`send_torn` before anything else is written."""
+        if self._held is not None or self.send_lock.locked():
             return 0
         try:
             # fileno() is -1 once the socket is closed: the write then fails (EBADF).
