@@ -19,7 +19,8 @@ The frontend CPU of each run is loadgen's (``/proc``, over its measured window) 
 token. Ours: the process started and the frontends of a ``--api-servers`` supervisor; its
 engine workers are not counted. The peer (``--peer-frontend-pids``): ``listening`` (the
 default) counts the command's process and every process that holds the listening socket
-(vLLM's API server, or API servers); ``tree`` counts its whole process tree less the
+(vLLM's API server, or API servers) but those matching ``--peer-workers`` (an engine
+process forked after the socket was bound holds it too); ``tree`` counts its whole process tree less the
 processes whose command line matches ``--peer-workers`` (vLLM titles its engine processes
 ``VLLM::EngineCore`` and ``VLLM::Worker``). Whatever is not frontend is reported as engine
 CPU. The idle server's CPU during the other's run is shown too (both share the machine).
@@ -144,12 +145,18 @@ class Server:
                 say(f"{self.name} still running {grace:g} s after SIGTERM: SIGKILL")
         left = [pid for pid, start in self.seen.items() if _start_time(pid) == start]
         for pid in left:
-            os.kill(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # (gone since we looked)
+                pass
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        code = self.proc.wait(10)
+        try:
+            code: int | str = self.proc.wait(10)
+        except subprocess.TimeoutExpired:  # (SIGKILLed, yet not reaped: stuck in the kernel)
+            code = "unknown: not reaped 10 s after SIGKILL"
         if code == 0:
             self.log_path.unlink(missing_ok=True)
         killed = f", killed {' '.join(map(str, left))}" if left else ""
@@ -180,10 +187,12 @@ def _cmdline(pid: int) -> str:
 def peer_meter(server: Server, args) -> CpuMeter:
     """The peer's CPU meter: which of its processes are frontend, as --peer-frontend-pids
     says (the process started always is)."""
-    if args.peer_frontend_pids == "listening":
-        listening = set(pids_listening_on(server.port))
-        return CpuMeter(server.proc.pid, None, True, is_frontend=listening.__contains__)
     workers = re.compile(args.peer_workers)
+    if args.peer_frontend_pids == "listening":
+        # (an engine process forked after the listener was bound holds it too: not counted)
+        listening = {pid for pid in pids_listening_on(server.port)
+                     if not workers.search(_cmdline(pid))}
+        return CpuMeter(server.proc.pid, None, True, is_frontend=listening.__contains__)
     return CpuMeter(server.proc.pid, None, True,
                     is_frontend=lambda pid: not workers.search(_cmdline(pid)))
 
@@ -278,9 +287,9 @@ def main(argv=None) -> int:
     p.add_argument("--peer", help="the peer's command line, with {port} where its port goes")
     p.add_argument("--peer-frontend-pids", choices=("listening", "tree"), default="listening",
                    help="the peer's frontend: its command's process and those holding the "
-                   "listening socket (default), or its whole tree but --peer-workers")
+                   "listening socket (default), or its whole tree; either but --peer-workers")
     p.add_argument("--peer-workers", default="EngineCore|Worker", metavar="REGEX",
-                   help="with --peer-frontend-pids tree: the command lines of its engine side")
+                   help="the command lines of the peer's engine side (not its frontend)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -320,7 +329,10 @@ def main(argv=None) -> int:
             say(stopped)
     finally:
         for server in reversed(servers.values()):
-            server.stop(args.stop_grace)
+            try:
+                server.stop(args.stop_grace)
+            except Exception as exc:  # (the next one is stopped all the same)
+                say(f"{server.name}: stopping failed: {exc!r}")
     if stopped:
         return 130 if stopped.startswith("interrupted") else 2
     ratio, code = report(rows)
