@@ -13,7 +13,7 @@ import gc
 
 import pytest
 import trio
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 import server
 from server import SamplingParams
@@ -946,12 +946,15 @@ async def test_concurrent_acloses_both_end_with_the_close(autojump_clock, ignore
 @settings(max_examples=60, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(message=frames.replies)
+@example(message=[wire.LEAVING, 0.0])  # (drawn now and then: CI met it)
 async def test_property_a_frame_from_the_worker_ends_at_most_its_session(autojump_clock,
                                                                           message):
     async with open_fake_engine() as (engine, spawn):
         await engine.ping_all()  # (the worker idles: nothing of its own is on the pipe)
         await spawn.processes[0].inject(wire.encode(message))
-        if frames.verdict(wire.check_reply, message):
+        # (LEAVING is well formed but unexpected here: the in-memory worker's session did
+        # not subscribe to it, and a topic not asked for is a protocol violation)
+        if frames.verdict(wire.check_reply, message) and message[0] != wire.LEAVING:
             await engine.ping_all()  # answered after it: the session went on
             assert engine.statistics().workers[0].restarts == 0
         else:  # the worker is treated as dead: stopped (escalating) and restarted
