@@ -258,7 +258,8 @@ async def test_cancel_stops_a_batch_and_keeps_what_finished():
 
 async def test_a_keys_unfinished_batches_are_bounded_by_its_quota(store_options):
     """--max-batches-per-key 1: a key's second create while its first runs is a 429 naming
-    the quota, storing nothing, counted in /metrics once (the SDK does not retry it);
+    the quota, storing nothing, counted in /metrics (the SDK does not retry it), even with
+    an input file that is invalid or missing (refused before it is read);
     another key's create is its own; once the first has ended (cancelled) the key creates
     again."""
     async with running_server(api_keys=("key-a", "key-b"), max_batches_per_key=1,
@@ -279,12 +280,19 @@ async def test_a_keys_unfinished_batches_are_bounded_by_its_quota(store_options)
         assert info.value.response.headers["x-should-retry"] == "false"
         assert "at most 1 (--max-batches-per-key)" in error["message"], error
         assert [x.id async for x in a.batches.list()] == [first.id]  # (nothing stored)
+        # at its quota, a key is refused before its input file is read: a file whose line
+        # calls another endpoint (a 400 once read) and a missing one (a 404) are 429s too
+        for file_id in (file.id, "file-missing"):
+            with pytest.raises(openai.RateLimitError) as info:
+                await a.batches.create(input_file_id=file_id, endpoint="/v1/embeddings",
+                                       completion_window="24h")
+            assert info.value.body["code"] == "batch_quota_exceeded", info.value.body
         theirs = await b.batches.create(input_file_id=(await upload(
             b, requests("/v1/embeddings", 1))).id, endpoint="/v1/embeddings",
             completion_window="24h")
         async with httpx.AsyncClient() as http:
             text = (await http.get(url + "/metrics")).text
-        assert "trio_llm:state_refused_batches_total{model_name=\"sim\"} 1.0" in text
+        assert "trio_llm:state_refused_batches_total{model_name=\"sim\"} 3.0" in text
         await a.batches.cancel(first.id)
         await wait_status(a, first.id, ("cancelled",))
         again = await a.batches.create(input_file_id=quick.id, endpoint="/v1/embeddings",

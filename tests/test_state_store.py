@@ -371,6 +371,33 @@ async def test_at_most_bounds_an_owners_records_in_some_statuses(open_store, clo
         await store.put(rec("a4"), at_most=AtMost(1, ("queued",)))
 
 
+async def test_check_counts_an_owners_live_records_in_some_statuses(open_store, clock):
+    """check: the owner's live records of the kind in the statuses, every frontend's; a
+    TooMany at the bound, counted as a put's, that stores and changes nothing."""
+    with trio.fail_after(TIMEOUT_S):
+        store, other = await open_store(retention_s=60), await open_store(retention_s=60)
+        running = AtMost(3, ("queued", "running"))
+        assert await store.check("response", "alice", running) == 0
+        await store.put(rec("a1", status="queued"))
+        await other.put(rec("a2", status="running"))  # (another frontend's write)
+        await store.put(rec("a3", status="done"))  # (another status)
+        await store.put(rec("a4", kind="file", status="queued"))  # (another kind)
+        await store.put(rec("b1", "bob", status="queued"))  # (another owner)
+        assert await store.check("response", "alice", running) == 2
+        assert await other.check("response", "bob", running) == 1
+        assert await store.check("response", "alice", AtMost(3, ("done",))) == 1
+        assert await store.check("response", "alice", AtMost(3, ())) == 0
+        with pytest.raises(TooMany) as refused:
+            await store.check("response", "alice", AtMost(2, ("queued", "running")))
+        assert refused.value.held == 2 and store.statistics().too_many == 1
+        assert (await store.get("response", "alice", "a1")).meta == {"status": "queued"}
+        await store.update("response", "alice", "a1", meta={"status": "done"})
+        assert await store.check("response", "alice", AtMost(2, ("queued", "running"))) == 1
+        clock.now += 61  # (expired: none counts)
+        assert await store.check("response", "alice", AtMost(1, ("running", "done"))) == 0
+        assert store.statistics().too_many == 1
+
+
 async def test_at_most_holds_exactly_under_concurrent_frontends(open_store):
     """Twenty puts at once on two stores (two frontends), at most 3: exactly 3 stored."""
     with trio.fail_after(TIMEOUT_S):

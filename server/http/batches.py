@@ -11,8 +11,10 @@
 it: another key's is the same 404 as a missing one. With ``--max-batches-per-key N`` a key
 holds at most N unfinished batches (:data:`~server.batches.objects.ACTIVE`), counted in the
 store by the create's own write transaction: exact however many frontends create at once
-(a create past it is a 429, and stores nothing). The runner
-(:mod:`server.batches.runner`) does the work; these only read and write the record.
+(a create past it is a 429, and stores nothing). A key already at its quota is refused
+before its input file is read (``StateStore.check``: a read that can race; the put decides).
+The runner (:mod:`server.batches.runner`) does the work; these only read and write the
+record.
 """
 
 from __future__ import annotations
@@ -114,7 +116,21 @@ def _count_lines(content: bytes, endpoint: str) -> int:
     return count
 
 
+def _quota_exceeded(exc: TooMany) -> BatchQuotaExceeded:
+    return BatchQuotaExceeded(
+        f"This API key has {exc.held} unfinished batch(es), and may have at most "
+        f"{exc.bound.most} (--max-batches-per-key): create this one once one of them has "
+        "ended, or cancel one.")
+
+
 async def _create(app, store: StateStore, owner: str, create: BatchCreate) -> bytes:
+    most = app.server_config.max_batches_per_key
+    bound = AtMost(most, ACTIVE) if most else None
+    if bound is not None:
+        try:  # (a key at its quota is refused before its input file is read and parsed)
+            await store.check(KIND, owner, bound)
+        except TooMany as exc:
+            raise _quota_exceeded(exc) from None
     file = await file_store.find_file(store, owner, create.input_file_id)
     if file is None:
         raise NotFound(f"No such File object: {printable(create.input_file_id)}",
@@ -131,14 +147,10 @@ async def _create(app, store: StateStore, owner: str, create: BatchCreate) -> by
             "request_counts": {"total": total, "completed": 0, "failed": 0},
             "holder": None, "lease_until_ms": None}
     record = Record(KIND, new_batch_id(), owner, int(time.time()), meta, b"")
-    most = app.server_config.max_batches_per_key
-    try:
-        await store.put(record, at_most=AtMost(most, ACTIVE) if most else None)
+    try:  # (the exact check: the early one can race another create)
+        await store.put(record, at_most=bound)
     except TooMany as exc:
-        raise BatchQuotaExceeded(
-            f"This API key has {exc.held} unfinished batch(es), and may have at most {most} "
-            "(--max-batches-per-key): create this one once one of them has ended, or cancel "
-            "one.") from None
+        raise _quota_exceeded(exc) from None
     app.batches.poke()
     return dumps(batch_object(record.id, record.created_at, meta))
 

@@ -81,7 +81,7 @@ class StoreStatistics:
     expired: int = 0
     expired_bytes: int = 0
     refused: int = 0  # writes refused with StoreFull
-    too_many: int = 0  # puts refused with TooMany (their AtMost: --max-batches-per-key)
+    too_many: int = 0  # puts and checks refused with TooMany (--max-batches-per-key)
 
 
 class StateStore(Protocol):
@@ -122,6 +122,14 @@ class StateStore(Protocol):
         """Up to ``limit`` live records of ``kind`` whose ``meta["status"]`` is one of
         ``statuses``, every owner's, oldest first: for a runner that claims work, or a sweep
         that finds what a stopped server left running (a lease in meta that expired)."""
+        ...
+
+    async def check(self, kind: str, owner: str, at_most: AtMost) -> int:
+        """How many live records of ``kind`` ``owner`` holds whose status is one of
+        ``at_most.statuses``; raises :class:`TooMany` (counted as a put's) when they already
+        fill ``at_most``. A read, without the write lock: a cheap refusal before costly work
+        (a batch's input file read and parsed), which a concurrent write can race, so the
+        ``put`` with the same bound stays the authority."""
         ...
 
     async def append_events(self, kind: str, owner: str, id: str, events: builtins.list[bytes]) -> int:

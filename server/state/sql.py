@@ -237,17 +237,36 @@ class SQLStore:
     def _check_count(self, record: Record, at_most: AtMost, now: int) -> None:
         """Raise :class:`TooMany` (before anything is written) when ``record``'s owner holds
         ``at_most.most`` live records of its kind in ``at_most.statuses``, besides it."""
-        if not at_most.statuses:
-            return
-        marks = ", ".join("?" * len(at_most.statuses))
-        rows = self._db.execute(
-            "SELECT COUNT(*) FROM trio_llm_records WHERE kind = ? AND owner = ? AND id <> ? "
-            f"AND status IN ({marks}) AND expires_at > ?",
-            (record.kind, record.owner, record.id, *at_most.statuses, now))
-        held = int(rows[0][0])
-        if held >= at_most.most:
+        self._refuse_past(self._held(record.kind, record.owner, at_most.statuses, now,
+                                     besides=record.id), at_most)
+
+    def _held(self, kind: str, owner: str, statuses: tuple[str, ...], now: int, *,
+              besides: str | None = None) -> int:
+        """How many live records of ``kind`` ``owner`` holds in ``statuses`` (but the one
+        named ``besides``): read through the ``status`` index."""
+        if not statuses:
+            return 0
+        marks = ", ".join("?" * len(statuses))
+        params: builtins.list[Any] = [kind, *statuses, owner, now]
+        where = f"kind = ? AND status IN ({marks}) AND owner = ? AND expires_at > ?"
+        if besides is not None:
+            where += " AND id <> ?"
+            params.append(besides)
+        rows = self._db.execute(f"SELECT COUNT(*) FROM trio_llm_records WHERE {where}", params)
+        return int(rows[0][0])
+
+    def _refuse_past(self, held: int, at_most: AtMost) -> None:
+        if at_most.statuses and held >= at_most.most:
             self._too_many += 1
             raise TooMany(held, at_most)
+
+    async def check(self, kind: str, owner: str, at_most: AtMost) -> int:
+        return await self._call(self._check, kind, owner, at_most)
+
+    def _check(self, kind: str, owner: str, at_most: AtMost) -> int:
+        held = self._held(kind, owner, tuple(at_most.statuses), self._now())
+        self._refuse_past(held, at_most)
+        return held
 
     async def get(self, kind: str, owner: str, id: str) -> Record | None:
         return await self._call(self._get, kind, owner, id)
