@@ -20,6 +20,7 @@ import trio
 from .cli_options import API_KEY_ENV, FRONTEND_KEYS_ENV, OPTIONS, split_commas
 from .config import EngineConfig, Limits, ModelConfig, ServerConfig
 from .key_file import loose_permissions, parse_key_file
+from .media.policy import policy_from_config
 from .engine_args import ENGINE_DESTS, engine_options, resolve_model_args
 from .model_config import MAX_FILE_BYTES, model_argvs
 from .option_table import add_options, config_fields
@@ -65,8 +66,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         _check_frontend_options(args)
         engine = _engine_config(args, "trio-llm-server")
     limits = Limits(allow_faults=allow_faults, **config_fields(OPTIONS, args, "limits"))
-    return ServerConfig(engine=engine, models=models, limits=limits, api_keys=_api_keys(args),
-                        **config_fields(OPTIONS, args, "server"))
+    config = ServerConfig(engine=engine, models=models, limits=limits,
+                          api_keys=_api_keys(args), **config_fields(OPTIONS, args, "server"))
+    try:
+        policy_from_config(config)  # (the image URL options: refused at start, not per fetch)
+    except ValueError as exc:
+        raise SystemExit(f"trio-llm-server: {exc}") from None
+    return config
 
 
 def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:

@@ -59,6 +59,11 @@ def _absolute(path: str | None) -> str | None:
     return None if path is None else os.path.abspath(path)
 
 
+def _host_names(values: list[str] | None) -> tuple[str, ...]:
+    """``--allowed-media-domains``: each name lowercased, without a trailing dot."""
+    return tuple(name.rstrip(".").lower() for name in split_commas(values))
+
+
 def _zero_is_none(value):
     """0 (the option's "no limit", "never") as the configuration's None."""
     return value or None
@@ -309,6 +314,36 @@ OPTIONS: tuple[Option, ...] = (
                "\"parameters\": ...} calls separated by ';'; mistral: [TOOL_CALLS] "
                "and a JSON array of calls); without it auto is refused (required, "
                "named functions, none and tool history need no parser)"),
+    ),
+    *_frontend(
+        "image URLs (docs/media.md)",
+        Option("--allowed-media-domains", kind="extend", nargs="+", metavar="DOMAIN",
+               into=(Into("server.allowed_media_domains", _host_names),),
+               help="fetch image URLs only from these host names (exact; several, "
+               "repeatable or comma-separated); others are refused before any DNS "
+               "look-up. None: any host whose addresses are all public"),
+        Option("--allowed-local-media-path", metavar="DIR",
+               into=(Into("server.allowed_local_media_path", _absolute),),
+               help="read file:// image URLs under this directory only (symlinks resolved: "
+               "one that points out is refused). None: file:// URLs are refused"),
+        Option("--media-fetch-timeout", type=float, default=5.0, bounds=SECONDS,
+               metavar="SECONDS", into=("server.media_fetch_timeout",),
+               help="seconds one image URL's fetch may take, its wait for a slot "
+               "(--max-media-fetches) and its redirects included; then a 400"),
+        Option("--max-media-bytes", type=size, default=20 * 1024 * 1024, bounds=COUNT,
+               metavar="SIZE", into=("server.max_media_bytes",),
+               help="largest image a URL may give (bytes, or with K, M, G; decoded bytes "
+               "for a data: URL); larger is a 400 at the first byte over"),
+        Option("--max-media-fetches", type=int, default=16, bounds=COUNT, metavar="N",
+               into=("server.max_media_fetches",),
+               help="image URLs this frontend fetches at once; the others wait, within "
+               "--media-fetch-timeout"),
+        Option("--allow-private-media-addresses", kind="switch", default=False,
+               into=("server.allow_private_media_addresses",),
+               help="let the hosts of --allowed-media-domains (needed with it) resolve to "
+               "loopback, private (RFC 1918, fc00::/7), link-local and CGNAT addresses (a "
+               "trusted network, tests); cloud metadata, multicast and reserved addresses "
+               "stay refused"),
     ),
     *_frontend(
         "limits and timeouts",

@@ -271,6 +271,16 @@ class ServerConfig:
     #: Origins a browser may call the API from (CORS), or ``("*",)`` for any; empty: CORS is
     #: off (no CORS headers, preflights are not answered).
     allowed_origins: tuple[str, ...] = ()
+    #: Image URLs (server.media, docs/media.md): the only hosts fetched (empty: any host
+    #: whose addresses are public), the directory ``file://`` URLs are read under (None:
+    #: refused), the time one fetch may take, the largest image, the fetches at once, and
+    #: whether loopback and private addresses may be fetched.
+    allowed_media_domains: tuple[str, ...] = ()
+    allowed_local_media_path: str | None = None
+    media_fetch_timeout: float = 5.0
+    max_media_bytes: int = 20 * 1024 * 1024
+    max_media_fetches: int = 16
+    allow_private_media_addresses: bool = False
     #: Serve on this inherited listening socket (a file descriptor) instead of host/port.
     listen_fd: int | None = None
     #: One of several frontends of a supervisor (``--api-servers``): the directory of their

@@ -107,7 +107,8 @@ def test_a_child_command_line_round_trips_to_the_same_config():
              and not o.positional and o.group != "vllm engine" and o.dest not in (
                  "model_config", "engine", "model", "model_path", "revision", "device",
                  "dtype", "grammar_max_bytes", "grammar_timeout", "num_threads",
-                 "sim_prefix_block_size", "state_dir", "state_store", "api_key_file")]
+                 "sim_prefix_block_size", "state_dir", "state_store", "api_key_file",
+                 "allowed_local_media_path")]
     # (files; another engine's; with the cache; not with --state-url)
     argv = ["--api-servers", "2", "--engine", "sim"]
     for option in given:

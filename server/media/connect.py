@@ -1,0 +1,90 @@
+"""Resolve an image URL's host, check every address, and connect only to a checked one.
+
+Why this way: checking a name and then letting a library resolve it again to connect
+leaves a gap (DNS rebinding: the second answer is 127.0.0.1). Here the name is resolved
+once, with ``trio.socket.getaddrinfo`` (in a thread: the event loop never blocks), every
+address is checked (one refused address refuses the URL: an answer that mixes public and
+private addresses is an attack), and the socket connects to those very addresses. TLS
+runs over that socket, verifying the URL's host name.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import ssl
+
+import trio
+
+from .errors import MediaFetchFailed, MediaRefused
+from .policy import MediaPolicy, WebUrl, address_refusal
+
+__all__ = ["open_checked_stream", "resolve_checked"]
+
+Target = tuple[int, int, int, tuple]
+
+
+async def resolve_checked(web: WebUrl, url: str, policy: MediaPolicy) -> list[Target]:
+    """(family, type, proto, sockaddr) of every address ``web``'s host resolves to, each
+    checked against the policy; ``url`` (the client's) is what errors name."""
+    try:
+        infos = await trio.socket.getaddrinfo(web.host, web.port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise MediaFetchFailed(url, f"names host '{web.host}', which does not resolve "
+                               f"({exc.strerror})") from None
+    targets: list[Target] = []
+    for family, type_, proto, _, sockaddr in infos:
+        if family not in (socket.AF_INET, socket.AF_INET6):
+            continue
+        address = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
+        why = address_refusal(address, policy)
+        if why is not None:
+            raise MediaRefused(url, f"resolves to {why}")
+        target = (family, type_, proto, sockaddr)
+        if target not in targets:
+            targets.append(target)
+    if not targets:
+        raise MediaFetchFailed(url, f"names host '{web.host}', which has no IP address")
+    return targets
+
+
+async def open_checked_stream(web: WebUrl, url: str, policy: MediaPolicy,
+                              ssl_context: ssl.SSLContext | None) -> trio.abc.Stream:
+    """A stream to ``web``'s host, connected to a checked address (the first that
+    answers), over TLS when ``web`` is https (``ssl_context`` then given)."""
+    targets = await resolve_checked(web, url, policy)
+    error: OSError | None = None
+    stream: trio.abc.Stream | None = None
+    for family, type_, proto, sockaddr in targets:
+        sock = trio.socket.socket(family, type_, proto)
+        try:
+            await sock.connect(sockaddr)
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        stream = trio.SocketStream(sock)
+        break
+    if stream is None:
+        why = error.strerror if error is not None and error.strerror else str(error)
+        raise MediaFetchFailed(url, f"could not be fetched: no connection to "
+                               f"{web.host_header} ({why})")
+    if web.scheme != "https":
+        return stream
+    assert ssl_context is not None
+    tls = trio.SSLStream(stream, ssl_context, server_hostname=web.host,
+                         https_compatible=True)
+    try:
+        await tls.do_handshake()
+    except trio.BrokenResourceError as exc:
+        await trio.aclose_forcefully(tls)
+        cause = exc.__cause__ or exc
+        raise MediaFetchFailed(url, f"could not be fetched: TLS with {web.host_header} "
+                               f"failed ({cause})") from None
+    except BaseException:
+        await trio.aclose_forcefully(tls)
+        raise
+    return tls
