@@ -287,6 +287,9 @@ async def test_a_keys_unfinished_batches_are_bounded_by_its_quota(store_options)
                 await a.batches.create(input_file_id=file_id, endpoint="/v1/embeddings",
                                        completion_window="24h")
             assert info.value.body["code"] == "batch_quota_exceeded", info.value.body
+        with pytest.raises(openai.NotFoundError):  # (under its quota: the file is looked up)
+            await b.batches.create(input_file_id="file-missing", endpoint="/v1/embeddings",
+                                   completion_window="24h")
         theirs = await b.batches.create(input_file_id=(await upload(
             b, requests("/v1/embeddings", 1))).id, endpoint="/v1/embeddings",
             completion_window="24h")
@@ -351,6 +354,45 @@ async def test_the_batch_metrics_of_a_live_server():
         assert (seen["trio_llm:batches_running"], seen["trio_llm:batch_lines_in_flight"]) \
             == (0, 0)
         assert seen["trio_llm:batch_lines_completed_total"] == 3 + done.request_counts.completed
+
+
+async def test_two_creates_past_the_early_quota_check_store_one(store_options):
+    """--max-batches-per-key 1: two creates of a key with none both pass the early count
+    (held there until both have read it, the race it cannot settle); the put's count under
+    the write lock stores one, and refuses the other with the same 429."""
+    async with running_server(api_keys=("key-a",), max_batches_per_key=1,
+                              **store_options) as url:
+        client = client_of(url, "key-a")
+        file = await upload(client, requests("/v1/embeddings", 1))
+        store, counted, both = url.app.state_store, [], trio.Event()
+        early_check = store.check
+
+        async def held_check(kind, owner, at_most):
+            held = await early_check(kind, owner, at_most)
+            counted.append(held)
+            if len(counted) == 2:
+                both.set()
+            await both.wait()
+            return held
+
+        store.check = held_check
+        outcomes: list = []
+
+        async def create():
+            try:
+                outcomes.append(await client.batches.create(
+                    input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"))
+            except openai.RateLimitError as exc:
+                outcomes.append(exc.body["code"])
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(create)
+                nursery.start_soon(create)
+        assert counted == [0, 0]  # (both passed the early count)
+        created = [x for x in outcomes if not isinstance(x, str)]
+        assert len(created) == 1 and "batch_quota_exceeded" in outcomes, outcomes
+        assert [x.id async for x in client.batches.list()] == [created[0].id]
 
 
 class ScanRendezvous:
