@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import base64
 import functools
+import gc
 import hashlib
 import ipaddress
 import os
+import socket
+import ssl
 import struct
+import warnings
 import zlib
 from collections.abc import Awaitable, Callable
 
@@ -180,6 +184,106 @@ async def test_loopback_is_fetched_with_the_switch(web):
     assert web.paths == ["/a.png", "/a.png"]
 
 
+# -- resolution --------------------------------------------------------------------------
+
+class Answers(trio.abc.HostnameResolver):
+    """A resolver for test names: each look-up of a name gives its next answer (the last
+    one again once they run out), and is recorded."""
+
+    def __init__(self, answers: dict[str, list[list[str]]]) -> None:
+        self.answers = {name.encode(): list(given) for name, given in answers.items()}
+        self.looked_up: list[bytes] = []
+
+    async def getaddrinfo(self, host, port, family=0, type=0, proto=0, flags=0):
+        self.looked_up.append(host)
+        given = self.answers[host]
+        addresses = given.pop(0) if len(given) > 1 else given[0]
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", (a, port, 0, 0)) if ":" in a
+                else (socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port))
+                for a in addresses]
+
+    async def getnameinfo(self, sockaddr, flags):
+        raise NotImplementedError
+
+
+async def test_every_resolved_address_is_checked(web):
+    web.routes["/a.png"] = answer(PNG)
+    resolver = Answers({"mixed.test": [["127.0.0.1", "169.254.169.254"]]})
+    trio.socket.set_custom_hostname_resolver(resolver)
+    policy = MediaPolicy(allowed_domains=frozenset({"mixed.test"}), allow_private_addresses=True)
+    message = await refused(policy, web.url("/a.png", "mixed.test"))
+    assert message.endswith("resolves to a cloud metadata address 169.254.169.254")
+    assert web.paths == []  # (not even to the first address, which passes)
+
+
+async def test_a_name_is_resolved_once_and_its_checked_address_connected_to(web):
+    web.routes["/a.png"] = answer(PNG)
+    # (a rebinding name: a second look-up would give the metadata address)
+    resolver = Answers({"rebind.test": [["127.0.0.1"], ["169.254.169.254"]]})
+    trio.socket.set_custom_hostname_resolver(resolver)
+    policy = MediaPolicy(allowed_domains=frozenset({"rebind.test"}),
+                         allow_private_addresses=True)
+    assert (await fetch(policy, web.url("/a.png", "rebind.test"))).data == PNG
+    assert resolver.looked_up == [b"rebind.test"] and web.paths == ["/a.png"]
+
+
+# -- https -------------------------------------------------------------------------------
+
+def self_signed(name: str) -> tuple[bytes, bytes]:
+    """A certificate for ``name`` signed by itself, and its key (PEM)."""
+    import datetime
+
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    return (cert.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()))
+
+
+async def test_https_verifies_the_url_host(web, nursery, tmp_path):
+    cert, key = self_signed("localhost")
+    (tmp_path / "cert.pem").write_bytes(cert)
+    (tmp_path / "key.pem").write_bytes(key)
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    names: list[str | None] = []
+    server_context.sni_callback = lambda sock, name, context: names.append(name)
+
+    async def tls(stream: trio.SocketStream) -> None:
+        wrapped = trio.SSLStream(stream, server_context, server_side=True)
+        try:
+            await web.handle(wrapped)
+        except trio.BrokenResourceError:
+            pass  # (a client that refused the certificate)
+        finally:
+            await trio.aclose_forcefully(wrapped)
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, tls, 0,
+                                                      host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    web.routes["/a.png"] = answer(PNG)
+    fetcher = MediaFetcher(OPEN, ssl_context=ssl.create_default_context(cadata=cert.decode()))
+    with trio.fail_after(GENEROUS):
+        image = await fetcher.fetch_image(f"https://localhost:{port}/a.png")
+        assert image.data == PNG and names == ["localhost"]
+        # (the certificate is for localhost, not 127.0.0.1: refused, nothing asked)
+        with pytest.raises(MediaFetchFailed, match="TLS with 127.0.0.1:.* failed"):
+            await fetcher.fetch_image(f"https://127.0.0.1:{port}/a.png")
+    assert web.paths == ["/a.png"]
+
+
 # -- redirects ---------------------------------------------------------------------------
 
 async def test_a_redirect_is_followed_and_each_target_checked(web):
@@ -287,14 +391,19 @@ async def test_a_cancelled_fetch_closes_its_connection(web):
 
     web.routes["/a.png"] = part_then_wait
     fetcher = MediaFetcher(MediaPolicy(**LOOPBACK, fetch_timeout=GENEROUS * 2))
-    with trio.fail_after(GENEROUS):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(fetcher.fetch_image, web.url("/a.png"))
-            await sent.wait()
-            await trio.testing.wait_all_tasks_blocked()
-            assert not closed.is_set()
-            nursery.cancel_scope.cancel()
-        await closed.wait()
+    # (closed by the fetch, not left to the garbage collector: that warns)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        with trio.fail_after(GENEROUS):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetcher.fetch_image, web.url("/a.png"))
+                await sent.wait()
+                await trio.testing.wait_all_tasks_blocked()
+                assert not closed.is_set()
+                nursery.cancel_scope.cancel()
+            await closed.wait()
+        gc.collect()
+    assert [w.message for w in caught if issubclass(w.category, ResourceWarning)] == []
     assert fetcher.statistics().borrowed_tokens == 0
 
 
@@ -348,9 +457,10 @@ async def test_refused_data_urls(url, kind, why):
 
 
 async def test_the_data_url_limit_is_on_decoded_bytes():
-    exact = PNG + bytes(999 - len(PNG))
-    policy = MediaPolicy(max_bytes=999)
-    assert len(data_url(exact)) > 999 and (await fetch(policy, data_url(exact))).data == exact
+    # (999 bytes pass the estimate made before decoding: the decoded count refuses them)
+    exact = PNG + bytes(998 - len(PNG))
+    policy = MediaPolicy(max_bytes=998)
+    assert len(data_url(exact)) > 998 and (await fetch(policy, data_url(exact))).data == exact
     await refused(policy, data_url(exact + b"\x00"), MediaTooLarge)
 
 
