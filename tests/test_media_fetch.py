@@ -323,6 +323,11 @@ async def test_a_redirect_loop_stops_at_the_limit(web):
     assert web.paths == ["/loop"] * 6
 
 
+async def test_a_unicode_path_is_sent_percent_escaped(web):
+    web.routes["/%C3%BC.png?q=%C3%A9"] = answer(PNG)
+    assert (await fetch(OPEN, web.url("/\u00fc.png?q=\u00e9"))).data == PNG
+
+
 # -- sizes and time ----------------------------------------------------------------------
 
 async def test_a_declared_length_over_the_limit_is_refused_before_the_body(web):

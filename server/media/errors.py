@@ -34,6 +34,8 @@ class MediaError(ClientError):
     code = "media_refused"
 
     def __init__(self, url: str, why: str, *, param: str | None = None):
+        # (``why`` may quote what a remote server sent: escaped as the URL is)
+        why = printable(why, 512)
         super().__init__(f"image URL '{quote_url(url)}' {why}", param=param)
         #: The reason alone, for logs and tests.
         self.why = why

@@ -9,7 +9,9 @@ moment it passes the limit. A redirect's body is never read.
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass
+from urllib.parse import quote
 
 import h11
 import trio
@@ -41,7 +43,9 @@ async def http_get(stream: trio.abc.Stream, web: WebUrl, url: str, max_bytes: in
     """GET ``web`` over ``stream``; ``url`` (the client's) is what errors name. A status
     other than 200 or a redirect is a failed fetch."""
     conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
-    request = h11.Request(method="GET", target=web.target, headers=[
+    # (a path or query the client wrote in Unicode goes as its UTF-8, percent-escaped)
+    target = quote(web.target, safe=string.punctuation)
+    request = h11.Request(method="GET", target=target, headers=[
         ("Host", web.host_header), ("Accept", "image/*"), ("Accept-Encoding", "identity"),
         ("User-Agent", "trio-llm-server"), ("Connection", "close")])
     try:
