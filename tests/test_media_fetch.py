@@ -376,8 +376,6 @@ async def test_the_timeout_covers_the_wait_for_a_slot(web):
         with pytest.raises(MediaTimeout):
             await fetcher.fetch_image(web.url("/a.png"))
         assert fetcher.statistics().tasks_waiting == 0 and web.paths == []
-        fetcher.limiter.release_on_behalf_of(holder)
-        assert (await fetcher.fetch_image(web.url("/a.png"))).data == PNG
 
 
 async def test_a_cancelled_fetch_closes_its_connection(web):

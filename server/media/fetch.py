@@ -26,7 +26,8 @@ fetch is the request's, under the operator's policy (server.media.policy):
 The fetch runs in the caller's task: a cancelled request cancels its fetch, and the
 connection is closed on the way out (``trio.aclose_forcefully``), whatever ended it.
 Every failure is a :class:`~server.media.errors.MediaError` (400) naming the client's
-part (``param``) and the reason; nothing else escapes but cancellation.
+part (``param``) and the reason. Nothing else escapes but cancellation and the server's
+own faults (no file descriptor left for a socket), which are not the client's.
 """
 
 from __future__ import annotations
