@@ -316,6 +316,12 @@ async def test_a_redirect_to_another_scheme_is_refused(web):
     assert "redirects to 'file:///etc/passwd', which is not http or https" in message
 
 
+async def test_a_redirect_to_a_malformed_url_is_a_failed_fetch(web):
+    web.routes["/hop"] = redirect("http://[::1/a.png")
+    message = await refused(OPEN, web.url("/hop"), MediaFetchFailed)
+    assert message.endswith("redirects to 'http://[::1/a.png', which is not a valid URL")
+
+
 async def test_a_redirect_loop_stops_at_the_limit(web):
     web.routes["/loop"] = redirect("/loop")
     message = await refused(OPEN, web.url("/loop"), MediaFetchFailed)

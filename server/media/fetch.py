@@ -113,7 +113,11 @@ class MediaFetcher:
 
     def _redirect(self, web: WebUrl, location: str, url: str) -> WebUrl:
         """The checked target of a redirect from ``web``; refused naming it otherwise."""
-        target = urljoin(web.url, location)
+        try:
+            target = urljoin(web.url, location)
+        except ValueError:  # (e.g. "http://[::1": the remote server's string)
+            raise MediaFetchFailed(url, f"redirects to '{quote_url(location)}', which is not "
+                                   "a valid URL") from None
         scheme = target.split(":", 1)[0].lower()
         if scheme not in ("http", "https"):
             raise MediaRefused(url, f"redirects to '{quote_url(target)}', which is not http "
