@@ -465,6 +465,14 @@ async def test_refused_data_urls(url, kind, why):
     assert why in await refused(policy, url, kind)
 
 
+async def test_a_large_data_url_is_decoded(web):
+    big = PNG + bytes(3 * 1024 * 1024)  # (decoded and hashed off the event loop)
+    image = await fetch(MediaPolicy(), data_url(big))
+    assert image.data == big and image.sha256 == hashlib.sha256(big).hexdigest()
+    web.routes["/big.png"] = answer(big)
+    assert (await fetch(OPEN, web.url("/big.png"))).data == big
+
+
 async def test_the_data_url_limit_is_on_decoded_bytes():
     # (999 bytes pass the estimate made before decoding: the decoded count refuses them)
     exact = PNG + bytes(998 - len(PNG))
