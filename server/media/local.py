@@ -36,14 +36,17 @@ def _read(source: FileUrl, policy: MediaPolicy) -> tuple[bytes, str]:
     root = Path(policy.allowed_local_dir).resolve()
     try:
         path = Path(source.path).resolve()
-    except (OSError, RuntimeError):
-        raise MediaRefused(url, "names a path that does not resolve (a symlink loop)") from None
+    except (OSError, RuntimeError, ValueError):  # (ValueError: a lone surrogate)
+        raise MediaRefused(url, "names a path that does not resolve (a symlink loop, or "
+                           "not a file name)") from None
     if root not in path.parents:
         raise MediaRefused(url, "names a file outside --allowed-local-media-path")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise MediaFetchFailed(url, f"could not be read ({exc.strerror})") from None
+    except ValueError:  # (a name the file system cannot encode)
+        raise MediaRefused(url, "names a path that is not a file name") from None
     with os.fdopen(fd, "rb") as file:
         info = os.fstat(file.fileno())
         if not stat.S_ISREG(info.st_mode):

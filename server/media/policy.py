@@ -239,6 +239,10 @@ def _web_url(url: str, scheme: str) -> WebUrl:
         literal = ipaddress.ip_address(host)
     except ValueError:
         literal = None
+        try:  # (an empty or over-long label: no look-up could take it)
+            host.encode("idna")
+        except UnicodeError:
+            raise MediaRefused(url, "has a host name that is not valid IDNA") from None
     target = (split.path or "/") + (f"?{split.query}" if split.query else "")
     return WebUrl(url, scheme, host, port or (443 if scheme == "https" else 80), target,
                   literal)
@@ -258,10 +262,16 @@ def check_web_url(web: WebUrl, policy: MediaPolicy) -> None:
 def _file_url(url: str, policy: MediaPolicy) -> FileUrl:
     if policy.allowed_local_dir is None:
         raise MediaRefused(url, "is a file: URL, and no --allowed-local-media-path is set")
-    split = urlsplit(url)
+    try:
+        split = urlsplit(url)
+    except ValueError as exc:  # (a "[" in the host part)
+        raise MediaRefused(url, f"is not a valid URL ({exc})") from None
     if split.netloc not in ("", "localhost") or split.query:
         raise MediaRefused(url, "is a file: URL that is not file:///PATH")
-    return FileUrl(url, unquote(split.path))
+    path = unquote(split.path)
+    if "\x00" in path:
+        raise MediaRefused(url, "is a file: URL whose path holds a NUL byte")
+    return FileUrl(url, path)
 
 
 # -- the address rule ------------------------------------------------------------------
