@@ -108,12 +108,14 @@ async def test_a_worker_whose_link_goes_down_midstream_is_dropped_then_reconnect
                         assert sorted(held.values()) == [0, 0, 1, 1]
                         ip("link", "set", links[0][1], "down")
                         down_at = trio.current_time()
-                        # worker 0's streams end: heartbeat timeout (1 s) plus a margin
-                        # (a dead link with no heartbeat would hold them for TCP's minutes)
-                        with trio.fail_after(30):
-                            while sum(rec.finished.is_set() for rec in recs) < 2:
+                        # worker 0 is dropped: heartbeat timeout (1 s) plus a margin (a
+                        # dead link with no heartbeat would hold its streams for TCP's
+                        # minutes); on busy cores the CPU-pressure discount can put the
+                        # verdict off past the end of worker 1's streams (seen in CI)
+                        with trio.fail_after(60):
+                            while engine.workers[0].alive:
                                 await trio.sleep(0.02)
-                        assert engine.workers[1].alive and not engine.workers[0].alive
+                        assert engine.workers[1].alive
                         assert (await http.get("/health")).status_code == 200  # worker 1
                         ip("link", "set", links[0][1], "up")
                         # the frontend reconnects (backoff capped at 0.3 s)
@@ -121,12 +123,14 @@ async def test_a_worker_whose_link_goes_down_midstream_is_dropped_then_reconnect
                             while not engine.workers[0].alive:
                                 await trio.sleep(0.02)
                         # the other worker's streams were untouched: they run to the end
-                    ended = sorted(recs, key=lambda rec: rec.ended)
-                    for rec in ended[:2]:
+                    died = [rec for rec in recs if rec.error() is not None]
+                    assert len(died) == 2, [rec.error() for rec in recs]
+                    for rec in died:  # (worker 0's: which ended first is the machine's)
                         assert rec.done and rec.error()["code"] == "worker_died"
                         assert down_at + 0.8 < rec.ended  # (by the heartbeat, not the link's end)
-                    for rec in ended[2:]:
-                        assert rec.done and rec.error() is None and rec.tokens() == 1500
+                    for rec in recs:
+                        if rec not in died:
+                            assert rec.done and rec.tokens() == 1500
                     # the reconnected worker serves, and has dropped the lost connection's
                     # requests (its own count: their connection went silent, or was reset)
                     await wait_http_ok(url + "/ready", timeout=30)
