@@ -31,6 +31,7 @@ from server.media import (FetchedImage, MediaError, MediaFetcher, MediaFetchFail
                           MediaPolicy, MediaRefused, MediaTimeout, MediaTooLarge,
                           policy_from_config)
 from server.media.policy import address_refusal
+from tests.remote import make_certificate
 
 #: The bound on any one fetch of a test: far past every policy timeout used here.
 GENEROUS = 30
@@ -229,35 +230,11 @@ async def test_a_name_is_resolved_once_and_its_checked_address_connected_to(web)
 
 # -- https -------------------------------------------------------------------------------
 
-def self_signed(name: str) -> tuple[bytes, bytes]:
-    """A certificate for ``name`` signed by itself, and its key (PEM)."""
-    import datetime
-
-    x509 = pytest.importorskip("cryptography.x509")
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    return (cert.public_bytes(serialization.Encoding.PEM),
-            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                              serialization.NoEncryption()))
-
-
 async def test_https_verifies_the_url_host(web, nursery, tmp_path):
-    cert, key = self_signed("localhost")
-    (tmp_path / "cert.pem").write_bytes(cert)
-    (tmp_path / "key.pem").write_bytes(key)
+    cert_path, key_path = make_certificate(tmp_path, "localhost")  # (the openssl command)
+    cert = cert_path.read_bytes()
     server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    server_context.load_cert_chain(cert_path, key_path)
     names: list[str | None] = []
     server_context.sni_callback = lambda sock, name, context: names.append(name)
 
