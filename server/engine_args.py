@@ -156,6 +156,11 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
                "part; usage.prompt_tokens_details.cached_tokens); 0: off"),
         Option("--sim-prefix-block-size", type=int, default=16, bounds=COUNT,
                help="tokens (words) per block of the sim's prefix cache"),
+        Option("--sim-image-tokens", type=int, default=0, bounds=ZERO_OK,
+               help="take image parts (chat image_url, Responses input_image), each "
+               "counted as this many prompt tokens, as a vision model's are; 0: text only"),
+        Option("--sim-images-per-prompt", type=int, default=4, bounds=COUNT,
+               help="with --sim-image-tokens: the most images one prompt may hold"),
         Option("--sim-faults", kind="switch", default=False, child="both", entry="pool",
                help="enable fault injection: a request's 'fault' field, e.g. "
                '{"kind": "crash", "after": 3}, is honoured (for tests; never in production)'),
@@ -308,6 +313,11 @@ def engine_options(args: argparse.Namespace, prog: str) -> dict:
             "faults": args.sim_faults,
             "reasoning_tokens": args.sim_reasoning_tokens,
         }
+        if args.sim_image_tokens:
+            options["image_tokens"] = args.sim_image_tokens
+            options["images_per_prompt"] = args.sim_images_per_prompt
+        elif args.sim_images_per_prompt != 4:
+            raise SystemExit(f"{prog}: --sim-images-per-prompt needs --sim-image-tokens")
         if args.sim_prefix_cache_tokens:
             if args.sim_prefix_cache_tokens < 0 or args.sim_prefix_block_size < 1:
                 raise SystemExit(f"{prog}: --sim-prefix-cache-tokens must be >= 0 and "

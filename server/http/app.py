@@ -51,6 +51,7 @@ from ..errors import (
     error_headers,
 )
 from ..manager.engine import Engine, run_engine
+from ..media import MediaFetcher, policy_from_config
 from ..manager.worker import WorkerStartupError
 from ..observability import Metrics, request_id_from_header
 from ..observability.logs import request_id_var
@@ -157,6 +158,8 @@ class LLMServerApp(QuartTrio):
             self.tracing = Tracing(tracer_provider)
         elif config.otlp_traces_endpoint:
             self.tracing = Tracing.from_endpoint(config.otlp_traces_endpoint)
+        #: The image fetcher of every request's image URLs (server.media, docs/media.md).
+        self.media = MediaFetcher(policy_from_config(config))
         #: Path -> the raw routes this app serves (server.http.routes).
         self.raw_routes = raw_routes(config)
         self._routes()

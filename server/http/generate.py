@@ -48,6 +48,7 @@ from ..observability.logs import request_id_from_header
 from ..observability.record import RequestRecord
 from ..openai import schema
 from .adapters import resolve_model
+from .images import fetch_images, has_images
 from .answer import Answer, Usage, stream_started, tokens_arrived, write_full
 from .asgi import CLOSE, header, send_error, watch_disconnect
 from ..openai.encode import DONE, ChunkEncoder, usage
@@ -133,6 +134,8 @@ async def handle_generate(
         refused = app.admission_error(engine, len(req.prompts) * req.params.n)
         if refused is not None:
             raise refused
+        if has_images(req.prompts):  # (before the engine is asked anything)
+            await fetch_images(app.media, req.prompts)
         if None in req.echoed:
             req = await echo_texts(engine, req)
         response_id = _response_id(record, req, scope, route, chat)

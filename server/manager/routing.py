@@ -13,7 +13,8 @@ docs/routing.md):
   cut into blocks of :data:`BLOCK_TOKENS` ids; a text prompt (the frontend has no token ids)
   into blocks of ``block_chars`` characters. A chat prompt is first written in a canonical
   form, which a later turn extends: its other fields as JSON, then each message as one line
-  of JSON with sorted keys. Only full blocks count.
+  of JSON with sorted keys (an image part as its SHA-256, not its bytes). Only full
+  blocks count.
 * Each worker has a :class:`PrefixIndex`: the block hashes it was sent, in LRU order,
   bounded (``capacity`` blocks; the oldest are forgotten first, as the engine's own LRU
   evicts them).
@@ -91,9 +92,21 @@ def canonical_text(prompt: object) -> str | None:
         head = {k: v for k, v in prompt.items() if k != "messages"}
         lines = [json.dumps(head, sort_keys=True, separators=(",", ":"), default=str)]
         for m in prompt.get("messages") or ():
-            lines.append(json.dumps(m, sort_keys=True, separators=(",", ":"), default=str))
+            lines.append(json.dumps(_by_digest(m), sort_keys=True, separators=(",", ":"),
+                                    default=str))
         return "\n".join(lines) + "\n"
     return None
+
+
+def _by_digest(message: object) -> object:
+    """A message with each image part's bytes left out: the image is named by its
+    SHA-256, so that the same image routes alike (and no bytes are copied into text)."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    content = message["content"]
+    parts = [{"type": "image", "sha256": p.get("sha256")}
+             if isinstance(p, dict) and p.get("type") == "image" else p for p in content]
+    return {**message, "content": parts}
 
 
 class Blocks(NamedTuple):

@@ -43,6 +43,7 @@ from ..errors import ClientError, printable
 from .encode import dumps
 from .fields import is_neutral
 from .responses_items import input_items
+from .images import ImageRef
 from .schema import GenerateRequest, decode_json, parse_chat
 
 __all__ = ["HONOURED", "REFUSED", "ResponsesRequest", "parse_responses", "read_responses",
@@ -144,15 +145,21 @@ def check_fields(data: dict) -> None:
             raise _refuse(name, refused[1])
 
 
-def _text_of(content, param: str) -> str:
-    """A message's content (a string or a list of text parts) as one string."""
+def _text_of(content, param: str, images: bool = False) -> str | list:
+    """A message's content (a string or a list of text parts) as one string; with
+    ``images`` (a message's content), a list of chat parts when it holds ``input_image``
+    parts (each a chat ``image_url`` part at the same index: parse_chat decides whether
+    the engine takes it)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise ClientError("'content' must be a string or a list of content parts.", param=param)
-    texts = []
+    texts: list = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and images:
+            texts.append(_image_part(part, f"{param}[{j}]"))
+            continue
         if isinstance(kind, str) and kind in _OTHER_PARTS:
             raise ClientError(
                 f"Content parts of type '{kind}' are not supported: the engine takes text "
@@ -165,7 +172,30 @@ def _text_of(content, param: str) -> str:
                 "assistant message), \"text\": ...}.", param=f"{param}[{j}]",
             )
         texts.append(part["text"])
-    return "".join(texts)
+    if all(isinstance(t, str) for t in texts):
+        return "".join(texts)
+    return [t if isinstance(t, dict) else {"type": "text", "text": t} for t in texts]
+
+
+def _image_part(part: dict, param: str) -> dict:
+    """An ``input_image`` part as chat's ``image_url`` part (a URL; ``file_id`` refused)."""
+    for name in part:
+        if name not in ("type", "image_url", "file_id", "detail"):
+            raise ClientError(f"Unknown field '{printable(str(name))}' of an input_image "
+                              "part.", param=f"{param}.{printable(str(name))}",
+                              code="unknown_parameter")
+    if part.get("file_id") is not None:
+        raise ClientError("'file_id' images are not supported: give the image's URL (a "
+                          "data: URL for its bytes) in 'image_url'.", param=f"{param}.file_id",
+                          code="unsupported_parameter")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise ClientError("An input_image part needs a string 'image_url'.",
+                          param=f"{param}.image_url")
+    body = {"url": url}
+    if part.get("detail") is not None:
+        body["detail"] = part["detail"]
+    return {"type": "image_url", "image_url": body}
 
 
 def _reasoning_text(item: dict, param: str) -> str:
@@ -239,8 +269,8 @@ def _messages(data: dict, context: list) -> tuple[list, list, dict]:
                                   param=f"{param}.role")
             if "content" not in item:
                 raise ClientError("A message needs 'content'.", param=f"{param}.content")
-            text = _text_of(item["content"], f"{param}.content")
-            messages.append({"role": role, "content": text})
+            content = _text_of(item["content"], f"{param}.content", images=True)
+            messages.append({"role": role, "content": content})
             where.append((param, []))
         elif kind == "function_call":
             for name in ("call_id", "name", "arguments"):
@@ -262,8 +292,8 @@ def _messages(data: dict, context: list) -> tuple[list, list, dict]:
             if "output" not in item:
                 raise ClientError("A function call output needs 'output'.",
                                   param=f"{param}.output")
-            text = _text_of(item["output"], f"{param}.output")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
+            output = _text_of(item["output"], f"{param}.output")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
             where.append((param, []))
         else:
             raise ClientError(
@@ -377,18 +407,39 @@ def _rename(exc: ClientError, where: list) -> ClientError:
         message = message.replace(f"'{old}'", f"'{new}'")
         if param == old:
             param = new
+    out = ClientError(message, param=_renamed(param, where), code=exc.code)
+    out.status = exc.status
+    return out
+
+
+def _renamed(param: str, where: list) -> str:
+    """A chat request's field (``param``) as the Responses field it came from."""
     m = _MESSAGE_PARAM.match(param)
     if m is not None and int(m[1]) < len(where):
         base, calls = where[int(m[1])]
         if m[2] is not None and int(m[2]) < len(calls):
             base = calls[int(m[2])]
-        param = base + (m[3] or "")
+        rest = m[3] or ""
+        for old, new in (".image_url.url", ".image_url"), (".image_url.detail", ".detail"):
+            if rest.endswith(old):  # (an input_image part's fields are flat)
+                rest = rest[: -len(old)] + new
+        param = base + rest
     m = _TOOL_PARAM.match(param)
     if m is not None:
         param = f"tools[{m[1]}]{m[2]}"
-    out = ClientError(message, param=param, code=exc.code)
-    out.status = exc.status
-    return out
+    return param
+
+
+def _name_images(messages: list, where: list) -> None:
+    """Each image ref of the translated ``messages`` named by its Responses field, for
+    the fetch's refusals."""
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            m["content"] = [
+                ImageRef(p.url, p.detail, _renamed(p.param, where),
+                         _renamed(p.param, where) + ".image_url")
+                if isinstance(p, ImageRef) else p for p in content]
 
 
 #: Why a server without a state store refuses ``store: true`` and ``previous_response_id``.
@@ -480,6 +531,7 @@ def translate_responses(
     except ClientError as exc:
         raise _rename(exc, where) from None
     rendered = req.prompts[0]["messages"]  # one per message, in order (schema.messages_of)
+    _name_images(rendered, where)
     for index, thought in reasoning.items():
         rendered[index]["reasoning_content"] = thought
     params = req.params

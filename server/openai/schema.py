@@ -26,6 +26,7 @@ from ..config import Limits
 from ..errors import ClientError, NotFound, clip, printable
 from ..params import MAX_TOKEN_ID, SamplingParams, context_error, is_token_ids
 from .json_schema import check_grammar_ints, check_refs
+from .images import ImageRef, image_limit, read_image_url_part, refuse_image
 from .fields import (
     HONOURED_CHAT, HONOURED_COMPLETION, KNOWN, UNSUPPORTED, check_fields, is_neutral,
 )
@@ -274,15 +275,26 @@ def _prompts(
 _PART_KINDS = {"image_url": "image", "input_audio": "audio", "file": "file", "image": "image"}
 
 
-def _content(content, index: int) -> str:
+def _content(content, index: int, images: int, model: object) -> str | list:
+    """A message's content: a string, or (when it holds images: ``images`` > 0, the
+    engine's per-prompt limit) its parts in order, text parts as ``{"type": "text",
+    "text": ...}`` and images as :class:`~server.openai.images.ImageRef`. ``model`` is
+    named when an image is refused."""
     param = f"messages[{index}].content"
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
+        parts: list = []
+        refs = False
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url" and images:
+                parts.append(read_image_url_part(part, f"{param}[{j}]"))
+                refs = True
+                continue
             if isinstance(kind, str) and kind in _PART_KINDS:  # (a list is not hashable)
+                if _PART_KINDS[kind] == "image" and model is not None:
+                    raise refuse_image(kind, f"{param}[{j}]", model)
                 raise ClientError(
                     f"Content parts of type '{kind}' are not supported: the engine takes text "
                     f"only (no {_PART_KINDS[kind]} input).",
@@ -294,17 +306,29 @@ def _content(content, index: int) -> str:
             if not isinstance(text, str):
                 raise ClientError("A text content part needs a string 'text'.", param=f"{param}[{j}]")
             parts.append(text)
-        return "".join(parts)
+        if not refs:
+            return "".join(parts)
+        return [p if isinstance(p, ImageRef) else {"type": "text", "text": _utf8(p, param)}
+                for p in parts]
     raise ClientError("'content' must be a string or a list of parts.", param=param)
 
 
-def messages_of(data: dict, tools_ok: bool = False) -> list:
+def messages_of(data: dict, tools_ok: bool = False, engine_info: dict | None = None) -> list:
     """OpenAI's rules: a known role (or a custom one, which the chat template gets as it
     is, as in vLLM); ``content`` required for system, developer, user, tool and custom
     messages; a tool message needs ``tool_call_id``; an assistant message may carry
     ``tool_calls`` instead of content. Tool calls and tool results in the history are
     refused unless the engine renders tools (``tools_ok``: they would otherwise be
-    dropped)."""
+    dropped). Image parts of user messages are kept (as refs the route fetches) when
+    ``engine_info`` says the engine takes images, at most its per-prompt limit; a 400
+    naming the part and the model otherwise (server.openai.images). Without
+    ``engine_info`` (a route that fetches nothing) every image part is refused."""
+    images = image_limit(engine_info)
+    model = None
+    if engine_info is not None:
+        model = data.get("model") if isinstance(data.get("model"), str) else \
+            engine_info.get("model")
+    seen = 0
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ClientError("'messages' must be a non-empty list.", param="messages")
@@ -330,7 +354,11 @@ def messages_of(data: dict, tools_ok: bool = False) -> list:
             raise ClientError(
                 f"A {role} message needs 'content'.", param=f"messages[{i}].content"
             )
-        text = "" if content is None else _utf8(_content(content, i), f"messages[{i}].content")
+        text = "" if content is None else _content(content, i, images, model)
+        if isinstance(text, str):
+            text = _utf8(text, f"messages[{i}].content")
+        else:
+            seen = _check_images(text, role, seen, images)
         rendered.append(history_message(m, i, role, text, tools_ok))
         name = m.get("name")
         if name is not None:  # the participant's name, for the template (as vLLM passes it)
@@ -338,6 +366,22 @@ def messages_of(data: dict, tools_ok: bool = False) -> list:
                 raise ClientError("'name' must be a string.", param=f"messages[{i}].name")
             rendered[-1]["name"] = _utf8(name, f"messages[{i}].name")
     return rendered
+
+
+def _check_images(parts: list, role: str, seen: int, limit: int) -> int:
+    """The images seen so far with this message's ``parts``; a 400 naming an image part
+    of a message other than a user's, or the first past the per-prompt ``limit``."""
+    for part in parts:
+        if isinstance(part, ImageRef):
+            if role != "user":
+                raise ClientError(f"Image parts are taken in user messages only, not in a "
+                                  f"{printable(role)} message.", param=part.param)
+            seen += 1
+            if seen > limit:
+                raise ClientError(f"This model takes at most {limit} image(s) per prompt "
+                                  "(--limit-mm-per-prompt).", param=part.param,
+                                  code="too_many_images")
+    return seen
 
 
 def _token_id_list(data: dict, name: str, most: int) -> list[int] | None:
@@ -861,7 +905,7 @@ def chat_request(
     common = _common(
         data, limits, served_model, chat=True, engine_fields=fields, engine_info=engine_info
     )
-    messages = messages_of(data, tools_ok)
+    messages = messages_of(data, tools_ok, engine_info or {})
     tools = read_tools(data, tool_parser) if tools_ok else None
     if tools is not None:
         tools = _tools_to_engine(tools, common["params"].extra, "response_format" in fields,

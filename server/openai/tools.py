@@ -290,7 +290,7 @@ def _pointed(root, ref: str):
     return node
 
 
-def history_message(m: dict, i: int, role: str, text: str, tools_ok: bool) -> dict:
+def history_message(m: dict, i: int, role: str, text: str | list, tools_ok: bool) -> dict:
     """A history message for the chat template: assistant ``tool_calls`` (their
     ``arguments`` as objects, as Hugging Face templates expect) and ``tool`` results; a 400
     when the server does not serve tools."""

@@ -97,7 +97,7 @@ def sim_engine_config(**kw) -> EngineConfig:
     """
     option_names = {"itl_ms", "ttft_ms", "prefill_us_per_token", "max_batch", "max_model_len",
                     "faults", "model", "startup_delay_ms", "prefix_cache_tokens",
-                    "prefix_block_size"}
+                    "prefix_block_size", "image_tokens", "images_per_prompt"}
     options = {"itl_ms": 10.0, "ttft_ms": 20.0, "faults": True}
     options.update(kw.pop("engine_options", {}))
     for name in list(kw):

@@ -13,6 +13,10 @@ It behaves like a real engine from the frontend's point of view:
   ``temperature == 0`` ignores the seed; no seed and ``temperature > 0`` is random.
 * **Token counts.** The sim tokenizer counts whitespace-separated words of the prompt (or the
   length of a token-id list). Chat messages are rendered with :data:`CHAT_TEMPLATE` first.
+* **Images** (only with ``image_tokens > 0``): the HELLO says ``"images": {"per_prompt":
+  images_per_prompt}``, and an image part of a chat message (its bytes and SHA-256,
+  checked) is rendered as ``image_tokens`` words naming the image: its prompt tokens, as
+  vLLM counts an image's. Nothing is decoded.
 * **Prefix cache** (only with ``prefix_cache_tokens > 0``): a model of vLLM's automatic
   prefix caching (:class:`server.engines.sim.cache.PrefixCache`: blocks of
   ``prefix_block_size`` words, chained hashes, LRU eviction). A request's first token then
@@ -70,6 +74,7 @@ It behaves like a real engine from the frontend's point of view:
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import json
 import math
@@ -141,13 +146,37 @@ FAULT_KINDS = ("error", "crash", "hang", "garbage", "stall", "ignore_abort", "sl
                "stuck_step")
 
 
-def render_chat(messages: list) -> str:
-    """Render chat messages with :data:`CHAT_TEMPLATE` (without a template engine)."""
+def render_chat(messages: list, image_tokens: int = 0) -> str:
+    """Render chat messages with :data:`CHAT_TEMPLATE` (without a template engine). A
+    content of parts (a message with images) is its text parts and, for each image part,
+    ``image_tokens`` words ``<image:H>`` (H: the start of the image's SHA-256), so an image
+    counts that many prompt tokens and the answer depends on it; a 400 (Rejected) naming
+    the message when an image's bytes are not the SHA-256 they came with."""
     parts = []
-    for m in messages:
-        parts.append(f"<|{m['role']}|> {m['content']}\n")
+    for i, m in enumerate(messages):
+        content = m["content"]
+        if isinstance(content, list):
+            content = "".join(_rendered_part(p, image_tokens, f"messages[{i}].content")
+                              for p in content)
+        parts.append(f"<|{m['role']}|> {content}\n")
     parts.append("<|assistant|>")
     return "".join(parts)
+
+
+def _rendered_part(part: object, image_tokens: int, param: str) -> str:
+    """One part of a message's content, as :func:`render_chat` writes it."""
+    if not isinstance(part, dict):
+        raise Rejected("a content part must be an object", param=param)
+    if part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    if part.get("type") != "image" or not image_tokens:
+        raise Rejected("this engine takes text parts only", param=param)
+    data, digest = part.get("data"), part.get("sha256")
+    if not isinstance(data, bytes) or not isinstance(digest, str):
+        raise Rejected("an image part needs 'data' (bytes) and 'sha256'", param=param)
+    if hashlib.sha256(data).hexdigest() != digest:  # (the bytes did not arrive intact)
+        raise Rejected("an image's bytes do not match its sha256", param=param)
+    return " " + " ".join([f"<image:{digest[:12]}>"] * image_tokens) + " "
 
 
 @functools.lru_cache(maxsize=1024)
@@ -207,6 +236,8 @@ class SimEngine:
         prefix_block_size: int = 16,
         embedding_size: int = 384,
         max_embed_tokens: int = 16384,
+        image_tokens: int = 0,
+        images_per_prompt: int = 4,
         clock=time.monotonic,
     ) -> None:
         if not 0 < embedding_size <= _MAX_EMBEDDING:
@@ -241,6 +272,12 @@ class SimEngine:
             "resume": True,
             "embedding": {"size": embedding_size, "dimensions": True},
         }
+        #: Prompt tokens per image (0: the engine takes text only).
+        self.image_tokens = image_tokens
+        if image_tokens > 0:
+            if images_per_prompt < 1:
+                raise ValueError("the sim engine's images_per_prompt must be at least 1")
+            self.info["images"] = {"per_prompt": images_per_prompt}
         #: Embedding batches computed (one per embed call, however many inputs it has).
         self.forwards = 0
         self._running: dict[int, _Req] = {}
@@ -294,7 +331,7 @@ class SimEngine:
             if not isinstance(messages, list):
                 raise Rejected("messages must be a list", param="messages")
             try:
-                text = render_chat(messages)
+                text = render_chat(messages, self.image_tokens)
             except (KeyError, TypeError):
                 raise Rejected("each message needs a role and a content",
                                param="messages") from None

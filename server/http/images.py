@@ -1,0 +1,60 @@
+"""The fetch step of a request with image parts: each image ref becomes the image's bytes.
+
+A generation route parses without IO (server.openai.images leaves an
+:class:`~server.openai.images.ImageRef` in each message's content). Before the engine is
+asked anything, :func:`fetch_images` fetches every ref with the app's
+:class:`~server.media.MediaFetcher`, one after the other, in the request's task: a client
+that goes away cancels the fetch, and a refused or failed fetch is the request's 400
+naming the URL's field. Each ref is replaced, in place, by the wire part
+``{"type": "image", "data": bytes, "sha256": hex}`` (docs/protocol.md, "Images").
+
+The images of one request travel in one SUBMIT frame, so their bytes together are
+bounded below the frame's limit (a 400 naming the part that passes it).
+"""
+
+from __future__ import annotations
+
+from ..errors import ClientError
+from ..openai.images import ImageRef, wire_image
+from ..worker_protocol.wire import MAX_FRAME
+
+__all__ = ["fetch_images", "has_images"]
+
+#: The most image bytes one request may carry to its worker: the frame's limit less room
+#: for the rest of the request (its text, params and tools).
+MAX_IMAGE_BYTES = MAX_FRAME - 8 * 1024 * 1024
+
+
+def _refs(prompts: list):
+    """(content list, index, ref) of every image ref of ``prompts``, in order."""
+    for prompt in prompts:
+        if not isinstance(prompt, dict):
+            continue
+        for message in prompt.get("messages") or ():
+            content = message.get("content")
+            if isinstance(content, list):
+                for j, part in enumerate(content):
+                    if isinstance(part, ImageRef):
+                        yield content, j, part
+
+
+def has_images(prompts: list) -> bool:
+    """Whether any of ``prompts`` holds an image ref (an image not yet fetched)."""
+    return next(_refs(prompts), None) is not None
+
+
+async def fetch_images(fetcher, prompts: list) -> int:
+    """Fetch every image ref of ``prompts`` and put its wire part in its place; the
+    number fetched. Raises a :class:`~server.media.MediaError` (400) naming the URL's
+    field, or a ClientError when their bytes together pass :data:`MAX_IMAGE_BYTES`."""
+    total = 0
+    count = 0
+    for content, j, ref in list(_refs(prompts)):
+        image = await fetcher.fetch_image(ref.url, param=ref.url_param)
+        total += len(image.data)
+        if total > MAX_IMAGE_BYTES:
+            raise ClientError(f"The request's images are more than {MAX_IMAGE_BYTES} bytes "
+                              "together.", param=ref.param, code="media_too_large")
+        content[j] = wire_image(image.data, image.sha256)
+        count += 1
+    return count

@@ -1,0 +1,238 @@
+"""Image parts end to end on the sim engine (issue 46): chat ``image_url`` and Responses
+``input_image`` parts fetched by the frontend (server.http.images), carried to the worker
+as bytes with their SHA-256, counted as prompt tokens (``--sim-image-tokens``).
+
+Real servers (``running_server``), real worker processes, the openai SDK; http URLs are
+served by the test on loopback, real time.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+import zlib
+
+import httpx
+import openai
+import pytest
+import trio
+
+from server.config import EngineConfig
+from server.manager.routing import canonical_text
+from tests.conftest import FAST_SIM, JSON, running_server
+
+#: Prompt tokens the sim counts per image here.
+IMAGE_TOKENS = 7
+IMAGES = EngineConfig(engine_options={**FAST_SIM, "image_tokens": IMAGE_TOKENS,
+                                      "images_per_prompt": 2})
+#: A loopback image server, listed and let through (the switch needs the list).
+LOOPBACK = {"allowed_media_domains": ("127.0.0.1",), "allow_private_media_addresses": True}
+
+
+def png(rgb: tuple[int, int, int], width: int = 3, height: int = 2) -> bytes:
+    """A real RGB PNG of one colour."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+
+    rows = b"".join(b"\x00" + bytes(rgb) * width for _ in range(height))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+RED, BLUE = png((255, 0, 0)), png((0, 0, 255))
+
+
+def data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+def image_part(url: str, **more) -> dict:
+    return {"type": "image_url", "image_url": {"url": url, **more}}
+
+
+def client_of(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+
+
+class ImageServer:
+    """HTTP on 127.0.0.1 port 0: answers every GET with ``body`` as a PNG, counting them."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.requests = 0
+        self.port = 0
+
+    def url(self, path: str = "/a.png") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                data = await stream.receive_some(4096)
+                if not data:
+                    return
+                head += data
+            self.requests += 1
+            await stream.send_all(
+                f"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: "
+                f"{len(self.body)}\r\nConnection: close\r\n\r\n".encode() + self.body)
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started()
+        await trio.serve_listeners(self._handle, listeners)
+
+
+async def chat_tokens(client, content, **kw) -> tuple[int, str]:
+    """usage.prompt_tokens and the text of a greedy 6-token chat answer."""
+    r = await client.chat.completions.create(
+        model="sim", messages=[{"role": "user", "content": content}], max_tokens=6,
+        temperature=0, **kw)
+    return r.usage.prompt_tokens, r.choices[0].message.content
+
+
+async def refused(coro) -> dict:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await coro
+    return caught.value.body
+
+
+async def test_a_data_url_image_is_counted_and_reaches_the_worker():
+    with trio.fail_after(60):
+        async with running_server(IMAGES) as url:
+            client = client_of(url)
+            text_only, _ = await chat_tokens(client, [{"type": "text", "text": "describe"}])
+            red = [{"type": "text", "text": "describe"}, image_part(data_url(RED))]
+            tokens, red_answer = await chat_tokens(client, red)
+            assert tokens == text_only + IMAGE_TOKENS
+            # the answer depends on the image's bytes (the sim renders its digest)
+            blue = [{"type": "text", "text": "describe"}, image_part(data_url(BLUE))]
+            assert (await chat_tokens(client, blue))[1] != red_answer
+            assert (await chat_tokens(client, red))[1] == red_answer
+            # detail: accepted as OpenAI spells it (no effect), refused by name otherwise
+            high = [{"type": "text", "text": "describe"},
+                    image_part(data_url(RED), detail="high")]
+            assert await chat_tokens(client, high) == (tokens, red_answer)
+            body = await refused(chat_tokens(client, [image_part(data_url(RED),
+                                                                 detail="huge")]))
+            assert body["param"] == "messages[0].content[0].image_url.detail"
+            # an image in earlier turns of a conversation counts too
+            r = await client.chat.completions.create(model="sim", max_tokens=2, messages=[
+                {"role": "user", "content": red}, {"role": "assistant", "content": "red"},
+                {"role": "user", "content": "and now?"}])
+            assert r.usage.prompt_tokens > IMAGE_TOKENS
+
+
+async def test_an_http_url_is_fetched_only_when_its_host_is_allowed():
+    server = ImageServer(RED)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run)
+            content = [{"type": "text", "text": "describe"}, image_part(server.url())]
+            async with running_server(IMAGES, **LOOPBACK) as url:
+                client = client_of(url)
+                tokens, answer = await chat_tokens(client, content)
+                assert server.requests == 1
+                assert (tokens, answer) == await chat_tokens(
+                    client, [{"type": "text", "text": "describe"}, image_part(data_url(RED))])
+            async with running_server(IMAGES) as url:  # loopback not allowed: the default
+                client = client_of(url)
+                body = await refused(chat_tokens(client, content))
+                assert body["param"] == "messages[0].content[1].image_url.url"
+                assert body["code"] == "media_refused" and "loopback" in body["message"]
+                assert server.requests == 1  # (nothing fetched)
+                assert url.app.metrics.of("sim").prompt_tokens_total == 0  # nor sent
+            nursery.cancel_scope.cancel()
+
+
+async def test_two_images_and_one_too_many():
+    with trio.fail_after(60):
+        async with running_server(IMAGES) as url:
+            client = client_of(url)
+            one, _ = await chat_tokens(client, [image_part(data_url(RED))])
+            two, answer = await chat_tokens(client, [image_part(data_url(RED)),
+                                                     image_part(data_url(BLUE))])
+            assert two == one + IMAGE_TOKENS
+            swapped = await chat_tokens(client, [image_part(data_url(BLUE)),
+                                                 image_part(data_url(RED))])
+            assert swapped[1] != answer  # in order
+            body = await refused(client.chat.completions.create(model="sim", messages=[
+                {"role": "user", "content": [image_part(data_url(RED))]},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": [{"type": "text", "text": "and"},
+                                             image_part(data_url(RED)),
+                                             image_part(data_url(BLUE))]}]))
+            assert body["param"] == "messages[2].content[2]"  # the third image of the prompt
+            assert body["code"] == "too_many_images"
+
+
+async def test_an_engine_without_images_refuses_naming_the_part_and_the_model():
+    server = ImageServer(RED)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run)
+            async with running_server(**LOOPBACK) as url:  # the sim at its default: text only
+                client = client_of(url)
+                for part in (image_part(server.url()), image_part(data_url(RED))):
+                    body = await refused(chat_tokens(client, [{"type": "text", "text": "x"},
+                                                              part]))
+                    assert body["param"] == "messages[0].content[1]"
+                    assert "model 'sim' takes text only" in body["message"]
+                body = await refused(client.responses.create(model="sim", input=[
+                    {"role": "user", "content": [{"type": "input_image",
+                                                  "image_url": server.url()}]}]))
+                assert body["param"] == "input[0].content[0]"
+                assert "model 'sim' takes text only" in body["message"]
+                assert server.requests == 0  # refused before any fetch
+            nursery.cancel_scope.cancel()
+
+
+async def test_responses_input_image():
+    with trio.fail_after(60):
+        async with running_server(IMAGES) as url:
+            client = client_of(url)
+            text = {"type": "input_text", "text": "describe"}
+            plain = await client.responses.create(model="sim", max_output_tokens=4,
+                                                  input=[{"role": "user", "content": [text]}])
+            r = await client.responses.create(model="sim", max_output_tokens=4, input=[
+                {"role": "user", "content": [text, {"type": "input_image", "detail": "low",
+                                                    "image_url": data_url(RED)}]}])
+            assert r.usage.input_tokens == plain.usage.input_tokens + IMAGE_TOKENS
+            for part, param, code in [
+                ({"file_id": "file-1"}, "input[0].content[1].file_id", "unsupported_parameter"),
+                ({"image_url": "http://127.0.0.1:9/a.png"}, "input[0].content[1].image_url",
+                 "media_refused"),
+                ({"image_url": data_url(RED), "detail": "huge"}, "input[0].content[1].detail",
+                 None),
+            ]:
+                body = await refused(client.responses.create(model="sim", input=[
+                    {"role": "user", "content": [text, {"type": "input_image", **part}]}]))
+                assert (body["param"], body["code"]) == (param, code), part
+
+
+async def test_the_minimal_body():
+    with trio.fail_after(60):
+        async with running_server(IMAGES) as url:
+            async with httpx.AsyncClient(base_url=url) as http:
+                r = await http.post("/v1/chat/completions", headers=JSON, json={
+                    "messages": [{"role": "user", "content": [
+                        {"type": "image_url", "image_url": {"url": data_url(RED)}}]}]})
+                assert r.status_code == 200, r.text
+                usage = r.json()["usage"]
+                # "<|user|>", the image's tokens, "<|assistant|>"
+                assert usage["prompt_tokens"] == 2 + IMAGE_TOKENS
+
+
+def test_the_router_names_an_image_by_its_digest():
+    def prompt(data: bytes, digest: str) -> dict:
+        return {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "x"}, {"type": "image", "data": data, "sha256": digest}]}]}
+
+    text = canonical_text(prompt(b"\x89PNG" * 1000, "ab" * 32))
+    assert text is not None and "ab" * 32 in text and "PNG" not in text
+    assert text == canonical_text(prompt(b"other bytes", "ab" * 32))
+    assert text != canonical_text(prompt(b"\x89PNG" * 1000, "cd" * 32))
