@@ -20,6 +20,19 @@ __all__ = ["ENGINE_DESTS", "ENGINE_OPTIONS", "VLLM_FLAGS", "add_engine_arguments
            "engine_options", "resolve_model_args"]
 
 
+def json_object(text: str) -> dict:
+    """A flag's JSON object (``--limit-mm-per-prompt '{"image": 2}'``)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
+
+
 #: vLLM's engine flags taken under their own names (the vllm engine's EngineArgs fields of
 #: the same name, as --engine-arg would give them): (flag, Option fields, help).
 VLLM_FLAGS: tuple[tuple[str, dict, str], ...] = (
@@ -36,6 +49,9 @@ VLLM_FLAGS: tuple[tuple[str, dict, str], ...] = (
     ("--enable-lora", {"kind": "switch"}, "serve LoRA adapters (docs/lora.md)"),
     ("--max-loras", {"type": int}, "most LoRA adapters in one batch"),
     ("--max-lora-rank", {"type": int}, "the largest LoRA rank an adapter may have"),
+    ("--limit-mm-per-prompt", {"type": json_object, "metavar": "JSON"},
+     "a vision model's most inputs of each kind in one prompt, as vLLM spells it, e.g. "
+     "'{\"image\": 2}' (an image part past it is a 400 naming it)"),
     ("--scheduling-policy", {"choices": ("fcfs", "priority")},
      "the order waiting requests run in: fcfs, or priority (a request's 'priority' field: "
      "lower first, then arrival)"),

@@ -29,16 +29,18 @@ IMAGES = EngineConfig(engine_options={**FAST_SIM, "image_tokens": IMAGE_TOKENS,
 LOOPBACK = {"allowed_media_domains": ("127.0.0.1",), "allow_private_media_addresses": True}
 
 
-def png(rgb: tuple[int, int, int], width: int = 3, height: int = 2) -> bytes:
-    """A real RGB PNG of one colour."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data)))
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    rows = b"".join(b"\x00" + bytes(rgb) * width for _ in range(height))
+
+def png(rgb: tuple[int, int, int], width: int = 3, height: int = 2, rows: bytes | None = None
+        ) -> bytes:
+    """A real RGB PNG of one colour (``rows``: other pixel data, e.g. too little)."""
+    if rows is None:
+        rows = b"".join(b"\x00" + bytes(rgb) * width for _ in range(height))
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header)
+            + _chunk(b"IDAT", zlib.compress(rows)) + _chunk(b"IEND", b""))
 
 
 RED, BLUE = png((255, 0, 0)), png((0, 0, 255))
@@ -236,3 +238,28 @@ def test_the_router_names_an_image_by_its_digest():
     assert text is not None and "ab" * 32 in text and "PNG" not in text
     assert text == canonical_text(prompt(b"other bytes", "ab" * 32))
     assert text != canonical_text(prompt(b"\x89PNG" * 1000, "cd" * 32))
+
+
+def test_the_vllm_engines_images_are_bounded_before_they_are_decoded():
+    """server.engines.vllm.images without vLLM: the parts split out in order, a
+    decompression bomb refused by its header (naming its part), a non-image refused."""
+    pytest.importorskip("PIL")
+    from server.engines.vllm.images import decode_images, split_images
+    from server.workers.base import Rejected
+
+    prompt = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image", "data": RED, "sha256": "x"},
+        {"type": "image", "data": BLUE, "sha256": "y"}]}]}
+    rendered, images = split_images(prompt)
+    assert rendered["messages"][1]["content"] == [{"type": "text", "text": "a"},
+                                                  {"type": "image"}, {"type": "image"}]
+    assert images == [(RED, "messages[1].content[1]"), (BLUE, "messages[1].content[2]")]
+    assert [i.size for i in decode_images(images)] == [(3, 2), (3, 2)]
+    bomb = png((0, 0, 0), 9000, 9000, rows=bytes(64))
+    with pytest.raises(Rejected) as caught:  # (its rows are not there: never decompressed)
+        decode_images([(bomb, "messages[0].content[1]")], max_pixels=8192 * 8192)
+    assert caught.value.param == "messages[0].content[1]"
+    assert "9000 x 9000 pixels" in str(caught.value)
+    with pytest.raises(Rejected) as caught:
+        decode_images([(b"GIF89a not really", "messages[0].content[0]")])
+    assert caught.value.param == "messages[0].content[0]"

@@ -99,6 +99,7 @@ from ...workers.hub import model_files
 from ...workers.prep_helper import PROCESS_BYTES, HelperTokenizing
 from ...workers.resume import resume_of
 from .resume import ResumedText, not_resumable
+from .images import decode_images, has_images, split_images
 from .core import LIVENESS
 from .private_api import (
     detokenizer_class,
@@ -308,6 +309,18 @@ def _lower_priority(nice: int) -> None:
         pass
 
 
+def _image_limit(model_config) -> int:
+    """The images one prompt may hold on a multimodal model (vLLM's
+    ``limit_mm_per_prompt``, ``--limit-mm-per-prompt``); 0 for a text model."""
+    if not getattr(model_config, "is_multimodal_model", False):
+        return 0
+    mm = getattr(model_config, "multimodal_config", None)
+    try:
+        return max(0, int(mm.get_limit_per_prompt("image"))) if mm is not None else 0
+    except Exception:  # (a model without an image modality)
+        return 0
+
+
 def _served_name(config) -> str:
     name = config.model_config.served_model_name
     if isinstance(name, (list, tuple)):
@@ -471,6 +484,11 @@ class VLLMEngine(HelperTokenizing):
             "vocab_size": self.vocab_size,
             "cache_config": cache_config_info(config),
         }
+        images = _image_limit(config.model_config)
+        if images and hasattr(getattr(self._llm, "renderer", None), "render_cmpl"):
+            # a vision model, on a vLLM whose renderer takes our inputs (0.32): image parts
+            # (server.engines.vllm.images)
+            self.info["images"] = {"per_prompt": images}
         if self._events is not None:  # the frontend's exact prefix index (docs/routing.md)
             self.info["kv_events"] = {"block_size": int(config.cache_config.block_size)}
         #: Requests vLLM holds for us (added, not finished or aborted).
@@ -533,6 +551,8 @@ class VLLMEngine(HelperTokenizing):
         if self._pooling is not None:
             raise Rejected(f"model {self.info['model']!r} runs on vLLM's pooling runner: it "
                            "serves /v1/embeddings, not completions")
+        if has_images(prompt):
+            return self._prepare_images(prompt, params)  # type: ignore[arg-type]
         ids = self.encode_prompt(prompt, params.get("chat_template_kwargs"), params.get("tools"))
         ids = truncate_prompt(ids, params, self.max_model_len)
         resumable = self.info.get("resume") and not_resumable(params) is None
@@ -553,6 +573,37 @@ class VLLMEngine(HelperTokenizing):
             _PROMPT_IDS if client else 0)
         return (ids, sampling, None if salt is None else str(salt), params.get("lora"),
                 int(params.get("priority") or 0), asks, text)
+
+    def _prepare_images(self, prompt: dict, params: dict) -> tuple:
+        """:meth:`prepare` of a chat prompt with images (server.engines.vllm.images): the
+        template rendered here (never in the helper process, which has no processor), the
+        images decoded and bounded, then vLLM's renderer expands each placeholder with the
+        model's processor. Such a request does not resume: its token ids are not sent for
+        migration, and a ``resume`` of it is refused."""
+        if params.get("resume") is not None:
+            raise Rejected("resume: a request with images cannot resume on vLLM",
+                           "engine_error")
+        if "images" not in self.info:
+            raise Rejected(f"model {self.info['model']!r} takes text only", param="messages")
+        rendered, images = split_images(prompt)
+        ids = self.encode(rendered, params.get("chat_template_kwargs"), params.get("tools"))
+        pictures = decode_images(images)
+        try:
+            [engine_input] = self._llm.renderer.render_cmpl(  # (vLLM's public path)
+                [{"prompt_token_ids": ids, "multi_modal_data": {"image": pictures}}])
+        except self._client_errors as exc:  # (the processor's own refusal: a client fault)
+            raise Rejected(one_line(exc), param="messages") from None
+        full = list(engine_input["prompt_token_ids"])
+        max_tokens = check_context(len(full), params.get("max_tokens"), self.max_model_len,
+                                   prompt_param(prompt))
+        sampling = self.sampling_params(params, max_tokens)
+        salt = params.get("cache_salt")
+        if salt is not None:
+            engine_input["cache_salt"] = str(salt)
+        client = bool(params.get("prompt_token_ids"))
+        asks = (_TOKEN_IDS | _PROMPT_IDS) if client else 0
+        return (engine_input, sampling, None, params.get("lora"),
+                int(params.get("priority") or 0), asks, None)
 
     def helper_config(self) -> dict | None:
         """The preparation helper's configuration: it loads the tokenizer with transformers
@@ -601,6 +652,8 @@ class VLLMEngine(HelperTokenizing):
             lora = self._adapters.use(rid, adapter)
         try:
             prompt_in: dict = {"prompt_token_ids": ids}
+            if isinstance(ids, dict):  # images: the renderer's input, placeholders expanded
+                prompt_in, ids = ids, ids["prompt_token_ids"]
             if salt is not None:  # its own prefix-cache namespace
                 prompt_in["cache_salt"] = salt
             self._llm.add_request(str(rid), prompt_in, sampling, lora_request=lora,

@@ -1,0 +1,92 @@
+"""A chat prompt's images on the vllm engine: decoded in the preparation thread, bounded in
+pixels, and handed to vLLM's own multimodal processor.
+
+Theory of operation
+-------------------
+The frontend sends an image as ``{"type": "image", "data": bytes, "sha256": hex}`` in a
+user message's content (docs/protocol.md, "Images"). :func:`split_images` turns each into
+``{"type": "image"}``, the part Hugging Face chat templates render as the model's image
+placeholder, and keeps the bytes in order. :func:`decode_images` opens each with PIL: the
+header first, its pixels counted against ``max_pixels`` before anything is decompressed
+(a decompression bomb is refused, naming its part), then loaded and converted to RGB.
+
+vLLM then gets the rendered ids, one placeholder per image, and the images as
+``multi_modal_data``; its renderer (``render_cmpl``, called in the same thread)
+expands each placeholder as the model's processor says, so the prompt's length, and
+``usage.prompt_tokens``, count the image tokens as vLLM counts them.
+"""
+
+from __future__ import annotations
+
+import io
+
+from ...workers.base import Rejected
+
+__all__ = ["MAX_IMAGE_PIXELS", "decode_images", "has_images", "split_images"]
+
+#: The most pixels one image may have (a 8192 x 8192 image is 67M): past it, refused.
+MAX_IMAGE_PIXELS = 8192 * 8192
+
+
+def has_images(prompt: object) -> bool:
+    """Whether a chat prompt holds an image part."""
+    if not isinstance(prompt, dict) or not isinstance(prompt.get("messages"), list):
+        return False
+    return any(isinstance(p, dict) and p.get("type") == "image"
+               for m in prompt["messages"] if isinstance(m, dict)
+               and isinstance(m.get("content"), list) for p in m["content"])
+
+
+def split_images(prompt: dict) -> tuple[dict, list[tuple[bytes, str]]]:
+    """The prompt with each image part as ``{"type": "image"}``, and each image's bytes
+    with its part's name (``messages[i].content[j]``), in order."""
+    images: list[tuple[bytes, str]] = []
+    messages = []
+    for i, m in enumerate(prompt["messages"]):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            messages.append(m)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "image":
+                data = part.get("data")
+                if not isinstance(data, bytes):
+                    raise Rejected("an image part needs its bytes",
+                                   param=f"messages[{i}].content[{j}]")
+                images.append((data, f"messages[{i}].content[{j}]"))
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        messages.append({**m, "content": parts})
+    return {**prompt, "messages": messages}, images
+
+
+def decode_images(images: list[tuple[bytes, str]], max_pixels: int = MAX_IMAGE_PIXELS):
+    """PIL RGB images of ``images``; a Rejected (400) naming the part of one that cannot be
+    decoded or has more than ``max_pixels`` pixels (checked from its header, before its
+    pixels are decompressed)."""
+    from PIL import Image
+
+    out = []
+    for data, param in images:
+        try:
+            image = Image.open(io.BytesIO(data))
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+            # (PIL's own bounds, past ours, from the header: a warning when it is an error)
+            raise Rejected(f"the image has more pixels than the {max_pixels} one image may "
+                           "have", param=param) from None
+        except Exception as exc:  # (PIL raises many kinds for a bad file)
+            raise Rejected(f"the image cannot be decoded ({type(exc).__name__})",
+                           param=param) from None
+        width, height = image.size
+        if width * height > max_pixels:
+            raise Rejected(f"the image is {width} x {height} pixels, more than the "
+                           f"{max_pixels} one image may have", param=param)
+        try:
+            image.load()
+            out.append(image.convert("RGB"))
+        except Exception as exc:
+            raise Rejected(f"the image cannot be decoded ({type(exc).__name__})",
+                           param=param) from None
+    return out
