@@ -17,6 +17,7 @@ drifted. Now the table says once what an option is (:data:`server.cli_options.OP
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -173,4 +174,6 @@ def option_argv(option: Option, value: Any) -> list[str]:
         return ["--no-" + option.flag[2:]] if option.kind == "bool" else []
     if option.kind in ("append", "extend"):
         return [word for item in value for word in (option.flag, str(item))]
+    if isinstance(value, dict):  # (a JSON object flag: --limit-mm-per-prompt)
+        return [option.flag, json.dumps(value)]
     return [option.flag, str(value)]

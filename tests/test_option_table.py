@@ -10,7 +10,7 @@ import pytest
 
 from server.cli import build_parser, config_from_args
 from server.cli_options import OPTIONS
-from server.engine_args import ENGINE_OPTIONS, add_engine_arguments, engine_options
+from server.engine_args import ENGINE_OPTIONS, add_engine_arguments, engine_options, json_object
 from server.option_table import Option, option_argv
 from server.option_units import duration, size
 from server.supervisor_plan import plan
@@ -32,6 +32,8 @@ def _other_value(option: Option):
         return next(c for c in reversed(option.choices) if c != option.default)
     if option.type in (int, duration, size):
         return (option.default or 0) + 2
+    if option.type is json_object:
+        return {"image": 3}
     if option.flag == "--state-url":
         return "postgresql://host/db"
     if option.type is float:
