@@ -65,7 +65,13 @@ def bomb() -> bytes:
 def model_dir(tmp_path_factory):
     from tests.tiny_vlm import build_tiny_vlm
 
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-idefics3")
+    try:
+        return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-idefics3")
+    except ImportError as exc:  # (transformers before 5.19: its Idefics3 processor needs
+        # torchvision, which cannot load beside vLLM's CPU torch; seen with vLLM 0.31's venv)
+        if "orchvision" not in str(exc):
+            raise
+        pytest.skip("this transformers' Idefics3 image processor needs torchvision")
 
 
 class ImageServer:
