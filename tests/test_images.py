@@ -263,3 +263,10 @@ def test_the_vllm_engines_images_are_bounded_before_they_are_decoded():
     with pytest.raises(Rejected) as caught:
         decode_images([(b"GIF89a not really", "messages[0].content[0]")])
     assert caught.value.param == "messages[0].content[0]"
+    # the prompt's images together: each within its own bound, the second past the
+    # prompt's, refused by its header before any image is decompressed
+    big = png((0, 0, 0), 6000, 6000, rows=bytes(64))
+    with pytest.raises(Rejected) as caught:
+        decode_images([(big, "messages[0].content[0]"), (big, "messages[0].content[1]")])
+    assert caught.value.param == "messages[0].content[1]"
+    assert "together" in str(caught.value)

@@ -585,12 +585,22 @@ class VLLMEngine(HelperTokenizing):
                            "engine_error")
         if "images" not in self.info:
             raise Rejected(f"model {self.info['model']!r} takes text only", param="messages")
+        if params.get("truncate_prompt_tokens") is not None:  # (not applied to a prompt
+            # that vLLM's processor expands: refused, not ignored)
+            raise Rejected("truncate_prompt_tokens is not supported for a prompt with images",
+                           param="truncate_prompt_tokens")
         rendered, images = split_images(prompt)
         ids = self.encode(rendered, params.get("chat_template_kwargs"), params.get("tools"))
         pictures = decode_images(images)
         try:
+            # (skip_mm_cache: vLLM's sender-side cache of processed images assumes one
+            # rendering thread and every rendered prompt reaching the engine in render
+            # order (vllm/renderers/base.py); ours are rendered in several preparation
+            # threads, and one refused after rendering (its context) never reaches it.
+            # Not seen to fail here; off until the rendering is one thread: issue 46 item 3)
             [engine_input] = self._llm.renderer.render_cmpl(  # (vLLM's public path)
-                [{"prompt_token_ids": ids, "multi_modal_data": {"image": pictures}}])
+                [{"prompt_token_ids": ids, "multi_modal_data": {"image": pictures}}],
+                skip_mm_cache=True)
         except self._client_errors as exc:  # (the processor's own refusal: a client fault)
             raise Rejected(one_line(exc), param="messages") from None
         full = list(engine_input["prompt_token_ids"])

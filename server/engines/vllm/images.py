@@ -22,10 +22,12 @@ import io
 
 from ...workers.base import Rejected
 
-__all__ = ["MAX_IMAGE_PIXELS", "decode_images", "has_images", "split_images"]
+__all__ = ["MAX_IMAGE_PIXELS", "MAX_PROMPT_PIXELS", "decode_images", "has_images", "split_images"]
 
 #: The most pixels one image may have (a 8192 x 8192 image is 67M): past it, refused.
 MAX_IMAGE_PIXELS = 8192 * 8192
+#: The most pixels a prompt's images may have together (about 200 MB once decoded to RGB).
+MAX_PROMPT_PIXELS = 8192 * 8192
 
 
 def has_images(prompt: object) -> bool:
@@ -62,13 +64,17 @@ def split_images(prompt: dict) -> tuple[dict, list[tuple[bytes, str]]]:
     return {**prompt, "messages": messages}, images
 
 
-def decode_images(images: list[tuple[bytes, str]], max_pixels: int = MAX_IMAGE_PIXELS):
+def decode_images(images: list[tuple[bytes, str]], max_pixels: int = MAX_IMAGE_PIXELS,
+                  max_total: int = MAX_PROMPT_PIXELS):
     """PIL RGB images of ``images``; a Rejected (400) naming the part of one that cannot be
-    decoded or has more than ``max_pixels`` pixels (checked from its header, before its
-    pixels are decompressed)."""
+    decoded, has more than ``max_pixels`` pixels, or takes the prompt's images past
+    ``max_total`` pixels together. Every header is read and checked before any image's
+    pixels are decompressed: a bound per image alone let one 4 MiB body of tiny 1-bit
+    8192 x 8192 PNGs (8 KB each, 201 MB each decoded) ask for tens of gigabytes."""
     from PIL import Image
 
-    out = []
+    opened = []
+    total = 0
     for data, param in images:
         try:
             image = Image.open(io.BytesIO(data))
@@ -83,6 +89,13 @@ def decode_images(images: list[tuple[bytes, str]], max_pixels: int = MAX_IMAGE_P
         if width * height > max_pixels:
             raise Rejected(f"the image is {width} x {height} pixels, more than the "
                            f"{max_pixels} one image may have", param=param)
+        total += width * height
+        if total > max_total:
+            raise Rejected(f"the prompt's images have more than {max_total} pixels together "
+                           f"with this one ({width} x {height})", param=param)
+        opened.append((image, param))
+    out = []
+    for image, param in opened:
         try:
             image.load()
             out.append(image.convert("RGB"))
