@@ -9,6 +9,7 @@ served by the test on loopback, real time.
 from __future__ import annotations
 
 import base64
+import functools
 import struct
 import zlib
 
@@ -270,3 +271,36 @@ def test_the_vllm_engines_images_are_bounded_before_they_are_decoded():
         decode_images([(big, "messages[0].content[0]"), (big, "messages[0].content[1]")])
     assert caught.value.param == "messages[0].content[1]"
     assert "together" in str(caught.value)
+
+
+async def test_a_client_that_goes_away_cancels_its_fetch():
+    """A fetch runs under the request's cancellation monitor: the client's disconnect
+    closes the fetch's connection at once (the image server sees its end), long before
+    --media-fetch-timeout, and the fetch slot is free again."""
+    asked, closed = trio.Event(), trio.Event()
+
+    async def stall(stream: trio.SocketStream) -> None:
+        async with stream:
+            asked.set()
+            while await stream.receive_some(4096):  # (until the fetcher hangs up)
+                pass
+            closed.set()
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(functools.partial(trio.serve_tcp, stall, 0,
+                                                              host="127.0.0.1"))
+            port = listeners[0].socket.getsockname()[1]
+            async with running_server(IMAGES, media_fetch_timeout=3600.0, **LOOPBACK) as url:
+                body = {"model": "sim", "max_tokens": 4, "messages": [{"role": "user", "content": [
+                    image_part(f"http://127.0.0.1:{port}/slow.png")]}]}
+                async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                    async with trio.open_nursery() as client:
+                        client.start_soon(functools.partial(
+                            http.post, "/v1/chat/completions", json=body))
+                        await asked.wait()
+                        client.cancel_scope.cancel()  # (the client hangs up mid-fetch)
+                await closed.wait()
+                while url.app.media.statistics().borrowed_tokens:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()

@@ -135,7 +135,8 @@ async def handle_generate(
         if refused is not None:
             raise refused
         if has_images(req.prompts):  # (before the engine is asked anything)
-            await fetch_images(app.media, req.prompts)
+            if not await _fetch_images_watched(app, req.prompts, receive, record):
+                return  # the client went away: its fetches were cancelled
         if None in req.echoed:
             req = await echo_texts(engine, req)
         response_id = _response_id(record, req, scope, route, chat)
@@ -214,6 +215,25 @@ async def echo_texts(engine, req):
                                   param="echo", code=exc.code) from None
             echoed[i] = answer["prompt"]
     return dataclasses.replace(req, echoed=tuple(echoed))
+
+
+async def _fetch_images_watched(app, prompts: list, receive, record: RequestRecord) -> bool:
+    """Fetch the request's images (server.http.images) with the cancellation monitor
+    beside: a client that goes away cancels its fetches at once, rather than holding a
+    fetch slot up to --media-fetch-timeout for each of its images. False when it went
+    away; a fetch's error is raised as itself (not in a group)."""
+    failed: Exception | None = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, record)
+        try:
+            await fetch_images(app.media, prompts)
+        except Exception as exc:
+            failed = exc
+        finally:
+            nursery.cancel_scope.cancel()  # (the monitor, parked in receive: nothing lost)
+    if failed is not None:
+        raise failed
+    return not record.client_disconnected
 
 
 async def _watch_disconnect(receive, scope: trio.CancelScope, record: RequestRecord) -> None:
