@@ -171,6 +171,11 @@ async def test_two_images_and_one_too_many():
                                              image_part(data_url(BLUE))]}]))
             assert body["param"] == "messages[2].content[2]"  # the third image of the prompt
             assert body["code"] == "too_many_images"
+            # a part of another image type than OpenAI's: refused by its shape, not as if
+            # the model took no images
+            body = await refused(chat_tokens(client, [{"type": "image", "image": "x"}]))
+            assert body["param"] == "messages[0].content[0]"
+            assert "image_url" in body["message"] and "text only" not in body["message"]
 
 
 async def test_an_engine_without_images_refuses_naming_the_part_and_the_model():

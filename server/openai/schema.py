@@ -293,6 +293,10 @@ def _content(content, index: int, images: int, model: object) -> str | list:
                 refs = True
                 continue
             if isinstance(kind, str) and kind in _PART_KINDS:  # (a list is not hashable)
+                if _PART_KINDS[kind] == "image" and images:  # (a vision model: the shape)
+                    raise ClientError(f"Content parts of type '{kind}' are not supported; "
+                                      "send an image as an 'image_url' part.",
+                                      param=f"{param}[{j}]")
                 if _PART_KINDS[kind] == "image" and model is not None:
                     raise refuse_image(kind, f"{param}[{j}]", model)
                 raise ClientError(
