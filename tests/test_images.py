@@ -309,3 +309,33 @@ async def test_a_client_that_goes_away_cancels_its_fetch():
                 while url.app.media.statistics().borrowed_tokens:
                     await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
+
+
+async def test_a_pool_of_text_and_vision_workers_sends_images_to_the_vision_ones(tmp_path):
+    """Two listening workers, the first text only: the pool takes image parts (a vision
+    worker says it does), and round robin sends every image request to the vision worker
+    (the text one would refuse it), while text requests go to both."""
+    from contextlib import AsyncExitStack
+
+    from tests.remote import listening_worker, remote_config
+
+    with trio.fail_after(120):
+        async with AsyncExitStack() as stack:
+            text = await stack.enter_async_context(listening_worker(tmp_path, name="text"))
+            vision = await stack.enter_async_context(listening_worker(
+                tmp_path, "127.0.0.1:0", "--sim-image-tokens", str(IMAGE_TOKENS), name="vision"))
+            config = remote_config(text, vision, routing="round-robin")
+            async with running_server(config) as url:
+                client = client_of(url)
+                for _ in range(2):  # one to each worker
+                    plain, _ = await chat_tokens(client, [{"type": "text", "text": "describe"}])
+                red = [{"type": "text", "text": "describe"}, image_part(data_url(RED))]
+                for _ in range(4):  # (round robin alone would alternate)
+                    assert (await chat_tokens(client, red))[0] == plain + IMAGE_TOKENS
+                async with httpx.AsyncClient() as http:
+                    metrics = (await http.get(url + "/metrics")).text
+    # text requests went to both workers (round robin), image requests to the vision one
+    served = {line.split('worker="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+              for line in metrics.splitlines()
+              if line.startswith("trio_llm:routed_requests_total{")}
+    assert served == {"0": 1.0, "1": 5.0}, served

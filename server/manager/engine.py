@@ -35,7 +35,7 @@ from ..worker_protocol.kv_blocks import seed_of
 from .deadlines import QUEUE_TIMEOUT, DeadlineQueue
 from .kv_index import prefix_tokens
 from .migration import MigrationStatistics, Migrator
-from .routing import Blocks, Decision, Router, RouterStatistics
+from .routing import Blocks, Decision, Router, RouterStatistics, has_image_parts
 from .stream import Choice, RequestStream, Waker
 from .unwrap import body_errors_unwrapped
 from .worker import WorkerClient, WorkerStartupError
@@ -171,11 +171,20 @@ class Engine:
 
     @property
     def info(self) -> dict:
-        """The engine's HELLO info (model, max_model_len, chat_template, ...)."""
+        """The engine's HELLO info (model, max_model_len, chat_template, ...): the first
+        worker's. In a pool of text and vision workers, with the ``images`` of the first
+        that takes images: image requests are accepted, and routed to those workers only
+        (:meth:`_route`)."""
+        first = None
         for w in self.workers:
             if w.info:
-                return w.info
-        return {}
+                if first is None:
+                    first = w.info
+                    if "images" in first:
+                        return first
+                elif "images" in w.info:
+                    return {**first, "images": w.info["images"]}
+        return first or {}
 
     def generate(
         self,
@@ -223,7 +232,8 @@ class Engine:
         wire_params = [params.to_wire(i) for i in range(n)]
         key = wire_params[0] if n else {}
         blocks, scores = self._scores(prompts[0] if prompts else None, key, adapter)
-        worker, decision = self._route(blocks.hashes, scores=scores)
+        worker, decision = self._route(blocks.hashes, scores=scores,
+                                       images=any(map(has_image_parts, prompts)))
         # each prompt's blocks, for the prediction (and the worker's other frontends)
         hashes = [blocks.hashes] + [
             router.blocks(*self._route_key(prompt, key, adapter)).hashes
@@ -347,17 +357,21 @@ class Engine:
 
     def _route(
         self, hashes: list[bytes], exclude: Sequence[int] = (), *, draining_ok: bool = False,
-        scores: list[int] | None = None,
+        scores: list[int] | None = None, images: bool = False,
     ) -> tuple[WorkerClient, Decision]:
+        """The worker for a request: of the routable ones, not in ``exclude`` and, for a
+        request with ``images``, one whose HELLO says it takes images."""
         if not self._accepting and not draining_ok:
             raise ServiceUnavailable("the server is shutting down", code="shutting_down")
         router = self.router
         self._forget_restarted()
         # a shared worker's load counts the other frontends' requests (from its PONGs)
-        decision = router.pick(hashes, [w.load if w.routable else None for w in self.workers],
-                               exclude, scores)
+        loads = [w.load if w.routable and (not images or "images" in w.info) else None
+                 for w in self.workers]
+        decision = router.pick(hashes, loads, exclude, scores)
         if decision is None:
-            raise ServiceUnavailable("no engine worker is available", code="no_worker")
+            what = "that takes images " if images else ""
+            raise ServiceUnavailable(f"no engine worker {what}is available", code="no_worker")
         return self.workers[decision.worker], decision
 
     def _forget_restarted(self) -> None:

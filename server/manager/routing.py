@@ -53,7 +53,8 @@ from ..worker_protocol.kv_blocks import leading
 
 __all__ = [
     "POLICIES", "BLOCK_CHARS", "BLOCK_TOKENS", "DEFAULT_BALANCE", "Blocks", "Decision",
-    "PrefixIndex", "Router", "RouterStatistics", "canonical_text", "prompt_blocks",
+    "PrefixIndex", "Router", "RouterStatistics", "canonical_text", "has_image_parts",
+    "prompt_blocks",
 ]
 
 #: The routing policies (``--routing``).
@@ -96,6 +97,19 @@ def canonical_text(prompt: object) -> str | None:
                                     default=str))
         return "\n".join(lines) + "\n"
     return None
+
+
+def has_image_parts(prompt: object) -> bool:
+    """Whether a chat prompt (``{"messages": [...]}``) holds an image part: only a worker
+    that takes images may run it (a pool may mix text and vision workers)."""
+    if type(prompt) is not dict:
+        return False
+    for message in prompt.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if type(content) is list and any(
+                isinstance(p, dict) and p.get("type") == "image" for p in content):
+            return True
+    return False
 
 
 def _by_digest(message: object) -> object:
