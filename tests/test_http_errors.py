@@ -196,23 +196,25 @@ async def test_a_bug_of_ours_mid_stream_ends_the_stream_with_an_error_event(monk
     # Seed (a): an exception raised by the server's own code into a started stream must not
     # crash it or the server: the stream ends with an error event and data: [DONE], the
     # request is aborted on the engine, and the next request is served.
-    from server.openai.encode import ChunkEncoder
+    from server.connections import sink
+    from server.openai import encode
     from tests.sse_record import SSE, stream_into
 
-    real = ChunkEncoder.delta
+    real = encode.text_json
     calls = 0
 
-    def faulty(self, index, text, finish_reason=None):
+    def faulty(text):
         nonlocal calls
         calls += 1
         # A test-only fault, a few events into the stream, there to stay: the router
         # meets it first (server.connections.sink writes plain text events) and must go on
-        # routing; the request's task meets it next and ends the stream.
+        # routing; the request's task meets it next (ChunkEncoder.delta) and ends the stream.
         if calls >= 5:
             raise RuntimeError("a bug in the encoder")
-        return real(self, index, text, finish_reason)
+        return real(text)
 
-    monkeypatch.setattr(ChunkEncoder, "delta", faulty)
+    for module in (encode, sink):
+        monkeypatch.setattr(module, "text_json", faulty)
     async with running_server() as url:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             rec = SSE()
@@ -220,7 +222,8 @@ async def test_a_bug_of_ours_mid_stream_ends_the_stream_with_an_error_event(monk
             assert rec.status == 200 and rec.done
             assert rec.error()["type"] == "engine_error" and "Traceback" not in rec.body.decode()
             assert 0 < rec.tokens() < 500
-            monkeypatch.setattr(ChunkEncoder, "delta", real)
+            for module in (encode, sink):
+                monkeypatch.setattr(module, "text_json", real)
             r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
             assert r.status_code == 200
         # running_server checks that nothing is left in the manager or the worker

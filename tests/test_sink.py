@@ -11,11 +11,14 @@ import json
 import httpx
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import server
 from server.config import EngineConfig
-from server.openai.encode import ChunkEncoder
+from server.openai.encode import ChunkEncoder, dumps, text_json
 from server.connections.http11 import DirectBody
+from server.connections.sink import TextSink
 from tests.conftest import FAST_SIM, running_server
 from tests.fakes import open_fake_engine, sim_config
 
@@ -72,13 +75,13 @@ async def test_plain_text_events_are_written_by_the_router_byte_for_byte(monkeyp
     # Real processes on real time: how the engine's steps fall into events depends on the
     # load (a busy consumer merges steps), so what is compared is the text, the usage and
     # the bytes of each event, never where the events split.
-    real = DirectBody.write_nowait
+    real = DirectBody.write_parts_nowait
     direct: list[bytes] = []
 
-    def recording(self, body):
-        rest = real(self, body)
+    def recording(self, head, middle, tail):
+        rest = real(self, head, middle, tail)
         if rest == b"":
-            direct.append(body)
+            direct.append(head + middle + tail)
         return rest
 
     body = {"prompt": "a b c", "max_tokens": 100, "stream": True, "seed": 3,
@@ -90,11 +93,11 @@ async def test_plain_text_events_are_written_by_the_router_byte_for_byte(monkeyp
     config = EngineConfig(engine_options={**FAST_SIM, "itl_ms": 10.0}, stream_interval=interval)
     async with running_server(config) as url:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-            monkeypatch.setattr(DirectBody, "write_nowait", recording)
+            monkeypatch.setattr(DirectBody, "write_parts_nowait", recording)
             with trio.fail_after(20):
                 fast = await _stream(http, body)
             # without the extension's writes: the request's task writes every event
-            monkeypatch.setattr(DirectBody, "write_nowait", lambda self, body: None)
+            monkeypatch.setattr(DirectBody, "write_parts_nowait", lambda self, *parts: None)
             with trio.fail_after(20):
                 slow = await _stream(http, body)
     assert fast.endswith(b"data: [DONE]\n\n") and slow.endswith(b"data: [DONE]\n\n")
@@ -111,6 +114,62 @@ async def test_plain_text_events_are_written_by_the_router_byte_for_byte(monkeyp
         assert all(raw == _what_the_task_writes(c) for raw, c in events[name]), name
     raw_events = {raw for raw, _ in events["fast"]}
     assert direct and all(chunk in raw_events for chunk in direct), direct
+
+
+#: Text as an engine may make it: any code point, lone surrogates and the line breaks JSON
+#: leaves raw (escaped here) included.
+_TEXTS = st.text(st.characters(exclude_categories=())) | st.sampled_from(
+    ["", "\x85", "a\u2028b", "\u2029", '"\\\n\t\x00', "\ud800", "é\u2028\ud83d"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(text=_TEXTS, chat=st.booleans(), index=st.integers(0, 12))
+def test_the_sinks_parts_make_the_tasks_event_byte_for_byte(text, chat, index):
+    # The sink builds each event from parts made once; the task calls delta: same bytes,
+    # and the same refusal (a lone surrogate) that hands the text back to the task.
+    enc = ChunkEncoder(chat=chat, response_id="cmpl-1", created=1700000000, model="m")
+    head, tail = enc.text_parts(index)
+    try:
+        expected = enc.delta(index, text)
+    except UnicodeEncodeError:
+        with pytest.raises(UnicodeEncodeError):
+            text_json(text)
+        return
+    assert head + text_json(text) + tail == expected
+    assert text_json(text) == dumps(text)  # (the encoder of every other JSON answer)
+    # one SSE line for every line splitter, and the text as sent
+    assert expected.endswith(b"}\n\n") and len(expected[:-2].decode().splitlines()) == 1
+    assert json.loads(expected[6:])["choices"][0]["delta" if chat else "text"] == (
+        {"content": text} if chat else text)
+
+
+class _Choice:
+    def __init__(self, text: str, index: int = 0) -> None:
+        self.index, self.text, self.ntok = index, text, 1
+
+
+class _Body:
+    """A DirectBody's write, recorded (the bytes it would frame: head + middle + tail)."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def write_parts_nowait(self, head: bytes, middle: bytes, tail: bytes) -> bytes:
+        self.written.append(head + middle + tail)
+        return b""
+
+
+def test_the_sink_writes_each_choices_event_and_hands_back_what_it_cannot_encode():
+    enc = ChunkEncoder(chat=True, response_id="chatcmpl-1", created=1700000000, model="m")
+    body = _Body()
+    itl: list[float] = []
+    sink = TextSink(body, enc, itl.append, last=0.0)  # type: ignore[arg-type]
+    first, other, bad = _Choice(" a\u2028"), _Choice(" b", index=2), _Choice("\ud800")
+    assert sink(first) and sink(other)
+    assert body.written == [enc.delta(0, " a\u2028"), enc.delta(2, " b")]
+    assert (first.text, first.ntok, len(itl)) == ("", 0, 2)
+    assert not sink(bad)  # left as it was: the request's task meets it (an error event)
+    assert (bad.text, bad.ntok, len(body.written)) == ("\ud800", 1, 2)
 
 
 async def _first_then_rest(engine, sink, max_tokens: int):

@@ -177,6 +177,10 @@ class ServingConnection(ConnectionHooks):
         self._idle_scope: trio.CancelScope | None = None
         #: Writes held to go out together (:meth:`hold_writes`), or None: written at once.
         self._held: list[bytes] | None = None
+        #: The socket's descriptor, asked at each write (-1 once it is closed), and the lock
+        #: of the slow way's writes (looked up once: :meth:`write_nowait` runs per event).
+        self._fileno = stream.socket.fileno
+        self._locked = self.send_lock.locked
 
     async def run(self) -> None:
         """Serve the connection until it closes; errors of the protocol propagate (the
@@ -315,11 +319,11 @@ class ServingConnection(ConnectionHooks):
         are held (:meth:`hold_writes`, even before any is), or the connection is broken or
         closed: the slow way finds out which). A partial write must be completed with
         :meth:`send_torn` before anything else is written."""
-        if self._held is not None or self.send_lock.locked():
+        if self._held is not None or self._locked():
             return 0
         try:
             # fileno() is -1 once the socket is closed: the write then fails (EBADF).
-            return os.write(self.stream.socket.fileno(), data)
+            return os.write(self._fileno(), data)
         except OSError:  # a full buffer (EAGAIN), or a broken or closed connection
             return 0
 

@@ -234,6 +234,8 @@ def _peer(client) -> str:
     return f"{client[0]}:{client[1]}"
 
 
+_RESPONSE = ASGIHTTPState.RESPONSE
+
 #: The ASGI scope extension of :class:`DirectBody` (only this server's connections have it).
 DIRECT_BODY = "trio_llm.direct_body"
 
@@ -263,7 +265,8 @@ class DirectBody:
 
     def usable(self) -> bool:
         """Whether a chunked body is in progress (not an HTTP/1.0 or Content-Length body,
-        not before the head or after the last chunk): only then can it write."""
+        not before the head or after the last chunk): only then can it write.
+        (:meth:`write_parts_nowait` repeats these tests inline: change both.)"""
         stream = self._stream()
         protocol = self._protocol()
         return (
@@ -277,9 +280,23 @@ class DirectBody:
         in progress, another write under way, a full socket buffer, a broken connection:
         send it the usual way), ``b""`` when all of it was, else the rest of the framed
         chunk, which must go next, with :meth:`send_torn`."""
-        if not body or not self.usable():
+        return self.write_parts_nowait(b"", body, b"")
+
+    def write_parts_nowait(self, head: bytes, middle: bytes, tail: bytes) -> bytes | None:
+        """:meth:`write_nowait` of ``head + middle + tail``, framed in one step: the
+        router's sink writes every streamed event through this, so it copies the event
+        once and repeats :meth:`usable`'s tests inline rather than calling it."""
+        stream = self._stream()
+        protocol = self._protocol()
+        if (
+            stream is None or protocol is None or not stream.body_ok or not protocol.chunked
+            or stream.closed or stream.state is not _RESPONSE
+        ):
             return None
-        data = chunk(body)
+        size = len(head) + len(middle) + len(tail)
+        if not size:
+            return None
+        data = b"%x\r\n%b%b%b\r\n" % (size, head, middle, tail)
         sent = self._connection.write_nowait(data)
         if sent <= 0:
             return None

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ..openai.encode import ChunkEncoder
+from ..openai.encode import ChunkEncoder, text_json
 from ..openai.responses_events import ResponseEvents
 from .http11 import DirectBody
 
@@ -49,13 +49,18 @@ _now = time.perf_counter
 
 
 class TextSink:
-    """The router's writer of one plain stream's text (``RequestStream.set_sink``)."""
+    """The router's writer of one plain stream's text (``RequestStream.set_sink``).
 
-    __slots__ = ("_body", "_delta", "_observe_itl", "last", "torn")
+    It writes what ``enc.delta(index, text)`` would make, built from parts made once
+    (:meth:`ChunkEncoder.text_parts`): per event, only the text is encoded."""
+
+    __slots__ = ("_body", "_enc", "_index", "_head", "_tail", "_observe_itl", "last", "torn")
 
     def __init__(self, body: DirectBody, enc: ChunkEncoder, observe_itl, last: float) -> None:
         self._body = body
-        self._delta = enc.delta
+        self._enc = enc
+        self._index = 0
+        self._head, self._tail = enc.text_parts(0)
         self._observe_itl = observe_itl
         #: When the last event with tokens went out (perf_counter), for inter-token latency;
         #: shared with the task, which writes the others.
@@ -64,11 +69,14 @@ class TextSink:
         self.torn = b""
 
     def __call__(self, choice) -> bool:
+        if choice.index != self._index:  # (a plain stream has one choice: not met)
+            self._index = choice.index
+            self._head, self._tail = self._enc.text_parts(choice.index)
         try:
-            data = self._delta(choice.index, choice.text)
+            text = text_json(choice.text)
         except Exception:  # a bug of ours: the task meets it too, and ends the stream with
             return False  # an error event; the router (every other stream) goes on
-        rest = self._body.write_nowait(data)
+        rest = self._body.write_parts_nowait(self._head, text, self._tail)
         if rest is None:
             return False  # not written: the task sends it the usual way
         # Written (maybe in part): from here the choice must say so, whatever follows.

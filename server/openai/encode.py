@@ -26,7 +26,7 @@ import msgspec
 from ..errors import ServerError, error_body
 
 __all__ = ["ChunkEncoder", "DONE", "completion_body", "dumps", "dumps_document", "dumps_sliced",
-           "error_event"]
+           "error_event", "text_json"]
 
 #: The last event of every stream.
 DONE = b"data: [DONE]\n\n"
@@ -47,6 +47,20 @@ def _dumps(obj) -> str:
     if text.isascii() or not ("\x85" in text or "\u2028" in text or "\u2029" in text):
         return text
     return text.translate(_BREAKS)
+
+
+#: What ``_json`` does with a ``str`` (ensure_ascii off), without its Python-level type tests.
+_encode_str = json.encoder.encode_basestring
+
+
+def text_json(text: str) -> bytes:
+    """``_dumps(text).encode()`` for a ``str``: a streamed delta's text as a JSON string.
+    One C call instead of the encoder's Python-level dispatch (once per streamed event).
+    Strict like ``delta``: a lone surrogate raises UnicodeEncodeError."""
+    quoted = _encode_str(text)
+    if not quoted.isascii() and ("\x85" in quoted or "\u2028" in quoted or "\u2029" in quoted):
+        quoted = quoted.translate(_BREAKS)
+    return quoted.encode()
 
 
 def dumps(obj) -> bytes:
@@ -152,9 +166,15 @@ class ChunkEncoder:
                 + _finish(finish_reason) + b"}]}\n\n"
             )
         return (
-            self._head + str(index).encode() + self._mid + _dumps(text).encode()
+            self._head + str(index).encode() + self._mid + text_json(text)
             + self._tail + _finish(finish_reason) + b"}]}\n\n"
         )
+
+    def text_parts(self, index: int) -> tuple[bytes, bytes]:
+        """The bytes before and after the text of choice ``index``'s deltas that do not
+        finish: ``head + text_json(text) + tail == delta(index, text)``. For a writer of
+        many such events (the router's sink), which builds the fixed parts once."""
+        return self._head + str(index).encode() + self._mid, self._tail + b"null}]}\n\n"
 
     def delta_logprobs(
         self, index: int, text: str, finish_reason: str | None, logprobs: dict | None
