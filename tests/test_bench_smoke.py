@@ -34,6 +34,7 @@ NEEDS = {
     "gpu_vllm.py": _TRANSFORMERS,
     "grammar_cost.py": (*_TRANSFORMERS, "xgrammar"),
     "hf_step.py": _TRANSFORMERS,
+    "image_cost.py": (*_TRANSFORMERS, "vllm", "PIL"),
     "long_steps.py": _TRANSFORMERS,
     "schema_corpus.py": _TRANSFORMERS,
     "schema_validity.py": (*_TRANSFORMERS, "xgrammar", "jsonschema"),
