@@ -282,8 +282,12 @@ async def test_a_real_worker_sends_a_big_answer_in_parts_that_the_frontend_joins
     prompt = "a" * (BIG + 50_000)  # one id per "a" with this tokenizer: checked below
     expected = AutoTokenizer.from_pretrained(path)(prompt, add_special_tokens=False)["input_ids"]
     assert len(expected) * 4 >= wire.BIG_FRAME
+    # Tokenized in the worker's preparation thread, not in its helper process: a big RESULT
+    # goes in parts whichever made it (the helper's big answers: test_worker_prepare.py),
+    # and the helper's start-up (it imports transformers, so torch) was most of this test.
     config = EngineConfig(engine="transformers", drain_timeout=5.0, startup_timeout=LIMIT,
-                          engine_options={"model_path": str(path), "num_threads": 1})
+                          engine_options={"model_path": str(path), "num_threads": 1,
+                                          "prepare_process": False})
     with trio.fail_after(LIMIT):
         async with open_real_engine(config) as (engine, spawn):
             # A stream running meanwhile, ended (its rows are not what this test shows:
