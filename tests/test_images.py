@@ -278,6 +278,34 @@ def test_the_vllm_engines_images_are_bounded_before_they_are_decoded():
     assert "together" in str(caught.value)
 
 
+def test_the_vllm_engine_keys_images_by_their_checked_digest_and_skips_known_ones():
+    """server.engines.vllm.images without vLLM: each image's SHA-256 (vLLM's uuid for it,
+    the key of its caches) checked against its bytes; an image vLLM holds processed is
+    header-checked like any other but not decompressed (None in its place)."""
+    pytest.importorskip("PIL")
+    import hashlib
+
+    from server.engines.vllm.images import decode_images, image_digests
+    from server.workers.base import Rejected
+
+    red, blue = hashlib.sha256(RED).hexdigest(), hashlib.sha256(BLUE).hexdigest()
+    prompt = {"messages": [{"role": "user", "content": [
+        {"type": "image", "data": RED, "sha256": red}, {"type": "text", "text": "a"},
+        {"type": "image", "data": BLUE, "sha256": blue}]}]}
+    assert image_digests(prompt) == [red, blue]
+    prompt["messages"][0]["content"][2]["sha256"] = red  # (another image's digest)
+    with pytest.raises(Rejected) as caught:
+        image_digests(prompt)
+    assert caught.value.param == "messages[0].content[2]"
+    images = [(RED, "messages[0].content[0]"), (BLUE, "messages[0].content[2]")]
+    first, second = decode_images(images, skip={0})
+    assert first is None and second.size == (3, 2)
+    bomb = png((0, 0, 0), 9000, 9000, rows=bytes(64))
+    with pytest.raises(Rejected) as caught:  # (known or not, the same refusal)
+        decode_images([(bomb, "messages[0].content[0]")], skip={0})
+    assert caught.value.param == "messages[0].content[0]"
+
+
 async def test_a_client_that_goes_away_cancels_its_fetch():
     """A fetch runs under the request's cancellation monitor: the client's disconnect
     closes the fetch's connection at once (the image server sees its end), long before

@@ -99,11 +99,12 @@ from ...workers.hub import model_files
 from ...workers.prep_helper import PROCESS_BYTES, HelperTokenizing
 from ...workers.resume import resume_of
 from .resume import ResumedText, not_resumable
-from .images import decode_images, has_images, split_images
+from .images import decode_images, has_images, image_digests, split_images
 from .core import LIVENESS
 from .private_api import (
     detokenizer_class,
     outputs_queue,
+    processed_images,
     problems,
     replace_grammar_pool,
     shut_down,
@@ -489,6 +490,8 @@ class VLLMEngine(HelperTokenizing):
             # a vision model, on a vLLM whose renderer takes our inputs (0.32): image parts
             # (server.engines.vllm.images)
             self.info["images"] = {"per_prompt": images}
+        #: Whether vLLM's processor cache holds an image, by its SHA-256 (None: not known).
+        self._processed_image = processed_images(self._llm)
         if self._events is not None:  # the frontend's exact prefix index (docs/routing.md)
             self.info["kv_events"] = {"block_size": int(config.cache_config.block_size)}
         #: Requests vLLM holds for us (added, not finished or aborted).
@@ -590,17 +593,31 @@ class VLLMEngine(HelperTokenizing):
             raise Rejected("truncate_prompt_tokens is not supported for a prompt with images",
                            param="truncate_prompt_tokens")
         rendered, images = split_images(prompt)
+        digests = image_digests(prompt)
         ids = self.encode(rendered, params.get("chat_template_kwargs"), params.get("tools"))
-        pictures = decode_images(images)
-        try:
-            # (skip_mm_cache: vLLM's sender-side cache of processed images assumes one
-            # rendering thread and every rendered prompt reaching the engine in render
-            # order (vllm/renderers/base.py); ours are rendered in several preparation
-            # threads, and one refused after rendering (its context) never reaches it.
-            # Not seen to fail here; off until the rendering is one thread: issue 46 item 3)
+        known = self._processed_image
+        processed = {k for k, d in enumerate(digests) if known is not None and known(d)}
+        pictures = decode_images(images, skip=processed)
+
+        def render(pictures: list) -> dict:
+            # (skip_mm_cache: vLLM's sender-side cache mirrors the engine core's and
+            # assumes one rendering thread whose every prompt reaches the engine in order
+            # (vllm/renderers/base.py); ours render in several preparation threads, and
+            # one refused after rendering (its context) never reaches it. The processor
+            # cache it uses instead is keyed by the image alone: server.engines.vllm.images)
             [engine_input] = self._llm.renderer.render_cmpl(  # (vLLM's public path)
-                [{"prompt_token_ids": ids, "multi_modal_data": {"image": pictures}}],
-                skip_mm_cache=True)
+                [{"prompt_token_ids": ids, "multi_modal_data": {"image": pictures},
+                  "multi_modal_uuids": {"image": digests}}], skip_mm_cache=True)
+            return engine_input
+
+        try:
+            try:
+                engine_input = render(pictures)
+            except ValueError:
+                if not processed:
+                    raise
+                # (evicted from vLLM's cache since the look: decompressed after all)
+                engine_input = render(decode_images(images))
         except self._client_errors as exc:  # (the processor's own refusal: a client fault)
             raise Rejected(one_line(exc), param="messages") from None
         full = list(engine_input["prompt_token_ids"])

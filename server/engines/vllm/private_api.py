@@ -47,6 +47,10 @@ from_new_request`` given a                 exactly vLLM's                  resum
 ``sampling_params``); its ``update``,
 ``get_next_output_text``,
 ``num_output_tokens``, ``output_text``
+``BaseRenderer._mm_processor_only_cache``  an image vLLM has processed is  every image
+(the processor cache ``render_cmpl(        not decompressed again          decompressed, then
+skip_mm_cache=True)`` uses), its           (:func:`processed_images`;      found in vLLM's
+``is_cached_item`` (vLLM 0.32: images)     server.engines.vllm.images)     cache all the same
 ``vllm.utils.ompmultiprocessing.           the cores vLLM's CPU build      torch's threads left
 OMPProcessManager`` (``cpu_lists``,        binds its model to              as they are
 ``skip_setup``), the mark                  (:mod:`.torch_threads`); vLLM's
@@ -86,6 +90,7 @@ __all__ = [
     "omp_cpu_bound",
     "outputs_queue",
     "problems",
+    "processed_images",
     "replace_grammar_pool",
     "set_torch_threads",
     "shut_down",
@@ -146,6 +151,17 @@ def missing_names() -> list[str]:
     with ThreadPoolExecutor(1) as pool:
         if not isinstance(getattr(pool, "_max_workers", None), int):
             missing.append("ThreadPoolExecutor._max_workers")
+    try:  # (images are on from 0.32, whose renderer this is)
+        from vllm.renderers.base import BaseRenderer
+    except ImportError:
+        pass
+    else:
+        if not _assigned_in(BaseRenderer, "_mm_processor_only_cache"):
+            missing.append("BaseRenderer._mm_processor_only_cache")
+        else:
+            from vllm.multimodal.cache.base import MultiModalProcessorOnlyCache
+            if not hasattr(MultiModalProcessorOnlyCache, "is_cached_item"):
+                missing.append("MultiModalProcessorOnlyCache.is_cached_item")
     try:
         from vllm.utils.ompmultiprocessing import OMPProcessManager
     except ImportError:
@@ -168,6 +184,18 @@ def problems() -> str | None:
     if missing:
         found.append("missing: " + ", ".join(missing))
     return "; ".join(filter(None, found)) or None
+
+
+# -- images ----------------------------------------------------------------------------------
+
+
+def processed_images(llm) -> Callable[[str], bool] | None:
+    """Whether vLLM's processor cache holds an image's processed form, by the image's uuid
+    (its SHA-256: server.engines.vllm.images); None where this vLLM has no such cache (or
+    it is off: ``mm_processor_cache_gb=0``)."""
+    cache = getattr(getattr(llm, "renderer", None), "_mm_processor_only_cache", None)
+    held = getattr(cache, "is_cached_item", None)
+    return held if callable(held) else None
 
 
 # -- the engine core's outputs (multiprocess client) ------------------------------------------
