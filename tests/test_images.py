@@ -367,3 +367,75 @@ async def test_a_pool_of_text_and_vision_workers_sends_images_to_the_vision_ones
               for line in metrics.splitlines()
               if line.startswith("trio_llm:routed_requests_total{")}
     assert served == {"0": 1.0, "1": 5.0}, served
+
+
+class HeldImageServer(ImageServer):
+    """An :class:`ImageServer` that answers no GET until ``hold`` have arrived (never, by
+    default); counts the connections the fetcher closed while held."""
+
+    def __init__(self, body: bytes, hold: float = float("inf")) -> None:
+        super().__init__(body)
+        self.hold = hold
+        self.arrived = trio.Event()
+        self.closed = 0
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                data = await stream.receive_some(4096)
+                if not data:
+                    return
+                head += data
+            self.requests += 1
+            if self.requests >= self.hold:
+                self.arrived.set()
+            async with trio.open_nursery() as nursery:
+                async def watch() -> None:
+                    if not await stream.receive_some(1):  # the fetcher hung up
+                        self.closed += 1
+                    nursery.cancel_scope.cancel()
+                nursery.start_soon(watch)
+                await self.arrived.wait()
+                nursery.cancel_scope.cancel()
+            if self.requests >= self.hold:
+                await stream.send_all(
+                    f"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: "
+                    f"{len(self.body)}\r\nConnection: close\r\n\r\n".encode() + self.body)
+
+
+async def test_a_requests_images_are_fetched_at_once():
+    """Two URLs whose server answers neither until both are asked: fetched one after the
+    other, the first would wait out --media-fetch-timeout and be a 400."""
+    server = HeldImageServer(RED, hold=2)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run)
+            async with running_server(IMAGES, **LOOPBACK, media_fetch_timeout=20) as url:
+                client = client_of(url)
+                plain, _ = await chat_tokens(client, [{"type": "text", "text": "describe"}])
+                tokens, _ = await chat_tokens(client, [
+                    {"type": "text", "text": "describe"}, image_part(server.url("/a.png")),
+                    image_part(server.url("/b.png"))])
+                assert tokens == plain + 2 * IMAGE_TOKENS and server.requests == 2
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_refused_image_cancels_the_requests_other_fetches():
+    """The first URL's server never answers, the second URL's host is not allowed: the
+    request is a 400 naming the second at once, and the first fetch is cancelled (its
+    connection closed), not left to --media-fetch-timeout."""
+    server = HeldImageServer(RED)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run)
+            async with running_server(IMAGES, **LOOPBACK, media_fetch_timeout=30) as url:
+                client = client_of(url)
+                body = await refused(chat_tokens(client, [
+                    image_part(server.url()), image_part("http://not-listed.invalid/a.png")]))
+                assert body["param"] == "messages[0].content[1].image_url.url"
+                assert body["code"] == "media_refused"
+                with trio.fail_after(20):  # (a hang guard: the close follows the 400)
+                    while server.closed < server.requests:
+                        await trio.sleep(0.02)
+            nursery.cancel_scope.cancel()

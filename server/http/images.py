@@ -3,16 +3,20 @@
 A generation route parses without IO (server.openai.images leaves an
 :class:`~server.openai.images.ImageRef` in each message's content). Before the engine is
 asked anything, :func:`fetch_images` fetches every ref with the app's
-:class:`~server.media.MediaFetcher`, one after the other, in the request's task: a client
-that goes away cancels the fetch, and a refused or failed fetch is the request's 400
-naming the URL's field. Each ref is replaced, in place, by the wire part
-``{"type": "image", "data": bytes, "sha256": hex}`` (docs/protocol.md, "Images").
+:class:`~server.media.MediaFetcher`, all at once, in a nursery of the request's task: a
+client that goes away cancels the fetches, and a refused or failed fetch cancels the
+others and is the request's 400 naming its URL's field. A request's images so cost the
+slowest fetch, not the sum (each fetch still takes one of ``--max-media-fetches``). Each
+ref is replaced, in place, by the wire part ``{"type": "image", "data": bytes, "sha256":
+hex}`` (docs/protocol.md, "Images").
 
 The images of one request travel in one SUBMIT frame, so their bytes together are
 bounded below the frame's limit (a 400 naming the part that passes it).
 """
 
 from __future__ import annotations
+
+import trio
 
 from ..errors import ClientError
 from ..openai.images import ImageRef, wire_image
@@ -47,14 +51,30 @@ async def fetch_images(fetcher, prompts: list) -> int:
     """Fetch every image ref of ``prompts`` and put its wire part in its place; the
     number fetched. Raises a :class:`~server.media.MediaError` (400) naming the URL's
     field, or a ClientError when their bytes together pass :data:`MAX_IMAGE_BYTES`."""
+    refs = list(_refs(prompts))
+    images: list = [None] * len(refs)
+    refused: dict[int, ClientError] = {}
+
+    async def fetch(k: int, ref: ImageRef, scope: trio.CancelScope) -> None:
+        try:
+            images[k] = await fetcher.fetch_image(ref.url, param=ref.url_param)
+        except ClientError as exc:  # the request's 400: the other fetches are for nothing
+            refused[k] = exc
+            scope.cancel()
+
+    if len(refs) == 1:
+        images[0] = await fetcher.fetch_image(refs[0][2].url, param=refs[0][2].url_param)
+    else:
+        async with trio.open_nursery() as nursery:
+            for k, (_, _, ref) in enumerate(refs):
+                nursery.start_soon(fetch, k, ref, nursery.cancel_scope)
+        if refused:
+            raise refused[min(refused)]
     total = 0
-    count = 0
-    for content, j, ref in list(_refs(prompts)):
-        image = await fetcher.fetch_image(ref.url, param=ref.url_param)
+    for (content, j, ref), image in zip(refs, images):
         total += len(image.data)
         if total > MAX_IMAGE_BYTES:
             raise ClientError(f"The request's images are more than {MAX_IMAGE_BYTES} bytes "
                               "together.", param=ref.param, code="media_too_large")
         content[j] = wire_image(image.data, image.sha256)
-        count += 1
-    return count
+    return len(refs)
