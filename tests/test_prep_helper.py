@@ -142,35 +142,3 @@ async def test_a_dead_helper_fails_only_what_it_held(model_dir):
             after = hf.statistics().workers[0]
             assert (after.pid, after.restarts) == (worker.pid, 0)
     assert not pid_exists(worker.pid)
-
-
-async def test_a_big_tokenize_answer_comes_whole_through_the_frontend(model_dir):
-    """A real worker answers a /tokenize of 1.1M ids (a RESULT frame over
-    wire.BIG_FRAME, its ids packed, which the frontend decodes beside its router): the ids
-    are the tokenizer's, and a stream on the same worker runs beside it to its end."""
-    from transformers import AutoTokenizer
-
-    config = server.EngineConfig(
-        engine="transformers",
-        engine_options={"model_path": str(model_dir), "num_threads": 1,
-                        "prepare_process_nice": 0},
-        heartbeat_interval=0.1, heartbeat_timeout=10.0, drain_timeout=5.0,
-        startup_timeout=LIMIT)
-    prompt = "x" * 1_100_000  # (one byte of msgpack an id: over a MiB)
-    expected = AutoTokenizer.from_pretrained(str(model_dir))(prompt)["input_ids"]
-    assert len(wire.encode([wire.RESULT, 1, {"tokens": expected}, None])) > wire.BIG_FRAME
-    with trio.fail_after(LIMIT):
-        async with server.open_engine(config) as hf:
-            assert hf.workers[0].reads_packed  # (so the answer comes packed: 4 bytes an id)
-            got: list = []
-            async with trio.open_nursery() as nursery:
-
-                async def tokenize() -> None:
-                    got.append(await hf.tokenize({"op": "tokenize", "prompt": prompt}))
-
-                nursery.start_soon(tokenize)
-                params = server.SamplingParams(max_tokens=8, ignore_eos=True)
-                async with hf.generate("hello", params) as stream:
-                    outs = [out async for out in stream]
-            assert outs[-1].finish_reason == "length"
-            assert got[0]["tokens"] == expected

@@ -3,7 +3,9 @@ compilation with its budgets and cache, tokenizing huge prompts, aborts while pr
 
 Two layers: the transformers engine and a :class:`Preparer` in this process (real threads, a
 real engine), then real worker processes with a short heartbeat timeout: a worker whose loop
-stopped for a grammar or a tokenizer would be declared hung and killed.
+stopped for a grammar or a tokenizer would be declared hung and killed. The pipe worker's
+tests share one engine (the ``shared`` fixture), which none of them changes: a worker and its
+helper process both import torch, tens of seconds of CPU to start, more than the tests.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from server.engines.transformers.engine import TransformersEngine  # noqa: E402
 from server.worker_protocol import wire  # noqa: E402
 from server.workers.prep_helper import PROCESS_BYTES  # noqa: E402
 from server.workers.prepare import Preparer  # noqa: E402
+from tests.conftest import ThreadServer, assert_engine_idle  # noqa: E402
 from tests.test_transformers_engine import collect  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
@@ -77,6 +80,19 @@ def huge_prompt_tokens(engine) -> dict:
     answer = engine.tokenize({"op": "tokenize", "prompt": HUGE_PROMPT})
     assert len(answer["tokens"]) > wire.BIG_FRAME  # (msgpack: a byte or more an id)
     return answer
+
+
+#: A prompt whose /tokenize answer is 1.1M ids (one byte of msgpack an id: over a MiB).
+BIG_PROMPT = "x" * 1_100_000
+
+
+@pytest.fixture(scope="module")
+def big_prompt_ids(model_dir) -> list[int]:
+    """BIG_PROMPT's ids by the model's tokenizer in this process, loaded apart from the
+    engine's."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))(BIG_PROMPT)["input_ids"]
 
 
 def wait_collect(preparer: Preparer, accepts: list, outputs: list, until) -> list:
@@ -191,7 +207,52 @@ def config(model_dir) -> server.EngineConfig:
         engine_options={"model_path": str(model_dir), "num_threads": 1,
                         "prepare_process_nice": 0},
         heartbeat_interval=0.1, heartbeat_timeout=HEARTBEAT, drain_timeout=5.0,
+        startup_timeout=LIMIT,
     )
+
+
+class _ThreadEngine(ThreadServer):
+    """An engine (:func:`server.open_engine`) in a thread with a Trio run of its own, as
+    :class:`~tests.conftest.ThreadServer` holds a server: it outlives a test's Trio run.
+    A test runs its checks in the engine's run with :meth:`run`."""
+
+    async def _serve(self, config, server_options) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        async with server.open_engine(config) as engine:
+            self.engine = engine
+            self._started.set()
+            await self._stop.wait()
+
+    async def run(self, async_fn):
+        """``await async_fn(engine)`` in the engine's Trio run, under a hang guard."""
+
+        async def guarded():
+            with trio.fail_after(LIMIT):
+                return await async_fn(self.engine)
+
+        return await trio.to_thread.run_sync(self.call, guarded)
+
+    def assert_idle(self) -> None:
+        self.call(assert_engine_idle, self.engine)
+
+
+@pytest.fixture(scope="module")
+def _shared_engine(model_dir, huge_prompt_tokens, big_prompt_ids):
+    # (started after the references are made: tokenizing megabytes here holds this process
+    # for seconds, and the engine's frontend is a thread of this process, late meanwhile)
+    engine = _ThreadEngine(config(model_dir), timeout=LIMIT)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def shared(_shared_engine):
+    """One worker of :func:`config` for this module's pipe tests, checked idle after each
+    test: ``await shared.run(fn)`` calls ``fn(engine)`` in its Trio run."""
+    _shared_engine.check_running()
+    yield _shared_engine
+    _shared_engine.assert_idle()
 
 
 def _stream_reference(engine) -> tuple[str, int, str | None]:
@@ -202,29 +263,31 @@ def _stream_reference(engine) -> tuple[str, int, str | None]:
     return "".join(o[1] for o in outs), sum(o[2] for o in outs), outs[-1][3]
 
 
-async def _alongside(model_dir, engine, heavy) -> None:
-    """A greedy stream runs while ``heavy(hf)`` runs: the worker stays (same pid, no
-    restart) and the stream's text is the whole reference text."""
+async def _alongside(shared: _ThreadEngine, engine, heavy) -> None:
+    """A greedy stream runs while ``heavy(hf)`` runs on the shared worker: the worker stays
+    (same pid, no restart) and the stream's text is the whole reference text."""
     expected = _stream_reference(engine)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    with trio.fail_after(LIMIT):
-        async with server.open_engine(config(model_dir)) as hf:
-            pid = hf.statistics().workers[0].pid
-            got = []
 
-            async def stream():
-                got.append(await collect(hf, "once upon a time", params))
+    async def check(hf) -> None:
+        before = hf.statistics().workers[0]
+        got = []
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(heavy, hf)
-                nursery.start_soon(stream)
-            assert got == [expected]
-            worker = hf.statistics().workers[0]
-            assert (worker.pid, worker.restarts) == (pid, 0)
-            assert await hf.ping_all() == [(0, 0)]
+        async def stream():
+            got.append(await collect(hf, "once upon a time", params))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(heavy, hf)
+            nursery.start_soon(stream)
+        assert got == [expected]
+        worker = hf.statistics().workers[0]
+        assert (worker.pid, worker.restarts) == (before.pid, 0)
+        assert await hf.ping_all() == [(0, 0)]
+
+    await shared.run(check)
 
 
-async def test_a_heavy_schema_compiles_off_the_loop(model_dir, engine):
+async def test_a_heavy_schema_compiles_off_the_loop(shared, engine):
     results = []
 
     async def heavy(hf):
@@ -236,19 +299,44 @@ async def test_a_heavy_schema_compiles_off_the_loop(model_dir, engine):
             assert str(exc).startswith("response_format:"), exc
             results.append("refused")
 
-    await _alongside(model_dir, engine, heavy)
+    await _alongside(shared, engine, heavy)
     assert results and (results[0] == "refused" or results[0][2] in ("stop", "length"))
 
 
-async def test_a_huge_prompt_to_tokenize_does_not_stop_the_loop(model_dir, engine,
+async def test_a_huge_prompt_to_tokenize_does_not_stop_the_loop(shared, engine,
                                                                   huge_prompt_tokens):
     counted = []
 
     async def heavy(hf):
         counted.append(await hf.tokenize({"op": "tokenize", "prompt": HUGE_PROMPT}))
 
-    await _alongside(model_dir, engine, heavy)
+    await _alongside(shared, engine, heavy)
     assert counted[0]["tokens"] == huge_prompt_tokens["tokens"]
+
+
+async def test_a_big_tokenize_answer_comes_whole_through_the_frontend(shared, big_prompt_ids):
+    """A real worker answers a /tokenize of 1.1M ids (a RESULT frame over
+    wire.BIG_FRAME, its ids packed, which the frontend decodes beside its router): the ids
+    are the tokenizer's, and a stream on the same worker runs beside it to its end."""
+    expected = big_prompt_ids
+    assert len(wire.encode([wire.RESULT, 1, {"tokens": expected}, None])) > wire.BIG_FRAME
+
+    async def check(hf) -> None:
+        assert hf.workers[0].reads_packed  # (so the answer comes packed: 4 bytes an id)
+        got: list = []
+        async with trio.open_nursery() as nursery:
+
+            async def tokenize() -> None:
+                got.append(await hf.tokenize({"op": "tokenize", "prompt": BIG_PROMPT}))
+
+            nursery.start_soon(tokenize)
+            params = server.SamplingParams(max_tokens=8, ignore_eos=True)
+            async with hf.generate("hello", params) as stream:
+                outs = [out async for out in stream]
+        assert outs[-1].finish_reason == "length"
+        assert got[0]["tokens"] == expected
+
+    await shared.run(check)
 
 
 async def test_a_listening_worker_prepares_off_its_loop_too(model_dir, engine, tmp_path,
