@@ -21,24 +21,33 @@ The frontend's share, in this process (a Trio program, as the frontend runs it):
 - ``SUBMIT frame``: the frame that carries the image to the worker, encoded (the
   frontend's half) and decoded with its shape checked (the worker's half).
 
-The worker's share, in this process, as ``VLLMEngine._prepare_images`` runs it:
+The worker's share, in this process: the steps of ``VLLMEngine._prepare_images`` (vLLM
+0.32's path; keep in step with it), each timed, for an image new to vLLM's caches (a
+variant of its own each run) and for the same image again:
 
-- ``decode``: ``server.engines.vllm.images.decode_images`` (PIL: the header's pixel bound,
-  then the pixels, converted to RGB);
-- ``process``: vLLM's renderer, ``render_cmpl(..., skip_mm_cache=True)`` on the ids of the
-  chat template with one placeholder, as the engine calls it: the model's own processor
-  resizes and normalizes the image and the placeholder is expanded. The renderer is built
-  as ``LLMEngine`` builds it (``vllm.renderers.renderer_from_config`` on the engine
-  config), without loading weights, which take no part in it. The model is
+- ``sha256 check``: ``server.engines.vllm.images.image_digests``, the image's SHA-256
+  (vLLM's key for it) checked against its bytes;
+- ``decode``: ``decode_images`` (PIL: the header's pixel bound, then the pixels,
+  converted to RGB); again, an image vLLM's processor cache holds (``processed_images``)
+  has its header read, not its pixels;
+- ``process``: vLLM's renderer, ``render_cmpl(..., skip_mm_cache=True)`` with the images'
+  SHA-256 as their uuids, on the ids of the chat template with one placeholder, as the
+  engine calls it: the model's own processor resizes and normalizes the image and the
+  placeholder is expanded; again, the processed form comes from vLLM's cache. The
+  renderer is built as ``LLMEngine`` builds it (``vllm.renderers.renderer_from_config`` on
+  the engine config), without weights, which take no part in it. The model is
   tests/tiny_vlm.py's tiny Idefics3 (64 x 64 pixels an image, 19 tokens), or
-  ``--model-path``: a real model's processor does more (Idefics3 splits an image into
-  tiles of 364 pixels; Qwen2.5-VL keeps its resolution).
+  ``--model-path``: a real model's processor does more (Idefics3's resizes an image to
+  tiles of 364 pixels and splits it; Qwen2.5-VL's keeps about its resolution).
 
 End to end (not with ``--smoke`` or ``--no-server``): ``python -m server --engine vllm`` on
 the same model, and ``--requests`` one-token chat requests (not streamed, temperature 0,
-the openai SDK) per case: without an image, and with each image as a data: URL and as an
-http URL, the cases interleaved. The median latency is the request's time to first token;
-the difference to the text-only case is the image's share, the vision encoder included.
+the openai SDK) per case: without an image; with each image new (a variant of its own each
+request) as an http URL and as a data: URL; and the same data: URL each time (in vLLM's
+caches after the first). The cases are interleaved, a first round not counted. The median
+latency is the request's time to first token; the difference to the text-only case is the
+image's share, the client's encoding and sending of the body and the vision encoder
+included.
 
 CPU is the process's (``time.process_time``: every thread, the fetcher's hashing thread and
 the processor's torch threads included). Figures move with the machine's load: the last
@@ -47,6 +56,9 @@ line of stdout is one JSON object with every figure and the load average.
 Usage::
 
     python bench/image_cost.py [--sizes 512,1024] [--repeat 20] [--requests 10]
+
+``--smoke``: 96 x 96 images, two runs a stage, no server (vLLM is imported and its
+renderer built, no engine: about 25 s of one core, most of it vLLM's imports).
 """
 
 from __future__ import annotations
@@ -54,6 +66,7 @@ from __future__ import annotations
 import argparse
 import base64
 import functools
+import hashlib
 import io
 import json
 import os
@@ -65,6 +78,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,25 +117,47 @@ def photo(side: int):
     return Image.blend(image, noise, 0.12)
 
 
-def make_images(sizes: list[int], directory: Path) -> list[dict]:
-    """Each size in each format: ``{"name", "file", "data", "media_type", "side"}``; the
-    files written to ``directory`` (what the loopback server serves)."""
-    images = []
-    for side in sizes:
-        picture = photo(side)
-        for fmt, ext in FORMATS.items():
-            buf = io.BytesIO()
-            picture.save(buf, format=fmt.upper(), **({"quality": 90} if fmt == "jpeg" else {}))
-            name = f"{fmt.upper()} {side}x{side}"
-            file = f"photo{side}.{ext}"
-            (directory / file).write_bytes(buf.getvalue())
-            images.append({"name": name, "file": file, "data": buf.getvalue(),
-                           "media_type": f"image/{fmt}", "side": side})
-    return images
+class Picture:
+    """One test image, a size in a format, and its variants: the same picture with the
+    variant's number drawn in its corner (``variant`` > 0), each new to vLLM's caches, which
+    key an image by its bytes' SHA-256. Files are written to ``directory`` (the loopback
+    server's) as asked."""
+
+    def __init__(self, picture, side: int, fmt: str, directory: Path):
+        self.name = f"{fmt.upper()} {side}x{side}"
+        self.media_type = f"image/{fmt}"
+        self._picture, self._fmt, self._directory = picture, fmt, directory
+
+    def data(self, variant: int = 0) -> bytes:
+        picture = self._picture
+        if variant:  # (its 16 bits as black and white 8 x 8 blocks: JPEG keeps them apart)
+            from PIL import ImageDraw
+
+            picture = picture.copy()
+            draw = ImageDraw.Draw(picture)
+            for bit in range(16):
+                x, y = 8 * (bit % 8), 8 * (bit // 8)
+                draw.rectangle((x, y, x + 7, y + 7),
+                               fill=(255, 255, 255) if variant >> bit & 1 else (0, 0, 0))
+        buf = io.BytesIO()
+        picture.save(buf, format=self._fmt.upper(),
+                     **({"quality": 90} if self._fmt == "jpeg" else {}))
+        return buf.getvalue()
+
+    def url(self, base_url: str, variant: int = 0) -> str:
+        name = f"{self.name.replace(' ', '-')}-{variant}.{FORMATS[self._fmt]}"
+        if not (self._directory / name).exists():
+            (self._directory / name).write_bytes(self.data(variant))
+        return f"{base_url}/{name}"
+
+    def data_url(self, variant: int = 0) -> str:
+        return f"data:{self.media_type};base64," + base64.b64encode(self.data(variant)).decode()
 
 
-def data_url(image: dict) -> str:
-    return f"data:{image['media_type']};base64," + base64.b64encode(image["data"]).decode()
+def make_pictures(sizes: list[int], directory: Path) -> list[Picture]:
+    """Each size in each format."""
+    return [Picture(picture, side, fmt, directory)
+            for side in sizes for picture in [photo(side)] for fmt in FORMATS]
 
 
 def content(url: str | None) -> list[dict]:
@@ -193,7 +230,7 @@ async def timed_async(stage: Stage | None, fn, *args):
 
 # -- the frontend's share ------------------------------------------------------------------
 
-async def frontend(images: list[dict], base_url: str, repeat: int) -> list[dict]:
+async def frontend(pictures: list[Picture], base_url: str, repeat: int) -> list[dict]:
     """Parse, fetch and frame of each image, over http and as a data: URL (see the module
     docstring)."""
     from server.config import Limits
@@ -207,13 +244,13 @@ async def frontend(images: list[dict], base_url: str, repeat: int) -> list[dict]
                                        allow_private_addresses=True))
     info = {"images": {"per_prompt": 1}}  # (the HELLO of a model that takes one image)
     rows = []
-    for image in images:
-        for source, url in (("http", f"{base_url}/{image['file']}"), ("data:", data_url(image))):
+    for picture in pictures:
+        for source, url in (("http", picture.url(base_url)), ("data:", picture.data_url())):
             body = json.dumps({"model": MODEL, "max_tokens": 1, "messages": [
                 {"role": "user", "content": content(url)}]}).encode()
-            stages = {name: Stage("frontend", f"{name} ({source})", image["name"])
+            stages = {name: Stage("frontend", f"{name} ({source})", picture.name)
                       for name in ("parse", "fetch")}
-            stages["frame"] = Stage("both", "SUBMIT frame", image["name"])
+            stages["frame"] = Stage("both", "SUBMIT frame", picture.name)
             for run in range(repeat + 1):  # (the first: a warm-up, not counted)
                 timing = stages if run else dict.fromkeys(stages)
                 req = await timed_async(timing["parse"], off_loop, len(body),
@@ -267,40 +304,66 @@ def renderer_of(model_path: str):
     return renderer_from_config(config)
 
 
-def worker(images: list[dict], model_path: str, repeat: int) -> list[dict]:
-    """Decode and vLLM's processing of each image, as the vllm engine prepares a prompt."""
-    from server.engines.vllm.images import decode_images, split_images
+def worker(pictures: list[Picture], model_path: str, repeat: int) -> list[dict]:
+    """The worker's preparation of each image, new to vLLM's caches and again (the
+    module docstring): the steps of ``VLLMEngine._prepare_images``, each timed."""
+    from server.engines.vllm.images import decode_images, image_digests, split_images
+    from server.engines.vllm.private_api import processed_images
+    from server.openai.images import wire_image
     from server.workers.base import encode_prompt
 
     renderer = renderer_of(model_path)
-    # (as the engine calls it: server.engines.vllm.engine, VLLMEngine._prepare_images)
-    render = functools.partial(renderer.render_cmpl, skip_mm_cache=True)
+    # (what the engine asks its LLMEngine: whether vLLM's processor cache holds an image)
+    held = processed_images(types.SimpleNamespace(renderer=renderer))
     tokenizer = renderer.get_tokenizer()
-    vocab_size = len(tokenizer)
-    text_ids = encode_prompt({"messages": [{"role": "user", "content": content(None)}]},
-                             tokenizer, vocab_size=vocab_size, chat=True, model=MODEL)
-    rows = []
-    for image in images:
-        # (the wire part the frontend sends: server.openai.images.wire_image)
-        prompt = {"messages": [{"role": "user", "content": [
-            *content(None), {"type": "image", "data": image["data"], "sha256": ""}]}]}
+
+    def ids_of(prompt: dict) -> list[int]:
+        return encode_prompt(prompt, tokenizer, vocab_size=len(tokenizer), chat=True,
+                             model=MODEL)
+
+    text_ids = ids_of({"messages": [{"role": "user", "content": content(None)}]})
+
+    def prepare(prompt: dict, timing: dict, again: bool) -> tuple[int, set[int]]:
+        """The image tokens, and which images were not decompressed (held by vLLM)."""
         rendered, parts = split_images(prompt)
-        ids = encode_prompt(rendered, tokenizer, vocab_size=vocab_size, chat=True, model=MODEL)
-        decode = Stage("worker", "decode", image["name"])
-        process = Stage("worker", "process", image["name"])
-        for run in range(repeat + 1):  # (the first: a warm-up)
-            pictures = timed(decode if run else None, decode_images, parts)
-            [engine_input] = timed(
-                process if run else None, render,
-                [{"prompt_token_ids": ids, "multi_modal_data": {"image": pictures}}])
-        tokens = len(engine_input["prompt_token_ids"]) - len(text_ids)
-        rows += [decode.row(), {**process.row(), "image_tokens": tokens}]
+        digests = timed(None if again else timing["sha256 check"], image_digests, prompt)
+        ids = ids_of(rendered)
+        processed = {k for k, d in enumerate(digests) if held is not None and held(d)}
+        suffix = " (again)" if again else ""
+        images = timed(timing["decode" + suffix],
+                       functools.partial(decode_images, skip=processed), parts)
+        [engine_input] = timed(timing["process" + suffix], functools.partial(
+            renderer.render_cmpl, skip_mm_cache=True),
+            [{"prompt_token_ids": ids, "multi_modal_data": {"image": images},
+              "multi_modal_uuids": {"image": digests}}])
+        return len(engine_input["prompt_token_ids"]) - len(text_ids), processed
+
+    rows = []
+    for picture in pictures:
+        stages = {name: Stage("worker", name, picture.name) for name in (
+            "sha256 check", "decode", "process", "decode (again)", "process (again)")}
+        for run in range(repeat + 1):  # (the first: a warm-up, not counted)
+            timing = stages if run else dict.fromkeys(stages)
+            data = picture.data(1 + run)  # (new to vLLM's caches)
+            prompt = {"messages": [{"role": "user", "content": [
+                *content(None), wire_image(data, hashlib.sha256(data).hexdigest())]}]}
+            tokens, skipped = prepare(prompt, timing, again=False)
+            assert not skipped, "a new image was found in vLLM's cache"
+            tokens_again, skipped = prepare(prompt, timing, again=True)
+            assert tokens_again == tokens
+        note = ("header read, not decompressed" if skipped
+                else "decompressed: this vLLM has no processor cache to look in")
+        rows += [stages["sha256 check"].row(), stages["decode"].row(),
+                 {**stages["process"].row(), "image_tokens": tokens},
+                 {**stages["decode (again)"].row(), "note": note},
+                 stages["process (again)"].row()]
     return rows
 
 
 # -- end to end ----------------------------------------------------------------------------
 
-def end_to_end(images: list[dict], model_path: str, base_url: str, requests: int) -> list[dict]:
+def end_to_end(pictures: list[Picture], model_path: str, base_url: str,
+               requests: int) -> list[dict]:
     """Median latency of one-token chat requests without and with each image, through
     ``python -m server --engine vllm`` (see the module docstring)."""
     import httpx
@@ -313,6 +376,14 @@ def end_to_end(images: list[dict], model_path: str, base_url: str, requests: int
             "--enforce-eager", "--limit-mm-per-prompt", '{"image": 1}',
             "--served-model-name", MODEL, "--disable-log-requests",
             "--allowed-media-domains", "127.0.0.1", "--allow-private-media-addresses"]
+    # Each case's content for request ``run``: a new image each time (a variant of its
+    # own), or the same one again (in vLLM's caches after the warm-up round).
+    cases: dict[str, Callable[[int], list[dict]]] = {"no image": lambda run: content(None)}
+    for p in pictures:
+        cases[f"{p.name}, http"] = lambda run, p=p: content(p.url(base_url, 1000 + run))
+        cases[f"{p.name}, data:"] = lambda run, p=p: content(p.data_url(2000 + run))
+        cases[f"{p.name}, data: again"] = lambda run, p=p: content(p.data_url())
+    times: dict[str, list[float]] = {case: [] for case in cases}
     srv = SpawnedServer(shlex.join(args), "server", None)
     try:
         trio.run(srv.wait_healthy, float(STARTUP))
@@ -323,13 +394,9 @@ def end_to_end(images: list[dict], model_path: str, base_url: str, requests: int
             time.sleep(0.5)
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0,
                                timeout=300)
-        cases = {"no image": content(None)}
-        for image in images:
-            cases[f"{image['name']} (data:)"] = content(data_url(image))
-            cases[f"{image['name']} (http)"] = content(f"{base_url}/{image['file']}")
-        times: dict[str, list[float]] = {case: [] for case in cases}
-        for run in range(requests + 1):  # (the first round: a warm-up)
-            for case, parts in cases.items():
+        for run in range(requests + 1):  # (the first round: a warm-up, not counted)
+            for case, make in cases.items():
+                parts = make(run)
                 start = time.perf_counter()
                 client.chat.completions.create(
                     model=MODEL, messages=[{"role": "user", "content": parts}],
@@ -360,6 +427,8 @@ def show(rows: list[dict]) -> None:
             notes.append(f"{row['image_tokens']} image tokens")
         if "added_ms" in row:
             notes.append(f"{row['added_ms']:+.2f} ms against no image")
+        if "note" in row:
+            notes.append(row["note"])
         cpu = f"{row['cpu_ms']:>9.3f}" if "cpu_ms" in row else f"{'':>9}"
         print(f"{row['part']:<10} {row['stage']:<24} {row['image']:<24} "
               f"{row['wall_ms']:>9.3f} {cpu}  {', '.join(notes)}", flush=True)
@@ -388,20 +457,20 @@ def main(argv=None) -> int:
 
             import_vllm()  # (first: the build then shares its imports, torch and transformers)
             model_path = str(build_tiny_vlm(Path(tmp) / "tiny-idefics3"))
-        images = make_images(sizes, directory)
+        pictures = make_pictures(sizes, directory)
         served = ImageServer(directory)
         load = [round(x, 2) for x in os.getloadavg()]
         try:
-            rows = trio.run(frontend, images, served.url, args.repeat)
-            rows += worker(images, model_path, args.repeat)
+            rows = trio.run(frontend, pictures, served.url, args.repeat)
+            rows += worker(pictures, model_path, args.repeat)
             show(rows)
             if not args.no_server:
-                ends = end_to_end(images, model_path, served.url, args.requests)
+                ends = end_to_end(pictures, model_path, served.url, args.requests)
                 show(ends)
                 rows += ends
         finally:
             served.close()
-    sizes_bytes = {image["name"]: len(image["data"]) for image in images}
+    sizes_bytes = {picture.name: len(picture.data()) for picture in pictures}
     print(json.dumps({"images": sizes_bytes, "load_before": load,
                       "load_after": [round(x, 2) for x in os.getloadavg()], "rows": rows}))
     return 0
