@@ -312,11 +312,13 @@ class Engine:
         :meth:`generate_many` does: pass the request's, or a salted or adapter prompt
         matches no block. ``migrating``: for a request already accepted
         (server.manager.migration), also while the server drains; the prompt's blocks
-        are then noted as sent there."""
+        are then noted as sent there. A prompt with images goes to a worker that takes
+        them, as its first pick did (a moved one too)."""
         if isinstance(params, SamplingParams):
             params = params.to_wire()
         blocks, scores = self._scores(prompt, params or {}, adapter)
-        picked = self._route(blocks.hashes, exclude, draining_ok=migrating, scores=scores)
+        picked = self._route(blocks.hashes, exclude, draining_ok=migrating, scores=scores,
+                             images=has_image_parts(prompt))
         if migrating and self.router.prefix_aware:
             self.router.routed(picked[0].index, blocks.hashes)
         return picked
