@@ -439,3 +439,54 @@ async def test_a_refused_image_cancels_the_requests_other_fetches():
                     while server.closed < server.requests:
                         await trio.sleep(0.02)
             nursery.cancel_scope.cancel()
+
+
+class BigAndHeldServer(HeldImageServer):
+    """``/big.png`` is answered at once with ``body``; every other GET is held (never
+    answered) and counted in ``closed`` when the fetcher hangs up."""
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            data = await stream.receive_some(4096)
+            if not data:
+                await stream.aclose()
+                return
+            head += data
+        if head.startswith(b"GET /big.png "):
+            async with stream:
+                await stream.send_all(
+                    f"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: "
+                    f"{len(self.body)}\r\nConnection: close\r\n\r\n".encode() + self.body)
+            return
+        async with stream:
+            self.requests += 1
+            if not await stream.receive_some(1):  # the fetcher hung up
+                self.closed += 1
+
+
+async def test_images_past_the_requests_bytes_are_refused_as_soon_as_known():
+    """Three 20 MB images pass the bytes a request's images may have together
+    (server.http.images.MAX_IMAGE_BYTES, 56 MiB): the 400 comes once they are in, and the
+    fetch still under way is cancelled, not waited for (it would time out: a 400
+    media_timeout)."""
+    from server.http.images import MAX_IMAGE_BYTES
+
+    big = RED + bytes(20_000_000 - len(RED))
+    assert 2 * len(big) <= MAX_IMAGE_BYTES < 3 * len(big)
+    server = BigAndHeldServer(big)
+    config = EngineConfig(engine_options={**FAST_SIM, "image_tokens": IMAGE_TOKENS,
+                                          "images_per_prompt": 4})
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run)
+            async with running_server(config, **LOOPBACK, media_fetch_timeout=40) as url:
+                held = image_part(server.url("/held.png"))
+                body = await refused(chat_tokens(client_of(url), [
+                    held, *[image_part(server.url("/big.png"))] * 3]))
+                assert body["code"] == "media_too_large", body
+                assert body["param"] in [f"messages[0].content[{j}]" for j in (1, 2, 3)]
+                with trio.fail_after(20):  # (a hang guard: the close follows the 400)
+                    while server.closed < server.requests:
+                        await trio.sleep(0.02)
+            nursery.cancel_scope.cancel()

@@ -11,7 +11,9 @@ ref is replaced, in place, by the wire part ``{"type": "image", "data": bytes, "
 hex}`` (docs/protocol.md, "Images").
 
 The images of one request travel in one SUBMIT frame, so their bytes together are
-bounded below the frame's limit (a 400 naming the part that passes it).
+bounded below the frame's limit (a 400 naming the part that passes it). The bound is
+checked as each fetch ends, and the rest are then cancelled: a request of many URLs (vLLM
+allows 999 images a prompt) holds that much and its fetches under way, not all of them.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ def has_images(prompts: list) -> bool:
     return next(_refs(prompts), None) is not None
 
 
+def _too_large(ref: ImageRef) -> ClientError:
+    """The 400 for the image ``ref`` that takes the request's past :data:`MAX_IMAGE_BYTES`."""
+    return ClientError(f"The request's images are more than {MAX_IMAGE_BYTES} bytes "
+                       "together.", param=ref.param, code="media_too_large")
+
+
 async def fetch_images(fetcher, prompts: list) -> int:
     """Fetch every image ref of ``prompts`` and put its wire part in its place; the
     number fetched. Raises a :class:`~server.media.MediaError` (400) naming the URL's
@@ -54,12 +62,20 @@ async def fetch_images(fetcher, prompts: list) -> int:
     refs = list(_refs(prompts))
     images: list = [None] * len(refs)
     refused: dict[int, ClientError] = {}
+    fetched = 0
 
     async def fetch(k: int, ref: ImageRef, scope: trio.CancelScope) -> None:
+        nonlocal fetched
         try:
-            images[k] = await fetcher.fetch_image(ref.url, param=ref.url_param)
+            image = await fetcher.fetch_image(ref.url, param=ref.url_param)
         except ClientError as exc:  # the request's 400: the other fetches are for nothing
             refused[k] = exc
+            scope.cancel()
+            return
+        images[k] = image
+        fetched += len(image.data)
+        if fetched > MAX_IMAGE_BYTES:  # (refused once known: not held until all are in)
+            refused[k] = _too_large(ref)
             scope.cancel()
 
     if len(refs) == 1:
@@ -74,7 +90,6 @@ async def fetch_images(fetcher, prompts: list) -> int:
     for (content, j, ref), image in zip(refs, images):
         total += len(image.data)
         if total > MAX_IMAGE_BYTES:
-            raise ClientError(f"The request's images are more than {MAX_IMAGE_BYTES} bytes "
-                              "together.", param=ref.param, code="media_too_large")
+            raise _too_large(ref)
         content[j] = wire_image(image.data, image.sha256)
     return len(refs)
