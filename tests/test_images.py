@@ -490,3 +490,24 @@ async def test_images_past_the_requests_bytes_are_refused_as_soon_as_known():
                     while server.closed < server.requests:
                         await trio.sleep(0.02)
             nursery.cancel_scope.cancel()
+
+
+async def test_one_request_fetches_at_most_four_images_at_a_time():
+    """Five URLs whose server answers none until five are asked: the request's fifth fetch
+    waits for one of the first four (the server's fetch slots are for every request), so
+    they wait out --media-fetch-timeout and the request is a 400 with four asked."""
+    from server.http.images import FETCHES_PER_REQUEST
+
+    server = HeldImageServer(RED, hold=FETCHES_PER_REQUEST + 1)
+    many = EngineConfig(engine_options={**FAST_SIM, "image_tokens": IMAGE_TOKENS,
+                                        "images_per_prompt": 8})
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run)
+            async with running_server(many, **LOOPBACK, media_fetch_timeout=3) as url:
+                body = await refused(chat_tokens(client_of(url), [
+                    image_part(server.url(f"/{k}.png"))
+                    for k in range(FETCHES_PER_REQUEST + 1)]))
+                assert body["code"] == "media_timeout", body
+                assert server.requests == FETCHES_PER_REQUEST
+            nursery.cancel_scope.cancel()

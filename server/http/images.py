@@ -3,7 +3,7 @@
 A generation route parses without IO (server.openai.images leaves an
 :class:`~server.openai.images.ImageRef` in each message's content). Before the engine is
 asked anything, :func:`fetch_images` fetches every ref with the app's
-:class:`~server.media.MediaFetcher`, all at once, in a nursery of the request's task: a
+:class:`~server.media.MediaFetcher`, four at a time, in a nursery of the request's task: a
 client that goes away cancels the fetches, and a refused or failed fetch cancels the
 others and is the request's 400 naming its URL's field. A request's images so cost the
 slowest fetch, not the sum (each fetch still takes one of ``--max-media-fetches``). Each
@@ -25,6 +25,11 @@ from ..openai.images import ImageRef, wire_image
 from ..worker_protocol.wire import MAX_FRAME
 
 __all__ = ["fetch_images", "has_images"]
+
+#: The most fetches of one request at a time: the rest wait, so that one request with
+#: many slow URLs cannot hold every one of ``--max-media-fetches`` (the server's) while
+#: other requests' fetches wait out their deadline.
+FETCHES_PER_REQUEST = 4
 
 #: The most image bytes one request may carry to its worker: the frame's limit less room
 #: for the rest of the request (its text, params and tools).
@@ -61,13 +66,15 @@ async def fetch_images(fetcher, prompts: list) -> int:
     field, or a ClientError when their bytes together pass :data:`MAX_IMAGE_BYTES`."""
     refs = list(_refs(prompts))
     images: list = [None] * len(refs)
+    limiter = trio.CapacityLimiter(FETCHES_PER_REQUEST)
     refused: dict[int, ClientError] = {}
     fetched = 0
 
     async def fetch(k: int, ref: ImageRef, scope: trio.CancelScope) -> None:
         nonlocal fetched
         try:
-            image = await fetcher.fetch_image(ref.url, param=ref.url_param)
+            async with limiter:
+                image = await fetcher.fetch_image(ref.url, param=ref.url_param)
         except ClientError as exc:  # the request's 400: the other fetches are for nothing
             refused[k] = exc
             scope.cancel()
