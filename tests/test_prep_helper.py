@@ -142,3 +142,38 @@ async def test_a_dead_helper_fails_only_what_it_held(model_dir):
             after = hf.statistics().workers[0]
             assert (after.pid, after.restarts) == (worker.pid, 0)
     assert not pid_exists(worker.pid)
+
+
+def _loads_torch(pid: int) -> bool:
+    """Whether process ``pid`` has torch's library mapped (it imported torch)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return "libtorch" in maps.read()
+
+
+def test_the_helper_loads_no_torch_where_its_tokenizer_encodes_as_the_workers(model_dir):
+    """The helper loads the tokenizer's own class without torch (AutoTokenizer imports it:
+    11-16 s of CPU at each start) when that encodes the worker's probes as the worker
+    does; when a probe differs, it loads the tokenizer as the worker does, torch and all.
+    Either way it encodes as the worker."""
+    here = TransformersEngine(model_path=str(model_dir), max_batch=2, prepare_process=False)
+    chat = {"messages": [{"role": "user", "content": "héllo wörld " * 50}]}
+    try:
+        for wrong in (False, True):
+            there = TransformersEngine(model_path=str(model_dir), max_batch=2,
+                                       prepare_process_bytes=0)
+            if wrong:  # a probe whose ids are not the light tokenizer's
+                probes = there.helper_probes()
+                assert probes and all(ids for _, ids in probes)
+                probes[0][1] = probes[0][1][1:]
+                there.helper_probes = lambda probes=probes: probes  # type: ignore[method-assign]
+            try:
+                there.start_helper()
+                assert there._helper is not None
+                there._helper.wait_started()
+                assert _loads_torch(there._helper.pid()) is wrong
+                assert there.encode_prompt(chat) == here.encode(chat)
+                assert there._helper_for(chat) is not None
+            finally:
+                there.close()
+    finally:
+        here.close()

@@ -2,9 +2,10 @@
 
 Started by :class:`server.workers.prep_helper.PrepHelper` as ``python -m
 server.workers.prep_child '<json config>'``, with pipes as stdin and stdout. It loads the
-model's tokenizer (not the model) and xgrammar, lowers its own priority (``nice``, 10 unless configured: the
-whole process, so no thread of the worker ever waits on it for the GIL, which is what
-made niced threads stall the loop) and answers requests until its input ends.
+model's tokenizer (not the model; without torch where it can), lowers its own priority
+(``nice``, 10 unless configured: the whole process, so no thread of the worker ever waits
+on it for the GIL, which is what made niced threads stall the loop) and answers requests
+until its input ends.
 
 Why a process: a preparation thread releases the GIL for the Rust tokenizer and
 xgrammar's compiler, but on a contended core it still takes half of the core's time from
@@ -40,6 +41,7 @@ import signal
 import struct
 import sys
 import threading
+from typing import Any
 
 import msgpack
 
@@ -66,10 +68,49 @@ class _Tokenizing(HFTokenizing):
         self.max_model_len = config["max_model_len"]
 
 
+def _tokenizing(config: dict) -> _Tokenizing:
+    """The worker's tokenizing here. Loaded without torch where the tokenizer allows
+    (:func:`~server.engines.transformers.text.load_tokenizer_light`) and it encodes the
+    worker's probes (``config["probe"]``: prompts and the ids the worker made of them) as
+    the worker does; else as the worker loads it (AutoTokenizer, which imports torch)."""
+    from ..engines.transformers.text import load_tokenizer, load_tokenizer_light
+
+    probes = config.get("probe") or []
+    light = load_tokenizer_light(config["model_path"]) if probes else None
+    if light is not None:
+        tok = _Tokenizing(light, config)
+        try:
+            if all(tok.encode(prompt) == ids for prompt, ids in probes):
+                return tok
+        except Exception:  # (a template this class renders otherwise: the worker's way)
+            pass
+    return _Tokenizing(load_tokenizer(config["model_path"]), config)
+
+
+class _Grammars:
+    """The grammar compiler (``compile``), made at its first use: xgrammar imports torch,
+    which the helper's start would otherwise pay for the worker's rare remote compile."""
+
+    def __init__(self, tokenizer, config: dict) -> None:
+        self._args = (tokenizer, config)
+        self._grammars: Any = None
+        self._lock = threading.Lock()
+
+    def compile_here(self, key: str):
+        with self._lock:
+            if self._grammars is None:
+                from ..engines.transformers.grammar import Grammars
+
+                tokenizer, config = self._args
+                self._grammars = Grammars(tokenizer, vocab_size=config["vocab_size"],
+                                          stop_ids=config["stop_ids"], **config["grammar"])
+        return self._grammars.compile_here(key)
+
+
 def _answer(tok: _Tokenizing, grammars, op: str, arg) -> bytes:
     from ..worker_protocol import wire
 
-    if op == "ping":  # started: the tokenizer and xgrammar are loaded
+    if op == "ping":  # started: the tokenizer is loaded
         return b""
     if op == "tokenize":
         return wire.pack_sliced(tok.tokenize(arg)).data
@@ -120,16 +161,8 @@ def main(argv: list[str]) -> None:
         pass
     fd_out = os.dup(1)
     os.dup2(2, 1)  # a stray print goes to stderr, not into a reply
-    from ..engines.transformers.text import load_tokenizer
-
-    tokenizer = load_tokenizer(config["model_path"])
-    tok = _Tokenizing(tokenizer, config)
-    grammars = None
-    if config.get("grammar") is not None:
-        from ..engines.transformers.grammar import Grammars
-
-        grammars = Grammars(tokenizer, vocab_size=config["vocab_size"],
-                            stop_ids=config["stop_ids"], **config["grammar"])
+    tok = _tokenizing(config)
+    grammars = _Grammars(tok.tokenizer, config) if config.get("grammar") is not None else None
     # As the worker (main.freeze_startup_heap): full collections then walk only what the
     # requests made, not the tokenizer's and the grammar library's objects.
     gc.collect()

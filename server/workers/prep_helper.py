@@ -222,6 +222,11 @@ class PrepHelper:
                 future.set_result((status, body[HEAD.size:]))
 
 
+#: Text the helper's tokenizer must encode as the worker's: spaces, a newline and a tab,
+#: digits, accents, CJK, an emoji and markup (and, appended, the special tokens' texts).
+PROBE_TEXT = " Hello,  world!\n\t123 café 日本語 naïve 🙂 <b>x</b> "
+
+
 class HelperTokenizing(HFTokenizing):
     """Tokenizing for an engine with a preparation helper process (transformers, vllm):
     :meth:`encode_prompt` and :meth:`tokenize` send a prompt heavier than
@@ -255,7 +260,23 @@ class HelperTokenizing(HFTokenizing):
             return
         config = self.helper_config()
         if config is not None:
-            self._helper = PrepHelper({**config, "nice": self._process_nice})
+            self._helper = PrepHelper({**config, "nice": self._process_nice,
+                                       "probe": self.helper_probes()})
+
+    def helper_probes(self) -> list:
+        """Prompts and the ids this engine makes of them: the helper loads its tokenizer
+        without torch only where it makes the same (:mod:`server.workers.prep_child`)."""
+        specials = " ".join(getattr(self.tokenizer, "all_special_tokens", None) or ())
+        prompts: list = [PROBE_TEXT, f"{PROBE_TEXT} {specials}"]
+        if self.chat_template is not None:
+            prompts.append({"messages": [{"role": "user", "content": PROBE_TEXT}]})
+        probes = []
+        for prompt in prompts:
+            try:
+                probes.append([prompt, self.encode(prompt)])
+            except Exception:  # (a template that refuses this conversation: not a probe)
+                continue
+        return probes
 
     def stop_helper(self) -> None:
         helper, self._helper = self._helper, None

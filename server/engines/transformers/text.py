@@ -29,7 +29,7 @@ from tokenizers.decoders import DecodeStream
 from ...workers.base import one_line
 from ...workers.stops import StopMatcher
 
-__all__ = ["RequestText", "PROMPT_CONTEXT", "load_tokenizer"]
+__all__ = ["RequestText", "PROMPT_CONTEXT", "load_tokenizer", "load_tokenizer_light"]
 
 #: How many prompt ids seed the decode stream (enough for any decoder's lookbehind).
 PROMPT_CONTEXT = 4
@@ -96,6 +96,35 @@ def _decode_stream(tokenizer, context: list[int]) -> DecodeStream:
         for token_id in context:
             stream.step(tokenizer, token_id)
         return stream
+
+
+def load_tokenizer_light(path):
+    """:func:`load_tokenizer`'s tokenizer where it can be had without importing torch, else
+    None. AutoTokenizer reads the model's config first, and that module imports torch:
+    11-16 s of CPU and ~250 MB for a process that only tokenizes (the preparation helper,
+    :mod:`server.workers.prep_child`). Here the class that ``tokenizer_config.json`` names
+    is taken from transformers directly. None when the file names no such class, it is not
+    a fast tokenizer, or it does not load. The caller must check that it tokenizes as
+    :func:`load_tokenizer`'s does (AutoTokenizer may choose otherwise)."""
+    import json
+    from pathlib import Path
+
+    try:
+        name = json.loads((Path(path) / "tokenizer_config.json").read_text()).get(
+            "tokenizer_class")
+        if not isinstance(name, str) or not name.isidentifier():
+            return None
+        import transformers
+
+        cls = getattr(transformers, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerFast)):
+            return None
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        tokenizer = cls.from_pretrained(path, local_files_only=True)
+    except Exception:  # (AutoTokenizer then says what is wrong)
+        return None
+    return tokenizer if getattr(tokenizer, "backend_tokenizer", None) is not None else None
 
 
 def load_tokenizer(path):
