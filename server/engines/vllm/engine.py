@@ -501,6 +501,8 @@ class VLLMEngine(HelperTokenizing):
             self.info["images"] = {"per_prompt": images}
         #: Whether vLLM's processor cache holds an image, by its SHA-256 (None: not known).
         self._processed_image = processed_images(self._llm)
+        #: Held while vLLM's processor cache is read or rendered into (any thread).
+        self._rendering = threading.Lock()
         if self._events is not None:  # the frontend's exact prefix index (docs/routing.md)
             self.info["kv_events"] = {"block_size": int(config.cache_config.block_size)}
         #: Requests vLLM holds for us (added, not finished or aborted).
@@ -605,7 +607,8 @@ class VLLMEngine(HelperTokenizing):
         digests = image_digests(prompt)
         ids = self.encode(rendered, params.get("chat_template_kwargs"), params.get("tools"))
         known = self._processed_image
-        processed = {k for k, d in enumerate(digests) if known is not None and known(d)}
+        with self._rendering:
+            processed = {k for k, d in enumerate(digests) if known is not None and known(d)}
         pictures = decode_images(images, skip=processed)
 
         def render(pictures: list) -> dict:
@@ -620,13 +623,13 @@ class VLLMEngine(HelperTokenizing):
             return engine_input
 
         try:
-            try:
+            # One rendering at a time: vLLM's processor cache is not thread-safe (an item
+            # it found could be evicted by another thread before it is used: an
+            # AssertionError), and the images skipped above must still be there.
+            with self._rendering:
+                if known is not None and not all(known(digests[k]) for k in processed):
+                    pictures = decode_images(images)  # (evicted meanwhile: rare)
                 engine_input = render(pictures)
-            except ValueError:
-                if not processed:
-                    raise
-                # (evicted from vLLM's cache since the look: decompressed after all)
-                engine_input = render(decode_images(images))
         except self._client_errors as exc:  # (the processor's own refusal: a client fault)
             raise Rejected(one_line(exc), param="messages") from None
         full = list(engine_input["prompt_token_ids"])

@@ -21,7 +21,8 @@ then keys the image by it, without hashing its pixels: its processor cache (the 
 form, bounded by ``mm_processor_cache_gb``), the engine's encoder cache and the KV blocks
 of the image's tokens. An image the processor cache already holds is header-checked
 (the same bounds and refusals) but not decompressed: ``decode_images(skip=...)`` gives
-None in its place, which vLLM fills from its cache.
+None in its place, which vLLM fills from its cache. vLLM's cache is not thread-safe, so
+the engine renders one prompt with images at a time (decoding stays in parallel).
 """
 
 from __future__ import annotations
