@@ -9,6 +9,7 @@ served by the test on loopback, real time.
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import struct
 import zlib
@@ -79,9 +80,13 @@ class ImageServer:
                     return
                 head += data
             self.requests += 1
-            await stream.send_all(
-                f"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: "
-                f"{len(self.body)}\r\nConnection: close\r\n\r\n".encode() + self.body)
+            await self._answer(stream)
+
+    async def _answer(self, stream: trio.SocketStream) -> None:
+        """Answer a GET whose head has arrived."""
+        await stream.send_all(
+            f"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: "
+            f"{len(self.body)}\r\nConnection: close\r\n\r\n".encode() + self.body)
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
@@ -369,6 +374,19 @@ async def test_a_pool_of_text_and_vision_workers_sends_images_to_the_vision_ones
     assert served == {"0": 1.0, "1": 5.0}, served
 
 
+@contextlib.asynccontextmanager
+async def serving_from(server: ImageServer, per_prompt: int, **options):
+    """``server`` running, and the app on the sim taking ``per_prompt`` images a prompt,
+    loopback allowed (``options``: more of the app's); yields the app's URL."""
+    config = EngineConfig(engine_options={**FAST_SIM, "image_tokens": IMAGE_TOKENS,
+                                          "images_per_prompt": per_prompt})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        async with running_server(config, **LOOPBACK, **options) as url:
+            yield url
+        nursery.cancel_scope.cancel()
+
+
 class HeldImageServer(ImageServer):
     """An :class:`ImageServer` that answers no GET until ``hold`` have arrived (never, by
     default); counts the connections the fetcher closed while held."""
@@ -379,29 +397,19 @@ class HeldImageServer(ImageServer):
         self.arrived = trio.Event()
         self.closed = 0
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        async with stream:
-            head = b""
-            while b"\r\n\r\n" not in head:
-                data = await stream.receive_some(4096)
-                if not data:
-                    return
-                head += data
-            self.requests += 1
-            if self.requests >= self.hold:
-                self.arrived.set()
-            async with trio.open_nursery() as nursery:
-                async def watch() -> None:
-                    if not await stream.receive_some(1):  # the fetcher hung up
-                        self.closed += 1
-                    nursery.cancel_scope.cancel()
-                nursery.start_soon(watch)
-                await self.arrived.wait()
+    async def _answer(self, stream: trio.SocketStream) -> None:
+        if self.requests >= self.hold:
+            self.arrived.set()
+        async with trio.open_nursery() as nursery:
+            async def watch() -> None:
+                if not await stream.receive_some(1):  # the fetcher hung up
+                    self.closed += 1
                 nursery.cancel_scope.cancel()
-            if self.requests >= self.hold:
-                await stream.send_all(
-                    f"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: "
-                    f"{len(self.body)}\r\nConnection: close\r\n\r\n".encode() + self.body)
+            nursery.start_soon(watch)
+            await self.arrived.wait()
+            nursery.cancel_scope.cancel()
+        if self.requests >= self.hold:
+            await super()._answer(stream)
 
 
 async def test_a_requests_images_are_fetched_at_once():
@@ -475,21 +483,16 @@ async def test_images_past_the_requests_bytes_are_refused_as_soon_as_known():
     big = RED + bytes(20_000_000 - len(RED))
     assert 2 * len(big) <= MAX_IMAGE_BYTES < 3 * len(big)
     server = BigAndHeldServer(big)
-    config = EngineConfig(engine_options={**FAST_SIM, "image_tokens": IMAGE_TOKENS,
-                                          "images_per_prompt": 4})
     with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.run)
-            async with running_server(config, **LOOPBACK, media_fetch_timeout=40) as url:
-                held = image_part(server.url("/held.png"))
-                body = await refused(chat_tokens(client_of(url), [
-                    held, *[image_part(server.url("/big.png"))] * 3]))
-                assert body["code"] == "media_too_large", body
-                assert body["param"] in [f"messages[0].content[{j}]" for j in (1, 2, 3)]
-                with trio.fail_after(20):  # (a hang guard: the close follows the 400)
-                    while server.closed < server.requests:
-                        await trio.sleep(0.02)
-            nursery.cancel_scope.cancel()
+        async with serving_from(server, 4, media_fetch_timeout=40) as url:
+            held = image_part(server.url("/held.png"))
+            body = await refused(chat_tokens(client_of(url), [
+                held, *[image_part(server.url("/big.png"))] * 3]))
+            assert body["code"] == "media_too_large", body
+            assert body["param"] in [f"messages[0].content[{j}]" for j in (1, 2, 3)]
+            with trio.fail_after(20):  # (a hang guard: the close follows the 400)
+                while server.closed < server.requests:
+                    await trio.sleep(0.02)
 
 
 async def test_one_request_fetches_at_most_four_images_at_a_time():
@@ -499,15 +502,9 @@ async def test_one_request_fetches_at_most_four_images_at_a_time():
     from server.http.images import FETCHES_PER_REQUEST
 
     server = HeldImageServer(RED, hold=FETCHES_PER_REQUEST + 1)
-    many = EngineConfig(engine_options={**FAST_SIM, "image_tokens": IMAGE_TOKENS,
-                                        "images_per_prompt": 8})
     with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.run)
-            async with running_server(many, **LOOPBACK, media_fetch_timeout=3) as url:
-                body = await refused(chat_tokens(client_of(url), [
-                    image_part(server.url(f"/{k}.png"))
-                    for k in range(FETCHES_PER_REQUEST + 1)]))
-                assert body["code"] == "media_timeout", body
-                assert server.requests == FETCHES_PER_REQUEST
-            nursery.cancel_scope.cancel()
+        async with serving_from(server, 8, media_fetch_timeout=3) as url:
+            body = await refused(chat_tokens(client_of(url), [
+                image_part(server.url(f"/{k}.png")) for k in range(FETCHES_PER_REQUEST + 1)]))
+            assert body["code"] == "media_timeout", body
+            assert server.requests == FETCHES_PER_REQUEST
