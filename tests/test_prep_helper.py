@@ -48,8 +48,8 @@ def test_the_helper_prepares_as_the_worker_does(model_dir):
     here = TransformersEngine(model_path=str(model_dir), max_batch=2, prepare_process=False)
     there = TransformersEngine(model_path=str(model_dir), max_batch=2, prepare_process_bytes=0)
     before = child_pids()
+    there.remote_grammars = True  # (the hook is off by default: see helper_config)
     there.start_helper()
-    # the hook for grammars compiled in the helper (off by default: see start_helper)
     there._grammars.remote = (there._helper.compile, 0)
     try:
         params = {"max_tokens": 24, "temperature": 1.0, "seed": 11,

@@ -41,7 +41,6 @@ import signal
 import struct
 import sys
 import threading
-from typing import Any
 
 import msgpack
 
@@ -85,26 +84,6 @@ def _tokenizing(config: dict) -> _Tokenizing:
         except Exception:  # (a template this class renders otherwise: the worker's way)
             pass
     return _Tokenizing(load_tokenizer(config["model_path"]), config)
-
-
-class _Grammars:
-    """The grammar compiler (``compile``), made at its first use: xgrammar imports torch,
-    which the helper's start would otherwise pay for the worker's rare remote compile."""
-
-    def __init__(self, tokenizer, config: dict) -> None:
-        self._args = (tokenizer, config)
-        self._grammars: Any = None
-        self._lock = threading.Lock()
-
-    def compile_here(self, key: str):
-        with self._lock:
-            if self._grammars is None:
-                from ..engines.transformers.grammar import Grammars
-
-                tokenizer, config = self._args
-                self._grammars = Grammars(tokenizer, vocab_size=config["vocab_size"],
-                                          stop_ids=config["stop_ids"], **config["grammar"])
-        return self._grammars.compile_here(key)
 
 
 def _answer(tok: _Tokenizing, grammars, op: str, arg) -> bytes:
@@ -162,7 +141,12 @@ def main(argv: list[str]) -> None:
     fd_out = os.dup(1)
     os.dup2(2, 1)  # a stray print goes to stderr, not into a reply
     tok = _tokenizing(config)
-    grammars = _Grammars(tok.tokenizer, config) if config.get("grammar") is not None else None
+    grammars = None
+    if config.get("grammar") is not None:  # (the worker's remote compiles: xgrammar, torch)
+        from ..engines.transformers.grammar import Grammars
+
+        grammars = Grammars(tok.tokenizer, vocab_size=config["vocab_size"],
+                            stop_ids=config["stop_ids"], **config["grammar"])
     # As the worker (main.freeze_startup_heap): full collections then walk only what the
     # requests made, not the tokenizer's and the grammar library's objects.
     gc.collect()

@@ -203,6 +203,10 @@ class _Req:
 class TransformersEngine(HelperTokenizing):
     """See the module docstring. Options come from ``EngineConfig.engine_options``."""
 
+    #: Whether the helper process can compile grammars (``Grammars.remote``, the hook):
+    #: it then loads xgrammar at its start.
+    remote_grammars = False
+
     def __init__(
         self,
         *,
@@ -379,12 +383,15 @@ class TransformersEngine(HelperTokenizing):
         # 2,000-property schema is 991 MB (149 s), and deserialize_json held the GIL for
         # 5 s (docs/changelog.md, 2026-12-01, "The fix, as built"); they compile in the
         # worker's threads (GIL released).
-        # Grammars.remote is the hook, for a small grammar or a later xgrammar.
+        # Grammars.remote is the hook, for a small grammar or a later xgrammar; off unless
+        # remote_grammars is set before the helper starts: xgrammar imports torch, 10+ s
+        # of CPU and ~250 MB at each helper start otherwise spared (prep_child).
         return {
             "model_path": str(self._path), "vocab_size": self.vocab_size,
             "stop_ids": sorted(self.eos_ids), "max_model_len": self.max_model_len,
             "model": self.info["model"],
-            "grammar": None if self._grammars is None else self._grammar_budget,
+            "grammar": (self._grammar_budget if self._grammars is not None
+                        and self.remote_grammars else None),
         }
 
     def stop_helper(self) -> None:
