@@ -49,6 +49,7 @@ import sys
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
+from ..worker_protocol.images import has_image_parts
 from ..worker_protocol.kv_blocks import leading
 
 __all__ = [
@@ -97,19 +98,6 @@ def canonical_text(prompt: object) -> str | None:
                                     default=str))
         return "\n".join(lines) + "\n"
     return None
-
-
-def has_image_parts(prompt: object) -> bool:
-    """Whether a chat prompt (``{"messages": [...]}``) holds an image part: only a worker
-    that takes images may run it (a pool may mix text and vision workers)."""
-    if type(prompt) is not dict:
-        return False
-    for message in prompt.get("messages") or ():
-        content = message.get("content") if isinstance(message, dict) else None
-        if type(content) is list and any(
-                isinstance(p, dict) and p.get("type") == "image" for p in content):
-            return True
-    return False
 
 
 def _by_digest(message: object) -> object:

@@ -31,6 +31,7 @@ import hashlib
 import io
 from collections.abc import Collection
 
+from ...worker_protocol.images import has_image_parts as has_images
 from ...workers.base import Rejected
 
 __all__ = ["MAX_IMAGE_PIXELS", "MAX_PROMPT_PIXELS", "decode_images", "has_images",
@@ -40,15 +41,6 @@ __all__ = ["MAX_IMAGE_PIXELS", "MAX_PROMPT_PIXELS", "decode_images", "has_images
 MAX_IMAGE_PIXELS = 8192 * 8192
 #: The most pixels a prompt's images may have together (about 200 MB once decoded to RGB).
 MAX_PROMPT_PIXELS = 8192 * 8192
-
-
-def has_images(prompt: object) -> bool:
-    """Whether a chat prompt holds an image part."""
-    if not isinstance(prompt, dict) or not isinstance(prompt.get("messages"), list):
-        return False
-    return any(isinstance(p, dict) and p.get("type") == "image"
-               for m in prompt["messages"] if isinstance(m, dict)
-               and isinstance(m.get("content"), list) for p in m["content"])
 
 
 def split_images(prompt: dict) -> tuple[dict, list[tuple[bytes, str]]]:
