@@ -123,9 +123,10 @@ class EngineConfig:
         # "pulse": how often the worker says it is alive while one step runs long
         # (server.workers.pulse): once per ping period. "parts": send a big answer in
         # parts between the STEPs (server.worker_protocol.parts; the Link's decoder
-        # joins them).
+        # joins them). "image_stats": PONGs may hold the image-cache counters (this frontend
+        # reads them; a worker leaves them out for one that does not say so).
         argument = {"engine": self.engine, "options": options, "pulse": self.heartbeat_interval,
-                    "parts": True}
+                    "parts": True, "image_stats": True}
         devices = self.visible_devices()
         if devices is not None:
             argument["visible_devices"] = devices

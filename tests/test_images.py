@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
+import hashlib
 import struct
 import zlib
 
@@ -133,6 +134,37 @@ async def test_a_data_url_image_is_counted_and_reaches_the_worker():
                 {"role": "user", "content": red}, {"role": "assistant", "content": "red"},
                 {"role": "user", "content": "and now?"}])
             assert r.usage.prompt_tokens > IMAGE_TOKENS
+
+
+def image_cache(m, worker: str = "0") -> tuple[float, float]:
+    """The image-cache lookups and hits ``/metrics`` reports for ``worker``."""
+    return (m.value("trio_llm:mm_cache_queries_total", worker=worker),
+            m.value("trio_llm:mm_cache_hits_total", worker=worker))
+
+
+def reports_image_cache(m, worker: str = "0") -> bool:
+    return "trio_llm:mm_cache_queries" in m.families and any(
+        s.labels.get("worker") == worker for s in m.families["trio_llm:mm_cache_queries"].samples)
+
+
+async def test_metrics_count_the_image_caches_lookups_and_hits():
+    """A pipe worker (told by its argument that its frontend reads them) reports its image
+    cache's counters in each PONG; ``/metrics`` exports them as vLLM names them."""
+    from tests.test_metrics import scrape
+
+    with trio.fail_after(60):
+        async with running_server(IMAGES) as url:
+            client = client_of(url)
+            text = [{"type": "text", "text": "describe"}]
+            for content in ([*text, image_part(data_url(RED))],  # a miss
+                            [*text, image_part(data_url(BLUE))],  # a miss
+                            [image_part(data_url(RED)), image_part(data_url(BLUE))],  # 2 hits
+                            text):  # (no image: no lookup)
+                await chat_tokens(client, content)
+            # (what a PONG says: the next heartbeat's answer has them)
+            m = await scrape(url, until=lambda m: reports_image_cache(m) and image_cache(m) == (
+                4.0, 2.0), timeout=30)
+            assert m.families["trio_llm:mm_cache_hits"].type == "counter"
 
 
 async def test_an_http_url_is_fetched_only_when_its_host_is_allowed():
@@ -351,6 +383,7 @@ async def test_a_pool_of_text_and_vision_workers_sends_images_to_the_vision_ones
     from contextlib import AsyncExitStack
 
     from tests.remote import listening_worker, remote_config
+    from tests.test_metrics import scrape
 
     with trio.fail_after(120):
         async with AsyncExitStack() as stack:
@@ -365,6 +398,11 @@ async def test_a_pool_of_text_and_vision_workers_sends_images_to_the_vision_ones
                 red = [{"type": "text", "text": "describe"}, image_part(data_url(RED))]
                 for _ in range(4):  # (round robin alone would alternate)
                     assert (await chat_tokens(client, red))[0] == plain + IMAGE_TOKENS
+                # the vision worker's image cache: the frontend subscribed to its counters
+                # (the text worker has none: no image family for it)
+                m = await scrape(url, timeout=30, until=lambda m: reports_image_cache(
+                    m, "1") and image_cache(m, "1") == (4.0, 3.0))
+                assert not reports_image_cache(m, "0")
                 async with httpx.AsyncClient() as http:
                     metrics = (await http.get(url + "/metrics")).text
     # text requests went to both workers (round robin), image requests to the vision one
@@ -372,6 +410,49 @@ async def test_a_pool_of_text_and_vision_workers_sends_images_to_the_vision_ones
               for line in metrics.splitlines()
               if line.startswith("trio_llm:routed_requests_total{")}
     assert served == {"0": 1.0, "1": 5.0}, served
+
+
+async def test_a_listening_worker_sends_image_counters_to_a_connection_that_asked_only(
+        tmp_path):
+    """A frontend by hand: before it subscribes to ``image_stats``, the worker's PONGs hold
+    no image counters (an older frontend would refuse them); after, they count its image."""
+    from server.worker_protocol import wire
+    from tests.remote import listening_worker
+
+    digest = hashlib.sha256(RED).hexdigest()
+    prompt = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "describe"}, {"type": "image", "data": RED, "sha256": digest}]}]}
+    with trio.fail_after(120):
+        async with listening_worker(tmp_path, "127.0.0.1:0", "--sim-image-tokens",
+                                    str(IMAGE_TOKENS), secret=None) as worker:
+            address = worker.address
+            stream = await trio.open_tcp_stream(address.host, address.port)
+            decoder = wire.FrameDecoder()
+            frames: list = []
+
+            async def next_of(kind: int) -> list:
+                while True:
+                    while frames:
+                        frame = frames.pop(0)
+                        if frame[0] == kind and (kind != wire.PONG or frame[1]):
+                            return frame
+                    data = await stream.receive_some(1 << 16)
+                    assert data, "the worker closed the connection"
+                    frames.extend(decoder.feed(data))
+
+            async with stream:
+                await next_of(wire.CHALLENGE)
+                await stream.send_all(wire.encode([wire.AUTH, bytes(32), None]))
+                hello = await next_of(wire.HELLO)
+                assert hello[1][wire.IMAGE_STATS_KEY] is True
+                await stream.send_all(wire.encode([wire.SUBMIT, 1, prompt, {"max_tokens": 1}]))
+                await next_of(wire.STEP)
+                await stream.send_all(wire.encode([wire.PING, 1]))
+                assert not isinstance((await next_of(wire.PONG))[-1], dict)
+                await stream.send_all(wire.encode([wire.SUBSCRIBE, [wire.IMAGE_STATS_TOPIC]])
+                                      + wire.encode([wire.PING, 2]))
+                assert (await next_of(wire.PONG))[-1] == {"mm_cache_queries": 1,
+                                                          "mm_cache_hits": 0}
 
 
 @contextlib.asynccontextmanager

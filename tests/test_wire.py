@@ -198,6 +198,7 @@ GOOD_REPLIES = [m for m in MESSAGES if m[0] in wire.REPLIES] + [
     [wire.PONG, 7, 3, 1, {"kv_cache_usage": 0.25, "deferred": 1, "preemptions": 0,
                           "iteration_tokens": [0, 2] + [0] * 12 + [9]}],
     [wire.PONG, 7, 3, 1, 2, {"kv_cache_usage": 1}],
+    [wire.PONG, 7, 3, 1, {"mm_cache_queries": 3, "mm_cache_hits": 1}],  # a vision model's
     [wire.STEP, [], [[1, "x", 1, "stop", None]], [[1, {"cached_tokens": 0, "times": {
         "queue": 0.5, "prefill": 0, "decode": 1.5, "inference": 1.5}}]]],
     [wire.STEP, [], [[1, "x", 1, "stop", None]], [[1, {"cached_tokens": 3}], [1, {
@@ -236,6 +237,7 @@ def test_malformed_requests_are_protocol_errors(message):
     [wire.PONG, 1, 0, 0, {}, 0], [wire.PONG, 1, 0, 0, {"kv_cache_usage": 1.5}],
     [wire.PONG, 1, 0, 0, {"preemptions": -1}], [wire.PONG, 1, 0, 0, {"running": 1}],
     [wire.PONG, 1, 0, 0, {"iteration_tokens": [0, 1]}], [wire.PONG, 1, 0, 0, 1, 1, {}],
+    [wire.PONG, 1, 0, 0, {"mm_cache_hits": -1}], [wire.PONG, 1, 0, 0, {"mm_cache_queries": 0.5}],
     [wire.STEP, [], [], [[1, {"times": {"queue": 1.0}}]]],
     [wire.STEP, [], [], [[1, {"times": {"queue": -1, "prefill": 0, "decode": 0,
                                         "inference": 0}}]]],
@@ -582,3 +584,27 @@ def test_a_worker_names_the_field_only_to_a_request_that_asks():
         assert reply is not None and reply[2] is None and len(reply[3]) == n
         wire.check_reply(reply)
         assert reply[3][2:] == (["dimensions"] if n == 3 else [])
+
+
+@pytest.mark.parametrize("pong, older", [
+    # a pipe worker's PONG, then a listening worker's (with its connection's count)
+    ([wire.PONG, 7, 3, 1, {"preemptions": 2, "mm_cache_queries": 3, "mm_cache_hits": 1}],
+     [wire.PONG, 7, 3, 1, {"preemptions": 2}]),
+    ([wire.PONG, 7, 3, 1, 2, {"mm_cache_queries": 3, "mm_cache_hits": 1}],
+     [wire.PONG, 7, 3, 1, 2]),  # (no map left: none sent)
+    ([wire.PONG, 7, 3, 1, 2, {"kv_cache_usage": 0.5}], [wire.PONG, 7, 3, 1, 2, {"kv_cache_usage": 0.5}]),
+    ([wire.PONG, 7, 3, 1], [wire.PONG, 7, 3, 1]),
+])
+def test_a_pong_keeps_its_image_counters_for_a_frontend_that_reads_them_only(pong, older):
+    """An older frontend reads a PONG map of the keys it knew (one more is malformed to
+    it): a worker sends the image counters only to a frontend that said it reads them."""
+    assert wire.pong_for(pong, True) == pong
+    assert wire.pong_for(pong, False) == older
+    assert not any(k in older[-1] for k in wire.IMAGE_STATS if isinstance(older[-1], dict))
+    assert wire.check_reply(wire.pong_for(pong, False)) is not None
+
+
+def test_a_frontend_subscribes_to_image_counters_by_name():
+    assert wire.check_listener_request([wire.SUBSCRIBE, [wire.IMAGE_STATS_TOPIC, "parts"]])
+    with pytest.raises(wire.ProtocolError, match="malformed"):
+        wire.check_listener_request([wire.SUBSCRIBE, ["image_statistics"]])

@@ -535,6 +535,8 @@ class WorkerClient:
             self._reads_leaving = self.info.get(wire.LEAVING_KEY) is True
             if self._reads_leaving:  # told first when it is told to stop
                 topics.append(wire.LEAVING_TOPIC)
+            if self.info.get(wire.IMAGE_STATS_KEY) is True:  # its PONGs' image counters
+                topics.append(wire.IMAGE_STATS_TOPIC)
             decoder = link.decoder  # (a pipe worker's joins already: it asked at its start)
             if (self.info.get(wire.PARTS_KEY) is True and isinstance(decoder, PartsDecoder)
                     and not decoder.joining):  # a listening worker's big answers, in parts

@@ -15,7 +15,8 @@ Three ways in, each on a frame the worker already sends (docs/protocol.md):
 
 - HELLO's ``cache_config`` (label values) becomes ``cache_config_info``, as vLLM's;
 - each PONG's engine map holds the engine's gauges (KV-cache usage, deferred requests) and
-  its *cumulative* counters (preemptions, the tokens-per-step histogram): they are exported
+  its *cumulative* counters (preemptions, the tokens-per-step histogram, a vision model's
+  image-cache lookups and hits): they are exported
   as the worker's latest report, like vLLM's per-engine series, and start over with a new
   worker process (Prometheus' ``rate()`` reads that as a counter reset). A worker shared
   by several frontends reports the same engine to each: with ``--api-servers`` these
@@ -62,6 +63,14 @@ _TIMES = {
                   "and decode), in seconds."),
 }
 
+#: A vision model's counters (vLLM's names): PONG map key -> help.
+_IMAGE_COUNTERS = {
+    "mm_cache_queries": "Images looked up in the engine's cache of processed images, since "
+                        "the worker started.",
+    "mm_cache_hits": "Images found in the engine's cache of processed images (not decoded "
+                     "or processed again), since the worker started.",
+}
+
 #: vLLM's request-latency bounds, with finer steps below 0.3 s (a small model's prefill).
 TIME_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5,
@@ -74,11 +83,13 @@ ENGINE_REPORTED = frozenset({
     PREFIX + "kv_cache_usage_perc", PREFIX + "num_requests_waiting_by_reason",
     PREFIX + "num_preemptions", PREFIX + "iteration_tokens_total",
     PREFIX + "cache_config_info", *(PREFIX + name for name, _ in _TIMES.values()),
+    PREFIX + "mm_cache_queries", PREFIX + "mm_cache_hits",
 })
 
 #: Families whose samples are the same engine's counts as every frontend heard them:
 #: merged over frontends by maximum (server.observability.merge), never summed.
-ENGINE_WIDE = frozenset({PREFIX + "num_preemptions", PREFIX + "iteration_tokens_total"})
+ENGINE_WIDE = frozenset({PREFIX + "num_preemptions", PREFIX + "iteration_tokens_total",
+                         PREFIX + "mm_cache_queries", PREFIX + "mm_cache_hits"})
 
 
 class EngineReport:
@@ -141,6 +152,8 @@ def engine_families(
         "Tokens processed per engine step (prompt tokens computed plus tokens generated), "
         "since the worker started.",
         labels=labels)
+    images = {key: CounterMetricFamily(PREFIX + key, about, labels=labels)
+              for key, about in _IMAGE_COUNTERS.items()}
     bounds = [floatToGoString(b) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
     infos = []
     for model, index, report in reports:
@@ -162,10 +175,14 @@ def engine_families(
                     total += n
                     cumulative.append((bound, total))
                 steps.add_metric(worker, cumulative, counts[-1])
+            for key, counter in images.items():
+                if key in stats:
+                    counter.add_metric(worker, stats[key])
         if report.cache_config:
             infos.append((worker, report.cache_config))
     if any(r.latest is not None for _, _, r in reports):
         yield from (usage, waiting, preemptions, steps)
+    yield from (counter for counter in images.values() if counter.samples)  # (vision models)
     if infos:
         names = sorted({name for _, config in infos for name in config})
         info = GaugeMetricFamily(

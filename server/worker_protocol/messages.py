@@ -39,7 +39,8 @@ __all__ = [
     "Message", "Hello", "Submit", "PipeSubmit", "Abort", "Ping", "Pong", "Shutdown", "Step",
     "Call", "Result", "Challenge", "Auth", "Refused", "Subscribe", "Part", "Leaving",
     "AcceptRow", "OutputRow", "NoteRow", "Note", "Times", "KvEvent", "EngineStats",
-    "FINISHES", "ROUTED_MAX", "PARTS_TOPIC", "LEAVING_TOPIC", "LEAVING_KIND",
+    "FINISHES", "ROUTED_MAX", "PARTS_TOPIC", "LEAVING_TOPIC",
+    "IMAGE_STATS_TOPIC", "IMAGE_STATS", "LEAVING_KIND",
     "ITERATION_TOKEN_BUCKETS", "UNSET",
     "error_ok", "final_ok", "note_ok", "as_dict",
 ]
@@ -86,6 +87,12 @@ ROUTED_MAX = 16384
 PARTS_TOPIC = "parts"
 #: The SUBSCRIBE topic of a frontend that reads LEAVING (and the refusals that follow it).
 LEAVING_TOPIC = "leaving"
+#: The SUBSCRIBE topic of a frontend whose PONG maps may hold the image counters
+#: (:data:`IMAGE_STATS`); a pipe worker is told by its argument (``"image_stats": true``).
+IMAGE_STATS_TOPIC = "image_stats"
+#: A PONG map's image-cache counters: sent only to a frontend that reads them (an older
+#: one refuses a map with keys it does not know), since the protocol's version stays 1.
+IMAGE_STATS = ("mm_cache_queries", "mm_cache_hits")
 #: The ``err`` kind of a SUBMIT a leaving worker refused: the frontend sends it elsewhere.
 LEAVING_KIND = "leaving"
 #: Upper bounds of the tokens-per-engine-step histogram of a PONG's ``iteration_tokens``
@@ -301,7 +308,10 @@ class EngineStats(Struct, forbid_unknown_fields=True, omit_defaults=True, gc=Fal
     * ``preemptions``: since the engine started;
     * ``iteration_tokens``: since the engine started, how many steps processed up to each
       bound of ITERATION_TOKEN_BUCKETS, one more slot for those above, then the sum of all
-      their tokens."""
+      their tokens;
+    * ``mm_cache_queries``, ``mm_cache_hits``: since the engine started, the images looked
+      up in the engine's processed-image cache, and those found there (only to a frontend
+      that reads them: :data:`IMAGE_STATS`)."""
 
     kv_cache_usage: Union[Annotated[float, Meta(ge=0, le=1)], UnsetType] = UNSET
     deferred: Union[Count, UnsetType] = UNSET
@@ -309,6 +319,8 @@ class EngineStats(Struct, forbid_unknown_fields=True, omit_defaults=True, gc=Fal
     iteration_tokens: Union[Annotated[list[Count], Meta(
         min_length=len(ITERATION_TOKEN_BUCKETS) + 2,
         max_length=len(ITERATION_TOKEN_BUCKETS) + 2)], UnsetType] = UNSET
+    mm_cache_queries: Union[Count, UnsetType] = UNSET
+    mm_cache_hits: Union[Count, UnsetType] = UNSET
 
 
 class Pong(Message, tag=PONG):
@@ -382,10 +394,12 @@ class Refused(Message, tag=REFUSED):
 
 #: A SUBSCRIBE's routed topic: a block naming's version, 1 to 999999.
 _ROUTED_TOPIC = re.compile(r"routed/[1-9][0-9]{0,5}")
+_TOPICS = (PARTS_TOPIC, LEAVING_TOPIC, IMAGE_STATS_TOPIC)
 
 
 class Subscribe(Message, tag=SUBSCRIBE):
-    """1 to 8 topics: :data:`PARTS_TOPIC`, :data:`LEAVING_TOPIC`, and one naming's routed
+    """1 to 8 topics: :data:`PARTS_TOPIC`, :data:`LEAVING_TOPIC`, :data:`IMAGE_STATS_TOPIC`,
+    and one naming's routed
     notices at most (a connection's names are of one naming)."""
 
     topics: Annotated[list[str], Meta(min_length=1, max_length=8)]
@@ -393,7 +407,7 @@ class Subscribe(Message, tag=SUBSCRIBE):
     def __post_init__(self) -> None:
         topics = self.topics
         routed = sum(_ROUTED_TOPIC.fullmatch(t) is not None for t in topics)
-        known = routed + topics.count(PARTS_TOPIC) + topics.count(LEAVING_TOPIC)
+        known = routed + sum(topics.count(topic) for topic in _TOPICS)
         if routed > 1 or known != len(topics):
             raise ValueError("unknown topics")
 

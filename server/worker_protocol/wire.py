@@ -53,7 +53,8 @@ import msgpack
 import msgspec
 
 from .messages import (
-    ABORT, AUTH, CALL, CHALLENGE, FINISHES, HELLO, ITERATION_TOKEN_BUCKETS, LEAVING,
+    ABORT, AUTH, CALL, CHALLENGE, FINISHES, HELLO, IMAGE_STATS, IMAGE_STATS_TOPIC,
+    ITERATION_TOKEN_BUCKETS, LEAVING,
     LEAVING_KIND, LEAVING_TOPIC, NAMES, PART, PARTS_TOPIC, PING, PONG, REFUSED, RESULT,
     ROUTED_MAX, SHUTDOWN, STEP, SUBMIT, SUBSCRIBE, UNSET, Abort, AcceptRow, Auth, Call,
     Challenge, EngineStats, Hello, KvEvent, Leaving, Message, Note, NoteRow, OutputRow,
@@ -71,6 +72,7 @@ __all__ = [
     "NoteRow", "Note", "Times", "KvEvent", "EngineStats", "FINISHES", "UNSET", "final_ok",
     "note_ok", "as_dict",
     "ITERATION_TOKEN_BUCKETS", "ROUTED_MAX", "PARTS_TOPIC", "LEAVING_TOPIC", "LEAVING_KIND",
+    "IMAGE_STATS_TOPIC", "IMAGE_STATS", "IMAGE_STATS_KEY", "pong_for",
     # keys, limits, encoding and decoding
     "RESULT_HEAD", "clip", "ROUTED_KEY", "PARTS_KEY", "LEAVING_KEY", "routed_topic", "MAX_FRAME",
     "PACKED_IDS", "PACK_MIN", "pack_ids", "hello_info", "ERROR_PARAM_KEY", "error",
@@ -95,6 +97,20 @@ PARTS_KEY = "answer_parts"
 #: :data:`LEAVING_TOPIC`: told to stop (SIGTERM), the worker then sends it LEAVING first,
 #: and refuses its later SUBMITs with the err kind :data:`LEAVING_KIND` (docs/protocol.md).
 LEAVING_KEY = "leaving_notice"
+#: The key of a listening worker's HELLO info saying that a frontend may subscribe to
+#: :data:`IMAGE_STATS_TOPIC`: its PONG maps then hold the image-cache counters.
+IMAGE_STATS_KEY = "image_stats"
+
+
+def pong_for(pong: list, image_stats: bool) -> list:
+    """A PONG (as a list) for a frontend: its engine map without the image-cache counters
+    (:data:`IMAGE_STATS`) unless the frontend asked for them. An older frontend refuses a
+    map with a key it does not know, and drops the worker."""
+    stats = pong[-1]
+    if image_stats or not isinstance(stats, dict) or not any(k in stats for k in IMAGE_STATS):
+        return pong
+    kept = {k: v for k, v in stats.items() if k not in IMAGE_STATS}
+    return pong[:-1] + [kept] if kept else pong[:-1]
 
 
 def routed_topic(naming: int) -> str:

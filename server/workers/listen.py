@@ -163,7 +163,7 @@ class _Conn:
     __slots__ = (
         "sock", "peer", "decoder", "out", "state", "nonce", "rids", "last_heard", "opened",
         "accepts", "outputs", "notes", "writing", "snapshot_due", "routed",
-        "notice_bytes", "notices_skipped", "parts", "leaving", "told",
+        "notice_bytes", "notices_skipped", "parts", "leaving", "told", "image_stats",
     )
 
     def __init__(self, sock: socket.socket, peer: str, state: str, now: float) -> None:
@@ -198,6 +198,8 @@ class _Conn:
         #: it reads LEAVING (subscribed to wire.LEAVING_TOPIC), and was sent it
         self.leaving = False
         self.told = False
+        #: its PONGs may hold the image-cache counters (subscribed to wire.IMAGE_STATS_TOPIC)
+        self.image_stats = False
 
     def answer(self, frame: bytes) -> None:
         """A RESULT frame for this connection: in parts when it asked and the frame is
@@ -510,7 +512,7 @@ class Server:
         conn.decoder.reader = _REQUESTS
         mine = None if secret is None else handshake.worker_proof(secret, conn.nonce, cnonce)
         info = {**wire.hello_info(self.engine.info), wire.ROUTED_KEY: True,
-                wire.PARTS_KEY: True, wire.LEAVING_KEY: True}
+                wire.PARTS_KEY: True, wire.LEAVING_KEY: True, wire.IMAGE_STATS_KEY: True}
         conn.out += wire.encode([wire.HELLO, info, mine])
         conn.snapshot_due = True
         say(f"frontend {conn.peer} connected")
@@ -575,6 +577,7 @@ class Server:
             if kind == wire.PING:  # this connection's share, before the engine's stats
                 self.counts = reply[2:4]
                 reply.insert(4, len(conn.rids))
+                reply = wire.pong_for(reply, conn.image_stats)
             else:
                 self.tokenizing.pop(msg[1], None)
                 reply[1] = seq
@@ -585,6 +588,8 @@ class Server:
                     if conn.parts is None:
                         out = conn.out
                         conn.parts = PartQueue(out.extend)  # (`out` is never replaced)
+                elif topic == wire.IMAGE_STATS_TOPIC:
+                    conn.image_stats = True
                 elif topic == wire.LEAVING_TOPIC:
                     conn.leaving = True
                     if self.leave.started:  # (it subscribed after the signal)

@@ -224,19 +224,20 @@ _REQUESTS = wire.REQUESTS.as_lists()
 
 
 def serve(engine, fd_in: int, fd_out: int, pulse_period: float = 1.0,
-          parts: bool = False) -> None:
+          parts: bool = False, image_stats: bool = False) -> None:
     """Run the loop until the input ends or a SHUTDOWN arrives. While one engine step runs
     longer than ``pulse_period`` seconds, a thread beside the loop writes an unasked PONG
     every ``pulse_period`` (:mod:`server.workers.pulse`). With ``parts`` (the frontend
     asked), a big RESULT goes out in PART frames between the loop's passes
-    (:mod:`server.worker_protocol.parts`)."""
+    (:mod:`server.worker_protocol.parts`). Without ``image_stats`` (the frontend reads
+    them), PONGs leave out the image-cache counters (``wire.pong_for``)."""
     preparer = open_preparer(engine)
     pong = [wire.encode([wire.PONG, 0, 0, 0])]  # the last answer's counts, unasked
     pulse = Pulse(lambda: _write_all(fd_out, pong[0]), pulse_period)
     pulse.start()
     try:
         with cleanup_uncut():
-            _serve(engine, preparer, fd_in, fd_out, pulse, pong, parts)
+            _serve(engine, preparer, fd_in, fd_out, pulse, pong, parts, image_stats)
     finally:
         pulse.close()
         if preparer is not None:
@@ -244,7 +245,7 @@ def serve(engine, fd_in: int, fd_out: int, pulse_period: float = 1.0,
 
 
 def _serve(engine, preparer: Preparer | None, fd_in: int, fd_out: int, pulse: Pulse,
-           pong: list[bytes], parts: bool = False) -> None:
+           pong: list[bytes], parts: bool = False, image_stats: bool = False) -> None:
     clock = time.monotonic
     # Big answers, written a few parts per pass (None: whole frames, as they come).
     queue = PartQueue(lambda frame: _write_all(fd_out, frame)) if parts else None
@@ -289,9 +290,10 @@ def _serve(engine, preparer: Preparer | None, fd_in: int, fd_out: int, pulse: Pu
                     return
                 reply = handle_in_pulse(pulse, engine, msg, accepts, outputs, preparer)
                 if reply is not None:
-                    replies.append(wire.encode(reply))
                     if reply[0] == wire.PONG:  # what the pulse repeats, unasked
+                        reply = wire.pong_for(reply, image_stats)
                         pong[0] = wire.encode([wire.PONG, 0, *reply[2:]])
+                    replies.append(wire.encode(reply))
         if preparer is not None:  # requests prepared meanwhile join the engine now
             replies.extend(wire.encode(r) for r in preparer.collect(accepts, outputs))
         if queue is not None:
@@ -442,7 +444,7 @@ def _main(argv: list[str]) -> None:
     freeze_startup_heap(engine)
     try:
         serve(engine, fd_in, fd_out, float(config.get("pulse", 1.0)),
-              parts=config.get("parts") is True)
+              parts=config.get("parts") is True, image_stats=config.get("image_stats") is True)
     except EngineBroken as exc:
         print(f"trio-llm-server worker: engine failed, restarting: {exc.message}", file=sys.stderr)
         raise SystemExit(3) from None

@@ -16,7 +16,10 @@ It behaves like a real engine from the frontend's point of view:
 * **Images** (only with ``image_tokens > 0``): the HELLO says ``"images": {"per_prompt":
   images_per_prompt}``, and an image part of a chat message (its bytes and SHA-256,
   checked) is rendered as ``image_tokens`` words naming the image: its prompt tokens, as
-  vLLM counts an image's. Nothing is decoded.
+  vLLM counts an image's. Nothing is decoded. The images it saw lately (the last
+  :data:`IMAGE_CACHE_ITEMS`, by SHA-256) model vLLM's processed-image cache: each PONG
+  counts the lookups and hits (``mm_cache_queries``, ``mm_cache_hits``), as the vllm
+  engine's does.
 * **Prefix cache** (only with ``prefix_cache_tokens > 0``): a model of vLLM's automatic
   prefix caching (:class:`server.engines.sim.cache.PrefixCache`: blocks of
   ``prefix_block_size`` words, chained hashes, LRU eviction). A request's first token then
@@ -81,6 +84,7 @@ import math
 import random
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import ValuesView
 
 from ...worker_protocol.wire import OutputRow
@@ -144,6 +148,10 @@ def _compute_for(seconds: float) -> None:
 
 FAULT_KINDS = ("error", "crash", "hang", "garbage", "stall", "ignore_abort", "slow_step",
                "stuck_step")
+
+
+#: How many images (by SHA-256) the image cache's model keeps.
+IMAGE_CACHE_ITEMS = 1024
 
 
 def render_chat(messages: list, image_tokens: int = 0) -> str:
@@ -278,6 +286,11 @@ class SimEngine:
             if images_per_prompt < 1:
                 raise ValueError("the sim engine's images_per_prompt must be at least 1")
             self.info["images"] = {"per_prompt": images_per_prompt}
+        #: The images seen lately, by SHA-256, oldest first (None: text only); the lookups
+        #: and hits since the start (:meth:`engine_stats`).
+        self._images: OrderedDict[str, None] | None = (
+            OrderedDict() if image_tokens > 0 else None)
+        self.image_lookups = [0, 0]
         #: Embedding batches computed (one per embed call, however many inputs it has).
         self.forwards = 0
         self._running: dict[int, _Req] = {}
@@ -325,6 +338,32 @@ class SimEngine:
         self.forwards += 1
         return vectors, total
 
+    def engine_stats(self) -> dict | None:
+        """The image cache's counters for a PONG, with images on (else None)."""
+        if self._images is None:
+            return None
+        queries, hits = self.image_lookups
+        return {"mm_cache_queries": queries, "mm_cache_hits": hits}
+
+    def _look_up_images(self, messages: list) -> None:
+        """Count the images of a rendered chat in the image cache's model, and keep them."""
+        seen = self._images
+        if seen is None:
+            return
+        for message in messages:
+            content = message.get("content")
+            for part in content if isinstance(content, list) else ():
+                if isinstance(part, dict) and part.get("type") == "image":
+                    digest = part["sha256"]
+                    self.image_lookups[0] += 1
+                    if digest in seen:
+                        self.image_lookups[1] += 1
+                        seen.move_to_end(digest)
+                    else:
+                        seen[digest] = None
+                        if len(seen) > IMAGE_CACHE_ITEMS:
+                            seen.popitem(last=False)
+
     def add(self, rid: int, prompt: object, params: dict) -> int:
         if isinstance(prompt, dict):
             messages = prompt.get("messages")
@@ -335,6 +374,7 @@ class SimEngine:
             except (KeyError, TypeError):
                 raise Rejected("each message needs a role and a content",
                                param="messages") from None
+            self._look_up_images(messages)
             seed_bytes = text.encode()
             tokens: list = text.split()
         elif isinstance(prompt, str):

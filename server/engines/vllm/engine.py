@@ -503,6 +503,10 @@ class VLLMEngine(HelperTokenizing):
         self._processed_image = processed_images(self._llm)
         #: Held while vLLM's processor cache is read or rendered into (any thread).
         self._rendering = threading.Lock()
+        #: Images looked up in that cache, and those found (the PONG's mm_cache_queries and
+        #: mm_cache_hits), under ``_rendering``; None where the cache is not known.
+        self._image_lookups: list[int] | None = (
+            [0, 0] if "images" in self.info and self._processed_image is not None else None)
         if self._events is not None:  # the frontend's exact prefix index (docs/routing.md)
             self.info["kv_events"] = {"block_size": int(config.cache_config.block_size)}
         #: Requests vLLM holds for us (added, not finished or aborted).
@@ -609,6 +613,9 @@ class VLLMEngine(HelperTokenizing):
         known = self._processed_image
         with self._rendering:
             processed = {k for k, d in enumerate(digests) if known is not None and known(d)}
+            if self._image_lookups is not None:
+                self._image_lookups[0] += len(digests)
+                self._image_lookups[1] += len(processed)
         pictures = decode_images(images, skip=processed)
 
         def render(pictures: list) -> dict:
@@ -746,12 +753,18 @@ class VLLMEngine(HelperTokenizing):
         return stats.waiting + stats.deferred if stats.active and self._held else 0
 
     def engine_stats(self) -> dict | None:
-        """vLLM's own statistics for a PONG (None with its stat logging off)."""
-        if not self._stats.active:
-            return None
-        if not self._held:
-            self._stats.idle()
-        return self._stats.statistics()
+        """vLLM's own statistics for a PONG (none with its stat logging off), and the
+        image-cache counters of a vision model (None: nothing to report)."""
+        stats = {}
+        if self._stats.active:
+            if not self._held:
+                self._stats.idle()
+            stats = self._stats.statistics()
+        lookups = self._image_lookups
+        if lookups is not None:
+            with self._rendering:
+                stats["mm_cache_queries"], stats["mm_cache_hits"] = lookups
+        return stats or None
 
     def _outputs(self) -> list:
         """One ``LLMEngine.step``; with the engine core in a process of its own, one per
