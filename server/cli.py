@@ -24,6 +24,7 @@ from .media.policy import policy_from_config
 from .engine_args import ENGINE_DESTS, engine_options, resolve_model_args
 from .model_config import MAX_FILE_BYTES, model_argvs
 from .option_table import add_options, config_fields
+from .text_files import read_text_file
 from .discovery.names import parse_worker_address
 from .worker_protocol.handshake import read_secret
 from .observability.logs import configure_logging, lean_log_records
@@ -76,17 +77,19 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    """The keys accepted: ``--api-key``'s (without it, ``$TRIO_LLM_API_KEY``'s) and every
-    ``--api-key-file``'s, each once. A file that cannot be read, or is no key file, is a
-    SystemExit with one line naming it (and the line: never a key). A frontend of
-    ``--api-servers`` takes its supervisor's, read once (``FRONTEND_KEYS_ENV``)."""
+    """The keys of ``--api-key`` (without it, ``$TRIO_LLM_API_KEY``'s), each once. Each
+    ``--api-key-file`` is read here too, only to refuse a bad one at start: a SystemExit
+    with one line naming it (and the line: never a key). The app reads the files itself
+    and again when they change (:mod:`server.http.key_files`). A frontend of
+    ``--api-servers`` takes its supervisor's ``--api-key`` keys (``FRONTEND_KEYS_ENV``) and
+    reads the files in its app: the supervisor checked them at its start."""
     if args.frontend_dir is not None:
         return tuple(filter(None, os.environ.get(FRONTEND_KEYS_ENV, "").split("\n")))
     keys = split_commas(args.api_key) or split_commas([os.environ.get(API_KEY_ENV, "")])
     for path in args.api_key_file or ():
         prog = f"trio-llm-server: --api-key-file {path}"
         try:
-            keys += parse_key_file(_read_config_file(path, prog))
+            parse_key_file(_read_config_file(path, prog))
         except ValueError as exc:
             raise SystemExit(f"{prog}: {exc}") from None
     return tuple(dict.fromkeys(keys))
@@ -110,25 +113,12 @@ def _warn_of_key_files(args: argparse.Namespace) -> None:
 
 
 def _read_config_file(path: str, prog: str) -> str:
-    """The text of a configuration file: a regular file (a FIFO would hang the start, a
-    device such as /dev/zero never end) of at most MAX_FILE_BYTES, in UTF-8; SystemExit
-    with one line naming the file otherwise."""
+    """The text of a configuration file (:func:`~server.text_files.read_text_file`, at most
+    MAX_FILE_BYTES); SystemExit with one line naming the file otherwise."""
     try:
-        # (O_NONBLOCK: opening a FIFO waits for a writer otherwise; the file is then
-        # checked through the descriptor opened, not by its name before)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        with open(fd, "rb", buffering=0) as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise SystemExit(f"{prog}: not a regular file")
-            data = f.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise SystemExit(f"{prog}: {exc.strerror}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise SystemExit(f"{prog}: larger than {MAX_FILE_BYTES} bytes")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise SystemExit(f"{prog}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        return read_text_file(path, MAX_FILE_BYTES)
+    except ValueError as exc:
+        raise SystemExit(f"{prog}: {exc}") from None
 
 
 def _models_from_file(args: argparse.Namespace) -> tuple[ModelConfig, ...]:
@@ -325,11 +315,6 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(supervise(args, config))
     if args.disable_log_requests:
         logging.getLogger("server.request").setLevel(logging.WARNING)
-    if config.api_keys:
-        logging.getLogger("server").info(
-            "API keys required (%d key(s)); /health, /ready and /metrics are open",
-            len(config.api_keys),
-        )
     from .http.app import create_app
     from .http.serve import serve
     from .connections.accept import ListenError
@@ -338,6 +323,11 @@ def main(argv: list[str] | None = None) -> None:
     from .state import StateStoreError
 
     app = create_app(config)
+    if app.api_keys is not None:
+        logging.getLogger("server").info(
+            "API keys required (%d key(s)); /health, /ready and /metrics are open",
+            len(app.api_keys),
+        )
     # The CLI owns the process: it takes the signals, tunes and watches the collector, and
     # listens at once (answering 503 until the workers are up, for readiness probes).
     run = functools.partial(

@@ -26,10 +26,9 @@ __all__ = ["API_KEY_ENV", "FRONTEND_KEYS_ENV", "OPTIONS", "split_commas"]
 
 #: The environment variable read for API keys when ``--api-key`` is not given.
 API_KEY_ENV = "TRIO_LLM_API_KEY"
-#: Internal: every key a supervisor of ``--api-servers`` accepts (``--api-key``'s or the
-#: variable's, and its key files'), one per line, in its frontends' environment: what
-#: they accept. Read once by the supervisor, so a restarted frontend accepts the same keys
-#: as the others even if a key file changed meanwhile.
+#: Internal: the keys of a supervisor of ``--api-servers``'s ``--api-key`` (or the
+#: variable's), one per line, in its frontends' environment, off their command lines.
+#: Key files are not in it: each frontend reads them itself, and again when they change.
 FRONTEND_KEYS_ENV = "TRIO_LLM_FRONTEND_API_KEYS"
 
 
@@ -57,6 +56,12 @@ def _postgres_url(text: str) -> str:
 def _absolute(path: str | None) -> str | None:
     """A directory as an absolute path (the frontends of --api-servers get the same)."""
     return None if path is None else os.path.abspath(path)
+
+
+def _paths(values: list[str] | None) -> tuple[str, ...]:
+    """A repeated path option's values as absolute paths, once each (the frontends of
+    --api-servers are started in the supervisor's directory, given the paths as given)."""
+    return tuple(dict.fromkeys(os.path.abspath(p) for p in values or ()))
 
 
 def _host_names(values: list[str] | None) -> tuple[str, ...]:
@@ -123,20 +128,28 @@ OPTIONS: tuple[Option, ...] = (
     ),
     *_frontend(
         "access control",
-        # (into: server.cli, with the environment and the file; the supervisor of
-        # --api-servers hands the keys it read to its frontends in their environment,
-        # FRONTEND_KEYS_ENV, so that they are on no child's command line)
+        # (--api-key into: server.cli, with the environment; the supervisor of
+        # --api-servers hands those keys to its frontends in their environment,
+        # FRONTEND_KEYS_ENV, so that they are on no child's command line. A key file goes
+        # to each frontend as its path: each reads it, and again when it changes)
         Option("--api-key", kind="append", metavar="KEY", child="supervisor",
                help="require 'Authorization: Bearer KEY' on every route (repeatable, "
                "or comma-separated; /health, /ready and /metrics stay open). None: the keys "
                f"in ${API_KEY_ENV} (comma-separated) if it is set; no key from either nor "
                "--api-key-file: no key is needed. A command line is visible to other users: "
                "prefer the variable or --api-key-file"),
-        Option("--api-key-file", kind="append", metavar="PATH", child="supervisor",
+        Option("--api-key-file", kind="append", metavar="PATH",
+               into=(Into("server.api_key_files", _paths),),
                help="also accept each key in this file (repeatable): one per line; blank "
                "lines and lines starting with # are ignored; a key with inner whitespace, "
-               "or a file with no key, is refused at start. Read at start: a restart picks "
-               "up a change. Warned of if other users may read it (chmod 600 it)"),
+               "or a file with no key, is refused at start. Re-read when it changes, without a "
+               "restart: a file then refused keeps the keys in force. Warned of if other "
+               "users may read it (chmod 600 it)"),
+        Option("--api-key-file-interval", type=float, default=10.0, bounds=SECONDS,
+               metavar="SECONDS", into=("server.api_key_file_interval",),
+               help="how often each --api-key-file is checked for a change (its time, size "
+               "and inode: a Kubernetes secret's symlink swap too); a changed file is "
+               "re-read, and a key removed from it is refused from then on"),
         Option("--allowed-origins", kind="append", metavar="ORIGINS",
                into=(Into("server.allowed_origins", split_commas),),
                help="enable CORS for these browser origins (repeatable or comma-separated, "

@@ -253,9 +253,14 @@ class ServerConfig:
     allow_http_fallback: bool = False
     #: After the drain, seconds open connections (idle keep-alives) get before they are cut.
     close_timeout: float = 2.0
-    #: Keys accepted (``Authorization: Bearer KEY``); empty: no key is needed. Only
-    #: ``/health``, ``/ready`` and ``/metrics`` are open when keys are set.
+    #: Keys accepted (``Authorization: Bearer KEY``); empty, with no ``api_key_files``: no
+    #: key is needed. Only ``/health``, ``/ready`` and ``/metrics`` are open when keys are set.
     api_keys: tuple[str, ...] = ()
+    #: Files of more keys, one per line (server.key_file), read when the app is made and
+    #: again when one changes, checked every ``api_key_file_interval`` seconds
+    #: (server.http.key_files): a key removed from a file is refused from then on.
+    api_key_files: tuple[str, ...] = ()
+    api_key_file_interval: float = 10.0
     #: Where to send a trace span per generation request (OTLP/HTTP, e.g.
     #: ``http://collector:4318/v1/traces``); None: no tracing. Needs the ``otel`` extra.
     otlp_traces_endpoint: str | None = None

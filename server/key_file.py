@@ -12,12 +12,16 @@ without whitespace, since clients send it in an HTTP header: ``key # note`` is r
 read as ``key``. A file with no key is refused too (a server meant to need keys would
 otherwise need none). A refusal names the line, never the key (keys are secrets).
 
-The file is read when a process starts: a change takes effect at the next restart.
+The file is read when the server starts, and again whenever it changes
+(server.http.key_files): a key removed from it is refused from then on, without a restart.
 """
 
 from __future__ import annotations
 
-__all__ = ["LOOSE_MODE", "loose_permissions", "parse_key_file"]
+__all__ = ["LOOSE_MODE", "MAX_BYTES", "loose_permissions", "parse_key_file"]
+
+#: The largest key file read (a key per client is a few KiB for thousands of clients).
+MAX_BYTES = 1 << 20
 
 #: Permission bits that let someone other than the file's owner read it, or other than its
 #: owner change it (add a key of their own): others' read and write, the group's write.

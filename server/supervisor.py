@@ -401,9 +401,9 @@ def open_group_sockets(config: ServerConfig, n: int, port: int | None = None) ->
 
 
 def frontend_environment(keys: tuple[str, ...]) -> dict[str, str]:
-    """A frontend's environment: ours, with the API keys we read (from ``--api-key``, the
-    variable and the key files, once) in :data:`FRONTEND_KEYS_ENV`, one per line, and not
-    the variable it would otherwise read."""
+    """A frontend's environment: ours, with the API keys we read (from ``--api-key`` or
+    the variable; not the key files', which each frontend reads) in
+    :data:`FRONTEND_KEYS_ENV`, one per line, and not the variable it would otherwise read."""
     env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, FRONTEND_KEYS_ENV)}
     if keys:
         env[FRONTEND_KEYS_ENV] = "\n".join(keys)

@@ -6,10 +6,11 @@ each frontend (``python -m server --listen-fd FD --worker-address unix:PATH ...`
 is each option's ``child`` in its table (server.cli_options): the engine's options go to the
 worker, the rest to the frontend, except those only the supervisor honours.
 ``--served-model-name`` and ``--sim-faults`` go to both (the served name; whether a
-request's ``fault`` field is accepted). The API keys (``--api-key``'s, the variable's and
-the key files') go to no child's command line: a command line is visible to every user of
-the host (``ps``). The supervisor hands the keys it read to its frontends in their
-environment (:data:`~server.cli_options.FRONTEND_KEYS_ENV`), visible only to their owner.
+request's ``fault`` field is accepted). The API keys (``--api-key``'s, the variable's) go
+to no child's command line: a command line is visible to every user of the host (``ps``).
+The supervisor hands them to its frontends in their environment
+(:data:`~server.cli_options.FRONTEND_KEYS_ENV`), visible only to their owner. A key file
+goes as its absolute path: each frontend reads it, and re-reads it when it changes.
 
 When a child that died is restarted is :class:`server.restarts.Restarts`' decision.
 """

@@ -3,12 +3,12 @@ start through the real command line (one line naming the file and the line, neve
 the union with ``--api-key`` and the environment, then real servers: one process accepting
 a key of the file and refusing another (with one warning of the file's loose mode, no key
 logged), and ``--api-servers 2``, whose frontends get the file's path and ``--api-key``'s
-keys in their environment, never on their command lines."""
+keys in their environment, never on their command lines, and each reload the file. The
+reloads of one server: tests/test_key_file_reload.py."""
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +22,7 @@ from server.cli import API_KEY_ENV, build_parser, config_from_args, main
 from server.cli_options import FRONTEND_KEYS_ENV
 from server.key_file import loose_permissions, parse_key_file
 from tests.remote import local_metrics, supervised
+from tests.test_key_file_reload import write_keys
 from tests.test_shutdown import REPO, cli_server
 
 GOOD = "\ufeff# team a\r\n\n  key-one  \r\n\t# key-zero, retired\nkey-two\nkey-one\n"
@@ -88,19 +89,24 @@ def test_a_refusal_is_one_line_without_a_traceback(tmp_path):
 
 
 def test_the_keys_are_the_files_and_the_options_or_the_variables(tmp_path, monkeypatch):
-    parse = build_parser().parse_args
+    from server.http.app import create_app
+
+    def accepted(argv: list[str]) -> tuple[str, ...]:
+        return create_app(config_from_args(build_parser().parse_args(argv))).accepted_keys
+
     one = key_file(tmp_path, GOOD)
     other = tmp_path / "more"
     other.write_text("key-three\n")
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-    assert config_from_args(parse(["--api-key-file", one])).api_keys == ("key-one", "key-two")
-    config = config_from_args(parse(["--api-key", "cli,key-two", "--api-key-file", one,
-                                     "--api-key-file", str(other)]))
-    assert config.api_keys == ("cli", "key-two", "key-one", "key-three")
+    assert accepted(["--api-key-file", one]) == ("key-one", "key-two")
+    config = config_from_args(build_parser().parse_args(
+        ["--api-key", "cli,key-two", "--api-key-file", one, "--api-key-file", str(other)]))
+    assert config.api_keys == ("cli", "key-two")  # (the files' are the app's to read)
+    assert config.api_key_files == (one, str(other))
+    assert create_app(config).accepted_keys == ("cli", "key-two", "key-one", "key-three")
     monkeypatch.setenv(API_KEY_ENV, "env")
-    assert config_from_args(parse(["--api-key-file", one])).api_keys \
-        == ("env", "key-one", "key-two")
-    assert config_from_args(parse(["--api-key", "cli", "--api-key-file", one])).api_keys \
+    assert accepted(["--api-key-file", one]) == ("env", "key-one", "key-two")
+    assert accepted(["--api-key", "cli", "--api-key-file", one]) \
         == ("cli", "key-one", "key-two")  # (--api-key wins over the variable, as alone)
 
 
@@ -121,36 +127,31 @@ async def test_a_server_takes_the_files_keys_and_refuses_others(tmp_path):
     assert not any(key in log for key in ("key-one", "key-two", "cli-key")), log
 
 
-async def test_the_frontends_of_api_servers_get_the_keys_off_their_command_lines(tmp_path):
-    """The supervisor reads the keys once and hands them to its frontends in their
-    environment: on no command line, and a frontend restarted after the key file changed
-    (here: emptied, which a start would refuse) accepts the same keys as the others."""
+async def test_the_frontends_of_api_servers_each_read_and_reload_the_key_file(tmp_path):
+    """The supervisor hands ``--api-key``'s keys to its frontends in their environment (on
+    no command line) and the key file as its path: each frontend reads it, and re-reads
+    it when it changes, on its own (each counts its reload)."""
     path = key_file(tmp_path, GOOD)
-    async with supervised(tmp_path, "--api-key", "cli-key", "--api-key-file", path) as sup:
+    async with supervised(tmp_path, "--api-key", "cli-key", "--api-key-file", path,
+                          "--api-key-file-interval", "0.05") as sup:
         frontends, _ = sup.children()
         assert len(frontends) == 2
-        await trio.Path(path).write_text("")
-        os.kill(frontends[0], signal.SIGKILL)
-        with trio.fail_after(60):
-            while (again := sup.children()[0].get(0)) in (None, frontends[0]):
-                await trio.sleep(0.05)
-            while True:
-                try:
-                    await local_metrics(sup.directory(), 0)
-                    break
-                except OSError:
-                    await trio.sleep(0.05)
-        frontends[0] = again
         for pid in frontends.values():
             argv, environ = proc_words(pid, "cmdline"), proc_words(pid, "environ")
             assert b"cli-key" not in b" ".join(argv) and b"--api-key" not in argv
-            assert b"--api-key-file" not in argv  # (the supervisor read it, once:)
-            assert f"{FRONTEND_KEYS_ENV}=cli-key\nkey-one\nkey-two".encode() in environ
+            assert argv[argv.index(b"--api-key-file") + 1] == path.encode()
+            assert f"{FRONTEND_KEYS_ENV}=cli-key".encode() in environ
+        write_keys(Path(path), "key-one\nkey-three\n")
+        with trio.fail_after(60):
+            for index in frontends:
+                while (await local_metrics(sup.directory(), index)).get(
+                        ("trio_llm:api_key_file_reloads_total",
+                         frozenset({("model_name", "sim"), ("outcome", "ok")}))) != 1.0:
+                    await trio.sleep(0.05)
         limits = httpx.Limits(max_keepalive_connections=0)  # (a connection per request:
         async with httpx.AsyncClient(base_url=sup.url, limits=limits) as http:  # both)
-            for key in ("key-one", "key-two", "cli-key") * 4:
+            for key, code in (("key-one", 200), ("key-three", 200), ("cli-key", 200),
+                              ("key-two", 401), ("other", 401)) * 4:
                 r = await http.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
-                assert r.status_code == 200, r.text
-            r = await http.get("/v1/models", headers={"Authorization": "Bearer other"})
-            assert r.status_code == 401
-        assert "--api-key-file" not in sup.text()  # (mode 0600: no warning)
+                assert r.status_code == code, (key, r.text)
+        assert "other users may read" not in sup.text()  # (mode 0600: no warning)

@@ -288,7 +288,7 @@ class BatchRunner:
         return done
 
     async def _run_lines(self, job: _Job, pending: list[BatchLine]) -> None:
-        api_key = owner_key(tuple(self.app.server_config.api_keys or ()), job.owner) \
+        api_key = owner_key(self.app.accepted_keys, job.owner) \
             if self.app.api_keys is not None else None
         send, receive = trio.open_memory_channel[tuple[bytes, bool]](math.inf)
         async with trio.open_nursery() as nursery:

@@ -13,7 +13,8 @@ Before any route, :meth:`LLMServerApp.__call__` does what every HTTP request nee
    the response's headers;
 2. CORS, when enabled: a preflight is answered here; other responses get the CORS headers;
 3. API keys, when configured: every path but ``/health``, ``/ready`` and ``/metrics`` needs
-   ``Authorization: Bearer KEY`` (401 otherwise; see :mod:`server.http.auth`);
+   ``Authorization: Bearer KEY`` (401 otherwise; see :mod:`server.http.auth`), checked
+   against the keys in force (key files re-read when they change: :mod:`.key_files`);
 4. a generation request gets a :class:`~server.observability.RequestRecord`, recorded in the
    metrics and logged in one line when it ends, whatever the outcome.
 
@@ -63,6 +64,8 @@ from ..state.service import StateService, in_virtual_time, state_config
 from .asgi import CLOSE, HeaderSend, header, send_empty, send_error
 from .auth import APIKeys, is_protected
 from .cors import CORSPolicy
+from .key_files import KeyFiles
+from ..observability.key_metrics import KeyFileCollector
 from ..openai.encode import dumps
 from ..connections.accept import connection_info
 from .models import ModelTable, Pool
@@ -128,7 +131,13 @@ class LLMServerApp(QuartTrio):
         #: serve() then stops, and raises it.
         self.fatal = trio.Event()
         self.fatal_error: BaseException | None = None
-        self.api_keys = APIKeys(config.api_keys) if config.api_keys else None
+        #: The keys of ``--api-key-file``, kept current (server.http.key_files); None
+        #: without files: then the fixed keys alone, or none needed.
+        self.key_files: KeyFiles | None = None
+        self._fixed_keys = APIKeys(config.api_keys) if config.api_keys else None
+        if config.api_key_files:
+            self.key_files = KeyFiles(config.api_keys, config.api_key_files,
+                                      config.api_key_file_interval)
         self.cors = CORSPolicy(config.allowed_origins) if config.allowed_origins else None
         #: The HTTP server's :class:`~server.connections.accept.ConnectionPool` while it serves.
         self.connections = None
@@ -152,6 +161,9 @@ class LLMServerApp(QuartTrio):
         self.metrics.registry.register(StateStoreCollector(
             lambda: None if self.state.store is None else self.state.store.statistics(),
             self.models.pools[0].name))
+        if self.key_files is not None:
+            self.metrics.registry.register(KeyFileCollector(self.key_files.reloads,
+                                                            self.models.pools[0].name))
         #: A span per generation request (OpenTelemetry), when asked; else None.
         self.tracing: Tracing | None = None
         if tracer_provider is not None:
@@ -163,6 +175,19 @@ class LLMServerApp(QuartTrio):
         #: Path -> the raw routes this app serves (server.http.routes).
         self.raw_routes = raw_routes(config)
         self._routes()
+
+    @property
+    def api_keys(self) -> APIKeys | None:
+        """The keys a request is checked against now; None when none is needed. A key
+        file's change replaces them (server.http.key_files): read it per request."""
+        return self.key_files.api_keys if self.key_files is not None else self._fixed_keys
+
+    @property
+    def accepted_keys(self) -> tuple[str, ...]:
+        """The keys themselves that :attr:`api_keys` accepts now (the batch runner sends
+        its batch owner's)."""
+        return self.key_files.keys if self.key_files is not None \
+            else self.server_config.api_keys
 
     @property
     def engine(self) -> Engine | None:
@@ -345,6 +370,13 @@ class LLMServerApp(QuartTrio):
         await self._background.start(self._engine_nursery, self.state.store)
         await self._batches.start(self._engine_nursery, self.state.store)
 
+    async def _watch_key_files(self) -> None:
+        # (not in a test's virtual time: a look runs in a thread, as the store's reads)
+        if self.key_files is None or in_virtual_time():
+            return
+        assert self._engine_nursery is not None, "the watch runs in the ASGI lifespan"
+        await self._engine_nursery.start(self.key_files.run)
+
     async def _start_engine(self) -> None:
         if not self._owns_engine or self.fatal.is_set():
             return
@@ -445,6 +477,7 @@ class LLMServerApp(QuartTrio):
     # -- Quart's routes and error handlers ---------------------------------------------------
 
     def _routes(self) -> None:
+        self.before_serving(self._watch_key_files)
         self.before_serving(self._open_state_store)
         self.before_serving(self._start_engine)
         self.after_serving(self._batches.stop)  # (before the drain: lines do not hold it)

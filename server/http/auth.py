@@ -48,9 +48,11 @@ class APIKeys:
 
     __slots__ = ("_keys",)
 
-    def __init__(self, keys: Iterable[str]) -> None:
+    def __init__(self, keys: Iterable[str], *, allow_none: bool = False) -> None:
+        """``allow_none``: no key is accepted then, and every request refused (the keys of
+        key files none of which could be read: server.http.key_files)."""
         self._keys = tuple(_digest(k.encode()) for k in keys if k)
-        if not self._keys:
+        if not self._keys and not allow_none:
             raise ValueError("APIKeys needs at least one non-empty key")
 
     def __len__(self) -> int:

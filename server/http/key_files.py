@@ -1,0 +1,151 @@
+"""The keys of ``--api-key-file`` kept current while the server runs: no restart, no signal.
+
+Operators rotate keys by changing the file. A Kubernetes secret volume swaps a symlink
+(``..data``) to a new directory; an editor rewrites the file. A task in the app's lifespan
+nursery stats every file each ``--api-key-file-interval`` seconds. When one file's
+``(st_mtime_ns, st_size, st_ino)`` changed, every file is read again. The stat follows
+symlinks, so a swap changes the inode seen. The keys in force become the fixed ones
+(``--api-key``, the variable) and the files'. Why a period rather than SIGHUP: a library
+must not install a signal handler for its whole process. Why not inotify: a period needs
+nothing of the platform, and a swap of a parent directory's symlink is seen all the same.
+
+A file that is then missing, unreadable or refused by
+:func:`~server.key_file.parse_key_file` changes nothing: the keys in force stay. One
+warning names the file and the line, never a key, and the file is read again when it
+changes again. So a half-written file neither locks every client out nor lets every
+client in. Each reload counts as ``ok`` or ``refused``
+(``trio_llm:api_key_file_reloads_total``).
+
+A removed key is refused from the next request on; a request already past its check
+finishes. What a key stored stays its owner's (:func:`server.state.owner_of`, a digest of
+the key): a key that comes back finds it again. With ``--api-servers`` each frontend
+watches the files on its own, so the frontends agree again within one period.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from dataclasses import dataclass
+
+import trio
+
+from ..key_file import MAX_BYTES, loose_permissions, parse_key_file
+from ..text_files import read_text_file
+from .auth import APIKeys
+
+__all__ = ["KeyFiles", "read_key_files"]
+
+log = logging.getLogger("server")
+
+#: What tells that a file changed: ``(st_mtime_ns, st_size, st_ino)``; None: no stat.
+Signature = tuple[int, int, int] | None
+
+
+def read_key_files(paths: tuple[str, ...]) -> tuple[str, ...]:
+    """Every file's keys, in order, each once. ValueError ``PATH: why`` (the line, never
+    a key) for the first file that cannot be read or holds no key."""
+    keys: dict[str, None] = {}
+    for path in paths:
+        try:
+            keys.update(dict.fromkeys(parse_key_file(read_text_file(path, MAX_BYTES))))
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+    return tuple(keys)
+
+
+@dataclass(frozen=True)
+class _Look:
+    """The files as one look found them: their signatures, and their keys or why not."""
+
+    signatures: tuple[Signature, ...]
+    keys: tuple[str, ...] = ()
+    refusal: str | None = None
+    #: The files others may read or change, with their modes.
+    loose: tuple[tuple[str, int], ...] = ()
+
+
+def _stat(path: str) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
+
+
+def _look(paths: tuple[str, ...], seen: tuple[Signature, ...] | None) -> _Look | None:
+    """The files read again, or None when no signature differs from ``seen``. Blocking:
+    run in a thread. The stats come before the reads, so a change after them is seen by
+    the next look."""
+    stats = [_stat(p) for p in paths]
+    signatures = tuple(None if s is None else (s.st_mtime_ns, s.st_size, s.st_ino)
+                       for s in stats)
+    if signatures == seen:
+        return None
+    try:
+        keys = read_key_files(paths)
+    except ValueError as exc:
+        return _Look(signatures, refusal=str(exc))
+    loose = tuple((p, stat.S_IMODE(s.st_mode)) for p, s in zip(paths, stats)
+                  if s is not None and loose_permissions(s.st_mode))
+    return _Look(signatures, keys=keys, loose=loose)
+
+
+class KeyFiles:
+    """The keys in force: ``fixed`` ones and those of the files at ``paths``, read now and
+    again when they change (:meth:`run`). :attr:`api_keys` checks a request against them;
+    :attr:`keys` are the keys themselves (the batch runner sends its batch owner's).
+
+    A file refused at start leaves the fixed keys alone in force, or none (every request
+    refused, never every request let in), with a warning; the next change is read."""
+
+    def __init__(self, fixed: tuple[str, ...], paths: tuple[str, ...],
+                 interval: float) -> None:
+        self.paths = paths
+        self.interval = interval
+        self._fixed = fixed
+        #: Reloads since the start, by outcome: ``ok`` or ``refused`` (``/metrics``).
+        self.reloads = {"ok": 0, "refused": 0}
+        self.keys: tuple[str, ...] = fixed
+        self.api_keys = APIKeys(fixed, allow_none=True)
+        look = _look(paths, None)
+        assert look is not None  # (nothing seen yet)
+        self._signatures = look.signatures
+        if look.refusal is not None:
+            log.warning("--api-key-file %s; only the other keys are accepted until it "
+                        "changes", look.refusal)
+        else:
+            self._take(look.keys)
+
+    def _take(self, keys: tuple[str, ...]) -> None:
+        self.keys = tuple(dict.fromkeys(self._fixed + keys))
+        self.api_keys = APIKeys(self.keys, allow_none=True)
+
+    def _reloaded(self, look: _Look) -> None:
+        """Apply a look that found a change: the new keys, or a warning and the old."""
+        self._signatures = look.signatures
+        if look.refusal is not None:
+            self.reloads["refused"] += 1
+            log.warning("--api-key-file %s; the keys in force stay until it changes again",
+                        look.refusal)
+            return
+        self.reloads["ok"] += 1
+        before = len(self.keys)
+        self._take(look.keys)
+        log.info("--api-key-file changed: %d key(s) in force (%d before)",
+                 len(self.keys), before)
+        for path, mode in look.loose:
+            log.warning("--api-key-file %s: other users may read or change it (mode %04o); "
+                        "chmod 600 it", path, mode)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The watch, a service of the app's lifespan nursery: started at once, then a
+        look every ``interval`` seconds until cancelled. A look runs in a thread (a stat
+        of a network file system can block); cancelled, the thread is left to end alone."""
+        task_status.started()
+        while True:
+            await trio.sleep(self.interval)
+            look = await trio.to_thread.run_sync(_look, self.paths, self._signatures,
+                                                 abandon_on_cancel=True)
+            if look is not None:
+                self._reloaded(look)
