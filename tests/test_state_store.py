@@ -301,6 +301,23 @@ async def test_budget_removes_expired_then_refuses(open_store, clock):
         assert stats.bytes <= 1000
 
 
+async def test_a_record_put_with_its_events_is_kept_whole_or_not_at_all(open_store):
+    """A finished response and its stream in one put: over the owner's quota, neither is
+    kept (the record alone would fit); within it, both, the events numbered after any
+    the record had."""
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store(max_bytes_per_key=500)
+        with pytest.raises(StoreFull):
+            await store.put(rec("r1", body=b"x" * 100), events=[b"e" * 300, b"e" * 200])
+        assert await store.get("response", "alice", "r1") is None
+        assert store.statistics().bytes == 0
+        await store.put(rec("r1", body=b"x" * 100), events=[b"e0", b"e1"])
+        assert await store.append_events("response", "alice", "r1", [b"e2"]) == 3
+        await store.put(rec("r1", status="completed", body=b"x" * 100), events=[b"e3"])
+        assert await store.read_events("response", "alice", "r1") == [b"e0", b"e1", b"e2", b"e3"]
+        assert (await store.get("response", "alice", "r1")).meta["status"] == "completed"
+
+
 async def test_quota_per_owner(open_store):
     with trio.fail_after(TIMEOUT_S):
         store = await open_store(max_bytes_per_key=500)

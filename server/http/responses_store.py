@@ -21,7 +21,6 @@ with a last ``error`` event; the record is then not kept.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import trio
@@ -77,14 +76,11 @@ async def keep_response(store: StateStore, req: ResponsesRequest, response: dict
                     created_at=response["created_at"],
                     meta={"status": response["status"]}, body=body)
     with trio.move_on_after(KEEP_TIMEOUT, shield=True) as scope:
-        try:
-            await store.put(record)
-            await store.append_events(KIND, req.owner, record.id, split_events(stream))
+        try:  # (the record and its events in one operation: both or neither)
+            await store.put(record, events=split_events(stream))
         except Exception as exc:
             if not isinstance(exc, StoreFull):
                 log.exception("storing %s failed", record.id)
-            with contextlib.suppress(Exception):  # (no record without its events)
-                await store.delete(KIND, req.owner, record.id)
             if isinstance(exc, StoreFull):
                 return store_error(exc)
             return ServerError("The response could not be stored.")

@@ -89,9 +89,12 @@ class StateStore(Protocol):
     past its retention is invisible at once (as if deleted), and one of another owner too:
     callers answer 404 either way (no existence oracle)."""
 
-    async def put(self, record: Record, *, at_most: AtMost | None = None) -> None:
-        """Insert or replace ``record`` (its events, if any, stay). Raises :class:`StoreFull`,
-        or :class:`TooMany` when the owner's records already fill ``at_most``."""
+    async def put(self, record: Record, *, at_most: AtMost | None = None,
+                  events: Sequence[bytes] = ()) -> None:
+        """Insert or replace ``record`` (its events, if any, stay), and append ``events`` to
+        its events, all or nothing (one operation: a finished response and its stream).
+        Raises :class:`StoreFull`, or :class:`TooMany` when the owner's records already
+        fill ``at_most``."""
         ...
 
     async def get(self, kind: str, owner: str, id: str) -> Record | None:

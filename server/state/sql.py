@@ -196,10 +196,12 @@ class SQLStore:
 
     # -- the interface --------------------------------------------------------------------
 
-    async def put(self, record: Record, *, at_most: AtMost | None = None) -> None:
-        await self._call(self._put, record, _dump(record.meta), at_most)
+    async def put(self, record: Record, *, at_most: AtMost | None = None,
+                  events: Sequence[bytes] = ()) -> None:
+        await self._call(self._put, record, _dump(record.meta), at_most, list(events))
 
-    def _put(self, record: Record, meta: str, at_most: AtMost | None) -> None:
+    def _put(self, record: Record, meta: str, at_most: AtMost | None,
+             events: builtins.list[bytes]) -> None:
         now = self._now()
         key = (record.kind, record.owner, record.id)
         size = len(record.body) + len(meta.encode())
@@ -221,7 +223,8 @@ class SQLStore:
                 rows = []
             if rows:
                 old = int(rows[0][0])
-            self._make_room(record.owner, size - old, now)
+            # (its events' room too, before anything is written: a refusal commits)
+            self._make_room(record.owner, size - old + sum(map(len, events)), now)
             self._db.execute(
                 "INSERT INTO trio_llm_records(kind, owner, id, created_at, expires_at, meta, "
                 "body, size, events, events_size, status) "
@@ -232,7 +235,10 @@ class SQLStore:
                 (*key, record.created_at, self._expires_at(now), meta, record.body, size,
                  _status(record.meta)))
             self._account(record.owner, size - old, 0 if rows else 1)
-            self._totals()
+            if events:  # (one transaction: never a record without its first events)
+                self._add_events(record.kind, record.owner, record.id, events, now)
+            else:
+                self._totals()
 
     def _check_count(self, record: Record, at_most: AtMost, now: int) -> None:
         """Raise :class:`TooMany` (before anything is written) when ``record``'s owner holds
@@ -372,26 +378,30 @@ class SQLStore:
         return await self._call(self._append_events, kind, owner, id, list(events))
 
     def _append_events(self, kind: str, owner: str, id: str, events: builtins.list[bytes]) -> int:
-        now = self._now()
         with self._db.write():
-            row = self._live(kind, owner, id, now, "events")
-            if row is None:
-                return 0
-            count = int(row[0])
-            if not events:
-                return count
-            grow = sum(len(event) for event in events)
-            self._make_room(owner, grow, now)
-            self._db.execute_many("INSERT INTO trio_llm_events(kind, owner, id, n, data) "
-                                  "VALUES (?, ?, ?, ?, ?)",
-                                  [(kind, owner, id, n, event)
-                                   for n, event in enumerate(events, count)])
-            self._db.execute("UPDATE trio_llm_records SET events = ?, events_size = events_size "
-                             "+ ? WHERE kind = ? AND owner = ? AND id = ?",
-                             (count + len(events), grow, kind, owner, id))
-            self._account(owner, grow, 0)
-            self._totals()
-            return count + len(events)
+            return self._add_events(kind, owner, id, events, self._now())
+
+    def _add_events(self, kind: str, owner: str, id: str, events: builtins.list[bytes],
+                    now: int) -> int:
+        """:meth:`append_events`' work, in the write transaction of its caller."""
+        row = self._live(kind, owner, id, now, "events")
+        if row is None:
+            return 0
+        count = int(row[0])
+        if not events:
+            return count
+        grow = sum(len(event) for event in events)
+        self._make_room(owner, grow, now)
+        self._db.execute_many("INSERT INTO trio_llm_events(kind, owner, id, n, data) "
+                              "VALUES (?, ?, ?, ?, ?)",
+                              [(kind, owner, id, n, event)
+                               for n, event in enumerate(events, count)])
+        self._db.execute("UPDATE trio_llm_records SET events = ?, events_size = events_size "
+                         "+ ? WHERE kind = ? AND owner = ? AND id = ?",
+                         (count + len(events), grow, kind, owner, id))
+        self._account(owner, grow, 0)
+        self._totals()
+        return count + len(events)
 
     async def read_events(self, kind: str, owner: str, id: str, *,
                           after: int = -1) -> builtins.list[bytes]:
