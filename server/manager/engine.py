@@ -35,7 +35,8 @@ from ..worker_protocol.kv_blocks import seed_of
 from .deadlines import QUEUE_TIMEOUT, DeadlineQueue
 from .kv_index import prefix_tokens
 from .migration import MigrationStatistics, Migrator
-from .routing import Blocks, Decision, Router, RouterStatistics, has_image_parts
+from ..worker_protocol.images import image_count, takes_images
+from .routing import Blocks, Decision, Router, RouterStatistics
 from .stream import Choice, RequestStream, Waker
 from .unwrap import body_errors_unwrapped
 from .worker import WorkerClient, WorkerStartupError
@@ -172,19 +173,21 @@ class Engine:
     @property
     def info(self) -> dict:
         """The engine's HELLO info (model, max_model_len, chat_template, ...): the first
-        worker's. In a pool of text and vision workers, with the ``images`` of the first
-        that takes images: image requests are accepted, and routed to those workers only
-        (:meth:`_route`)."""
+        worker's. In a pool of text and vision workers, with the ``images`` of the vision
+        worker that takes the most a prompt: image requests are accepted up to that many,
+        and routed only to workers that take as many (:meth:`_route`)."""
         first = None
+        images = None
         for w in self.workers:
             if w.info:
-                if first is None:
-                    first = w.info
-                    if "images" in first:
-                        return first
-                elif "images" in w.info:
-                    return {**first, "images": w.info["images"]}
-        return first or {}
+                first = first or w.info
+                offer = w.info.get("images")
+                if isinstance(offer, dict) and (images is None or offer.get(
+                        "per_prompt", 0) > images.get("per_prompt", 0)):
+                    images = offer
+        if first is None or images is None or first.get("images") is images:
+            return first or {}
+        return {**first, "images": images}
 
     def generate(
         self,
@@ -233,7 +236,7 @@ class Engine:
         key = wire_params[0] if n else {}
         blocks, scores = self._scores(prompts[0] if prompts else None, key, adapter)
         worker, decision = self._route(blocks.hashes, scores=scores,
-                                       images=any(map(has_image_parts, prompts)))
+                                       images=max(map(image_count, prompts), default=0))
         # each prompt's blocks, for the prediction (and the worker's other frontends)
         hashes = [blocks.hashes] + [
             router.blocks(*self._route_key(prompt, key, adapter)).hashes
@@ -313,12 +316,12 @@ class Engine:
         matches no block. ``migrating``: for a request already accepted
         (server.manager.migration), also while the server drains; the prompt's blocks
         are then noted as sent there. A prompt with images goes to a worker that takes
-        them, as its first pick did (a moved one too)."""
+        as many, as its first pick did (a moved one too)."""
         if isinstance(params, SamplingParams):
             params = params.to_wire()
         blocks, scores = self._scores(prompt, params or {}, adapter)
         picked = self._route(blocks.hashes, exclude, draining_ok=migrating, scores=scores,
-                             images=has_image_parts(prompt))
+                             images=image_count(prompt))
         if migrating and self.router.prefix_aware:
             self.router.routed(picked[0].index, blocks.hashes)
         return picked
@@ -359,20 +362,20 @@ class Engine:
 
     def _route(
         self, hashes: list[bytes], exclude: Sequence[int] = (), *, draining_ok: bool = False,
-        scores: list[int] | None = None, images: bool = False,
+        scores: list[int] | None = None, images: int = 0,
     ) -> tuple[WorkerClient, Decision]:
         """The worker for a request: of the routable ones, not in ``exclude`` and, for a
-        request with ``images``, one whose HELLO says it takes images."""
+        prompt of ``images`` images, one whose HELLO says it takes that many."""
         if not self._accepting and not draining_ok:
             raise ServiceUnavailable("the server is shutting down", code="shutting_down")
         router = self.router
         self._forget_restarted()
         # a shared worker's load counts the other frontends' requests (from its PONGs)
-        loads = [w.load if w.routable and (not images or "images" in w.info) else None
+        loads = [w.load if w.routable and takes_images(w.info, images) else None
                  for w in self.workers]
         decision = router.pick(hashes, loads, exclude, scores)
         if decision is None:
-            what = "that takes images " if images else ""
+            what = f"that takes {images} image{'s' * (images > 1)} a prompt " if images else ""
             raise ServiceUnavailable(f"no engine worker {what}is available", code="no_worker")
         return self.workers[decision.worker], decision
 

@@ -49,12 +49,11 @@ import sys
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from ..worker_protocol.images import has_image_parts
 from ..worker_protocol.kv_blocks import leading
 
 __all__ = [
     "POLICIES", "BLOCK_CHARS", "BLOCK_TOKENS", "DEFAULT_BALANCE", "Blocks", "Decision",
-    "PrefixIndex", "Router", "RouterStatistics", "canonical_text", "has_image_parts",
+    "PrefixIndex", "Router", "RouterStatistics", "canonical_text",
     "prompt_blocks",
 ]
 
