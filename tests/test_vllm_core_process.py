@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -38,7 +37,8 @@ import openai  # noqa: E402
 from tests.conftest import children_of, pid_exists  # noqa: E402
 from tests.remote import ROOT, worker_env  # noqa: E402
 from tests.test_vllm_engine import (  # noqa: E402
-    CONTEXT, MODEL, SHAPE, STARTUP, Server, _open_stream, _prompts, _rest_of_stream, _totals)
+    CONTEXT, MODEL, SHAPE, STARTUP, Server, _open_stream, _prompts, _rest_of_stream, _totals,
+    assert_sigterm_stops_cleanly)
 from tests.tiny_lora import build_tiny_lora  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
@@ -188,18 +188,7 @@ def test_sigterm_with_nothing_in_flight_exits_cleanly_and_leaves_no_process(serv
     the one killed above is up (one model load fewer than a server of its own): exit 0, no
     traceback, no process left, and the frontend's log says how each worker ended."""
     server.wait_ready(STARTUP_HERE)
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "the", "max_tokens": 2},
-                   timeout=120)
-    assert r.status_code == 200, r.text
-    workers = server.workers()
-    assert workers
-    since = len(server.lines)  # (the kills above logged what they logged)
-    server.stop()  # SIGTERM; then every worker and its children gone, or an AssertionError
-    log = "".join(server.lines[since:])
-    assert server.proc.returncode == 0, log
-    assert "Traceback" not in log, log
-    stopped = re.findall(r"worker \d+ \(pid (\d+)\) (?:stopped: )?exited with ", log, re.M)
-    assert sorted(map(int, stopped)) == sorted(workers), log
+    assert_sigterm_stops_cleanly(server, whole_log=False)  # (the kills above logged errors)
 
 
 async def test_a_killed_listening_worker_leaves_no_engine_core(model_dir, tmp_path):

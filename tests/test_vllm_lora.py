@@ -4,8 +4,9 @@ One server for the module, two workers (``--routing round-robin``: consecutive r
 to each in turn, so a load must have reached both), a start-up adapter (``--lora-modules``)
 and run-time loading inside a directory (``--allow-runtime-lora --lora-dir``); the
 reference is ``vllm.LLM`` with the same ``LoRARequest`` in a process of its own
-(tests/vllm_reference.py). Three model loads, and two more when the last test kills a
-worker and waits for its replacement.
+(tests/vllm_reference.py). Three model loads, and one more when a test kills a worker
+and waits for its replacement; the last test SIGTERMs the server (tests/test_vllm_engine.py's
+SIGTERM check, on a server that compiles, as an operator's does).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ if importlib.util.find_spec("vllm") is None:  # (not imported here: see vllm_ref
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
-from tests.test_vllm_engine import SHAPE, STARTUP, Reference, Server, _prompts  # noqa: E402
+from tests.test_vllm_engine import (  # noqa: E402
+    SHAPE, STARTUP, Reference, Server, _prompts, assert_sigterm_stops_cleanly)
 from tests.tiny_lora import build_tiny_lora  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
@@ -230,3 +232,12 @@ def test_a_restarted_worker_gets_the_adapters_loaded_at_run_time(
     for _ in range(2):
         with pytest.raises(openai.NotFoundError):
             _complete(client, "ad-a", prompt)
+
+
+def test_sigterm_with_nothing_in_flight_exits_cleanly_and_leaves_no_process(server):
+    """tests/test_vllm_engine.py's ``assert_sigterm_stops_cleanly``, last, on this module's
+    server: a vLLM start-up fewer than a server of its own, and one that compiles, as an
+    operator's does by default. Both workers up (one replaced the one killed above), adapters
+    loaded: each must end cleanly. The vllm-oldest stage runs this test alone."""
+    _wait_workers(server, 2)
+    assert_sigterm_stops_cleanly(server)
