@@ -81,4 +81,5 @@ async def test_vllm_streams_go_on_with_the_uninterrupted_text(tmp_path):
         engine="vllm", workers=2, routing="round-robin", drain_timeout=5.0,
         startup_timeout=LIMIT, engine_options={
             "model_path": str(path), "max_model_len": 1024, "dtype": "float32",
-            "engine_args": {"kv_cache_memory_bytes": 64 << 20}}))
+            "engine_args": {"kv_cache_memory_bytes": 64 << 20,
+                            "enforce_eager": True}}))  # (no compilation: ~13 s of CPU each)

@@ -151,7 +151,8 @@ def vllm_checks(path: str) -> None:
     from server.engines.vllm.engine import VLLMEngine
 
     vllm = VLLMEngine(model_path=path, max_model_len=1024, dtype="float32",
-                      engine_args={"kv_cache_memory_bytes": 64 << 20})
+                      engine_args={"kv_cache_memory_bytes": 64 << 20,
+                                   "enforce_eager": True})  # (no compilation: ~13 s of CPU)
     try:
         assert vllm.info["resume"] is True
         greedy_exactly(vllm)

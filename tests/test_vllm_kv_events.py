@@ -134,7 +134,7 @@ async def test_two_frontends_share_kv_events_and_a_salt_keeps_blocks_apart(tmp_p
     behind a frontend of its own for ``cache_salt``."""
     args = ("--engine", "vllm", "--model-path", str(model_dir), "--max-model-len",
             str(CONTEXT), "--dtype", "float32", "--engine-arg",
-            "kv_cache_memory_bytes=67108864")
+            "kv_cache_memory_bytes=67108864", "--enforce-eager")  # (no test of compiling)
     with trio.fail_after(1800):  # (a bound that fails a hang, not a timing)
         async with listening_worker(tmp_path, "127.0.0.1:0", *args, name="w0",
                                     startup=900) as w0, \
