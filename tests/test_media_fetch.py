@@ -229,6 +229,29 @@ async def test_a_name_is_resolved_once_and_its_checked_address_connected_to(web)
     assert resolver.looked_up == [b"rebind.test"] and web.paths == ["/a.png"]
 
 
+async def test_an_address_that_does_not_answer_costs_a_moment_not_the_fetch(web):
+    """The name's first address drops the connection attempt (a listener whose queue is
+    full: the kernel drops the SYN, as a firewall does), the second answers: the fetch
+    tries the second beside the first after a moment (RFC 8305), well within its time
+    limit, and gets the image."""
+    web.routes["/a.png"] = answer(PNG)
+    hole = socket.socket()
+    hole.bind(("127.0.0.2", web.port))
+    hole.listen(0)
+    queued = socket.create_connection(("127.0.0.2", web.port))  # (fills its queue)
+    try:
+        resolver = Answers({"two.test": [["127.0.0.2", "127.0.0.1"]]})
+        trio.socket.set_custom_hostname_resolver(resolver)
+        policy = MediaPolicy(allowed_domains=frozenset({"two.test"}),
+                             allow_private_addresses=True, fetch_timeout=60.0)
+        with trio.fail_after(30):  # (a hang guard, half the fetch's own limit)
+            assert (await fetch(policy, web.url("/a.png", "two.test"))).data == PNG
+        assert web.paths == ["/a.png"]
+    finally:
+        queued.close()
+        hole.close()
+
+
 # -- https -------------------------------------------------------------------------------
 
 async def test_https_verifies_the_url_host(web, nursery, tmp_path):
