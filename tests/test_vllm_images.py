@@ -143,6 +143,22 @@ def start_server(model_dir) -> tuple[subprocess.Popen, str, list]:
         raise
 
 
+def image_cache(url: str, expected: tuple[int, int]) -> tuple[int, int]:
+    """The worker's image-cache lookups and hits in /metrics, once they read ``expected``
+    (each heartbeat's answer brings the latest) or the hang guard ends: the last read."""
+    deadline = time.monotonic() + 60  # (a bound on a hang, not a timing)
+    while True:
+        counts = {}
+        for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+            for name in ("queries", "hits"):
+                if line.startswith(f"trio_llm:mm_cache_{name}_total{{"):
+                    counts[name] = int(float(line.rsplit(" ", 1)[1]))
+        got = (counts.get("queries", -1), counts.get("hits", -1))
+        if got == expected or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
 def prompt_ids(model_dir, parts: list) -> list[int]:
     """The ids vLLM gets for one user message of ``parts`` (one <image> per image)."""
     from transformers import AutoTokenizer
@@ -205,6 +221,8 @@ def _served(model_dir) -> tuple[dict, dict]:
                          {"type": "image_url", "image_url": {"url": data_url(BLUE)}}]),
         }
         assert images.requests == 1
+        # vLLM's processor cache, by the images' digests: red and blue new, then both known
+        assert image_cache(url, (4, 2)) == (4, 2)
         r = client.responses.create(model=MODEL, max_output_tokens=MAX_TOKENS,
                                     temperature=0, input=[{"role": "user", "content": [
                                         {"type": "input_text", "text": "describe "},
