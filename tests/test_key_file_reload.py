@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import trio
 
+from server.http.key_files import KeyFiles
 from tests.remote import parse_samples
 from tests.test_files_api import batch_file
 from tests.test_shutdown import cli_server
@@ -127,3 +128,24 @@ async def test_a_kubernetes_symlink_swap_is_noticed(tmp_path):
         assert await status(http, "key-bbb") == 200
         assert await status(http, "key-aaa") == 401
         assert "key-aaa" not in srv.output()
+
+
+async def test_a_rewrite_within_one_time_stamp_tick_is_read(tmp_path):
+    """A file rewritten in place (same inode) at the same size, within its file system's
+    time stamp tick (here: its old time put back), keeps its signature. It changed
+    recently, so the watch reads it again anyway; doing so as it was counts nothing."""
+    path = tmp_path / "keys"
+    write_keys(path, "key-aaa\n")
+    keys = KeyFiles((), (str(path),), 0.01)
+    assert keys.keys == ("key-aaa",)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(keys.run)
+        before = os.stat(path)
+        path.write_text("key-bbb\n")  # (in place: O_TRUNC, the same inode)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert os.stat(path).st_ino == before.st_ino
+        with trio.fail_after(30):
+            while keys.keys != ("key-bbb",):
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert keys.reloads == {"ok": 1, "refused": 0}

@@ -16,6 +16,11 @@ changes again. So a half-written file neither locks every client out nor lets ev
 client in. Each reload counts as ``ok`` or ``refused``
 (``trio_llm:api_key_file_reloads_total``).
 
+A file changed in the last :data:`RECENT_NS` is read again at the next look, signature
+or not. A file system stamps times in ticks (a few ms; 1 or 2 s on some). A file rewritten
+in place within one tick, at the same size, keeps its signature: a rotated key would go
+unseen until the next change. A re-read that finds what was in force counts nothing.
+
 A removed key is refused from the next request on; a request already past its check
 finishes. What a key stored stays its owner's (:func:`server.state.owner_of`, a digest of
 the key): a key that comes back finds it again. With ``--api-servers`` each frontend
@@ -27,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import time
 from dataclasses import dataclass
 
 import trio
@@ -41,6 +47,10 @@ log = logging.getLogger("server")
 
 #: What tells that a file changed: ``(st_mtime_ns, st_size, st_ino)``; None: no stat.
 Signature = tuple[int, int, int] | None
+
+#: How recent a change may still be followed by another with the same signature (2 s: the
+#: coarsest time stamps, FAT's); such a file is read again at the next look.
+RECENT_NS = 2_000_000_000
 
 
 def read_key_files(paths: tuple[str, ...]) -> tuple[str, ...]:
@@ -64,6 +74,8 @@ class _Look:
     refusal: str | None = None
     #: The files others may read or change, with their modes.
     loose: tuple[tuple[str, int], ...] = ()
+    #: Some file changed within RECENT_NS of the look: read it again at the next.
+    recent: bool = False
 
 
 def _stat(path: str) -> os.stat_result | None:
@@ -73,22 +85,25 @@ def _stat(path: str) -> os.stat_result | None:
         return None
 
 
-def _look(paths: tuple[str, ...], seen: tuple[Signature, ...] | None) -> _Look | None:
-    """The files read again, or None when no signature differs from ``seen``. Blocking:
-    run in a thread. The stats come before the reads, so a change after them is seen by
-    the next look."""
+def _look(paths: tuple[str, ...], seen: tuple[Signature, ...] | None,
+          again: bool = False) -> _Look | None:
+    """The files read again, or None when no signature differs from ``seen`` and not
+    ``again``. Blocking: run in a thread. The stats come before the reads, so a change
+    after them is seen by the next look."""
+    now = time.time_ns()
     stats = [_stat(p) for p in paths]
     signatures = tuple(None if s is None else (s.st_mtime_ns, s.st_size, s.st_ino)
                        for s in stats)
-    if signatures == seen:
+    if signatures == seen and not again:
         return None
+    recent = any(s is not None and s.st_mtime_ns > now - RECENT_NS for s in stats)
     try:
         keys = read_key_files(paths)
     except ValueError as exc:
-        return _Look(signatures, refusal=str(exc))
+        return _Look(signatures, refusal=str(exc), recent=recent)
     loose = tuple((p, stat.S_IMODE(s.st_mode)) for p, s in zip(paths, stats)
                   if s is not None and loose_permissions(s.st_mode))
-    return _Look(signatures, keys=keys, loose=loose)
+    return _Look(signatures, keys=keys, loose=loose, recent=recent)
 
 
 class KeyFiles:
@@ -111,6 +126,9 @@ class KeyFiles:
         look = _look(paths, None)
         assert look is not None  # (nothing seen yet)
         self._signatures = look.signatures
+        #: What the last read found (keys, refusal), and whether to read again regardless.
+        self._found = (look.keys, look.refusal)
+        self._again = look.recent
         if look.refusal is not None:
             log.warning("--api-key-file %s; only the other keys are accepted until it "
                         "changes", look.refusal)
@@ -123,7 +141,11 @@ class KeyFiles:
 
     def _reloaded(self, look: _Look) -> None:
         """Apply a look that found a change: the new keys, or a warning and the old."""
-        self._signatures = look.signatures
+        same = look.signatures == self._signatures and (look.keys, look.refusal) == self._found
+        self._signatures, self._found, self._again = \
+            look.signatures, (look.keys, look.refusal), look.recent
+        if same:  # (a recent file read again, as it was)
+            return
         if look.refusal is not None:
             self.reloads["refused"] += 1
             log.warning("--api-key-file %s; the keys in force stay until it changes again",
@@ -146,6 +168,6 @@ class KeyFiles:
         while True:
             await trio.sleep(self.interval)
             look = await trio.to_thread.run_sync(_look, self.paths, self._signatures,
-                                                 abandon_on_cancel=True)
+                                                 self._again, abandon_on_cancel=True)
             if look is not None:
                 self._reloaded(look)
