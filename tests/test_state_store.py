@@ -318,6 +318,22 @@ async def test_a_record_put_with_its_events_is_kept_whole_or_not_at_all(open_sto
         assert (await store.get("response", "alice", "r1")).meta["status"] == "completed"
 
 
+async def test_events_put_with_a_shrunk_record_over_a_lowered_quota_keep_neither(open_store):
+    """An owner over its quota (lowered since it stored) puts a smaller record with events:
+    refused as their append would be, and the record stays as it was (not written without
+    its events)."""
+    with trio.fail_after(TIMEOUT_S):
+        roomy = await open_store()
+        await roomy.put(rec("r1", body=b"x" * 400))
+        await roomy.put(rec("r2", body=b"x" * 400))
+        store = await open_store(max_bytes_per_key=500)
+        with pytest.raises(StoreFull):
+            await store.put(rec("r1", status="completed", body=b"x" * 100), events=[b"e" * 10])
+        kept = await store.get("response", "alice", "r1")
+        assert kept is not None and kept.body == b"x" * 400 and kept.meta["status"] == "queued"
+        assert await store.read_events("response", "alice", "r1") == []
+
+
 async def test_quota_per_owner(open_store):
     with trio.fail_after(TIMEOUT_S):
         store = await open_store(max_bytes_per_key=500)

@@ -152,10 +152,12 @@ class SQLStore:
                              owner=owner)
         return None
 
-    def _make_room(self, owner: str, grow: int, now: int) -> None:
+    def _make_room(self, owner: str, grow: int, now: int, always: bool = False) -> None:
         """Raise :class:`StoreFull` unless ``grow`` more bytes of ``owner`` fit; removes the
-        expired records (everyone's, oldest first: all of them) before refusing."""
-        if grow <= 0 or self._over(owner, grow) is None:
+        expired records (everyone's, oldest first: all of them) before refusing. A ``grow``
+        of 0 or less always fits, unless ``always``: an owner over its bound (lowered since)
+        may shrink a record, but not append events."""
+        if (grow <= 0 and not always) or self._over(owner, grow) is None:
             return
         self._purge(now)
         full = self._over(owner, grow)
@@ -223,8 +225,11 @@ class SQLStore:
                 rows = []
             if rows:
                 old = int(rows[0][0])
-            # (its events' room too, before anything is written: a refusal commits)
-            self._make_room(record.owner, size - old + sum(map(len, events)), now)
+            # (its events' room too, before anything is written: a refusal commits. Checked
+            # as their append would be, even where the record shrinks: else that append's
+            # own check could refuse them after the record was written)
+            self._make_room(record.owner, size - old + sum(map(len, events)), now,
+                            always=bool(events))
             self._db.execute(
                 "INSERT INTO trio_llm_records(kind, owner, id, created_at, expires_at, meta, "
                 "body, size, events, events_size, status) "
