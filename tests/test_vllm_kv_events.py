@@ -7,7 +7,8 @@ turn) to the worker whose cache holds it, and both frontends' indexes alike; the
 salt's only.
 
 Skipped where vLLM is not installed. The end-to-end test starts two vLLM engines, once for
-both checks (a model load is most of its time): slow.
+its checks (a model load is most of its time), which include the workers' torch threads
+(tests/test_vllm_threads.py's end-to-end check): slow.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from server.worker_protocol.kv_blocks import (  # noqa: E402
 from server.engines.vllm.events import KVEventSubscriber, KVEventTranslator  # noqa: E402
 from tests.remote import listening_worker, remote_config, wait_until  # noqa: E402
 from tests.test_vllm_engine import CONTEXT, MODEL, SHAPE  # noqa: E402
+from tests.test_vllm_threads import vllm_serve_threads  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow  # (vLLM or transformers start-ups: run first under -n)
@@ -131,7 +133,8 @@ async def run(engine, prompt, max_tokens=2, **extra) -> tuple[int, int | None]:
 
 async def test_two_frontends_share_kv_events_and_a_salt_keeps_blocks_apart(tmp_path, model_dir):
     """Two listening vllm workers, loaded once: shared by two frontends, then one of them
-    behind a frontend of its own for ``cache_salt``."""
+    behind a frontend of its own for ``cache_salt``. Their HELLOs also say that each runs
+    torch with the threads ``vllm serve`` would give it (tests/test_vllm_threads.py)."""
     args = ("--engine", "vllm", "--model-path", str(model_dir), "--max-model-len",
             str(CONTEXT), "--dtype", "float32", "--engine-arg",
             "kv_cache_memory_bytes=67108864", "--enforce-eager")  # (no test of compiling)
@@ -150,6 +153,8 @@ async def two_frontends_share_the_workers_kv_events(w0, w1) -> None:
     async with open_engine(config) as a, open_engine(config) as b:
         size = a.workers[0].info["kv_events"]["block_size"]
         assert all(w.kv_index is not None for w in (*a.workers, *b.workers))
+        threads = vllm_serve_threads()
+        assert [w.info["torch_threads"] for w in a.workers] == [threads, threads]
         first = [7] * 3 + list(range(1, 3 * size))  # three whole blocks and more
         other = [9] * 3 * size
         # frontend a: one prompt to each worker (its recent decisions count as load)

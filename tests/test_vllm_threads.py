@@ -2,9 +2,10 @@
 process that runs its model (server.engines.vllm.torch_threads), not one per core, which on a
 loaded host spin against each other (docs/benchmarks.md: 256 tokens in 74 s against ~2 s).
 
-The decision directly; then a real vllm worker (one engine load: slow), whose HELLO says
-its torch thread count, against vLLM's own computation of that count. Skipped where vLLM is
-not installed.
+The decision directly, here. A real vllm worker's HELLO, which says its torch thread count,
+is checked against vLLM's own computation of that count (:func:`vllm_serve_threads`) by
+tests/test_vllm_kv_events.py, on the workers it starts anyway (an engine load fewer).
+Skipped where vLLM is not installed.
 """
 
 from __future__ import annotations
@@ -14,18 +15,11 @@ import os
 from types import SimpleNamespace
 
 import pytest
-import trio
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed", allow_module_level=True)
 
-from server.config import EngineConfig  # noqa: E402
-from server.manager.engine import open_engine  # noqa: E402
 from server.engines.vllm.torch_threads import serving_threads  # noqa: E402
-from tests.test_vllm_engine import CONTEXT, MODEL, SHAPE  # noqa: E402
-from tests.tiny_model import build_tiny_model  # noqa: E402
-
-pytestmark = pytest.mark.slow  # (vLLM or transformers start-ups: run first under -n)
 
 
 def test_the_model_process_on_the_cpu_build_gets_its_bound_cores():
@@ -50,7 +44,7 @@ def test_the_operators_omp_num_threads_is_left_alone():
     assert serving_threads(vllms, model_here=False, cpu_build=True, bound=None) == 1
 
 
-def _vllm_serve_threads() -> int:
+def vllm_serve_threads() -> int:
     """What ``vllm serve`` gives the process that runs the model on this host: on its CPU
     build, OMP_NUM_THREADS = the cores its OMPProcessManager binds rank 0 to (one process,
     as ours); the operator's OMP_NUM_THREADS where set."""
@@ -66,14 +60,3 @@ def _vllm_serve_threads() -> int:
         kv_transfer_config=None)
     return len(OMPProcessManager(one).cpu_lists[0])
 
-
-async def test_the_vllm_workers_torch_threads_are_vllm_serves(tmp_path):
-    model = build_tiny_model(tmp_path / MODEL, **SHAPE)
-    config = EngineConfig(engine="vllm", startup_timeout=900, engine_options={
-        "model_path": str(model), "max_model_len": CONTEXT, "dtype": "float32",
-        "engine_args": {"kv_cache_memory_bytes": 64 << 20,
-                        "enforce_eager": True}})  # (no compilation: ~10 s of CPU a start-up)
-    with trio.fail_after(1200):  # (a bound that fails a hang, not a timing)
-        async with open_engine(config) as engine:
-            info = engine.workers[0].info
-    assert info["torch_threads"] == _vllm_serve_threads()
