@@ -211,7 +211,7 @@ async def test_cancel_aborts_the_engine_request_once(store_options):
                         followed.append(e)
 
                 nursery.start_soon(follow)
-                while len(followed) < 4:
+                while not any(e.type == "response.output_text.delta" for e in followed):
                     await trio.sleep(0.01)
                 cancels = []
 
@@ -228,7 +228,12 @@ async def test_cancel_aborts_the_engine_request_once(store_options):
             assert (metric(exposition, "running"), metric(exposition, "aborted_total")) == (0, 1)
             got = await client.responses.retrieve(r.id)
             assert (got.status, got.background) == ("cancelled", True)
-            assert (await client.responses.cancel(r.id)).status == "cancelled"  # idempotent
+            # what it generated is kept, as far as the cancel saw it, its item incomplete
+            streamed = "".join(e.delta for e in followed if e.type == "response.output_text.delta")
+            assert got.output_text and streamed.startswith(got.output_text)
+            assert [o.status for o in got.output] == ["incomplete"]
+            assert {c.output_text for c in cancels} == {got.output_text}
+            assert (await client.responses.cancel(r.id)).output_text == got.output_text
             # only a queued or running background response can be cancelled
             stored = await client.responses.create(model="sim", input="x", max_output_tokens=2)
             with pytest.raises(openai.BadRequestError) as caught:
@@ -356,7 +361,9 @@ async def test_a_killed_server_leaves_its_response_failed_after_a_restart(tmp_pa
         r = await client.responses.create(model="sim", input="x", background=True,
                                           max_output_tokens=8000)
         with trio.fail_after(TIMEOUT_S):
-            await wait_status(client, r.id, ("in_progress",))
+            while not (await client.responses.retrieve(r.id)).output_text:  # (some output)
+                await trio.sleep(0.05)
+            before = (await client.responses.retrieve(r.id)).output_text
         frontends, workers = sup.children()
         sup.proc.kill()  # (the supervisor, its frontends and workers: nothing stops cleanly)
         for pid in [*frontends.values(), *workers]:
@@ -368,6 +375,7 @@ async def test_a_killed_server_leaves_its_response_failed_after_a_restart(tmp_pa
             got = await wait_status(client, r.id, ("failed",))
         assert got.error.code == "server_stopped"
         assert "stopped before it finished" in got.error.message
+        assert got.output_text.startswith(before) and got.output[0].status == "incomplete"
         replayed = [e async for e in await client.responses.retrieve(r.id, stream=True)]
         assert [e.sequence_number for e in replayed] == list(range(len(replayed)))
         assert replayed[-1].type == "response.failed"

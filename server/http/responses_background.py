@@ -48,10 +48,12 @@ from ..openai.responses import ResponsesRequest
 from ..openai.responses_events import ResponseEvents, new_response, response_usage, \
     split_events
 from ..openai.responses_items import record_body, response_of
+from ..openai.responses_progress import response_so_far
 from ..state import Record, StateStore, StoreFull
 from ..state.service import LifespanService
 from .answer import failure
 from .owners import store_error
+from .post import off_loop
 from .responses_store import KIND, not_found
 
 __all__ = ["BackgroundCollector", "BackgroundResponses", "BackgroundService",
@@ -316,7 +318,7 @@ class BackgroundResponses:
             meta = record.meta
             if not meta.get("background") or meta.get("lease_until_ms", 0) >= now:
                 continue
-            response, items = response_of(record.body)
+            response, items, count = await self._so_far(record)
             response["status"] = "failed"
             response["error"] = {"code": "server_stopped", "message": (
                 "The server that ran this response stopped before it finished.")}
@@ -324,7 +326,6 @@ class BackgroundResponses:
                                        meta={**meta, "status": "failed"},
                                        body=record_body(response, items),
                                        expect=_expect(meta)):
-                count = len(await self.store.read_events(KIND, record.owner, record.id))
                 event = {"type": "response.failed", "response": response,
                          "sequence_number": count}
                 await self.store.append_events(KIND, record.owner, record.id, [
@@ -333,6 +334,21 @@ class BackgroundResponses:
                             record.id)
                 marked += 1
         return marked
+
+    async def _so_far(self, record: Record) -> tuple[dict, list, int]:
+        """A running record's Response object with the output its events made so far, the
+        open item ``incomplete`` (a cancel or a sweep keeps what was generated, as a poll
+        showed it, and as a drain's ``response.failed`` does), its input items, and how
+        many events it has."""
+        response, items = response_of(record.body)
+        events = await self.store.read_events(KIND, record.owner, record.id)
+        if events:
+            response = await off_loop(sum(map(len, events)), response_so_far, response,
+                                      events)
+        for item in response.get("output") or ():
+            if item.get("status") == "in_progress":
+                item["status"] = "incomplete"
+        return response, items, len(events)
 
     # -- cancel and follow -----------------------------------------------------------------
 
@@ -343,17 +359,17 @@ class BackgroundResponses:
             if record is None:
                 raise not_found(response_id)
             meta = record.meta
-            response, items = response_of(record.body)
             if not meta.get("background"):
                 raise ClientError("Only responses created with background=true can be "
                                   "cancelled.", code="not_background")
             status = meta.get("status")
             if status == "cancelled":
-                return dumps(response)
+                return dumps(response_of(record.body)[0])
             if status in _ENDED:
                 raise ClientError(f"Response '{printable(response_id)}' is already "
                                   f"{status}: it cannot be cancelled.",
                                   code="response_already_ended")
+            response, items, _ = await self._so_far(record)
             response["status"] = "cancelled"
             if await self.store.update(KIND, owner, response_id,
                                        meta={**meta, "status": "cancelled"},
