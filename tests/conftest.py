@@ -236,7 +236,8 @@ def transformers_server(tmp_path_factory):
     """One transformers server on tests/tiny_model.py's default model, served as
     ``tiny-llama``, with one torch thread, for the tests that only talk to a server of that
     configuration (tests/test_structured_defaults.py, test_minimal_bodies.py,
-    test_hostile_bodies.py, test_embeddings.py, test_transformers_engine.py): one start-up
+    test_hostile_bodies.py, test_embeddings.py, test_transformers_engine.py,
+    test_token_ids.py, test_refusal_params.py): one start-up
     for each xdist worker that runs any of them, not one per test. ``model_dir``: its model.
     Through :func:`transformers_url`."""
     pytest.importorskip("transformers")

@@ -16,7 +16,6 @@ from server.manager.transport import open_connected
 from server.worker_protocol import wire
 from tests.conftest import FAST_SIM, running_server
 from tests.remote import listening_worker, remote_config
-from tests.tiny_model import build_tiny_model
 
 LIMIT = 300  # a hang guard on real processes, not a bound
 
@@ -58,25 +57,21 @@ needs_hf = pytest.mark.skipif(
 
 
 @needs_hf
-async def test_a_grammar_the_transformers_worker_refuses_names_its_field(tmp_path):
+async def test_a_grammar_the_transformers_worker_refuses_names_its_field(transformers_url):
     """xgrammar refuses the constraint in the worker: the 400 names the field the request
-    used for it (vLLM's ``structured_outputs`` here, ``response_format`` there)."""
-    model = build_tiny_model(tmp_path / "tiny")
-    config = EngineConfig(engine="transformers", drain_timeout=5.0, engine_options={
-        "model_path": str(model), "num_threads": 1})
+    used for it (vLLM's ``structured_outputs`` here, ``response_format`` there). On the
+    shared transformers server (tests/conftest.py)."""
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
     with trio.fail_after(LIMIT):
-        async with running_server(config) as url:
-            async with httpx.AsyncClient(base_url=url, timeout=LIMIT) as http:
-                model_name = (await http.get("/v1/models")).json()["data"][0]["id"]
-                chat["model"] = model_name
-                error = await _refused(http, "/v1/chat/completions", {
-                    **chat, "structured_outputs": {"regex": "(unclosed"}})
-                assert "structured_outputs" in error["message"]
-                assert error["param"] == "structured_outputs", error
-                error = await _refused(http, "/v1/chat/completions", {
-                    **chat, "structured_outputs": {"grammar": "root ::= ("}})
-                assert error["param"] == "structured_outputs", error
+        async with httpx.AsyncClient(base_url=transformers_url, timeout=LIMIT) as http:
+            chat["model"] = (await http.get("/v1/models")).json()["data"][0]["id"]
+            error = await _refused(http, "/v1/chat/completions", {
+                **chat, "structured_outputs": {"regex": "(unclosed"}})
+            assert "structured_outputs" in error["message"]
+            assert error["param"] == "structured_outputs", error
+            error = await _refused(http, "/v1/chat/completions", {
+                **chat, "structured_outputs": {"grammar": "root ::= ("}})
+            assert error["param"] == "structured_outputs", error
 
 
 async def _answers(link, messages: list) -> list[list]:
