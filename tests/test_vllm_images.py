@@ -265,3 +265,37 @@ def _served(model_dir) -> tuple[dict, dict]:
                 proc.kill()
             images.close()
     return got, responses_red
+
+
+def test_a_pong_does_not_wait_for_an_image_render(model_dir):
+    """A PING is answered in the worker's loop: its image counters must not wait for the
+    rendering lock, which a preparation thread holds through a whole render (tens of ms
+    an image), stalling every running request's next step. vLLM in a process of its own
+    (tests/vllm_reference.py says why)."""
+    code = ("from tests.test_vllm_images import stats_beside_a_render; "
+            f"stats_beside_a_render({str(model_dir)!r})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=STARTUP)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("checks passed"), proc.stdout[-2000:]
+
+
+def stats_beside_a_render(path: str) -> None:
+    """The engine's PONG statistics asked while a render holds the lock (the test above)."""
+    from server.engines.vllm.engine import VLLMEngine
+
+    engine = VLLMEngine(model_path=path, max_model_len=1024, dtype="float32", warmup=False,
+                        engine_args={"kv_cache_memory_bytes": 64 << 20, "enforce_eager": True,
+                                     "limit_mm_per_prompt": {"image": 2}})
+    try:
+        stats: list = []
+        with engine._rendering:  # (a prompt's images rendering in a preparation thread)
+            asked = threading.Thread(target=lambda: stats.append(engine.engine_stats()),
+                                     daemon=True)
+            asked.start()
+            asked.join(60)  # (a bound on a hang)
+            assert stats, "the PONG's statistics waited for the render"
+        assert stats[0]["mm_cache_queries"] == 0 and stats[0]["mm_cache_hits"] == 0
+    finally:
+        engine.close()
+    print("checks passed")

@@ -504,9 +504,10 @@ class VLLMEngine(HelperTokenizing):
         #: Held while vLLM's processor cache is read or rendered into (any thread).
         self._rendering = threading.Lock()
         #: Images looked up in that cache, and those found (the PONG's mm_cache_queries and
-        #: mm_cache_hits), under ``_rendering``; None where the cache is not known.
-        self._image_lookups: list[int] | None = (
-            [0, 0] if "images" in self.info and self._processed_image is not None else None)
+        #: mm_cache_hits); None where the cache is not known. A pair replaced whole under
+        #: ``_rendering`` and read without it: a PONG must not wait for a render.
+        self._image_lookups: tuple[int, int] | None = (
+            (0, 0) if "images" in self.info and self._processed_image is not None else None)
         if self._events is not None:  # the frontend's exact prefix index (docs/routing.md)
             self.info["kv_events"] = {"block_size": int(config.cache_config.block_size)}
         #: Requests vLLM holds for us (added, not finished or aborted).
@@ -614,8 +615,8 @@ class VLLMEngine(HelperTokenizing):
         with self._rendering:
             processed = {k for k, d in enumerate(digests) if known is not None and known(d)}
             if self._image_lookups is not None:
-                self._image_lookups[0] += len(digests)
-                self._image_lookups[1] += len(processed)
+                queries, hits = self._image_lookups
+                self._image_lookups = (queries + len(digests), hits + len(processed))
         pictures = decode_images(images, skip=processed)
 
         def render(pictures: list) -> dict:
@@ -760,10 +761,9 @@ class VLLMEngine(HelperTokenizing):
             if not self._held:
                 self._stats.idle()
             stats = self._stats.statistics()
-        lookups = self._image_lookups
+        lookups = self._image_lookups  # (one read: never a render's half-updated pair)
         if lookups is not None:
-            with self._rendering:
-                stats["mm_cache_queries"], stats["mm_cache_hits"] = lookups
+            stats["mm_cache_queries"], stats["mm_cache_hits"] = lookups
         return stats or None
 
     def _outputs(self) -> list:
