@@ -2,7 +2,8 @@
 servers over HTTP: a rotated key in force without a restart, the removed key refused, a
 removed key's stored file found again when the key comes back; a broken file keeping the
 keys in force (counted, warned of by file and line, never by key); a Kubernetes secret's
-symlink swap noticed even where time and size stay the same."""
+symlink swap noticed even where time and size stay the same; and, on the watch alone, a
+rewrite in place within one time stamp tick, which only a re-read of a recent file sees."""
 
 from __future__ import annotations
 
