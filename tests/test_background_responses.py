@@ -25,7 +25,7 @@ from server.http.app import create_app
 from server.openai.responses import parse_responses
 from server.openai.responses_events import ResponseEvents, new_response, response_usage, \
     split_events
-from server.openai.responses_progress import response_so_far
+from server.openai.responses_progress import ProgressCache, ended, response_so_far
 from server.http.responses_background import LEASE_S, SWEEP_S
 from server.http.serve import serve
 from tests.conftest import FAST_SIM, ServerURL, running_server, wait_http_ok
@@ -146,6 +146,9 @@ async def test_a_poll_shows_the_output_so_far():
                     seen.append(got.output_text)
                 await trio.sleep(0.05)
             done = await wait_status(client, r.id, ("incomplete",))
+            # each stored event was folded once, not once a poll (it had many polls)
+            streamed = [e async for e in await client.responses.retrieve(r.id, stream=True)]
+            assert url.app.background.statistics().events_folded <= len(streamed)
             texts_seen = seen + [done.output_text]
             assert all(b.startswith(a) and b != a for a, b in zip(texts_seen, texts_seen[1:]))
             assert done.output[0].status == "incomplete" and done.usage.output_tokens == 5000
@@ -179,6 +182,23 @@ def test_the_output_so_far_of_every_kind_of_item():
     assert len({json.dumps(fold["output"]) for fold in folds}) > 10  # (growing)
     assert response_so_far(start, stored + tail[:-1])["output"] == final["output"]
     assert response_so_far(start, stored + tail) == final
+    # A frontend's polls fold only the events since its last one, as if all at once
+    # (ProgressCache); a fold leaves what it started from as it was.
+    cache, everything = ProgressCache(), stored + tail
+    for cut in [*range(1, len(stored), 4), len(stored), len(stored) + len(tail) - 1]:
+        begin, count = cache.start("alice", "resp_1", start)
+        before = json.dumps(begin)
+        fold = response_so_far(begin, everything[count:cut])
+        assert json.dumps(begin) == before
+        assert fold == response_so_far(start, everything[:cut])
+        cache.keep("alice", "resp_1", cut, fold, ended(everything[count:cut]))
+    cache.keep("alice", "resp_1", 3, response_so_far(start, everything[:3]), False)
+    assert cache.start("alice", "resp_1", start)[1] == cut  # (an older poll's is not kept)
+    assert cache.start("bob", "resp_1", start) == (start, 0)  # (by owner)
+    begin, count = cache.start("alice", "resp_1", start)
+    fold = response_so_far(begin, everything[count:])
+    cache.keep("alice", "resp_1", len(everything), fold, ended(everything[count:]))
+    assert fold == final and cache.start("alice", "resp_1", start) == (start, 0)  # (ended)
 
 
 async def test_a_followed_stream_is_not_cut_by_quarts_response_timeout():

@@ -48,7 +48,7 @@ from ..openai.responses import ResponsesRequest
 from ..openai.responses_events import ResponseEvents, new_response, response_usage, \
     split_events
 from ..openai.responses_items import record_body, response_of
-from ..openai.responses_progress import response_so_far
+from ..openai.responses_progress import ProgressCache, ended, response_so_far
 from ..state import Record, StateStore, StoreFull
 from ..state.service import LifespanService
 from .answer import failure
@@ -97,10 +97,13 @@ def _expect(meta: dict) -> dict:
 @dataclass(frozen=True, slots=True)
 class BackgroundStatistics:
     """``running``: jobs on this frontend now; ``aborted``: jobs stopped by a cancel,
-    delete or lost lease (each its engine request's one abort)."""
+    delete or lost lease (each its engine request's one abort); ``events_folded``: below."""
 
     running: int
     aborted: int
+    #: Stored events folded into polled or cancelled responses' output so far: each
+    #: once per frontend while the response runs (server.openai.responses_progress).
+    events_folded: int = 0
 
 
 @dataclass(eq=False)
@@ -131,9 +134,13 @@ class BackgroundResponses:
         self._jobs: dict[str, _Job] = {}
         self._nursery: trio.Nursery | None = None
         self._aborted = 0
+        #: The output of each running response as last polled (server.openai.responses_progress).
+        self.progress = ProgressCache()
+        self._events_folded = 0
 
     def statistics(self) -> BackgroundStatistics:
-        return BackgroundStatistics(running=len(self._jobs), aborted=self._aborted)
+        return BackgroundStatistics(running=len(self._jobs), aborted=self._aborted,
+                                    events_folded=self._events_folded)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The service: sweeps, renews leases and runs the jobs until cancelled; then each
@@ -335,20 +342,29 @@ class BackgroundResponses:
                 marked += 1
         return marked
 
+    async def so_far(self, record: Record) -> tuple[dict, list, int]:
+        """A running record's Response object with the output its events made so far (a
+        poll's answer: server.openai.responses_progress), its input items, and how many
+        events it has. Folds only the events stored since this frontend's last fold."""
+        response, items = await off_loop(len(record.body), response_of, record.body)
+        owner, rid = record.owner, record.id
+        start, count = self.progress.start(owner, rid, response)
+        events = await self.store.read_events(KIND, owner, rid, after=count - 1)
+        if not events:
+            return start, items, count
+        response = await off_loop(sum(map(len, events)), response_so_far, start, events)
+        self._events_folded += len(events)
+        self.progress.keep(owner, rid, count + len(events), response, ended(events))
+        return response, items, count + len(events)
+
     async def _so_far(self, record: Record) -> tuple[dict, list, int]:
-        """A running record's Response object with the output its events made so far, the
-        open item ``incomplete`` (a cancel or a sweep keeps what was generated, as a poll
-        showed it, and as a drain's ``response.failed`` does), its input items, and how
-        many events it has."""
-        response, items = response_of(record.body)
-        events = await self.store.read_events(KIND, record.owner, record.id)
-        if events:
-            response = await off_loop(sum(map(len, events)), response_so_far, response,
-                                      events)
-        for item in response.get("output") or ():
-            if item.get("status") == "in_progress":
-                item["status"] = "incomplete"
-        return response, items, len(events)
+        """:meth:`so_far`, the open item ``incomplete``: a cancel or a sweep keeps what was
+        generated, as a poll showed it, and as a drain's ``response.failed`` does."""
+        response, items, count = await self.so_far(record)
+        self.progress.forget(record.owner, record.id)
+        output = [{**item, "status": "incomplete"} if item.get("status") == "in_progress"
+                  else item for item in response.get("output") or ()]
+        return {**response, "output": output}, items, count
 
     # -- cancel and follow -----------------------------------------------------------------
 

@@ -64,6 +64,18 @@ async def _record(app, response_id: str):
     return record
 
 
+async def _so_far(app, record) -> dict:
+    """A running background response's object with its output so far: from this
+    frontend's last fold on (app.background), or from all its events while the service
+    is not running (a server that is stopping)."""
+    if app.background is not None:
+        return (await app.background.so_far(record))[0]
+    response, _ = await off_loop(len(record.body), response_of, record.body)
+    events = await state_store(app).read_events(  # type: ignore[union-attr]
+        KIND, record.owner, record.id)
+    return await off_loop(sum(map(len, events)), response_so_far, response, events)
+
+
 def _boolean(query: dict, name: str) -> bool:
     value = query.get(name, "false")
     if value not in ("true", "false"):
@@ -89,14 +101,12 @@ async def retrieve_response(app, response_id: str) -> Response:
                           param="starting_after")
     record = await _record(app, response_id)
     if not stream:
-        response, _ = await off_loop(len(record.body), response_of, record.body)
         if record.meta.get("background") and record.meta.get("status") in _RUNNING:
             # (the output so far, from its events: server.openai.responses_progress)
-            events = await state_store(app).read_events(  # type: ignore[union-attr]
-                KIND, record.owner, response_id)
-            response = await off_loop(sum(map(len, events)), response_so_far, response,
-                                      events)
-        return _json(dumps(response))
+            so_far = await _so_far(app, record)
+        else:
+            so_far, _ = await off_loop(len(record.body), response_of, record.body)
+        return _json(dumps(so_far))
     start = -1 if after is None else int(after)
     background = app.background
     if background is None or not record.meta.get("background"):

@@ -13,13 +13,18 @@ The fold reads OpenAI's event types only (:mod:`server.openai.responses_events` 
 them): item added or done, content part added or done, the text and arguments deltas.
 A terminal event (``response.completed``, ``incomplete``, ``failed``) holds the whole
 final object, which is then the answer. Other events change nothing.
+
+A long response has thousands of events, and clients poll it every second or so: each
+frontend keeps the output it folded last for each running response
+(:class:`ProgressCache`), so that a poll reads and folds only the events stored since.
 """
 
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 
-__all__ = ["response_so_far"]
+__all__ = ["ProgressCache", "ended", "response_so_far"]
 
 _TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 _TEXT_DELTAS = ("response.output_text.delta", "response.reasoning_text.delta")
@@ -32,6 +37,16 @@ def _data(event: bytes) -> dict:
     return json.loads(data)
 
 
+def _copied(item: dict) -> dict:
+    """An output item with what the fold writes into (the item, its content list and
+    parts) copied; the text itself is shared (strings do not change)."""
+    item = dict(item)
+    content = item.get("content")
+    if isinstance(content, list):
+        item["content"] = [dict(part) for part in content]
+    return item
+
+
 def _place(items: list, index: int, value) -> None:
     if index == len(items):
         items.append(value)
@@ -41,8 +56,9 @@ def _place(items: list, index: int, value) -> None:
 
 def response_so_far(response: dict, events: list[bytes]) -> dict:
     """``response`` (a stored Response object) with the output its ``events`` (all of
-    them, in order) made so far; the final object when they hold its terminal event."""
-    output = list(response.get("output") or [])
+    them, in order) made so far; the final object when they hold its terminal event.
+    ``response`` is not changed: the items the fold writes into are copies."""
+    output = [_copied(item) for item in response.get("output") or ()]
     for event in events:
         data = _data(event)
         kind = data.get("type")
@@ -62,3 +78,46 @@ def response_so_far(response: dict, events: list[bytes]) -> dict:
         elif kind == "response.function_call_arguments.done":
             output[index]["arguments"] = data["arguments"]
     return {**response, "output": output}
+
+
+class ProgressCache:
+    """Each running response's output as last folded, by (owner, id), with the number of
+    events it holds, so that a poll folds only the events since::
+
+        start, count = cache.start(owner, id, response)   # response: its record's object
+        events = ...the record's events numbered count and after...
+        response = response_so_far(start, events)           # (in a thread when big)
+        cache.keep(owner, id, count + len(events), response, ended(events))
+
+    Bounded (the least recently polled go first). Plain and sans-IO; several polls of one
+    response may run at once (each keeps what it folded unless a later one was kept)."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self._folded: OrderedDict[tuple[str, str], tuple[int, list]] = OrderedDict()
+
+    def start(self, owner: str, id: str, response: dict) -> tuple[dict, int]:
+        """``response`` with the kept output, and how many events that output holds."""
+        count, output = self._folded.get((owner, id), (0, None))
+        return (response if output is None else {**response, "output": output}), count
+
+    def keep(self, owner: str, id: str, count: int, folded: dict, ended: bool) -> None:
+        """Keep ``folded`` (the response with its first ``count`` events folded in) for the
+        next poll; an ``ended`` one is forgotten (no poll folds it again)."""
+        key = (owner, id)
+        latest = self._folded.get(key)
+        if ended:
+            self._folded.pop(key, None)
+        elif latest is None or count > latest[0]:
+            self._folded[key] = (count, folded["output"])
+            self._folded.move_to_end(key)
+            while len(self._folded) > self.size:
+                self._folded.popitem(last=False)
+
+    def forget(self, owner: str, id: str) -> None:
+        self._folded.pop((owner, id), None)
+
+
+def ended(events: list[bytes]) -> bool:
+    """Whether ``events`` (a response's, in order) end with its terminal event."""
+    return bool(events) and _data(events[-1]).get("type") in _TERMINAL
