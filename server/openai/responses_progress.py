@@ -55,9 +55,10 @@ def _place(items: list, index: int, value) -> None:
 
 
 def response_so_far(response: dict, events: list[bytes]) -> dict:
-    """``response`` (a stored Response object) with the output its ``events`` (all of
-    them, in order) made so far; the final object when they hold its terminal event.
-    ``response`` is not changed: the items the fold writes into are copies."""
+    """``response`` (a stored Response object) with the output its ``events`` made so far
+    (all of them, in order; or those after the ones its output already holds); the final
+    object when they hold its terminal event. ``response`` is not changed: the items the
+    fold writes into are copies."""
     output = [_copied(item) for item in response.get("output") or ()]
     for event in events:
         data = _data(event)
