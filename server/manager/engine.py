@@ -31,11 +31,11 @@ from ..discovery.names import DnsName, parse_worker_address
 from ..discovery.pool import DiscoveredPool
 from ..discovery.watch import WatchStatistics
 from .adapters import AdapterRegistry
+from ..worker_protocol.images import image_count, takes_images
 from ..worker_protocol.kv_blocks import seed_of
 from .deadlines import QUEUE_TIMEOUT, DeadlineQueue
 from .kv_index import prefix_tokens
 from .migration import MigrationStatistics, Migrator
-from ..worker_protocol.images import image_count, takes_images
 from .routing import Blocks, Decision, Router, RouterStatistics
 from .stream import Choice, RequestStream, Waker
 from .unwrap import body_errors_unwrapped
