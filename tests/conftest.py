@@ -61,10 +61,12 @@ def slow_modules_first(items) -> None:
 #: test goes to whichever worker is free.
 SPREAD = {"tests/test_bench_smoke.py"}
 #: Modules that share a session-scoped server or process with another (``vllm_server``,
-#: ``vllm_checks``): under ``-n`` they run in that module's unit of work, so that one worker
-#: starts it once.
+#: ``vllm_checks``, ``tools_server``): under ``-n`` they run in that module's unit of work,
+#: so that one worker starts it once.
 SHARED = {"tests/test_vllm_token_ids.py": "tests/test_vllm_engine.py",
-          "tests/test_vllm_prep_helper.py": "tests/test_structured_defaults.py"}
+          "tests/test_vllm_prep_helper.py": "tests/test_structured_defaults.py",
+          "tests/test_tools_defaults.py": "tests/test_tools.py",
+          "tests/test_clients.py": "tests/test_tools.py"}
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # (optional: pytest-xdist's hook)
@@ -231,6 +233,29 @@ class ThreadServer:
             raise self._error
 
 
+def checked_url(server: ThreadServer):
+    """A shared server's URL for one test (a fixture's body), checked idle after it."""
+    server.check_running()
+    yield server.url
+    server.assert_idle()
+
+
+def transformers_thread_server(directory, shape: dict | None = None,
+                               **server_options) -> ThreadServer:
+    """A :class:`ThreadServer` on a tiny model built in ``directory`` (``shape``: more options
+    of tests/tiny_model.py's build), the transformers engine with one torch thread; skipped
+    where transformers is not installed. Its ``model_dir``: the model."""
+    pytest.importorskip("transformers")
+    from tests.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(directory, **(shape or {}))
+    server = ThreadServer(EngineConfig(engine="transformers", drain_timeout=5.0,
+                                       engine_options={"model_path": str(model_dir),
+                                                       "num_threads": 1}), **server_options)
+    server.model_dir = model_dir  # type: ignore[attr-defined]
+    return server
+
+
 @pytest.fixture(scope="session")
 def transformers_server(tmp_path_factory):
     """One transformers server on tests/tiny_model.py's default model, served as
@@ -240,14 +265,7 @@ def transformers_server(tmp_path_factory):
     test_token_ids.py, test_refusal_params.py): one start-up
     for each xdist worker that runs any of them, not one per test. ``model_dir``: its model.
     Through :func:`transformers_url`."""
-    pytest.importorskip("transformers")
-    from tests.tiny_model import build_tiny_model
-
-    model_dir = build_tiny_model(tmp_path_factory.mktemp("shared-hf") / "tiny-llama")
-    server = ThreadServer(EngineConfig(engine="transformers", drain_timeout=5.0,
-                                       engine_options={"model_path": str(model_dir),
-                                                       "num_threads": 1}))
-    server.model_dir = model_dir  # type: ignore[attr-defined]
+    server = transformers_thread_server(tmp_path_factory.mktemp("shared-hf") / "tiny-llama")
     yield server
     server.close()
 
@@ -255,9 +273,27 @@ def transformers_server(tmp_path_factory):
 @pytest.fixture
 def transformers_url(transformers_server):
     """:func:`transformers_server`'s URL for a test, checked idle after it."""
-    transformers_server.check_running()
-    yield transformers_server.url
-    transformers_server.assert_idle()
+    yield from checked_url(transformers_server)
+
+
+@pytest.fixture(scope="session")
+def tools_server(tmp_path_factory):
+    """tests/test_tools.py's tiny model (a context long enough for tools) served as
+    ``tiny-tools`` by the transformers engine with the hermes tool-call parser, for the tests
+    that only talk to a server of that configuration (tests/test_tools.py,
+    test_tools_defaults.py, test_clients.py: one unit of work, :data:`SHARED`): one start-up
+    for them all. ``model_dir``: its model. Through :func:`tools_url`."""
+    server = transformers_thread_server(tmp_path_factory.mktemp("shared-tools") / "tiny-tools",
+                                        {"max_position_embeddings": 4096},
+                                        tool_call_parser="hermes")
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def tools_url(tools_server):
+    """:func:`tools_server`'s URL for a test, checked idle after it."""
+    yield from checked_url(tools_server)
 
 
 @pytest.fixture

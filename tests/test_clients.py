@@ -129,24 +129,23 @@ def hf_config(path):
                         engine_options={"model_path": str(path), "num_threads": 1})
 
 
-async def test_pydantic_tools_with_the_sdk_parse_helper(model_dir):  # noqa: F811
+async def test_pydantic_tools_with_the_sdk_parse_helper(tools_url):
     """openai's ``pydantic_function_tool`` with a named choice and ``required`` (instructor's
     TOOLS mode, openai-agents' tools): the SDK parses the forced call into the model."""
     import trio
 
-    from tests.conftest import running_server
 
     tools = [openai.pydantic_function_tool(Booking), openai.pydantic_function_tool(Node)]
     with trio.fail_after(LIMIT):
-        async with running_server(hf_config(model_dir), tool_call_parser="hermes") as url:
-            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-            for choice in ({"type": "function", "function": {"name": "Booking"}}, "required"):
-                r = await client.chat.completions.parse(
-                    model="tiny-tools", messages=CHAT, tools=tools, tool_choice=choice,
-                    max_tokens=300, temperature=0, parallel_tool_calls=False)
-                assert r.choices[0].finish_reason == "tool_calls"
-                (call,) = r.choices[0].message.tool_calls
-                assert isinstance(call.function.parsed_arguments, (Booking, Node))
+        url = tools_url  # (tests/conftest.py's shared server: this model, hermes)
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        for choice in ({"type": "function", "function": {"name": "Booking"}}, "required"):
+            r = await client.chat.completions.parse(
+                model="tiny-tools", messages=CHAT, tools=tools, tool_choice=choice,
+                max_tokens=300, temperature=0, parallel_tool_calls=False)
+            assert r.choices[0].finish_reason == "tool_calls"
+            (call,) = r.choices[0].message.tool_calls
+            assert isinstance(call.function.parsed_arguments, (Booking, Node))
 
 
 # -- 2. integers beyond 64 bits ----------------------------------------------------------------
@@ -154,14 +153,13 @@ async def test_pydantic_tools_with_the_sdk_parse_helper(model_dir):  # noqa: F81
 BIG = 2**70 + 1  # legal JSON; msgpack packs 64 bits
 
 
-async def test_integers_beyond_64_bits_pass_through_to_the_engine(model_dir):  # noqa: F811
+async def test_integers_beyond_64_bits_pass_through_to_the_engine(tools_url):
     """The model may write integers of any length in a call's arguments, and agent clients
     (LangChain) send its call back on the next turn; schemas and template variables may
     hold them too. They reach the worker intact: the template renders them digit for digit
     (the prompt grows with them), and none is a 500."""
     import trio
 
-    from tests.conftest import running_server
 
     big_tool = {"type": "function", "function": {"name": "count", "parameters": {
         "type": "object", "properties": {"n": {"enum": [BIG, 1]}}, "required": ["n"]}}}
@@ -172,37 +170,37 @@ async def test_integers_beyond_64_bits_pass_through_to_the_engine(model_dir):  #
     small = json.loads(json.dumps(history))
     small[1]["tool_calls"][0]["function"]["arguments"] = '{"n": 1}'
     with trio.fail_after(LIMIT):
-        async with running_server(hf_config(model_dir), tool_call_parser="hermes") as url:
-            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-            usage = []
-            for messages in (history, small):
-                r = await client.chat.completions.create(
-                    model="tiny-tools", messages=messages, tools=[big_tool], max_tokens=1)
-                usage.append(r.usage.prompt_tokens)
-            assert usage[0] > usage[1]  # 22 digits against 1, both in the tools and history
-            # forced, the schema becomes a grammar: xgrammar holds such integers as doubles
-            with pytest.raises(openai.BadRequestError, match="64 bits") as caught:
-                await client.chat.completions.create(
-                    model="tiny-tools", messages=CHAT, tools=[big_tool], tool_choice="required",
-                    max_tokens=60)
-            assert caught.value.body["param"] == "tools[0].function.parameters"
-            fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
-                "type": "object", "properties": {"n": {"const": BIG}}, "required": ["n"]}}}
-            with pytest.raises(openai.BadRequestError, match="64 bits") as caught:
-                await client.chat.completions.create(
-                    model="tiny-tools", messages=CHAT, response_format=fmt, max_tokens=60)
-            assert caught.value.body["param"] == "response_format"
-            fmt["json_schema"]["schema"]["properties"]["n"] = {"type": "integer", "default": BIG}
-            r = await client.chat.completions.create(  # (a default is not compiled)
-                model="tiny-tools", messages=CHAT, response_format=fmt, max_tokens=1,
-                extra_body={"chat_template_kwargs": {"seed_like": BIG}})
-            assert r.choices[0].finish_reason == "length"
-            # hundreds of digits pass through to the worker intact too (the JSON parser's
-            # 4,300-digit limit is tested in test_hostile_bodies)
+        url = tools_url  # (tests/conftest.py's shared server: this model, hermes)
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        usage = []
+        for messages in (history, small):
             r = await client.chat.completions.create(
-                model="tiny-tools", messages=CHAT, max_tokens=1,
-                extra_body={"chat_template_kwargs": {"x": 10**400}})
-            assert r.choices[0].finish_reason == "length"
+                model="tiny-tools", messages=messages, tools=[big_tool], max_tokens=1)
+            usage.append(r.usage.prompt_tokens)
+        assert usage[0] > usage[1]  # 22 digits against 1, both in the tools and history
+        # forced, the schema becomes a grammar: xgrammar holds such integers as doubles
+        with pytest.raises(openai.BadRequestError, match="64 bits") as caught:
+            await client.chat.completions.create(
+                model="tiny-tools", messages=CHAT, tools=[big_tool], tool_choice="required",
+                max_tokens=60)
+        assert caught.value.body["param"] == "tools[0].function.parameters"
+        fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+            "type": "object", "properties": {"n": {"const": BIG}}, "required": ["n"]}}}
+        with pytest.raises(openai.BadRequestError, match="64 bits") as caught:
+            await client.chat.completions.create(
+                model="tiny-tools", messages=CHAT, response_format=fmt, max_tokens=60)
+        assert caught.value.body["param"] == "response_format"
+        fmt["json_schema"]["schema"]["properties"]["n"] = {"type": "integer", "default": BIG}
+        r = await client.chat.completions.create(  # (a default is not compiled)
+            model="tiny-tools", messages=CHAT, response_format=fmt, max_tokens=1,
+            extra_body={"chat_template_kwargs": {"seed_like": BIG}})
+        assert r.choices[0].finish_reason == "length"
+        # hundreds of digits pass through to the worker intact too (the JSON parser's
+        # 4,300-digit limit is tested in test_hostile_bodies)
+        r = await client.chat.completions.create(
+            model="tiny-tools", messages=CHAT, max_tokens=1,
+            extra_body={"chat_template_kwargs": {"x": 10**400}})
+        assert r.choices[0].finish_reason == "length"
 
 
 async def test_agents_first_turn_without_a_tool_call_parser(model_dir):  # noqa: F811

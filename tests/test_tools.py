@@ -266,59 +266,57 @@ def test_forced_calls_are_always_valid_in_the_engine(model_dir):
     assert "<tool_response>sunny, 21</tool_response>" in text
 
 
-async def test_forced_calls_over_http_with_the_sdk(model_dir):
+async def test_forced_calls_over_http_with_the_sdk(tools_url):
     import openai
     import trio
     from openai.lib.streaming.chat import ChatCompletionStreamState
 
-    config = EngineConfig(engine="transformers", drain_timeout=5.0,
-                          engine_options={"model_path": str(model_dir), "num_threads": 1})
     named = {"type": "function", "function": {"name": "book"}}
     with trio.fail_after(60):
-        async with running_server(config, tool_call_parser="hermes") as url:
-            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-            for choice in ("required", named):
-                r = await client.chat.completions.create(
-                    model="tiny-tools", messages=CHAT, tools=TOOLS, tool_choice=choice,
-                    max_tokens=200, temperature=0)
-                assert r.choices[0].finish_reason == "tool_calls"
-                assert r.choices[0].message.content is None
-                check_calls(r.choices[0].message.tool_calls)
-                full = [(c.function.name, c.function.arguments)
-                        for c in r.choices[0].message.tool_calls]
-                # streaming: the SDK's own accumulation gives the same calls
-                state = ChatCompletionStreamState()
-                stream = await client.chat.completions.create(
-                    model="tiny-tools", messages=CHAT, tools=TOOLS, tool_choice=choice,
-                    max_tokens=200, temperature=0, stream=True)
-                async for chunk in stream:
-                    state.handle_chunk(chunk)
-                done = state.get_final_completion().choices[0]
-                assert done.finish_reason == "tool_calls" and not done.message.content
-                assert [(c.function.name, c.function.arguments)
-                        for c in done.message.tool_calls] == full
-            # the history with calls and results renders: more prompt tokens than without
-            r1 = await client.chat.completions.create(
-                model="tiny-tools", messages=CHAT, tools=TOOLS, max_tokens=1)
-            r2 = await client.chat.completions.create(
-                model="tiny-tools", messages=HISTORY, tools=TOOLS, max_tokens=1)
-            assert r2.usage.prompt_tokens > r1.usage.prompt_tokens
+        url = tools_url  # (tests/conftest.py's shared server: this model, hermes)
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        for choice in ("required", named):
+            r = await client.chat.completions.create(
+                model="tiny-tools", messages=CHAT, tools=TOOLS, tool_choice=choice,
+                max_tokens=200, temperature=0)
+            assert r.choices[0].finish_reason == "tool_calls"
+            assert r.choices[0].message.content is None
+            check_calls(r.choices[0].message.tool_calls)
+            full = [(c.function.name, c.function.arguments)
+                    for c in r.choices[0].message.tool_calls]
+            # streaming: the SDK's own accumulation gives the same calls
+            state = ChatCompletionStreamState()
+            stream = await client.chat.completions.create(
+                model="tiny-tools", messages=CHAT, tools=TOOLS, tool_choice=choice,
+                max_tokens=200, temperature=0, stream=True)
+            async for chunk in stream:
+                state.handle_chunk(chunk)
+            done = state.get_final_completion().choices[0]
+            assert done.finish_reason == "tool_calls" and not done.message.content
+            assert [(c.function.name, c.function.arguments)
+                    for c in done.message.tool_calls] == full
+        # the history with calls and results renders: more prompt tokens than without
+        r1 = await client.chat.completions.create(
+            model="tiny-tools", messages=CHAT, tools=TOOLS, max_tokens=1)
+        r2 = await client.chat.completions.create(
+            model="tiny-tools", messages=HISTORY, tools=TOOLS, max_tokens=1)
+        assert r2.usage.prompt_tokens > r1.usage.prompt_tokens
 
-            def sync_client() -> list:
-                sync = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-                r = sync.chat.completions.create(
+        def sync_client() -> list:
+            sync = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            r = sync.chat.completions.create(
+                model="tiny-tools", messages=CHAT, tools=TOOLS, tool_choice=named,
+                max_tokens=200, temperature=0.8, seed=4)
+            calls: list = []
+            for chunk in sync.chat.completions.create(
                     model="tiny-tools", messages=CHAT, tools=TOOLS, tool_choice=named,
-                    max_tokens=200, temperature=0.8, seed=4)
-                calls: list = []
-                for chunk in sync.chat.completions.create(
-                        model="tiny-tools", messages=CHAT, tools=TOOLS, tool_choice=named,
-                        max_tokens=200, temperature=0.8, seed=4, stream=True):
-                    for c in chunk.choices:
-                        accumulate(calls, [d.model_dump(exclude_none=True)
-                                           for d in c.delta.tool_calls or ()])
-                return [r.choices[0].message.tool_calls, calls]
+                    max_tokens=200, temperature=0.8, seed=4, stream=True):
+                for c in chunk.choices:
+                    accumulate(calls, [d.model_dump(exclude_none=True)
+                                       for d in c.delta.tool_calls or ()])
+            return [r.choices[0].message.tool_calls, calls]
 
-            whole, streamed = await trio.to_thread.run_sync(sync_client)
-            check_calls(whole, 1)
-            assert [c["function"]["arguments"] for c in streamed] == [
-                c.function.arguments for c in whole]
+        whole, streamed = await trio.to_thread.run_sync(sync_client)
+        check_calls(whole, 1)
+        assert [c["function"]["arguments"] for c in streamed] == [
+            c.function.arguments for c in whole]

@@ -14,7 +14,7 @@ import openai
 import pytest
 import trio
 
-from server.config import EngineConfig, Limits
+from server.config import Limits
 from server.errors import ClientError
 from server.openai import schema
 from server.openai.responses import parse_responses
@@ -351,33 +351,31 @@ async def test_an_array_document_with_tools_is_a_400_over_http():
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("xgrammar")
-from tests.test_tools import model_dir  # noqa: E402,F401  (the tiny model: a template with tools)
 
 
-async def test_tools_and_a_format_let_the_model_call_or_answer(model_dir):  # noqa: F811
+async def test_tools_and_a_format_let_the_model_call_or_answer(tools_server, tools_url):
     """On the transformers engine, tools + response_format: a logit bias on '[' makes the
     calls branch certain (a valid call, parsed into tool_calls), one on '{' the document;
-    sampled across seeds, every answer is one or the other."""
+    sampled across seeds, every answer is one or the other. On tests/conftest.py's
+    ``tools_server`` (tests/test_tools.py's model, the hermes parser)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(tools_server.model_dir))
     (bracket,) = tok.encode("[", add_special_tokens=False)
     (brace,) = tok.encode("{", add_special_tokens=False)
-    config = EngineConfig(engine="transformers", drain_timeout=5.0,
-                          engine_options={"model_path": str(model_dir), "num_threads": 1})
     body = {"model": "tiny-tools", "messages": CHAT, "tools": TOOLS, "response_format": FORMAT,
             "parallel_tool_calls": False, "max_tokens": 300}
     with trio.fail_after(600):
-        async with running_server(config, tool_call_parser="hermes") as url:
-            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-            for bias, kind in ((bracket, "call"), (brace, "document")):
-                for seed in range(2):
-                    r = await client.chat.completions.create(
-                        **body, seed=seed, logit_bias={str(bias): 100})
-                    assert _check_call_or_document(
-                        r.choices[0].message, r.choices[0].finish_reason) == kind
-                    if kind == "call":
-                        assert len(r.choices[0].message.tool_calls) == 1
-            for seed in range(4):
-                r = await client.chat.completions.create(**body, seed=seed, temperature=1.0)
-                _check_call_or_document(r.choices[0].message, r.choices[0].finish_reason)
+        url = tools_url  # (tests/conftest.py's shared server: this model, hermes)
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        for bias, kind in ((bracket, "call"), (brace, "document")):
+            for seed in range(2):
+                r = await client.chat.completions.create(
+                    **body, seed=seed, logit_bias={str(bias): 100})
+                assert _check_call_or_document(
+                    r.choices[0].message, r.choices[0].finish_reason) == kind
+                if kind == "call":
+                    assert len(r.choices[0].message.tool_calls) == 1
+        for seed in range(4):
+            r = await client.chat.completions.create(**body, seed=seed, temperature=1.0)
+            _check_call_or_document(r.choices[0].message, r.choices[0].finish_reason)
