@@ -66,7 +66,8 @@ SPREAD = {"tests/test_bench_smoke.py"}
 SHARED = {"tests/test_vllm_token_ids.py": "tests/test_vllm_engine.py",
           "tests/test_vllm_prep_helper.py": "tests/test_structured_defaults.py",
           "tests/test_tools_defaults.py": "tests/test_tools.py",
-          "tests/test_clients.py": "tests/test_tools.py"}
+          "tests/test_clients.py": "tests/test_tools.py",
+          "tests/test_responses.py": "tests/test_tools.py"}
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # (optional: pytest-xdist's hook)
@@ -281,7 +282,8 @@ def tools_server(tmp_path_factory):
     """tests/test_tools.py's tiny model (a context long enough for tools) served as
     ``tiny-tools`` by the transformers engine with the hermes tool-call parser, for the tests
     that only talk to a server of that configuration (tests/test_tools.py,
-    test_tools_defaults.py, test_clients.py: one unit of work, :data:`SHARED`): one start-up
+    test_tools_defaults.py, test_clients.py, test_responses.py: one unit of work,
+    :data:`SHARED`): one start-up
     for them all. ``model_dir``: its model. Through :func:`tools_url`."""
     server = transformers_thread_server(tmp_path_factory.mktemp("shared-tools") / "tiny-tools",
                                         {"max_position_embeddings": 4096},

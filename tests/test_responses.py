@@ -369,6 +369,10 @@ NESTED = {
 }
 
 
+#: tests/conftest.py's ``tools_server``'s model, for the test over HTTP.
+MODEL = "tiny-tools"
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from tests.tiny_model import build_tiny_model
@@ -394,64 +398,62 @@ def test_reasoning_and_calls_in_the_input_reach_the_template(model_dir):
     assert '"name": "get_weather"' in text and "sunny" in text
 
 
-async def test_forced_call_and_json_schema_on_transformers(model_dir):
-    config = EngineConfig(engine="transformers", drain_timeout=5.0,
-                          engine_options={"model_path": str(model_dir), "num_threads": 1})
+async def test_forced_call_and_json_schema_on_transformers(tools_url):
+    """On tests/conftest.py's ``tools_server`` (the transformers engine, hermes)."""
     fmt = {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}}
     with trio.fail_after(120):
-        async with running_server(config, tool_call_parser="hermes") as url:
-            client = client_of(url)
-            for choice in ("required", {"type": "function", "name": "get_weather"}):
-                r = await client.responses.create(
-                    model="tiny-responses", input="Weather in Paris?", tools=[WEATHER],
-                    tool_choice=choice, max_output_tokens=200, temperature=0)
-                assert r.status == "completed"
-                (call,) = [o for o in r.output if o.type == "function_call"][:1]
-                arguments = json.loads(call.arguments)
-                assert call.name == "get_weather" and set(arguments) == {"city", "unit"}
-                async with client.responses.stream(
-                        model="tiny-responses", input="Weather in Paris?", tools=[WEATHER],
-                        tool_choice=choice, max_output_tokens=200, temperature=0) as stream:
-                    final = await stream.get_final_response()
-                assert [(o.name, o.arguments) for o in final.output] == [
-                    (o.name, o.arguments) for o in r.output]
-            # auto with a format (an agent's tool and its output_type): calls or the document
+        client = client_of(tools_url)
+        for choice in ("required", {"type": "function", "name": "get_weather"}):
             r = await client.responses.create(
-                model="tiny-responses", input="Weather in Paris?", tools=[WEATHER],
-                text=fmt, max_output_tokens=200, temperature=0)
+                model=MODEL, input="Weather in Paris?", tools=[WEATHER],
+                tool_choice=choice, max_output_tokens=200, temperature=0)
             assert r.status == "completed"
-            if r.output[0].type == "function_call":
-                assert {o.name for o in r.output} == {"get_weather"}
-                assert all(set(json.loads(o.arguments)) == {"city", "unit"}
-                           for o in r.output)
-            else:
-                assert set(json.loads(r.output_text)) == {"city", "ok"}
+            (call,) = [o for o in r.output if o.type == "function_call"][:1]
+            arguments = json.loads(call.arguments)
+            assert call.name == "get_weather" and set(arguments) == {"city", "unit"}
             async with client.responses.stream(
-                    model="tiny-responses", input="Weather in Paris?", tools=[WEATHER],
-                    text=fmt, max_output_tokens=200, temperature=0) as stream:
+                    model=MODEL, input="Weather in Paris?", tools=[WEATHER],
+                    tool_choice=choice, max_output_tokens=200, temperature=0) as stream:
                 final = await stream.get_final_response()
-            assert [o.type for o in final.output] == [o.type for o in r.output]
-            assert final.output_text == r.output_text
-            assert [getattr(o, "arguments", None) for o in final.output] == [
-                getattr(o, "arguments", None) for o in r.output]
-            # ... with a document of nested models (pydantic's $defs and #/$defs refs): both
-            # the tool's parameters and the document's definitions resolve in one grammar
-            nested = {"format": {"type": "json_schema", "name": "trip", "strict": True,
-                                 "schema": NESTED}}
-            r = await client.responses.create(
-                model="tiny-responses", input="Plan a trip.", tools=[WEATHER],
-                text=nested, max_output_tokens=200, temperature=0)
-            assert r.status in ("completed", "incomplete")
-            if r.status == "completed" and r.output[0].type == "message":
-                jsonschema.validate(json.loads(r.output_text), NESTED)
-            # json_schema output: a document valid for the schema, streaming and not
-            r = await client.responses.create(model="tiny-responses", input="Answer in JSON.",
-                                              text=fmt, max_output_tokens=200, temperature=0)
-            assert r.status == "completed" and r.text.format.type == "json_schema"
-            doc = json.loads(r.output_text)
-            assert set(doc) == {"city", "ok"} and isinstance(doc["ok"], bool)
-            async with client.responses.stream(model="tiny-responses", input="Answer in JSON.",
-                                               text=fmt, max_output_tokens=200,
-                                               temperature=0) as stream:
-                final = await stream.get_final_response()
-            assert final.output_text == r.output_text
+            assert [(o.name, o.arguments) for o in final.output] == [
+                (o.name, o.arguments) for o in r.output]
+        # auto with a format (an agent's tool and its output_type): calls or the document
+        r = await client.responses.create(
+            model=MODEL, input="Weather in Paris?", tools=[WEATHER],
+            text=fmt, max_output_tokens=200, temperature=0)
+        assert r.status == "completed"
+        if r.output[0].type == "function_call":
+            assert {o.name for o in r.output} == {"get_weather"}
+            assert all(set(json.loads(o.arguments)) == {"city", "unit"}
+                       for o in r.output)
+        else:
+            assert set(json.loads(r.output_text)) == {"city", "ok"}
+        async with client.responses.stream(
+                model=MODEL, input="Weather in Paris?", tools=[WEATHER],
+                text=fmt, max_output_tokens=200, temperature=0) as stream:
+            final = await stream.get_final_response()
+        assert [o.type for o in final.output] == [o.type for o in r.output]
+        assert final.output_text == r.output_text
+        assert [getattr(o, "arguments", None) for o in final.output] == [
+            getattr(o, "arguments", None) for o in r.output]
+        # ... with a document of nested models (pydantic's $defs and #/$defs refs): both
+        # the tool's parameters and the document's definitions resolve in one grammar
+        nested = {"format": {"type": "json_schema", "name": "trip", "strict": True,
+                             "schema": NESTED}}
+        r = await client.responses.create(
+            model=MODEL, input="Plan a trip.", tools=[WEATHER],
+            text=nested, max_output_tokens=200, temperature=0)
+        assert r.status in ("completed", "incomplete")
+        if r.status == "completed" and r.output[0].type == "message":
+            jsonschema.validate(json.loads(r.output_text), NESTED)
+        # json_schema output: a document valid for the schema, streaming and not
+        r = await client.responses.create(model=MODEL, input="Answer in JSON.",
+                                          text=fmt, max_output_tokens=200, temperature=0)
+        assert r.status == "completed" and r.text.format.type == "json_schema"
+        doc = json.loads(r.output_text)
+        assert set(doc) == {"city", "ok"} and isinstance(doc["ok"], bool)
+        async with client.responses.stream(model=MODEL, input="Answer in JSON.",
+                                           text=fmt, max_output_tokens=200,
+                                           temperature=0) as stream:
+            final = await stream.get_final_response()
+        assert final.output_text == r.output_text
