@@ -269,6 +269,28 @@ async def test_a_connection_in_use_outlives_its_keep_alive_timeout():
         await sock.aclose()
 
 
+@pytest.mark.direct_http
+async def test_a_stopping_server_ends_its_idle_connections_at_once():
+    """Idle keep-alive connections (one served, one never used) are closed when the server
+    stops, as hypercorn's own do: neither their keep-alive time (300 s) nor the close
+    timeout (300 s) is waited for. The hang guard is what fails without it."""
+    with trio.fail_after(60):
+        async with running_server(keep_alive_timeout=300.0, close_timeout=300.0) as url:
+            served = await trio.open_tcp_stream(*addr(url))
+            conn = h11.Connection(h11.CLIENT)
+            await served.send_all(request(conn, {"prompt": "a", "max_tokens": 2}))
+            response, _, _ = await read_response(served, conn)
+            assert response.status_code == 200
+            unused = await trio.open_tcp_stream(*addr(url))
+            pool = url.app.connections
+            while pool.statistics().idle < 2:
+                await trio.sleep(0.01)
+        for sock in (served, unused):  # (the server has stopped: they were closed)
+            while await sock.receive_some(1 << 16):
+                pass
+            await sock.aclose()
+
+
 def _live_http_objects() -> int:
     """This server's connection and request objects alive in the process."""
     from server.connections.connection import ServingConnection

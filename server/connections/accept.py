@@ -139,10 +139,10 @@ class ConnectionPool:
         self.hc = hc
         self.context = context
         self.max_connections = max_connections
-        #: Idle keep-alive connections, oldest first, and the scope of each one's idle
-        #: timer (maintained by the connections). A connection is idle from its accept
-        #: until its first request too: the newest, so the last to be closed for room.
-        self.idle: dict[ServingConnection, trio.CancelScope] = {}
+        #: Idle keep-alive connections, oldest first (maintained by the connections:
+        #: ServingConnection.become_idle). A connection is idle from its accept until its
+        #: first request too: the newest, so the last to be closed for room.
+        self.idle: dict[ServingConnection, None] = {}
         self.open = 0
         self.accepted = 0
         self.refused = 0
@@ -317,6 +317,8 @@ async def serve_app(
                     with trio.CancelScope(shield=True):
                         await listener.aclose()
                 await context.terminated.set()
+                for conn in list(pool.idle):  # (those that become idle later end at once)
+                    conn.close_if_idle()
                 timeout = hc.graceful_timeout
                 connections.cancel_scope.deadline = trio.current_time() + (
                     timeout if timeout is not None else math.inf

@@ -36,10 +36,12 @@ module lists every private name relied on), and differs from upstream in these w
   ``config.send_timeout`` seconds (the app then sees a disconnect and lets the request go).
   The scopes of blocked writes are kept in ``config.active_writes``, so that
   :func:`cut_stalled_writes` can shorten them when the server stops.
-* **Keep-alive.** The idle timer (upstream's ``TrioSingleTask``) takes no lock and does not
-  wait for its task to start: a trip through the scheduler less on every request. While a
-  connection is idle it is registered with the listener's pool, which may end it early
-  (:meth:`ServingConnection.close_if_idle`) to make room for a new connection.
+* **Keep-alive.** The idle timer (upstream's ``TrioSingleTask``, a task spawned each time
+  the connection becomes idle and cancelled when a request arrives) is the deadline of the
+  connection's read (:class:`KeepAliveTask`): no task, no lock. While a connection is idle
+  it is registered with the listener's pool, which may end it early
+  (:meth:`ServingConnection.close_if_idle`) to make room for a new connection; a server
+  that stops ends its idle connections at once, as upstream's timer does.
 * Closing is shielded: a connection cancelled at shutdown still releases its socket.
 * **No reference cycle of the connection's and its requests' HTTP objects outlives them**
   (this module's and :mod:`~server.connections.http11`'s, hypercorn's and h11's under
@@ -82,40 +84,34 @@ log = logging.getLogger("server")
 
 
 class KeepAliveTask:
-    """Hypercorn's keep-alive timer task (its ``TrioSingleTask``), without the lock.
+    """Hypercorn's keep-alive timer (its ``TrioSingleTask``), as a deadline on the
+    connection's read instead of a task.
 
-    Hypercorn restarts the timer when a connection becomes idle (after each response) and
-    stops it when a request arrives. Upstream both take a lock, and a restart waits for the
-    new task to start: a trip through the scheduler on every request, one of them between
-    the request's bytes arriving and the app being called. Here ``stop`` only cancels, and
-    ``restart`` cancels the previous timer and spawns the next one; neither waits.
+    Hypercorn restarts the timer when a connection becomes idle (after each response, and
+    at its start) and stops it when a request arrives. Upstream each restart spawns a task
+    that waits for the keep-alive time and each stop cancels it: two spawns and two
+    cancellations per connection of one request, about 50 us of a burst's 500 us per
+    request here (docs/benchmarks.md). Here both only move the deadline of the
+    connection's read (:meth:`ServingConnection.become_idle`, ``become_busy``); the read
+    loop closes the connection when its read passes that deadline.
     """
 
-    __slots__ = ("_scope",)
+    __slots__ = ("_conn",)
 
-    def __init__(self) -> None:
-        self._scope: trio.CancelScope | None = None
-
-    @property
-    def scope(self) -> trio.CancelScope | None:
-        """The running timer's scope (None once stopped)."""
-        return self._scope
+    def __init__(self, conn: ServingConnection) -> None:
+        self._conn: ServingConnection | None = conn
 
     async def restart(self, task_group, action) -> None:
-        if self._scope is not None:
-            self._scope.cancel()
-        scope = self._scope = trio.CancelScope()
-        task_group.spawn(_run_in_scope, scope, action)
+        if self._conn is not None:
+            self._conn.become_idle()
 
     async def stop(self) -> None:
-        if self._scope is not None:
-            self._scope.cancel()
-            self._scope = None
+        if self._conn is not None:
+            self._conn.become_busy()
 
-
-async def _run_in_scope(scope: trio.CancelScope, action) -> None:
-    with scope:  # cancelled before it started: the action is cancelled at once
-        await action()
+    def release(self) -> None:
+        """Let go of the connection once it has ended (no reference cycle outlives it)."""
+        self._conn = None
 
 
 class ServingConfig(HypercornConfig):
@@ -172,9 +168,14 @@ class ServingConnection(ConnectionHooks):
         self, app, config, context, state, stream, *, idle: dict | None = None
     ) -> None:
         super().__init__(app, config, context, state, stream)
-        self.idle_task = KeepAliveTask()
+        self.idle_task = KeepAliveTask(self)
         self._idle = idle
-        self._idle_scope: trio.CancelScope | None = None
+        #: When the connection, idle, is closed: its keep-alive deadline (-inf: now; inf
+        #: while a request is in hand, or once it is closing).
+        self._idle_deadline = math.inf
+        #: The scope of the read in progress (None between reads), which that deadline ends.
+        self._read_scope: trio.CancelScope | None = None
+        self._closing = False
         #: Writes held to go out together (:meth:`hold_writes`), or None: written at once.
         self._held: list[bytes] | None = None
         #: The socket's descriptor, asked at each write (-1 once it is closed), and the lock
@@ -204,7 +205,7 @@ class ServingConnection(ConnectionHooks):
                     writer=self,
                 )
                 await self.protocol.initiate()
-                await self.idle_task.restart(self.task_group, self.idle_timeout)
+                self.become_idle()  # (until its first request)
                 await self.read_requests()
         except OSError:
             pass
@@ -213,64 +214,82 @@ class ServingConnection(ConnectionHooks):
             # Every task of the connection is done. Hypercorn's protocol holds this object
             # (its send callback), and this object the protocol: let go of it, so that the
             # connection's objects are freed when the listener lets go of this one, not by
-            # a collection of the garbage collector (a pause of every stream).
+            # a collection of the garbage collector (a pause of every stream). So does the
+            # keep-alive timer.
             self.protocol = None  # type: ignore[assignment]
+            self.idle_task.release()
 
     async def close_connection(self) -> None:
         with trio.CancelScope(shield=True):  # nothing here blocks: shielded, and bounded
             await super().close_connection()
 
     async def read_requests(self) -> None:
-        if self.config.read_timeout is not None:  # not this server's settings: upstream's
-            await super().read_requests()
-        else:
-            # Hypercorn's loop, less the cancel scope it opens around every read for a
-            # timeout this server never sets (serve.hypercorn_config): one scope less per
-            # request.
-            receive_some = self.stream.receive_some
-            handle = self.protocol.handle
-            while True:
+        """Hypercorn's read loop, with the keep-alive timer as each read's deadline
+        (:class:`KeepAliveTask`): a read past it ends the connection as upstream's timer
+        does. Hypercorn's ``read_timeout`` (not this server's settings: serve.hypercorn_config)
+        is honoured the same way."""
+        receive_some = self.stream.receive_some
+        handle = self.protocol.handle
+        read_timeout = self.config.read_timeout
+        while True:
+            deadline = self._idle_deadline
+            if read_timeout is not None:
+                deadline = min(deadline, trio.current_time() + read_timeout)
+            with trio.CancelScope(deadline=deadline) as scope:
+                self._read_scope = scope
                 try:
                     data = await receive_some(MAX_RECV)
                 except (trio.ClosedResourceError, trio.BrokenResourceError):
                     break
-                await handle(RawData(bytes(data)))
-                if not data:
-                    break
-            await handle(Closed())
-        # The client closed the connection (or reading failed): hypercorn's connection task
-        # group would otherwise wait for the keep-alive idle timer (keep_alive_timeout, 30 s
-        # by default) before letting go of this connection's tasks and buffers.
-        await self.idle_task.stop()
+                finally:
+                    self._read_scope = None
+            if scope.cancelled_caught:  # idle past its keep-alive (or ended early), or slow
+                if self._idle_deadline != math.inf:
+                    self.become_busy()
+                    self._closing = True
+                    with trio.CancelScope(shield=True):
+                        await self.initiate_server_close()
+                break
+            await handle(RawData(bytes(data)))
+            if not data:
+                break
+        await handle(Closed())
+        self.become_busy()  # (no longer the pool's to end)
 
     # -- keep-alive ---------------------------------------------------------------------------
 
-    async def idle_timeout(self) -> None:
-        scope = self._idle_scope = trio.move_on_after(self.config.keep_alive_timeout)
+    def become_idle(self) -> None:
+        """Between requests (hypercorn's timer restarted): the connection is closed after
+        ``keep_alive_timeout`` seconds without a request, at once once the server stops,
+        and it is registered with the pool as idle (the oldest idle first)."""
+        if self._closing or self.context.terminated.is_set():  # (ended early meanwhile)
+            self._set_idle_deadline(-math.inf)
+        else:
+            self._set_idle_deadline(trio.current_time() + self.config.keep_alive_timeout)
         idle = self._idle
         if idle is not None:
-            idle[self] = scope
-        try:
-            with scope:
-                await self.context.terminated.wait()
-        finally:
-            # A timer restarted meanwhile has registered its own scope: leave it.
-            if idle is not None and idle.get(self) is scope:
-                del idle[self]
-            if self._idle_scope is scope:
-                self._idle_scope = None
-        with trio.CancelScope(shield=True):
-            await self.initiate_server_close()
+            idle.pop(self, None)
+            idle[self] = None
+
+    def become_busy(self) -> None:
+        """A request arrived (hypercorn's timer stopped), or the connection is closing."""
+        self._set_idle_deadline(math.inf)
+        idle = self._idle
+        if idle is not None:
+            idle.pop(self, None)
+
+    def _set_idle_deadline(self, deadline: float) -> None:
+        self._idle_deadline = deadline
+        scope = self._read_scope
+        if scope is not None:
+            scope.deadline = deadline
 
     def close_if_idle(self) -> bool:
         """End the connection now if it is between requests; returns whether it was."""
-        scope = self._idle_scope
-        # The keep-alive task's own scope is gone (or cancelled) once a request arrived,
-        # before the timer's task has run its cleanup: busy, not idle.
-        timer = self.idle_task.scope
-        if scope is None or scope.cancel_called or timer is None or timer.cancel_called:
+        if self._closing or self._idle_deadline == math.inf:
             return False
-        scope.cancel()
+        self._closing = True
+        self._set_idle_deadline(-math.inf)
         return True
 
     # -- writes -------------------------------------------------------------------------------

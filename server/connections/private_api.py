@@ -43,9 +43,12 @@ constructor, ``stream``, ``send_lock``,        under ``send_lock``, bounded writ
                                                overrides
 ``TCPServer._read_data``                       the read loop, without a cancel scope per read
 ``TCPServer._close``                           closing, shielded
-``TCPServer._idle_timeout``,                   the keep-alive timer the pool may end early
-``TCPServer._initiate_server_close``,          (``protocol_send`` restarts ``_idle_timeout``
-``TCPServer._task_group``                      in ``_task_group``)
+``TCPServer._idle_timeout``,                   the keep-alive timer: ``protocol_send``
+``TCPServer._initiate_server_close``,          calls ``idle_task.restart(_task_group,
+``TCPServer._task_group``                      _idle_timeout)`` and ``idle_task.stop()``;
+                                               ours moves the read's deadline instead
+                                               (``connection.KeepAliveTask``), and closes
+                                               with ``_initiate_server_close``
 ``protocol.h11.H11Protocol`` (constructor,     ``protocol.ServingH11Protocol``: HTTP/1.1
 ``connection``, ``stream``, ``stream_send``,   only, strict heads, its own chunk framing;
 ``keep_alive_requests``)                       the response head built once, as
