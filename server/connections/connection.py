@@ -90,8 +90,8 @@ class KeepAliveTask:
     Hypercorn restarts the timer when a connection becomes idle (after each response, and
     at its start) and stops it when a request arrives. Upstream each restart spawns a task
     that waits for the keep-alive time and each stop cancels it: two spawns and two
-    cancellations per connection of one request, about 50 us of a burst's 500 us per
-    request here (docs/benchmarks.md). Here both only move the deadline of the
+    cancellations per connection of one request (docs/benchmarks.md, "the burst"). Here
+    both only move the deadline of the
     connection's read (:meth:`ServingConnection.become_idle`, ``become_busy``); the read
     loop closes the connection when its read passes that deadline.
     """
