@@ -31,6 +31,7 @@ from server.errors import error_body
 from server.media import (FetchedImage, MediaError, MediaFetcher, MediaFetchFailed,
                           MediaPolicy, MediaRefused, MediaTimeout, MediaTooLarge,
                           policy_from_config)
+from server.media.connect import connect_first
 from server.media.policy import address_refusal
 from tests.remote import make_certificate
 
@@ -250,6 +251,22 @@ async def test_an_address_that_does_not_answer_costs_a_moment_not_the_fetch(web)
     finally:
         queued.close()
         hole.close()
+
+
+async def test_an_address_this_host_cannot_open_a_socket_for_is_one_failed_attempt(web):
+    """An address whose socket cannot be made here (a family or protocol the kernel
+    refuses: an IPv6 answer on a host without IPv6) fails its attempt only; the next
+    address connects, and with no other its error is the one reported."""
+    unopenable = (socket.AF_INET, socket.SOCK_STREAM, 253, ("127.0.0.1", web.port))
+    working = (socket.AF_INET, socket.SOCK_STREAM, 6, ("127.0.0.1", web.port))
+    with trio.fail_after(GENEROUS):
+        sock, error = await connect_first([unopenable, working])
+    assert sock is not None and error is None
+    assert sock.getpeername() == ("127.0.0.1", web.port)
+    sock.close()
+    with trio.fail_after(GENEROUS):
+        sock, error = await connect_first([unopenable])
+    assert sock is None and isinstance(error, OSError) and error.errno is not None
 
 
 # -- https -------------------------------------------------------------------------------

@@ -70,16 +70,19 @@ async def connect_first(targets: list[Target], delay: float = ATTEMPT_DELAY
                       nursery: trio.Nursery) -> None:
         nonlocal won
         family, type_, proto, sockaddr = target
-        sock = trio.socket.socket(family, type_, proto)
-        try:
+        sock = None
+        try:  # (a family or protocol this host cannot open fails this attempt only)
+            sock = trio.socket.socket(family, type_, proto)
             await sock.connect(sockaddr)
         except OSError as exc:
-            sock.close()
+            if sock is not None:
+                sock.close()
             errors.append(exc)
             failed.set()
             return
         except BaseException:
-            sock.close()
+            if sock is not None:
+                sock.close()
             raise
         if won is None:
             won = sock
