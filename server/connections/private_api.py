@@ -274,7 +274,8 @@ class ConnectionHooks(TCPServer):
 
     @property
     def task_group(self):
-        """The connection's task group (hypercorn spawns the keep-alive timer in it)."""
+        """The connection's task group (hypercorn hands it to the keep-alive timer, which
+        upstream spawns there; ServingConnection's timer spawns nothing)."""
         return self._task_group  # type: ignore[attr-defined]
 
     @task_group.setter
