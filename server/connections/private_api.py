@@ -248,8 +248,9 @@ def use_direct_path(direct: bool | None = None, *, allow_fallback: bool = False)
 
 class ConnectionHooks(TCPServer):
     """Hypercorn's ``TCPServer``, whose private hooks call the public ones of a subclass:
-    :meth:`read_requests`, :meth:`close_connection`, :meth:`idle_timeout` (each upstream's
-    own by default), and :attr:`task_group`, :meth:`initiate_server_close`."""
+    :meth:`read_requests`, :meth:`close_connection` (each upstream's own by default), and
+    :attr:`task_group`, :meth:`initiate_server_close`. (Upstream's ``_idle_timeout`` is only
+    handed to ``idle_task.restart``: ServingConnection's timer never runs it.)"""
 
     async def _read_data(self) -> None:
         await self.read_requests()
@@ -257,17 +258,11 @@ class ConnectionHooks(TCPServer):
     async def _close(self) -> None:
         await self.close_connection()
 
-    async def _idle_timeout(self) -> None:
-        await self.idle_timeout()
-
     async def read_requests(self) -> None:
         await TCPServer._read_data(self)  # type: ignore[attr-defined]
 
     async def close_connection(self) -> None:
         await TCPServer._close(self)  # type: ignore[attr-defined]
-
-    async def idle_timeout(self) -> None:
-        await TCPServer._idle_timeout(self)  # type: ignore[attr-defined]
 
     async def initiate_server_close(self) -> None:
         await self._initiate_server_close()  # type: ignore[attr-defined]
