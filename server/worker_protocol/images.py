@@ -8,20 +8,27 @@ worker to prepare it with vLLM's renderer (server.engines.vllm.images).
 
 from __future__ import annotations
 
-__all__ = ["has_image_parts", "image_count", "takes_images"]
+from collections.abc import Iterator
+
+__all__ = ["has_image_parts", "image_count", "image_parts", "takes_images"]
+
+
+def image_parts(messages: object) -> Iterator[dict]:
+    """The image parts of a chat prompt's ``messages``, in order (nothing if they are not a
+    list of messages)."""
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if type(content) is list:
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image":
+                    yield part
 
 
 def image_count(prompt: object) -> int:
     """How many image parts a chat prompt (``{"messages": [...]}``) holds."""
     if type(prompt) is not dict:
         return 0
-    messages = prompt.get("messages")
-    count = 0
-    for message in messages if isinstance(messages, list) else ():
-        content = message.get("content") if isinstance(message, dict) else None
-        if type(content) is list:
-            count += sum(isinstance(p, dict) and p.get("type") == "image" for p in content)
-    return count
+    return sum(1 for _ in image_parts(prompt.get("messages")))
 
 
 def has_image_parts(prompt: object) -> bool:

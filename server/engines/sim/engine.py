@@ -87,6 +87,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import ValuesView
 
+from ...worker_protocol.images import image_parts
 from ...worker_protocol.wire import OutputRow
 from ...workers.base import (
     TRUNCATION_FIELDS,
@@ -350,19 +351,16 @@ class SimEngine:
         seen = self._images
         if seen is None:
             return
-        for message in messages:
-            content = message.get("content")
-            for part in content if isinstance(content, list) else ():
-                if isinstance(part, dict) and part.get("type") == "image":
-                    digest = part["sha256"]
-                    self.image_lookups[0] += 1
-                    if digest in seen:
-                        self.image_lookups[1] += 1
-                        seen.move_to_end(digest)
-                    else:
-                        seen[digest] = None
-                        if len(seen) > IMAGE_CACHE_ITEMS:
-                            seen.popitem(last=False)
+        for part in image_parts(messages):
+            digest = part["sha256"]
+            self.image_lookups[0] += 1
+            if digest in seen:
+                self.image_lookups[1] += 1
+                seen.move_to_end(digest)
+            else:
+                seen[digest] = None
+                if len(seen) > IMAGE_CACHE_ITEMS:
+                    seen.popitem(last=False)
 
     def add(self, rid: int, prompt: object, params: dict) -> int:
         if isinstance(prompt, dict):
