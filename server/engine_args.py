@@ -46,8 +46,9 @@ VLLM_FLAGS: tuple[tuple[str, dict, str], ...] = (
     ("--block-size", {"type": int}, "tokens per KV cache block"),
     ("--kv-cache-dtype", {}, "the KV cache's dtype (auto, fp8, ...)"),
     ("--swap-space", {"type": float}, "CPU swap space per device, GiB"),
-    ("--enable-lora", {"kind": "switch"}, "serve LoRA adapters (docs/lora.md)"),
-    ("--max-loras", {"type": int}, "most LoRA adapters in one batch"),
+    ("--enable-lora", {"kind": "switch"},
+     "serve LoRA adapters (docs/lora.md; the sim engine: simulated ones)"),
+    ("--max-loras", {"type": int, "bounds": COUNT}, "most LoRA adapters in one batch"),
     ("--max-lora-rank", {"type": int}, "the largest LoRA rank an adapter may have"),
     ("--limit-mm-per-prompt", {"type": json_object, "metavar": "JSON"},
      "a vision model's most inputs of each kind in one prompt, as vLLM spells it, e.g. "
@@ -59,6 +60,8 @@ VLLM_FLAGS: tuple[tuple[str, dict, str], ...] = (
 
 #: Their dests.
 _VLLM_FLAG_DESTS = tuple(flag[2:].replace("-", "_") for flag, _, _ in VLLM_FLAGS)
+#: The LoRA options the sim engine takes too (simulated adapters: docs/lora.md).
+_LORA_DESTS = ("enable_lora", "max_loras", "lora_modules", "allow_runtime_lora", "lora_dir")
 
 #: The engine, vllm engine and sim engine groups. Each goes to the supervisor's engine
 #: workers (``child``) and is a model's own in --model-config (``entry``) unless it says.
@@ -241,11 +244,10 @@ _ENGINE_ONLY = {
     "enable_prefix_caching": ("vllm",),
     "engine_arg": ("vllm",),
     "revision": ("transformers", "vllm"),
-    "lora_modules": ("vllm",),
-    "allow_runtime_lora": ("vllm",),
-    "lora_dir": ("vllm",),
     "engine_core": ("vllm",),
     **{dest: ("vllm",) for dest in _VLLM_FLAG_DESTS},
+    # (simulated adapters: server.engines.sim.lora; not --max-lora-rank, no weights)
+    **{dest: ("vllm", "sim") for dest in _LORA_DESTS},
 }
 
 
@@ -343,6 +345,9 @@ def engine_options(args: argparse.Namespace, prog: str) -> dict:
         elif args.sim_prefix_block_size != 16:
             raise SystemExit(f"{prog}: --sim-prefix-block-size needs "
                              "--sim-prefix-cache-tokens")
+        lora = {k: getattr(args, k) for k in ("enable_lora", "max_loras")
+                if getattr(args, k) is not None}
+        options.update(_lora_options(args, lora, prog), **lora)
     elif args.engine == "vllm":
         options = _vllm_options(args, prog)
     else:
@@ -409,7 +414,9 @@ def _vllm_options(args: argparse.Namespace, prog: str) -> dict:
 
 
 def _lora_options(args: argparse.Namespace, engine_args: dict, prog: str) -> dict:
-    """The vllm engine's LoRA options (server.engines.vllm.lora), checked for form."""
+    """The LoRA options of the vllm engine (server.engines.vllm.lora) and the sim engine
+    (server.engines.sim.lora), checked for form; ``engine_args`` holds --enable-lora and
+    --max-loras where they were given."""
     from .workers.lora import parse_lora_modules
 
     options: dict = {}

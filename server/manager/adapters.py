@@ -63,7 +63,7 @@ class AdapterRegistry:
         return {}
 
     def enabled(self) -> bool:
-        """Whether the workers serve adapters (vLLM with --enable-lora)."""
+        """Whether the workers serve adapters (vLLM or the sim with --enable-lora)."""
         return bool(self._lora_info())
 
     def runtime(self) -> bool:
@@ -144,7 +144,8 @@ class AdapterRegistry:
     def _check_runtime(self) -> None:
         if not self.enabled():
             raise ClientError("LoRA adapters are not enabled on this server (they need "
-                              "--engine vllm --enable-lora)", code="lora_not_enabled")
+                              "--enable-lora, with the vllm or sim engine)",
+                              code="lora_not_enabled")
         if not self.runtime():
             raise NotFound("Loading and unloading LoRA adapters at run time is off on this "
                            "server (start it with --allow-runtime-lora and --lora-dir DIR).")

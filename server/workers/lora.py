@@ -1,7 +1,7 @@
 """LoRA adapters in a worker: the table of adapters an engine serves, sans-IO.
 
-Example (what the vllm engine does with ``--enable-lora --lora-modules sql=/loras/sql
---allow-runtime-lora --lora-dir /loras``)::
+Example (what the vllm and sim engines do with ``--enable-lora --lora-modules
+sql=/loras/sql --allow-runtime-lora --lora-dir /loras``)::
 
     table = AdapterTable(lora_dir="/loras", allow_runtime=True)
     table.add("sql", "/loras/sql")                   # at start: (1, "/loras/sql", True)
@@ -200,7 +200,7 @@ def lora_request(engine, request: dict) -> list:
         name = engine.info.get("engine", "this")
         return [None, ["invalid_request",
                        f"LoRA adapters are not enabled on this server (the {name} engine; "
-                       "adapters need --engine vllm --enable-lora)"]]
+                       "adapters need --enable-lora, with the vllm or sim engine)"]]
     try:
         if op == "load_lora":
             return [call(request.get("name"), request.get("path")), None]

@@ -37,11 +37,12 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def hashes(self, tokens: Sequence) -> list[int]:
-        """The chained hashes of the full blocks of ``tokens`` (hashable items)."""
+    def hashes(self, tokens: Sequence, adapter: str | None = None) -> list[int]:
+        """The chained hashes of the full blocks of ``tokens`` (hashable items); a LoRA
+        ``adapter``'s blocks are its own (vLLM keys them by its name)."""
         size = self.block_size
         out = []
-        parent = 0
+        parent = 0 if adapter is None else hash(("lora", adapter))
         for i in range(len(tokens) // size):
             parent = hash((parent, tuple(tokens[i * size : (i + 1) * size])))
             out.append(parent)

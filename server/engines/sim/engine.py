@@ -57,6 +57,13 @@ It behaves like a real engine from the frontend's point of view:
   with fresh randomness. ``max_tokens`` is what is left, and the text of those tokens beyond
   the ``k`` characters the client already has (held back for a stop string) is fed to the
   stop matcher first.
+* **LoRA adapters** (only with ``enable_lora``; :mod:`server.engines.sim.lora`): the vllm
+  engine's options and wire ops, with no weights. A request through an adapter opens its
+  answer with the adapter's tag, ``" [name]"`` (:func:`~server.engines.sim.lora.tag`),
+  riding on its first answer token (after the reasoning, when there is some): the base
+  answer's tokens and count are unchanged. A format's or a tool call's answer carries no
+  tag (its JSON stays whole). Its prompt's prefix cache blocks are its own, as vLLM's are,
+  and at most ``max_loras`` adapters run at once.
 * **Fault injection** (only when built with ``faults=True``): a request may carry
   ``{"fault": {"kind": K, "after": k}}``, where K is one of:
 
@@ -103,6 +110,7 @@ from ...workers.base import (
 from ..transformers.grammar import describe, format_param
 from ...workers.resume import resume_of
 from .cache import PrefixCache
+from .lora import SimAdapters, tag
 from .structured import Unbuildable, instance
 from ...workers.stops import StopMatcher
 
@@ -204,7 +212,7 @@ class _Req:
     __slots__ = (
         "rid", "rng", "max_tokens", "stop", "produced", "ready_at",
         "fault", "fault_after", "fault_seconds", "prompt_tokens", "started", "call", "blocks", "cached",
-        "ids", "pending", "end",
+        "ids", "pending", "end", "lora", "tag",
     )
     rid: int
     rng: int  # the state of a 32-bit xorshift generator
@@ -223,6 +231,8 @@ class _Req:
     ids: bool  # send each token's id (a note)
     pending: str  # text released by a resume, sent with the first output
     end: str  # the finish reason at max_tokens: "length", or "stop" at an end of sequence
+    lora: int  # its adapter's id (0: the base model)
+    tag: str | None  # the text its answer opens with (an adapter's, on a plain answer)
 
 
 class SimEngine:
@@ -247,6 +257,11 @@ class SimEngine:
         max_embed_tokens: int = 16384,
         image_tokens: int = 0,
         images_per_prompt: int = 4,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        lora_modules: dict | None = None,
+        allow_runtime_lora: bool = False,
+        lora_dir: str | None = None,
         clock=time.monotonic,
     ) -> None:
         if not 0 < embedding_size <= _MAX_EMBEDDING:
@@ -294,6 +309,21 @@ class SimEngine:
         self.image_lookups = [0, 0]
         #: Embedding batches computed (one per embed call, however many inputs it has).
         self.forwards = 0
+        #: Simulated LoRA adapters (None: off), and the adapters of the running requests:
+        #: adapter id -> how many run with it.
+        self.adapters: SimAdapters | None = None
+        self._batch_loras: dict[int, int] = {}
+        if enable_lora:
+            self.adapters = SimAdapters(lora_modules or {}, max_loras=max_loras,
+                                        lora_dir=lora_dir, allow_runtime=allow_runtime_lora,
+                                        served_model=model)
+            self.info["lora"] = self.adapters.describe()
+            self.load_lora = self.adapters.load_lora
+            self.unload_lora = self.adapters.unload_lora
+        elif lora_modules or allow_runtime_lora or lora_dir:
+            raise ValueError("the sim engine's LoRA adapters need enable_lora (--enable-lora)")
+        #: Where an answer's first token is (its tag goes there): after the reasoning.
+        self._answer_at = reasoning_tokens + 2 if reasoning_tokens else 0
         self._running: dict[int, _Req] = {}
         self._waiting: dict[int, _Req] = {}  # insertion order is FIFO order
         self._starting: dict[int, _Req] = {}  # running, first token not yet produced
@@ -423,11 +453,14 @@ class SimEngine:
             req.call = _tool_call(params.get("tools"), max_tokens, req.rng)
         req.ids = bool(params.get("token_ids"))
         req.pending = ""
+        adapter = params.get("lora")  # (only where info["lora"]: server.workers.main)
+        req.lora = 0
+        req.tag = tag(adapter) if adapter is not None and req.call is None else None
         if resumed is not None:
             self._replay(req, *resumed)
             tokens = [*tokens, *generated]
             req.prompt_tokens = prompt_tokens = len(tokens)
-        req.blocks = self.cache.hashes(tokens) if self.cache is not None else []
+        req.blocks = self.cache.hashes(tokens, adapter) if self.cache is not None else []
         req.cached = 0
         fault = params.get("fault")
         if self.faults and isinstance(fault, dict):
@@ -437,6 +470,9 @@ class SimEngine:
             req.fault = fault["kind"]
             req.fault_after = int(fault.get("after", 0))
             req.fault_seconds = float(fault.get("seconds", 0.0))
+        if adapter is not None:  # (last: nothing refuses the request after it holds one)
+            assert self.adapters is not None
+            req.lora = self.adapters.use(rid, adapter)
         self._waiting[rid] = req
         self._admit(self._clock())
         return prompt_tokens
@@ -445,6 +481,8 @@ class SimEngine:
         req = self._running.get(rid) or self._waiting.get(rid)
         if req is None or req.fault == "ignore_abort":
             return False
+        if req.lora:
+            self._leave(req)
         self._running.pop(rid, None)
         self._waiting.pop(rid, None)
         self._starting.pop(rid, None)
@@ -486,12 +524,14 @@ class SimEngine:
             if out is not None:
                 outputs.append(out)
                 if out.finish is not None:
-                    finished.append(req.rid)
+                    finished.append(req)
                     if self.cache is not None and out.finish != "error":
                         self.notes.append([req.rid, {"cached_tokens": req.cached}])
-        for rid in finished:
-            del running[rid]
-            self._starting.pop(rid, None)
+        for req in finished:
+            if req.lora:
+                self._leave(req)
+            del running[req.rid]
+            self._starting.pop(req.rid, None)
         if self._waiting and len(running) < self.max_batch:
             self._admit(now)
         if tick is not None and is_tick:
@@ -513,13 +553,49 @@ class SimEngine:
             return
         waiting = self._waiting
         cache = self.cache
-        for rid in list(itertools.islice(waiting, room)):  # (not a copy of the whole queue)
+        if self.adapters is None:  # (not a copy of the whole queue)
+            rids = list(itertools.islice(waiting, room))
+        else:
+            rids = self._admissible(room)
+        loras = self._batch_loras
+        for rid in rids:
             req = waiting.pop(rid)
             if cache is not None:
                 req.cached = cache.admit(req.blocks, req.prompt_tokens)
             req.ready_at = now + self.ttft + self.prefill * (req.prompt_tokens - req.cached)
             self._running[rid] = req
             self._starting[rid] = req
+            if req.lora:
+                loras[req.lora] = loras.get(req.lora, 0) + 1
+
+    def _admissible(self, room: int) -> list[int]:
+        """The waiting requests to admit, up to ``room``, in FIFO order, with at most
+        ``max_loras`` adapters running: a request of one more is passed over, as vLLM's
+        scheduler does (it waits; later ones may run first)."""
+        assert self.adapters is not None
+        room_for = self.adapters.max_loras - len(self._batch_loras)
+        added: set[int] = set()
+        out: list[int] = []
+        for rid, req in self._waiting.items():
+            if len(out) == room:
+                break
+            if req.lora and req.lora not in self._batch_loras and req.lora not in added:
+                if len(added) == room_for:
+                    continue
+                added.add(req.lora)
+            out.append(rid)
+        return out
+
+    def _leave(self, req: _Req) -> None:
+        """Request ``req``, of an adapter, ends (finished or aborted): its hold ends."""
+        assert self.adapters is not None
+        self.adapters.release(req.rid)
+        if req.rid in self._running:
+            left = self._batch_loras[req.lora] - 1
+            if left:
+                self._batch_loras[req.lora] = left
+            else:
+                del self._batch_loras[req.lora]
 
     def _next_token(self, req: _Req) -> tuple[str, int]:
         """Draw the next token of ``req``: its text and id (does not count it produced)."""
@@ -534,7 +610,16 @@ class SimEngine:
                 word, token = "</think>", _THINK_END
         if req.call is not None:
             word, token = req.call[req.produced], _CALL + req.produced
+        if req.tag is not None:  # (an adapter's request)
+            word = self._opened(req, word)
         return word, token
+
+    def _opened(self, req: _Req, word: str) -> str:
+        """``word``, with the tag of the request's adapter before it when it opens the
+        answer."""
+        if req.tag is not None and req.produced == self._answer_at:
+            return req.tag + word
+        return word
 
     def _replay(self, req: _Req, generated: list[int], text_chars: int) -> None:
         """Bring a resumed request to where its first run stopped (see the module
@@ -544,7 +629,7 @@ class SimEngine:
         for token in generated:
             word, mine = self._next_token(req)
             if mine != token:  # unseeded sampling: the first run drew other tokens
-                word = token_text(token, req.call)
+                word = self._opened(req, token_text(token, req.call))
             texts.append(word)
             req.produced += 1
         if req.produced >= req.max_tokens:
