@@ -25,7 +25,8 @@ from server.http.app import create_app
 from server.openai.responses import parse_responses
 from server.openai.responses_events import ResponseEvents, new_response, response_usage, \
     split_events
-from server.openai.responses_progress import ProgressCache, ended, response_so_far
+from server.openai.responses_progress import ProgressCache, ProgressStatistics, ended, \
+    response_so_far
 from server.http.responses_background import LEASE_S, SWEEP_S
 from server.http.serve import serve
 from tests.conftest import FAST_SIM, ServerURL, running_server, wait_http_ok
@@ -191,14 +192,46 @@ def test_the_output_so_far_of_every_kind_of_item():
         fold = response_so_far(begin, everything[count:cut])
         assert json.dumps(begin) == before
         assert fold == response_so_far(start, everything[:cut])
-        cache.keep("alice", "resp_1", cut, fold, ended(everything[count:cut]))
-    cache.keep("alice", "resp_1", 3, response_so_far(start, everything[:3]), False)
+        cache.keep("alice", "resp_1", cut, fold, ended(everything[count:cut]), cache.ticket())
+    cache.keep("alice", "resp_1", 3, response_so_far(start, everything[:3]), False, 0)
     assert cache.start("alice", "resp_1", start)[1] == cut  # (an older poll's is not kept)
     assert cache.start("bob", "resp_1", start) == (start, 0)  # (by owner)
     begin, count = cache.start("alice", "resp_1", start)
     fold = response_so_far(begin, everything[count:])
-    cache.keep("alice", "resp_1", len(everything), fold, ended(everything[count:]))
+    cache.keep("alice", "resp_1", len(everything), fold, ended(everything[count:]), 0)
     assert fold == final and cache.start("alice", "resp_1", start) == (start, 0)  # (ended)
+
+
+def test_a_poll_that_keeps_after_the_end_keeps_nothing():
+    """A poll reads the record while it runs, folds slowly, and keeps its fold after the
+    response ended (another poll folded the terminal event), was cancelled or deleted:
+    nothing is kept, or the fold of a response that no poll will end would stay."""
+    cache, response = ProgressCache(size=2), {"output": []}
+    folded = {"output": [{"type": "message", "content": []}]}
+    for end in ("terminal", "cancel"):
+        ticket = cache.ticket()  # (the slow poll reads the record: running)
+        cache.start("alice", end, response)
+        if end == "terminal":  # (a faster poll folds to the terminal event)
+            cache.keep("alice", end, 9, folded, True, cache.ticket())
+        else:  # (a cancel or a delete, after its write to the store)
+            cache.end("alice", end)
+        assert cache.statistics().entries == 0
+        cache.keep("alice", end, 4, folded, False, ticket)  # (the slow poll's fold)
+        assert cache.statistics().entries == 0
+        assert cache.start("alice", end, response) == (response, 0)
+    # Past the ends remembered (4 * size), a ticket older than the last one forgotten
+    # adds no entry; a poll that read its record since does.
+    old = cache.ticket()  # (a slow poll reads the record: running)
+    cache.end("alice", "slow")  # (deleted)
+    for n in range(8):  # (and more ends than are remembered)
+        cache.end("bob", f"other_{n}")
+    assert cache.statistics() == ProgressStatistics(entries=0, ended=8)
+    cache.keep("alice", "slow", 4, folded, False, old)
+    assert cache.statistics().entries == 0
+    cache.keep("alice", "running", 4, folded, False, cache.ticket())
+    assert cache.start("alice", "running", response) == (folded, 4)
+    cache.keep("alice", "running", 6, folded, False, old)  # (an entry there: polled on)
+    assert cache.start("alice", "running", response)[1] == 6
 
 
 async def test_a_followed_stream_is_not_cut_by_quarts_response_timeout():
@@ -291,6 +324,24 @@ async def test_two_servers_on_one_store_follow_and_cancel_each_others(store_opti
             assert a_url.app.background.statistics().aborted == 1
             assert b_url.app.background.statistics().aborted == 0
             assert (await a.responses.retrieve(r.id)).status == "cancelled"
+
+
+async def test_a_delete_drops_the_frontends_fold(store_options):
+    """The fold a frontend keeps of a running response goes with the response: here on a
+    frontend that does not run it (a frontend's end of its own job drops it too)."""
+    async with running_server(LONG_SIM, **store_options) as a_url, \
+            running_server(LONG_SIM, **store_options) as b_url:
+        a, b = client_of(a_url), client_of(b_url)
+        progress = b_url.app.background.progress
+        with trio.fail_after(TIMEOUT_S):
+            r = await a.responses.create(model="sim", input="Far away", background=True,
+                                         max_output_tokens=LONG)
+            while not (await b.responses.retrieve(r.id)).output_text:
+                await trio.sleep(0.05)
+            assert progress.statistics().entries == 1
+            await b.responses.delete(r.id)
+            assert progress.statistics().entries == 0
+            await wait_idle(a_url.app)  # (its lease renewal finds it gone)
 
 
 async def test_a_deleted_running_response_is_aborted():

@@ -221,6 +221,7 @@ class BackgroundResponses:
             del self._jobs[job.id]
             job.done = True
             job.notify()
+            self.progress.end(job.owner, job.id)  # (its record is final or not ours)
 
     async def _generate(self, job: _Job, stream, events: ResponseEvents,
                         items: list) -> None:
@@ -320,12 +321,13 @@ class BackgroundResponses:
         server stopped): the number marked."""
         marked = 0
         now = _lease(0.0)
+        ticket = self.progress.ticket()
         for record in await self.store.with_status(KIND, ["queued", "in_progress"],
                                                    limit=SWEEP_LIMIT):
             meta = record.meta
             if not meta.get("background") or meta.get("lease_until_ms", 0) >= now:
                 continue
-            response, items, count = await self._so_far(record)
+            response, items, count = await self._so_far(record, ticket)
             response["status"] = "failed"
             response["error"] = {"code": "server_stopped", "message": (
                 "The server that ran this response stopped before it finished.")}
@@ -333,6 +335,7 @@ class BackgroundResponses:
                                        meta={**meta, "status": "failed"},
                                        body=record_body(response, items),
                                        expect=_expect(meta)):
+                self.progress.end(record.owner, record.id)
                 event = {"type": "response.failed", "response": response,
                          "sequence_number": count}
                 await self.store.append_events(KIND, record.owner, record.id, [
@@ -342,10 +345,11 @@ class BackgroundResponses:
                 marked += 1
         return marked
 
-    async def so_far(self, record: Record) -> tuple[dict, list, int]:
+    async def so_far(self, record: Record, ticket: int) -> tuple[dict, list, int]:
         """A running record's Response object with the output its events made so far (a
         poll's answer: server.openai.responses_progress), its input items, and how many
-        events it has. Folds only the events stored since this frontend's last fold."""
+        events it has. Folds only the events stored since this frontend's last fold.
+        ``ticket``: ``progress.ticket()`` taken before ``record`` was read."""
         response, items = await off_loop(len(record.body), response_of, record.body)
         owner, rid = record.owner, record.id
         start, count = self.progress.start(owner, rid, response)
@@ -354,14 +358,13 @@ class BackgroundResponses:
             return start, items, count
         response = await off_loop(sum(map(len, events)), response_so_far, start, events)
         self._events_folded += len(events)
-        self.progress.keep(owner, rid, count + len(events), response, ended(events))
+        self.progress.keep(owner, rid, count + len(events), response, ended(events), ticket)
         return response, items, count + len(events)
 
-    async def _so_far(self, record: Record) -> tuple[dict, list, int]:
+    async def _so_far(self, record: Record, ticket: int) -> tuple[dict, list, int]:
         """:meth:`so_far`, the open item ``incomplete``: a cancel or a sweep keeps what was
         generated, as a poll showed it, and as a drain's ``response.failed`` does."""
-        response, items, count = await self.so_far(record)
-        self.progress.forget(record.owner, record.id)
+        response, items, count = await self.so_far(record, ticket)
         output = [{**item, "status": "incomplete"} if item.get("status") == "in_progress"
                   else item for item in response.get("output") or ()]
         return {**response, "output": output}, items, count
@@ -371,6 +374,7 @@ class BackgroundResponses:
     async def cancel(self, owner: str, response_id: str) -> bytes:
         """Cancel a queued or in-progress background response: the Response object."""
         for _ in range(10):
+            ticket = self.progress.ticket()
             record = await self.store.get(KIND, owner, response_id)
             if record is None:
                 raise not_found(response_id)
@@ -385,12 +389,13 @@ class BackgroundResponses:
                 raise ClientError(f"Response '{printable(response_id)}' is already "
                                   f"{status}: it cannot be cancelled.",
                                   code="response_already_ended")
-            response, items, _ = await self._so_far(record)
+            response, items, _ = await self._so_far(record, ticket)
             response["status"] = "cancelled"
             if await self.store.update(KIND, owner, response_id,
                                        meta={**meta, "status": "cancelled"},
                                        body=record_body(response, items),
                                        expect=_expect(meta)):
+                self.progress.end(owner, response_id)
                 job = self._jobs.get(response_id)
                 if job is not None and job.owner == owner:
                     self._lost(job)

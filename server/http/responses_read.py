@@ -64,12 +64,12 @@ async def _record(app, response_id: str):
     return record
 
 
-async def _so_far(app, record) -> dict:
+async def _so_far(app, record, ticket: int) -> dict:
     """A running background response's object with its output so far: from this
-    frontend's last fold on (app.background), or from all its events while the service
-    is not running (a server that is stopping)."""
+    frontend's last fold on (app.background; ``ticket`` taken before the record was read),
+    or from all its events while the service is not running (a server that is stopping)."""
     if app.background is not None:
-        return (await app.background.so_far(record))[0]
+        return (await app.background.so_far(record, ticket))[0]
     response, _ = await off_loop(len(record.body), response_of, record.body)
     events = await state_store(app).read_events(  # type: ignore[union-attr]
         KIND, record.owner, record.id)
@@ -99,16 +99,17 @@ async def retrieve_response(app, response_id: str) -> Response:
     if after is not None and not (after.isascii() and after.isdigit() and len(after) <= 18):
         raise ClientError("'starting_after' must be a sequence number (an integer >= 0).",
                           param="starting_after")
+    background = app.background
+    ticket = 0 if background is None else background.progress.ticket()
     record = await _record(app, response_id)
     if not stream:
         if record.meta.get("background") and record.meta.get("status") in _RUNNING:
             # (the output so far, from its events: server.openai.responses_progress)
-            so_far = await _so_far(app, record)
+            so_far = await _so_far(app, record, ticket)
         else:
             so_far, _ = await off_loop(len(record.body), response_of, record.body)
         return _json(dumps(so_far))
     start = -1 if after is None else int(after)
-    background = app.background
     if background is None or not record.meta.get("background"):
         events = await state_store(app).read_events(  # type: ignore[union-attr]
             KIND, record.owner, response_id, after=start)
@@ -143,9 +144,13 @@ async def input_items(app, response_id: str) -> Response:
 
 
 async def delete_response(app, response_id: str) -> Response:
-    """Delete the stored response (its events too): OpenAI's deletion object."""
+    """Delete the stored response (its events too): OpenAI's deletion object. This
+    frontend's fold of it goes too (a poll of it before the delete keeps nothing after)."""
     _query(())
     store = state_store(app)
-    if store is None or not await store.delete(KIND, _owner(app), response_id):
+    owner = _owner(app)
+    if store is None or not await store.delete(KIND, owner, response_id):
         raise not_found(response_id)
+    if app.background is not None:
+        app.background.progress.end(owner, response_id)
     return _json(dumps({"id": response_id, "object": "response", "deleted": True}))

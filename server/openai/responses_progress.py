@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from dataclasses import dataclass
 
-__all__ = ["ProgressCache", "ended", "response_so_far"]
+__all__ = ["ProgressCache", "ProgressStatistics", "ended", "response_so_far"]
 
 _TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 _TEXT_DELTAS = ("response.output_text.delta", "response.reasoning_text.delta")
@@ -81,42 +82,83 @@ def response_so_far(response: dict, events: list[bytes]) -> dict:
     return {**response, "output": output}
 
 
+@dataclass(frozen=True, slots=True)
+class ProgressStatistics:
+    """``entries``: responses whose fold is kept; ``ended``: ended ones remembered, whose
+    folds are no longer kept (below)."""
+
+    entries: int
+    ended: int
+
+
 class ProgressCache:
     """Each running response's output as last folded, by (owner, id), with the number of
     events it holds, so that a poll folds only the events since::
 
+        ticket = cache.ticket()                             # before the record is read
+        ...the record, if it runs...
         start, count = cache.start(owner, id, response)   # response: its record's object
         events = ...the record's events numbered count and after...
         response = response_so_far(start, events)           # (in a thread when big)
-        cache.keep(owner, id, count + len(events), response, ended(events))
+        cache.keep(owner, id, count + len(events), response, ended(events), ticket)
 
     Bounded (the least recently polled go first). Plain and sans-IO; several polls of one
-    response may run at once (each keeps what it folded unless a later one was kept)."""
+    response may run at once (each keeps what it folded unless a later one was kept).
+
+    A response that ended, was cancelled or deleted is :meth:`end`-ed: its fold is dropped,
+    and a poll that read its record before then and keeps after is ignored. The cache
+    remembers the last ``4 * size`` ends for that. Past them, a ticket older than the end
+    last forgotten adds no new entry: that poll may have read an ended record."""
 
     def __init__(self, size: int = 256) -> None:
         self.size = size
         self._folded: OrderedDict[tuple[str, str], tuple[int, list]] = OrderedDict()
+        #: The ends remembered, each with its number (the clock's value then).
+        self._ended: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._ends = 0
+        #: The number of the last end no longer remembered.
+        self._forgotten = 0
+
+    def statistics(self) -> ProgressStatistics:
+        return ProgressStatistics(entries=len(self._folded), ended=len(self._ended))
+
+    def ticket(self) -> int:
+        """The ends so far: take it before reading the record that a poll folds."""
+        return self._ends
 
     def start(self, owner: str, id: str, response: dict) -> tuple[dict, int]:
         """``response`` with the kept output, and how many events that output holds."""
         count, output = self._folded.get((owner, id), (0, None))
         return (response if output is None else {**response, "output": output}), count
 
-    def keep(self, owner: str, id: str, count: int, folded: dict, ended: bool) -> None:
+    def keep(self, owner: str, id: str, count: int, folded: dict, ended: bool,
+             ticket: int) -> None:
         """Keep ``folded`` (the response with its first ``count`` events folded in) for the
-        next poll; an ``ended`` one is forgotten (no poll folds it again)."""
+        next poll, which took ``ticket`` before reading the record. An ``ended`` one is
+        :meth:`end`-ed (no poll folds it again)."""
         key = (owner, id)
-        latest = self._folded.get(key)
         if ended:
-            self._folded.pop(key, None)
-        elif latest is None or count > latest[0]:
+            self.end(owner, id)
+            return
+        latest = self._folded.get(key)
+        if key in self._ended or (latest is None and ticket < self._forgotten):
+            return  # (ended since the poll read its record, or may have)
+        if latest is None or count > latest[0]:
             self._folded[key] = (count, folded["output"])
             self._folded.move_to_end(key)
             while len(self._folded) > self.size:
                 self._folded.popitem(last=False)
 
-    def forget(self, owner: str, id: str) -> None:
-        self._folded.pop((owner, id), None)
+    def end(self, owner: str, id: str) -> None:
+        """The response ended, or was cancelled or deleted: drop its fold, and refuse the
+        keeps of polls that read its record before. Call it after the record changed."""
+        key = (owner, id)
+        self._folded.pop(key, None)
+        self._ends += 1
+        self._ended[key] = self._ends
+        self._ended.move_to_end(key)
+        while len(self._ended) > 4 * self.size:
+            self._forgotten = self._ended.popitem(last=False)[1]
 
 
 def ended(events: list[bytes]) -> bool:
