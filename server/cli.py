@@ -82,7 +82,8 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     with one line naming it (and the line: never a key). The app reads the files itself
     and again when they change (:mod:`server.http.key_files`). A frontend of
     ``--api-servers`` takes its supervisor's ``--api-key`` keys (``FRONTEND_KEYS_ENV``) and
-    reads the files in its app: the supervisor checked them at its start."""
+    reads the files in its app: the supervisor checked them at its start, and a frontend
+    (re)started while one is refused exits with that line (KeyFileError)."""
     if args.frontend_dir is not None:
         return tuple(filter(None, os.environ.get(FRONTEND_KEYS_ENV, "").split("\n")))
     keys = split_commas(args.api_key) or split_commas([os.environ.get(API_KEY_ENV, "")])
@@ -316,13 +317,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.disable_log_requests:
         logging.getLogger("server.request").setLevel(logging.WARNING)
     from .http.app import create_app
+    from .http.key_files import KeyFileError
     from .http.serve import serve
     from .connections.accept import ListenError
     from .connections.private_api import HTTPPathError
     from .manager.worker import WorkerStartupError
     from .state import StateStoreError
 
-    app = create_app(config)
+    try:
+        app = create_app(config)
+    except KeyFileError as refused:  # (a frontend's read, or a file broken since the check)
+        raise SystemExit(f"trio-llm-server: {refused}") from None
     if app.api_keys is not None:
         logging.getLogger("server").info(
             "API keys required (%d key(s)); /health, /ready and /metrics are open",

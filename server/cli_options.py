@@ -142,14 +142,17 @@ OPTIONS: tuple[Option, ...] = (
                into=(Into("server.api_key_files", _paths),),
                help="also accept each key in this file (repeatable): one per line; blank "
                "lines and lines starting with # are ignored; a key with inner whitespace, "
-               "or a file with no key, is refused at start. Re-read when it changes, without a "
-               "restart: a file then refused keeps the keys in force. Warned of if other "
-               "users may read it (chmod 600 it)"),
+               "or a file with no key, is refused at start (a frontend of --api-servers "
+               "too). Re-read when it changes, without a restart: a file then refused keeps "
+               "the keys in force. Warned of if other users may read it (chmod 600 it)"),
         Option("--api-key-file-interval", type=float, default=10.0, bounds=SECONDS,
                metavar="SECONDS", into=("server.api_key_file_interval",),
                help="how often each --api-key-file is checked for a change (its time, size "
                "and inode: a Kubernetes secret's symlink swap too); a changed file is "
-               "re-read, and a key removed from it is refused from then on"),
+               "re-read, and in force once the next check finds it the same (one to two "
+               "intervals after its last write, so that a file read while being written is "
+               "not taken); a key removed from it "
+               "is refused from then on"),
         Option("--allowed-origins", kind="append", metavar="ORIGINS",
                into=(Into("server.allowed_origins", split_commas),),
                help="enable CORS for these browser origins (repeatable or comma-separated, "

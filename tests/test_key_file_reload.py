@@ -3,7 +3,9 @@ servers over HTTP: a rotated key in force without a restart, the removed key ref
 removed key's stored file found again when the key comes back; a broken file keeping the
 keys in force (counted, warned of by file and line, never by key); a Kubernetes secret's
 symlink swap noticed even where time and size stay the same; and, on the watch alone, a
-rewrite in place within one time stamp tick, which only a re-read of a recent file sees."""
+rewrite in place within one time stamp tick, which only a re-read of a recent file sees,
+and a file read half written, whose cut keys are never in force (a change is taken once
+two looks find it the same)."""
 
 from __future__ import annotations
 
@@ -149,4 +151,26 @@ async def test_a_rewrite_within_one_time_stamp_tick_is_read(tmp_path):
             while keys.keys != ("key-bbb",):
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
+    assert keys.reloads == {"ok": 1, "refused": 0}
+
+
+async def test_a_file_read_half_written_is_not_taken(tmp_path):
+    """A file written in place, read while its writer is between two writes: its cut
+    (``key-c``, a shorter key than the one being written) is not in force, nor is the whole
+    file until a second look finds it the same. One look at a time: :meth:`KeyFiles.look`."""
+    path = tmp_path / "keys"
+    write_keys(path, "key-aaa\n")
+    keys = KeyFiles(("fixed",), (str(path),), 10.0)
+    assert keys.keys == ("fixed", "key-aaa")  # (the first read: at once)
+    with path.open("w") as writer:  # (in place: truncated, the same inode)
+        writer.write("key-bbb\nkey-c")
+        writer.flush()
+        await keys.look()
+        assert keys.keys == ("fixed", "key-aaa")
+        writer.write("cc-long\n")
+    await keys.look()  # (the whole file, changed since the last look: not yet)
+    assert keys.keys == ("fixed", "key-aaa") and not keys.api_keys.verify(b"Bearer key-c")
+    await keys.look()  # (the same again: taken)
+    assert keys.keys == ("fixed", "key-bbb", "key-ccc-long")
+    await keys.look()
     assert keys.reloads == {"ok": 1, "refused": 0}

@@ -9,22 +9,31 @@ symlinks, so a swap changes the inode seen. The keys in force become the fixed o
 must not install a signal handler for its whole process. Why not inotify: a period needs
 nothing of the platform, and a swap of a parent directory's symlink is seen all the same.
 
+A changed file takes effect once two looks in a row find it the same: the same
+signatures and the same keys (or refusal). A file written in place can be read while half
+written, its last key perhaps cut short: a shorter key would then be let in. A file still
+being written differs at the next look, so its cut is never in force (a writer that
+stalls a whole interval mid-file is not told apart: replace files whole). The cost is one
+more interval: a change is in force one to two intervals after its last write. The first
+read, when the app is made, is in force at once.
+
 A file that is then missing, unreadable or refused by
 :func:`~server.key_file.parse_key_file` changes nothing: the keys in force stay. One
 warning names the file and the line, never a key, and the file is read again when it
-changes again. So a half-written file neither locks every client out nor lets every
-client in. Each reload counts as ``ok`` or ``refused``
-(``trio_llm:api_key_file_reloads_total``).
+changes again. So a broken file neither locks every client out nor lets every client in.
+Each reload counts as ``ok`` or ``refused`` (``trio_llm:api_key_file_reloads_total``). A
+file refused when the app is made is an error (:class:`KeyFileError`): a server, or a
+restarted frontend of ``--api-servers``, never serves with fewer keys than it was given.
 
 A file changed in the last :data:`RECENT_NS` is read again at the next look, signature
 or not. A file system stamps times in ticks (a few ms; 1 or 2 s on some). A file rewritten
 in place within one tick, at the same size, keeps its signature: a rotated key would go
-unseen until the next change. A re-read that finds what was in force counts nothing.
+unseen until the next change. A re-read that finds what it found before counts nothing.
 
 A removed key is refused from the next request on; a request already past its check
 finishes. What a key stored stays its owner's (:func:`server.state.owner_of`, a digest of
 the key): a key that comes back finds it again. With ``--api-servers`` each frontend
-watches the files on its own, so the frontends agree again within one period.
+watches the files on its own, so the frontends agree again within two periods.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from ..key_file import MAX_BYTES, loose_permissions, parse_key_file
 from ..text_files import read_text_file
 from .auth import APIKeys
 
-__all__ = ["KeyFiles", "read_key_files"]
+__all__ = ["KeyFileError", "KeyFiles", "read_key_files"]
 
 log = logging.getLogger("server")
 
@@ -51,6 +60,11 @@ Signature = tuple[int, int, int] | None
 #: How recent a change may still be followed by another with the same signature (2 s: the
 #: coarsest time stamps, FAT's); such a file is read again at the next look.
 RECENT_NS = 2_000_000_000
+
+
+class KeyFileError(ValueError):
+    """A key file refused when the app is made (``--api-key-file PATH: why``): the server
+    must not start, since it would accept fewer keys than it was given, or none."""
 
 
 def read_key_files(paths: tuple[str, ...]) -> tuple[str, ...]:
@@ -111,8 +125,9 @@ class KeyFiles:
     again when they change (:meth:`run`). :attr:`api_keys` checks a request against them;
     :attr:`keys` are the keys themselves (the batch runner sends its batch owner's).
 
-    A file refused at start leaves the fixed keys alone in force, or none (every request
-    refused, never every request let in), with a warning; the next change is read."""
+    :class:`KeyFileError` when a file is refused now: a frontend restarted while its file
+    is broken exits (one line naming the file and the line) rather than serve with fewer
+    keys."""
 
     def __init__(self, fixed: tuple[str, ...], paths: tuple[str, ...],
                  interval: float) -> None:
@@ -121,31 +136,37 @@ class KeyFiles:
         self._fixed = fixed
         #: Reloads since the start, by outcome: ``ok`` or ``refused`` (``/metrics``).
         self.reloads = {"ok": 0, "refused": 0}
-        self.keys: tuple[str, ...] = fixed
-        self.api_keys = APIKeys(fixed, allow_none=True)
         look = _look(paths, None)
         assert look is not None  # (nothing seen yet)
+        if look.refusal is not None:
+            raise KeyFileError(f"--api-key-file {look.refusal}")
         self._signatures = look.signatures
         #: What the last read found (keys, refusal), and whether to read again regardless.
-        self._found = (look.keys, look.refusal)
+        self._found: tuple[tuple[str, ...], str | None] = (look.keys, look.refusal)
         self._again = look.recent
-        if look.refusal is not None:
-            log.warning("--api-key-file %s; only the other keys are accepted until it "
-                        "changes", look.refusal)
-        else:
-            self._take(look.keys)
+        #: The last look found a change, not in force until the next finds it the same.
+        self._pending = False
+        self.keys: tuple[str, ...] = ()
+        self.api_keys = APIKeys((), allow_none=True)
+        self._take(look.keys)
 
     def _take(self, keys: tuple[str, ...]) -> None:
         self.keys = tuple(dict.fromkeys(self._fixed + keys))
         self.api_keys = APIKeys(self.keys, allow_none=True)
 
-    def _reloaded(self, look: _Look) -> None:
-        """Apply a look that found a change: the new keys, or a warning and the old."""
+    def _seen(self, look: _Look) -> None:
+        """A look that read the files: a change waits for the next look; one that finds
+        the files as the last did puts a waiting change in force (the new keys, or a
+        warning and the old)."""
         same = look.signatures == self._signatures and (look.keys, look.refusal) == self._found
         self._signatures, self._found, self._again = \
             look.signatures, (look.keys, look.refusal), look.recent
-        if same:  # (a recent file read again, as it was)
+        if not same:
+            self._pending = True  # (perhaps still being written)
             return
+        if not self._pending:  # (a recent file read again, as it was)
+            return
+        self._pending = False
         if look.refusal is not None:
             self.reloads["refused"] += 1
             log.warning("--api-key-file %s; the keys in force stay until it changes again",
@@ -161,13 +182,19 @@ class KeyFiles:
                         "chmod 600 it", path, mode)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """The watch, a service of the app's lifespan nursery: started at once, then a
-        look every ``interval`` seconds until cancelled. A look runs in a thread (a stat
-        of a network file system can block); cancelled, the thread is left to end alone."""
+        """The watch, a service of the app's lifespan nursery: started at once, then
+        :meth:`look` every ``interval`` seconds until cancelled."""
         task_status.started()
         while True:
             await trio.sleep(self.interval)
-            look = await trio.to_thread.run_sync(_look, self.paths, self._signatures,
-                                                 self._again, abandon_on_cancel=True)
-            if look is not None:
-                self._reloaded(look)
+            await self.look()
+
+    async def look(self) -> None:
+        """One look at the files: read them when they changed, or to confirm a change. In
+        a thread (a stat of a network file system can block); cancelled, the thread is
+        left to end alone."""
+        look = await trio.to_thread.run_sync(_look, self.paths, self._signatures,
+                                             self._again or self._pending,
+                                             abandon_on_cancel=True)
+        if look is not None:
+            self._seen(look)
