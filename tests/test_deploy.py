@@ -1,19 +1,20 @@
 """What deploy/ ships: Kubernetes manifests valid for Kubernetes' own schemas (offline,
 kubernetes-validate; KEDA's ScaledObject against its documented spec), whose server
-arguments all exist, whose autoscalers, disruption budgets and grace periods fit together;
-the Grafana dashboard's queries and the autoscalers' name only metrics a live server
-exports."""
+arguments all exist, whose autoscalers, disruption budgets and grace periods fit together,
+whose API key file is a mounted Secret's (rotated without a restart); the Grafana
+dashboard's queries and the autoscalers' name only metrics a live server exports."""
 
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
+import tempfile
+from pathlib import Path, PurePosixPath
 
 import httpx
 import pytest
 
-from server.cli import build_parser, config_from_args
+from server.cli import API_KEY_ENV, build_parser, config_from_args
 
 from tests.conftest import running_server
 
@@ -215,6 +216,18 @@ def _args(container: dict) -> list[str]:
             for a in container["args"]]
 
 
+def _config(container: dict):
+    """The server's config of the container's arguments. Each ``--api-key-file`` (a mounted
+    Secret's file: test_the_api_key_is_a_mounted_secrets_file) is read from a sample file
+    instead, since the arguments are checked at parse time."""
+    with tempfile.TemporaryDirectory() as scratch:
+        sample = Path(scratch) / "api-key"
+        sample.write_text("sample-key\n")
+        args = [f"--api-key-file={sample}" if a.startswith("--api-key-file=") else a
+                for a in _args(container)]
+        return config_from_args(build_parser().parse_args(args))
+
+
 def _check_options(layout: Path, container: dict, parser) -> None:
     options = {o for a in parser._actions for o in a.option_strings}
     args = dict(a.split("=", 1) for a in _args(container))
@@ -232,7 +245,7 @@ def test_the_servers_arguments_probes_and_grace_period():
     for layout in _layouts():
         for doc, pod, container in _pods(layout, "Deployment"):
             _check_options(layout, container, build_parser())
-            config = config_from_args(build_parser().parse_args(_args(container)))
+            config = _config(container)
             # The kubelet's SIGTERM comes after the preStop hook, and the grace counts from
             # its start: the hook, the drain, and the engine's stop fit in it.
             assert (pod["terminationGracePeriodSeconds"]
@@ -274,6 +287,33 @@ def test_read_only_pods_have_a_writable_tmp():
                     assert "emptyDir" in volumes[mounts["/tmp"]], layout.name
 
 
+def test_the_api_key_is_a_mounted_secrets_file():
+    """The servers read the key Secret as a file (--api-key-file) in a read-only mount of
+    its directory: the kubelet's update of the Secret reaches them without a restart (a
+    subPath mount is never updated, a variable only with the pod). The sim's is an
+    optional variable instead: no Secret, no key (a missing file would stop the server)."""
+    for layout in _layouts():
+        for _, pod, container in _pods(layout, "Deployment"):
+            args = [a.split("=", 1) for a in _args(container)]
+            files = [PurePosixPath(v) for k, v in args if k == "--api-key-file"]
+            env = {e["name"]: e for e in container.get("env", [])}
+            if layout.name == "sim":
+                ref = env[API_KEY_ENV]["valueFrom"]["secretKeyRef"]
+                assert ref["optional"] and ref["name"] == "trio-llm-server" and not files
+                continue
+            assert API_KEY_ENV not in env, layout.name
+            (path,) = files
+            (mount,) = [m for m in container["volumeMounts"]
+                        if m["mountPath"] == str(path.parent)]
+            assert "subPath" not in mount and mount["readOnly"], layout.name
+            volume = {v["name"]: v for v in pod["volumes"]}[mount["name"]]
+            secret = volume["secret"]
+            assert secret["secretName"] == "trio-llm-server" and not secret.get("optional")
+            assert "items" not in secret and path.name == "api-key"  # (the Secret's key)
+            # Its owner's read alone; fsGroup adds the group's read, for the server's user.
+            assert secret["defaultMode"] == 0o400 and pod["securityContext"]["fsGroup"]
+
+
 REMOTE = DEPLOY / "kubernetes" / "vllm-remote"
 
 
@@ -284,7 +324,7 @@ def _remote():
     (service,) = [d for d in _resources(REMOTE) if d["kind"] == "Service"
                   and d["metadata"]["name"] == sts["spec"]["serviceName"]]
     (_, _, frontend), = _pods(REMOTE, "Deployment")
-    config = config_from_args(build_parser().parse_args(_args(frontend)))
+    config = _config(frontend)
     return sts, worker, service, frontend, config
 
 
