@@ -79,6 +79,17 @@ def redirect(location: str) -> Handler:
     return answer(b"", None, 302, f"Location: {location}\r\n")
 
 
+async def read_head(stream: trio.abc.Stream) -> bytes | None:
+    """A request's head (what arrived with it too); None if the client hung up first."""
+    head = b""
+    while b"\r\n\r\n" not in head:
+        data = await stream.receive_some(4096)
+        if not data:
+            return None
+        head += data
+    return head
+
+
 class LoopbackServer:
     """HTTP on 127.0.0.1: a handler per path; records each request's path."""
 
@@ -91,13 +102,10 @@ class LoopbackServer:
         return f"http://{host}:{self.port}{path}"
 
     async def handle(self, stream: trio.SocketStream) -> None:
-        head = b""
         try:
-            while b"\r\n\r\n" not in head:
-                data = await stream.receive_some(4096)
-                if not data:
-                    return
-                head += data
+            head = await read_head(stream)
+            if head is None:
+                return
             path = head.split(b" ", 2)[1].decode()
             self.paths.append(path)
             await self.routes.get(path, answer(b"no", "text/plain", 404))(stream)
@@ -553,7 +561,18 @@ async def test_a_name_that_does_not_resolve_is_a_failed_fetch():
 
 # -- options -----------------------------------------------------------------------------
 
-def test_the_options_make_the_policy(tmp_path):
+def clear_proxy_env(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
+    """No proxy variable of any spelling but ``values`` (``HTTP_PROXY="..."``): the
+    policy of the options reads them (server.media.proxy)."""
+    for name in list(os.environ):
+        if name.lower().endswith("_proxy"):
+            monkeypatch.delenv(name)
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_the_options_make_the_policy(tmp_path, monkeypatch):
+    clear_proxy_env(monkeypatch)
     args = build_parser().parse_args([
         "--allowed-media-domains", "Images.Example.com,cdn.example.com", "--allowed-media-domains",
         "b.example.org", "--allowed-local-media-path", str(tmp_path), "--media-fetch-timeout",

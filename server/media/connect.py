@@ -7,6 +7,12 @@ address is checked (one refused address refuses the URL: an answer that mixes pu
 private addresses is an attack), and the socket connects to those very addresses. TLS
 runs over that socket, verifying the URL's host name.
 
+Through an HTTP proxy (server.media.proxy) the host is resolved and every address checked
+all the same, so a proxy cannot be used to reach, by name, what a direct fetch may not.
+The socket then goes to the proxy instead, whose addresses are not checked (the operator
+named it). The proxy resolves the host again: a name whose answer changes between the
+two look-ups is the proxy's to guard, as no client can pin a proxy's connection.
+
 The addresses are tried as RFC 8305 ("happy eyeballs") says: the next one starts when the
 one before has failed or has not answered within :data:`ATTEMPT_DELAY`, beside it; the
 first to connect wins and the others are cancelled. So an address that drops packets (a
@@ -23,7 +29,9 @@ import ssl
 import trio
 
 from .errors import MediaFetchFailed, MediaRefused
+from .http1 import open_tunnel
 from .policy import MediaPolicy, WebUrl, address_refusal
+from .proxy import Proxy
 
 __all__ = ["ATTEMPT_DELAY", "connect_first", "open_checked_stream", "resolve_checked"]
 
@@ -105,29 +113,72 @@ async def connect_first(targets: list[Target], delay: float = ATTEMPT_DELAY
 
 
 async def open_checked_stream(web: WebUrl, url: str, policy: MediaPolicy,
-                              ssl_context: ssl.SSLContext | None) -> trio.abc.Stream:
-    """A stream to ``web``'s host, connected to a checked address (the first that
-    answers), over TLS when ``web`` is https (``ssl_context`` then given)."""
+                              ssl_context: ssl.SSLContext | None,
+                              proxy: Proxy | None = None) -> trio.abc.Stream:
+    """A stream to ``web``'s host, over TLS when ``web`` is https. Direct, it is
+    connected to a checked address (the first that answers). Through ``proxy``, the
+    host's addresses are checked all the same (a proxy must not reach what a direct
+    fetch may not), and the stream is to the proxy: an https URL's goes through a
+    tunnel, TLS inside it. ``ssl_context``: given when TLS is needed (https, a TLS proxy)."""
     targets = await resolve_checked(web, url, policy)
-    sock, error = await connect_first(targets)
-    if sock is None:
-        why = error.strerror if error is not None and error.strerror else str(error)
-        raise MediaFetchFailed(url, f"could not be fetched: no connection to "
-                               f"{web.host_header} ({why})")
-    stream = trio.SocketStream(sock)
+    if proxy is None:
+        stream: trio.abc.Stream = await _connect(targets, url, web.host_header)
+    else:
+        stream = await _open_proxy(proxy, url, ssl_context)
     if web.scheme != "https":
         return stream
     assert ssl_context is not None
-    tls = trio.SSLStream(stream, ssl_context, server_hostname=web.host,
-                         https_compatible=True)
+    try:
+        if proxy is not None:
+            await open_tunnel(stream, web, url, proxy)
+        return await _tls(stream, ssl_context, web.host, url, web.host_header)
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
+
+
+async def _tls(stream: trio.abc.Stream, ssl_context: ssl.SSLContext, host: str, url: str,
+               where: str) -> trio.SSLStream:
+    """``stream`` with TLS to ``host`` (its certificate checked); a failed fetch naming
+    ``where`` if the handshake fails. The caller closes ``stream`` on an error."""
+    tls = trio.SSLStream(stream, ssl_context, server_hostname=host, https_compatible=True)
     try:
         await tls.do_handshake()
     except trio.BrokenResourceError as exc:
-        await trio.aclose_forcefully(tls)
         cause = exc.__cause__ or exc
-        raise MediaFetchFailed(url, f"could not be fetched: TLS with {web.host_header} "
-                               f"failed ({cause})") from None
-    except BaseException:
-        await trio.aclose_forcefully(tls)
-        raise
+        raise MediaFetchFailed(url, f"could not be fetched: TLS with {where} failed "
+                               f"({cause})") from None
     return tls
+
+
+async def _connect(targets: list[Target], url: str, where: str) -> trio.SocketStream:
+    """A stream to the first of ``targets`` that answers; a failed fetch naming
+    ``where`` if none does."""
+    sock, error = await connect_first(targets)
+    if sock is None:
+        why = error.strerror if error is not None and error.strerror else str(error)
+        raise MediaFetchFailed(url, f"could not be fetched: no connection to {where} ({why})")
+    return trio.SocketStream(sock)
+
+
+async def _open_proxy(proxy: Proxy, url: str,
+                      ssl_context: ssl.SSLContext | None) -> trio.abc.Stream:
+    """A stream to ``proxy`` (TLS for an https:// proxy), whose addresses are not checked:
+    the operator named it."""
+    try:
+        infos = await trio.socket.getaddrinfo(proxy.host, proxy.port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise MediaFetchFailed(url, f"could not be fetched: the proxy {proxy} does not "
+                               f"resolve ({exc.strerror})") from None
+    targets: list[Target] = [(family, type_, proto, sockaddr)
+                             for family, type_, proto, _, sockaddr in infos
+                             if family in (socket.AF_INET, socket.AF_INET6)]
+    stream = await _connect(targets, url, f"the proxy {proxy}")
+    if not proxy.tls:
+        return stream
+    assert ssl_context is not None
+    try:
+        return await _tls(stream, ssl_context, proxy.host, url, f"the proxy {proxy}")
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise

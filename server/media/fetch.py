@@ -14,7 +14,8 @@ fetch is the request's, under the operator's policy (server.media.policy):
    its wait for one of ``max_fetches`` slots (a ``trio.CapacityLimiter``): a burst of
    image requests waits, and a fetch never outlives its time.
 3. An http(s) URL's host is resolved once; every address is checked, and the socket
-   connects to a checked address (server.media.connect). HTTPS verifies the URL's host
+   connects to a checked address (server.media.connect), or to the URL's HTTP proxy
+   (server.media.proxy: the environment's, read at start). HTTPS verifies the URL's host
    name with one default SSL context, built at the first https fetch.
 4. One GET per connection (server.media.http1), its body bounded by ``max_bytes``. A
    redirect is a new URL, checked from step 1 (http and https only) against the same
@@ -32,6 +33,7 @@ own faults (no file descriptor left for a socket), which are not the client's.
 
 from __future__ import annotations
 
+import logging
 import os
 import ssl
 from collections.abc import Callable
@@ -48,8 +50,11 @@ from .image import FetchedImage, checked_image
 from .local import read_local_image
 from .policy import (DataUrl, FileUrl, MediaPolicy, WebUrl, decode_data_url,
                      parse_media_url)
+from .proxy import all_proxy_ignored
 
 __all__ = ["MediaFetcher"]
+
+log = logging.getLogger("server.media")
 
 
 class MediaFetcher:
@@ -65,6 +70,12 @@ class MediaFetcher:
             raise ValueError(f"--allowed-local-media-path {policy.allowed_local_dir!r} is "
                              "not a directory")
         self.policy = policy
+        if policy.proxies is not None:
+            log.info("%s", policy.proxies.describe())
+        ignored = all_proxy_ignored()
+        if ignored is not None:
+            log.warning("image URLs: %s is set and not read (HTTP_PROXY and HTTPS_PROXY "
+                        "are, as vLLM reads them)", ignored)
         #: The slots: one per fetch running (a fetch waits for one within its timeout).
         self.limiter = trio.CapacityLimiter(policy.max_fetches)
         self._ssl_context = ssl_context
@@ -103,11 +114,15 @@ class MediaFetcher:
 
     async def _fetch_web(self, web: WebUrl, url: str) -> FetchedImage:
         """Follow ``web``'s redirects to its image (``url``: the client's, for errors)."""
+        routes = self.policy.proxies
         for _ in range(self.policy.max_redirects + 1):
-            stream = await open_checked_stream(
-                web, url, self.policy, self._ssl() if web.scheme == "https" else None)
+            proxy = None if routes is None else routes.proxy_for(web.scheme, web.host)
+            tls = web.scheme == "https" or (proxy is not None and proxy.tls)
+            stream = await open_checked_stream(web, url, self.policy,
+                                               self._ssl() if tls else None, proxy)
             try:
-                answer = await http_get(stream, web, url, self.policy.max_bytes)
+                answer = await http_get(stream, web, url, self.policy.max_bytes,
+                                        proxy if web.scheme == "http" else None)
             finally:
                 await trio.aclose_forcefully(stream)
             if answer.location is None:

@@ -1,6 +1,6 @@
 """What the server may fetch for an image URL: the policy, the URL's kinds, the address rule.
-Sans-IO: no socket and no Trio here (policy_from_config alone looks at the disk, once);
-server.media.fetch applies it.
+Sans-IO: no socket and no Trio here (policy_from_config alone looks at the disk and the
+environment, once); server.media.fetch applies it.
 
 A URL in a request makes the server a client inside the operator's network. So the
 policy refuses what a client could use to reach the operator's own services:
@@ -28,6 +28,10 @@ loopback). Alone, it would let any URL reach every service of that network. With
 list, only the hosts the operator named are fetched at all, so the switch reaches them
 and nothing else. Two knobs that must go together are simpler to audit than a third
 "private hosts" list; metadata addresses stay refused even for a listed host.
+
+Through a proxy (``proxies``: the environment's, server.media.proxy) every rule above
+holds. The host is still resolved here and each address checked before the proxy is
+asked, so a proxy does not reach by name what a direct fetch may not.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from .errors import MediaRefused, MediaTooLarge
+from .proxy import ProxyRoutes, proxy_routes_from_environment
 
 __all__ = [
     "DEFAULT_FETCH_TIMEOUT",
@@ -86,6 +91,9 @@ class MediaPolicy:
     max_redirects: int = DEFAULT_MAX_REDIRECTS
     #: Allow loopback, private, link-local and shared addresses (tests, a trusted LAN).
     allow_private_addresses: bool = False
+    #: The HTTP proxies fetches go through (server.media.proxy); None: every fetch direct.
+    #: A route, not a rule: every check above applies through a proxy too.
+    proxies: ProxyRoutes | None = None
 
     def __post_init__(self) -> None:
         if self.allowed_domains is not None:
@@ -102,9 +110,10 @@ class MediaPolicy:
 
 
 def policy_from_config(config: Any) -> MediaPolicy:
-    """The policy of a :class:`server.config.ServerConfig` (its ``--*media*`` options).
-    Raises ValueError naming the option for a combination that cannot be honoured, or an
-    ``--allowed-local-media-path`` that is not a directory (the one look at the disk)."""
+    """The policy of a :class:`server.config.ServerConfig` (its ``--*media*`` options) and
+    of the environment's proxy variables. Raises ValueError naming the option or variable
+    that cannot be honoured, or an ``--allowed-local-media-path`` that is not a directory
+    (the one look at the disk)."""
     local = config.allowed_local_media_path
     if local is not None and not os.path.isdir(local):
         raise ValueError(f"--allowed-local-media-path {local!r} is not a directory")
@@ -115,6 +124,7 @@ def policy_from_config(config: Any) -> MediaPolicy:
         fetch_timeout=config.media_fetch_timeout,
         max_fetches=config.max_media_fetches,
         allow_private_addresses=config.allow_private_media_addresses,
+        proxies=proxy_routes_from_environment(),
     )
 
 
