@@ -149,7 +149,7 @@ OPTIONS: tuple[Option, ...] = (
                metavar="SECONDS", into=("server.api_key_file_interval",),
                help="how often each --api-key-file is checked for a change (its time, size "
                "and inode: a Kubernetes secret's symlink swap too); a changed file is "
-               "re-read, and in force once the next check finds it the same (one to two "
+               "re-read, and in force once the next check reads the same keys (one to two "
                "intervals after its last write, so that a file read while being written is "
                "not taken); a key removed from it "
                "is refused from then on"),

@@ -5,7 +5,7 @@ keys in force (counted, warned of by file and line, never by key); a Kubernetes 
 symlink swap noticed even where time and size stay the same; and, on the watch alone, a
 rewrite in place within one time stamp tick, which only a re-read of a recent file sees,
 and a file read half written, whose cut keys are never in force (a change is taken once
-two looks find it the same)."""
+two looks read the same keys)."""
 
 from __future__ import annotations
 
@@ -174,3 +174,11 @@ async def test_a_file_read_half_written_is_not_taken(tmp_path):
     assert keys.keys == ("fixed", "key-bbb", "key-ccc-long")
     await keys.look()
     assert keys.reloads == {"ok": 1, "refused": 0}
+    # The same keys at two looks are taken, though the file was rewritten between them (a
+    # tool that rewrites it more often than the interval is heard).
+    write_keys(path, "key-ddd\n")
+    await keys.look()
+    write_keys(path, "key-ddd\n")  # (a new inode: another signature)
+    await keys.look()
+    assert keys.keys == ("fixed", "key-ddd")
+    assert keys.reloads == {"ok": 2, "refused": 0}

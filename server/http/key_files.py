@@ -9,13 +9,15 @@ symlinks, so a swap changes the inode seen. The keys in force become the fixed o
 must not install a signal handler for its whole process. Why not inotify: a period needs
 nothing of the platform, and a swap of a parent directory's symlink is seen all the same.
 
-A changed file takes effect once two looks in a row find it the same: the same
-signatures and the same keys (or refusal). A file written in place can be read while half
-written, its last key perhaps cut short: a shorter key would then be let in. A file still
-being written differs at the next look, so its cut is never in force (a writer that
-stalls a whole interval mid-file is not told apart: replace files whole). The cost is one
-more interval: a change is in force one to two intervals after its last write. The first
-read, when the app is made, is in force at once.
+A changed file takes effect once two looks in a row read the same keys (or refusal) from
+it. A file written in place can be read while half written, its last key perhaps cut
+short: a shorter key would then be let in. A file still being written differs at the next
+look, so its cut is never in force (a writer that stalls a whole interval mid-file is not
+told apart: replace files whole). The cost is one more interval: a change is in force one
+to two intervals after its last write. The first read, when the app is made, is in force
+at once. The signatures need not match too: a tool that rewrites the same keys more often
+than the interval would then never be heard. Two writes cut at the same byte at two
+looks are no risk worth that.
 
 A file that is then missing, unreadable or refused by
 :func:`~server.key_file.parse_key_file` changes nothing: the keys in force stay. One
@@ -158,7 +160,7 @@ class KeyFiles:
         """A look that read the files: a change waits for the next look; one that finds
         the files as the last did puts a waiting change in force (the new keys, or a
         warning and the old)."""
-        same = look.signatures == self._signatures and (look.keys, look.refusal) == self._found
+        same = (look.keys, look.refusal) == self._found
         self._signatures, self._found, self._again = \
             look.signatures, (look.keys, look.refusal), look.recent
         if not same:
