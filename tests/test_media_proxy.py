@@ -281,6 +281,7 @@ def test_the_variables_as_urllib_reads_them(monkeypatch):
                           "Basic " + base64.b64encode(b"u@x:p:ss").decode())
     # (never the credentials in a message or the log: only that there are some)
     assert str(https) == "http://proxy.internal:80 (HTTPS_PROXY)"
+    assert "Basic" not in repr(ProxyRoutes(https=https))
     assert ProxyRoutes(https=https, no_proxy=".internal").describe() == (
         "image URLs: http direct; https through http://proxy.internal:80 (HTTPS_PROXY) with "
         "credentials; direct to NO_PROXY=.internal; direct to localhost and loopback")
@@ -296,13 +297,19 @@ def test_the_variables_as_urllib_reads_them(monkeypatch):
     ("http_proxy", "socks5://u:secret@proxy.internal:1080", "http_proxy names a socks5:// proxy"),
     ("HTTP_PROXY", "http://proxy.internal:3128/path", "HTTP_PROXY is not a proxy URL"),
     ("HTTP_PROXY", "http://proxy.internal:99999", "HTTP_PROXY is not a valid proxy URL"),
+    # (a password not percent-encoded, or a port cut from it: never echoed)
+    ("HTTPS_PROXY", "http://u:se/cret@gw:3128", r"an '@' after its host \(http://gw:3128\)"),
+    ("HTTPS_PROXY", "http://u:4711/secret@gw:3128", "must be percent-encoded"),
+    ("HTTPS_PROXY", "http://u:4711#secret@gw:3128", "must be percent-encoded"),
+    ("HTTPS_PROXY", "http://u:se?cret@gw:3128", "must be percent-encoded"),
+    ("HTTPS_PROXY", "http://u:secret@gw:31x8", r"not a valid proxy URL \(http://gw:31x8\)"),
 ])
 def test_a_proxy_that_cannot_be_used_is_refused_at_start(monkeypatch, variable, value, why):
     clear_proxy_env(monkeypatch, **{variable: value})
     args = build_parser().parse_args([])
     with pytest.raises(SystemExit, match=why) as info:
         config_from_args(args)
-    assert "secret" not in str(info.value)
+    assert "secret" not in str(info.value) and "4711" not in str(info.value)
 
 
 # -- a proxy that refuses or is not there ------------------------------------------------

@@ -22,8 +22,9 @@ from __future__ import annotations
 import base64
 import ipaddress
 import os
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 from urllib.request import getproxies_environment
 # (urllib's reading of NO_PROXY, the one aiohttp gets: not in typeshed, public since 2.x)
@@ -40,8 +41,9 @@ class Proxy:
     port: int
     #: The environment variable it came from (``HTTPS_PROXY``), for messages.
     variable: str
-    #: The ``Proxy-Authorization`` value; None: no credentials.
-    authorization: str | None = None
+    #: The ``Proxy-Authorization`` value; None: no credentials. Out of ``repr``: its
+    #: base64 is the password in clear.
+    authorization: str | None = field(default=None, repr=False)
     #: Whether the connection to the proxy is TLS (an ``https://`` proxy URL).
     tls: bool = False
 
@@ -53,22 +55,31 @@ class Proxy:
     @classmethod
     def parse(cls, value: str, variable: str) -> Proxy:
         """The proxy a variable's ``value`` names; ValueError naming ``variable`` if not
-        one this fetcher can use."""
+        one this fetcher can use. No message holds anything before the value's last
+        ``@``: a password that is not percent-encoded must not reach the log."""
         if "://" not in value:  # (curl and requests read a bare host:port as http)
             value = "http://" + value
+        scheme, rest = value.split("://", 1)
+        scheme = scheme.lower()
+        shown = f"{scheme}://" + re.split(r"[?#]", rest.rpartition("@")[2])[0]
         try:
             split = urlsplit(value)
+        except ValueError:
+            raise ValueError(f"{variable} is not a valid proxy URL ({shown})") from None
+        if "@" in split.path + split.query + split.fragment:
+            raise ValueError(f"{variable} has an '@' after its host ({shown}): a '/', '?' "
+                             "or '#' in its user or password must be percent-encoded")
+        try:
             port = split.port
-        except ValueError as exc:
-            raise ValueError(f"{variable} is not a valid proxy URL ({exc})") from None
-        scheme = split.scheme.lower()
-        shown = f"{scheme}://{split.hostname or ''}" + (f":{port}" if port else "")
+        except ValueError:  # (its text quotes the port, which may be part of a password)
+            raise ValueError(f"{variable} is not a valid proxy URL ({shown}): its port "
+                             "is not a number from 1 to 65535") from None
         if scheme not in ("http", "https"):
             raise ValueError(f"{variable} names a {scheme}:// proxy ({shown}), which the "
                              "image fetcher does not support: only http:// and https://")
         if not split.hostname or split.path not in ("", "/") or split.query or split.fragment:
             raise ValueError(f"{variable} is not a proxy URL {scheme}://host:port ({shown}"
-                             f"{split.path}{'?...' if split.query else ''})")
+                             f"{'?...' if split.query else ''})")
         authorization = None
         if split.username is not None:
             pair = f"{unquote(split.username)}:{unquote(split.password or '')}"
