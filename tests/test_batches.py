@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.batches.objects import parse_create, parse_list_query
 from server.errors import ClientError
+from server.manager.batch_priority import BATCH_PRIORITY, batch_priority
 from server.state import StateConfig, open_state_store
 from tests.conftest import running_server
 from tests.test_shutdown import cli_server
@@ -539,6 +540,51 @@ async def test_batch_concurrency_bounds_the_lines_in_flight():
         assert most == 2
         assert (await wait_status(client, batch.id)).request_counts.completed == 12
 
+
+
+def test_a_batch_lines_priority_lies_after_every_usual_one():
+    assert batch_priority(0) == BATCH_PRIORITY and batch_priority(3) == BATCH_PRIORITY + 3
+    assert batch_priority(-(2**63)) == 1 and batch_priority(2**63 - 1) == 2**63 - 1
+
+
+async def test_batch_lines_go_below_interactive_requests_in_a_priority_scheduler():
+    """A worker whose HELLO lists ``priority`` (vLLM under --scheduling-policy priority) is
+    sent each batch line at batch_priority of the line's own, and interactive requests at
+    theirs; a worker without it (the sim's HELLO, vLLM's fcfs) is sent no priority."""
+    async with running_server() as url:
+        client = client_of(url)
+        (worker,) = url.app.models.pools[0].engine.workers
+        sent: dict[str, object] = {}
+        submit = worker.submit_nowait
+
+        def recording(choices, frames):  # (what the worker is sent, then sent it)
+            for choice in choices:
+                sent[choice.prompt] = choice.params.get("priority")
+            submit(choices, frames)
+
+        worker.submit_nowait = recording
+
+        async def run(lines: list[dict]) -> None:
+            file = await upload(client, lines)
+            batch = await client.batches.create(input_file_id=file.id,
+                                                endpoint="/v1/completions",
+                                                completion_window="24h")
+            await wait_status(client, batch.id)
+
+        def line(prompt: str, **extra) -> dict:
+            return {"custom_id": prompt, "method": "POST", "url": "/v1/completions",
+                    "body": {"model": "sim", "prompt": prompt, "max_tokens": 2, **extra}}
+
+        await run([line("fcfs line")])
+        await client.completions.create(model="sim", prompt="fcfs asked", max_tokens=2)
+        assert sent == {"fcfs line": None, "fcfs asked": None}
+        worker.info = {**worker.info, "sampling": [*worker.info["sampling"], "priority"]}
+        await run([line("line"), line("line at 3", priority=3)])
+        await client.completions.create(model="sim", prompt="asked", max_tokens=2)
+        await client.completions.create(model="sim", prompt="asked at 5", max_tokens=2,
+                                        extra_body={"priority": 5})
+        assert sent == {"fcfs line": None, "fcfs asked": None, "line": BATCH_PRIORITY,
+                        "line at 3": BATCH_PRIORITY + 3, "asked": None, "asked at 5": 5}
 
 
 async def test_a_server_that_stops_gives_its_batch_back_for_the_next_to_finish(tmp_path):

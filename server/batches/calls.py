@@ -16,6 +16,7 @@ import json
 import trio
 
 from ..errors import ClientError, error_body
+from ..manager.batch_priority import batch_work
 from ..state import owner_of
 
 __all__ = ["LineAnswer", "call_line", "owner_key", "refused_in_batch"]
@@ -98,7 +99,8 @@ async def call_line(app, url: str, body: bytes, api_key: str | None,
                 done.set()
 
     try:
-        await app(scope, receive, send)
+        with batch_work():  # (vLLM's priority scheduling: server.manager.batch_priority)
+            await app(scope, receive, send)
     finally:
         done.set()
     raw = b"".join(chunks)

@@ -22,6 +22,8 @@ every ``custom_id`` an event already holds, and so each appears exactly once at 
 Priority: lines fill idle capacity only. At most ``concurrency`` lines run at once, all
 batches of this frontend together, and none starts while a worker reports requests
 waiting in its queue or a pool is at its admission limit (interactive requests first).
+A vllm worker with priority scheduling also gets the lines at a priority below interactive
+requests (:mod:`server.manager.batch_priority`), so vLLM preempts lines, not clients.
 
 At the end the batch is ``finalizing``: the events become the output file (answered 2xx)
 and the error file (the rest), file records of purpose ``batch_output``, in input order;

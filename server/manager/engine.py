@@ -31,6 +31,7 @@ from ..discovery.names import DnsName, parse_worker_address
 from ..discovery.pool import DiscoveredPool
 from ..discovery.watch import WatchStatistics
 from .adapters import AdapterRegistry
+from .batch_priority import batch_priority, in_batch_work
 from ..worker_protocol.images import image_count, takes_images
 from ..worker_protocol.kv_blocks import seed_of
 from .deadlines import QUEUE_TIMEOUT, DeadlineQueue
@@ -237,6 +238,9 @@ class Engine:
         blocks, scores = self._scores(prompts[0] if prompts else None, key, adapter)
         worker, decision = self._route(blocks.hashes, scores=scores,
                                        images=max(map(image_count, prompts), default=0))
+        if in_batch_work() and "priority" in (worker.info.get("sampling") or ()):
+            for wp in wire_params:  # a batch line, below interactive work (batch_priority)
+                wp["priority"] = batch_priority(wp.get("priority") or 0)
         # each prompt's blocks, for the prediction (and the worker's other frontends)
         hashes = [blocks.hashes] + [
             router.blocks(*self._route_key(prompt, key, adapter)).hashes
