@@ -21,7 +21,8 @@ from server import SamplingParams, open_engine
 from server.worker_protocol import handshake, wire
 from tests.conftest import running_server
 from tests.remote import (
-    SECRET, FrameProxy, free_port, listening_worker, remote_config, wait_until,
+    SECRET, FrameProxy, free_port, listening_worker, make_certificate, remote_config,
+    wait_until,
 )
 from tests.sse_record import completion_payloads
 from tests.test_dns_discovery import NAME, dns_config, dns_server
@@ -443,3 +444,42 @@ async def test_a_frontend_that_was_not_told_is_closed_once_its_requests_are_over
             await older.aclose()
             await told.aclose()
         assert await w.proc.wait() == 0, w.text()
+
+
+async def test_a_leave_over_tls_is_a_planned_leave(tmp_path, caplog):
+    """Over TLS the worker ends its side with TLS's close_notify, so the frontend reads a
+    clean end: its leave is planned, its cut streams move with the cause ``left`` and end
+    whole. (A bare shut of the socket reads as a broken link there: a crash.)"""
+    caplog.set_level(logging.INFO)
+    cert, key = make_certificate(tmp_path, "127.0.0.1")
+    tls = ("--tls-cert", str(cert), "--tls-key", str(key))
+    async with (
+        listening_worker(tmp_path, "127.0.0.1:0", "--shutdown-timeout", "0", *tls,
+                         name="a") as a,
+        listening_worker(tmp_path, "127.0.0.1:0", *tls, name="b") as b,
+    ):
+        config = remote_config(a, b, worker_tls_ca=str(cert), routing="least-loaded",
+                               heartbeat_interval=0.2, restart_backoff=0.05,
+                               restart_backoff_max=0.2)
+        async with open_engine(config) as engine:
+            leaving, staying = engine.workers
+            await wait_until(lambda: leaving.routable and staying.routable, LIMIT)
+            params = SamplingParams(max_tokens=2000)
+            with trio.fail_after(LIMIT):
+                async with AsyncExitStack() as stack:
+                    streams = [await stack.enter_async_context(engine.generate("hi", params))
+                               for _ in range(4)]
+                    firsts = [await stream.__anext__() for stream in streams]  # (each runs)
+                    held = leaving.outstanding
+                    assert held
+                    a.proc.send_signal(signal.SIGTERM)
+                    for first, stream in zip(firsts, streams):
+                        outs = [first] + [out async for out in stream]
+                        assert outs[-1].finish_reason == "length"
+                        assert sum(out.num_tokens for out in outs) == 2000
+                assert await a.proc.wait() == 0, a.text()
+            assert engine.statistics().migration.migrations == {"left": held}
+            assert not staying.restarts
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("server")]
+    assert any("left, as it said it would" in line for line in lines), lines
+    assert not any("connection broke" in line for line in lines), lines

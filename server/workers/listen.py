@@ -908,6 +908,8 @@ class Server:
         conn.rids.clear()
         try:
             self._send(conn)
+            if isinstance(conn.sock, ssl.SSLSocket):
+                _close_notify(conn.sock)
             conn.sock.shutdown(socket.SHUT_WR)
         except (_Closed, OSError) as exc:
             self._drop(conn, f"while the worker stopped: {one_line(exc)}")
@@ -916,6 +918,16 @@ class Server:
         conn.out.clear()
         conn.parts = None
         self._want_write(conn, False)
+
+
+def _close_notify(sock: ssl.SSLSocket) -> None:
+    """TLS's end of data (close_notify), before the socket's write side is shut. Without
+    it the frontend's TLS stream takes the end for a broken link, and the leave for a
+    crash. The frontend's own close_notify is not awaited: it closes without one."""
+    try:
+        sock.unwrap()  # (sends ours, then finds the peer's missing: WantRead)
+    except ssl.SSLError:  # (sent or not, the write side is shut next all the same)
+        pass
 
 
 def _peer_name(addr) -> str:
