@@ -11,6 +11,7 @@ developer's own ``HTTPS_PROXY`` changes nothing here. Real time, under generous 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import logging
 import ssl
@@ -20,7 +21,8 @@ import pytest
 import trio
 
 from server.cli import build_parser, config_from_args
-from server.media import MediaFetcher, MediaFetchFailed, MediaPolicy, MediaRefused
+from server.media import (MediaFetcher, MediaFetchFailed, MediaPolicy, MediaRefused,
+                          MediaTimeout)
 from server.media.policy import policy_from_config
 from server.media.proxy import Proxy, ProxyRoutes, proxy_routes_from_environment
 from tests.conftest import running_server
@@ -348,6 +350,30 @@ async def test_a_proxy_that_refuses_the_tunnel_or_is_not_there(web, nursery):
     with pytest.raises(MediaFetchFailed, match=f"no connection to the proxy "
                                                rf"http://127.0.0.1:{port} \(HTTP_PROXY\)"):
         await fetch(through(port), "http://images.test/a.png")
+
+
+@pytest.mark.parametrize("answer, why", [
+    # (a tunnel's first bytes are the origin's, and it speaks only after the TLS hello)
+    (b"HTTP/1.1 200 Connection established\r\n\r\nHTTP/1.1 200 OK\r\n",
+     "sent bytes before the tunnel was used"),
+    (b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 200_000, "answered CONNECT with malformed HTTP"),
+    (None, "was not fetched within 0.5 s"),
+])
+async def test_a_proxy_that_answers_the_tunnel_wrongly(web, nursery, answer, why):
+    """What the proxy says before the tunnel is refused; a head past the bound is not read
+    whole; a proxy that never answers is bounded by the fetch's time limit."""
+    async def handle(client: trio.SocketStream) -> None:
+        await read_head(client)
+        if answer is None:
+            await trio.sleep_forever()
+        await client.send_all(answer)
+        await trio.sleep_forever()  # (the fetch ends the connection, not the proxy)
+
+    port = await serve(nursery, handle)
+    policy = through(port) if answer else dataclasses.replace(through(port), fetch_timeout=0.5)
+    with pytest.raises((MediaFetchFailed, MediaTimeout), match=why) as info:
+        await fetch(policy, f"https://images.test:{web.port}/a.png")
+    assert info.value.status == 400 and web.paths == []
 
 
 # -- end to end --------------------------------------------------------------------------
