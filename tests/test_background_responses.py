@@ -6,7 +6,9 @@ servers on one ``--state-dir`` (two frontends sharing the store: one follows and
 what the other runs); another key's response a 404; on SQLite and PostgreSQL. A server
 SIGKILLed in the middle of one leaves it ``in_progress`` only until its lease expires: the
 next server on the same ``--state-dir`` marks it ``failed``; a server that stops (drain)
-marks its own failed at once. Real time, bounded by ``trio.fail_after``."""
+marks its own failed at once. On the transformers engine, the SDK end to end of issue 44
+(a stored chain, background polled and cancelled, a batch read by ``custom_id``), here
+because this module starts that server anyway. Real time, bounded by ``trio.fail_after``."""
 
 from __future__ import annotations
 
@@ -479,3 +481,65 @@ async def test_on_the_transformers_engine(transformers_url):
         assert final.status in ("completed", "incomplete") and final.background
         assert events[-1].type == f"response.{final.status}"
         assert texts(events) == final.output_text
+
+
+async def test_the_sdk_end_to_end_on_the_transformers_engine(transformers_url):
+    """Issue 44's other showings on a real model, on the server the test above starts: a
+    stored turn continued by ``previous_response_id``, a background response polled to
+    its end and one cancelled, a batch made with ``files.create`` and ``batches.create``
+    and its output read by ``custom_id``. Greedy (temperature 0): each answer is what the
+    same request answers interactively."""
+    client = client_of(transformers_url)
+    model = {"model": "tiny-llama", "temperature": 0}
+    with trio.fail_after(180):
+        first = await client.responses.create(input="Hello", max_output_tokens=4, **model)
+        second = await client.responses.create(input="Again", previous_response_id=first.id,
+                                               max_output_tokens=4, **model)
+        alone = await client.responses.create(input="Again", store=False,
+                                              max_output_tokens=4, **model)
+        assert first.store and second.previous_response_id == first.id
+        assert second.usage.input_tokens > alone.usage.input_tokens  # (the first turn)
+        items = [i async for i in client.responses.input_items.list(second.id)]
+        assert [i.role for i in items] == ["user", "assistant", "user"]
+        assert items[1].content[0].text == first.output_text
+
+        queued = await client.responses.create(input="Poll me", background=True,
+                                               max_output_tokens=6, **model)
+        assert queued.status == "queued"
+        done = await wait_status(client, queued.id, ("completed", "incomplete"))
+        asked = await client.responses.create(input="Poll me", store=False,
+                                              max_output_tokens=6, **model)
+        assert done.output_text == asked.output_text
+        long = await client.responses.create(input="Go on", background=True,
+                                             max_output_tokens=240, **model)
+        cancelled = await client.responses.cancel(long.id)
+        assert cancelled.status == "cancelled"
+        assert (await client.responses.retrieve(long.id)).status == "cancelled"
+
+        body = {"model": "tiny-llama", "temperature": 0, "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}]}
+        lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {**body, "messages": [{"role": "user", "content": f"say {i}"}]}}
+                 for i in range(3)]
+        lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+                      "body": {**body, "model": "no-such-model"}})
+        text = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+        file = await client.files.create(file=("in.jsonl", text), purpose="batch")
+        batch = await client.batches.create(input_file_id=file.id,
+                                            endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        while (batch := await client.batches.retrieve(batch.id)).status != "completed":
+            assert batch.status in ("validating", "in_progress", "finalizing"), batch
+            await trio.sleep(0.05)
+        assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 1)
+        out = [json.loads(x) for x in
+               (await client.files.content(batch.output_file_id)).text.splitlines()]
+        errors = [json.loads(x) for x in
+                  (await client.files.content(batch.error_file_id)).text.splitlines()]
+        assert [x["custom_id"] for x in out] == ["c0", "c1", "c2"]
+        assert [(x["custom_id"], x["response"]["status_code"]) for x in errors] == [
+            ("bad", 404)]
+        for line, answer in zip(lines, out):
+            interactive = await client.chat.completions.create(**line["body"])
+            assert answer["response"]["body"]["choices"][0]["message"]["content"] \
+                == interactive.choices[0].message.content
