@@ -274,6 +274,8 @@ def test_the_sim_checks_adapter_paths_as_vllm_does_and_replays_idempotently(lora
         _sim(lora_dir, lora_modules={"m": [str(lora_dir / "a"), "other"]})
     with pytest.raises(ValueError, match="enable_lora"):
         SimEngine(lora_modules={"a": str(lora_dir / "a")})
+    with pytest.raises(ValueError, match="the sim engine's max_loras need enable_lora"):
+        SimEngine(max_loras=2)  # (not ignored: a library's options are checked as the CLI's)
     engine = _sim(lora_dir)
     assert engine.info["lora"] == {"adapters": {"a": str((lora_dir / "a").resolve())},
                                    "max_loras": 1, "runtime": True}

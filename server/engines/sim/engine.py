@@ -258,7 +258,7 @@ class SimEngine:
         image_tokens: int = 0,
         images_per_prompt: int = 4,
         enable_lora: bool = False,
-        max_loras: int = 1,
+        max_loras: int | None = None,
         lora_modules: dict | None = None,
         allow_runtime_lora: bool = False,
         lora_dir: str | None = None,
@@ -314,14 +314,19 @@ class SimEngine:
         self.adapters: SimAdapters | None = None
         self._batch_loras: dict[int, int] = {}
         if enable_lora:
-            self.adapters = SimAdapters(lora_modules or {}, max_loras=max_loras,
-                                        lora_dir=lora_dir, allow_runtime=allow_runtime_lora,
-                                        served_model=model)
+            self.adapters = SimAdapters(
+                lora_modules or {}, max_loras=1 if max_loras is None else max_loras,
+                lora_dir=lora_dir, allow_runtime=allow_runtime_lora, served_model=model)
             self.info["lora"] = self.adapters.describe()
             self.load_lora = self.adapters.load_lora
             self.unload_lora = self.adapters.unload_lora
-        elif lora_modules or allow_runtime_lora or lora_dir:
-            raise ValueError("the sim engine's LoRA adapters need enable_lora (--enable-lora)")
+        else:  # (each one given would be ignored: refused by name, as the CLI does)
+            given = [name for name, value in (
+                ("max_loras", max_loras is not None), ("lora_modules", lora_modules),
+                ("allow_runtime_lora", allow_runtime_lora), ("lora_dir", lora_dir)) if value]
+            if given:
+                raise ValueError(f"the sim engine's {', '.join(given)} need enable_lora "
+                                 "(--enable-lora)")
         #: Where an answer's first token is (its tag goes there): after the reasoning.
         self._answer_at = reasoning_tokens + 2 if reasoning_tokens else 0
         self._running: dict[int, _Req] = {}
