@@ -356,7 +356,7 @@ async def test_a_proxy_that_refuses_the_tunnel_or_is_not_there(web, nursery):
     # (a tunnel's first bytes are the origin's, and it speaks only after the TLS hello)
     (b"HTTP/1.1 200 Connection established\r\n\r\nHTTP/1.1 200 OK\r\n",
      "sent bytes before the tunnel was used"),
-    (b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 200_000, "answered CONNECT with malformed HTTP"),
+    (b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 1_000_000, "answered CONNECT with malformed HTTP"),
     (None, "was not fetched within 0.5 s"),
 ])
 async def test_a_proxy_that_answers_the_tunnel_wrongly(web, nursery, answer, why):
@@ -366,7 +366,10 @@ async def test_a_proxy_that_answers_the_tunnel_wrongly(web, nursery, answer, why
         await read_head(client)
         if answer is None:
             await trio.sleep_forever()
-        await client.send_all(answer)
+        try:  # (the fetch hangs up partway through a long head)
+            await client.send_all(answer)
+        except trio.BrokenResourceError:
+            return
         await trio.sleep_forever()  # (the fetch ends the connection, not the proxy)
 
     port = await serve(nursery, handle)
