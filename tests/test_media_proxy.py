@@ -284,6 +284,7 @@ def test_the_variables_as_urllib_reads_them(monkeypatch):
     # (never the credentials in a message or the log: only that there are some)
     assert str(https) == "http://proxy.internal:80 (HTTPS_PROXY)"
     assert "Basic" not in repr(ProxyRoutes(https=https))
+    assert Proxy.parse(" http://gw:3128\n", "HTTP_PROXY") == Proxy("gw", 3128, "HTTP_PROXY")
     assert ProxyRoutes(https=https, no_proxy=".internal").describe() == (
         "image URLs: http direct; https through http://proxy.internal:80 (HTTPS_PROXY) with "
         "credentials; direct to NO_PROXY=.internal; direct to localhost and loopback")

@@ -57,6 +57,7 @@ class Proxy:
         """The proxy a variable's ``value`` names; ValueError naming ``variable`` if not
         one this fetcher can use. No message holds anything before the value's last
         ``@``: a password that is not percent-encoded must not reach the log."""
+        value = value.strip()  # (as urlsplit strips a leading space: a YAML block's)
         if "://" not in value:  # (curl and requests read a bare host:port as http)
             value = "http://" + value
         scheme, rest = value.split("://", 1)
