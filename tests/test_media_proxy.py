@@ -362,22 +362,28 @@ async def test_a_proxy_that_refuses_the_tunnel_or_is_not_there(web, nursery):
 ])
 async def test_a_proxy_that_answers_the_tunnel_wrongly(web, nursery, answer, why):
     """What the proxy says before the tunnel is refused; a head past the bound is not read
-    whole; a proxy that never answers is bounded by the fetch's time limit."""
+    whole; a proxy that never answers is bounded by the fetch's time limit. Each time the
+    fetch closes its connection to the proxy (cancelled, in the last case)."""
+    hung_up = trio.Event()
+
     async def handle(client: trio.SocketStream) -> None:
         await read_head(client)
-        if answer is None:
-            await trio.sleep_forever()
-        try:  # (the fetch hangs up partway through a long head)
-            await client.send_all(answer)
+        try:  # (the fetch may hang up partway through a long head)
+            if answer is not None:
+                await client.send_all(answer)
+            while await client.receive_some(65536):
+                pass
         except trio.BrokenResourceError:
-            return
-        await trio.sleep_forever()  # (the fetch ends the connection, not the proxy)
+            pass
+        hung_up.set()
 
     port = await serve(nursery, handle)
     policy = through(port) if answer else dataclasses.replace(through(port), fetch_timeout=0.5)
     with pytest.raises((MediaFetchFailed, MediaTimeout), match=why) as info:
         await fetch(policy, f"https://images.test:{web.port}/a.png")
     assert info.value.status == 400 and web.paths == []
+    with trio.fail_after(GENEROUS):  # (while the error, its traceback, is still held)
+        await hung_up.wait()
 
 
 # -- end to end --------------------------------------------------------------------------
