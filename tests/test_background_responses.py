@@ -5,7 +5,7 @@ stream left and resumed with ``retrieve(stream=True, starting_after=N)`` to its 
 servers on one ``--state-dir`` (two frontends sharing the store: one follows and cancels
 what the other runs); another key's response a 404; on SQLite and PostgreSQL. A server
 SIGKILLed in the middle of one leaves it ``in_progress`` only until its lease expires: the
-next server on the same ``--state-dir`` marks it ``failed``; a server that stops (drain)
+next server on the same store (SQLite or PostgreSQL) marks it ``failed``; a server that stops (drain)
 marks its own failed at once. On the transformers engine, the SDK end to end of issue 44
 (a stored chain, background polled and cancelled, a batch read by ``custom_id``), here
 because this module starts that server anyway. Real time, bounded by ``trio.fail_after``."""
@@ -427,9 +427,10 @@ async def test_a_draining_server_marks_what_it_did_not_finish_failed(tmp_path):
         assert [e.sequence_number for e in replayed] == list(range(len(replayed)))
 
 
-async def test_a_killed_server_leaves_its_response_failed_after_a_restart(tmp_path):
-    state = str(tmp_path / "state")
-    async with supervised(tmp_path, "--state-dir", state) as sup:
+async def test_a_killed_server_leaves_its_response_failed_after_a_restart(tmp_path,
+                                                                          store_options):
+    (option, value), = store_options.items()
+    async with supervised(tmp_path, "--" + option.replace("_", "-"), value) as sup:
         client = client_of(sup.url)  # (two frontends: either may take each request)
         r = await client.responses.create(model="sim", input="x", background=True,
                                           max_output_tokens=8000)
@@ -442,7 +443,7 @@ async def test_a_killed_server_leaves_its_response_failed_after_a_restart(tmp_pa
         for pid in [*frontends.values(), *workers]:
             os.kill(pid, signal.SIGKILL)
         await sup.proc.wait()
-    async with running_server(state_dir=state) as url:
+    async with running_server(**store_options) as url:
         client = client_of(url)
         with trio.fail_after(TIMEOUT_S + LEASE_S + SWEEP_S):
             got = await wait_status(client, r.id, ("failed",))

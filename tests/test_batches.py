@@ -3,13 +3,15 @@ and the list's refusals (sans-IO), then the openai SDK end to end through a real
 the sim, on SQLite and PostgreSQL: files.create, batches.create to completion polled with
 batches.retrieve, the output and error files read with files.content and matched by
 custom_id, cancel, list, another key's 404; and a server SIGKILLed in the middle of a batch
-whose restart on the same --state-dir finishes it with every line exactly once."""
+whose restart on the same store (either backend) finishes it with every line exactly
+once."""
 
 from __future__ import annotations
 
 import io
 import json
 import signal
+import time
 
 import httpx
 import openai
@@ -17,10 +19,12 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.batches.objects import parse_create, parse_list_query
+from server.batches.objects import (
+    COMPLETION_WINDOW_S, output_line, parse_create, parse_list_query,
+)
 from server.errors import ClientError
 from server.manager.batch_priority import BATCH_PRIORITY, batch_priority
-from server.state import StateConfig, open_state_store
+from server.state import Record, StateConfig, open_state_store
 from tests.conftest import running_server
 from tests.test_shutdown import cli_server
 
@@ -454,14 +458,51 @@ async def test_two_frontends_on_one_store_never_both_run_a_line(store_options):
 # -- a server SIGKILLed in the middle of a batch ------------------------------------------
 
 
-async def test_a_batch_survives_a_sigkill_of_its_server(tmp_path):
+async def test_a_batch_past_its_completion_window_expires_keeping_what_finished():
+    """A batch whose 24 h window is over (its record put as the create writes it, a day and
+    a second old, with one line answered as the runner records one) runs no more lines: it
+    is ``expired``, the answered line in its output file, each other one in its error file
+    as ``batch_expired``."""
+    async with running_server() as url:
+        client = client_of(url)
+        file = await upload(client, requests("/v1/completions", 4))
+        store, runner = url.app.state_store, url.app.batches
+        meta = {"status": "validating", "endpoint": "/v1/completions",
+                "input_file_id": file.id, "metadata": None,
+                "request_counts": {"total": 4, "completed": 0, "failed": 0},
+                "holder": None, "lease_until_ms": None}
+        old = int(time.time()) - COMPLETION_WINDOW_S - 1
+        await store.put(Record("batch", "batch_old", "", old, meta, b""),
+                        events=[output_line("r0", 200, "req_0", {"answered": True})])
+        runner.poke()
+        done = await wait_status(client, "batch_old", ("expired",))
+        assert done.expired_at and done.request_counts.model_dump() == {
+            "total": 4, "completed": 1, "failed": 3}
+        answered = await read_lines(client, done.output_file_id)
+        assert answered["r0"]["response"]["body"] == {"answered": True}
+        unrun = await read_lines(client, done.error_file_id)
+        assert sorted(unrun) == ["r1", "r2", "r3"]
+        assert {line["error"]["code"] for line in unrun.values()} == {"batch_expired"}
+        assert runner.statistics().lines_done == 0
+
+
+def store_args(store_options: dict) -> tuple[StateConfig, tuple[str, ...]]:
+    """A store_options' store, and the command line options that serve from it."""
+    if "state_dir" in store_options:
+        return (StateConfig(directory=store_options["state_dir"]),
+                ("--state-dir", store_options["state_dir"]))
+    return StateConfig(url=store_options["state_url"]), ("--state-url",
+                                                          store_options["state_url"])
+
+
+async def test_a_batch_survives_a_sigkill_of_its_server(store_options):
     """Lines finished before the kill are kept (the same output line, not run again), the
-    rest run after the restart on the same --state-dir, and each custom_id is in the output
+    rest run after the restart on the same store, and each custom_id is in the output
     exactly once."""
-    state = str(tmp_path / "state")
+    state, args = store_args(store_options)
     body = {**CHAT, "max_tokens": 40, "ignore_eos": True}
     n = 120
-    async with cli_server("--state-dir", state) as srv:
+    async with cli_server(*args) as srv:
         client = client_of(srv.url)
         file = await upload(client, requests("/v1/chat/completions", n, body))
         batch = await client.batches.create(input_file_id=file.id,
@@ -472,7 +513,7 @@ async def test_a_batch_survives_a_sigkill_of_its_server(tmp_path):
                 await trio.sleep(0.05)
         srv.proc.send_signal(signal.SIGKILL)
         await srv.proc.wait()
-    store = await open_state_store(StateConfig(directory=state))
+    store = await open_state_store(state)
     try:
         before = {json.loads(e)["custom_id"]: json.loads(e)["id"]
                   for e in await store.read_events("batch", "", batch.id)}
@@ -481,7 +522,7 @@ async def test_a_batch_survives_a_sigkill_of_its_server(tmp_path):
         await store.aclose()
     assert record is not None and record.meta["status"] == "in_progress"
     assert 10 <= len(before) < n, "the kill did not land in the middle of the batch"
-    async with cli_server("--state-dir", state) as srv:
+    async with cli_server(*args) as srv:
         client = client_of(srv.url)
         done = await wait_status(client, batch.id)
         assert done.request_counts.model_dump() == {"total": n, "completed": n, "failed": 0}
@@ -491,7 +532,7 @@ async def test_a_batch_survives_a_sigkill_of_its_server(tmp_path):
             assert outputs[custom_id]["id"] == line_id, f"{custom_id} ran again"
         srv.proc.send_signal(signal.SIGTERM)
         assert await srv.wait_exit(60) == 0, srv.output()
-    store = await open_state_store(StateConfig(directory=state))
+    store = await open_state_store(state)
     try:  # every line ran once after the restart: no finished custom_id again
         ran = [json.loads(e)["custom_id"] for e in await store.read_events("batch", "", batch.id)]
     finally:

@@ -12,11 +12,14 @@ from dataclasses import replace
 import httpx
 import pytest
 import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from server.cli import build_parser, config_from_args
 from server.config import ServerConfig
 from server.http.app import create_app
 from server.http.serve import serve
+from server.observability.state_metrics import StateStoreCollector
 from server.private_dir import PREFIX
 from server.state import (
     AtMost,
@@ -299,6 +302,15 @@ async def test_budget_removes_expired_then_refuses(open_store, clock):
         stats = store.statistics()
         assert (stats.records, stats.expired) == (2, 1)
         assert stats.bytes <= 1000
+        # what /metrics shows of it (the collector the app registers: the live test below)
+        registry = CollectorRegistry()
+        registry.register(StateStoreCollector(store.statistics, "sim"))
+        shown = {s.name: s.value for family in text_string_to_metric_families(
+            generate_latest(registry).decode()) for s in family.samples}
+        assert (shown["trio_llm:state_expired_records_total"],
+                shown["trio_llm:state_expired_bytes_total"],
+                shown["trio_llm:state_refused_writes_total"]) == (1, stats.expired_bytes, 2)
+        assert stats.expired_bytes > 600
 
 
 async def test_a_record_put_with_its_events_is_kept_whole_or_not_at_all(open_store):
