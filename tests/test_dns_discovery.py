@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import signal
 import threading
 from contextlib import AsyncExitStack, contextmanager
@@ -12,13 +13,13 @@ from contextlib import AsyncExitStack, contextmanager
 import httpx
 import pytest
 import trio
-from dnslib import QTYPE, RCODE, RR, A, SRV
+from dnslib import QTYPE, RCODE, RR, SRV, A, DNSError
 from dnslib.server import BaseResolver, DNSHandler, DNSServer
 
 import server as server_pkg
 from server.config import EngineConfig
 from server.discovery.names import DnsName, parse_worker_address
-from server.discovery.dns import Resolved, resolve
+from server.discovery.dns import Resolved, ResolveError, resolve
 from server.discovery.watch import DnsWatch
 from server.worker_protocol.handshake import WorkerAddress
 from tests.conftest import running_server
@@ -31,13 +32,16 @@ NAME = "workers.llm.test."
 
 class Records(BaseResolver):
     """A zone the test edits: A records by name, SRV records by name ((port, target)
-    each); ``fail`` answers SERVFAIL. TTL 0: the frontend's least interval decides."""
+    each); ``fail`` answers SERVFAIL, ``silent`` nothing. TTL 0 unless ``ttl`` says:
+    the frontend's least interval decides."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.a: dict[str, list[str]] = {}
         self.srv: dict[str, list[tuple[int, str]]] = {}
         self.fail = False
+        self.silent = False
+        self.ttl = 0
         self.queries = 0
 
     def set(self, name: str, *hosts: str) -> None:
@@ -49,15 +53,19 @@ class Records(BaseResolver):
         name, qtype = str(request.q.qname), QTYPE[request.q.qtype]
         with self.lock:
             self.queries += 1
+            if self.silent:  # (dnslib's handler sends nothing for a DNSError)
+                raise DNSError("silent")
             if self.fail:
                 reply.header.rcode = RCODE.SERVFAIL
                 return reply
+            ttl = self.ttl
             if qtype == "A":
                 for host in self.a.get(name, ()):
-                    reply.add_answer(RR(name, QTYPE.A, rdata=A(host), ttl=0))
+                    reply.add_answer(RR(name, QTYPE.A, rdata=A(host), ttl=ttl))
             elif qtype == "SRV":
                 for port, target in self.srv.get(name, ()):
-                    reply.add_answer(RR(name, QTYPE.SRV, rdata=SRV(0, 0, port, target), ttl=0))
+                    reply.add_answer(RR(name, QTYPE.SRV, rdata=SRV(0, 0, port, target),
+                                        ttl=ttl))
         return reply
 
 
@@ -74,11 +82,11 @@ def dns_server():
 
 
 def dns_config(name: str, records: Records, **kw) -> EngineConfig:
-    kw.setdefault("shutdown_grace", 0.3)
-    return EngineConfig(
-        worker_addresses=(name,), worker_secret=SECRET.encode(), dns_server=records.address,
-        dns_min_interval=0.05, dns_max_interval=0.2, heartbeat_interval=0.2,
-        restart_backoff=0.05, restart_backoff_max=0.2, **kw)
+    kw = {"shutdown_grace": 0.3, "dns_min_interval": 0.05, "dns_max_interval": 0.2,
+          "heartbeat_interval": 0.2, "restart_backoff": 0.05, "restart_backoff_max": 0.2,
+          **kw}
+    return EngineConfig(worker_addresses=(name,), worker_secret=SECRET.encode(),
+                        dns_server=records.address, **kw)
 
 
 def members(engine) -> set[str]:
@@ -150,9 +158,13 @@ async def test_records_that_change_under_64_streams_lose_none(tmp_path):
     assert [w.retired for w in stats.workers].count(False) == 2
 
 
-async def test_a_resolver_failure_keeps_the_workers_and_is_counted_in_metrics(tmp_path):
-    """SERVFAIL: the pool keeps its workers and serves; /metrics counts the failures; once
-    the server answers again, the pool follows its records."""
+@pytest.mark.parametrize("failure", ["servfail", "silent"])
+async def test_a_resolver_failure_keeps_the_workers_and_is_counted_in_metrics(
+        tmp_path, caplog, failure):
+    """SERVFAIL, or no answer at all: the pool keeps its workers and serves; the failure is
+    logged once and /metrics counts each; once the server answers again, the pool follows
+    its records."""
+    caplog.set_level(logging.INFO, logger="server.discovery")
     port = free_port()
     hosts = ["127.0.0.2", "127.0.0.3"]
     with dns_server() as records, trio.fail_after(LIMIT):
@@ -165,7 +177,7 @@ async def test_a_resolver_failure_keeps_the_workers_and_is_counted_in_metrics(tm
                 engine = url.app.engine
                 both = {f"{h}:{port}" for h in hosts}
                 await wait_until(lambda: members(engine) == both, LIMIT)
-                records.fail = True
+                setattr(records, "fail" if failure == "servfail" else "silent", True)
                 await wait_until(lambda: engine.statistics().discovery[0][1].failures >= 3,
                                  LIMIT)
                 assert members(engine) == both
@@ -180,9 +192,35 @@ async def test_a_resolver_failure_keeps_the_workers_and_is_counted_in_metrics(tm
                 assert f'trio_llm:dns_addresses{{model_name="sim",name="dns:{NAME}:{port}"}} 2.0' \
                     in metrics
                 records.set(NAME, hosts[1])
-                records.fail = False
+                records.fail = records.silent = False
                 await wait_until(lambda: members(engine) == {f"{hosts[1]}:{port}"}, LIMIT)
                 assert engine.statistics().discovery[0][1].last_error is None
+    # (once per reason: the A query's, and the AAAA one's if the change came between them)
+    said = [r.getMessage() for r in caplog.records if "cannot resolve" in r.getMessage()]
+    assert said and len(set(said)) == len(said), said
+    assert all("keeping its 2 known workers" in line for line in said), said
+
+
+async def test_a_member_whose_connection_ends_has_its_name_resolved_again_before_the_ttl(
+        tmp_path):
+    """A pod rescheduled to a new address: its old connection ends, and the frontend asks
+    DNS again at once rather than after the records' TTL (here longer than the test)."""
+    port = free_port()
+    hosts = ["127.0.0.2", "127.0.0.3"]
+    with dns_server() as records, trio.fail_after(LIMIT):
+        records.ttl = 3600
+        records.set(NAME, hosts[0])
+        async with AsyncExitStack() as stack:
+            old, _ = [await stack.enter_async_context(listening_worker(
+                tmp_path, f"{h}:{port}", name=h)) for h in hosts]
+            config = dns_config(f"dns:{NAME}:{port}", records, dns_max_interval=3600)
+            async with server_pkg.open_engine(config) as engine:
+                assert members(engine) == {f"{hosts[0]}:{port}"}
+                asked = records.queries
+                records.set(NAME, hosts[1])
+                old.proc.send_signal(signal.SIGKILL)
+                await wait_until(lambda: members(engine) == {f"{hosts[1]}:{port}"}, LIMIT)
+                assert records.queries > asked
 
 
 async def test_the_prefix_index_forgets_a_worker_that_left_and_starts_empty_for_a_new_one(
@@ -338,6 +376,32 @@ async def test_a_flapping_record_changes_the_set_at_most_once_per_min_interval(
         nursery.cancel_scope.cancel()
     assert len(calls) > 10 and len(changes) == len(calls)  # (poked: sooner than its TTL)
     assert all(b - a >= 1.0 for a, b in zip(calls, calls[1:]))
+
+
+async def test_the_next_resolution_comes_after_the_ttl_held_within_bounds_and_backs_off(
+        autojump_clock):
+    """Unpoked, each resolution comes after the last answer's TTL, held between
+    min_interval and max_interval; failures retry after min_interval, doubling up to
+    max_interval, and an answer ends the doubling."""
+    answers = [5, 0, 100, "fail", "fail", "fail", "fail", "fail", 5, "fail", 5]
+    calls: list[float] = []
+
+    async def resolver(target, server):
+        calls.append(trio.current_time())
+        answer = answers[len(calls) - 1] if len(calls) <= len(answers) else 5
+        if answer == "fail":
+            raise ResolveError("SERVFAIL")
+        return Resolved(frozenset({WorkerAddress("10.0.0.1", 7100, None)}), answer)
+
+    watch = DnsWatch(DnsName("dns", "w.test", 7100), ("127.0.0.1", 53), min_interval=1.0,
+                     max_interval=10.0, changed=lambda name, a: None, resolver=resolver)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(watch.run)
+        await wait_until(lambda: len(calls) > len(answers), LIMIT)
+        nursery.cancel_scope.cancel()
+    gaps = [round(b - a, 6) for a, b in zip(calls, calls[1:])][:len(answers)]
+    assert gaps == [5, 1, 10, 1, 2, 4, 8, 10, 5, 1, 5]
+    assert watch.stats.failures == 6
 
 
 def test_the_command_line_takes_dns_names_and_refuses_their_options_without_one():
