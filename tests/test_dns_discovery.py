@@ -294,6 +294,42 @@ async def test_a_vanished_worker_finishes_its_streams_there_and_gets_no_new_ones
                 assert engine.statistics().migration.migrations["removed"] == 0
 
 
+async def test_a_worker_back_in_the_records_before_its_removal_is_kept_connection_and_all(
+        tmp_path, caplog):
+    """A record that flaps (a worker's address gone from one answer, back in the next)
+    churns no connection: the worker drains meanwhile, then is routed to again on the same
+    session, its stream never moved."""
+    caplog.set_level(logging.INFO, logger="server.discovery")
+    port = free_port()
+    hosts = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    with dns_server() as records, trio.fail_after(LIMIT):
+        records.set(NAME, *hosts)
+        async with AsyncExitStack() as stack:
+            for h in hosts:
+                await stack.enter_async_context(listening_worker(tmp_path, f"{h}:{port}",
+                                                                 name=h))
+            config = dns_config(f"dns:{NAME}:{port}", records, dns_drain_grace=LIMIT)
+            async with server_pkg.open_engine(config) as engine:
+                await wait_until(lambda: len(members(engine)) == 3, LIMIT)
+                params = server_pkg.SamplingParams(max_tokens=2500)
+                async with engine.generate("hi", params) as stream:
+                    [choice] = stream.choice_states()
+                    flapping = choice.worker
+                    outs = [await stream.__anext__()]
+                    records.set(NAME, *(h for h in hosts if h != flapping.address.host))
+                    await wait_until(lambda: flapping.retired, LIMIT)
+                    records.set(NAME, *hosts)
+                    await wait_until(lambda: flapping.routable, LIMIT)
+                    outs += [out async for out in stream]
+                assert outs[-1].finish_reason == "length"
+                assert outs[-1].completion_tokens == 2500
+                assert choice.worker is flapping and choice.migrations == 0
+                assert flapping in engine.workers and flapping.generation == 0
+                assert not flapping.removed
+    back = [r.getMessage() for r in caplog.records if "is back in discovery" in r.getMessage()]
+    assert back == [f"worker {flapping.index} ({flapping.address}) is back in discovery: kept"]
+
+
 async def test_srv_records_name_workers_at_their_own_ports(tmp_path):
     with dns_server() as records, trio.fail_after(LIMIT):
         async with AsyncExitStack() as stack:

@@ -96,7 +96,7 @@ class DiscoveredPool:
             w = self._members[key]
             if w.retired and not w.removed:
                 w.retired = False
-                log.info("worker %d (%s) is back in discovery: kept", w.index, address)
+                log.info("worker %d (%s) is back in discovery: kept", w.index, w.address)
 
     def _join(self, address: WorkerAddress) -> None:
         assert self._nursery is not None
