@@ -17,12 +17,13 @@ import logging
 import ssl
 from urllib.parse import urlsplit
 
+import openai
 import pytest
 import trio
 
 from server.cli import build_parser, config_from_args
-from server.media import (MediaFetcher, MediaFetchFailed, MediaPolicy, MediaRefused,
-                          MediaTimeout)
+from server.media import (MediaFetcher, MediaFetchFailed, MediaPolicy, MediaProxyFailed,
+                          MediaRefused, MediaTimeout)
 from server.media.policy import policy_from_config
 from server.media.proxy import Proxy, ProxyRoutes, proxy_routes_from_environment
 from tests.conftest import running_server
@@ -201,9 +202,10 @@ async def test_an_https_proxy_is_reached_over_tls(web, nursery, tmp_path, monkey
     # (the two TLS sessions with the proxy name no server, as an IP address has no SNI;
     # the one inside the tunnel names the origin)
     assert names == [None, None, "images.test"]
-    with pytest.raises(MediaFetchFailed, match=rf"TLS with the proxy https://127.0.0.1:"
-                                               rf"{proxy.port} \(HTTP_PROXY\) failed"):
-        await fetch(policy, f"http://images.test:{web.port}/a.png")  # (no CA vouches)
+    with pytest.raises(MediaProxyFailed) as info:  # (no CA vouches)
+        await fetch(policy, f"http://images.test:{web.port}/a.png")
+    assert info.value.why.startswith(f"TLS with the proxy https://127.0.0.1:{proxy.port} "
+                                     "(HTTP_PROXY) failed")
     assert len(proxy.asked) == 2
 
 
@@ -322,14 +324,18 @@ async def test_a_proxy_that_wants_credentials(web, nursery, scheme):
     wanted = "Basic " + base64.b64encode(b"user:pass").decode()
     proxy = await start_proxy(nursery, credentials=wanted)
     url = f"{scheme}://images.test:{web.port}/a.png"
-    with pytest.raises(MediaFetchFailed) as info:
+    with pytest.raises(MediaProxyFailed) as info:
         await fetch(through(proxy), url)
     method = "CONNECT" if scheme == "https" else "GET"
+    # (the operator's fault: a 502 that names neither the proxy nor why; the log does)
+    assert info.value.status == 502 and info.value.code == "media_proxy_failed"
+    assert str(proxy.port) not in info.value.message
     assert (f"the proxy http://127.0.0.1:{proxy.port} ({scheme.upper()}_PROXY) refused "
-            f"{method}") in info.value.message
-    assert "HTTP 407 Proxy Authentication Required (it wants credentials" in info.value.message
-    with pytest.raises(MediaFetchFailed, match="it refused the credentials in"):
+            f"{method}") in info.value.why
+    assert "HTTP 407 Proxy Authentication Required (it wants credentials" in info.value.why
+    with pytest.raises(MediaProxyFailed) as info:
         await fetch(through(proxy, "Basic " + base64.b64encode(b"user:no").decode()), url)
+    assert "it refused the credentials in" in info.value.why
     if scheme == "http":
         assert (await fetch(through(proxy, wanted), url)).data == PNG
         assert proxy.authorizations[-1] == wanted
@@ -340,17 +346,22 @@ async def test_a_proxy_that_refuses_the_tunnel_or_is_not_there(web, nursery):
     proxy = await start_proxy(nursery, refuse=502)
     with pytest.raises(MediaFetchFailed) as info:
         await fetch(through(proxy), "https://images.test/a.png")
+    # (the proxy cannot or will not reach the client's URL: the client's 400, which does
+    # not name the proxy)
     assert info.value.status == 400 and info.value.message.endswith(
-        f"the proxy http://127.0.0.1:{proxy.port} (HTTPS_PROXY) refused CONNECT "
-        "images.test:443: HTTP 502 No")
-    with pytest.raises(MediaFetchFailed, match=r"was answered HTTP 502 \(through the proxy"):
+        "this server's proxy refused CONNECT images.test:443: HTTP 502 No")
+    assert str(proxy.port) not in info.value.message
+    with pytest.raises(MediaFetchFailed,
+                       match=r"was answered HTTP 502 \(through this server's proxy\)"):
         await fetch(through(proxy), "http://images.test/a.png")
     with trio.socket.socket() as closed:  # (a port nothing listens on)
         await closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
-    with pytest.raises(MediaFetchFailed, match=f"no connection to the proxy "
-                                               rf"http://127.0.0.1:{port} \(HTTP_PROXY\)"):
+    with pytest.raises(MediaProxyFailed) as failed:  # (the proxy is not there: a 502)
         await fetch(through(port), "http://images.test/a.png")
+    assert failed.value.status == 502 and str(port) not in failed.value.message
+    assert f"no connection to the proxy http://127.0.0.1:{port} (HTTP_PROXY)" in \
+        failed.value.why
 
 
 @pytest.mark.parametrize("answer, why", [
@@ -379,9 +390,12 @@ async def test_a_proxy_that_answers_the_tunnel_wrongly(web, nursery, answer, why
 
     port = await serve(nursery, handle)
     policy = through(port) if answer else dataclasses.replace(through(port), fetch_timeout=0.5)
-    with pytest.raises((MediaFetchFailed, MediaTimeout), match=why) as info:
+    with pytest.raises((MediaProxyFailed, MediaTimeout)) as info:
         await fetch(policy, f"https://images.test:{web.port}/a.png")
-    assert info.value.status == 400 and web.paths == []
+    # (a proxy that breaks HTTP is the operator's 502; a slow fetch the client's 400)
+    failed = info.value
+    assert why in (failed.why if isinstance(failed, MediaProxyFailed) else failed.message)
+    assert failed.status == (502 if answer else 400) and web.paths == []
     with trio.fail_after(GENEROUS):  # (while the error, its traceback, is still held)
         await hung_up.wait()
 
@@ -419,6 +433,57 @@ async def test_a_chat_image_is_fetched_through_the_servers_proxy(monkeypatch, ca
                               "(HTTP_PROXY) with credentials; https direct; direct to "
                               "NO_PROXY=127.0.0.1,localhost; direct to localhost and loopback"]
             nursery.cancel_scope.cancel()
+
+
+async def test_a_failing_proxy_is_the_servers_502_and_logged(monkeypatch, caplog):
+    """A proxy that wants credentials the server lacks fails every fetch: the operator's
+    fault, so a 502 (which 5xx alerting sees), naming the client's part but not the proxy;
+    the server's log says which proxy and why. Two images: the concurrent path."""
+    trio.socket.set_custom_hostname_resolver(Answers({"images.test": [["127.0.0.1"]]}))
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            proxy = await start_proxy(
+                nursery, credentials="Basic " + base64.b64encode(b"u:p").decode())
+            clear_proxy_env(monkeypatch, HTTP_PROXY=f"http://127.0.0.1:{proxy.port}",
+                            NO_PROXY="127.0.0.1,localhost")
+            urls = [f"http://images.test:1/{name}.png" for name in ("a", "b")]
+            with caplog.at_level(logging.WARNING, logger="server.media"):
+                async with running_server(IMAGES, allowed_media_domains=("images.test",),
+                                          allow_private_media_addresses=True) as server:
+                    client = client_of(server)
+                    text = {"type": "text", "text": "describe"}
+                    with pytest.raises(openai.APIStatusError) as info:
+                        await chat_tokens(client, [text, *map(image_part, urls)])
+                    plain, _ = await chat_tokens(client, [text])  # (serving on)
+            error = info.value.body
+            assert info.value.status_code == 502 and error["code"] == "media_proxy_failed"
+            assert error["param"].startswith("messages[0].content[")
+            assert str(proxy.port) not in error["message"]
+            logged = [r.getMessage() for r in caplog.records if r.name == "server.media"]
+            assert len(logged) == 1 and f"the proxy http://127.0.0.1:{proxy.port} " \
+                "(HTTP_PROXY) refused GET: HTTP 407" in logged[0]
+            assert plain > 0
+            nursery.cancel_scope.cancel()
+
+
+async def test_the_proxys_failures_are_logged_at_most_once_a_period(monkeypatch, caplog):
+    trio.socket.set_custom_hostname_resolver(Answers(NAMES))
+    with trio.socket.socket() as closed:  # (a port nothing listens on)
+        await closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    fetcher = MediaFetcher(through(port))
+    with caplog.at_level(logging.WARNING, logger="server.media"):
+        for _ in range(3):
+            with pytest.raises(MediaProxyFailed), trio.fail_after(GENEROUS):
+                await fetcher.fetch_image("http://images.test/a.png")
+        monkeypatch.setattr("server.media.fetch.PROXY_WARNING_PERIOD", 0.0)
+        with pytest.raises(MediaProxyFailed), trio.fail_after(GENEROUS):
+            await fetcher.fetch_image("http://images.test/a.png")
+    logged = [r.getMessage() for r in caplog.records if r.name == "server.media"]
+    assert len(logged) == 2 and f"no connection to the proxy http://127.0.0.1:{port}" in \
+        logged[0]
+    assert "(1 fetch(es) failed by the proxy" in logged[0]
+    assert "(3 fetch(es) failed by the proxy" in logged[1]
 
 
 def test_the_policy_of_a_clean_environment_has_no_proxy(monkeypatch):

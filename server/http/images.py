@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import trio
 
-from ..errors import ClientError
+from ..errors import ClientError, ServerError
 from ..openai.images import ImageRef, wire_image
 from ..worker_protocol.wire import MAX_FRAME
 
@@ -63,11 +63,12 @@ def _too_large(ref: ImageRef) -> ClientError:
 async def fetch_images(fetcher, prompts: list) -> int:
     """Fetch every image ref of ``prompts`` and put its wire part in its place; the
     number fetched. Raises a :class:`~server.media.MediaError` (400) naming the URL's
-    field, or a ClientError when their bytes together pass :data:`MAX_IMAGE_BYTES`."""
+    field, a ClientError when their bytes together pass :data:`MAX_IMAGE_BYTES`, or
+    :class:`~server.media.MediaProxyFailed` (502) when this server's proxy failed."""
     refs = list(_refs(prompts))
     images: list = [None] * len(refs)
     limiter = trio.CapacityLimiter(FETCHES_PER_REQUEST)
-    refused: dict[int, ClientError] = {}
+    refused: dict[int, ServerError] = {}
     fetched = 0
 
     async def fetch(k: int, ref: ImageRef, scope: trio.CancelScope) -> None:
@@ -75,7 +76,8 @@ async def fetch_images(fetcher, prompts: list) -> int:
         try:
             async with limiter:
                 image = await fetcher.fetch_image(ref.url, param=ref.url_param)
-        except ClientError as exc:  # the request's 400: the other fetches are for nothing
+        except ServerError as exc:  # the request's 400 (or the proxy's 502): the other
+            # fetches are for nothing
             refused[k] = exc
             scope.cancel()
             return

@@ -28,7 +28,7 @@ import ssl
 
 import trio
 
-from .errors import MediaFetchFailed, MediaRefused
+from .errors import MediaFetchFailed, MediaProxyFailed, MediaRefused
 from .http1 import open_tunnel
 from .policy import MediaPolicy, WebUrl, address_refusal
 from .proxy import Proxy
@@ -168,17 +168,30 @@ async def _open_proxy(proxy: Proxy, url: str,
     try:
         infos = await trio.socket.getaddrinfo(proxy.host, proxy.port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        raise MediaFetchFailed(url, f"could not be fetched: the proxy {proxy} does not "
-                               f"resolve ({exc.strerror})") from None
+        raise MediaProxyFailed(url, f"the proxy {proxy} does not resolve "
+                               f"({exc.strerror})") from None
     targets: list[Target] = [(family, type_, proto, sockaddr)
                              for family, type_, proto, _, sockaddr in infos
                              if family in (socket.AF_INET, socket.AF_INET6)]
-    stream = await _connect(targets, url, f"the proxy {proxy}")
+    if not targets:
+        raise MediaProxyFailed(url, f"the proxy {proxy} resolves to no IPv4 or IPv6 address")
+    try:
+        stream = await _connect(targets, url, f"the proxy {proxy}")
+    except MediaFetchFailed as exc:
+        raise MediaProxyFailed(url, _unprefixed(exc)) from None
     if not proxy.tls:
         return stream
     assert ssl_context is not None
     try:
         return await _tls(stream, ssl_context, proxy.host, url, f"the proxy {proxy}")
+    except MediaFetchFailed as exc:
+        await trio.aclose_forcefully(stream)
+        raise MediaProxyFailed(url, _unprefixed(exc)) from None
     except BaseException:
         await trio.aclose_forcefully(stream)
         raise
+
+
+def _unprefixed(failed: MediaFetchFailed) -> str:
+    """A failed fetch's reason as the log's line about the proxy says it."""
+    return failed.why.removeprefix("could not be fetched: ")

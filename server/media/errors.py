@@ -4,15 +4,20 @@ A URL in a request is the client's choice, so every failure to fetch it is the c
 fault, even a remote server's 500: the request is refused before any engine work. The
 ``code`` tells a refusal by policy from a failed fetch, a size and a time limit apart.
 Messages quote the URL clipped and escaped (server.errors.printable), never a traceback.
+
+One failure is the operator's: this server's own HTTP proxy failing
+(:class:`MediaProxyFailed`, a 502). Its message names neither the proxy nor why; the
+fetcher logs both.
 """
 
 from __future__ import annotations
 
-from ..errors import ClientError, printable
+from ..errors import ClientError, ServerError, printable
 
 __all__ = [
     "MediaError",
     "MediaFetchFailed",
+    "MediaProxyFailed",
     "MediaRefused",
     "MediaTimeout",
     "MediaTooLarge",
@@ -63,3 +68,20 @@ class MediaTimeout(MediaError):
     """The fetch (with its wait for a slot) ran past the policy's time limit."""
 
     code = "media_timeout"
+
+
+class MediaProxyFailed(ServerError):
+    """This server's HTTP proxy failed a fetch: it does not resolve or answer, its TLS
+    failed, it wants other credentials (407), or it broke HTTP. The operator's fault, so
+    a 502 that alerting on 5xx sees. The client is not told the proxy's address; ``why``
+    names it, for the log."""
+
+    status = 502
+    type = "server_error"
+    code = "media_proxy_failed"
+
+    def __init__(self, url: str, why: str, *, param: str | None = None):
+        super().__init__(f"image URL '{quote_url(url)}' could not be fetched: this "
+                         "server's HTTP proxy failed (its log says why)", param=param)
+        #: Why, naming the proxy (never its credentials): for the log and tests.
+        self.why = printable(why, 512)

@@ -28,7 +28,8 @@ The fetch runs in the caller's task: a cancelled request cancels its fetch, and 
 connection is closed on the way out (``trio.aclose_forcefully``), whatever ended it.
 Every failure is a :class:`~server.media.errors.MediaError` (400) naming the client's
 part (``param``) and the reason. Nothing else escapes but cancellation and the server's
-own faults (no file descriptor left for a socket), which are not the client's.
+own faults: this server's proxy failing (:class:`MediaProxyFailed`, a 502, logged here),
+or no file descriptor left for a socket.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import ssl
+import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urljoin
@@ -44,7 +46,8 @@ import trio
 
 from ..errors import printable
 from .connect import open_checked_stream
-from .errors import MediaError, MediaFetchFailed, MediaRefused, MediaTimeout, quote_url
+from .errors import (MediaError, MediaFetchFailed, MediaProxyFailed, MediaRefused, MediaTimeout,
+                     quote_url)
 from .http1 import http_get
 from .image import FetchedImage, checked_image
 from .local import read_local_image
@@ -55,6 +58,9 @@ from .proxy import all_proxy_ignored
 __all__ = ["MediaFetcher"]
 
 log = logging.getLogger("server.media")
+
+#: Seconds between two log lines about the proxy failing fetches.
+PROXY_WARNING_PERIOD = 60.0
 
 
 class MediaFetcher:
@@ -76,6 +82,9 @@ class MediaFetcher:
         if ignored is not None:
             log.warning("image URLs: %s is set and not read (HTTP_PROXY and HTTPS_PROXY "
                         "are, as vLLM reads them)", ignored)
+        #: When the proxy's last failure was logged, and the failures since (unlogged).
+        self._proxy_warned: float | None = None
+        self._proxy_failures = 0
         #: The slots: one per fetch running (a fetch waits for one within its timeout).
         self.limiter = trio.CapacityLimiter(policy.max_fetches)
         self._ssl_context = ssl_context
@@ -105,9 +114,23 @@ class MediaFetcher:
             except trio.TooSlowError:
                 raise MediaTimeout(url, f"was not fetched within "
                                    f"{self.policy.fetch_timeout:g} s") from None
-        except MediaError as exc:
+        except (MediaError, MediaProxyFailed) as exc:
             exc.param = None if param is None else printable(param)
+            if isinstance(exc, MediaProxyFailed):
+                self._proxy_failed(exc)
             raise
+
+    def _proxy_failed(self, exc: MediaProxyFailed) -> None:
+        """Log why the proxy failed: at once, then at most once a
+        :data:`PROXY_WARNING_PERIOD` with the count since (a proxy that is down fails
+        every fetch: one line each would flood the log)."""
+        self._proxy_failures += 1
+        now = time.monotonic()
+        if self._proxy_warned is not None and now - self._proxy_warned < PROXY_WARNING_PERIOD:
+            return
+        log.warning("image URLs: %s (%d fetch(es) failed by the proxy since the last such "
+                    "line; each a 502 media_proxy_failed)", exc.why, self._proxy_failures)
+        self._proxy_warned, self._proxy_failures = now, 0
 
     def _data_image(self, url: str, source: DataUrl) -> FetchedImage:
         return checked_image(url, decode_data_url(source, self.policy), source.media_type)

@@ -21,7 +21,7 @@ import h11
 import trio
 
 from ..errors import printable
-from .errors import MediaFetchFailed, MediaTooLarge
+from .errors import MediaFetchFailed, MediaProxyFailed, MediaTooLarge
 from .policy import WebUrl
 from .proxy import Proxy
 
@@ -68,9 +68,9 @@ async def http_get(stream: trio.abc.Stream, web: WebUrl, url: str, max_bytes: in
         if response.status_code in REDIRECTS and "location" in fields:
             return Answer(response.status_code, location=fields["location"])
         if proxy is not None and response.status_code == 407:
-            raise MediaFetchFailed(url, _refusal(proxy, "GET", response))
+            raise MediaProxyFailed(url, _refusal(proxy, "GET", response))
         if response.status_code != 200:
-            through = "" if proxy is None else f" (through the proxy {proxy})"
+            through = "" if proxy is None else " (through this server's proxy)"
             raise MediaFetchFailed(url, f"was answered HTTP {response.status_code}{through}")
         declared = fields.get("content-length")
         if declared is not None and int(declared) > max_bytes:
@@ -95,8 +95,9 @@ async def http_get(stream: trio.abc.Stream, web: WebUrl, url: str, max_bytes: in
 
 async def open_tunnel(stream: trio.abc.Stream, web: WebUrl, url: str, proxy: Proxy) -> None:
     """Ask the proxy at the other end of ``stream`` for a tunnel to ``web``'s host and
-    port (``CONNECT``). On return the stream is the tunnel; a refusal is a failed fetch
-    naming the proxy and its status."""
+    port (``CONNECT``). On return the stream is the tunnel. A refusal is a failed fetch
+    (400) with the proxy's status: the client's URL is one the proxy will not or cannot
+    reach. A 407, or an answer that breaks HTTP, is the proxy failing (502)."""
     host = f"[{web.host}]" if ":" in web.host else web.host
     authority = f"{host}:{web.port}"
     conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
@@ -106,16 +107,23 @@ async def open_tunnel(stream: trio.abc.Stream, web: WebUrl, url: str, proxy: Pro
         await stream.send_all(conn.send(request) + (conn.send(h11.EndOfMessage()) or b""))
         response = await _response(conn, stream, url, proxy)
     except h11.ProtocolError as exc:
-        raise MediaFetchFailed(url, f"could not be fetched: the proxy {proxy} answered "
-                               f"CONNECT with malformed HTTP ({exc})") from None
+        raise MediaProxyFailed(url, f"the proxy {proxy} answered CONNECT with malformed "
+                               f"HTTP ({exc})") from None
     except trio.BrokenResourceError:
-        raise MediaFetchFailed(url, f"could not be fetched: the connection to the proxy "
-                               f"{proxy} broke") from None
+        raise MediaProxyFailed(url, f"the connection to the proxy {proxy} broke") from None
+    except MediaFetchFailed:  # (the stream ended first)
+        raise MediaProxyFailed(url, f"the proxy {proxy} answered CONNECT with no HTTP "
+                               "response") from None
+    if response.status_code == 407:
+        raise MediaProxyFailed(url, _refusal(proxy, f"CONNECT {authority}", response))
     if not 200 <= response.status_code < 300:
-        raise MediaFetchFailed(url, _refusal(proxy, f"CONNECT {authority}", response))
+        reason = printable(response.reason.decode("latin-1"), 80)
+        raise MediaFetchFailed(url, f"could not be fetched: this server's proxy refused "
+                               f"CONNECT {authority}: HTTP {response.status_code} "
+                               f"{reason}".rstrip())
     if conn.trailing_data[0]:  # (the origin speaks only after the TLS client hello)
-        raise MediaFetchFailed(url, f"could not be fetched: the proxy {proxy} sent bytes "
-                               "before the tunnel was used")
+        raise MediaProxyFailed(url, f"the proxy {proxy} sent bytes before the tunnel "
+                               "was used")
 
 
 #: The ``User-Agent`` of every request.
@@ -129,11 +137,10 @@ def _proxy_headers(proxy: Proxy) -> list[tuple[str, str]]:
 
 
 def _refusal(proxy: Proxy, asked: str, response: h11.Response) -> str:
-    """Why the proxy did not do what was ``asked`` (``CONNECT host:443``): its status and
-    reason, and for a 407 what the operator can do."""
+    """Why the proxy did not do what was ``asked`` (``CONNECT host:443``), for the log:
+    its status and reason, and for a 407 what the operator can do."""
     reason = printable(response.reason.decode("latin-1"), 80)
-    why = (f"could not be fetched: the proxy {proxy} refused {asked}: HTTP "
-           f"{response.status_code} {reason}").rstrip()
+    why = f"the proxy {proxy} refused {asked}: HTTP {response.status_code} {reason}".rstrip()
     if response.status_code == 407:
         why += (f" (it wants credentials: user:password@ in {proxy.variable})"
                 if proxy.authorization is None else
@@ -148,7 +155,7 @@ async def _response(conn: h11.Connection, stream: trio.abc.Stream, url: str,
     while isinstance(event, h11.InformationalResponse):
         event = await _next(conn, stream)
     if not isinstance(event, h11.Response):
-        who = "" if proxy is None else f" (the proxy {proxy})"
+        who = "" if proxy is None else " (through this server's proxy)"
         raise MediaFetchFailed(url, f"was answered with no HTTP response{who}")
     return event
 
