@@ -8,7 +8,7 @@ import json
 import logging
 import signal
 import threading
-from contextlib import AsyncExitStack, contextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 
 import httpx
 import pytest
@@ -256,14 +256,12 @@ async def test_the_prefix_index_forgets_a_worker_that_left_and_starts_empty_for_
                 assert len(engine.router.indexes[index]) == 0
 
 
-async def test_a_vanished_worker_finishes_its_streams_there_and_gets_no_new_ones(tmp_path):
-    """Drained within the grace: its streams end on it, unmoved; new requests go to the
-    others, even those whose prefix it holds; once it holds none it is removed."""
+@asynccontextmanager
+async def _draining_pool(tmp_path, hosts: list[str]):
+    """A DNS server naming a listening worker at each of ``hosts`` (one port), and an engine
+    that found them all, draining a vanished one for LIMIT: ``(records, engine)``."""
     port = free_port()
-    hosts = ["127.0.0.2", "127.0.0.3"]
-    prompt = "a long shared prefix " * 40  # (several blocks of 256 characters)
-    params = server_pkg.SamplingParams(max_tokens=2500)
-    with dns_server() as records, trio.fail_after(LIMIT):
+    with dns_server() as records:
         records.set(NAME, *hosts)
         async with AsyncExitStack() as stack:
             for h in hosts:
@@ -271,27 +269,38 @@ async def test_a_vanished_worker_finishes_its_streams_there_and_gets_no_new_ones
                                                                  name=h))
             config = dns_config(f"dns:{NAME}:{port}", records, dns_drain_grace=LIMIT)
             async with server_pkg.open_engine(config) as engine:
-                await wait_until(lambda: len(members(engine)) == 2, LIMIT)
-                async with engine.generate(prompt, params) as stream:
-                    [choice] = stream.choice_states()
-                    leaving = choice.worker
-                    outs = [await stream.__anext__()]
-                    records.set(NAME, *(h for h in hosts if h != leaving.address.host))
-                    await wait_until(lambda: leaving.retired, LIMIT)
-                    assert leaving.outstanding == 1
-                    for _ in range(4):
-                        async with engine.generate(prompt, server_pkg.SamplingParams(
-                                max_tokens=2)) as other:
-                            [new] = other.choice_states()
-                            assert new.worker is not leaving
-                            async for _ in other:
-                                pass
-                    outs += [out async for out in stream]
-                assert outs[-1].finish_reason == "length"
-                assert outs[-1].completion_tokens == 2500
-                assert choice.worker is leaving and choice.migrations == 0
-                await wait_until(lambda: leaving.removed, LIMIT)
-                assert engine.statistics().migration.migrations["removed"] == 0
+                await wait_until(lambda: len(members(engine)) == len(hosts), LIMIT)
+                yield records, engine
+
+
+async def test_a_vanished_worker_finishes_its_streams_there_and_gets_no_new_ones(tmp_path):
+    """Drained within the grace: its streams end on it, unmoved; new requests go to the
+    others, even those whose prefix it holds; once it holds none it is removed."""
+    hosts = ["127.0.0.2", "127.0.0.3"]
+    prompt = "a long shared prefix " * 40  # (several blocks of 256 characters)
+    params = server_pkg.SamplingParams(max_tokens=2500)
+    with trio.fail_after(LIMIT):
+        async with _draining_pool(tmp_path, hosts) as (records, engine):
+            async with engine.generate(prompt, params) as stream:
+                [choice] = stream.choice_states()
+                leaving = choice.worker
+                outs = [await stream.__anext__()]
+                records.set(NAME, *(h for h in hosts if h != leaving.address.host))
+                await wait_until(lambda: leaving.retired, LIMIT)
+                assert leaving.outstanding == 1
+                for _ in range(4):
+                    async with engine.generate(prompt, server_pkg.SamplingParams(
+                            max_tokens=2)) as other:
+                        [new] = other.choice_states()
+                        assert new.worker is not leaving
+                        async for _ in other:
+                            pass
+                outs += [out async for out in stream]
+            assert outs[-1].finish_reason == "length"
+            assert outs[-1].completion_tokens == 2500
+            assert choice.worker is leaving and choice.migrations == 0
+            await wait_until(lambda: leaving.removed, LIMIT)
+            assert engine.statistics().migration.migrations["removed"] == 0
 
 
 async def test_a_worker_back_in_the_records_before_its_removal_is_kept_connection_and_all(
@@ -300,32 +309,24 @@ async def test_a_worker_back_in_the_records_before_its_removal_is_kept_connectio
     churns no connection: the worker drains meanwhile, then is routed to again on the same
     session, its stream never moved."""
     caplog.set_level(logging.INFO, logger="server.discovery")
-    port = free_port()
     hosts = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
-    with dns_server() as records, trio.fail_after(LIMIT):
-        records.set(NAME, *hosts)
-        async with AsyncExitStack() as stack:
-            for h in hosts:
-                await stack.enter_async_context(listening_worker(tmp_path, f"{h}:{port}",
-                                                                 name=h))
-            config = dns_config(f"dns:{NAME}:{port}", records, dns_drain_grace=LIMIT)
-            async with server_pkg.open_engine(config) as engine:
-                await wait_until(lambda: len(members(engine)) == 3, LIMIT)
-                params = server_pkg.SamplingParams(max_tokens=2500)
-                async with engine.generate("hi", params) as stream:
-                    [choice] = stream.choice_states()
-                    flapping = choice.worker
-                    outs = [await stream.__anext__()]
-                    records.set(NAME, *(h for h in hosts if h != flapping.address.host))
-                    await wait_until(lambda: flapping.retired, LIMIT)
-                    records.set(NAME, *hosts)
-                    await wait_until(lambda: flapping.routable, LIMIT)
-                    outs += [out async for out in stream]
-                assert outs[-1].finish_reason == "length"
-                assert outs[-1].completion_tokens == 2500
-                assert choice.worker is flapping and choice.migrations == 0
-                assert flapping in engine.workers and flapping.generation == 0
-                assert not flapping.removed
+    with trio.fail_after(LIMIT):
+        async with _draining_pool(tmp_path, hosts) as (records, engine):
+            params = server_pkg.SamplingParams(max_tokens=2500)
+            async with engine.generate("hi", params) as stream:
+                [choice] = stream.choice_states()
+                flapping = choice.worker
+                outs = [await stream.__anext__()]
+                records.set(NAME, *(h for h in hosts if h != flapping.address.host))
+                await wait_until(lambda: flapping.retired, LIMIT)
+                records.set(NAME, *hosts)
+                await wait_until(lambda: flapping.routable, LIMIT)
+                outs += [out async for out in stream]
+            assert outs[-1].finish_reason == "length"
+            assert outs[-1].completion_tokens == 2500
+            assert choice.worker is flapping and choice.migrations == 0
+            assert flapping in engine.workers and flapping.generation == 0
+            assert not flapping.removed
     back = [r.getMessage() for r in caplog.records if "is back in discovery" in r.getMessage()]
     assert back == [f"worker {flapping.index} ({flapping.address}) is back in discovery: kept"]
 
