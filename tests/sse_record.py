@@ -94,3 +94,14 @@ async def completion_payloads(client: httpx.AsyncClient, url: str, body: dict,
                     started.append(1)
                 events.append(line[6:])
     return events
+
+
+def assert_whole(events: list[str], max_tokens: int) -> None:
+    """One stream's payloads (:func:`completion_payloads`) ended [DONE], with no error
+    event, at its full length (the sim engine: a word a token)."""
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not any("error" in c for c in chunks), [c for c in chunks if "error" in c]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert len(text.split()) == max_tokens

@@ -7,7 +7,6 @@ generous ``trio.fail_after`` bounds that pass at once when all is well.
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import sys
@@ -24,20 +23,10 @@ from tests.remote import (
     SECRET, FrameProxy, free_port, listening_worker, make_certificate, remote_config,
     wait_until,
 )
-from tests.sse_record import completion_payloads
+from tests.sse_record import assert_whole, completion_payloads
 from tests.test_dns_discovery import NAME, dns_config, dns_server
 
 LIMIT = 120  # (generous: 2 busy cores)
-
-
-def _whole(events: list[str], max_tokens: int) -> None:
-    """One stream ended [DONE], with no error event, at its full length."""
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
-    assert not any("error" in c for c in chunks), [c for c in chunks if "error" in c]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    text = "".join(c["choices"][0]["text"] for c in chunks)
-    assert len(text.split()) == max_tokens  # (the sim engine: a word a token)
 
 
 @pytest.mark.parametrize("discovery", ["list", "dns"])
@@ -100,7 +89,7 @@ async def test_sigterm_drains_64_streams_and_new_requests_go_to_the_other_worker
                 stats = engine.statistics()
     assert len(results) == 64
     for events in results.values():
-        _whole(events, 2000)
+        assert_whole(events, 2000)
     assert stats.migration is not None and sum(stats.migration.migrations.values()) == 0
     assert not stats.workers[staying.index].restarts
     text = workers[0].text()
@@ -165,7 +154,7 @@ async def test_a_cut_drain_moves_its_streams_and_the_worker_back_at_its_address_
                         assert r.status_code == 200, r.text
             assert not staying.restarts
     for events in results.values():
-        _whole(events, 2000)
+        assert_whole(events, 2000)
     assert "--shutdown-timeout is over: cutting" in first.text()
 
 
