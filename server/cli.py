@@ -17,7 +17,8 @@ import sys
 
 import trio
 
-from .cli_options import API_KEY_ENV, FRONTEND_KEYS_ENV, OPTIONS, split_commas
+from .cli_options import (API_KEY_ENV, FRONTEND_FILE_KEYS_ENV, FRONTEND_KEYS_ENV, OPTIONS,
+                          split_commas)
 from .config import EngineConfig, Limits, ModelConfig, ServerConfig
 from .key_file import loose_permissions, parse_key_file
 from .media.policy import policy_from_config
@@ -68,7 +69,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         engine = _engine_config(args, "trio-llm-server")
     limits = Limits(allow_faults=allow_faults, **config_fields(OPTIONS, args, "limits"))
     config = ServerConfig(engine=engine, models=models, limits=limits,
-                          api_keys=_api_keys(args), **config_fields(OPTIONS, args, "server"))
+                          api_keys=_api_keys(args), api_key_files_handed=_handed_keys(args),
+                          **config_fields(OPTIONS, args, "server"))
     try:
         policy_from_config(config)  # (the image URL options: refused at start, not per fetch)
     except ValueError as exc:
@@ -82,8 +84,8 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     with one line naming it (and the line: never a key). The app reads the files itself
     and again when they change (:mod:`server.http.key_files`). A frontend of
     ``--api-servers`` takes its supervisor's ``--api-key`` keys (``FRONTEND_KEYS_ENV``) and
-    reads the files in its app: the supervisor checked them at its start, and a frontend
-    (re)started while one is refused exits with that line (KeyFileError)."""
+    reads the files in its app: the supervisor checked them at its start. A frontend
+    restarted while one is refused takes the supervisor's keys in force (:func:`_handed_keys`)."""
     if args.frontend_dir is not None:
         return tuple(filter(None, os.environ.get(FRONTEND_KEYS_ENV, "").split("\n")))
     keys = split_commas(args.api_key) or split_commas([os.environ.get(API_KEY_ENV, "")])
@@ -94,6 +96,15 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
         except ValueError as exc:
             raise SystemExit(f"{prog}: {exc}") from None
     return tuple(dict.fromkeys(keys))
+
+
+def _handed_keys(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """A restarted frontend of ``--api-servers``: the key files' keys in force at its
+    supervisor (``FRONTEND_FILE_KEYS_ENV``), its keys while a file is refused. None on a
+    first start and for a server on its own: a refused file stops them."""
+    if args.frontend_dir is None or FRONTEND_FILE_KEYS_ENV not in os.environ:
+        return None
+    return tuple(filter(None, os.environ[FRONTEND_FILE_KEYS_ENV].split("\n")))
 
 
 def _warn_of_key_files(args: argparse.Namespace) -> None:
@@ -326,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         app = create_app(config)
-    except KeyFileError as refused:  # (a frontend's read, or a file broken since the check)
+    except KeyFileError as refused:  # (a file broken since the check; a first start)
         raise SystemExit(f"trio-llm-server: {refused}") from None
     if app.api_keys is not None:
         logging.getLogger("server").info(

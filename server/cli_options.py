@@ -22,7 +22,8 @@ from .option_table import Into, Option, section
 from .option_units import duration, size
 from .worker_protocol.handshake import SECRET_ENV
 
-__all__ = ["API_KEY_ENV", "FRONTEND_KEYS_ENV", "OPTIONS", "split_commas"]
+__all__ = ["API_KEY_ENV", "FRONTEND_FILE_KEYS_ENV", "FRONTEND_KEYS_ENV", "OPTIONS",
+           "split_commas"]
 
 #: The environment variable read for API keys when ``--api-key`` is not given.
 API_KEY_ENV = "TRIO_LLM_API_KEY"
@@ -30,6 +31,10 @@ API_KEY_ENV = "TRIO_LLM_API_KEY"
 #: variable's), one per line, in its frontends' environment, off their command lines.
 #: Key files are not in it: each frontend reads them itself, and again when they change.
 FRONTEND_KEYS_ENV = "TRIO_LLM_FRONTEND_API_KEYS"
+#: Internal: the key files' keys in force at the supervisor, one per line, in a restarted
+#: frontend's environment: its keys while a file is refused (server.http.key_files). Apart
+#: from FRONTEND_KEYS_ENV, so that a key later removed from a file does not stay in force.
+FRONTEND_FILE_KEYS_ENV = "TRIO_LLM_FRONTEND_FILE_KEYS"
 
 
 def split_commas(values: list[str] | None) -> tuple[str, ...]:
@@ -142,9 +147,10 @@ OPTIONS: tuple[Option, ...] = (
                into=(Into("server.api_key_files", _paths),),
                help="also accept each key in this file (repeatable): one per line; blank "
                "lines and lines starting with # are ignored; a key with inner whitespace, "
-               "or a file with no key, is refused at start (a frontend of --api-servers "
-               "too). Re-read when it changes, without a restart: a file then refused keeps "
-               "the keys in force. Warned of if other users may read it (chmod 600 it)"),
+               "or a file with no key, is refused at start. Re-read when it changes, without "
+               "a restart: a file then refused keeps the keys in force (in a restarted "
+               "frontend of --api-servers too). Warned of if other users may read it "
+               "(chmod 600 it)"),
         Option("--api-key-file-interval", type=float, default=10.0, bounds=SECONDS,
                metavar="SECONDS", into=("server.api_key_file_interval",),
                help="how often each --api-key-file is checked for a change (its time, size "

@@ -261,6 +261,10 @@ class ServerConfig:
     #: (server.http.key_files): a key removed from a file is refused from then on.
     api_key_files: tuple[str, ...] = ()
     api_key_file_interval: float = 10.0
+    #: A frontend of ``--api-servers`` restarted: the files' keys in force at its
+    #: supervisor, taken as the files' while one is refused when the app is made. None:
+    #: such a refusal is an error (server.http.key_files.KeyFileError).
+    api_key_files_handed: tuple[str, ...] | None = None
     #: Where to send a trace span per generation request (OTLP/HTTP, e.g.
     #: ``http://collector:4318/v1/traces``); None: no tracing. Needs the ``otel`` extra.
     otlp_traces_endpoint: str | None = None

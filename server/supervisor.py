@@ -27,7 +27,12 @@ Theory of operation
    private socket (:mod:`server.observability.group`). ``DIR`` is locked as long as the supervisor
    lives; at start, the directories of supervisors that were killed are removed
    (:mod:`server.private_dir`).
-3. Supervision: a child that exits is restarted (:class:`~server.restarts.Restarts`:
+3. With ``--api-key-file``, the supervisor watches the files as each frontend does
+   (:class:`~server.http.key_files.KeyFiles`), so it knows the files' keys in force. It
+   hands them to each frontend it restarts, in the environment: a frontend whose file is
+   refused when it starts serves with them rather than exit. A broken file and one crash
+   would otherwise end the supervisor, and every frontend with it.
+4. Supervision: a child that exits is restarted (:class:`~server.restarts.Restarts`:
    backoff from 0.1 s, doubling to 5 s), a worker on the same socket path, so that the
    frontends reconnect by themselves. A dead frontend's connections to the workers end,
    and the workers abort its requests; the other frontends are not touched. A child that
@@ -40,7 +45,7 @@ Theory of operation
    orchestrator restarts the whole. A child the supervisor could not start for its own
    reasons (out of descriptors or memory: :func:`~server.restarts.starter_fault`) is
    retried without that counting against its budget.
-4. SIGTERM/SIGINT: SIGTERM to every frontend (each drains with ``--shutdown-timeout`` as
+5. SIGTERM/SIGINT: SIGTERM to every frontend (each drains with ``--shutdown-timeout`` as
    a server on its own does); once they are all gone, the workers get SIGTERM, then
    SIGKILL after a grace. A second signal is forwarded too (each frontend hurries).
 
@@ -72,9 +77,10 @@ from pathlib import Path
 
 import trio
 
-from .cli_options import API_KEY_ENV, FRONTEND_KEYS_ENV
+from .cli_options import API_KEY_ENV, FRONTEND_FILE_KEYS_ENV, FRONTEND_KEYS_ENV
 from .config import ServerConfig
 from .connections.accept import ListenError, open_sockets
+from .http.key_files import KeyFileError, KeyFiles
 from .http.serve import hypercorn_config
 from .observability.group import peer_socket
 from .manager.transport import kill_group
@@ -152,9 +158,13 @@ def describe(code: int) -> str:
 class Supervisor:
     def __init__(self, args: argparse.Namespace, config: ServerConfig, plan: Plan,
                  sockets: list[socket.socket], directory: str,
-                 probe_sockets: list[socket.socket] | None = None) -> None:
+                 probe_sockets: list[socket.socket] | None = None,
+                 key_files: KeyFiles | None = None) -> None:
         self.args = args
         self.config = config
+        #: With --api-key-file: the files' keys in force, watched as a frontend watches
+        #: them; handed to each restarted frontend.
+        self.key_files = key_files
         self.plan = plan
         self.sockets = sockets
         #: With --health-port: one socket of the probe port per frontend (SO_REUSEPORT).
@@ -185,6 +195,8 @@ class Supervisor:
         args = self.args
         async with trio.open_nursery() as root:
             root.start_soon(self._watch_signals)
+            if self.key_files is not None:
+                await root.start(self.key_files.run)
             try:
                 async with trio.open_nursery() as workers:
                     self._starting = workers.cancel_scope  # a signal now stops everything
@@ -267,7 +279,6 @@ class Supervisor:
             health_fd = self.probe_sockets[index].fileno()
             fds += (health_fd,)
         argv = self.plan.frontend_argv(index, fd, self.dir, self.worker_addresses, health_fd)
-        env = frontend_environment(self.config.api_keys)
         path = peer_socket(self.dir, index)
         restarts = Restarts(self.args.max_restarts)
         first = True
@@ -276,6 +287,10 @@ class Supervisor:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+            # A restart gets the files' keys in force now; a first start, none (a file
+            # refused then stops the supervisor, as it stops a server on its own).
+            handed = None if first or self.key_files is None else self.key_files.file_keys
+            env = frontend_environment(self.config.api_keys, handed)
             child = await self._start(f"frontend {index}", first, restarts, argv,
                                       give_up=True, pass_fds=fds, env=env)
             if child is None:
@@ -400,13 +415,20 @@ def open_group_sockets(config: ServerConfig, n: int, port: int | None = None) ->
     return sockets
 
 
-def frontend_environment(keys: tuple[str, ...]) -> dict[str, str]:
+def frontend_environment(keys: tuple[str, ...],
+                         file_keys: tuple[str, ...] | None = None) -> dict[str, str]:
     """A frontend's environment: ours, with the API keys we read (from ``--api-key`` or
-    the variable; not the key files', which each frontend reads) in
-    :data:`FRONTEND_KEYS_ENV`, one per line, and not the variable it would otherwise read."""
-    env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, FRONTEND_KEYS_ENV)}
+    the variable) in :data:`FRONTEND_KEYS_ENV`, one per line, and not the variable it
+    would otherwise read. ``file_keys``, the key files' keys in force, go apart in
+    :data:`FRONTEND_FILE_KEYS_ENV`: the frontend reads the files itself, and takes these
+    only while a file is refused. So a key later removed from a file goes from every
+    frontend."""
+    ours = (API_KEY_ENV, FRONTEND_KEYS_ENV, FRONTEND_FILE_KEYS_ENV)
+    env = {k: v for k, v in os.environ.items() if k not in ours}
     if keys:
         env[FRONTEND_KEYS_ENV] = "\n".join(keys)
+    if file_keys is not None:
+        env[FRONTEND_FILE_KEYS_ENV] = "\n".join(file_keys)
     return env
 
 
@@ -414,6 +436,14 @@ def supervise(args: argparse.Namespace, config: ServerConfig) -> int:
     """Run the supervisor until its frontends stopped (SIGTERM/SIGINT): the exit status."""
     from .cli import build_parser
 
+    key_files = None
+    if config.api_key_files:
+        try:
+            key_files = KeyFiles(config.api_keys, config.api_key_files,
+                                 config.api_key_file_interval, logger=log)
+        except KeyFileError as refused:  # (broken since the command line's check)
+            print(f"trio-llm-server: {refused}", file=sys.stderr)
+            return 1
     sockets: list[socket.socket] = []
     probe_sockets: list[socket.socket] = []
     what = f"cannot listen on {config.host}:{config.port}"
@@ -441,7 +471,7 @@ def supervise(args: argparse.Namespace, config: ServerConfig) -> int:
               f"{tempfile.gettempdir()}: {exc} (set TMPDIR)", file=sys.stderr)
         return 1
     supervisor = Supervisor(args, config, plan(build_parser(), args), sockets, directory,
-                            probe_sockets)
+                            probe_sockets, key_files)
     try:
         trio.run(supervisor.run)
     finally:

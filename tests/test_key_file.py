@@ -3,15 +3,13 @@ start through the real command line (one line naming the file and the line, neve
 the union with ``--api-key`` and the environment, then real servers: one process accepting
 a key of the file and refusing another (with one warning of the file's loose mode, no key
 logged), and ``--api-servers 2``, whose frontends get the file's path and ``--api-key``'s
-keys in their environment, never on their command lines, and each reload the file; a
-frontend restarted while the file is broken exits with one line, is restarted at the
-supervisor's backoff and ends it once over its budget, never serving with fewer keys. The
-reloads of one server: tests/test_key_file_reload.py."""
+keys in their environment, never on their command lines, and each reload the file. The
+reloads of one server: tests/test_key_file_reload.py; a frontend restarted while the file
+is broken: tests/test_key_file_restarts.py."""
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -158,28 +156,6 @@ async def test_the_frontends_of_api_servers_each_read_and_reload_the_key_file(tm
                 r = await http.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
                 assert r.status_code == code, (key, r.text)
         assert "other users may read" not in sup.text()  # (mode 0600: no warning)
-
-
-async def test_a_frontend_restarted_while_the_key_file_is_broken_does_not_serve(tmp_path):
-    """Without ``--api-key``, a frontend that served with the file's keys refused would
-    refuse every client (or, with it, accept only its keys): one of N frontends failing
-    its share of requests. It exits instead; the supervisor restarts it after its backoff
-    (no tight loop) and gives up once it is over its budget (--max-restarts)."""
-    path = key_file(tmp_path, "key-one\n")
-    async with supervised(tmp_path, "--api-key-file", path, "--max-restarts", "2") as sup:
-        frontends, _ = sup.children()
-        write_keys(Path(path), "key-one\nkey two\n")
-        os.kill(frontends[0], signal.SIGKILL)
-        with trio.fail_after(120):
-            code = await sup.proc.wait()
-        log = sup.text()
-    assert code == 1, log
-    refusal = f"trio-llm-server: --api-key-file {path}: line 2: a key holds no whitespace"
-    assert log.count(refusal) == 2, log  # (each start of the frontend)
-    assert "frontend 0 (pid" in log and "restarting in 0.1 s" in log, log
-    assert "restarting in 0.2 s" in log, log  # (the second start: after a longer wait)
-    assert "frontend 0 died more than 2 times within 60 s (last: exit status 1)" in log, log
-    assert "key-one" not in log and "key two" not in log, log
 
 
 def test_a_broken_key_file_is_an_error_of_create_app(tmp_path):

@@ -137,7 +137,8 @@ class LLMServerApp(QuartTrio):
         self._fixed_keys = APIKeys(config.api_keys) if config.api_keys else None
         if config.api_key_files:
             self.key_files = KeyFiles(config.api_keys, config.api_key_files,
-                                      config.api_key_file_interval)
+                                      config.api_key_file_interval,
+                                      handed=config.api_key_files_handed)
         self.cors = CORSPolicy(config.allowed_origins) if config.allowed_origins else None
         #: The HTTP server's :class:`~server.connections.accept.ConnectionPool` while it serves.
         self.connections = None

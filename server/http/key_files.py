@@ -24,8 +24,12 @@ A file that is then missing, unreadable or refused by
 warning names the file and the line, never a key, and the file is read again when it
 changes again. So a broken file neither locks every client out nor lets every client in.
 Each reload counts as ``ok`` or ``refused`` (``trio_llm:api_key_file_reloads_total``). A
-file refused when the app is made is an error (:class:`KeyFileError`): a server, or a
-restarted frontend of ``--api-servers``, never serves with fewer keys than it was given.
+file refused when the app is made is an error (:class:`KeyFileError`): a server never
+starts with fewer keys than it was given. A restarted frontend of ``--api-servers`` is
+the exception. Its supervisor watches the files too, and hands it the files' keys in
+force (``handed``). A refused file then counts as a refused reload, and the handed keys
+stay in force until the file changes: the frontend serves as its peers do. One crash
+while the file is broken must not end the supervisor, and every frontend with it.
 
 A file changed in the last :data:`RECENT_NS` is read again at the next look, signature
 or not. A file system stamps times in ticks (a few ms; 1 or 2 s on some). A file rewritten
@@ -35,7 +39,8 @@ unseen until the next change. A re-read that finds what it found before counts n
 A removed key is refused from the next request on; a request already past its check
 finishes. What a key stored stays its owner's (:func:`server.state.owner_of`, a digest of
 the key): a key that comes back finds it again. With ``--api-servers`` each frontend
-watches the files on its own, so the frontends agree again within two periods.
+watches the files on its own, so the frontends agree again within two periods; the
+supervisor watches them as well, for the keys it hands a restarted frontend.
 """
 
 from __future__ import annotations
@@ -125,22 +130,25 @@ def _look(paths: tuple[str, ...], seen: tuple[Signature, ...] | None,
 class KeyFiles:
     """The keys in force: ``fixed`` ones and those of the files at ``paths``, read now and
     again when they change (:meth:`run`). :attr:`api_keys` checks a request against them;
-    :attr:`keys` are the keys themselves (the batch runner sends its batch owner's).
+    :attr:`keys` are the keys themselves (the batch runner sends its batch owner's), and
+    :attr:`file_keys` the files' alone (what a supervisor hands a restarted frontend).
 
-    :class:`KeyFileError` when a file is refused now: a frontend restarted while its file
-    is broken exits (one line naming the file and the line) rather than serve with fewer
-    keys."""
+    A file refused now is :class:`KeyFileError`, unless ``handed`` keys are given: then
+    they are the files' keys in force, with one warning, until a good file replaces them.
+    ``logger``: where the changes are told (the supervisor's own, in a supervisor)."""
 
-    def __init__(self, fixed: tuple[str, ...], paths: tuple[str, ...],
-                 interval: float) -> None:
+    def __init__(self, fixed: tuple[str, ...], paths: tuple[str, ...], interval: float,
+                 *, handed: tuple[str, ...] | None = None,
+                 logger: logging.Logger = log) -> None:
         self.paths = paths
         self.interval = interval
         self._fixed = fixed
+        self._log = logger
         #: Reloads since the start, by outcome: ``ok`` or ``refused`` (``/metrics``).
         self.reloads = {"ok": 0, "refused": 0}
         look = _look(paths, None)
         assert look is not None  # (nothing seen yet)
-        if look.refusal is not None:
+        if look.refusal is not None and handed is None:
             raise KeyFileError(f"--api-key-file {look.refusal}")
         self._signatures = look.signatures
         #: What the last read found (keys, refusal), and whether to read again regardless.
@@ -149,10 +157,18 @@ class KeyFiles:
         #: The last look found a change, not in force until the next finds it the same.
         self._pending = False
         self.keys: tuple[str, ...] = ()
+        self.file_keys: tuple[str, ...] = ()
         self.api_keys = APIKeys((), allow_none=True)
-        self._take(look.keys)
+        if look.refusal is not None and handed is not None:
+            self.reloads["refused"] += 1
+            self._log.warning("--api-key-file %s; the %d key(s) in force at the supervisor "
+                              "stay until it changes", look.refusal, len(handed))
+            self._take(handed)
+        else:
+            self._take(look.keys)
 
     def _take(self, keys: tuple[str, ...]) -> None:
+        self.file_keys = keys
         self.keys = tuple(dict.fromkeys(self._fixed + keys))
         self.api_keys = APIKeys(self.keys, allow_none=True)
 
@@ -171,21 +187,21 @@ class KeyFiles:
         self._pending = False
         if look.refusal is not None:
             self.reloads["refused"] += 1
-            log.warning("--api-key-file %s; the keys in force stay until it changes again",
-                        look.refusal)
+            self._log.warning("--api-key-file %s; the keys in force stay until it changes "
+                              "again", look.refusal)
             return
         self.reloads["ok"] += 1
         before = len(self.keys)
         self._take(look.keys)
-        log.info("--api-key-file changed: %d key(s) in force (%d before)",
-                 len(self.keys), before)
+        self._log.info("--api-key-file changed: %d key(s) in force (%d before)",
+                       len(self.keys), before)
         for path, mode in look.loose:
-            log.warning("--api-key-file %s: other users may read or change it (mode %04o); "
-                        "chmod 600 it", path, mode)
+            self._log.warning("--api-key-file %s: other users may read or change it "
+                              "(mode %04o); chmod 600 it", path, mode)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """The watch, a service of the app's lifespan nursery: started at once, then
-        :meth:`look` every ``interval`` seconds until cancelled."""
+        """The watch, a service of the app's lifespan nursery (or the supervisor's):
+        started at once, then :meth:`look` every ``interval`` seconds until cancelled."""
         task_status.started()
         while True:
             await trio.sleep(self.interval)
