@@ -472,3 +472,42 @@ async def test_a_leave_over_tls_is_a_planned_leave(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("server")]
     assert any("left, as it said it would" in line for line in lines), lines
     assert not any("connection broke" in line for line in lines), lines
+
+
+async def test_a_scale_down_as_kubernetes_does_it_logs_no_warning(tmp_path, caplog):
+    """Kubernetes' order: the pod leaves the Service's DNS answers (its preStop), then gets
+    SIGTERM. Its streams finish there, it exits 0, and the frontend says nothing above info:
+    neither the removal from the pool nor the planned leave is a fault."""
+    caplog.set_level(logging.INFO)
+    port = free_port()
+    hosts = ["127.0.0.2", "127.0.0.3"]
+    with dns_server() as records:
+        records.set(NAME, *hosts)
+        async with AsyncExitStack() as stack:
+            workers = [await stack.enter_async_context(listening_worker(
+                tmp_path, f"{h}:{port}", "--shutdown-timeout", str(LIMIT), name=h))
+                for h in hosts]
+            config = dns_config(f"dns:{NAME}:{port}", records, dns_drain_grace=LIMIT,
+                                routing="least-loaded")
+            async with open_engine(config) as engine:
+                await wait_until(lambda: sum(w.routable for w in engine.workers) == 2, LIMIT)
+                params = SamplingParams(max_tokens=2000)
+                with trio.fail_after(LIMIT):
+                    async with AsyncExitStack() as streams:
+                        held = [await streams.enter_async_context(engine.generate("hi", params))
+                                for _ in range(4)]
+                        firsts = [await stream.__anext__() for stream in held]
+                        leaving = next(w for w in engine.workers if w.address.host == hosts[0])
+                        assert leaving.outstanding
+                        records.set(NAME, hosts[1])  # (its preStop)
+                        await wait_until(lambda: leaving.retired, LIMIT)
+                        workers[0].proc.send_signal(signal.SIGTERM)
+                        for first, stream in zip(firsts, held):
+                            outs = [first] + [out async for out in stream]
+                            assert sum(out.num_tokens for out in outs) == 2000
+                    assert await workers[0].proc.wait() == 0, workers[0].text()
+                    await wait_until(lambda: leaving.removed, LIMIT)
+                assert sum(engine.statistics().migration.migrations.values()) == 0
+    said = [f"{r.levelname} {r.name}: {r.getMessage()}" for r in caplog.records
+            if r.name.startswith("server") and r.levelno >= logging.WARNING]
+    assert not said, said

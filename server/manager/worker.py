@@ -591,6 +591,8 @@ class WorkerClient:
             if planned:
                 log.info("worker %d (%s) left, as it said it would (%s): %s", self.index,
                          link.where, reason, how)
+            elif reason == "removed":  # (it left discovery: the pool said so, not a fault)
+                log.info("worker %d (%s) removed: %s", self.index, link.where, how)
             elif reason != "stopped" or link.escalated or link.returncode not in (None, 0):
                 log.warning("worker %d (%s) %s", self.index, link.where, how)
             elif link.returncode == 0:  # (a clean stop of a process of ours: said, for an
