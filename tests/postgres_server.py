@@ -19,7 +19,10 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
-__all__ = ["PostgresServer", "find_binaries", "start_postgres"]
+__all__ = ["STORES", "PostgresServer", "find_binaries", "start_postgres", "state_options"]
+
+#: The two backends a test of the state store's users runs on (:func:`state_options`).
+STORES = ["sqlite", "postgres"]
 
 
 def find_binaries() -> str | None:
@@ -96,3 +99,12 @@ def start_postgres(bin_dir: str) -> PostgresServer:
         shutil.rmtree(directory, ignore_errors=True)
         raise
     return PostgresServer(directory, bin_dir, user, prefix)
+
+
+def state_options(request, tmp_path, prefix: str) -> dict:
+    """The server options of a test parametrized over :data:`STORES`: SQLite in a
+    directory of the test's own, or a new PostgreSQL database named from ``prefix`` (the
+    ``postgres_server`` fixture's; skipped, saying why, where PostgreSQL is absent)."""
+    if request.param == "sqlite":
+        return {"state_dir": str(tmp_path / "state")}
+    return {"state_url": request.getfixturevalue("postgres_server").new_database(prefix)}

@@ -5,8 +5,8 @@ stream left and resumed with ``retrieve(stream=True, starting_after=N)`` to its 
 servers on one ``--state-dir`` (two frontends sharing the store: one follows and cancels
 what the other runs); another key's response a 404; on SQLite and PostgreSQL. A server
 SIGKILLed in the middle of one leaves it ``in_progress`` only until its lease expires: the
-next server on the same store (SQLite or PostgreSQL) marks it ``failed``; a server that stops (drain)
-marks its own failed at once. On the transformers engine, the SDK end to end of issue 44
+next server on the same store (SQLite or PostgreSQL) marks it ``failed``; a server that
+stops (drain) marks its own failed at once. On the transformers engine, the SDK end to end of issue 44
 (a stored chain, background polled and cancelled, a batch read by ``custom_id``), here
 because this module starts that server anyway. Real time, bounded by ``trio.fail_after``."""
 
@@ -32,6 +32,7 @@ from server.openai.responses_progress import ProgressCache, ProgressStatistics, 
 from server.http.responses_background import LEASE_S, SWEEP_S
 from server.http.serve import serve
 from tests.conftest import FAST_SIM, ServerURL, running_server, wait_http_ok
+from tests.postgres_server import STORES, state_options
 from tests.remote import supervised
 
 TIMEOUT_S = 60
@@ -46,12 +47,10 @@ def client_of(url: str, key: str = "x") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=STORES)
 def store_options(request, tmp_path) -> dict:
-    """Where a test's servers keep their state: one --state-dir, or one PostgreSQL database."""
-    if request.param == "sqlite":
-        return {"state_dir": str(tmp_path / "state")}
-    return {"state_url": request.getfixturevalue("postgres_server").new_database("bg")}
+    """Where a test's servers keep their state: SQLite, or PostgreSQL (tests/postgres_server.py)."""
+    return state_options(request, tmp_path, "bg")
 
 
 async def wait_status(client: openai.AsyncOpenAI, response_id: str, statuses: tuple):

@@ -26,6 +26,7 @@ from server.errors import ClientError
 from server.manager.batch_priority import BATCH_PRIORITY, batch_priority
 from server.state import Record, StateConfig, open_state_store
 from tests.conftest import running_server
+from tests.postgres_server import STORES, state_options
 from tests.test_shutdown import cli_server
 
 CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -135,13 +136,10 @@ def test_the_list_query_defaults():
 # -- the openai SDK end to end ------------------------------------------------------------
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=STORES)
 def store_options(request, tmp_path) -> dict:
-    """Where one test's server keeps its state: SQLite in a directory of its own, or a new
-    PostgreSQL database (tests/postgres_server.py; skipped where it is not installed)."""
-    if request.param == "sqlite":
-        return {"state_dir": str(tmp_path / "state")}
-    return {"state_url": request.getfixturevalue("postgres_server").new_database("b")}
+    """Where one test's server keeps its state: SQLite, or PostgreSQL (tests/postgres_server.py)."""
+    return state_options(request, tmp_path, "b")
 
 
 async def test_a_batch_of_each_endpoint_runs_to_completion(store_options):

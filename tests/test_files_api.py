@@ -1,7 +1,8 @@
 """The Files API (/v1/files, server/http/files.py): a batch input file's lines checked at
 upload (server/openai/batch_input.py), the list's query, and the openai SDK end to end
 through a real server on the sim: upload, list, retrieve, content, delete; the size limit;
-the form's refusals; another key's files."""
+the form's refusals; another key's files. The end-to-end and ownership tests on SQLite and
+PostgreSQL."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from server.http.upload import FORM_OVERHEAD
 from server.openai.batch_input import batch_lines, check_batch_file
 from server.openai.files import parse_list_query, upload_purpose
 from tests.conftest import running_server
+from tests.postgres_server import STORES, state_options
 from tests.test_connection import header, read_response
 from tests.test_hostile import addr, raw_exchange, split_response
 
@@ -117,6 +119,12 @@ def test_the_list_query():
         assert info.value.param == param
 
 
+@pytest.fixture(params=STORES)
+def store_options(request, tmp_path) -> dict:
+    """Where a test's server keeps its state: SQLite, or PostgreSQL (tests/postgres_server.py)."""
+    return state_options(request, tmp_path, "f")
+
+
 # -- the openai SDK end to end, on the sim -------------------------------------------------
 
 
@@ -139,8 +147,8 @@ def client_of(url: str, key: str = "none") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
 
 
-async def test_upload_list_retrieve_content_delete_with_the_sdk():
-    async with running_server() as url:
+async def test_upload_list_retrieve_content_delete_with_the_sdk(store_options):
+    async with running_server(**store_options) as url:
         client = client_of(url)
         first = await client.files.create(file=("a.jsonl", batch_file(3)), purpose="batch")
         content = batch_file(200)
@@ -257,9 +265,10 @@ async def test_an_upload_over_the_limit_is_a_413_before_its_end_and_the_server_g
         assert [f.id for f in (await client.files.list()).data] == [stored.id]
 
 
-async def test_another_keys_files_are_not_found_and_a_full_quota_is_a_413():
+async def test_another_keys_files_are_not_found_and_a_full_quota_is_a_413(store_options):
     quota = 40_000
-    async with running_server(api_keys=("key-a", "key-b"), state_max_bytes_per_key=quota) as url:
+    async with running_server(api_keys=("key-a", "key-b"), state_max_bytes_per_key=quota,
+                              **store_options) as url:
         a, b = client_of(url, "key-a"), client_of(url, "key-b")
         mine = await a.files.create(file=("a.jsonl", batch_file(2)), purpose="batch")
         theirs = await b.files.create(file=("b.jsonl", batch_file(1)), purpose="batch")

@@ -3,7 +3,8 @@
 checked by its token count, which the sim counts in words of its chat template),
 ``responses.retrieve`` (the object, and its events replayed byte for byte, from
 ``starting_after``), ``input_items.list`` paging, ``delete`` then 404, ``store: false``
-never kept, another key's response a 404 like a missing one; and the refusals."""
+never kept, another key's response a 404 like a missing one; and the refusals. Over HTTP
+on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from server.errors import ClientError
 from server.openai.responses import parse_responses, read_responses, translate_responses
 from server.openai.responses_items import context_of, input_items, items_page, record_body
 from tests.conftest import running_server
+from tests.postgres_server import STORES, state_options
 
 KEYS = ("key-a", "key-b")
 
@@ -30,6 +32,12 @@ def client_of(url: str, key: str = "x") -> openai.AsyncOpenAI:
 def prompt_tokens(*messages: tuple[str, str]) -> int:
     """What the sim counts for a chat of these (role, content) messages."""
     return len(render_chat([{"role": r, "content": c} for r, c in messages]).split())
+
+
+@pytest.fixture(params=STORES)
+def store_options(request, tmp_path) -> dict:
+    """Where a test's server keeps its state: SQLite, or PostgreSQL (tests/postgres_server.py)."""
+    return state_options(request, tmp_path, "sr")
 
 
 # -- sans-IO -------------------------------------------------------------------------------
@@ -100,8 +108,8 @@ def test_input_item_pages():
 # -- over HTTP -----------------------------------------------------------------------------
 
 
-async def test_a_chain_of_turns_retrieved_listed_and_deleted_with_the_sdk():
-    async with running_server() as url:
+async def test_a_chain_of_turns_retrieved_listed_and_deleted_with_the_sdk(store_options):
+    async with running_server(**store_options) as url:
         client = client_of(url)
         first = await client.responses.create(model="sim", input="Hello there",
                                               instructions="Be brief.", max_output_tokens=8,
@@ -164,8 +172,8 @@ async def test_a_chain_of_turns_retrieved_listed_and_deleted_with_the_sdk():
             await client.responses.retrieve(second.id)
 
 
-async def test_a_stored_stream_replays_byte_for_byte():
-    async with running_server() as url:
+async def test_a_stored_stream_replays_byte_for_byte(store_options):
+    async with running_server(**store_options) as url:
         client = client_of(url)
         async with httpx.AsyncClient(base_url=url) as http:
             r = await http.post("/v1/responses", json={"input": "stream me", "stream": True,
@@ -198,8 +206,8 @@ async def test_a_stored_stream_replays_byte_for_byte():
         assert text == whole.output_text
 
 
-async def test_another_keys_response_is_a_404_like_a_missing_one():
-    async with running_server(api_keys=KEYS) as url:
+async def test_another_keys_response_is_a_404_like_a_missing_one(store_options):
+    async with running_server(api_keys=KEYS, **store_options) as url:
         a, b = client_of(url, "key-a"), client_of(url, "key-b")
         mine = await a.responses.create(model="sim", input="secret", max_output_tokens=2)
         missing = "resp_" + "0" * 24
@@ -257,8 +265,10 @@ async def test_refusals_name_the_field():
     ("state_max_bytes_per_key", 413, "storage_quota_exceeded"),
     ("state_max_bytes", 507, "storage_full"),
 ])
-async def test_a_response_the_store_refuses_is_answered_and_not_kept(bound, status, code):
-    async with running_server(**{bound: 200}) as url:  # (smaller than any response)
+async def test_a_response_the_store_refuses_is_answered_and_not_kept(bound, status, code,
+                                                                     store_options):
+    # (a bound smaller than any response)
+    async with running_server(**{bound: 200}, **store_options) as url:
         client = client_of(url)
         async with httpx.AsyncClient(base_url=url) as http:
             r = await http.post("/v1/responses", json={"input": "x", "max_output_tokens": 2})
