@@ -73,8 +73,12 @@ async def test_sigterm_drains_64_streams_and_new_requests_go_to_the_other_worker
                             assert leaving.outstanding  # (mid-stream)
                             workers[0].proc.send_signal(signal.SIGTERM)
                             await wait_until(lambda: leaving.leaving, LIMIT)
-                            ready = (await http.get("/ready")).json()  # (one takes none)
-                            assert ready["status"] == "degraded", ready
+                            # (one takes none; the other, heard 1.1 s ago at most, may
+                            # seem silent for a moment to a loop the machine starves)
+                            while (ready := (await http.get("/ready")).json())[
+                                    "status"] != "degraded":
+                                assert ready["status"] == "unavailable", ready
+                                await trio.sleep(0.05)
                             assert ready["workers_alive"] == 1, ready
                             routed = list(engine.statistics().routing.routed)
                             for _ in range(16):  # new ones, while the streams run
