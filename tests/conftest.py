@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 import httpx
@@ -36,7 +37,7 @@ JSON = {"Content-Type": "application/json"}
 
 
 def pytest_collection_modifyitems(config, items):
-    slow_modules_first(items)
+    slow_units_first(items)
     if os.environ.get(FALLBACK_ENV, "") in ("", "0"):
         return
     skip = pytest.mark.skip(reason=f"needs the direct HTTP path ({FALLBACK_ENV} is set)")
@@ -49,25 +50,89 @@ def _module(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
-def slow_modules_first(items) -> None:
-    """The modules marked ``slow`` (minutes of engine start-ups) run first: under ``-n``, so
-    that none of them is the last thing running while the other workers sit idle. By module
-    (a module's tests stay together, in their order, for its module-scoped fixtures)."""
-    slow = {_module(item.nodeid) for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: _module(item.nodeid) not in slow)  # (a stable sort)
-
-
 #: Modules whose tests share nothing (no module-scoped server or model): under ``-n`` each
 #: test goes to whichever worker is free.
 SPREAD = {"tests/test_bench_smoke.py"}
 #: Modules that share a session-scoped server or process with another (``vllm_server``,
-#: ``vllm_checks``, ``tools_server``): under ``-n`` they run in that module's unit of work,
-#: so that one worker starts it once.
+#: ``vllm_checks``, ``transformers_server``, ``tools_server``): they run in that module's
+#: unit of work, so that one worker starts it once, and it stops when the unit ends.
 SHARED = {"tests/test_vllm_token_ids.py": "tests/test_vllm_engine.py",
           "tests/test_vllm_prep_helper.py": "tests/test_structured_defaults.py",
+          "tests/test_minimal_bodies.py": "tests/test_structured_defaults.py",
+          "tests/test_hostile_bodies.py": "tests/test_structured_defaults.py",
+          "tests/test_embeddings.py": "tests/test_structured_defaults.py",
+          "tests/test_transformers_engine.py": "tests/test_structured_defaults.py",
+          "tests/test_token_ids.py": "tests/test_structured_defaults.py",
+          "tests/test_refusal_params.py": "tests/test_structured_defaults.py",
+          "tests/test_background_responses.py": "tests/test_structured_defaults.py",
           "tests/test_tools_defaults.py": "tests/test_tools.py",
           "tests/test_clients.py": "tests/test_tools.py",
           "tests/test_responses.py": "tests/test_tools.py"}
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work of a test: its module, the module it shares a server with
+    (:data:`SHARED`), or the test itself (:data:`SPREAD`)."""
+    module = _module(nodeid)
+    return nodeid if module in SPREAD else SHARED.get(module, module)
+
+
+def slow_units_first(items) -> None:
+    """Each unit's tests together, in their order, and the units with a test marked
+    ``slow`` (minutes of engine start-ups) first. Under ``-n`` the slow ones are then never
+    the last thing running while the other workers sit idle. Without ``-n`` too, a unit's
+    shared servers can stop when it ends (:func:`close_with_unit`)."""
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(unit_of(item.nodeid), i)
+    slow = {unit_of(item.nodeid) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (unit_of(item.nodeid) not in slow, first[unit_of(item.nodeid)]))
+
+
+#: What stops the running unit's shared servers, by fixture name (:func:`close_with_unit`).
+_unit_closers: dict[str, Callable[[], None]] = {}
+#: The shared servers stopped so far, with the unit that used them.
+_closed: dict[str, str] = {}
+
+
+def close_with_unit(name: str, close: Callable[[], None]) -> Callable[[], None]:
+    """Have the session fixture ``name``'s ``close`` called once the running unit of work
+    ends, not at the end of the session: an idle vLLM server still costs a few percent of a
+    core, and each server holds a gigabyte or more. Its users must be one unit
+    (:data:`SHARED`). Returns ``close`` made idempotent, for the fixture's own teardown."""
+    done = False
+
+    def once() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            _closed.setdefault(name, "(the session's end)")
+            close()
+
+    _unit_closers[name] = once
+    return once
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of a unit of work (``nextitem`` is in another, or none is left),
+    stop the shared servers it started (:func:`close_with_unit`)."""
+    result = yield
+    if nextitem is None or unit_of(nextitem.nodeid) != unit_of(item.nodeid):
+        while _unit_closers:
+            name, close = _unit_closers.popitem()
+            _closed[name] = unit_of(item.nodeid)
+            close()
+    return result
+
+
+def pytest_runtest_setup(item):
+    """A test that asks for a shared server stopped with another unit fails at once, saying
+    why, rather than talking to a server that is gone."""
+    for name in item.fixturenames:
+        if name in _closed:
+            pytest.fail(f"{name} stopped at the end of the unit of {_closed[name]}, which "
+                        f"{_module(item.nodeid)} is not part of: add it to SHARED (tests/conftest.py)")
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # (optional: pytest-xdist's hook)
@@ -76,7 +141,7 @@ def pytest_xdist_make_scheduler(config, log):
     run by one xdist worker, so that its module-scoped servers and models are made once, not
     once per worker; a test of a :data:`SPREAD` module is a unit of its own, a
     :data:`SHARED` module is part of the unit of the module whose server it shares. The units are
-    handed out in collection order (slow modules first). Ours rather than xdist's own
+    handed out in collection order (slow units first). Ours rather than xdist's own
     ``loadgroup``, whose ``xdist_group`` marks pytest 9.2 no longer carries to the
     scheduler (pytest-xdist issue 1386: the tests would spread one by one)."""
     if config.getvalue("dist") != "loadgroup":
@@ -85,8 +150,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ByModule(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = _module(nodeid)
-            return nodeid if module in SPREAD else SHARED.get(module, module)
+            return unit_of(nodeid)
 
     config.option.loadscopereorder = False  # (xdist's would put the biggest modules first)
     return ByModule(config, log)
@@ -263,12 +327,13 @@ def transformers_server(tmp_path_factory):
     ``tiny-llama``, with one torch thread, for the tests that only talk to a server of that
     configuration (tests/test_structured_defaults.py, test_minimal_bodies.py,
     test_hostile_bodies.py, test_embeddings.py, test_transformers_engine.py,
-    test_token_ids.py, test_refusal_params.py): one start-up
-    for each xdist worker that runs any of them, not one per test. ``model_dir``: its model.
-    Through :func:`transformers_url`."""
+    test_token_ids.py, test_refusal_params.py, test_background_responses.py: one unit of
+    work, :data:`SHARED`): one start-up for them all. ``model_dir``: its model. Through
+    :func:`transformers_url`."""
     server = transformers_thread_server(tmp_path_factory.mktemp("shared-hf") / "tiny-llama")
+    close = close_with_unit("transformers_server", server.close)
     yield server
-    server.close()
+    close()
 
 
 @pytest.fixture
@@ -288,8 +353,9 @@ def tools_server(tmp_path_factory):
     server = transformers_thread_server(tmp_path_factory.mktemp("shared-tools") / "tiny-tools",
                                         {"max_position_embeddings": 4096},
                                         tool_call_parser="hermes")
+    close = close_with_unit("tools_server", server.close)
     yield server
-    server.close()
+    close()
 
 
 @pytest.fixture
@@ -329,8 +395,9 @@ def vllm_server(vllm_model_dir):
     from tests.test_vllm_engine import start_shared_server
 
     server = start_shared_server(vllm_model_dir)
+    stop = close_with_unit("vllm_server", server.stop)
     yield server
-    server.stop()
+    stop()
 
 
 @pytest.fixture(scope="session")
@@ -341,8 +408,9 @@ def vllm_checks(tmp_path_factory):
     from tests.vllm_reference import ChecksApart
 
     checks = ChecksApart(tmp_path_factory.mktemp("vllm-checks"))
+    close = close_with_unit("vllm_checks", checks.close)
     yield checks
-    checks.close()
+    close()
 
 
 @pytest.fixture(scope="session")
