@@ -55,7 +55,7 @@ VLLM_FLAGS: tuple[tuple[str, dict, str], ...] = (
      "'{\"image\": 2}' (an image part past it is a 400 naming it)"),
     ("--scheduling-policy", {"choices": ("fcfs", "priority")},
      "the order waiting requests run in: fcfs, or priority (a request's 'priority' field: "
-     "lower first, then arrival)"),
+     "lower first, then arrival; the sim engine models both)"),
 )
 
 #: Their dests.
@@ -248,6 +248,7 @@ _ENGINE_ONLY = {
     **{dest: ("vllm",) for dest in _VLLM_FLAG_DESTS},
     # (simulated adapters: server.engines.sim.lora; not --max-lora-rank, no weights)
     **{dest: ("vllm", "sim") for dest in _LORA_DESTS},
+    "scheduling_policy": ("vllm", "sim"),  # (the sim's model of it: a mixed pool's tests)
 }
 
 
@@ -345,6 +346,8 @@ def engine_options(args: argparse.Namespace, prog: str) -> dict:
         elif args.sim_prefix_block_size != 16:
             raise SystemExit(f"{prog}: --sim-prefix-block-size needs "
                              "--sim-prefix-cache-tokens")
+        if args.scheduling_policy is not None:
+            options["scheduling_policy"] = args.scheduling_policy
         lora = {k: getattr(args, k) for k in ("enable_lora", "max_loras")
                 if getattr(args, k) is not None}
         options.update(_lora_options(args, lora, prog), **lora)

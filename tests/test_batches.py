@@ -24,8 +24,10 @@ from server.batches.objects import (
 )
 from server.errors import ClientError
 from server.manager.batch_priority import BATCH_PRIORITY, batch_priority
+from server.config import EngineConfig
 from server.state import Record, StateConfig, open_state_store
-from tests.conftest import running_server
+from server.worker_protocol import wire
+from tests.conftest import FAST_SIM, running_server
 from tests.postgres_server import STORES, state_options
 from tests.test_shutdown import cli_server
 
@@ -587,43 +589,43 @@ def test_a_batch_lines_priority_lies_after_every_usual_one():
 
 
 async def test_batch_lines_go_below_interactive_requests_in_a_priority_scheduler():
-    """A worker whose HELLO lists ``priority`` (vLLM under --scheduling-policy priority) is
-    sent each batch line at batch_priority of the line's own, and interactive requests at
-    theirs; a worker without it (the sim's HELLO, vLLM's fcfs) is sent no priority."""
-    async with running_server() as url:
+    """A worker whose HELLO lists ``priority`` (here the sim under the priority policy, as
+    vLLM's --scheduling-policy priority) is sent each batch line at batch_priority of the
+    line's own, and interactive requests at theirs. A worker without it (the sim's fcfs,
+    which refuses a priority not 0 as vLLM's does) is sent none: its lines complete."""
+    def line(prompt: str, **extra) -> dict:
+        return {"custom_id": prompt, "method": "POST", "url": "/v1/completions",
+                "body": {"model": "sim", "prompt": prompt, "max_tokens": 2, **extra}}
+
+    async def run(client, lines: list[dict]) -> None:
+        file = await upload(client, lines)
+        batch = await client.batches.create(input_file_id=file.id,
+                                            endpoint="/v1/completions",
+                                            completion_window="24h")
+        assert (await wait_status(client, batch.id)).request_counts.completed == len(lines)
+
+    async with running_server() as url:  # (fcfs)
+        await run(client_of(url), [line("fcfs line")])
+    priority = EngineConfig(engine_options={**FAST_SIM, "scheduling_policy": "priority"})
+    async with running_server(priority) as url:
         client = client_of(url)
         (worker,) = url.app.models.pools[0].engine.workers
         sent: dict[str, object] = {}
         submit = worker.submit_nowait
 
         def recording(choices, frames):  # (what the worker is sent, then sent it)
-            for choice in choices:
-                sent[choice.prompt] = choice.params.get("priority")
+            for frame in frames:
+                [(_, _, prompt, params, *_)] = wire.FrameDecoder().feed(frame)
+                sent[prompt] = params.get("priority")
             submit(choices, frames)
 
         worker.submit_nowait = recording
-
-        async def run(lines: list[dict]) -> None:
-            file = await upload(client, lines)
-            batch = await client.batches.create(input_file_id=file.id,
-                                                endpoint="/v1/completions",
-                                                completion_window="24h")
-            await wait_status(client, batch.id)
-
-        def line(prompt: str, **extra) -> dict:
-            return {"custom_id": prompt, "method": "POST", "url": "/v1/completions",
-                    "body": {"model": "sim", "prompt": prompt, "max_tokens": 2, **extra}}
-
-        await run([line("fcfs line")])
-        await client.completions.create(model="sim", prompt="fcfs asked", max_tokens=2)
-        assert sent == {"fcfs line": None, "fcfs asked": None}
-        worker.info = {**worker.info, "sampling": [*worker.info["sampling"], "priority"]}
-        await run([line("line"), line("line at 3", priority=3)])
+        await run(client, [line("line"), line("line at 3", priority=3)])
         await client.completions.create(model="sim", prompt="asked", max_tokens=2)
         await client.completions.create(model="sim", prompt="asked at 5", max_tokens=2,
                                         extra_body={"priority": 5})
-        assert sent == {"fcfs line": None, "fcfs asked": None, "line": BATCH_PRIORITY,
-                        "line at 3": BATCH_PRIORITY + 3, "asked": None, "asked at 5": 5}
+        assert sent == {"line": BATCH_PRIORITY, "line at 3": BATCH_PRIORITY + 3,
+                        "asked": None, "asked at 5": 5}
 
 
 async def test_a_server_that_stops_gives_its_batch_back_for_the_next_to_finish(tmp_path):

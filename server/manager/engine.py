@@ -23,7 +23,7 @@ import trio
 from trio_util import AsyncValue, wait_all
 
 from ..config import EngineConfig
-from ..errors import EngineError, ServiceUnavailable
+from ..errors import ClientError, EngineError, ServiceUnavailable
 from ..observability.engine_metrics import EngineReport
 from ..params import SamplingParams, truncated
 from ..worker_protocol import wire
@@ -31,7 +31,7 @@ from ..discovery.names import DnsName, parse_worker_address
 from ..discovery.pool import DiscoveredPool
 from ..discovery.watch import WatchStatistics
 from .adapters import AdapterRegistry
-from .batch_priority import batch_priority, in_batch_work
+from .batch_priority import honours_priority, in_batch_work, needs_priority, scheduled
 from ..worker_protocol.images import image_count, takes_images
 from ..worker_protocol.kv_blocks import seed_of
 from .deadlines import QUEUE_TIMEOUT, DeadlineQueue
@@ -176,9 +176,12 @@ class Engine:
         """The engine's HELLO info (model, max_model_len, chat_template, ...): the first
         worker's. In a pool of text and vision workers, with the ``images`` of the vision
         worker that takes the most a prompt: image requests are accepted up to that many,
-        and routed only to workers that take as many (:meth:`_route`)."""
+        and routed only to workers that take as many (:meth:`_route`). Likewise with
+        ``priority`` among its sampling fields where any worker honours it
+        (server.manager.batch_priority)."""
         first = None
         images = None
+        priority = False
         for w in self.workers:
             if w.info:
                 first = first or w.info
@@ -186,9 +189,15 @@ class Engine:
                 if isinstance(offer, dict) and (images is None or offer.get(
                         "per_prompt", 0) > images.get("per_prompt", 0)):
                     images = offer
-        if first is None or images is None or first.get("images") is images:
-            return first or {}
-        return {**first, "images": images}
+                priority = priority or honours_priority(w.info)
+        if first is None:
+            return {}
+        merged = first
+        if images is not None and first.get("images") is not images:
+            merged = {**merged, "images": images}
+        if priority and not honours_priority(first):
+            merged = {**merged, "sampling": [*(first.get("sampling") or ()), "priority"]}
+        return merged
 
     def generate(
         self,
@@ -237,10 +246,9 @@ class Engine:
         key = wire_params[0] if n else {}
         blocks, scores = self._scores(prompts[0] if prompts else None, key, adapter)
         worker, decision = self._route(blocks.hashes, scores=scores,
-                                       images=max(map(image_count, prompts), default=0))
-        if in_batch_work() and "priority" in (worker.info.get("sampling") or ()):
-            for wp in wire_params:  # a batch line, below interactive work (batch_priority)
-                wp["priority"] = batch_priority(wp.get("priority") or 0)
+                                       images=max(map(image_count, prompts), default=0),
+                                       priority=needs_priority(key))
+        batch = in_batch_work()  # (a line's priority is ours: server.manager.batch_priority)
         # each prompt's blocks, for the prediction (and the worker's other frontends)
         hashes = [blocks.hashes] + [
             router.blocks(*self._route_key(prompt, key, adapter)).hashes
@@ -254,13 +262,15 @@ class Engine:
                 wp["token_ids"] = True
         frames = []
         packs = worker.reads_packed
+        sent_params = [scheduled(wp, batch, worker.info) for wp in wire_params]
         for p, prompt in enumerate(prompts):
             sent = wire.pack_ids(prompt) if packs else prompt  # (token ids: long ones packed)
             names = _names_to_send(worker, prompt, hashes[p]) if hashes else None
             for i in range(n):
                 choice = Choice(next(self._rids), p * n + i, worker, waker, prompt,
                                 wire_params[i], adapter)
-                message = [wire.SUBMIT, choice.rid, sent, wire_params[i]]
+                choice.batch = batch
+                message = [wire.SUBMIT, choice.rid, sent, sent_params[i]]
                 if names and not i:  # (once a prompt)
                     message += [adapter, names]
                 elif adapter is not None:
@@ -325,7 +335,7 @@ class Engine:
             params = params.to_wire()
         blocks, scores = self._scores(prompt, params or {}, adapter)
         picked = self._route(blocks.hashes, exclude, draining_ok=migrating, scores=scores,
-                             images=image_count(prompt))
+                             images=image_count(prompt), priority=needs_priority(params))
         if migrating and self.router.prefix_aware:
             self.router.routed(picked[0].index, blocks.hashes)
         return picked
@@ -366,20 +376,30 @@ class Engine:
 
     def _route(
         self, hashes: list[bytes], exclude: Sequence[int] = (), *, draining_ok: bool = False,
-        scores: list[int] | None = None, images: int = 0,
+        scores: list[int] | None = None, images: int = 0, priority: bool = False,
     ) -> tuple[WorkerClient, Decision]:
         """The worker for a request: of the routable ones, not in ``exclude`` and, for a
-        prompt of ``images`` images, one whose HELLO says it takes that many."""
+        prompt of ``images`` images, one whose HELLO says it takes that many; for a
+        client's ``priority``, one that honours it (a 400 naming the field when no worker
+        of the pool does: server.manager.batch_priority)."""
         if not self._accepting and not draining_ok:
             raise ServiceUnavailable("the server is shutting down", code="shutting_down")
         router = self.router
         self._forget_restarted()
         # a shared worker's load counts the other frontends' requests (from its PONGs)
-        loads = [w.load if w.routable and takes_images(w.info, images) else None
+        loads = [w.load if w.routable and takes_images(w.info, images) and (
+                     not priority or honours_priority(w.info)) else None
                  for w in self.workers]
         decision = router.pick(hashes, loads, exclude, scores)
         if decision is None:
+            if priority and not any(honours_priority(w.info) for w in self.workers):
+                raise ClientError(
+                    "'priority' is not supported here: no worker of this model runs "
+                    "priority scheduling (vLLM's --scheduling-policy priority); send 0 or "
+                    "leave it out.", param="priority", code="unsupported_parameter")
             what = f"that takes {images} image{'s' * (images > 1)} a prompt " if images else ""
+            if priority:
+                what += "that schedules by 'priority' "
             raise ServiceUnavailable(f"no engine worker {what}is available", code="no_worker")
         return self.workers[decision.worker], decision
 

@@ -27,7 +27,11 @@ A choice is not moved, and ends with the ``worker_died`` error as without migrat
 * it already moved ``max_migrations`` times;
 * the worker did not send the ids of every token it produced (an engine that cannot say
   them, or that cannot resume: ``"resume"`` not in its HELLO);
-* or no other live worker can take it.
+* or no other live worker can take it (one that honours a client's ``priority``, for a
+  request that carries one: server.manager.batch_priority).
+
+A batch line's priority is the frontend's: the new worker gets it only if it schedules by
+priority, whatever the dead one was sent.
 
 A choice whose abort was already sent (its client left, or the server aborted it) ends
 with ``abort`` instead: nothing is resumed for a consumer that is going away.
@@ -47,8 +51,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import ServiceUnavailable
+from ..errors import ClientError, ServiceUnavailable
 from ..worker_protocol import wire
+from .batch_priority import scheduled
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -151,14 +156,15 @@ class Migrator:
             first = movable[0]  # (its blocks keyed as its first pick keyed them)
             worker, _ = engine.pick_worker(first.prompt, exclude, params=first.params,
                                            adapter=first.adapter, migrating=True)
-        except ServiceUnavailable:
+        except (ServiceUnavailable, ClientError):  # (a client's priority: none honours it)
             stats["no_worker"] += len(movable)
             return left + movable
         frames = []
         packs = worker.reads_packed
         for choice in movable:
             prompt = wire.pack_ids(choice.prompt) if packs else choice.prompt
-            message = [wire.SUBMIT, choice.rid, prompt, continuation(choice)]
+            params = scheduled(continuation(choice), choice.batch, worker.info)
+            message = [wire.SUBMIT, choice.rid, prompt, params]
             if choice.adapter is not None:  # (a LoRA adapter: every worker of the pool has it)
                 message.append(choice.adapter)
             frames.append(wire.encode(message))

@@ -195,6 +195,7 @@ class Choice:
         "text_chars",
         "migrations",
         "adapter",
+        "batch",
     )
 
     def __init__(self, rid: int, index: int, worker: WorkerClient, waker: Waker,
@@ -205,9 +206,10 @@ class Choice:
         #: The worker that holds it now (another one after a migration).
         self.worker = worker
         self.waker = waker
-        #: The prompt and wire params it was submitted with (to resume it elsewhere:
-        #: server.manager.migration), the ids of the tokens it produced (None: not asked
-        #: for), the characters of text pushed, and how many times it moved.
+        #: The prompt and the request's wire params (to resume it elsewhere:
+        #: server.manager.migration; its worker was sent them with a batch line's priority
+        #: where it honours one: ``batch``), the ids of the tokens it produced (None: not
+        #: asked for), the characters of text pushed, and how many times it moved.
         self.prompt = prompt
         self.params = params
         self.token_ids: list[int] | None = (
@@ -224,6 +226,8 @@ class Choice:
         self.migrations = 0
         #: The LoRA adapter it runs with (None: the base model), for a resubmission too.
         self.adapter = adapter
+        #: A batch line's (server.manager.batch_priority): its priority is the frontend's.
+        self.batch = False
         self.text = ""
         self.ntok = 0
         self.prompt_tokens = 0

@@ -20,6 +20,11 @@ It behaves like a real engine from the frontend's point of view:
   :data:`IMAGE_CACHE_ITEMS`, by SHA-256) model vLLM's processed-image cache: each PONG
   counts the lookups and hits (``mm_cache_queries``, ``mm_cache_hits``), as the vllm
   engine's does.
+* **Scheduling policy** (``scheduling_policy``, vLLM's ``--scheduling-policy``): with
+  ``"fcfs"`` (the default) a request's non-zero ``priority`` is refused, as vLLM refuses
+  it. With ``"priority"`` the HELLO lists ``priority`` among its sampling fields, and the
+  waiting requests are admitted lowest ``priority`` first, then in arrival order. Nothing
+  running is preempted: the sim has no KV cache to run out of.
 * **Prefix cache** (only with ``prefix_cache_tokens > 0``): a model of vLLM's automatic
   prefix caching (:class:`server.engines.sim.cache.PrefixCache`: blocks of
   ``prefix_block_size`` words, chained hashes, LRU eviction). A request's first token then
@@ -212,7 +217,7 @@ class _Req:
     __slots__ = (
         "rid", "rng", "max_tokens", "stop", "produced", "ready_at",
         "fault", "fault_after", "fault_seconds", "prompt_tokens", "started", "call", "blocks", "cached",
-        "ids", "pending", "end", "lora", "tag",
+        "ids", "pending", "end", "lora", "tag", "priority",
     )
     rid: int
     rng: int  # the state of a 32-bit xorshift generator
@@ -233,6 +238,7 @@ class _Req:
     end: str  # the finish reason at max_tokens: "length", or "stop" at an end of sequence
     lora: int  # its adapter's id (0: the base model)
     tag: str | None  # the text its answer opens with (an adapter's, on a plain answer)
+    priority: int  # its place in the waiting queue under the priority policy (lower first)
 
 
 class SimEngine:
@@ -262,6 +268,7 @@ class SimEngine:
         lora_modules: dict | None = None,
         allow_runtime_lora: bool = False,
         lora_dir: str | None = None,
+        scheduling_policy: str = "fcfs",
         clock=time.monotonic,
     ) -> None:
         if not 0 < embedding_size <= _MAX_EMBEDDING:
@@ -270,6 +277,9 @@ class SimEngine:
             raise ValueError("the sim engine needs max_batch >= 1 and max_model_len >= 2")
         if itl_ms < 0 or ttft_ms < 0 or prefill_us_per_token < 0:
             raise ValueError("the sim engine's times must not be negative")
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"the sim engine's scheduling_policy must be 'fcfs' or 'priority', "
+                             f"not {scheduling_policy!r}")
         if startup_delay_ms:  # pretend to load weights (lets tests see a starting server)
             time.sleep(startup_delay_ms / 1000.0)
         self._clock = clock
@@ -292,7 +302,8 @@ class SimEngine:
             "max_model_len": max_model_len,
             "max_batch": max_batch,
             "chat_template": CHAT_TEMPLATE,
-            "sampling": ["tools", "response_format", *TRUNCATION_FIELDS],
+            "sampling": ["tools", "response_format", *TRUNCATION_FIELDS,
+                         *(["priority"] if scheduling_policy == "priority" else [])],
             "resume": True,
             "embedding": {"size": embedding_size, "dimensions": True},
         }
@@ -329,8 +340,10 @@ class SimEngine:
                                  "(--enable-lora)")
         #: Where an answer's first token is (its tag goes there): after the reasoning.
         self._answer_at = reasoning_tokens + 2 if reasoning_tokens else 0
+        #: Whether waiting requests are admitted by their priority (vLLM's "priority").
+        self.priority_policy = scheduling_policy == "priority"
         self._running: dict[int, _Req] = {}
-        self._waiting: dict[int, _Req] = {}  # insertion order is FIFO order
+        self._waiting: dict[int, _Req] = {}  # insertion order is arrival order
         self._starting: dict[int, _Req] = {}  # running, first token not yet produced
         self._next_tick: float | None = None
         #: The prefix cache (None: off, and no cached_tokens notes).
@@ -421,6 +434,7 @@ class SimEngine:
         tokens = truncate_prompt(tokens, params, self.max_model_len)
         prompt_tokens = len(tokens)
         sampling = read_sampling(params)
+        priority = self._priority(params)
         max_tokens, temperature, seed, stop = (sampling.max_tokens, sampling.temperature,
                                                sampling.seed, sampling.stop)
         resumed = resume_of(params.get("resume"))
@@ -457,6 +471,7 @@ class SimEngine:
         else:
             req.call = _tool_call(params.get("tools"), max_tokens, req.rng)
         req.ids = bool(params.get("token_ids"))
+        req.priority = priority
         req.pending = ""
         adapter = params.get("lora")  # (only where info["lora"]: server.workers.main)
         req.lora = 0
@@ -552,14 +567,35 @@ class SimEngine:
 
     # -- internals --------------------------------------------------------------------------
 
+    def _priority(self, params: dict) -> int:
+        """A request's ``priority`` (0 when not given), refused as vLLM refuses it: not an
+        integer, or not 0 without the priority policy."""
+        value = params.get("priority")
+        if value is None:
+            return 0
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise Rejected("priority must be an integer", param="priority")
+        if value and not self.priority_policy:  # (vLLM's words)
+            raise Rejected(f"Got priority {value} but Priority scheduling is not enabled.",
+                           param="priority")
+        return value
+
+    def _queue(self) -> list[int] | dict[int, _Req]:
+        """The waiting requests' ids in the order they are admitted: arrival order, or,
+        under the priority policy, lowest priority first (a stable sort: then arrival)."""
+        waiting = self._waiting
+        if not self.priority_policy:
+            return waiting
+        return sorted(waiting, key=lambda rid: waiting[rid].priority)
+
     def _admit(self, now: float) -> None:
         room = self.max_batch - len(self._running)
         if room <= 0:
             return
         waiting = self._waiting
         cache = self.cache
-        if self.adapters is None:  # (not a copy of the whole queue)
-            rids = list(itertools.islice(waiting, room))
+        if self.adapters is None:  # (not a copy of the whole queue under fcfs)
+            rids = list(itertools.islice(self._queue(), room))
         else:
             rids = self._admissible(room)
         loras = self._batch_loras
@@ -574,14 +610,16 @@ class SimEngine:
                 loras[req.lora] = loras.get(req.lora, 0) + 1
 
     def _admissible(self, room: int) -> list[int]:
-        """The waiting requests to admit, up to ``room``, in FIFO order, with at most
-        ``max_loras`` adapters running: a request of one more is passed over, as vLLM's
-        scheduler does (it waits; later ones may run first)."""
+        """The waiting requests to admit, up to ``room``, in queue order (:meth:`_queue`),
+        with at most ``max_loras`` adapters running: a request of one more is passed over,
+        as vLLM's scheduler does (it waits; later ones may run first)."""
         assert self.adapters is not None
         room_for = self.adapters.max_loras - len(self._batch_loras)
         added: set[int] = set()
         out: list[int] = []
-        for rid, req in self._waiting.items():
+        waiting = self._waiting
+        for rid in self._queue():
+            req = waiting[rid]
             if len(out) == room:
                 break
             if req.lora and req.lora not in self._batch_loras and req.lora not in added:
