@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 
+import h11
 import httpx
 import pytest
 
@@ -96,3 +97,36 @@ async def test_the_direct_path_answers_the_same_stream(monkeypatch):
         assert url.app.connections is None
 
     assert direct == public and len(direct[0].split()) == 12
+
+
+_REQUESTS = [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"GET /health HTTP/1.0\r\n\r\n",
+    b"HEAD /health HTTP/1.0\r\n\r\n",
+]
+_HEADS = [
+    [(b"content-type", b"text/event-stream"), (b"x-request-id", b"abc")],
+    [(b"Content-Length", b"2"), (b"date", b"Sat, 05 Dec 2026 01:30:00 GMT")],
+    [(b"transfer-encoding", b"Chunked"), (b"content-length", b"7")],
+    [(b"Connection", b"Keep-Alive, Upgrade"), (b"server", b"x")],
+    [(b"connection", b"close")],
+]
+
+
+@pytest.mark.parametrize("request_head", _REQUESTS)
+@pytest.mark.parametrize("headers", _HEADS)
+@pytest.mark.parametrize("status", [200, 204, 304, 404])
+def test_strict_connections_write_the_response_heads_h11_writes(request_head, headers, status):
+    """StrictH11Connection sets a head's framing headers on the headers h11 validated
+    once, instead of validating them again at each edit: the same bytes, the same states."""
+    sent = []
+    for cls in (h11.Connection, private_api.StrictH11Connection):
+        connection = cls(h11.SERVER)
+        connection.receive_data(request_head)
+        assert type(connection.next_event()) is h11.Request
+        data = connection.send(h11.Response(status_code=status, headers=headers, reason=b"R"))
+        sent.append((data, connection.our_state, connection.their_state,
+                     connection._cstate.keep_alive))
+    assert sent[0] == sent[1]
