@@ -223,6 +223,35 @@ def test_json_formatter_keeps_a_traceback_on_one_line():
     assert "ValueError: line one\nline two" in record["exc"]
 
 
+def test_log_times_are_of_the_second_each_line_was_made_in():
+    # The part of a line's time up to the second is formatted once a second and kept:
+    # lines of other seconds, and of a second again after another, still get their own.
+    import time
+
+    from server.observability.record import iso_utc
+
+    lines = {"text": io.StringIO(), "json": io.StringIO()}
+    handlers = [log_handler(fmt, buffer) for fmt, buffer in lines.items()]
+    moments = [1733362000.25, 1733362001.5, 1733362000.75, 1733365601.0, 1733362001.999]
+    for created in moments:
+        record = logging.LogRecord("server.test.times", logging.INFO, __file__, 1, "m", None,
+                                   None)
+        record.created, record.msecs = created, int((created - int(created)) * 1000) + 0.0
+        for handler in handlers:
+            handler.handle(record)
+        assert iso_utc(created) == (
+            time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(int(created)))
+            + ".%03dZ" % int((created - int(created)) * 1000))
+    reference = logging.Formatter()
+    texts = lines["text"].getvalue().splitlines()
+    stamps = [json.loads(line)["time"] for line in lines["json"].getvalue().splitlines()]
+    for created, text, stamp in zip(moments, texts, stamps, strict=True):
+        record = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
+        record.created, record.msecs = created, int((created - int(created)) * 1000) + 0.0
+        assert text.startswith(reference.formatTime(record) + " INFO server.test.times: m")
+        assert stamp == iso_utc(created)
+
+
 def test_cli_log_options():
     args = build_parser().parse_args(["--log-format", "json", "--log-level", "warning"])
     assert args.log_format == "json" and args.log_level == "warning"

@@ -23,6 +23,7 @@ with ``error``, the others with ``abort``).
 
 from __future__ import annotations
 
+import functools
 import time
 
 from ..errors import ServerError
@@ -218,7 +219,16 @@ class RequestRecord:
 
 
 def iso_utc(created: float) -> str:
-    """``2024-05-01T12:00:00.123Z`` (UTC, milliseconds) for a ``time.time()`` value."""
+    """``2024-05-01T12:00:00.123Z`` (UTC, milliseconds) for a ``time.time()`` value. The
+    part up to the second is formatted once a second (:func:`_utc_second`): every request's
+    log line has two of these."""
     seconds = int(created)
     millis = int((created - seconds) * 1000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
+    return f"{_utc_second(seconds)}.{millis:03d}Z"
+
+
+@functools.lru_cache(maxsize=2)
+def _utc_second(seconds: int) -> str:
+    """``2024-05-01T12:00:00`` for ``seconds`` since the epoch (the last two are kept: a
+    request's arrival and its line's time are often a second apart)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
