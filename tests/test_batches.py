@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import signal
 import time
 
@@ -359,6 +360,26 @@ async def test_the_batch_metrics_of_a_live_server():
         assert (seen["trio_llm:batches_running"], seen["trio_llm:batch_lines_in_flight"]) \
             == (0, 0)
         assert seen["trio_llm:batch_lines_completed_total"] == 3 + done.request_counts.completed
+
+
+async def test_answers_past_the_keys_quota_end_the_batch_storage_full(caplog):
+    """--state-max-bytes-per-key: a line's answer the store refuses ends the batch
+    ``failed`` with ``storage_full`` naming the quota, as output files that do not fit do,
+    and stops its other lines; nothing is logged as the server's own failure."""
+    async with running_server(api_keys=("key-a",), state_max_bytes_per_key=12_000) as url:
+        client = client_of(url, "key-a")
+        body = {**CHAT, "max_tokens": 500, "ignore_eos": True}  # (an answer of ~3 KB)
+        file = await upload(client, requests("/v1/chat/completions", 20, body))
+        batch = await client.batches.create(input_file_id=file.id,
+                                            endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        failed = await wait_status(client, batch.id, ("failed",))
+        [error] = failed.errors.data
+        assert error.code == "storage_full" and "--state-max-bytes-per-key" in error.message
+        assert failed.request_counts.completed < 20
+        assert (await client.completions.create(model="sim", prompt="hi", max_tokens=2)
+                ).choices[0].finish_reason == "length"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 async def test_two_creates_past_the_early_quota_check_store_one(store_options):

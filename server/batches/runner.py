@@ -18,6 +18,8 @@ Lines are read from the input file at each claim. Each finished line is appended
 event of the batch's record (its output line, a write for whatever finished meanwhile), so
 a SIGKILL loses only lines in flight or not yet written: whoever resumes the batch skips
 every ``custom_id`` an event already holds, and so each appears exactly once at the end.
+Those events count against the owner's stored bytes: a write the store refuses (the key's
+quota, the store's budget) stops the lines and ends the batch ``failed``, ``storage_full``.
 
 Priority: lines fill idle capacity only. At most ``concurrency`` lines run at once, all
 batches of this frontend together, and none starts while a worker reports requests
@@ -115,6 +117,9 @@ class _Job:
     failed: int = 0
     total: int = 0
     cancelling: bool = False
+    #: Why the store refused a line's answer (the owner's quota or the store's budget):
+    #: the batch then ends ``failed``, ``storage_full``, as when its files do not fit.
+    full: str | None = None
 
 
 class BatchRunner:
@@ -272,6 +277,11 @@ class BatchRunner:
         job.cancelling = job.meta["status"] == "cancelling"
         if job.meta["status"] == "in_progress":
             await self._run_lines(job, [line for line in lines if line.custom_id not in done])
+        if job.full is not None:
+            await self._write_meta(job, status="failed", failed_at=int(time.time()),
+                                   holder=None, lease_until_ms=None,
+                                   errors=_errors("storage_full", f"Not stored: {job.full}"))
+            return
         expired = _expired(job)
         await self._finish(job, lines, expired)
 
@@ -350,7 +360,8 @@ class BatchRunner:
             self._slots.release()
 
     async def _append(self, job: _Job, receive) -> None:
-        """Append finished lines as events, each write taking whatever finished meanwhile."""
+        """Append finished lines as events, each write taking whatever finished meanwhile.
+        A write the store refuses (full) stops the lines; what finishes after is dropped."""
         async with receive:
             async for first in receive:
                 batch = [first]
@@ -359,9 +370,17 @@ class BatchRunner:
                         batch.append(receive.receive_nowait())
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
-                with trio.CancelScope(shield=True):  # (a line's answer is not lost halfway)
-                    await self.store.append_events(KIND, job.owner, job.id,
-                                                   [line for line, _ in batch])
+                if job.full is not None:
+                    continue
+                try:
+                    with trio.CancelScope(shield=True):  # (a line's answer is not lost halfway)
+                        await self.store.append_events(KIND, job.owner, job.id,
+                                                       [line for line, _ in batch])
+                except StoreFull as exc:
+                    log.info("batch %s: failed: %s", job.id, exc.message)
+                    job.full = exc.message
+                    job.lines_scope.cancel()
+                    continue
                 for _, ok in batch:
                     if ok:
                         job.completed += 1
