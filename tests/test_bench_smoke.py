@@ -4,20 +4,24 @@ bench/stream_overhead.py had stopped running when the transport began reading it
 process's ``returncode``, and nothing noticed).
 
 The scripts are found here (every ``bench/*.py``): a new one without ``--smoke`` fails. Each
-runs as a subprocess from the repository root and must exit 0, print something on stdout
-(its figures, which mean nothing here) and say on stderr that it ran as a smoke run. Scripts
-that need an extra (torch, transformers, ...) are skipped where it is not installed, as the
-suite's other tests are. The subprocess's ``timeout`` is a hang guard only.
+runs from the repository root and must exit 0, print something on stdout (its figures,
+which mean nothing here) and say on stderr that it ran as a smoke run. Scripts that need an
+extra (torch, transformers, ...) are skipped where it is not installed, as the suite's other
+tests are. ``HANG_GUARD`` is a hang guard only.
+
+Each script runs in a forked child of one process per xdist worker that imported
+:data:`PRELOAD` once (tests/smoke_forker.py), as ``python SCRIPT --smoke`` would run it.
+Twelve scripts import torch and transformers; each import cost about 3.5 s of CPU.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.smoke_forker import Forker
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Scripts whose smoke run a test of their own runs and checks more closely.
@@ -46,6 +50,22 @@ NEEDS = {
 
 HANG_GUARD = 900  # seconds (a smoke run takes seconds to a minute on 2 busy cores)
 
+#: What the forking parent imports once, for the scripts' children: the heavy modules of
+#: :data:`NEEDS` and what the scripts import of ours (vllm is left out: one script imports
+#: it, and two parents would each pay its 4 s).
+PRELOAD = ["numpy", "torch", "transformers", "tokenizers", "xgrammar", "llguidance",
+           "transformers.models.llama.modeling_llama", "server.engines.transformers.engine",
+           "trio", "httpx", "bench.loadgen_lib.smoke"]
+
+
+@pytest.fixture(scope="module")
+def forker(tmp_path_factory):
+    """One forking parent for this module's tests on this xdist worker (they run one after
+    another: each is its own unit, handed out in order)."""
+    forker = Forker(PRELOAD, tmp_path_factory.mktemp("forker") / "log")
+    yield forker
+    forker.close()
+
 
 def test_every_script_is_found():
     assert len(SCRIPTS) >= 30 and "stream_overhead.py" in SCRIPTS, SCRIPTS
@@ -54,14 +74,14 @@ def test_every_script_is_found():
 
 
 @pytest.mark.parametrize("script", SCRIPTS)  # (under -n, spread: tests/conftest.py's SPREAD)
-def test_smoke_run(script):
+def test_smoke_run(script, forker, tmp_path):
     missing = [m for m in NEEDS.get(script, ()) if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"needs {', '.join(missing)}")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD,
-                          stdin=subprocess.DEVNULL)
-    output = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-    assert proc.returncode == 0, output
-    assert proc.stdout.strip(), output
-    assert "smoke run" in proc.stderr, output
+    run = forker.run(ROOT / "bench" / script, ["--smoke"], cwd=ROOT, out_dir=tmp_path,
+                     timeout=HANG_GUARD)
+    output = f"stdout:\n{run.stdout[-4000:]}\nstderr:\n{run.stderr[-4000:]}"
+    assert not run.timed_out, f"still running after {HANG_GUARD} s\n{output}"
+    assert run.returncode == 0, output
+    assert run.stdout.strip(), output
+    assert "smoke run" in run.stderr, output
