@@ -45,8 +45,8 @@ from tests.tiny_model import build_tiny_model  # noqa: E402
 pytestmark = pytest.mark.slow  # (vLLM or transformers start-ups: run first under -n)
 
 
-#: Seconds for a model load: two vLLM processes start, the core compiles (more than
-#: test_vllm_engine.py's STARTUP on a loaded 2-core machine).
+#: Seconds for a model load: two vLLM processes start (more than test_vllm_engine.py's
+#: STARTUP on a loaded 2-core machine). None compiles: LoRA turns that off on a CPU.
 STARTUP_HERE = 3 * STARTUP
 
 

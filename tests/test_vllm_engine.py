@@ -47,8 +47,8 @@ SHAPE = {"hidden_size": 256, "heads": 4, "layers": 2, "vocab_size": 1000,
 #: Both engines alike: float32 (vLLM's CPU default would be bfloat16), a small KV cache.
 ENGINE_ARGS = {"dtype": "float32", "max_model_len": CONTEXT, "kv_cache_memory_bytes": 64 << 20}
 #: The shared server's and its reference's: no compilation (``--enforce-eager``; ~10 s of
-#: CPU a start-up that no test here looks at). The SIGTERM test's server compiles, as an
-#: operator's does by default: tests/test_vllm_lora.py's, stopped by its last test.
+#: CPU a start-up that no test here looks at). The SIGTERM test's server,
+#: tests/test_vllm_lora.py's, enables LoRA, which turns compilation off on a CPU too.
 EAGER = {"enforce_eager": True}
 STARTUP = 600  # seconds: a first load compiles (cached afterwards, in ~/.cache/vllm)
 

@@ -6,7 +6,8 @@ and run-time loading inside a directory (``--allow-runtime-lora --lora-dir``); t
 reference is ``vllm.LLM`` with the same ``LoRARequest`` in a process of its own
 (tests/vllm_reference.py). Three model loads, and one more when a test kills a worker
 and waits for its replacement; the last test SIGTERMs the server (tests/test_vllm_engine.py's
-SIGTERM check, on a server that compiles, as an operator's does).
+SIGTERM check, with the engine core in the worker). No load compiles: LoRA turns vLLM's
+compilation off on a CPU (vllm/platforms/cpu.py).
 """
 
 from __future__ import annotations
@@ -236,8 +237,8 @@ def test_a_restarted_worker_gets_the_adapters_loaded_at_run_time(
 
 def test_sigterm_with_nothing_in_flight_exits_cleanly_and_leaves_no_process(server):
     """tests/test_vllm_engine.py's ``assert_sigterm_stops_cleanly``, last, on this module's
-    server: a vLLM start-up fewer than a server of its own, and one that compiles, as an
-    operator's does by default. Both workers up (one replaced the one killed above), adapters
-    loaded: each must end cleanly. The vllm-oldest stage runs this test alone."""
+    server: a vLLM start-up fewer than a server of its own. Both workers up (one replaced the
+    one killed above), adapters loaded: each must end cleanly. The vllm-oldest stage runs
+    this test alone."""
     _wait_workers(server, 2)
     assert_sigterm_stops_cleanly(server)
