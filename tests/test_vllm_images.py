@@ -169,30 +169,76 @@ def prompt_ids(model_dir, parts: list) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def test_images_over_http_equal_vllm(model_dir):
-    cases = {  # name: (the content's parts for the template, the images in order)
-        "red": ([{"type": "text", "text": "describe "}, {"type": "image"}], [RED]),
-        "blue": ([{"type": "text", "text": "describe "}, {"type": "image"}], [BLUE]),
-        "two": ([{"type": "image"}, {"type": "text", "text": " and "}, {"type": "image"}],
-                [RED, BLUE]),
-    }
-    ref_cases = [{"ids": prompt_ids(model_dir, parts), "max_tokens": MAX_TOKENS,
-                  "images": [base64.b64encode(i).decode() for i in images]}
-                 for parts, images in cases.values()]
-    reference = subprocess.Popen(
-        [sys.executable, "-m", "tests.tiny_vlm", "reference", str(model_dir),
-         json.dumps(ref_cases)], stdout=subprocess.PIPE, text=True)
-    try:
-        got, responses_red = _served(model_dir)
-        out, _ = reference.communicate(timeout=STARTUP)
-    finally:
-        if reference.poll() is None:
-            reference.kill()
-            reference.wait()
-    expected = dict(zip(cases, (json.loads(line[7:]) for line in out.splitlines()
+#: The cases of test_images_over_http_equal_vllm: name: (the content's parts for the
+#: template, the images in order).
+CASES = {
+    "red": ([{"type": "text", "text": "describe "}, {"type": "image"}], [RED]),
+    "blue": ([{"type": "text", "text": "describe "}, {"type": "image"}], [BLUE]),
+    "two": ([{"type": "image"}, {"type": "text", "text": " and "}, {"type": "image"}],
+            [RED, BLUE]),
+}
+
+
+class ReferenceRun:
+    """One process for this module's vLLM in process (tests/vllm_reference.py says why):
+    ``vllm.LLM``'s answers to :data:`CASES`, then the PONG check on that engine wrapped in
+    ours (:func:`reference_checks`). One vLLM load for both tests. It runs beside the
+    first test's server; :meth:`output` waits for it once."""
+
+    def __init__(self, model_dir) -> None:
+        self.cases = [{"ids": prompt_ids(model_dir, parts), "max_tokens": MAX_TOKENS,
+                       "images": [base64.b64encode(i).decode() for i in images]}
+                      for parts, images in CASES.values()]
+        code = ("import sys; from tests.test_vllm_images import reference_checks; "
+                "reference_checks(*sys.argv[1:])")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, str(model_dir), json.dumps(self.cases)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._output: tuple[int, str, str] | None = None
+
+    def output(self) -> tuple[int, str, str]:
+        """Its exit status, stdout and stderr, once it has ended."""
+        if self._output is None:
+            try:
+                out, err = self.proc.communicate(timeout=STARTUP)
+            finally:
+                self.close()
+            self._output = (self.proc.returncode, out, err)
+        return self._output
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    run = ReferenceRun(model_dir)
+    yield run
+    run.close()
+
+
+def reference_checks(model: str, cases: str) -> None:
+    """In the reference process: ``RESULT`` lines (tests/tiny_vlm.py's), then
+    :func:`stats_beside_a_render` on the same engine served by ours."""
+    from server.engines.vllm.engine import VLLMEngine
+    from tests.tiny_vlm import reference, reference_llm
+
+    llm = reference_llm(model)
+    for line in reference(model, json.loads(cases), llm):
+        print("RESULT " + json.dumps(line), flush=True)  # (vLLM logs to stdout too)
+    stats_beside_a_render(VLLMEngine(llm_engine=llm.llm_engine, warmup=False))
+
+
+def test_images_over_http_equal_vllm(model_dir, reference):
+    got, responses_red = _served(model_dir)
+    _, out, err = reference.output()
+    expected = dict(zip(CASES, (json.loads(line[7:]) for line in out.splitlines()
                                 if line.startswith("RESULT "))))
-    assert len(expected) == len(cases) and got == expected
-    assert got["red"]["prompt_tokens"] > len(ref_cases[0]["ids"])  # the image's tokens
+    assert len(expected) == len(CASES), err[-3000:]
+    assert got == expected
+    assert got["red"]["prompt_tokens"] > len(reference.cases[0]["ids"])  # the image's tokens
     assert responses_red == expected["red"]
 
 
@@ -267,26 +313,19 @@ def _served(model_dir) -> tuple[dict, dict]:
     return got, responses_red
 
 
-def test_a_pong_does_not_wait_for_an_image_render(model_dir):
+def test_a_pong_does_not_wait_for_an_image_render(reference):
     """A PING is answered in the worker's loop: its image counters must not wait for the
     rendering lock, which a preparation thread holds through a whole render (tens of ms
-    an image), stalling every running request's next step. vLLM in a process of its own
-    (tests/vllm_reference.py says why)."""
-    code = ("from tests.test_vllm_images import stats_beside_a_render; "
-            f"stats_beside_a_render({str(model_dir)!r})")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=STARTUP)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("checks passed"), proc.stdout[-2000:]
+    an image), stalling every running request's next step. Checked in the reference
+    process, on its engine (:class:`ReferenceRun`)."""
+    returncode, out, err = reference.output()
+    assert returncode == 0, err[-3000:]
+    assert out.strip().endswith("checks passed"), out[-2000:]
 
 
-def stats_beside_a_render(path: str) -> None:
-    """The engine's PONG statistics asked while a render holds the lock (the test above)."""
-    from server.engines.vllm.engine import VLLMEngine
-
-    engine = VLLMEngine(model_path=path, max_model_len=1024, dtype="float32", warmup=False,
-                        engine_args={"kv_cache_memory_bytes": 64 << 20, "enforce_eager": True,
-                                     "limit_mm_per_prompt": {"image": 2}})
+def stats_beside_a_render(engine) -> None:
+    """The engine's PONG statistics asked while a render holds the lock (the test above);
+    closes ``engine``."""
     try:
         stats: list = []
         with engine._rendering:  # (a prompt's images rendering in a preparation thread)

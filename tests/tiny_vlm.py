@@ -7,7 +7,8 @@ Qwen2-VL's processors need torchvision). Each ``<image>`` of a prompt becomes 19
 one ``RESULT <JSON>`` line out per case (a case: ``{"ids": [...], "images": [PNG bytes in
 base64], "max_tokens": n}``; out: ``{"text", "prompt_tokens"}``), for
 tests/test_vllm_images.py (vLLM in a process of its own, as tests/vllm_reference.py
-explains).
+explains). :func:`reference_llm` and :func:`reference`: the same in a process of the
+caller's.
 """
 
 from __future__ import annotations
@@ -92,13 +93,21 @@ def build_tiny_vlm(path, *, hidden=256, heads=4, layers=2, vocab=1000, ctx=1024,
     return path
 
 
-def reference(model: str, cases: list) -> list[dict]:
-    """Greedy ``vllm.LLM.generate`` of each case (see the module docstring)."""
-    from PIL import Image
-    from vllm import LLM, SamplingParams
+def reference_llm(model: str):
+    """``vllm.LLM`` on the model as :func:`reference` runs it."""
+    from vllm import LLM
 
-    llm = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=True,
-              kv_cache_memory_bytes=64 << 20, limit_mm_per_prompt={"image": 2}, seed=0)
+    return LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=True,
+               kv_cache_memory_bytes=64 << 20, limit_mm_per_prompt={"image": 2}, seed=0)
+
+
+def reference(model: str, cases: list, llm=None) -> list[dict]:
+    """Greedy ``vllm.LLM.generate`` of each case (see the module docstring), on ``llm``
+    (:func:`reference_llm`'s) if given."""
+    from PIL import Image
+    from vllm import SamplingParams
+
+    llm = llm or reference_llm(model)
     out = []
     for case in cases:
         images = [Image.open(io.BytesIO(base64.b64decode(b))).convert("RGB")
