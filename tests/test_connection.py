@@ -376,3 +376,56 @@ async def test_what_is_ready_at_once_goes_out_in_one_write(monkeypatch):
             assert b'"finish_reason":"length"' in mine[-1]
             assert mine[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
             assert len(mine) == 1 if max_tokens == 1 else len(mine) > 2, mine
+
+
+@pytest.mark.direct_http
+async def test_a_generation_request_runs_no_monitor_task_on_this_servers_connections():
+    # The route learns that the client went away from the connection's stream
+    # (DirectBody.on_disconnect), not from a task parked in receive: a task and a nursery
+    # less per request. (That a client going away still cancels its request, streamed or
+    # not: tests/test_http_cancellation.py.)
+    spawned: list[str] = []
+
+    class Spawns(trio.abc.Instrument):
+        def task_spawned(self, task):
+            spawned.append(task.name)
+
+    async with running_server() as url:
+        instrument = Spawns()
+        trio.lowlevel.add_instrument(instrument)
+        try:
+            for stream in (False, True):
+                body = {"prompt": "a b", "max_tokens": 3, "stream": stream}
+                sock = await trio.open_tcp_stream(*addr(url))
+                await sock.send_all(request(None, body, headers=[("Connection", "close")]))
+                raw = b""
+                with trio.fail_after(20):
+                    while data := await sock.receive_some(1 << 16):
+                        raw += data
+                await sock.aclose()
+                assert raw.startswith(b"HTTP/1.1 200 ")
+        finally:
+            trio.lowlevel.remove_instrument(instrument)
+    assert any(name.endswith("ConnectionPool.serve") for name in spawned)  # (it saw them)
+    assert not [name for name in spawned if "disconnect" in name]
+
+
+async def test_a_route_told_of_a_disconnect_after_the_stream_ended_hears_of_it_at_once():
+    from server.connections.connection import ServingConfig
+    from server.connections.http11 import DirectBody, ServingHTTPStream
+    from server.connections.private_api import STREAM_ID
+
+    async def nowhere(event):
+        pass
+
+    stream = ServingHTTPStream(None, ServingConfig(), None, None, False, None, None, nowhere,
+                               STREAM_ID)
+    direct = DirectBody(stream, stream, None)  # type: ignore[arg-type]
+    calls: list[str] = []
+    direct.on_disconnect(lambda: calls.append("early"))
+    direct.on_disconnect(None)
+    direct.disconnected()
+    assert calls == []  # no longer asked for
+    stream.closed = True  # (as hypercorn's handling of StreamClosed leaves it)
+    direct.on_disconnect(lambda: calls.append("late"))
+    assert calls == ["late"]

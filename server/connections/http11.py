@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
+from collections.abc import Callable
 from itertools import chain
 from http import HTTPStatus
 
@@ -51,6 +52,7 @@ from .private_api import (
     RawData,
     Request,
     Response,
+    StreamClosed,
     StrictH11Connection,
     suppress_body,
 )
@@ -256,12 +258,32 @@ class DirectBody:
     last reference goes.
     """
 
-    __slots__ = ("_stream", "_protocol", "_connection")
+    __slots__ = ("_stream", "_protocol", "_connection", "_on_disconnect")
 
     def __init__(self, stream: ServingHTTPStream, protocol: ServingH11Protocol, connection) -> None:
         self._stream = weakref.ref(stream)
         self._protocol = weakref.ref(protocol)
         self._connection = connection
+        self._on_disconnect: Callable[[], None] | None = None
+
+    def on_disconnect(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback()`` when the request's stream ends: the client went away, or the
+        connection closed, or the response is over. That is when hypercorn puts
+        ``http.disconnect`` in the app's queue, so a route needs no task parked in
+        ``receive`` to learn it. At once when the stream has already ended. The callback
+        is plain and must not raise; None stops the calls (before the route returns)."""
+        self._on_disconnect = callback
+        if callback is not None:
+            stream = self._stream()
+            if stream is None or stream.closed:
+                callback()
+
+    def disconnected(self) -> None:
+        """The request's stream ended (its ``StreamClosed``): :meth:`on_disconnect`'s call."""
+        callback = self._on_disconnect
+        if callback is not None:
+            self._on_disconnect = None
+            callback()
 
     def usable(self) -> bool:
         """Whether a chunked body is in progress (not an HTTP/1.0 or Content-Length body,
@@ -330,10 +352,16 @@ class ServingHTTPStream(HTTPStreamHooks):
 
     async def handle(self, event) -> None:
         await super().handle(event)
+        direct = self.direct_body
+        if direct is None:
+            return
+        kind = type(event)
         # The app was spawned, not yet run: it finds the extension in its scope.
-        if type(event) is Request and self.direct_body is not None and self.app_spawned():
+        if kind is Request and self.app_spawned():
             extensions: dict = self.scope["extensions"]  # type: ignore[typeddict-item]
-            extensions[DIRECT_BODY] = self.direct_body
+            extensions[DIRECT_BODY] = direct
+        elif kind is StreamClosed:  # (hypercorn put http.disconnect in the app's queue)
+            direct.disconnected()
 
     async def app_send(self, message) -> None:
         if message is not None and self.body_ok and message.get("more_body", False):

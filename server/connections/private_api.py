@@ -67,7 +67,10 @@ its order)                                     ``100 Continue``: it checks the h
 (``app_send``, ``state``, ``response``,        straight to the protocol; ``app_put`` is set
 ``closed``, ``scope``, ``app_put``)            once the app task is spawned (the extension
                                                :data:`~server.connections.http11.DIRECT_BODY` is
-                                               put in its scope then)
+                                               put in its scope then); its ``handle`` of
+                                               ``StreamClosed`` (the client gone, or the
+                                               response over) calls the route's
+                                               ``DirectBody.on_disconnect``
 hypercorn's ASGI ``receive`` is a Trio         ``asgi.read_body`` takes queued body messages
 ``MemoryReceiveChannel.receive``               without a scheduler trip (``receive.__self__``)
 h11 ``_writers.ChunkedWriter``,                whether h11 chose chunked framing for the
@@ -102,7 +105,7 @@ from .framing import find_obs_fold, head_end, obs_fold
 
 try:  # hypercorn's internal modules (names without an underscore, in undocumented modules)
     from hypercorn.events import Closed, RawData
-    from hypercorn.protocol.events import Body, EndBody, Request, Response
+    from hypercorn.protocol.events import Body, EndBody, Request, Response, StreamClosed
     from hypercorn.protocol.h11 import STREAM_ID, H11Protocol
     from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
     from hypercorn.trio.lifespan import Lifespan
@@ -118,7 +121,8 @@ except ImportError as exc:  # pragma: no cover - a hypercorn this was not writte
     TCPServer = H11Protocol = HTTPStream = object  # type: ignore[misc,assignment]
     MAX_RECV = 2**16
     STREAM_ID = 1
-    Closed = RawData = Body = EndBody = Request = Response = Lifespan = TaskGroup = None  # type: ignore[misc,assignment]
+    Closed = RawData = Body = EndBody = Request = Response = StreamClosed = None  # type: ignore[misc,assignment]
+    Lifespan = TaskGroup = None  # type: ignore[misc,assignment]
     WorkerContext = ConnectionState = ASGIHTTPState = None  # type: ignore[misc,assignment]
     parse_socket_addr = repr_socket_addr = suppress_body = wrap_app = None  # type: ignore[assignment]
 else:

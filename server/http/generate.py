@@ -5,19 +5,22 @@ all answered with :mod:`server.http.answer`.
 
 Theory of operation
 -------------------
-One request, one nursery::
+One request, one task::
 
     handle_generate (the writer)
     ├── API key, method, content type   -> 401, 405, 415 (after the body: see discard_body)
     ├── read and validate the body      -> 4xx before anything is sent
     ├── dispatch to the engine          -> 503 if no worker can take it, or over an
     │                                   explicit admission limit (else it queues there)
-    ├── nursery
-    │   ├── watch_disconnect            the cancellation monitor: cancels the nursery when
-    │   │                               the client goes away
-    │   └── (this task) write           wait_started (-> 4xx/5xx with a status), then the
+    ├── cancel scope                    cancelled when the client goes away: this
+    │   │                               server's connection says so (DirectBody.
+    │   │                               on_disconnect, when hypercorn ends the stream)
+    │   └── write                       wait_started (-> 4xx/5xx with a status), then the
     │                                   stream: one send per batch of ready outputs
     └── the stream's aclose             shielded and bounded: aborts what is unfinished
+
+Served through hypercorn's public ``serve()`` (no ``DirectBody``), the scope is a nursery's,
+and a second task, ``watch_disconnect``, parked in ``receive``, cancels it instead.
 
 Errors after the first byte never reach hypercorn: an engine failure ends the stream with an
 ``error`` event and ``data: [DONE]``; a server-side abort ends each open choice with
@@ -157,37 +160,64 @@ async def handle_generate(
     if queued is not None:
         await route.answer_background(app, answer, receive, req, queued)
         return
+    direct = scope["extensions"].get(DIRECT_BODY)
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, record)
-            try:
-                async with stream:
-                    if route is not None:
-                        await route.write(app, answer, stream, req, response_id,
-                                          model_name, scope["extensions"].get(DIRECT_BODY))
-                    elif req.stream:
-                        direct = scope["extensions"].get(DIRECT_BODY)
-                        try:
-                            per_choice = await stream_started(answer, stream,
-                                                               config.queued_heartbeat, direct)
-                            if per_choice is not None:
-                                await _StreamWriter(
-                                    answer, stream, req, response_id, model_name, per_choice,
-                                    observe_itl=app.metrics.of(record.model).itl.observe,
-                                    reasoning_parser=config.reasoning_parser, direct=direct,
-                                ).write()
-                        finally:
-                            if direct is not None:  # what a stream cut short still held
-                                await direct.release()
-                    else:
-                        await write_full(
-                            answer, stream, req, response_id, model_name,
-                            config.reasoning_parser,
-                        )
-            finally:
-                nursery.cancel_scope.cancel()
+        if direct is not None:  # this server's connection says when the client goes away
+            with trio.CancelScope() as cancel_scope:
+                direct.on_disconnect(_cancel_on_disconnect(cancel_scope, record))
+                try:
+                    await _answer(app, answer, stream, req, response_id, model_name, route,
+                                  direct)
+                finally:
+                    direct.on_disconnect(None)
+        else:  # (hypercorn's public serve(): a monitor parked in receive)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, record)
+                try:
+                    await _answer(app, answer, stream, req, response_id, model_name, route,
+                                  None)
+                finally:
+                    nursery.cancel_scope.cancel()
     finally:
         record.ended(stream, req.params.n, req.params.max_tokens)
+
+
+async def _answer(app, answer: Answer, stream, req, response_id: str, model_name: str, route,
+                  direct: DirectBody | None) -> None:
+    """Answer a dispatched request (the route's shape, a stream, or a whole answer), then
+    close its stream; cancelled when the client goes away."""
+    config = app.server_config
+    async with stream:
+        if route is not None:
+            await route.write(app, answer, stream, req, response_id, model_name, direct)
+        elif req.stream:
+            try:
+                per_choice = await stream_started(answer, stream, config.queued_heartbeat,
+                                                  direct)
+                if per_choice is not None:
+                    await _StreamWriter(
+                        answer, stream, req, response_id, model_name, per_choice,
+                        observe_itl=app.metrics.of(answer.record.model).itl.observe,
+                        reasoning_parser=config.reasoning_parser, direct=direct,
+                    ).write()
+            finally:
+                if direct is not None:  # what a stream cut short still held
+                    await direct.release()
+        else:
+            await write_full(
+                answer, stream, req, response_id, model_name, config.reasoning_parser,
+            )
+
+
+def _cancel_on_disconnect(cancel_scope: trio.CancelScope, record: RequestRecord):
+    """What :meth:`DirectBody.on_disconnect` calls for a request: a client gone before
+    the answer's last byte cancels it (after it, the end of the connection is the usual
+    one: Connection: close, HTTP/1.0)."""
+    def disconnected() -> None:
+        if not record.response_complete:
+            record.client_disconnected = True
+            cancel_scope.cancel()
+    return disconnected
 
 
 def _response_id(record: RequestRecord, req, scope: dict, route, chat: bool) -> str:
