@@ -30,6 +30,7 @@ from server.openai.responses_events import ResponseEvents, new_response, respons
 from server.openai.responses_progress import ProgressCache, ProgressStatistics, ended, \
     response_so_far
 from server.http.responses_background import LEASE_S, SWEEP_S
+from server.http.responses_store import KIND
 from server.http.serve import serve
 from tests.conftest import FAST_SIM, ServerURL, running_server, wait_http_ok
 from tests.postgres_server import STORES, state_options
@@ -301,6 +302,55 @@ async def test_cancel_aborts_the_engine_request_once(store_options):
             assert caught.value.body["code"] == "response_already_ended"
             assert app.background.statistics().aborted == 1
         # (running_server's end checks that the engine is idle: the request was aborted)
+
+
+async def test_a_follower_sends_every_event_its_cancel_kept():
+    """A follower that found no new event, then reads the response ``cancelled``, first
+    sends the events stored between its two reads: the cancel kept their text, so the
+    stream must hold it too. The follower's empty read is held here until the cancel is
+    done, with one more event stored meanwhile: the order a busy server makes now and then
+    (the store's reads and writes wait for one thread in turn)."""
+    async with running_server(LONG_SIM) as url:
+        client = client_of(url)
+        store = url.app.state_store
+        read_events = store.read_events
+        held, go = trio.Event(), trio.Event()
+        armed = False
+
+        async def holding(*args, **kw):
+            nonlocal armed
+            events = await read_events(*args, **kw)
+            if armed and not events:  # (the follower's: nothing new)
+                armed = False
+                held.set()
+                await go.wait()
+            return events
+
+        store.read_events = holding
+        followed: list = []
+
+        async def follow(response_id: str) -> None:
+            async for e in await client.responses.retrieve(response_id, stream=True):
+                followed.append(e)
+
+        with trio.fail_after(TIMEOUT_S):
+            r = await client.responses.create(model="sim", input="Go on", background=True,
+                                              max_output_tokens=LONG)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(follow, r.id)
+                while not texts(followed):
+                    await trio.sleep(0.01)
+                armed = True
+                await held.wait()
+                stored = len(await read_events(KIND, "", r.id))
+                while len(await read_events(KIND, "", r.id)) == stored:
+                    await trio.sleep(0.01)
+                cancelled = await client.responses.cancel(r.id)
+                go.set()
+            await wait_idle(url.app)
+        assert cancelled.status == "cancelled"
+        assert texts(followed).startswith(cancelled.output_text), (
+            len(texts(followed)), len(cancelled.output_text))
 
 
 async def test_two_servers_on_one_store_follow_and_cancel_each_others(store_options):

@@ -420,7 +420,14 @@ class BackgroundResponses:
             if not background:
                 return
             now = await self.store.get(kind, owner, rid)
-            if now is None or now.meta.get("status") == "cancelled":
+            if now is None:
+                return
+            if now.meta.get("status") == "cancelled":
+                # (the cancel kept the text of every event stored before it; those stored
+                # since the read above go out first, or the stream would miss that text)
+                events = await self.store.read_events(kind, owner, rid, after=after)
+                if events:
+                    yield b"".join(events)
                 return
             if now.meta.get("status") in _ENDED:
                 # (ended: its last events follow the status at once, unless its holder
