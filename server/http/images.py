@@ -8,7 +8,8 @@ client that goes away cancels the fetches, and a refused or failed fetch cancels
 others and is the request's 400 naming its URL's field. A request's images so cost the
 slowest fetch, not the sum (each fetch still takes one of ``--max-media-fetches``). Each
 ref is replaced, in place, by the wire part ``{"type": "image", "data": bytes, "sha256":
-hex}`` (docs/protocol.md, "Images").
+hex}`` (docs/protocol.md, "Images"). A ref of an earlier stored turn whose bytes that
+response kept (``ref.kept``) is not fetched: its kept bytes take its place.
 
 The images of one request travel in one SUBMIT frame, so their bytes together are
 bounded below the frame's limit (a 400 naming the part that passes it). The bound is
@@ -62,7 +63,7 @@ def _too_large(ref: ImageRef) -> ClientError:
 
 async def fetch_images(fetcher, prompts: list) -> int:
     """Fetch every image ref of ``prompts`` and put its wire part in its place; the
-    number fetched. Raises a :class:`~server.media.MediaError` (400) naming the URL's
+    number of images. Raises a :class:`~server.media.MediaError` (400) naming the URL's
     field, a ClientError when their bytes together pass :data:`MAX_IMAGE_BYTES`, or
     :class:`~server.media.MediaProxyFailed` (502) when this server's proxy failed."""
     refs = list(_refs(prompts))
@@ -75,20 +76,20 @@ async def fetch_images(fetcher, prompts: list) -> int:
         nonlocal fetched
         try:
             async with limiter:
-                image = await fetcher.fetch_image(ref.url, param=ref.url_param)
+                image = await _image(fetcher, ref)
         except ServerError as exc:  # the request's 400 (or the proxy's 502): the other
             # fetches are for nothing
             refused[k] = exc
             scope.cancel()
             return
         images[k] = image
-        fetched += len(image.data)
+        fetched += len(image[0])
         if fetched > MAX_IMAGE_BYTES:  # (refused once known: not held until all are in)
             refused[k] = _too_large(ref)
             scope.cancel()
 
     if len(refs) == 1:
-        images[0] = await fetcher.fetch_image(refs[0][2].url, param=refs[0][2].url_param)
+        images[0] = await _image(fetcher, refs[0][2])
     else:
         async with trio.open_nursery() as nursery:
             for k, (_, _, ref) in enumerate(refs):
@@ -96,9 +97,18 @@ async def fetch_images(fetcher, prompts: list) -> int:
         if refused:
             raise refused[min(refused)]
     total = 0
-    for (content, j, ref), image in zip(refs, images):
-        total += len(image.data)
+    for (content, j, ref), (data, digest) in zip(refs, images):
+        total += len(data)
         if total > MAX_IMAGE_BYTES:
             raise _too_large(ref)
-        content[j] = wire_image(image.data, image.sha256)
+        content[j] = wire_image(data, digest)
     return len(refs)
+
+
+async def _image(fetcher, ref: ImageRef) -> tuple[bytes, str]:
+    """The bytes of ``ref`` and their SHA-256: those a stored response kept for it
+    (server.http.responses_images), else fetched."""
+    if ref.kept is not None:
+        return ref.kept
+    image = await fetcher.fetch_image(ref.url, param=ref.url_param)
+    return image.data, image.sha256

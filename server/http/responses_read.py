@@ -24,6 +24,7 @@ from ..openai.responses_progress import response_so_far
 from .asgi import header
 from .owners import request_owner
 from .post import off_loop
+from .responses_images import IMAGES_KIND
 from .responses_store import KIND, not_found, state_store
 
 __all__ = ["cancel_response", "delete_response", "input_items", "retrieve_response"]
@@ -144,13 +145,15 @@ async def input_items(app, response_id: str) -> Response:
 
 
 async def delete_response(app, response_id: str) -> Response:
-    """Delete the stored response (its events too): OpenAI's deletion object. This
-    frontend's fold of it goes too (a poll of it before the delete keeps nothing after)."""
+    """Delete the stored response (its events and kept images too): OpenAI's deletion
+    object. This frontend's fold of it goes too (a poll of it before the delete keeps
+    nothing after)."""
     _query(())
     store = state_store(app)
     owner = _owner(app)
     if store is None or not await store.delete(KIND, owner, response_id):
         raise not_found(response_id)
+    await store.delete(IMAGES_KIND, owner, response_id)  # (its kept images, if any)
     if app.background is not None:
         app.background.progress.end(owner, response_id)
     return _json(dumps({"id": response_id, "object": "response", "deleted": True}))

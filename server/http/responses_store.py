@@ -8,7 +8,8 @@ A stored response is one record of kind ``response`` (its id the response's, its
 request's key: :mod:`server.http.owners`) whose body holds the final Response object and
 its input items (:mod:`server.openai.responses_items`), and whose events are the stream's
 events, one per ``sequence_number`` (a non-streaming answer's too: the same machine made
-them), for ``GET /v1/responses/{id}?stream=true`` to replay.
+them), for ``GET /v1/responses/{id}?stream=true`` to replay. The bytes its image URLs
+gave are a record beside it (:mod:`server.http.responses_images`), written after it.
 
 A response is stored when it ends (``completed``, ``incomplete``, or ``failed``), before
 its last byte goes out, so that a client that read it can retrieve it at once; a client
@@ -32,9 +33,10 @@ from ..openai.responses_items import context_of, record_body
 from ..state import Record, StateStore, StoreFull
 from .owners import store_error
 from .post import off_loop
+from .responses_images import has_web_images, images_record, read_kept
 
-__all__ = ["KEEP_TIMEOUT", "KIND", "keep_response", "not_found", "previous_context",
-           "state_store"]
+__all__ = ["KEEP_TIMEOUT", "KIND", "images_before", "keep_response", "not_found",
+           "previous_context", "put_images", "state_store"]
 
 log = logging.getLogger("server.http")
 
@@ -56,15 +58,52 @@ def not_found(response_id: str, param: str | None = None) -> NotFound:
                     param=param)
 
 
-async def previous_context(store: StateStore, owner: str,
-                           response_id: str) -> tuple[list[dict], int]:
+async def previous_context(store: StateStore, owner: str, response_id: str
+                           ) -> tuple[list[dict], int, list[tuple[bytes, str] | None]]:
     """The items a turn continuing ``response_id`` starts from (its input items, then its
-    output), and their size in bytes (about); a 404 naming ``previous_response_id`` when it
+    output), their size in bytes (about), and the images it kept for them
+    (:mod:`server.http.responses_images`); a 404 naming ``previous_response_id`` when it
     is not there for ``owner``."""
     record = await store.get(KIND, owner, response_id)
     if record is None:
         raise not_found(response_id, "previous_response_id")
-    return await off_loop(len(record.body), context_of, record.body), len(record.body)
+    context = await off_loop(len(record.body), context_of, record.body)
+    kept = await read_kept(store, owner, response_id) if has_web_images(context) else []
+    return context, len(record.body), kept
+
+
+async def put_images(store: StateStore, images: Record) -> None:
+    """Store a response's kept images (:mod:`server.http.responses_images`), its record
+    stored already; when the store refuses them, delete the response too and raise."""
+    try:
+        await store.put(images)
+    except Exception:
+        try:
+            await store.delete(KIND, images.owner, images.id)
+        except Exception:
+            log.exception("deleting %s, whose images were not stored, failed", images.id)
+        raise
+
+
+async def images_before(store: StateStore, images: Record | None, start):
+    """``await start()`` (a background response's first write and its job), its kept
+    ``images`` stored first: deleted again when ``start`` fails. Raises the store's error
+    (413, 507) when they do not fit."""
+    if images is None:
+        return await start()
+    try:
+        await store.put(images)
+    except StoreFull as exc:
+        raise store_error(exc) from None
+    try:
+        return await start()
+    except BaseException:
+        with trio.move_on_after(KEEP_TIMEOUT, shield=True):
+            try:
+                await store.delete(images.kind, images.owner, images.id)
+            except Exception:
+                log.exception("deleting the images of %s, not started, failed", images.id)
+        raise
 
 
 async def keep_response(store: StateStore, req: ResponsesRequest, response: dict,
@@ -75,9 +114,12 @@ async def keep_response(store: StateStore, req: ResponsesRequest, response: dict
     record = Record(kind=KIND, id=response["id"], owner=req.owner,
                     created_at=response["created_at"],
                     meta={"status": response["status"]}, body=body)
+    images = images_record(req.items, req.prompts, req.owner, record.id, record.created_at)
     with trio.move_on_after(KEEP_TIMEOUT, shield=True) as scope:
         try:  # (the record and its events in one operation: both or neither)
             await store.put(record, events=split_events(stream))
+            if images is not None:
+                await put_images(store, images)
         except Exception as exc:
             if not isinstance(exc, StoreFull):
                 log.exception("storing %s failed", record.id)

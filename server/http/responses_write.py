@@ -13,11 +13,12 @@ raises an ``APIError``). Once a stream's first tokens went out, the deltas that 
 are written by the worker's router, as chat's text is (:class:`ResponseSink`); the task
 still writes the rest, and what the sink could not.
 
-With a state store, parsing reads the earlier turn a ``previous_response_id`` names, and a
-request with ``store`` keeps its answer when it ends, before the last byte
-(:mod:`server.http.responses_store`). A ``background`` request is not run here: the app's
-service runs it (:mod:`server.http.responses_background`), and the request answers the
-queued object, or follows its events for ``stream``.
+With a state store, parsing reads the earlier turn a ``previous_response_id`` names (and
+the images it kept: their URLs are not fetched again), and a request with ``store`` keeps
+its answer when it ends, before the last byte (:mod:`server.http.responses_store`). A
+``background`` request is not run here: the app's service runs it
+(:mod:`server.http.responses_background`), and the request answers the queued object, or
+follows its events for ``stream``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ from .owners import request_owner
 from .post import off_loop
 from ..openai.responses import ResponsesRequest, read_responses, translate_responses
 from ..openai.responses_events import ResponseEvents, new_response, response_usage
-from .responses_store import KIND, keep_response, previous_context, state_store
+from .responses_images import images_record, with_kept
+from .responses_store import (KIND, images_before, keep_response, previous_context,
+                              state_store)
 
 __all__ = ["ROUTE", "PATH"]
 
@@ -63,14 +66,16 @@ class ResponsesRoute:
         data = await off_loop(len(body), read_responses, body, store is not None)
         owner = request_owner(app, header(scope, b"authorization"))
         context: list = []
+        kept: list = []
         size = len(body)
         previous = data.get("previous_response_id")
         if previous is not None:
             assert store is not None  # (else read_responses refused it)
-            context, more = await previous_context(store, owner, previous)
+            context, more, kept = await previous_context(store, owner, previous)
             size += more
         req = await off_loop(size, translate_responses, data, config.limits, None,
                              engine_info, config.tool_call_parser, context)
+        with_kept(req.prompts, context, kept)  # (the earlier turns' images: not fetched)
         return dataclasses.replace(req, owner=owner)
 
     @staticmethod
@@ -100,11 +105,14 @@ class ResponsesRoute:
     async def start_background(app, req: ResponsesRequest, engine, adapter, response_id: str,
                                model: str) -> bytes:
         """Store a ``background`` request's response and start it in the app's service
-        (server.http.responses_background): the queued Response object."""
+        (server.http.responses_background): the queued Response object. The images it
+        keeps go in first (the service writes the response)."""
         background = app.background
         if background is None:  # (read_responses refused it without a store: shutting down)
             raise ServiceUnavailable("The server is shutting down.", code="shutting_down")
-        return await background.start(req, engine, adapter, response_id, model)
+        images = images_record(req.items, req.prompts, req.owner, response_id, int(time.time()))
+        return await images_before(background.store, images, partial(
+            background.start, req, engine, adapter, response_id, model))
 
     @staticmethod
     async def answer_background(app, answer, receive, req: ResponsesRequest,

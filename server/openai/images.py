@@ -16,7 +16,7 @@ the model's own processor sizes images, as in vLLM, which ignores it too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import ClientError, clip, printable
 
@@ -37,6 +37,9 @@ class ImageRef:
     param: str
     #: The URL's field (``messages[0].content[1].image_url.url``): what a fetch refuses.
     url_param: str
+    #: The bytes and SHA-256 a stored response kept for this URL: used, not fetched
+    #: (server.http.responses_images).
+    kept: tuple[bytes, str] | None = field(default=None, repr=False)
 
 
 def image_limit(engine_info: dict | None) -> int:
