@@ -19,7 +19,8 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
-__all__ = ["STORES", "PostgresServer", "find_binaries", "start_postgres", "state_options"]
+__all__ = ["STORES", "PostgresServer", "find_binaries", "start_postgres", "state_database",
+           "state_options"]
 
 #: The two backends a test of the state store's users runs on (:func:`state_options`).
 STORES = ["sqlite", "postgres"]
@@ -108,3 +109,14 @@ def state_options(request, tmp_path, prefix: str) -> dict:
     if request.param == "sqlite":
         return {"state_dir": str(tmp_path / "state")}
     return {"state_url": request.getfixturevalue("postgres_server").new_database(prefix)}
+
+
+def state_database(directory: str | None = None, url: str | None = None):
+    """The state store's database in ``directory`` (SQLite) or at ``url`` (PostgreSQL),
+    opened as its backend opens it: for a test that writes what an older server left.
+    Blocking; close it after."""
+    if directory is not None:
+        from server.state.sqlite import SQLiteDatabase
+        return SQLiteDatabase(directory)
+    from server.state.postgres import PostgresDatabase
+    return PostgresDatabase(url)  # type: ignore[arg-type]

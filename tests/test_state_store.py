@@ -33,6 +33,7 @@ from server.state import (
 )
 from server.state.service import default_directory, run_state_store, state_config
 from tests.conftest import running_server
+from tests.postgres_server import state_database
 
 #: Hang guard for one test (a real database server; CI's machine is busy).
 TIMEOUT_S = 120
@@ -344,6 +345,58 @@ async def test_events_put_with_a_shrunk_record_over_a_lowered_quota_keep_neither
         kept = await store.get("response", "alice", "r1")
         assert kept is not None and kept.body == b"x" * 400 and kept.meta["status"] == "queued"
         assert await store.read_events("response", "alice", "r1") == []
+
+
+async def test_events_of_a_store_made_before_streams_are_read(open_store, location, clock):
+    """A store written before trio_llm_streams existed keeps each event as a row: the new
+    code reads them, appends after them, deletes and expires them, beside records whose
+    put kept their events as one row."""
+    old_events = [b"event %d\n\n" % n for n in range(5)]
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store(retention_s=100)
+        await store.put(rec("old"))  # (what an older put(events=...) wrote: a row each)
+        assert await store.append_events("response", "alice", "old", old_events) == 5
+        await store.put(rec("gone"))
+        await store.append_events("response", "alice", "gone", [b"g"])
+        await store.aclose()
+
+        def drop_streams() -> None:
+            db = state_database(location.directory, location.url)
+            try:
+                with db.write():
+                    db.execute("DROP TABLE trio_llm_streams")
+            finally:
+                db.close()
+
+        await trio.to_thread.run_sync(drop_streams)
+        store = await open_store(retention_s=100)
+        assert await store.read_events("response", "alice", "old") == old_events
+        assert await store.read_events("response", "alice", "old", after=2) == old_events[3:]
+        assert await store.read_events("response", "alice", "old", after=4) == []
+        await store.put(rec("old", status="completed"), events=[b"more"])
+        assert await store.read_events("response", "alice", "old", after=3) == [
+            old_events[4], b"more"]
+        assert await store.delete("response", "alice", "gone")
+        new_events = [b"new %d" % n for n in range(4)]
+        await store.put(rec("new", status="completed"), events=new_events)
+        assert await store.read_events("response", "alice", "new") == new_events
+        assert await store.read_events("response", "alice", "new", after=1) == new_events[2:]
+        assert await store.append_events("response", "alice", "new", [b"late"]) == 5
+        assert await store.read_events("response", "alice", "new", after=2) == [
+            new_events[3], b"late"]
+        sizes = sum(map(len, old_events + [b"more"] + new_events + [b"late"]))
+        records = 2 * (2 + len(b'{"status":"completed"}'))
+        assert store.statistics().bytes == sizes + records
+        assert await store.delete("response", "alice", "new")
+        await store.put(rec("new"), events=[b"again"])  # (its old events all gone)
+        assert await store.read_events("response", "alice", "new") == [b"again"]
+        clock.now += 200
+        assert await store.sweep() == 2
+        assert store.statistics().bytes == 0
+        await store.put(rec("new"), events=[b"third"])
+        await store.put(rec("old"), events=[b"fourth"])
+        assert await store.read_events("response", "alice", "new") == [b"third"]
+        assert await store.read_events("response", "alice", "old") == [b"fourth"]
 
 
 async def test_quota_per_owner(open_store):

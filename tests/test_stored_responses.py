@@ -13,14 +13,16 @@ import json
 import httpx
 import openai
 import pytest
+import trio
 
 from server.config import Limits
 from server.engines.sim.engine import render_chat
 from server.errors import ClientError
+from server.openai.responses_events import split_events
 from server.openai.responses import parse_responses, read_responses, translate_responses
 from server.openai.responses_items import context_of, input_items, items_page, record_body
 from tests.conftest import running_server
-from tests.postgres_server import STORES, state_options
+from tests.postgres_server import STORES, state_database, state_options
 
 KEYS = ("key-a", "key-b")
 
@@ -204,6 +206,43 @@ async def test_a_stored_stream_replays_byte_for_byte(store_options):
         assert replayed[-1].response.model_dump() == whole.model_dump()
         text = "".join(e.delta for e in replayed if e.type == "response.output_text.delta")
         assert text == whole.output_text
+
+
+async def test_a_stream_stored_as_rows_by_an_older_server_replays_the_same(store_options):
+    """A store written before ``trio_llm_streams`` kept a response's events one row each:
+    the same response moved to that form replays the same bytes, from any point."""
+    async with running_server(**store_options) as url:
+        async with httpx.AsyncClient(base_url=url) as http:
+            r = await http.post("/v1/responses", json={"input": "stream me", "stream": True,
+                                                       "max_output_tokens": 6})
+            wire = r.content
+            response_id = json.loads(wire.split(b"\n", 2)[1].removeprefix(b"data: "))[
+                "response"]["id"]
+
+            def as_rows() -> None:
+                db = state_database(store_options.get("state_dir"),
+                                    store_options.get("state_url"))
+                try:
+                    with db.write():
+                        [(data,)] = db.execute("SELECT data FROM trio_llm_streams WHERE id = ?",
+                                               (response_id,))
+                        db.execute_many(
+                            "INSERT INTO trio_llm_events(kind, owner, id, n, data) "
+                            "VALUES (?, ?, ?, ?, ?)",
+                            [("response", "", response_id, n, event)
+                             for n, event in enumerate(split_events(bytes(data)))])
+                        db.execute("DELETE FROM trio_llm_streams WHERE id = ?", (response_id,))
+                finally:
+                    db.close()
+
+            await trio.to_thread.run_sync(as_rows)
+            replay = await http.get(f"/v1/responses/{response_id}", params={"stream": "true"})
+            assert replay.content == wire
+            events = split_events(wire)
+            for after in (0, 3, len(events) - 2):
+                tail = await http.get(f"/v1/responses/{response_id}",
+                                      params={"stream": "true", "starting_after": after})
+                assert tail.content == b"".join(events[after + 1:])
 
 
 async def test_another_keys_response_is_a_404_like_a_missing_one(store_options):

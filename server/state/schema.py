@@ -21,6 +21,12 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS trio_llm_events ("
     " kind TEXT NOT NULL, owner TEXT NOT NULL, id TEXT NOT NULL, n BIGINT NOT NULL,"
     " data {blob} NOT NULL, PRIMARY KEY (kind, owner, id, n))",
+    # (the events a put stored with its record, as one row: their bytes end to end and
+    # their lengths, 4 bytes each, little-endian; numbered 0..k-1, before any in trio_llm_events.
+    # Added later: a store made before it has its events in trio_llm_events alone)
+    "CREATE TABLE IF NOT EXISTS trio_llm_streams ("
+    " kind TEXT NOT NULL, owner TEXT NOT NULL, id TEXT NOT NULL, data {blob} NOT NULL,"
+    " lengths {blob} NOT NULL, PRIMARY KEY (kind, owner, id))",
     "CREATE TABLE IF NOT EXISTS trio_llm_owners ("
     " owner TEXT PRIMARY KEY, bytes BIGINT NOT NULL, records BIGINT NOT NULL)",
 )
