@@ -382,6 +382,32 @@ async def test_answers_past_the_keys_quota_end_the_batch_storage_full(caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
+async def test_a_batch_failed_at_its_keys_quota_is_recorded_however_little_room_is_left():
+    """The quota refuses a line's answer with less room left than the batch's failed
+    status and error need: that write still goes in (it is the batch's own bookkeeping),
+    and the batch ends ``failed``, ``storage_full``. Lines of one size run one at a time;
+    each key's metadata shifts where its quota falls among them, so that one key's
+    refusal leaves less room than that write needs (without the fix: the store refuses
+    it too, and the runner fails the server)."""
+    keys = [f"key-{i}" for i in range(6)]
+    body = {**CHAT, "max_tokens": 2, "ignore_eos": True}  # (an answer of ~500 bytes)
+    async with running_server(api_keys=tuple(keys), batch_concurrency=1,
+                              state_max_bytes_per_key=5_000) as url:
+        batches = []
+        for i, key in enumerate(keys):
+            client = client_of(url, key)
+            file = await upload(client, requests("/v1/chat/completions", 9, body))
+            batches.append((client, await client.batches.create(
+                input_file_id=file.id, endpoint="/v1/chat/completions",
+                completion_window="24h", metadata={"pad": "x" * (i * 90)})))
+        for client, batch in batches:
+            failed = await wait_status(client, batch.id, ("failed",))
+            [error] = failed.errors.data
+            assert error.code == "storage_full", failed
+        assert (await client.completions.create(model="sim", prompt="hi", max_tokens=2)
+                ).choices[0].finish_reason == "length"
+
+
 async def test_two_creates_past_the_early_quota_check_store_one(store_options):
     """--max-batches-per-key 1: two creates of a key with none both pass the early count
     (held there until both have read it, the race it cannot settle); the put's count under

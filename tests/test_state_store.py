@@ -6,6 +6,7 @@ is exact, not timed."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import replace
 
@@ -412,6 +413,20 @@ async def test_quota_per_owner(open_store):
         await store.put(rec("a1", "alice", body=b"x" * 450))  # a replacement counts once
         assert await store.delete("response", "alice", "a1")
         await store.put(rec("a2", "alice", body=b"x" * 450))
+
+
+async def test_an_update_of_meta_alone_is_never_refused(open_store):
+    """A record's meta is the server's bookkeeping (a batch's status and errors): an owner
+    at its quota can still record that its batch failed there. The bytes count."""
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store(max_bytes_per_key=500)
+        await store.put(rec("a1", "alice", body=b"x" * 470))
+        failed = {"status": "failed", "errors": "storage_full " * 10}
+        assert await store.update("response", "alice", "a1", meta=failed)
+        assert (await store.get("response", "alice", "a1")).meta == failed
+        assert store.statistics().bytes == 470 + len(json.dumps(failed, separators=(",", ":")))
+        with pytest.raises(StoreFull):  # (a body is the client's: still refused)
+            await store.update("response", "alice", "a1", body=b"x" * 471)
 
 
 async def test_two_frontends_share_the_store(open_store):

@@ -25,8 +25,10 @@ stored (30 days by default, as OpenAI keeps responses); past that it is invisibl
 and a background sweep deletes it. ``--state-max-bytes`` bounds the whole store and
 ``--state-max-bytes-per-key`` each owner: a write that would pass a bound first removes every
 expired record, and if it still does not fit it is refused with :class:`StoreFull` (with
-``.owner`` set for an owner's quota). A put may also bound how many records its owner holds
-in some statuses (:class:`AtMost`: ``--max-batches-per-key``), refused with :class:`TooMany`.
+``.owner`` set for an owner's quota). An update of a record's meta alone (its status,
+lease, counts) is never refused, so that a record can always record its end. A put may
+also bound how many records its owner holds in some statuses (:class:`AtMost`:
+``--max-batches-per-key``), refused with :class:`TooMany`.
 Nothing live is ever evicted to make room: a client's stored objects stay until they expire
 or it deletes them. What the sweeps and the room-making remove, and what is refused, is
 counted (:meth:`StateStore.statistics`, in ``/metrics``).

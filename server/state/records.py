@@ -106,7 +106,10 @@ class StateStore(Protocol):
                      expect: dict | None = None) -> bool:
         """Replace meta and/or body; False when missing, or when ``expect_status`` is given
         and ``meta["status"]`` differs, or ``expect`` is and a key's value in meta differs
-        (a missing key is None): compare-and-set, for cancel/finish races and leases."""
+        (a missing key is None): compare-and-set, for cancel/finish races and leases.
+        An update of ``meta`` alone is never refused for room, though its bytes count. It
+        is the server's bookkeeping of a stored record (status, lease, counts, errors). A
+        batch refused for its key's quota must still be able to say so."""
         ...
 
     async def delete(self, kind: str, owner: str, id: str) -> bool:

@@ -338,12 +338,12 @@ class SQLStore:
             new_meta = row[0] if meta is None else meta
             new_status = row[3] if status is None else status
             size = len(new_meta.encode()) + (int(row[1]) if body is None else len(body))
-            self._make_room(owner, size - int(row[2]), now)
-            if body is None:
+            if body is None:  # (meta alone is the server's bookkeeping: never refused)
                 self._db.execute("UPDATE trio_llm_records SET meta = ?, status = ?, size = ? "
                                  "WHERE kind = ? AND owner = ? AND id = ?",
                                  (new_meta, new_status, size, kind, owner, id))
             else:
+                self._make_room(owner, size - int(row[2]), now)
                 self._db.execute("UPDATE trio_llm_records SET meta = ?, status = ?, body = ?, "
                                  "size = ? WHERE kind = ? AND owner = ? AND id = ?",
                                  (new_meta, new_status, body, size, kind, owner, id))
