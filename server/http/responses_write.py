@@ -2,9 +2,9 @@
 :func:`server.http.generate.handle_generate` calls to parse a body and write the answer
 (with :mod:`server.http.answer`, the response side every generation route shares).
 
-The request's life is the chat route's (generate.py's theory of operation): one nursery,
-the disconnect monitor, the stream's shielded aclose; a rejection before the first output
-is a status code. Only the shape differs: a Response object
+The request's life is the chat route's (generate.py's theory of operation): one task in a
+cancel scope that the client's going away cancels, the stream's shielded aclose; a
+rejection before the first output is a status code. Only the shape differs: a Response object
 (:mod:`server.openai.responses_events`), or its event stream. After the first byte an engine
 failure or a server-side abort (timeout, shutdown) ends the stream with
 ``response.failed`` (its ``error`` says why); a failure while a queued stream sends
