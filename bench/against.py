@@ -38,7 +38,8 @@ Example (options whose value starts with a dash take it after ``=``)::
                 --served-model-name m --port {port}" \\
         --loadgen="--extra-body '{\\"ignore_eos\\": true}'"
 
-Output: a line per run, a table per round, a line with the ratio of each round and their
+Output: a line per run (and for a run with errors, loadgen's first ones, its warm-up's
+included), a table per round, a line with the ratio of each round and their
 range, then as the last line ``ratio: X.XX``. Exit status: 0, 1 when requests failed (the
 ratio is still printed) or no ratio could be computed (``ratio: n/a``), 2 when a server did
 not start or an option is wrong, 130 when interrupted; the servers are stopped in every case.
@@ -246,6 +247,19 @@ async def run_rounds(args, load: list[str], servers: dict[str, Server], rows: li
                          if s["delivered_tokens"] else None, **s})
             say(f"round {r} {name}: {s['requests']} requests, {s['errors']} errors, "
                 f"frontend {s['frontend_cpu_us_per_token']} us/token")
+            for why in _failures(s):
+                say(f"round {r} {name}: {why}")
+
+
+def _failures(summary: dict) -> list[str]:
+    """Why a run's figures are not to be trusted, in a line each: loadgen stopped it
+    (``--max-errors``: a warm-up that failed throughout ends the run before it measures
+    anything), and the first errors of its warm-up and of its measured window."""
+    lines = [f"loadgen {summary['aborted']}"] if summary.get("aborted") else []
+    for key, what in (("warmup_error_samples", "warm-up"), ("error_samples", "measured")):
+        lines += [f"{what} error: {sample}"
+                  for sample in list(dict.fromkeys(summary.get(key, [])))[:2]]
+    return lines
 
 
 COLUMNS = (("server", "server", "{}"), ("tokens/s", "delivered_tokens_per_s", "{:,.0f}"),
@@ -271,8 +285,10 @@ def report(rows: list[dict]) -> tuple[float | None, int]:
         ours, peer = (pair[k]["frontend_cpu_us_per_token"] for k in ("ours", "peer"))
         if ours is not None and peer:
             ratios.append(ours / peer)
-    failed = any(row["errors"] or row["incomplete_streams"] for row in rows)
+    failed = any(row["errors"] or row["incomplete_streams"] or _failures(row) for row in rows)
     if not ratios:
+        print("\nno ratio: a run of each round delivered no token or its CPU could not be read"
+              + (" (its errors are above)" if failed else ""))
         return None, 1
     print(f"\nours / peer frontend CPU per token, per round: "
           f"{', '.join(f'{x:.2f}' for x in ratios)}; range {min(ratios):.2f}-{max(ratios):.2f}; "

@@ -79,6 +79,23 @@ def test_a_peer_that_exits_before_it_is_ready_is_reported_with_its_output():
     assert "against: ours (pid" not in proc.stderr, proc.stderr  # (the peer starts first)
 
 
+def test_a_peer_that_refuses_every_request_is_a_failure_that_says_why():
+    """Every request of the peer's runs is a 400 (its context is shorter than a request):
+    each of its runs says loadgen's first error, the exit status is 1, and no ratio is
+    made of its rounds. A warm-up that fails throughout stops loadgen before it measures
+    anything, so its run said 0 requests, 0 errors and nothing else before."""
+    peer = (f"{sys.executable} -m server --host 127.0.0.1 --port {{port}} --engine sim "
+            "--max-model-len 16 --disable-log-requests")
+    proc = run("--peer", peer, "--rounds", "1", "--requests", "16", "--concurrency", "4",
+               "--max-tokens", "32", "--prompt-tokens", "8", "--loadgen=--warmup 1")
+    out = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.returncode == 1, out
+    assert re.search(r"round 1 peer: (warm-up|measured) error: \S*400", proc.stderr), out
+    assert not re.search(r"round 1 ours: (warm-up|measured) error", proc.stderr), out
+    assert "no ratio:" in proc.stdout and proc.stdout.strip().endswith("ratio: n/a"), out
+    assert_gone(started_processes(proc.stderr))
+
+
 async def test_sigterm_in_a_round_stops_both_servers():
     proc = await trio.lowlevel.open_process(
         [sys.executable, SCRIPT, "--smoke", "--duration", "600"], cwd=ROOT,

@@ -74,6 +74,8 @@ class _Window:
             warm = schedule.warm_stats
             log(f"warmup: {schedule.warm_issued} requests started, {warm.requests} done, "
                 f"{warm.errors} errors")
+            if warm.error_samples:  # (the measured window's are in the summary)
+                log(f"warmup: first error: {warm.error_samples[0]}")
         ctx.live_done = ctx.live_errors = 0
         self.state.update(phase="run",
                           total=self.args.requests if self.args.duration is None else None)
@@ -140,6 +142,9 @@ async def run_benchmark(args, *, progress: bool | None = None,
     summary = summarize(args, stats, cpu=window.cpu, loadgen_cpu_s=window.loadgen_cpu_s,
                         model=model)
     summary["warmup_requests"] = schedule.warm_issued
+    if schedule.warm_stats.errors:
+        summary["warmup_errors"] = schedule.warm_stats.errors
+        summary["warmup_error_samples"] = schedule.warm_stats.error_samples
     summary["connections_opened"] = ctx.connections_opened
     summary["loadgen_wakeups"] = window.wakeups
     summary["loadgen_reads"] = window.reads
