@@ -9,7 +9,9 @@ request's task, which encodes one SSE event and writes it. For the most common s
 choice, plain text: no logprobs, reasoning split, tools or continuous usage) the router can
 write the event itself: when the request's task is parked waiting for news and the
 connection offers :class:`~server.connections.http11.DirectBody`, :class:`TextSink` encodes the
-text and hands the chunk to the kernel right there. The task sleeps on, and is woken only
+text and hands the chunk to the kernel right there (a step whose token made no text yet,
+a part of a character that the detokenizer holds back, is an event with empty text, as the
+task writes it: the sink writes that too). The task sleeps on, and is woken only
 for what only it does: the end of the stream, an error, an abort, a client that stopped
 reading (a socket buffer that does not take the chunk at once). It is also woken for the
 rest of a chunk the kernel took only part of (``torn``: it goes out before anything else).

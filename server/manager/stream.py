@@ -126,7 +126,7 @@ class Waker:
             try:
                 while ready:
                     choice = ready[0]
-                    if choice.done or not choice.text or not sink(choice):
+                    if choice.done or not (choice.text or choice.ntok) or not sink(choice):
                         break  # the consumer's: an end, or what the sink did not take (all)
                     ready.popleft()
                     choice.queued = False
@@ -305,10 +305,13 @@ class Choice:
         if not self.queued and not waker.closed:
             # A consumer parked with nothing ready, that gave its stream a sink: the sink
             # writes the text now (to the client's socket), and the consumer sleeps on.
-            # Paced: only once its time has come (else the text waits, merged, for it).
+            # A token without text (a detokenizer holding part of a character back) too:
+            # its event has empty text, as the consumer's would. Paced: only once its time
+            # has come (else the text waits, merged, for it).
             sink = waker.sink
             if (
-                sink is not None and finish is None and waker.task is not None and self.text
+                sink is not None and finish is None and waker.task is not None
+                and (self.text or self.ntok)
                 and (not waker.interval or waker.pacer.frame_time >= waker.not_before)
             ):
                 try:
