@@ -400,6 +400,35 @@ async def test_events_of_a_store_made_before_streams_are_read(open_store, locati
         assert await store.read_events("response", "alice", "old") == [b"fourth"]
 
 
+async def test_a_streams_row_an_older_server_left_does_not_block_a_put(open_store, location):
+    """A server from before trio_llm_streams, sharing the store during an upgrade, deletes
+    a record and leaves its row there (it knows only trio_llm_events): a later put of that
+    id, a new record, drops the row first. With events, the put does not fail on the row's
+    key; without, the record reads only the events appended to it."""
+    with trio.fail_after(TIMEOUT_S):
+        store = await open_store()
+        await store.put(rec("r1"), events=[b"first\n\n"])
+
+        def delete_as_an_older_server() -> None:
+            db = state_database(location.directory, location.url)
+            try:
+                with db.write():
+                    for table in ("trio_llm_events", "trio_llm_records"):
+                        db.execute(f"DELETE FROM {table} WHERE id = ?", ("r1",))
+            finally:
+                db.close()
+
+        await trio.to_thread.run_sync(delete_as_an_older_server)
+        await store.put(rec("r1"), events=[b"again\n\n", b"more\n\n"])
+        assert await store.read_events("response", "alice", "r1") == [
+            b"again\n\n", b"more\n\n"]
+        await trio.to_thread.run_sync(delete_as_an_older_server)
+        await store.put(rec("r1"))  # (no events: a background response's first put)
+        assert await store.read_events("response", "alice", "r1") == []
+        await store.append_events("response", "alice", "r1", [b"its own\n\n"])
+        assert await store.read_events("response", "alice", "r1") == [b"its own\n\n"]
+
+
 async def test_quota_per_owner(open_store):
     with trio.fail_after(TIMEOUT_S):
         store = await open_store(max_bytes_per_key=500)

@@ -252,6 +252,9 @@ class SQLStore:
                 rows = []
             if rows:
                 old = int(rows[0][0])
+            else:  # a streams row of a new record's key is stale: an older server deleted it
+                self._db.execute("DELETE FROM trio_llm_streams WHERE kind = ? AND owner = ? "
+                                 "AND id = ?", key)
             # (its events' room too, before anything is written: a refusal commits. Checked
             # as their append would be, even where the record shrinks: else that append's
             # own check could refuse them after the record was written)
